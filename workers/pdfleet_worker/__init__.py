@@ -1,0 +1,1 @@
+"""pdfleet's data plane: the inference engine, the OpenAI-compatible worker server and the router."""
