@@ -1,0 +1,329 @@
+"""`InferenceDeployment`: the ML engineer's description of one served model as prefill and decode pools.
+
+Namespaced. The operator reconciles it into worker Deployments per (role, AcceleratorClass), a
+router, Services, PDBs and monitoring objects; `pdfleet up` runs the same spec as local processes
+and `pdfleet simulate` plans it against a simulated cluster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from pdfleet_operator.api.meta import (
+    ApiModel,
+    Resource,
+    Condition,
+    DnsLabel,
+    Duration,
+    ObjectMeta,
+    Quantity,
+    Rule,
+    parse_duration,
+)
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+# What each role's worker is started with (`pdfleet worker --role ...`).
+WORKER_ROLE: dict[str, str] = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
+# Per-replica queue targets when the spec leaves them out.
+DEFAULT_TARGET_QUEUE: dict[str, float] = {"prefill": 4.0, "decode": 16.0, "colocated": 16.0}
+
+
+def _or(path: str, default: object) -> str:
+    """CEL for a field that the API server defaults: its value, or the default when absent."""
+    head, _, leaf = path.rpartition(".")
+    owner = f"self.{head}" if head else "self"
+    return f"(has({owner}.{leaf}) ? {owner}.{leaf} : {default})"
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+class PvcSource(ApiModel):
+    """Weights on a PersistentVolumeClaim in the deployment's namespace."""
+
+    claim_name: DnsLabel = Field(description="Name of the PersistentVolumeClaim.")
+    path: str = Field("", description="Directory inside the volume holding config.json and *.safetensors.",
+                      pattern=r"^[^/].*$|^$", max_length=1024)
+
+
+class HostPathSource(ApiModel):
+    """Weights on the node's filesystem (pre-staged by the admin)."""
+
+    path: str = Field(description="Absolute directory on the node.", pattern=r"^/.*$", max_length=1024)
+
+
+class LocalSource(ApiModel):
+    """Weights already inside the worker image, or on this machine for `pdfleet up`."""
+
+    path: str = Field(description="Directory in the image (absolute) or, for `pdfleet up`, relative to the spec file.",
+                      min_length=1, max_length=1024)
+
+
+class ModelSource(ApiModel):
+    """Where the weights come from; exactly one of pvc, hostPath, local."""
+
+    pvc: PvcSource | None = Field(None, description="A PersistentVolumeClaim holding the model directory.")
+    host_path: HostPathSource | None = Field(None, description="A directory on the node.")
+    local: LocalSource | None = Field(None, description="A directory baked into the image or on this machine.")
+
+    cel_rules: ClassVar = (
+        Rule(rule="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.local) ? 1 : 0) == 1",
+             message="exactly one of pvc, hostPath, local must be set"),
+    )
+
+
+class ModelArchitecture(ApiModel):
+    """The numbers placement needs to know whether a replica fits an accelerator (from config.json)."""
+
+    parameters_billions: float = Field(gt=0, le=10000, description="Parameter count in billions (weights bytes = this x dtype bytes).")
+    layers: int = Field(ge=1, le=1024, description="Transformer layers (num_hidden_layers).")
+    kv_heads: int = Field(ge=1, le=1024, description="Key/value heads (num_key_value_heads).")
+    head_dim: int = Field(ge=1, le=1024, description="Dimension of one attention head.")
+
+
+class ModelSpec(ApiModel):
+    """The model this deployment serves."""
+
+    name: str = Field(description="Served model name: what clients put in the OpenAI `model` field.",
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$", max_length=128)
+    source: ModelSource = Field(description="Where the Hugging Face model directory comes from.")
+    max_model_len: int = Field(4096, ge=16, le=1048576, description="Longest prompt + output a request may have, in tokens.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights and activation dtype.")
+    architecture: ModelArchitecture | None = Field(
+        None, description="Size of the model for placement; `pdfleet up` reads it from config.json when omitted. "
+                          "Without it the operator cannot check that a replica fits and says so in a condition.")
+
+
+# --- engine ----------------------------------------------------------------------------------------
+
+class KvTransferSpec(ApiModel):
+    """How decode workers pull KV blocks from prefill workers."""
+
+    timeout: Duration = Field("10s", description="Give up on one KV pull after this long.")
+    lease: Duration = Field("30s", description="How long a prefill worker holds blocks for a decode worker that has not acked.")
+    on_failure: Literal["recompute", "fail"] = Field(
+        "recompute", description="After a failed pull: recompute the prompt on the decode worker, or fail the request.")
+
+
+class EngineSpec(ApiModel):
+    """Worker engine settings, rendered into `pdfleet worker` flags."""
+
+    image: str = Field("ghcr.io/pdfleet/pdfleet-worker:0.1.0", description="Worker container image.",
+                       min_length=1, max_length=512)
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
+    kv_cache_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="Fraction of device memory left after weights that the KV cache may use.")
+    max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences running in one batch.")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1048576,
+                                        description="Token budget of one engine step (chunked prefill splits longer prompts).")
+    max_waiting_requests: int = Field(1024, ge=1, le=1048576,
+                                      description="Admission limit: more waiting requests are answered 503 with Retry-After.")
+    kv_cache_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache element type; int8 halves KV memory with per-block scales.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec, description="KV transfer between prefill and decode.")
+    shm_size: Quantity = Field("1Gi", description="Size of the /dev/shm volume of worker pods.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to the worker command line.",
+                                  max_length=64)
+
+    cel_rules: ClassVar = (
+        Rule(rule=f"{_or('maxNumBatchedTokens', 2048)} >= {_or('maxNumSeqs', 256)}",
+             message="maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
+             field_path=".maxNumBatchedTokens"),
+    )
+
+
+# --- roles -----------------------------------------------------------------------------------------
+
+class Resources(ApiModel):
+    """CPU/memory requests and limits for a container (accelerators come from the AcceleratorClass)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Requests, e.g. {cpu: '4', memory: 32Gi}.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Limits, e.g. {memory: 48Gi}.")
+
+
+class RoleSpec(ApiModel):
+    """One pool role: where it may run and how far it may scale."""
+
+    accelerator_classes: list[DnsLabel] = Field(
+        min_length=1, max_length=16,
+        description="AcceleratorClass names this role may use, in order of preference (ties are broken by this order).",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
+    min_replicas: int = Field(1, ge=0, le=10000, description="Fewest replicas of this role across all its classes.")
+    max_replicas: int = Field(4, ge=1, le=10000, description="Most replicas of this role across all its classes.")
+    target_queue_per_replica: float | None = Field(
+        None, gt=0, le=100000,
+        description="Queue each replica should carry: waiting requests for prefill (default 4), running + waiting "
+                    "requests for decode and colocated (default 16).")
+    target_prompt_tokens_per_replica: int | None = Field(
+        None, ge=1, description="Prefill only: waiting prompt tokens per replica; scales on whichever target needs more.")
+    resources: Resources = Field(default_factory=Resources, description="CPU/memory of each worker container.")
+
+    cel_rules: ClassVar = (
+        Rule(rule=f"{_or('minReplicas', 1)} <= {_or('maxReplicas', 4)}",
+             message="minReplicas must be less than or equal to maxReplicas", field_path=".minReplicas"),
+    )
+
+
+# --- policies --------------------------------------------------------------------------------------
+
+class RatioBounds(ApiModel):
+    """Bounds on prefill replicas / decode replicas."""
+
+    min: float = Field(0.125, gt=0, le=1000, description="Lowest allowed prefill:decode replica ratio.")
+    max: float = Field(8.0, gt=0, le=1000, description="Highest allowed prefill:decode replica ratio.")
+
+    cel_rules: ClassVar = (
+        Rule(rule=f"{_or('min', 0.125)} <= {_or('max', 8.0)}",
+             message="min must be less than or equal to max", field_path=".min"),
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """How the operator sets replicas per role from queue metrics."""
+
+    enabled: bool = Field(True, description="Scale roles from metrics; when false every role runs minReplicas.")
+    prometheus_url: str | None = Field(
+        None, pattern=r"^https?://[^\s]+$", max_length=2048,
+        description="Prometheus to query; empty uses the operator's default (or scrapes workers directly).")
+    interval: Duration = Field("15s", description="How often to decide.")
+    tolerance: float = Field(0.1, ge=0, lt=1, description="Relative deviation from target ignored, as in the HPA.")
+    scale_up_stabilization: Duration = Field("0s", description="Window over which scale-up recommendations are smoothed.")
+    scale_down_stabilization: Duration = Field("300s", description="Window over which the highest recommendation wins before scaling down.")
+    scale_down_delay_after_scale_up: Duration = Field("60s", description="Grace period after a role scales up before it may scale down.")
+    max_scale_up_step: int = Field(4, ge=1, le=10000, description="Most replicas added to one role per interval.")
+    max_scale_down_step: int = Field(1, ge=1, le=10000, description="Most replicas removed from one role per interval.")
+    metrics_max_age: Duration = Field("60s", description="Older samples count as missing (the size is held).")
+    pd_ratio: RatioBounds = Field(default_factory=RatioBounds, description="Bounds on the prefill:decode ratio.")
+
+
+class SloSpec(ApiModel):
+    """Latency targets (p99) the placement tier and dashboards measure against."""
+
+    ttft: Duration = Field("2s", description="Time to first token, p99.")
+    itl: Duration = Field("100ms", description="Inter-token latency, p99.")
+
+
+class RollbackSpec(ApiModel):
+    """Automated rollback of a new revision whose 5xx ratio stays too high."""
+
+    enabled: bool = Field(True, description="Roll back automatically.")
+    error_ratio_threshold: float = Field(0.01, gt=0, le=1, description="5xx responses / all responses above which a revision is failing.")
+    window: Duration = Field("5m", description="Rate window of the ratio.")
+    for_: Duration = Field("2m", alias="for", description="How long the ratio must stay above the threshold.")
+    min_requests: int = Field(20, ge=0, description="Fewer requests in the window is inconclusive, neither healthy nor failing.")
+    soak_time: Duration = Field("10m", description="A revision serving this long with a healthy ratio becomes stable.")
+    revision_history_limit: int = Field(10, ge=1, le=100, description="ControllerRevisions kept.")
+
+
+class RouterSpec(ApiModel):
+    """The router in front of the pools (the deployment's endpoint)."""
+
+    replicas: int = Field(1, ge=1, le=100, description="Router replicas.")
+    image: str | None = Field(None, min_length=1, max_length=512, description="Router image; defaults to engine.image.")
+    resources: Resources = Field(default_factory=Resources, description="CPU/memory of each router container.")
+
+
+class InferenceDeploymentSpec(ApiModel):
+    """A served model, its pools, and the policies that size and guard them."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Worker engine settings.")
+    disaggregation: bool = Field(True, description="Separate prefill and decode pools (true) or one colocated pool (false).")
+    prefill: RoleSpec | None = Field(None, description="The prefill pool (disaggregation: true).")
+    decode: RoleSpec | None = Field(None, description="The decode pool (disaggregation: true).")
+    colocated: RoleSpec | None = Field(None, description="The single pool doing both phases (disaggregation: false).")
+    tier: Literal["latency", "cost"] = Field(
+        "cost", description="latency: the fastest accelerators that meet the SLO; cost: the cheapest that still meet it.")
+    slo: SloSpec = Field(default_factory=SloSpec, description="Latency targets.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica autoscaling from queue metrics.")
+    rollback: RollbackSpec = Field(default_factory=RollbackSpec, description="Automated rollback on 5xx.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the pools.")
+
+    cel_rules: ClassVar = (
+        Rule(rule=f"{_or('disaggregation', 'true')} ? (has(self.prefill) && has(self.decode) && !has(self.colocated))"
+                  " : (has(self.colocated) && !has(self.prefill) && !has(self.decode))",
+             message="with disaggregation true set prefill and decode (not colocated); with false set colocated only"),
+        Rule(rule="(!has(self.decode) || !has(self.decode.targetPromptTokensPerReplica)) && "
+                  "(!has(self.colocated) || !has(self.colocated.targetPromptTokensPerReplica))",
+             message="targetPromptTokensPerReplica applies to the prefill role only"),
+    )
+
+    def roles(self) -> dict[str, RoleSpec]:
+        """The pools this spec asks for, by role."""
+        if self.disaggregation:
+            assert self.prefill and self.decode, "validated spec without prefill/decode"
+            return {"prefill": self.prefill, "decode": self.decode}
+        assert self.colocated, "validated spec without colocated"
+        return {"colocated": self.colocated}
+
+    def target_queue(self, role: str) -> float:
+        spec = self.roles()[role]
+        return spec.target_queue_per_replica or DEFAULT_TARGET_QUEUE[role]
+
+    def interval_seconds(self) -> float:
+        return parse_duration(self.autoscaling.interval)
+
+
+# --- status ----------------------------------------------------------------------------------------
+
+class PoolStatus(ApiModel):
+    """One pool: a role on one AcceleratorClass."""
+
+    name: str = Field(description="Name of the pool's Deployment.")
+    role: Role = Field(description="prefill, decode or colocated.")
+    accelerator_class: str = Field(description="The AcceleratorClass the pool runs on.")
+    desired: int = Field(ge=0, description="Replicas the operator asks for.")
+    ready: int = Field(0, ge=0, description="Replicas ready to serve.")
+    cost_per_hour: float = Field(0.0, ge=0, description="desired x class price, USD per hour.")
+
+
+class ScalingDecisionStatus(ApiModel):
+    """The autoscaler's last change (or hold) and why."""
+
+    time: dt.datetime = Field(description="When it was decided.", json_schema_extra={"format": "date-time"})
+    role: Role = Field(description="The role it applies to.")
+    from_replicas: int = Field(ge=0, description="Replicas before.")
+    to_replicas: int = Field(ge=0, description="Replicas after.")
+    reason: str = Field(description="Machine-readable reason, e.g. QueueAboveTarget, RatioBound, MetricsUnavailable.")
+    message: str = Field("", description="Human-readable detail.")
+
+
+class InferenceDeploymentStatus(ApiModel):
+    """What the operator did and observed."""
+
+    observed_generation: int | None = Field(None, ge=0, description="The .metadata.generation last reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, RolledBack.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    pools: list[PoolStatus] = Field(default_factory=list, description="Pools by role and accelerator.")
+    prefill_replicas: int | None = Field(None, ge=0, description="Desired prefill replicas over all classes.")
+    decode_replicas: int | None = Field(None, ge=0, description="Desired decode (or colocated) replicas over all classes.")
+    pd_ratio: str | None = Field(None, description="Prefill:decode replicas, e.g. '1:2' ('-' when colocated).")
+    cost_per_hour: float | None = Field(None, ge=0, description="All pools and the router, USD per hour.")
+    endpoint: str | None = Field(None, description="URL of the router Service (OpenAI API base).")
+    last_scaling_decision: ScalingDecisionStatus | None = Field(None, description="The autoscaler's last decision.")
+    current_revision: int | None = Field(None, ge=0, description="Revision of the pod template being served.")
+    stable_revision: int | None = Field(None, ge=0, description="Last revision that passed its soak.")
+    failed_revision: int | None = Field(None, ge=0, description="Revision rolled back and not re-applied until the spec changes.")
+
+
+class InferenceDeployment(Resource):
+    """A whole InferenceDeployment object as stored by the API server."""
+
+    api_version: Literal["pdfleet.io/v1alpha1"] = "pdfleet.io/v1alpha1"
+    kind: Literal["InferenceDeployment"] = "InferenceDeployment"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus | None = None
+
+    name_rule: ClassVar = (40, r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    name_rule_why: ClassVar = "a DNS label starting with a letter, short enough to prefix its pools' names"
+
+    @property
+    def name(self) -> str:
+        assert self.metadata.name, "InferenceDeployment without metadata.name"
+        return self.metadata.name
