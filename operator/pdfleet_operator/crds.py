@@ -138,9 +138,11 @@ class _Converter:
         props["apiVersion"] = {"type": "string", "description": "APIVersion of this object (pdfleet.io/v1alpha1)."}
         props["kind"] = {"type": "string", "description": "Kind of this object."}
         # The one place a CRD may constrain metadata: the object's name.
-        max_len, pattern = self.models[self.full["title"]].name_rule
-        props["metadata"] = {"type": "object", "properties": {
-            "name": {"type": "string", "maxLength": max_len, "pattern": pattern}}}
+        model = self.models[self.full["title"]]
+        max_len, pattern = model.name_rule
+        props["metadata"] = {"type": "object", "properties": {"name": {
+            "type": "string", "maxLength": max_len, "pattern": pattern,
+            "description": f"The object's name: {model.name_rule_why}."}}}
         props.get("status", {}).pop("default", None)
         schema["required"] = ["spec"]
         return schema

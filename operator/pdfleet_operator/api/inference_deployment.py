@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pdfleet_operator.api.meta import (
     ApiModel,
@@ -160,6 +160,14 @@ class RoleSpec(ApiModel):
     target_prompt_tokens_per_replica: int | None = Field(
         None, ge=1, description="Prefill only: waiting prompt tokens per replica; scales on whichever target needs more.")
     resources: Resources = Field(default_factory=Resources, description="CPU/memory of each worker container.")
+
+    @field_validator("accelerator_classes")
+    @classmethod
+    def _unique(cls, names: list[str]) -> list[str]:
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"Duplicate value: {', '.join(dupes)} listed more than once")
+        return names
 
     cel_rules: ClassVar = (
         Rule(rule=f"{_or('minReplicas', 1)} <= {_or('maxReplicas', 4)}",

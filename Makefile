@@ -1,0 +1,42 @@
+# pdfleet's two set-up commands (README): `make test` and `make demo`. Both work on a fresh machine:
+# they create .venv, install the pinned dependencies and, when run as root, Debian's Prometheus.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: test demo venv system-deps crds clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+# Prometheus 2.42, promtool and Alertmanager 0.25 from Debian; nothing starts by itself.
+system-deps:
+	@if command -v prometheus >/dev/null && command -v prometheus-alertmanager >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    prometheus prometheus-alertmanager >/dev/null; \
+	else echo "note: install prometheus and prometheus-alertmanager (Debian) or the tests that need them skip"; fi
+
+test: venv system-deps
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# Regenerate every generated file (CRDs today; chart and dashboards as they arrive).
+crds: venv
+	$(VENV)/bin/pdfleet crds
+
+demo: venv
+	$(VENV)/bin/pdfleet validate examples/
+	$(VENV)/bin/pdfleet model init models/tiny --preset tiny
+	@echo
+	@echo "The local fleet (pdfleet up: router + prefill + decode workers + autoscaler) is not built yet;"
+	@echo "it arrives with issue 9. What exists today: the API, CRDs and validation (above) and the engine."
+
+clean:
+	rm -rf $(VENV) models .pytest_cache
