@@ -1,0 +1,125 @@
+"""Every metric and label name the operator queries or exports, and the PromQL built from them, defined once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from string import Template
+
+# --- labels ----------------------------------------------------------------------------------------
+# Target labels the scrape config / PodMonitor puts on every worker series (from the pod's labels).
+LABEL_DEPLOYMENT = "pdfleet_deployment"
+LABEL_ROLE = "pdfleet_role"
+LABEL_ACCELERATOR = "pdfleet_accelerator"
+LABEL_NAMESPACE = "namespace"
+# Labels the worker itself sets (vLLM's own label name for the served model).
+LABEL_MODEL = "model_name"
+# Labels of the operator's and router's own series.
+LABEL_DEPLOYMENT_OWN = "deployment"
+LABEL_ROLE_OWN = "role"
+LABEL_DIRECTION = "direction"
+LABEL_REASON = "reason"
+LABEL_CODE = "code"
+LABEL_TIER = "tier"
+
+# --- worker metrics: vLLM-compatible, so vLLM pods are scaled and charted the same way -------------
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge: requests queued, not yet scheduled
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge: requests in the running batch
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge: fraction of KV blocks in use (0..1)
+KV_CACHE_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"           # the same gauge in vLLM before v1
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"              # counter: prompt tokens prefilled
+GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"      # counter: tokens generated
+NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"          # counter: sequences preempted
+REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"          # counter: finished requests (finished_reason)
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"      # histogram
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"      # histogram
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"      # histogram
+
+# --- worker and router metrics only pdfleet exports ------------------------------------------------
+PROMPT_TOKENS_WAITING = "pdfleet_prompt_tokens_waiting"       # gauge: prompt tokens of waiting requests
+ROUTER_REQUESTS_TOTAL = "pdfleet_router_requests_total"       # counter {code, tier}
+
+# --- the operator's own metrics --------------------------------------------------------------------
+POOL_REPLICAS = "pdfleet_pool_replicas"                       # gauge {deployment, role, accelerator}
+POOL_COST_PER_HOUR = "pdfleet_pool_cost_per_hour"             # gauge {deployment, role, accelerator}
+DESIRED_REPLICAS = "pdfleet_desired_replicas"                 # gauge {deployment, role}
+PD_RATIO = "pdfleet_pd_ratio"                                 # gauge {deployment}: prefill / decode replicas
+SCALING_DECISIONS_TOTAL = "pdfleet_scaling_decisions_total"   # counter {role, direction, reason}
+
+WORKER_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE, PROMPT_TOKENS_TOTAL,
+                  GENERATION_TOKENS_TOTAL, NUM_PREEMPTIONS_TOTAL, REQUEST_SUCCESS_TOTAL, TIME_TO_FIRST_TOKEN,
+                  INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, PROMPT_TOKENS_WAITING)
+OPERATOR_METRICS = (POOL_REPLICAS, POOL_COST_PER_HOUR, DESIRED_REPLICAS, PD_RATIO, SCALING_DECISIONS_TOTAL)
+
+
+# --- PromQL ----------------------------------------------------------------------------------------
+
+def label_value(text: str) -> str:
+    """`text` as a double-quoted PromQL string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+@dataclass(frozen=True)
+class QueryProfile:
+    """The PromQL the autoscaler runs for one engine kind, as templates over `$sel` and `$by`.
+
+    `$sel` becomes the label matchers scoping a deployment (`namespace="x",pdfleet_deployment="y"`),
+    `$by` the role label. Every query answers one series per role. A template of None means the
+    engine does not export that signal (the snapshot leaves it None; it is never read as zero).
+    """
+
+    name: str
+    waiting: str
+    running: str
+    replicas: str
+    sample_time: str
+    kv_usage: str | None
+    prompt_tokens_waiting: str | None
+    prompt_tokens_rate: str | None
+    generation_tokens_rate: str | None
+    deployment_label: str = LABEL_DEPLOYMENT
+    namespace_label: str = LABEL_NAMESPACE
+    role_label: str = LABEL_ROLE
+
+    def selector(self, deployment: str, namespace: str) -> str:
+        return f"{self.namespace_label}={label_value(namespace)},{self.deployment_label}={label_value(deployment)}"
+
+    def render(self, template: str, deployment: str, namespace: str) -> str:
+        return Template(template).substitute(sel=self.selector(deployment, namespace), by=self.role_label)
+
+    def queries(self, deployment: str, namespace: str) -> dict[str, str]:
+        """Snapshot field -> PromQL, for the signals this engine exports."""
+        fields = ("waiting", "running", "replicas", "sample_time", "kv_usage", "prompt_tokens_waiting",
+                  "prompt_tokens_rate", "generation_tokens_rate")
+        return {f: self.render(getattr(self, f), deployment, namespace)
+                for f in fields if getattr(self, f) is not None}
+
+
+# NOTE: the replica count and the sample age come from the waiting gauge because every engine exports
+# it on every replica; `min(timestamp(...))` is the oldest replica's last scrape, so one stale replica
+# makes the whole role stale rather than silently under-counting its queue.
+_COMMON = dict(
+    waiting=f"sum by ($by) ({NUM_REQUESTS_WAITING}{{$sel}})",
+    running=f"sum by ($by) ({NUM_REQUESTS_RUNNING}{{$sel}})",
+    replicas=f"count by ($by) ({NUM_REQUESTS_WAITING}{{$sel}})",
+    sample_time=f"min by ($by) (timestamp({NUM_REQUESTS_WAITING}{{$sel}}))",
+    prompt_tokens_rate=f"sum by ($by) (rate({PROMPT_TOKENS_TOTAL}{{$sel}}[1m]))",
+    generation_tokens_rate=f"sum by ($by) (rate({GENERATION_TOKENS_TOTAL}{{$sel}}[1m]))",
+)
+
+PROFILES: dict[str, QueryProfile] = {
+    "pdfleet": QueryProfile(
+        name="pdfleet",
+        kv_usage=f"avg by ($by) ({KV_CACHE_USAGE}{{$sel}})",
+        prompt_tokens_waiting=f"sum by ($by) ({PROMPT_TOKENS_WAITING}{{$sel}})",
+        **_COMMON,
+    ),
+    # vLLM pods: the same names and target labels; no prompt-tokens-waiting gauge, and older vLLM
+    # versions name the KV gauge gpu_cache_usage_perc.
+    "vllm": QueryProfile(
+        name="vllm",
+        kv_usage=(f"avg by ($by) ({KV_CACHE_USAGE}{{$sel}} "
+                  f"or {KV_CACHE_USAGE_LEGACY}{{$sel}})"),
+        prompt_tokens_waiting=None,
+        **_COMMON,
+    ),
+}
