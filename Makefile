@@ -6,7 +6,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv system-deps crds clean
+.PHONY: test demo venv system-deps generate clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,10 @@ system-deps:
 test: venv system-deps
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-# Regenerate every generated file (CRDs today; chart and dashboards as they arrive).
-crds: venv
+# Regenerate every generated file (tests fail when a committed one is stale).
+generate: venv
 	$(VENV)/bin/pdfleet crds
+	$(VENV)/bin/pdfleet rules
 
 demo: venv
 	$(VENV)/bin/pdfleet validate examples/

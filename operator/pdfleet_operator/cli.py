@@ -32,6 +32,22 @@ def _cmd_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rules(args: argparse.Namespace) -> int:
+    from pdfleet_operator import alerts
+
+    out = Path(args.out)
+    text = alerts.render_rule_file()
+    if args.check:
+        if not out.exists() or out.read_text() != text:
+            print(f"stale: {out} (run `pdfleet rules` to regenerate)", file=sys.stderr)
+            return 1
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from pdfleet_operator import validate
 
@@ -56,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="crds", help="directory to write (default: crds)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files are stale")
     p.set_defaults(func=_cmd_crds)
+
+    p = sub.add_parser("rules", help="regenerate the Prometheus alerting rules (rollback on 5xx, SLO burn)")
+    p.add_argument("--out", default="dashboards/rules/pdfleet.rules.yaml", help="file to write")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file is stale")
+    p.set_defaults(func=_cmd_rules)
 
     p = sub.add_parser("validate", help="check custom resources offline with the API server's rules")
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML files or directories")

@@ -219,7 +219,9 @@ class RollbackSpec(ApiModel):
 
     enabled: bool = Field(True, description="Roll back automatically.")
     error_ratio_threshold: float = Field(0.01, gt=0, le=1, description="5xx responses / all responses above which a revision is failing.")
-    window: Duration = Field("5m", description="Rate window of the ratio.")
+    window: Duration = Field(
+        "1m", description="Window the ratio is measured over. Keep it shorter than `for`: a burst of errors stays in "
+                          "the ratio for one window after it ends, so a burst shorter than for - window never rolls back.")
     for_: Duration = Field("2m", alias="for", description="How long the ratio must stay above the threshold.")
     min_requests: int = Field(20, ge=0, description="Fewer requests in the window is inconclusive, neither healthy nor failing.")
     soak_time: Duration = Field("10m", description="A revision serving this long with a healthy ratio becomes stable.")
