@@ -12,12 +12,15 @@ from typing import Any
 
 import yaml
 
+from pdfleet_operator import metric_names as names
+
 # Labels every pdfleet pod's series carries: set as target labels by the PodMonitor / scrape config.
-DEPLOYMENT_LABELS = ("namespace", "pdfleet_deployment")
-ROUTER_REQUESTS = "pdfleet_router_requests_total"
-TTFT = "vllm:time_to_first_token_seconds"
-ITL = "vllm:inter_token_latency_seconds"
-# Exported by the operator per deployment so one rule serves every SLO.
+DEPLOYMENT_LABELS = (names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT)
+ROUTER_REQUESTS = names.ROUTER_REQUESTS_TOTAL
+TTFT = names.TIME_TO_FIRST_TOKEN
+ITL = names.INTER_TOKEN_LATENCY
+# Exported by the operator per deployment (labels namespace, pdfleet_deployment) so one rule serves
+# every deployment's SLO. NOTE: the operator's scrape must keep these labels (honorLabels).
 SLO_TTFT = "pdfleet_slo_ttft_seconds"
 SLO_ITL = "pdfleet_slo_itl_seconds"
 
