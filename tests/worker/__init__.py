@@ -1,0 +1,1 @@
+"""Tests of the worker engine (issue 3)."""

@@ -1,0 +1,28 @@
+"""The worker's `pdfleet` subcommands (`model init`); the operator's CLI calls register(). No torch at import time."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    model = subparsers.add_parser("model", help="create and inspect model directories")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser("init", help="write a randomly initialised Hugging Face model directory")
+    init.add_argument("dir", help="directory to write (created if missing)")
+    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                      help="tiny: a few million parameters; small: about 150M")
+    init.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    init.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--tie-word-embeddings", action="store_true")
+    init.set_defaults(func=_model_init)
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from pdfleet_worker import model_init
+
+    result = model_init.init_model(args.dir, args.preset, arch=args.arch, dtype=args.dtype, seed=args.seed,
+                                   tie_word_embeddings=args.tie_word_embeddings)
+    print(f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
+          f"vocab {result.vocab_size}")
+    return 0

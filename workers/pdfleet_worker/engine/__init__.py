@@ -1,0 +1,1 @@
+"""The inference engine: sequences, paged KV blocks, the scheduler, the model runner and the sampler."""

@@ -1,0 +1,208 @@
+"""Paged attention over the KV block pool (reference, CPU and FlexAttention paths) and KV writes; the model's attention layers call it."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+
+
+@dataclasses.dataclass
+class KVCache:
+    """One layer's slice of the pool. k, v: [Hkv, num_blocks, block_size, D]; with an int8 cache,
+    k_scale, v_scale: [Hkv, num_blocks] (one scale per block and KV head)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+@dataclasses.dataclass
+class PrefillMeta:
+    """One multi-token chunk: query rows start..start+num_tokens of the flattened batch."""
+
+    start: int
+    num_tokens: int
+    context_len: int            # tokens visible to the last query (past + this chunk)
+    block_table: torch.Tensor   # [num_blocks_used] int64
+    mask: torch.Tensor | None   # [num_tokens, context_len] bool; None when there is no past
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Built once per step by ModelRunner, shared by every layer.
+
+    Rows 0..num_decodes-1 of the flattened batch are one-token chunks (decodes), the rest are
+    multi-token prefill chunks, in that order.
+    """
+
+    backend: str                          # reference | cpu | flex
+    slot_mapping: torch.Tensor            # [T] int64: block_id * block_size + offset of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor     # [Bd, max_blocks] int64 (padded with block 0)
+    decode_context_lens: torch.Tensor     # [Bd] int64
+    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool
+    prefills: list[PrefillMeta]
+    flex: object | None = None            # FlexMetadata on the flex backend
+
+
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys and values. k, v: [T, Hkv, D]; slots: [T]."""
+    if cache.quantized:
+        _write_quantized(cache.k, cache.k_scale, k, slots)
+        _write_quantized(cache.v, cache.v_scale, v, slots)
+        return
+    h, _, _, d = cache.k.shape
+    cache.k.view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
+    cache.v.view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
+
+
+def _write_quantized(data: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """int8 with one scale per (KV head, block). A block's scale only grows: when new tokens exceed
+    it, the block's earlier entries are requantized to the new scale. A write at offset 0 starts a
+    block afresh (blocks fill from the front, so that block's old contents are stale)."""
+    h, _, bs, d = data.shape
+    x = x.float().transpose(0, 1)  # [Hkv, T, D]
+    blocks, offsets = slots // bs, slots % bs
+    uniq, inv = torch.unique(blocks, return_inverse=True)  # [U], [T]
+    u = uniq.numel()
+    amax = torch.zeros(h, u).scatter_reduce_(1, inv.expand(h, -1), x.abs().amax(-1), "amax")
+    first = torch.full((u,), bs, dtype=offsets.dtype).scatter_reduce_(0, inv, offsets, "amin")
+    old = torch.where(first == 0, 0.0, scale[:, uniq].float())  # [Hkv, U]
+    new = torch.maximum(old, amax / INT8_MAX).clamp_min(1e-8)
+    grow = (old > 0) & (new > old)
+    if bool(grow.any()):
+        ratio = torch.where(grow, old / new, 1.0)[..., None, None]
+        data[:, uniq] = torch.round(data[:, uniq].float() * ratio).to(torch.int8)
+    scale[:, uniq] = new.to(scale.dtype)
+    q = torch.round(x / new[:, inv].unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    data.view(h, -1, d).index_copy_(1, slots, q)
+
+
+def gather_kv(cache: KVCache, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the given blocks. block_table: [..., nb] -> k, v: [Hkv, ..., nb * bs, D]."""
+    k, v = cache.k[:, block_table], cache.v[:, block_table]  # [Hkv, ..., nb, bs, D]
+    if cache.quantized:
+        k = k.to(dtype) * cache.k_scale[:, block_table][..., None, None].to(dtype)
+        v = v.to(dtype) * cache.v_scale[:, block_table][..., None, None].to(dtype)
+    return k.flatten(-3, -2), v.flatten(-3, -2)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens -> out [T, Hq * D]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    if meta.backend == "reference":
+        return _reference(q, meta, cache)
+    if meta.backend == "flex":
+        return _flex(q, meta, cache)
+    return _cpu(q, k, v, meta, cache)
+
+
+def _reference(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    """Device-agnostic and plain: for every sequence gather its context by block table, then SDPA."""
+    t, hq, d = q.shape
+    hkv = cache.k.shape[0]
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    rows = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i]) for i in range(meta.num_decodes)]
+    rows += [(p.start, p.num_tokens, p.context_len, p.block_table) for p in meta.prefills]
+    for start, n, ctx, table in rows:
+        k, v = gather_kv(cache, table, q.dtype)  # [Hkv, nb * bs, D]
+        k, v = k[:, :ctx].repeat_interleave(hq // hkv, 0), v[:, :ctx].repeat_interleave(hq // hkv, 0)
+        pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]  # [n, ctx]
+        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v, attn_mask=mask)
+        out[start:start + n] = o.transpose(0, 1)  # [n, Hq, D]
+    return out.view(t, hq * d)
+
+
+def _cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, meta: AttentionMetadata,
+         cache: KVCache) -> torch.Tensor:
+    """All decodes in one padded batch (query heads of a KV group ride along the query-length axis,
+    so GQA needs no copies); prefill chunks without a past attend to their own fresh k, v."""
+    t, hq, d = q.shape
+    hkv = cache.k.shape[0]
+    g = hq // hkv
+    parts = []
+    bd = meta.num_decodes
+    if bd:
+        qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+        k, v = gather_kv(cache, meta.decode_block_tables, q.dtype)  # [Hkv, Bd, L, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [Hkv, Bd, G, D]
+        parts.append(o.transpose(0, 1).reshape(bd, hq * d))
+    for p in meta.prefills:
+        qp = q[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if p.mask is None:
+            k = k_new[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = v_new[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
+        else:
+            k, v = gather_kv(cache, p.block_table, q.dtype)
+            k, v = k[:, :p.context_len].unsqueeze(0), v[:, :p.context_len].unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
+        parts.append(o[0].transpose(0, 1).reshape(p.num_tokens, hq * d))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# -- FlexAttention (the CUDA path) -----------------------------------------------------------------
+@dataclasses.dataclass
+class FlexMetadata:
+    """Every sequence's context gathered into one packed KV row; a document mask keeps sequences apart."""
+
+    kv_index: torch.Tensor     # [N] slot ids of all context tokens, sequence after sequence
+    block_mask: object         # torch.nn.attention.flex_attention.BlockMask over [T, N]
+
+
+def build_flex_metadata(q_seq: torch.Tensor, q_pos: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor,
+                        kv_index: torch.Tensor) -> FlexMetadata:
+    """q_seq, q_pos: [T] owner and position of each query; kv_seq, kv_pos, kv_index: [N]."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_same_sequence(b, h, qi, ki):
+        return (q_seq[qi] == kv_seq[ki]) & (kv_pos[ki] <= q_pos[qi])
+
+    mask = create_block_mask(causal_same_sequence, None, None, q_seq.numel(), kv_seq.numel(),
+                             device=q_seq.device)
+    return FlexMetadata(kv_index=kv_index, block_mask=mask)
+
+
+_compiled_flex = None
+
+
+def _flex_fn():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        # Compiled on CUDA (fused kernel); eager elsewhere, where it runs an unfused reference.
+        _compiled_flex = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _compiled_flex
+
+
+def _flex(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv, nblocks, bs, _ = cache.k.shape
+    fm: FlexMetadata = meta.flex
+    if cache.quantized:
+        blocks = fm.kv_index // bs
+        k = cache.k.view(hkv, -1, d)[:, fm.kv_index].to(q.dtype) * cache.k_scale[:, blocks, None].to(q.dtype)
+        v = cache.v.view(hkv, -1, d)[:, fm.kv_index].to(q.dtype) * cache.v_scale[:, blocks, None].to(q.dtype)
+    else:
+        k = cache.k.view(hkv, -1, d)[:, fm.kv_index]  # [Hkv, N, D]
+        v = cache.v.view(hkv, -1, d)[:, fm.kv_index]
+    with warnings.catch_warnings():
+        # Off CUDA the unfused eager implementation is the point (it checks the CUDA path's math).
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        o = _flex_fn()(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                       block_mask=fm.block_mask, enable_gqa=True)  # [1, Hq, T, D]
+    return o[0].transpose(0, 1).reshape(t, hq * d)

@@ -1,0 +1,363 @@
+"""The engine API (add_request / step / abort / stats, KV export and import); the server and benchmarks call it."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import torch
+
+from pdfleet_worker.config import EngineConfig, ModelConfig
+from pdfleet_worker.engine.block_manager import BlockManager
+from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
+from pdfleet_worker.engine.sampler import TokenLogprobs
+from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.engine.scheduler import KVLoad, Scheduler
+from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdfleet_worker.model.loader import load_model
+from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_num_waiting; the server answers 503 + Retry-After."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldKV:
+    """KV blocks a finished request keeps for a decode worker to pull (until release_held)."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta of its output stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    held_kv: HeldKV | None = None
+    kv_load: KVLoad | None = None  # admitted: fill these blocks, then call remote_kv_done
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRequestStats:
+    request_id: str
+    finish_reason: str
+    e2e_latency_s: float
+    queue_time_s: float
+    ttft_s: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What happened in one step: histogram samples and counter increments for the metrics module."""
+
+    num_prompt_tokens: int = 0       # prompt tokens computed this step
+    num_generation_tokens: int = 0   # tokens sampled this step
+    num_preemptions: int = 0
+    ttfts_s: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latencies_s: list[float] = dataclasses.field(default_factory=list)
+    finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of gauges and cumulative counters, named after what vLLM exports."""
+
+    num_requests_waiting: int
+    num_requests_running: int
+    num_requests_waiting_for_remote_kv: int
+    num_requests_holding_kv: int
+    kv_cache_usage: float            # 0..1; cached-but-free blocks count as free
+    num_free_blocks: int
+    num_total_blocks: int
+    num_held_blocks: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int     # tokens
+    request_success_total: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What two engines must agree on to exchange KV blocks."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str = "layer,{k,v},kv_head,block,slot,head_dim"
+
+    @property
+    def compat_hash(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class LLMEngine:
+    """Runs requests to completion one `step()` at a time. Not thread-safe: call it from one thread."""
+
+    def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None, load_tokenizer: bool = True):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_dir(config.model)
+        if tokenizer is None and load_tokenizer and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
+            tokenizer = Tokenizer(config.model)
+        self.tokenizer = tokenizer
+        dtype = TORCH_DTYPES[config.dtype]
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, config.kv_cache_dtype, dtype)
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block of {per_block} bytes")
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > limit:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
+            limit = config.max_model_len
+        self.max_model_len = min(limit, num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          hash_seed=config.prefix_hash_seed)
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len, eos_token_ids=tuple(sorted(eos)))
+        model = load_model(config.model, dtype, config.device)
+        self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, str] = {}      # full output text so far (stop strings need it)
+        self._emitted: dict[str, int] = {}   # characters of it already streamed
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._success: dict[str, int] = {r.value: 0 for r in FinishReason}
+        self._aborted_outputs: list[RequestOutput] = []
+        self._pending_stats = IterationStats()  # aborts between steps land in the next step's stats
+        self.last_iteration_stats = IterationStats()
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    remote_kv_tokens: int = 0, hold_kv: bool = False) -> None:
+        """Queue a request. remote_kv_tokens: KV of the first N prompt tokens comes from a prefill
+        worker (see RequestOutput.kv_load); hold_kv: keep the blocks after finishing (prefill role).
+        Raises ValueError naming the bad field, QueueFullError at the admission limit."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the engine has no tokenizer")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the model length is {self.max_model_len} "
+                             f"(prompt plus at least one generated token must fit)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        need = self.block_manager.blocks_needed(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"max_tokens: prompt ({len(token_ids)}) plus max_tokens ({params.max_tokens}) needs "
+                             f"{need} KV blocks but the pool has {self.block_manager.num_blocks}")
+        if not 0 <= remote_kv_tokens < len(token_ids):
+            raise ValueError(f"remote_kv_tokens must be in [0, {len(token_ids) - 1}], got {remote_kv_tokens}")
+        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting (max_num_waiting)")
+        seq = Sequence(request_id, token_ids, params, remote_kv_tokens=remote_kv_tokens, hold_kv=hold_kv)
+        self.scheduler.add(seq)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self._text[request_id] = ""
+            self._emitted[request_id] = 0
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (held KV too). False if it is unknown or done."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._aborted_outputs.append(self._output(seq, [], None, final=True))
+        self._record_finished(seq, self._pending_stats)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, detokenize and apply stops."""
+        it, self._pending_stats = self._pending_stats, IterationStats()
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        it.num_preemptions = len(sched.preempted_ids)
+        sampled = self.model_runner.execute(sched)
+        for chunk in sched.chunks:
+            if chunk.start_pos < self.scheduler.requests[chunk.request_id].num_prompt_tokens:
+                it.num_prompt_tokens += min(len(chunk.token_ids),
+                                            self.scheduler.requests[chunk.request_id].num_prompt_tokens - chunk.start_pos)
+        advanced = self.scheduler.update(sched, {rid: s.token_id for rid, s in sampled.items()})
+        for load in sched.kv_loads:
+            seq = self.scheduler.requests[load.request_id]
+            out = self._output(seq, [], None, final=False)
+            out.kv_load = load
+            outputs.append(out)
+        for seq in advanced:
+            token = seq.token_ids[-1]
+            it.num_generation_tokens += 1
+            if seq.num_output_tokens == 1:
+                it.ttfts_s.append(seq.first_token_time - seq.arrival_time)
+            elif seq.inter_token_latency is not None:
+                it.inter_token_latencies_s.append(seq.inter_token_latency)
+            self._apply_stop_strings(seq)
+            s = sampled[seq.request_id]
+            outputs.append(self._output(seq, [token], [s.logprobs] if s.logprobs else None, final=seq.is_finished))
+            if seq.is_finished:
+                self._record_finished(seq, it)
+        self._prompt_tokens_total += it.num_prompt_tokens
+        self._generation_tokens_total += it.num_generation_tokens
+        self.last_iteration_stats = it
+        return outputs
+
+    def _apply_stop_strings(self, seq: Sequence) -> None:
+        detok = self._detok.get(seq.request_id)
+        if detok is None:
+            return
+        before = self._text[seq.request_id]
+        text = before + detok.step(seq.token_ids)
+        stops = seq.params.stop
+        if stops and not seq.is_finished:
+            start = max(0, len(before) - max(len(s) for s in stops) + 1)
+            hits = [(text.find(s, start), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                text = text[:i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
+                self.scheduler.finish(seq, FinishReason.STOP)
+        self._text[seq.request_id] = text
+
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs, final: bool) -> RequestOutput:
+        rid = seq.request_id
+        new_text = ""
+        if rid in self._text:
+            text = self._text[rid]
+            # Hold back what could be the start of a stop string until it is decided.
+            hold = 0 if final or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+            upto = max(self._emitted[rid], len(text) - hold)
+            new_text = text[self._emitted[rid]:upto]
+            self._emitted[rid] = upto
+        held = None
+        if final and seq.request_id in self.scheduler.held:
+            held = HeldKV(list(seq.block_ids), seq.num_computed_tokens)
+        return RequestOutput(
+            request_id=rid, new_token_ids=new_tokens, new_text=new_text, finished=final,
+            finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, held_kv=held)
+
+    def _record_finished(self, seq: Sequence, it: IterationStats) -> None:
+        for d in (self._detok, self._text, self._emitted):
+            d.pop(seq.request_id, None)
+        reason = seq.finish_reason.value
+        self._success[reason] += 1
+        end = seq.finished_time or time.monotonic()
+        it.finished.append(FinishedRequestStats(
+            request_id=seq.request_id, finish_reason=reason, e2e_latency_s=end - seq.arrival_time,
+            queue_time_s=(seq.first_scheduled_time or end) - seq.arrival_time,
+            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_preemptions=seq.num_preemptions))
+
+    # -- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (offline use and tests); one merged output per prompt, in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        base = f"gen-{id(self)}-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        merged: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                m = merged.get(out.request_id)
+                if m is None:
+                    merged[out.request_id] = out
+                    continue
+                m.new_token_ids += out.new_token_ids
+                m.new_text += out.new_text
+                if out.logprobs:
+                    m.logprobs = (m.logprobs or []) + out.logprobs
+                m.finished, m.finish_reason = out.finished, out.finish_reason
+                m.num_output_tokens, m.num_cached_tokens = out.num_output_tokens, out.num_cached_tokens
+        return [merged[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        bm, s = self.block_manager, self.scheduler
+        return EngineStats(
+            num_requests_waiting=len(s.waiting), num_requests_running=len(s.running),
+            num_requests_waiting_for_remote_kv=len(s.waiting_for_kv), num_requests_holding_kv=len(s.held),
+            kv_cache_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_held_blocks=sum(len(q.block_ids) for q in s.held.values()),
+            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=s.num_preemptions, prefix_cache_queries_total=bm.stats.queries,
+            prefix_cache_hits_total=bm.stats.hits, request_success_total=dict(self._success))
+
+    def is_idle_and_whole(self) -> bool:
+        """No request anywhere and every block free: what tests assert after each case."""
+        s = self.scheduler
+        return not (s.waiting or s.running or s.waiting_for_kv or s.held or s.requests) and self.block_manager.is_whole()
+
+    # -- prefill/decode disaggregation -----------------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        cfg = self.model_config
+        return KVLayout(model=os.path.basename(os.path.normpath(self.config.model)), dtype=self.config.dtype,
+                        kv_cache_dtype=self.config.kv_cache_dtype, num_layers=cfg.num_layers,
+                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=self.config.block_size)
+
+    def export_kv(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Copy out blocks (held by a finished hold_kv request) for a transfer."""
+        return self.model_runner.export_kv(block_ids)
+
+    def import_kv(self, block_ids: list[int], layers: list[dict[str, torch.Tensor]]) -> None:
+        """Fill blocks announced by a KVLoad with data from export_kv on the prefill worker."""
+        self.model_runner.import_kv(block_ids, layers)
+
+    def remote_kv_done(self, request_id: str, ok: bool) -> None:
+        """After a KVLoad: ok advances computed tokens by what arrived; not ok recomputes locally."""
+        seq = self.scheduler.requests.get(request_id)
+        if seq is None or seq.status != SequenceStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV")
+        self.scheduler.remote_kv_done(request_id, ok)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV a finished hold_kv request kept (transfer acked or lease expired)."""
+        return self.scheduler.release_held(request_id)

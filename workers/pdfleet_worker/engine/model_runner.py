@@ -1,0 +1,179 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV pool and samples; the only place lists become tensors. LLMEngine calls it."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pdfleet_worker.config import EngineConfig, ModelConfig
+from pdfleet_worker.engine import attention
+from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillMeta
+from pdfleet_worker.engine.sampler import SampledToken, Sampler
+from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdfleet_worker.model import packed_linear
+from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys, values and int8 scales)."""
+    elem = 1 if kv_cache_dtype == "int8" else torch.tensor([], dtype=dtype).element_size()
+    per_layer = 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+    if kv_cache_dtype == "int8":
+        per_layer += 2 * cfg.num_kv_heads * 4
+    return cfg.num_layers * per_layer
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, engine_cfg: EngineConfig, num_blocks: int, max_model_len: int):
+        cfg = model.config
+        self.model_config = cfg
+        self.device = torch.device(engine_cfg.device)
+        self.dtype = TORCH_DTYPES[engine_cfg.dtype]
+        self.block_size = engine_cfg.block_size
+        self.num_blocks = num_blocks
+        self.backend = self._pick_backend(engine_cfg.attention_backend)
+        self.linear_backend = "torch"
+        if self.device.type == "cpu" and packed_linear.onednn_available(self.dtype):
+            packed_linear.pack_linears(model)
+            self.linear_backend = "onednn"
+        self.model = model
+        cos, sin = rope_cos_sin(cfg, max_model_len)
+        self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+        self.kv_cache_dtype = engine_cfg.kv_cache_dtype
+        self.caches = [self._new_layer_cache(cfg) for _ in range(cfg.num_layers)]
+        self.sampler = Sampler()
+        # Test and debugging hook: called as hook(request_ids, logits [S, V]) every step.
+        self.logits_hook = None
+
+    def _pick_backend(self, requested: str) -> str:
+        if requested != "auto":
+            return requested
+        return "cpu" if self.device.type == "cpu" else "flex"
+
+    def _new_layer_cache(self, cfg: ModelConfig) -> KVCache:
+        shape = (cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        if self.kv_cache_dtype == "int8":
+            scales = (cfg.num_kv_heads, self.num_blocks)
+            return KVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
+                           torch.zeros(shape, dtype=torch.int8, device=self.device),
+                           torch.zeros(scales, dtype=torch.float32, device=self.device),
+                           torch.zeros(scales, dtype=torch.float32, device=self.device))
+        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        for rid in out.finished_ids:
+            self.sampler.forget(rid)
+        if out.is_empty:
+            return {}
+        chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) > 1)  # decodes first, stable
+        input_ids, positions, meta, logits_rows, samplers = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.rope, meta, self.caches)  # [T, hidden]
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_rows])  # [S, V]
+        ids = [c.request_id for c in samplers]
+        if self.logits_hook is not None:
+            self.logits_hook(ids, logits)
+        sampled = self.sampler(logits, ids, [c.params for c in samplers])
+        return dict(zip(ids, sampled))
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs, dev = self.block_size, self.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[ScheduledChunk] = []
+        decodes: list[ScheduledChunk] = []
+        prefills: list[tuple[int, ScheduledChunk]] = []
+        for c in chunks:
+            row = len(token_ids)
+            n = len(c.token_ids)
+            assert len(c.block_ids) * bs >= c.start_pos + n, f"{c.request_id}: block table too short"
+            token_ids += c.token_ids
+            pos = range(c.start_pos, c.start_pos + n)
+            positions += pos
+            slots += [c.block_ids[p // bs] * bs + p % bs for p in pos]
+            if c.sample:
+                logits_rows.append(row + n - 1)
+                samplers.append(c)
+            if n == 1:
+                assert not prefills, "decodes must come first"
+                decodes.append(c)
+            else:
+                prefills.append((row, c))
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(
+            backend=self.backend,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=len(decodes),
+            decode_block_tables=torch.empty(0, 0, dtype=torch.int64, device=dev),
+            decode_context_lens=torch.empty(0, dtype=torch.int64, device=dev),
+            decode_mask=None,
+            prefills=[])
+        if decodes:
+            ctx = [c.start_pos + 1 for c in decodes]
+            width = math.ceil(max(ctx) / bs)
+            tables = [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in decodes]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # [Bd, W]
+            meta.decode_context_lens = torch.tensor(ctx, dtype=torch.int64, device=dev)
+            keys = torch.arange(width * bs, device=dev)
+            meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]
+        for row, c in prefills:
+            n = len(c.token_ids)
+            ctx = c.start_pos + n
+            table = torch.tensor(c.block_ids[:math.ceil(ctx / bs)], dtype=torch.int64, device=dev)
+            mask = None
+            if c.start_pos:
+                mask = torch.arange(ctx, device=dev)[None, :] <= pos_t[row:row + n, None]  # [n, ctx]
+            meta.prefills.append(PrefillMeta(row, n, ctx, table, mask))
+        if self.backend == "flex":
+            meta.flex = self._flex_metadata(chunks, pos_t)
+        return (torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t, meta,
+                torch.tensor(logits_rows, dtype=torch.int64, device=dev), samplers)
+
+    def _flex_metadata(self, chunks: list[ScheduledChunk], pos_t: torch.Tensor):
+        bs, dev = self.block_size, self.device
+        q_seq, kv_seq, kv_pos, kv_index = [], [], [], []
+        for i, c in enumerate(chunks):
+            ctx = c.start_pos + len(c.token_ids)
+            q_seq += [i] * len(c.token_ids)
+            kv_seq += [i] * ctx
+            kv_pos += range(ctx)
+            kv_index += [c.block_ids[p // bs] * bs + p % bs for p in range(ctx)]
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+        return attention.build_flex_metadata(t(q_seq), pos_t, t(kv_seq), t(kv_pos), t(kv_index))
+
+    # -- KV import/export for prefill/decode disaggregation ----------------------------------
+    @torch.inference_mode()
+    def export_kv(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Copies of the given blocks, per layer: k, v [Hkv, n, block_size, D] (+ k_scale, v_scale [Hkv, n])."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        out = []
+        for c in self.caches:
+            layer = {"k": c.k[:, idx].cpu(), "v": c.v[:, idx].cpu()}
+            if c.quantized:
+                layer["k_scale"], layer["v_scale"] = c.k_scale[:, idx].cpu(), c.v_scale[:, idx].cpu()
+            out.append(layer)
+        return out
+
+    @torch.inference_mode()
+    def import_kv(self, block_ids: list[int], layers: list[dict[str, torch.Tensor]]) -> None:
+        """Write blocks produced by export_kv (of a compatible engine) into the given block ids."""
+        if len(layers) != len(self.caches):
+            raise ValueError(f"KV has {len(layers)} layers, this model has {len(self.caches)}")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for c, layer in zip(self.caches, layers):
+            for name in ("k", "v") + (("k_scale", "v_scale") if c.quantized else ()):
+                dest, src = getattr(c, name), layer[name]
+                want = (dest.shape[0], len(block_ids)) + tuple(dest.shape[2:])
+                if tuple(src.shape) != want or src.dtype != dest.dtype:
+                    raise ValueError(f"KV {name} is {tuple(src.shape)} {src.dtype}, expected {want} {dest.dtype}")
+                dest[:, idx] = src.to(self.device)

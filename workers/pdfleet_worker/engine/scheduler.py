@@ -1,0 +1,251 @@
+"""Continuous batching: picks which tokens of which sequences run each step; LLMEngine calls it. No torch."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from pdfleet_worker.engine.block_manager import BlockManager
+from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one sequence to run this step: positions start_pos .. start_pos+len(token_ids)-1."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the block table; covers start_pos + len(token_ids) tokens
+    sample: bool          # the chunk reaches the last known token: sample the next one
+    params: SamplingParams
+    num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLoad:
+    """Blocks of a newly admitted request that must be filled with KV from a prefill worker."""
+
+    request_id: str
+    block_ids: list[int]   # destination blocks, in token order
+    first_token: int       # token index of the first slot of block_ids[0]
+    num_tokens: int        # tokens whose KV must arrive
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """The only thing that crosses from the scheduler to the model runner."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted_ids: list[str]
+    finished_ids: list[str]   # finished or aborted since the previous step: drop per-request state
+    kv_loads: list[KVLoad]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Waiting and running queues under a token budget per step and a cap on running sequences.
+
+    Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are
+    admitted FCFS while budget, sequence slots and blocks last. When a running sequence needs a
+    block and none is free, the newest running sequence is preempted by recompute.
+    """
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV transfer
+        self.requests: dict[str, Sequence] = {}  # every unfinished or held request
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.request_id not in self.requests, f"duplicate request id {seq.request_id!r}"
+        assert seq.status == SequenceStatus.WAITING, f"{seq} is not new"
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        kv_loads: list[KVLoad] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert n > 0, f"{seq} is running with nothing to compute"
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(self._chunk(seq, n))
+                budget -= n
+                i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
+            seq = self.waiting[0]
+            assert seq.num_computed_tokens == 0 and not seq.block_ids, f"{seq} waits with KV"
+            # At least the last token is computed here: its logits pick the next token.
+            hits = self.bm.find_cached_prefix(seq, seq.num_tokens - 1)
+            num_cached = len(hits) * self.bm.block_size
+            if seq.remote_kv_tokens > num_cached:
+                if not self.bm.allocate(seq, seq.remote_kv_tokens, hits):
+                    break
+                self._admitted(seq, num_cached)
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[seq.request_id] = seq
+                first = len(hits)
+                kv_loads.append(KVLoad(seq.request_id, seq.block_ids[first:], first * self.bm.block_size,
+                                       seq.remote_kv_tokens - num_cached))
+                continue
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.bm.allocate(seq, num_cached + n, hits):
+                break
+            self._admitted(seq, num_cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(chunks=chunks, num_batched_tokens=self.max_num_batched_tokens - budget,
+                               preempted_ids=[s.request_id for s in preempted], finished_ids=finished,
+                               kv_loads=kv_loads)
+
+    def _admitted(self, seq: Sequence, num_cached: int) -> None:
+        self.waiting.popleft()
+        self.bm.record_query(seq.num_tokens, num_cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
+            block_ids=list(seq.block_ids), sample=start + n == seq.num_tokens, params=seq.params,
+            num_output_tokens=seq.num_output_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: give back every block and requeue at the front."""
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance progress by what was computed, append sampled tokens and apply token-level
+        stops. Returns the sequences that got a new token (finished ones included)."""
+        now = time.monotonic()
+        advanced: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = self.requests.get(chunk.request_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += len(chunk.token_ids)
+            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its tokens"
+            self.bm.cache_full_blocks(seq)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.inter_token_latency = None if seq.last_token_time is None else now - seq.last_token_time
+            seq.last_token_time = now
+            advanced.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return advanced
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take a sequence out of every queue; free its blocks unless it holds them for transfer."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[seq.request_id]
+        else:
+            raise AssertionError(f"{seq} finished twice")
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        self._finished_ids.append(seq.request_id)
+        if seq.hold_kv and reason != FinishReason.ABORT and seq.block_ids:
+            self.held[seq.request_id] = seq
+        else:
+            self.bm.free(seq)
+            del self.requests[seq.request_id]
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request wherever it is; held KV blocks are released too. None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.FINISHED:
+            self.release_held(request_id)
+            return None
+        self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    # -- prefill/decode disaggregation -----------------------------------------------------
+    def remote_kv_done(self, request_id: str, ok: bool) -> Sequence:
+        """The KV announced by a KVLoad arrived (ok) or did not (recompute it here)."""
+        seq = self.waiting_for_kv.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        if ok:
+            seq.num_computed_tokens = seq.remote_kv_tokens
+            self.bm.cache_full_blocks(seq)
+        seq.remote_kv_tokens = 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished request kept for a KV transfer (ack or lease expiry)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.bm.free(seq)
+        del self.requests[request_id]
+        return True
