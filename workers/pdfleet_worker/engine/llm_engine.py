@@ -133,7 +133,9 @@ class LLMEngine:
             if config.max_model_len > limit:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
             limit = config.max_model_len
-        self.max_model_len = min(limit, num_blocks * config.block_size)
+        # NOTE: not capped by the pool: a request that cannot fit in the pool is refused at
+        # add_request (ValueError) rather than silently cut short.
+        self.max_model_len = limit
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           hash_seed=config.prefix_hash_seed)
@@ -187,8 +189,8 @@ class LLMEngine:
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(total)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: prompt ({len(token_ids)}) plus max_tokens ({params.max_tokens}) needs "
-                             f"{need} KV blocks but the pool has {self.block_manager.num_blocks}")
+            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                             f"{need} KV blocks but the pool has {self.block_manager.num_blocks}; lower max_tokens")
         if not 0 <= remote_kv_tokens < len(token_ids):
             raise ValueError(f"remote_kv_tokens must be in [0, {len(token_ids) - 1}], got {remote_kv_tokens}")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
