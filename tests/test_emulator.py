@@ -72,6 +72,16 @@ def widget(name: str, size: int = 1, **spec) -> dict:
             "spec": {"size": size, **spec}}
 
 
+def _need(module: str):
+    """Import a client the test needs: skip locally when it is missing, fail under CI=true."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        require_component(module, "pip install -e '.[dev]'")
+
+
 def cm(name: str, **meta) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, **meta}, "data": {"k": "v"}}
 
@@ -88,12 +98,18 @@ def widgets(kube: Kube) -> Kube:
     return kube
 
 
-def watch_events(http: httpx.Client, path: str, **params) -> list[tuple[str, str, str]]:
-    params = {"watch": "true", "timeoutSeconds": "1", **params}
-    response = http.get(path, params=params)
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    events = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+def watch_events(http: httpx.Client, path: str, count: int | None = None, **params) -> list[tuple[str, str, str]]:
+    """Watch events as (type, name, resourceVersion): all within 1 s, or stop after ``count`` of them."""
+    params = {"watch": "true", "timeoutSeconds": "1" if count is None else "10", **params}
+    events = []
+    with http.stream("GET", path, params=params) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("application/json")
+        for line in response.iter_lines():
+            if line.strip():
+                events.append(json.loads(line))
+            if count is not None and len(events) >= count:
+                break
     return [(e["type"], e["object"]["metadata"].get("name", ""), e["object"]["metadata"].get("resourceVersion")) for e in events]
 
 
@@ -181,10 +197,10 @@ def test_watch_honours_resource_version_and_streams_changes(widgets: Kube, http:
     rvs = [int(rv) for _, _, rv in after]
     assert rvs == sorted(rvs) and rvs[0] > int(since)
 
-    fresh = watch_events(http, WIDGETS)  # no resourceVersion: the current state as ADDED first
+    fresh = watch_events(http, WIDGETS, 2)  # no resourceVersion: the current state as ADDED first
     assert sorted((t, n) for t, n, _ in fresh) == [("ADDED", "a"), ("ADDED", "c")]
 
-    initial = watch_events(http, WIDGETS, sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
+    initial = watch_events(http, WIDGETS, 3, sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
     assert initial[-1][0] == "BOOKMARK" and [t for t, _, _ in initial[:-1]] == ["ADDED", "ADDED"]
 
     # A label-selector watch sees objects entering and leaving the selection as ADDED/DELETED.
@@ -192,9 +208,9 @@ def test_watch_honours_resource_version_and_streams_changes(widgets: Kube, http:
     http.patch(f"{WIDGETS}/a", content=json.dumps({"metadata": {"labels": {"tier": "x"}}}), **merge)
     http.patch(f"{WIDGETS}/a", content=json.dumps({"spec": {"size": 6}}), **merge)
     http.patch(f"{WIDGETS}/a", content=json.dumps({"metadata": {"labels": {"tier": None}}}), **merge)
-    selected = watch_events(http, WIDGETS, resourceVersion=since, labelSelector="tier=x")
+    selected = watch_events(http, WIDGETS, 3, resourceVersion=since, labelSelector="tier=x")
     assert [t for t, _, _ in selected] == ["ADDED", "MODIFIED", "DELETED"]
-    one = watch_events(http, f"{WIDGETS}/c")  # watching one object by its URL
+    one = watch_events(http, f"{WIDGETS}/c", 1)  # watching one object by its URL
     assert [(t, n) for t, n, _ in one] == [("ADDED", "c")]
 
     widgets.compact()
@@ -287,7 +303,7 @@ def test_finalizers_hold_deletion_until_removed(widgets: Kube, http: httpx.Clien
     assert more.status_code == 422 and "no new finalizers" in more.json()["message"]
     http.patch(f"{WIDGETS}/f", headers=merge, content=json.dumps({"metadata": {"finalizers": None}}))
     assert http.get(f"{WIDGETS}/f").status_code == 404
-    assert [t for t, _, _ in watch_events(http, WIDGETS, resourceVersion=since)] == ["MODIFIED", "DELETED"]
+    assert [t for t, _, _ in watch_events(http, WIDGETS, 2, resourceVersion=since)] == ["MODIFIED", "DELETED"]
 
 
 def test_garbage_collection_by_owner_references(kube: Kube):
@@ -397,7 +413,7 @@ def test_request_log_counts_writes_and_user_reactions_take_precedence(widgets: K
 # ----------------------------------------------------------------------------------------------
 
 def test_kubernetes_python_client(widgets: Kube):
-    kubernetes = pytest.importorskip("kubernetes")
+    kubernetes = _need("kubernetes")
     api_client = kubernetes.config.new_client_from_config(config_file=str(widgets.kubeconfig))
     core = kubernetes.client.CoreV1Api(api_client)
     custom = kubernetes.client.CustomObjectsApi(api_client)
@@ -427,10 +443,6 @@ def test_kubernetes_python_client(widgets: Kube):
                                              resource_version=since, timeout_seconds=1)
     assert [(e["type"], e["object"].metadata.name) for e in stream] == [("DELETED", "py")]
     api_client.close()
-
-
-def _project_crds() -> list[pathlib.Path]:
-    return sorted((REPO / "crds").glob("*.yaml"))
 
 
 def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
@@ -497,20 +509,6 @@ def _kubectl() -> str:
     return binary
 
 
-def test_kubectl_applies_the_project_crds_and_examples_with_printer_columns(kube: Kube):
-    crds = _project_crds()
-    if not crds:
-        pytest.skip("crds/ has no generated CRDs yet")
-    kube.kubectl("version")
-    kube.kubectl("apply", "-f", str(REPO / "crds"))
-    examples = REPO / "examples"
-    if not any(examples.glob("*.yaml")):
-        pytest.skip("examples/ is empty")
-    kube.kubectl("apply", "-f", str(examples))
-    out = kube.kubectl("get", "infdep,acc", "-A").stdout
-    assert "MODEL" in out and "P:D" in out and "VENDOR" in out and "RESOURCE" in out, out
-
-
 # ----------------------------------------------------------------------------------------------
 # kopf
 # ----------------------------------------------------------------------------------------------
@@ -542,7 +540,7 @@ def _exercise_operator(kube: Kube) -> None:
 
 
 def test_kopf_run_subprocess(widgets: Kube, tmp_path: pathlib.Path):
-    pytest.importorskip("kopf")
+    _need("kopf")
     log = (tmp_path / "kopf.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "--verbose", str(OPERATOR)],
                             stdout=log, stderr=subprocess.STDOUT, env=widgets.env, cwd=REPO)
@@ -565,7 +563,7 @@ def test_kopf_run_subprocess(widgets: Kube, tmp_path: pathlib.Path):
 
 
 def test_kopf_runner_in_process(widgets: Kube):
-    testing = pytest.importorskip("kopf.testing")
+    testing = _need("kopf.testing")
     with testing.KopfRunner(["run", "--standalone", "-A", "--verbose", str(OPERATOR)], timeout=30) as runner:
         _exercise_operator(widgets)
     assert runner.exit_code == 0, runner.output[-8000:]

@@ -276,7 +276,7 @@ def unknown_fields(crd: dict, obj: dict) -> list[str]:
     schema = _schema_of(crd, find_version(crd, obj.get("apiVersion")))
     found: list[str] = []
     _walk_unknown(schema, copy.deepcopy(obj), "", found, prune=False, root=True)
-    return found
+    return sorted(found)
 
 
 def prune_unknown(crd: dict, obj: dict) -> dict:
@@ -515,7 +515,7 @@ class _Validator:
             if key in props:
                 self.check(props[key], sub, _child(path, key))
             elif isinstance(additional, dict):
-                self.check(additional, sub, _child(path, key) if props else _index(path, key))
+                self.check(additional, sub, _child(path, key))
 
 
 def _errors_for(schema: dict, value: Any, path: str) -> list[FieldError]:
@@ -770,7 +770,7 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     if unknown_fields == "Strict":
         found: list[str] = []
         _walk_unknown(schema, copy.deepcopy(obj), "", found, prune=False, root=True)
-        for path in found:
+        for path in sorted(found):
             errors.append(FieldError(path, "FieldValueUnknown", f'unknown field "{path}"'))
 
     work = copy.deepcopy(obj)
@@ -787,7 +787,7 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     errors += validator.errors
 
     # Like kube-apiserver: CEL rules are not run over values of the wrong type.
-    if any(e.reason in ("FieldValueTypeInvalid",) for e in validator.errors):
+    if any(e.reason in ("FieldValueTypeInvalid",) for e in validator.errors) and _walk_rules(schema, ""):
         errors.append(FieldError("", "FieldValueInvalid",
                                  "some validation rules were not checked because the object was invalid; "
                                  "correct the existing errors to complete validation"))
