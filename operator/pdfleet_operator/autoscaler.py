@@ -1,0 +1,411 @@
+"""The autoscaler's pure decision: desired replicas per role from queue metrics; called by the operator's timer, `pdfleet up` and the bench."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from pdfleet_operator.api.inference_deployment import InferenceDeploymentSpec, ScalingDecisionStatus
+from pdfleet_operator.api.meta import Condition, parse_duration
+from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+
+Direction = Literal["up", "down", "hold"]
+
+# Machine reasons (ScalingDecision.reason, status.lastScalingDecision.reason, the metric's `reason` label).
+QUEUE_ABOVE_TARGET = "QueueAboveTarget"
+QUEUE_BELOW_TARGET = "QueueBelowTarget"
+PREFILL_BACKLOG = "PrefillBacklog"            # decode grown ahead of work still queued at prefill
+WITHIN_TOLERANCE = "WithinTolerance"
+SCALE_UP_STABILIZING = "ScaleUpStabilizing"
+SCALE_DOWN_STABILIZING = "ScaleDownStabilizing"
+SCALE_DOWN_DELAYED = "ScaleDownDelayed"       # grace period after a scale-up of the same role
+MIN_REPLICAS = "MinReplicas"
+MAX_REPLICAS = "MaxReplicas"
+RATIO_BOUND = "RatioBound"
+SCALING_LIMITED = "ScalingLimited"            # not enough free accelerators for what the queue asks
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+AUTOSCALING_DISABLED = "AutoscalingDisabled"
+
+REASONS = (QUEUE_ABOVE_TARGET, QUEUE_BELOW_TARGET, PREFILL_BACKLOG, WITHIN_TOLERANCE, SCALE_UP_STABILIZING,
+           SCALE_DOWN_STABILIZING, SCALE_DOWN_DELAYED, MIN_REPLICAS, MAX_REPLICAS, RATIO_BOUND, SCALING_LIMITED,
+           METRICS_UNAVAILABLE, AUTOSCALING_DISABLED)
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """What one role should run next interval, and why."""
+
+    role: str
+    current: int
+    desired: int
+    direction: Direction
+    reason: str
+    message: str
+
+    def __post_init__(self) -> None:
+        expected = "up" if self.desired > self.current else "down" if self.desired < self.current else "hold"
+        assert self.direction == expected, f"{self.role}: direction {self.direction} for {self.current}->{self.desired}"
+        assert self.reason in REASONS, f"unknown reason {self.reason!r}"
+        assert self.desired >= 0, f"{self.role}: negative desired replicas {self.desired}"
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """What the autoscaler remembers between intervals; JSON-serializable (an annotation or memory).
+
+    `replicas` is the size last decided per role; `recommendations` the (time, replicas) history the
+    stabilization windows look back over; `last_scale_up` when each role last grew (grace period);
+    `watching_since` when the autoscaler first saw each role's metrics.
+    """
+
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    recommendations: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    last_scale_up: Mapping[str, float] = field(default_factory=dict)
+    watching_since: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def initial(cls, spec: InferenceDeploymentSpec, replicas: Mapping[str, int] | None = None) -> "ScalerState":
+        """A fresh state at the given sizes (what the Deployments run now), or each role's minReplicas."""
+        sizes = {role: rs.min_replicas for role, rs in spec.roles().items()}
+        sizes.update({role: int(n) for role, n in (replicas or {}).items() if role in sizes})
+        return cls(replicas=sizes)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "replicas": dict(self.replicas),
+            "recommendations": {role: [list(p) for p in hist] for role, hist in self.recommendations.items()},
+            "lastScaleUp": dict(self.last_scale_up),
+            "watchingSince": dict(self.watching_since),
+        }, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ScalerState":
+        """Parse `to_json` output; ValueError naming the problem when it is not one."""
+        try:
+            raw = json.loads(text)
+            return cls(
+                replicas={str(r): int(n) for r, n in raw["replicas"].items()},
+                recommendations={str(r): tuple((float(t), int(n)) for t, n in hist)
+                                 for r, hist in raw["recommendations"].items()},
+                last_scale_up={str(r): float(t) for r, t in raw["lastScaleUp"].items()},
+                watching_since={str(r): float(t) for r, t in raw["watchingSince"].items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"invalid autoscaler state {text[:200]!r}: {exc}") from exc
+
+
+@dataclass
+class _Draft:
+    """A role's decision while the chain of policies works on it."""
+
+    current: int
+    desired: int
+    reason: str
+    message: str
+
+    def set(self, desired: int, reason: str, message: str) -> None:
+        self.desired, self.reason, self.message = desired, reason, message
+
+
+def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSnapshot, now: float,
+           capacity: Mapping[str, int], current: Mapping[str, int] | None = None,
+           ) -> tuple[dict[str, ScalingDecision], ScalerState]:
+    """Desired replicas per role for this interval, and the state to pass to the next call.
+
+    `capacity` is the most replicas of each role placeable on free accelerators (placement's
+    `FleetPlan.capacity(role)`; a role absent from it is unbounded). `current` overrides the sizes in
+    `state` (what the Deployments ask for now). The chain: queue recommendation with tolerance ->
+    stabilization windows -> grace period after a scale-up -> step limits -> min/max -> capacity ->
+    P:D ratio bounds; the reason is that of the last policy that changed the number.
+    """
+    roles = spec.roles()
+    sizes = dict(state.replicas)
+    sizes.update(current or {})
+    cur = {role: int(sizes.get(role, rs.min_replicas)) for role, rs in roles.items()}
+    auto = spec.autoscaling
+
+    if not auto.enabled:
+        drafts = {role: _Draft(cur[role], rs.min_replicas, AUTOSCALING_DISABLED,
+                               f"autoscaling is disabled: running minReplicas ({rs.min_replicas})")
+                  for role, rs in roles.items()}
+        return _finish(drafts, state, now, record=None)
+
+    problem = metrics_problem(snapshot, roles, now, parse_duration(auto.metrics_max_age))
+    if problem:
+        drafts = {role: _Draft(cur[role], cur[role], METRICS_UNAVAILABLE, f"holding {cur[role]} replicas: {problem}")
+                  for role in roles}
+        return _finish(drafts, state, now, record=None)
+
+    recommended: dict[str, int] = {}
+    drafts = {}
+    for role in roles:
+        rec, reason, message = _recommend(spec, role, snapshot.roles, cur)
+        recommended[role] = rec
+        drafts[role] = _Draft(cur[role], rec, reason, message)
+
+    history = _history(state, recommended, now, max(parse_duration(auto.scale_up_stabilization),
+                                                    parse_duration(auto.scale_down_stabilization)))
+    for role, draft in drafts.items():
+        rs = roles[role]
+        _stabilize(draft, history[role], now, parse_duration(auto.scale_up_stabilization),
+                   parse_duration(auto.scale_down_stabilization), state.watching_since.get(role, now))
+        _grace(draft, state.last_scale_up.get(role), now, parse_duration(auto.scale_down_delay_after_scale_up))
+        _step(draft, auto.max_scale_up_step, auto.max_scale_down_step)
+        _bounds(draft, rs.min_replicas, rs.max_replicas)
+        _capacity(draft, capacity.get(role))
+    if "prefill" in drafts and "decode" in drafts:
+        _ratio(drafts["prefill"], drafts["decode"], spec, capacity, auto.pd_ratio.min, auto.pd_ratio.max)
+    return _finish(drafts, state, now, record=history)
+
+
+def metrics_problem(snapshot: MetricsSnapshot, roles: Mapping[str, object], now: float, max_age: float) -> str:
+    """Why this snapshot cannot be acted on ('' when it can): unavailable, a role missing, or too old."""
+    if not snapshot.ok:
+        return f"metrics unavailable ({snapshot.error})"
+    missing = sorted(set(roles) - set(snapshot.roles))
+    if missing:
+        return f"no metrics for role(s) {', '.join(missing)}"
+    stale = {role: snapshot.age(role, now) for role in roles if snapshot.age(role, now) > max_age}
+    if stale:
+        worst = max(stale, key=lambda r: stale[r])
+        return f"metrics of {worst} are {stale[worst]:.0f}s old (metricsMaxAge {max_age:.0f}s)"
+    return ""
+
+
+def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, RoleMetrics],
+               cur: Mapping[str, int]) -> tuple[int, str, str]:
+    """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance."""
+    m, rs, n = metrics[role], spec.roles()[role], cur[role]
+    tolerance = spec.autoscaling.tolerance
+    target = spec.target_queue(role)
+    lookahead = 0.0
+    if role == "prefill":
+        need = m.waiting / target
+        what = f"{m.waiting:g} waiting requests (target {target:g}/replica)"
+        token_target = rs.target_prompt_tokens_per_replica
+        if token_target and m.prompt_tokens_waiting is not None and m.prompt_tokens_waiting / token_target > need:
+            need = m.prompt_tokens_waiting / token_target
+            what = f"{m.prompt_tokens_waiting:g} waiting prompt tokens (target {token_target}/replica)"
+        elif token_target and m.prompt_tokens_waiting is None:
+            what += "; prompt tokens waiting not reported, scaled on requests only"
+    else:
+        load = m.running + m.waiting
+        if role == "decode" and "prefill" in metrics:
+            lookahead = prefill_backlog(metrics["prefill"].waiting, cur.get("prefill", 0),
+                                        spec.target_queue("prefill"), tolerance)
+        need = (load + lookahead) / target
+        what = f"{load:g} running+waiting requests (target {target:g}/replica)"
+        if lookahead:
+            what += f" + {lookahead:g} requests queued at prefill beyond its target"
+
+    if n > 0 and abs(need / n - 1.0) <= tolerance:
+        return n, WITHIN_TOLERANCE, f"{what}: {need:.2f} replicas' worth is within {tolerance:g} of {n}"
+    rec = max(0, math.ceil(need - _EPS))
+    if rec > n:
+        ahead = lookahead and math.ceil((need - lookahead / target) - _EPS) <= n
+        reason = PREFILL_BACKLOG if ahead else QUEUE_ABOVE_TARGET
+        return rec, reason, f"{what}: needs {rec}"
+    if rec < n:
+        return rec, QUEUE_BELOW_TARGET, f"{what}: needs {rec}"
+    return n, WITHIN_TOLERANCE, f"{what}: needs {n}"
+
+
+def prefill_backlog(prefill_waiting: float, prefill_replicas: int, prefill_target: float, tolerance: float) -> float:
+    """Requests waiting at prefill beyond what its replicas tolerate: work about to reach decode.
+
+    NOTE: decode counts this surge before it arrives. A per-role scaler sees it only after prefill has
+    drained it into decode's queue, one interval (plus replica start-up) too late; at prefill's target
+    the term is zero, so it adds nothing in steady state.
+    """
+    return max(0.0, prefill_waiting - (1.0 + tolerance) * prefill_target * prefill_replicas)
+
+
+def _history(state: ScalerState, recommended: Mapping[str, int], now: float, keep: float
+             ) -> dict[str, tuple[tuple[float, int], ...]]:
+    """Each role's recommendations within the longest window, with this interval's appended."""
+    out = {}
+    for role, rec in recommended.items():
+        past = tuple((t, n) for t, n in state.recommendations.get(role, ()) if now - t < keep and t < now)
+        out[role] = past + ((now, rec),)
+    return out
+
+
+def _stabilize(d: _Draft, history: tuple[tuple[float, int], ...], now: float, up_window: float,
+               down_window: float, since: float) -> None:
+    """Scale up to the lowest recommendation of the up window, down to the highest of the down window.
+
+    NOTE: a role watched for less than the down window (a fresh state, e.g. after an operator restart
+    that lost it) counts its current size as recommended: nothing shrinks on a partial view.
+    """
+    if d.desired > d.current:
+        floor = min(n for t, n in history if t == now or now - t < up_window)
+        if floor <= d.current:
+            d.set(d.current, SCALE_UP_STABILIZING,
+                  f"{d.message}; holding {d.current}: a recommendation in the last {up_window:g}s was {floor}")
+        elif floor < d.desired:
+            d.set(floor, d.reason, f"{d.message}; stabilized to {floor} over {up_window:g}s")
+    elif d.desired < d.current:
+        ceiling = max(n for t, n in history if t == now or now - t < down_window)
+        if now - since < down_window:
+            d.set(d.current, SCALE_DOWN_STABILIZING,
+                  f"{d.message}; holding {d.current}: watched for {now - since:.0f}s of the {down_window:g}s "
+                  "down window")
+        elif ceiling >= d.current:
+            d.set(d.current, SCALE_DOWN_STABILIZING,
+                  f"{d.message}; holding {d.current}: the highest recommendation in the last {down_window:g}s "
+                  f"was {ceiling}")
+        elif ceiling > d.desired:
+            d.set(ceiling, d.reason, f"{d.message}; stabilized to {ceiling} over {down_window:g}s")
+
+
+def _grace(d: _Draft, last_up: float | None, now: float, delay: float) -> None:
+    if d.desired < d.current and last_up is not None and now - last_up < delay:
+        d.set(d.current, SCALE_DOWN_DELAYED,
+              f"{d.message}; holding {d.current}: scaled up {now - last_up:.0f}s ago, "
+              f"scaleDownDelayAfterScaleUp is {delay:g}s")
+
+
+def _step(d: _Draft, max_up: int, max_down: int) -> None:
+    if d.desired > d.current + max_up:
+        d.set(d.current + max_up, d.reason, f"{d.message}; +{max_up} this interval (maxScaleUpStep)")
+    elif d.desired < d.current - max_down:
+        d.set(d.current - max_down, d.reason, f"{d.message}; -{max_down} this interval (maxScaleDownStep)")
+
+
+def _bounds(d: _Draft, lo: int, hi: int) -> None:
+    if d.desired < lo:
+        d.set(lo, MIN_REPLICAS, f"{d.message}; raised to minReplicas {lo}")
+    elif d.desired > hi:
+        d.set(hi, MAX_REPLICAS, f"{d.message}; capped at maxReplicas {hi}")
+
+
+def _capacity(d: _Draft, cap: int | None) -> None:
+    """Never plan beyond free accelerators; a shortage never shrinks what already runs."""
+    if cap is not None and d.desired > cap and d.desired > d.current:
+        limit = max(cap, d.current)
+        d.set(limit, SCALING_LIMITED,
+              f"{d.message}; only {limit} placeable on free accelerators (asked {d.desired})")
+
+
+def _ratio(p: _Draft, d: _Draft, spec: InferenceDeploymentSpec, capacity: Mapping[str, int],
+           lo: float, hi: float) -> None:
+    """Keep prefill/decode within [lo, hi]: grow the smaller side when it may, else shrink the larger."""
+    roles = spec.roles()
+
+    def ceiling(role: str, draft: _Draft) -> int:
+        cap = capacity.get(role)
+        top = roles[role].max_replicas if cap is None else min(roles[role].max_replicas, cap)
+        return max(top, draft.desired)
+
+    before = f"{p.desired}:{d.desired}"
+    if p.desired > hi * d.desired + _EPS:
+        need = math.ceil(p.desired / hi - _EPS)
+        grown = min(need, ceiling("decode", d))
+        if grown > d.desired:
+            d.set(grown, RATIO_BOUND, f"prefill:decode {before} above pdRatio.max {hi:g}; decode raised to {grown} "
+                                      f"(queue alone: {d.message})")
+        if p.desired > hi * d.desired + _EPS:
+            shrunk = max(math.floor(hi * d.desired + _EPS), roles["prefill"].min_replicas)
+            p.set(shrunk, RATIO_BOUND, f"prefill:decode {before} above pdRatio.max {hi:g} and decode cannot grow "
+                                       f"past {d.desired}; prefill lowered to {shrunk} (queue alone: {p.message})")
+    elif p.desired < lo * d.desired - _EPS:
+        need = math.ceil(lo * d.desired - _EPS)
+        grown = min(need, ceiling("prefill", p))
+        if grown > p.desired:
+            p.set(grown, RATIO_BOUND, f"prefill:decode {before} below pdRatio.min {lo:g}; prefill raised to {grown} "
+                                      f"(queue alone: {p.message})")
+        if p.desired < lo * d.desired - _EPS:
+            shrunk = max(math.floor(p.desired / lo + _EPS), roles["decode"].min_replicas)
+            d.set(shrunk, RATIO_BOUND, f"prefill:decode {before} below pdRatio.min {lo:g} and prefill cannot grow "
+                                       f"past {p.desired}; decode lowered to {shrunk} (queue alone: {d.message})")
+
+
+def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
+            record: Mapping[str, tuple[tuple[float, int], ...]] | None,
+            ) -> tuple[dict[str, ScalingDecision], ScalerState]:
+    decisions = {}
+    for role, d in drafts.items():
+        direction: Direction = "up" if d.desired > d.current else "down" if d.desired < d.current else "hold"
+        decisions[role] = ScalingDecision(role, d.current, d.desired, direction, d.reason, d.message)
+    ups = {role: now for role, dec in decisions.items() if dec.direction == "up"}
+    watched = {role: state.watching_since.get(role, now) for role in (record or {})}
+    new_state = replace(
+        state,
+        watching_since={**state.watching_since, **watched},
+        replicas={**state.replicas, **{role: dec.desired for role, dec in decisions.items()}},
+        recommendations=dict(record) if record is not None else state.recommendations,
+        last_scale_up={**state.last_scale_up, **ups},
+    )
+    return decisions, new_state
+
+
+# --- what the operator shows ------------------------------------------------------------------------
+
+def pd_ratio(decisions: Mapping[str, ScalingDecision]) -> float | None:
+    """Desired prefill / decode replicas; None when colocated or decode is at zero."""
+    if "prefill" not in decisions or "decode" not in decisions or decisions["decode"].desired == 0:
+        return None
+    return decisions["prefill"].desired / decisions["decode"].desired
+
+
+def ratio_text(decisions: Mapping[str, ScalingDecision]) -> str:
+    """status.pdRatio: desired prefill:decode in lowest terms ('1:2'); '-' when colocated."""
+    if "prefill" not in decisions or "decode" not in decisions:
+        return "-"
+    p, d = decisions["prefill"].desired, decisions["decode"].desired
+    g = math.gcd(p, d) or 1
+    return f"{p // g}:{d // g}"
+
+
+def headline(decisions: Mapping[str, ScalingDecision]) -> ScalingDecision:
+    """The decision worth reporting: a change if any, else a hold that needs attention, else the first."""
+    ordered = list(decisions.values())
+    assert ordered, "no decisions"
+    for d in ordered:
+        if d.direction != "hold":
+            return d
+    for d in ordered:
+        if d.reason in (METRICS_UNAVAILABLE, SCALING_LIMITED):
+            return d
+    return ordered[0]
+
+
+def status_decision(decisions: Mapping[str, ScalingDecision], now: float) -> ScalingDecisionStatus:
+    """status.lastScalingDecision for this round."""
+    d = headline(decisions)
+    return ScalingDecisionStatus(time=dt.datetime.fromtimestamp(now, dt.timezone.utc), role=d.role,  # type: ignore[arg-type]
+                                 from_replicas=d.current, to_replicas=d.desired, reason=d.reason,
+                                 message=d.message[:4096])
+
+
+def conditions(decisions: Mapping[str, ScalingDecision], now: float, generation: int | None = None
+               ) -> list[Condition]:
+    """MetricsAvailable and ScalingLimited for status.conditions (merge with `set_condition`)."""
+    at = dt.datetime.fromtimestamp(now, dt.timezone.utc)
+    unavailable = [d for d in decisions.values() if d.reason == METRICS_UNAVAILABLE]
+    limited = [d for d in decisions.values() if d.reason == SCALING_LIMITED]
+    if unavailable:
+        metrics = Condition(type="MetricsAvailable", status="False", reason=METRICS_UNAVAILABLE,
+                            message=unavailable[0].message, last_transition_time=at, observed_generation=generation)
+    elif all(d.reason == AUTOSCALING_DISABLED for d in decisions.values()):
+        metrics = Condition(type="MetricsAvailable", status="Unknown", reason=AUTOSCALING_DISABLED,
+                            message="autoscaling is disabled; metrics are not read", last_transition_time=at,
+                            observed_generation=generation)
+    else:
+        metrics = Condition(type="MetricsAvailable", status="True", reason="MetricsFresh",
+                            message="queue metrics of every role are fresh", last_transition_time=at,
+                            observed_generation=generation)
+    scaling = (Condition(type="ScalingLimited", status="True", reason=SCALING_LIMITED,
+                         message="; ".join(f"{d.role}: {d.message}" for d in limited), last_transition_time=at,
+                         observed_generation=generation)
+               if limited else
+               Condition(type="ScalingLimited", status="False", reason="CapacityAvailable",
+                         message="every role fits on free accelerators", last_transition_time=at,
+                         observed_generation=generation))
+    return [metrics, scaling]

@@ -1,0 +1,334 @@
+"""The autoscaler's pure decision over scripted metric series on a simulated clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pdfleet_operator import autoscaler
+from pdfleet_operator.autoscaler import ScalerState, decide
+from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+from tests.autoscaler.sim import direction_changes, first, simulate, snapshot, spec
+
+T0 = 1_000_000.0
+
+
+def steady(prefill: float = 4.0, decode: float = 16.0, **extra):
+    """A script whose total queues are constant (prefill waiting, decode running)."""
+    return lambda t, cur: {"prefill": {"waiting": prefill, **extra}, "decode": {"running": decode}}
+
+
+def one(s, roles, replicas, now=T0, state=None, capacity=None):
+    state = state or ScalerState.initial(s, replicas)
+    return decide(s, state, snapshot(now, roles, replicas), now, capacity or {})
+
+
+# --- the issue's must-haves --------------------------------------------------------------------
+
+def test_prefill_queue_surge_scales_prefill_within_one_interval():
+    s = spec()
+    surge_at = 60.5
+
+    def script(t, cur):
+        waiting = 40.0 if t >= surge_at else 4.0 * cur["prefill"]
+        return {"prefill": {"waiting": waiting}, "decode": {"running": 16.0 * cur["decode"]}}
+
+    steps = simulate(s, script, 300, replicas={"prefill": 1, "decode": 1})
+    before = [st for st in steps if st.t < surge_at]
+    assert all(st.decisions["prefill"].direction == "hold" for st in before)
+    up = first(steps, "prefill", lambda d: d.direction == "up")
+    assert up is not None and up.t - surge_at <= s.interval_seconds()
+    assert up.decisions["prefill"].reason == autoscaler.QUEUE_ABOVE_TARGET
+    assert up.replicas["prefill"] == 5  # 1 + maxScaleUpStep 4 toward the 10 the queue asks for
+    assert "+4 this interval" in up.decisions["prefill"].message
+    # the next interval goes on toward ceil(40 / 4) = 10
+    assert max(st.replicas["prefill"] for st in steps) == 8  # maxReplicas
+
+
+def test_surge_at_prefill_grows_decode_in_the_same_interval():
+    s = spec()
+    # prefill has 2 replicas carrying 8 waiting (its target); 40 more arrive at once
+    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 8.0 if t < 30 else 48.0},
+                                        "decode": {"running": 32.0}},
+                     120, replicas={"prefill": 2, "decode": 2})
+    at = next(st for st in steps if st.t >= 30)
+    assert at.decisions["prefill"].direction == "up"
+    d = at.decisions["decode"]
+    # decode counts the 48 - 1.1 * 8 = 39.2 requests queued at prefill beyond its tolerance: ceil(71.2 / 16) = 5
+    assert (d.direction, d.desired, d.reason) == ("up", 5, autoscaler.PREFILL_BACKLOG)
+    assert "queued at prefill" in d.message
+    # before the surge (prefill at target) the look-ahead adds nothing
+    assert all(st.decisions["decode"].direction == "hold" for st in steps if st.t < 30)
+
+
+def test_long_output_workload_grows_decode_not_prefill():
+    # ratio bounds wide enough that only the queues speak (1:12 is below the default 1:8)
+    s = spec(autoscaling={"interval": "15s", "pdRatio": {"min": 0.05, "max": 8}})
+
+    def script(t, cur):
+        # sequences live long: decode's running set climbs 48 -> 200 over 3 minutes; prompts stay light
+        running = min(200.0, 48.0 + t * (152.0 / 180.0))
+        return {"prefill": {"waiting": 3.0 * cur["prefill"]}, "decode": {"running": running, "waiting": 4.0}}
+
+    steps = simulate(s, script, 600, replicas={"prefill": 1, "decode": 3})
+    assert steps[-1].replicas["decode"] == 12  # 204 / 16 = 12.75 replicas' worth is within tolerance of 12
+    assert all(st.decisions["decode"].direction in ("up", "hold") for st in steps)
+    assert all(st.decisions["prefill"].direction != "up" for st in steps)
+    assert steps[-1].replicas["prefill"] == 1
+
+
+def test_short_prompt_workload_shrinks_prefill_toward_min():
+    s = spec()
+    steps = simulate(s, steady(prefill=0.5, decode=64.0), 900, replicas={"prefill": 6, "decode": 4})
+    sizes = [st.replicas["prefill"] for st in steps]
+    assert steps[0].decisions["prefill"].reason == autoscaler.SCALE_DOWN_STABILIZING
+    assert sizes == sorted(sizes, reverse=True), "prefill must only shrink"
+    assert sizes[-1] == 1 == s.prefill.min_replicas
+    # the 300 s down window holds the first five minutes
+    assert all(n == 6 for st, n in zip(steps, sizes) if st.t < 300)
+    last = steps[-1].decisions["prefill"]
+    assert last.reason in (autoscaler.MIN_REPLICAS, autoscaler.WITHIN_TOLERANCE, autoscaler.QUEUE_BELOW_TARGET)
+    assert all(st.decisions["decode"].direction == "hold" for st in steps)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_noisy_steady_load_changes_direction_at_most_once_in_ten_minutes(seed):
+    s = spec()
+    rng = random.Random(seed)
+
+    def script(t, cur):
+        # totals that 3 replicas of each role carry at target, +-30%
+        return {"prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
+                "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)}}
+
+    steps = simulate(s, script, 600, replicas={"prefill": 3, "decode": 3})
+    assert len(steps) == 40
+    for role in ("prefill", "decode"):
+        assert direction_changes(steps, role) <= 1, [st.decisions[role].direction for st in steps]
+        assert sum(st.decisions[role].direction != "hold" for st in steps) <= 2
+
+
+def test_noise_would_flap_without_the_down_window():
+    """The guard above is not vacuous: with no down window the same noise flaps."""
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"})
+    rng = random.Random(1)
+    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
+                                        "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)}},
+                     600, replicas={"prefill": 3, "decode": 3})
+    assert direction_changes(steps, "decode") > 1
+
+
+def test_metric_gap_holds_and_never_reads_the_gap_as_zero():
+    s = spec()
+
+    def script(t, cur):
+        if 120 <= t < 240:
+            return MetricsSnapshot.unavailable(T0 + t, "connection refused", source="prometheus")
+        return {"prefill": {"waiting": 4.0 * cur["prefill"]}, "decode": {"running": 16.0 * cur["decode"]}}
+
+    steps = simulate(s, script, 600, replicas={"prefill": 3, "decode": 5})
+    gap = [st for st in steps if 120 <= st.t < 240]
+    assert gap and all(d.direction == "hold" and d.reason == autoscaler.METRICS_UNAVAILABLE
+                       and "connection refused" in d.message for st in gap for d in st.decisions.values())
+    assert all(st.replicas == {"prefill": 3, "decode": 5} for st in steps)
+    conds = {c.type: c for c in autoscaler.conditions(gap[0].decisions, T0)}
+    assert conds["MetricsAvailable"].status == "False"
+    assert conds["MetricsAvailable"].reason == autoscaler.METRICS_UNAVAILABLE
+
+
+@pytest.mark.parametrize("case", ["stale", "missing-role", "empty"])
+def test_stale_missing_or_empty_metrics_hold(case):
+    s = spec()
+    replicas = {"prefill": 2, "decode": 3}
+    state = ScalerState.initial(s, replicas)
+    huge = {"prefill": {"waiting": 400.0}, "decode": {"running": 900.0}}
+    if case == "stale":
+        snap = snapshot(T0, huge, replicas, sample_time=T0 - 61)  # metricsMaxAge 60s
+    elif case == "missing-role":
+        snap = snapshot(T0, {"prefill": huge["prefill"]}, replicas)
+    else:
+        snap = MetricsSnapshot(taken_at=T0, roles={}, source="script")
+    decisions, new_state = decide(s, state, snap, T0, {})
+    assert {d.reason for d in decisions.values()} == {autoscaler.METRICS_UNAVAILABLE}
+    assert {r: d.desired for r, d in decisions.items()} == replicas
+    assert new_state.replicas == replicas and new_state.recommendations == state.recommendations
+
+
+def test_nan_samples_cannot_enter_a_snapshot():
+    with pytest.raises(ValueError, match="non-finite"):
+        RoleMetrics(waiting=float("nan"), running=0.0, replicas_reporting=1, sample_time=T0)
+    with pytest.raises(ValueError, match="must not carry numbers"):
+        MetricsSnapshot(taken_at=T0, ok=False, error="x",
+                        roles={"prefill": RoleMetrics(waiting=0, running=0, replicas_reporting=1, sample_time=T0)})
+
+
+def test_ratio_above_max_raises_decode_and_says_so():
+    s = spec(autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}})
+    decisions, _ = one(s, {"prefill": {"waiting": 32.0}, "decode": {"running": 16.0}}, {"prefill": 4, "decode": 1})
+    p, d = decisions["prefill"], decisions["decode"]
+    assert (p.desired, p.reason) == (8, autoscaler.QUEUE_ABOVE_TARGET)
+    assert (d.desired, d.direction, d.reason) == (4, "up", autoscaler.RATIO_BOUND)
+    assert "above pdRatio.max 2" in d.message and "queue alone" in d.message
+    assert autoscaler.ratio_text(decisions) == "2:1" and autoscaler.pd_ratio(decisions) == 2.0
+
+
+def test_ratio_below_min_raises_prefill_and_says_so():
+    s = spec(autoscaling={"interval": "15s", "pdRatio": {"min": 0.25, "max": 8}})
+    decisions, _ = one(s, {"prefill": {"waiting": 0.0}, "decode": {"running": 256.0}}, {"prefill": 1, "decode": 12})
+    assert decisions["decode"].desired == 16
+    p = decisions["prefill"]
+    assert (p.desired, p.direction, p.reason) == (4, "up", autoscaler.RATIO_BOUND)
+    assert "below pdRatio.min 0.25" in p.message
+
+
+def test_ratio_bound_shrinks_the_other_side_when_one_cannot_grow():
+    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 2},
+             autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}})
+    decisions, _ = one(s, {"prefill": {"waiting": 32.0}, "decode": {"running": 16.0}}, {"prefill": 4, "decode": 1})
+    d, p = decisions["decode"], decisions["prefill"]
+    assert d.desired == 2
+    assert (p.desired, p.direction, p.reason) == (4, "hold", autoscaler.RATIO_BOUND)
+    assert "decode cannot grow past 2" in p.message
+
+
+def test_capacity_caps_with_scaling_limited():
+    s = spec()
+    decisions, state = one(s, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
+                           {"prefill": 1, "decode": 1}, capacity={"prefill": 3, "decode": 10})
+    p = decisions["prefill"]
+    assert (p.desired, p.direction, p.reason) == (3, "up", autoscaler.SCALING_LIMITED)
+    assert "only 3 placeable" in p.message and "asked 5" in p.message
+    assert state.replicas["prefill"] == 3
+    conds = {c.type: c for c in autoscaler.conditions(decisions, T0)}
+    assert conds["ScalingLimited"].status == "True" and "prefill" in conds["ScalingLimited"].message
+    assert conds["MetricsAvailable"].status == "True"
+
+
+def test_capacity_shortage_never_shrinks_what_runs():
+    s = spec()
+    decisions, _ = one(s, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
+                       {"prefill": 4, "decode": 1}, capacity={"prefill": 2})
+    assert (decisions["prefill"].desired, decisions["prefill"].reason) == (4, autoscaler.SCALING_LIMITED)
+
+
+def test_grace_period_after_scale_up_blocks_scale_down_of_that_role():
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "60s"})
+
+    def script(t, cur):
+        waiting = 40.0 if 15 <= t < 30 else 4.0
+        return {"prefill": {"waiting": waiting}, "decode": {"running": 16.0}}
+
+    steps = simulate(s, script, 240, replicas={"prefill": 1, "decode": 1})
+    up = first(steps, "prefill", lambda d: d.direction == "up")
+    assert up is not None and up.t == 15
+    delayed = [st for st in steps if 15 < st.t < 75]
+    assert delayed and all(st.decisions["prefill"].reason == autoscaler.SCALE_DOWN_DELAYED for st in delayed)
+    assert all(st.replicas["prefill"] == 5 for st in delayed)
+    down = first(steps, "prefill", lambda d: d.direction == "down")
+    assert down is not None and down.t == 75
+
+
+def test_grace_period_concerns_only_the_role_that_grew():
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "60s"})
+    # decode grows on its own queue at t=0 while prefill's queue is empty
+    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 0.0}, "decode": {"running": 64.0 if t < 15 else 0.0}},
+                     60, replicas={"prefill": 3, "decode": 1})
+    assert steps[0].decisions["decode"].direction == "up"
+    assert steps[1].decisions["decode"].reason == autoscaler.SCALE_DOWN_DELAYED
+    assert [st.decisions["prefill"].direction for st in steps[:2]] == ["down", "down"]
+
+
+def test_scale_down_window_keeps_the_highest_recommendation():
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "120s"})
+    # decode asks for 6, then 3 for good at t=60
+    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 4.0}, "decode": {"running": 96.0 if t < 60 else 48.0}},
+                     400, replicas={"prefill": 1, "decode": 6})
+    held = [st for st in steps if 60 <= st.t < 165]
+    assert held and all(st.decisions["decode"].reason == autoscaler.SCALE_DOWN_STABILIZING for st in held)
+    assert "highest recommendation in the last 120s was 6" in held[-1].decisions["decode"].message
+    down = first(steps, "decode", lambda d: d.direction == "down")
+    assert down is not None and down.t == 165  # the last 6, recommended at t=45, leaves the 120 s window
+    assert steps[-1].replicas["decode"] == 3  # then one step per interval
+
+
+def test_scale_up_window_ignores_a_one_interval_spike():
+    s = spec(autoscaling={"interval": "15s", "scaleUpStabilization": "30s"})
+    spike = simulate(s, lambda t, cur: {"prefill": {"waiting": 40.0 if t == 60 else 4.0}, "decode": {"running": 16.0}},
+                     150, replicas={"prefill": 1, "decode": 1})
+    assert all(st.replicas["prefill"] == 1 for st in spike)
+    assert spike[4].decisions["prefill"].reason == autoscaler.SCALE_UP_STABILIZING
+    sustained = simulate(s, lambda t, cur: {"prefill": {"waiting": 40.0 if t >= 60 else 4.0},
+                                            "decode": {"running": 16.0}},
+                         150, replicas={"prefill": 1, "decode": 1})
+    up = first(sustained, "prefill", lambda d: d.direction == "up")
+    assert up is not None and up.t == 75  # every recommendation of the last 30 s (60, 75) asked for more
+
+
+# --- the rest of the chain ---------------------------------------------------------------------
+
+def test_within_tolerance_holds():
+    s = spec()
+    decisions, _ = one(s, {"prefill": {"waiting": 8.7}, "decode": {"running": 17.5}}, {"prefill": 2, "decode": 1})
+    assert {d.reason for d in decisions.values()} == {autoscaler.WITHIN_TOLERANCE}
+    decisions, _ = one(s, {"prefill": {"waiting": 8.9}, "decode": {"running": 16.0}}, {"prefill": 2, "decode": 1})
+    assert decisions["prefill"].direction == "up"
+
+
+def test_scale_down_step_and_min_max():
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "maxScaleDownStep": 2})
+    decisions, _ = one(s, {"prefill": {"waiting": 0.0}, "decode": {"running": 1000.0}}, {"prefill": 6, "decode": 14})
+    assert decisions["prefill"].desired == 4 and "-2 this interval" in decisions["prefill"].message
+    assert (decisions["decode"].desired, decisions["decode"].reason) == (16, autoscaler.MAX_REPLICAS)
+    decisions, _ = one(s, {"prefill": {"waiting": 0.0}, "decode": {"running": 0.0}}, {"prefill": 1, "decode": 2})
+    assert (decisions["decode"].desired, decisions["decode"].reason) == (1, autoscaler.MIN_REPLICAS)
+
+
+def test_prompt_tokens_target_wins_when_it_needs_more():
+    s = spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8,
+                      "targetPromptTokensPerReplica": 16384})
+    decisions, _ = one(s, {"prefill": {"waiting": 2.0, "prompt_tokens_waiting": 100_000.0},
+                           "decode": {"running": 16.0}}, {"prefill": 1, "decode": 1})
+    p = decisions["prefill"]
+    assert p.desired == 5 and "waiting prompt tokens" in p.message  # 1 + step 4 toward ceil(100000/16384) = 7
+    # an engine without the gauge (vLLM) scales on requests and says so
+    decisions, _ = one(s, {"prefill": {"waiting": 2.0}, "decode": {"running": 16.0}}, {"prefill": 1, "decode": 1})
+    assert decisions["prefill"].desired == 1 and "not reported" in decisions["prefill"].message
+
+
+def test_colocated_role_scales_on_running_plus_waiting_without_a_ratio():
+    s = spec(disaggregation=False, prefill=None, decode=None,
+             colocated={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8})
+    decisions, _ = one(s, {"colocated": {"running": 40.0, "waiting": 24.0}}, {"colocated": 2})
+    assert (decisions["colocated"].desired, decisions["colocated"].direction) == (4, "up")
+    assert autoscaler.ratio_text(decisions) == "-" and autoscaler.pd_ratio(decisions) is None
+
+
+def test_disabled_runs_min_replicas():
+    s = spec(autoscaling={"enabled": False})
+    decisions, _ = decide(s, ScalerState.initial(s, {"prefill": 3, "decode": 3}),
+                          MetricsSnapshot.unavailable(T0, "not asked"), T0, {})
+    assert {(d.desired, d.reason) for d in decisions.values()} == {(1, autoscaler.AUTOSCALING_DISABLED)}
+    assert {c.type: c.status for c in autoscaler.conditions(decisions, T0)}["MetricsAvailable"] == "Unknown"
+
+
+def test_state_round_trips_through_json_and_rejects_garbage():
+    s = spec()
+    steps_state = ScalerState.initial(s, {"prefill": 2})
+    _, state = decide(s, steps_state, snapshot(T0, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}}),
+                      T0, {})
+    text = state.to_json()
+    assert ScalerState.from_json(text) == state
+    assert state.last_scale_up == {"prefill": T0, "decode": T0} and state.recommendations["prefill"] == ((T0, 10),)
+    with pytest.raises(ValueError, match="invalid autoscaler state"):
+        ScalerState.from_json('{"replicas": 3}')
+
+
+def test_headline_and_status_report_the_change():
+    s = spec()
+    decisions, _ = one(s, {"prefill": {"waiting": 4.0}, "decode": {"running": 64.0}}, {"prefill": 1, "decode": 2})
+    assert autoscaler.headline(decisions).role == "decode"
+    st = autoscaler.status_decision(decisions, T0)
+    assert (st.role, st.from_replicas, st.to_replicas, st.reason) == ("decode", 2, 4, autoscaler.QUEUE_ABOVE_TARGET)
+    assert st.wire()["fromReplicas"] == 2
