@@ -43,10 +43,14 @@ class InitResult:
 
 
 def training_corpus(max_bytes: int) -> tuple[list[str], str]:
-    """Deterministic local text: the standard library's own sources, sorted by name, then EXTRA_TEXT."""
+    """Deterministic local text: the standard library's own sources (top level first, then
+    packages, each sorted by path; no site-packages), then EXTRA_TEXT."""
     stdlib = sysconfig.get_paths()["stdlib"]
+    top = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    nested = sorted(p for p in glob.glob(os.path.join(stdlib, "*", "**", "*.py"), recursive=True)
+                    if "site-packages" not in p and "dist-packages" not in p)
     texts, size = [], 0
-    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+    for path in top + nested:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         texts.append(text)
@@ -157,7 +161,7 @@ def init_model(path: str, preset: str = "tiny", *, arch: str = "llama", dtype: s
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     p = PRESETS[preset]
-    tok, corpus_digest = train_tokenizer(p["vocab_size"], max_corpus_bytes=4_000_000 if preset == "small" else 1_000_000)
+    tok, corpus_digest = train_tokenizer(p["vocab_size"], max_corpus_bytes=12_000_000 if preset == "small" else 1_000_000)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = _hf_config(p, arch, vocab, ids, dtype, tie_word_embeddings)
