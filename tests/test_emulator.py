@@ -261,6 +261,9 @@ def test_patches_replace_conflicts_and_dry_run(widgets: Kube, http: httpx.Client
     stale = dict(current, metadata=dict(current["metadata"], resourceVersion=rv), spec={"size": 7})
     conflict = http.put(f"{WIDGETS}/p", json=stale)
     assert conflict.status_code == 409 and conflict.json()["reason"] == "Conflict"
+    unconditional = http.put(f"{WIDGETS}/p", json=dict(current, metadata={"name": "p"}, spec={"size": 7}))
+    assert unconditional.status_code == 422  # custom resources need a resourceVersion on PUT
+    assert unconditional.json()["details"]["causes"][0]["field"] == "metadata.resourceVersion"
     replaced = http.put(f"{WIDGETS}/p", json=dict(current, spec={"size": 7}))
     assert replaced.status_code == 200 and replaced.json()["spec"] == {"size": 7, "color": "red"}
     assert replaced.json()["metadata"]["generation"] == 3
@@ -499,6 +502,12 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
     assert waiter.wait(timeout=15) == 0, waiter.stderr.read() if waiter.stderr else ""
     assert kube.get("widgets", "w1") is None
     assert {"create", "patch", "get", "list", "watch", "update", "delete"} <= kube.verbs("widgets")
+
+    kube.kubectl("apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team"}}))
+    kube.kubectl("apply", "-n", "team", "-f", "-", input=yaml.safe_dump(widget("tw")))
+    assert kube.kubectl("get", "ns", "team", "--no-headers").stdout.split()[:2] == ["team", "Active"]
+    kube.kubectl("delete", "ns", "team", "--wait=true", "--timeout=10s")
+    assert kube.get("namespaces", "team") is None and kube.get("widgets", "tw", "team") is None
 
 
 def _kubectl() -> str:

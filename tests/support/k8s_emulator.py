@@ -1445,6 +1445,12 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
             obj = self._create(res, namespace, body, dry_run=dry_run, field_validation=field_validation, warnings=warnings)
             return self._json(self._as_version(res, obj), 201, self._warning_headers(warnings))
         if entry.verb == "update":
+            sent_rv = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("resourceVersion")
+            if res.crd is not None and isinstance(body, dict) and not sent_rv:
+                # Custom resources do not allow unconditional updates (AllowUnconditionalUpdate is false).
+                raise _invalid(res, name or "", [admission.FieldError(
+                    "metadata.resourceVersion", "FieldValueInvalid",
+                    "Invalid value: 0x0: must be specified for an update")])
             obj = self._update(res, namespace, name, body, subresource=sub, dry_run=dry_run,
                                field_validation=field_validation, warnings=warnings)
             return self._json(self._as_version(res, obj), 200, self._warning_headers(warnings))
