@@ -12,21 +12,36 @@ INT8_MAX = 127.0
 
 @dataclasses.dataclass
 class KVCache:
-    """One layer's slice of the pool. k, v: [Hkv, num_blocks, block_size, D]; with an int8 cache,
-    k_scale, v_scale: [Hkv, num_blocks] (one scale per block and KV head)."""
+    """One layer's slice of the pool. kv: [2, Hkv, num_blocks, block_size, D] (keys, then values,
+    so one gather fetches both); with an int8 cache, scale: [2, Hkv, num_blocks] (one scale per
+    block and KV head)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+    kv: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[1]
+
+    @property
+    def k_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[0]
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[1]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[3]
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        return self.scale is not None
 
 
 @dataclasses.dataclass
@@ -93,11 +108,13 @@ def _write_quantized(data: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, s
 
 def gather_kv(cache: KVCache, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the given blocks. block_table: [..., nb] -> k, v: [Hkv, ..., nb * bs, D]."""
-    k, v = cache.k[:, block_table], cache.v[:, block_table]  # [Hkv, ..., nb, bs, D]
+    _, h, _, bs, d = cache.kv.shape
+    flat = block_table.reshape(-1)
+    kv = cache.kv.index_select(2, flat)  # [2, Hkv, n, bs, D]
     if cache.quantized:
-        k = k.to(dtype) * cache.k_scale[:, block_table][..., None, None].to(dtype)
-        v = v.to(dtype) * cache.v_scale[:, block_table][..., None, None].to(dtype)
-    return k.flatten(-3, -2), v.flatten(-3, -2)
+        kv = kv.to(dtype) * cache.scale.index_select(2, flat)[..., None, None].to(dtype)
+    kv = kv.view(2, h, *block_table.shape[:-1], block_table.shape[-1] * bs, d)
+    return kv[0], kv[1]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:

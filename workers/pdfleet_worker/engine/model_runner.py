@@ -53,15 +53,11 @@ class ModelRunner:
         return "cpu" if self.device.type == "cpu" else "flex"
 
     def _new_layer_cache(self, cfg: ModelConfig) -> KVCache:
-        shape = (cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        shape = (2, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         if self.kv_cache_dtype == "int8":
-            scales = (cfg.num_kv_heads, self.num_blocks)
             return KVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
-                           torch.zeros(shape, dtype=torch.int8, device=self.device),
-                           torch.zeros(scales, dtype=torch.float32, device=self.device),
-                           torch.zeros(scales, dtype=torch.float32, device=self.device))
-        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+                           torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
+        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -154,13 +150,13 @@ class ModelRunner:
     # -- KV import/export for prefill/decode disaggregation ----------------------------------
     @torch.inference_mode()
     def export_kv(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
-        """Copies of the given blocks, per layer: k, v [Hkv, n, block_size, D] (+ k_scale, v_scale [Hkv, n])."""
+        """Copies of the given blocks, per layer: kv [2, Hkv, n, block_size, D] (+ scale [2, Hkv, n])."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         out = []
         for c in self.caches:
-            layer = {"k": c.k[:, idx].cpu(), "v": c.v[:, idx].cpu()}
+            layer = {"kv": c.kv.index_select(2, idx).cpu()}
             if c.quantized:
-                layer["k_scale"], layer["v_scale"] = c.k_scale[:, idx].cpu(), c.v_scale[:, idx].cpu()
+                layer["scale"] = c.scale.index_select(2, idx).cpu()
             out.append(layer)
         return out
 
@@ -171,9 +167,9 @@ class ModelRunner:
             raise ValueError(f"KV has {len(layers)} layers, this model has {len(self.caches)}")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for c, layer in zip(self.caches, layers):
-            for name in ("k", "v") + (("k_scale", "v_scale") if c.quantized else ()):
+            for name in ("kv", "scale") if c.quantized else ("kv",):
                 dest, src = getattr(c, name), layer[name]
-                want = (dest.shape[0], len(block_ids)) + tuple(dest.shape[2:])
-                if tuple(src.shape) != want or src.dtype != dest.dtype:
-                    raise ValueError(f"KV {name} is {tuple(src.shape)} {src.dtype}, expected {want} {dest.dtype}")
-                dest[:, idx] = src.to(self.device)
+                want = dest.shape[:2] + (len(block_ids),) + dest.shape[3:]
+                if tuple(src.shape) != tuple(want) or src.dtype != dest.dtype:
+                    raise ValueError(f"KV {name} is {tuple(src.shape)} {src.dtype}, expected {tuple(want)} {dest.dtype}")
+                dest.index_copy_(2, idx, src.to(self.device))

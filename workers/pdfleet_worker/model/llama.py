@@ -18,6 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # NOTE: computed in fp32 and cast back before the weight, as Hugging Face does.
         dtype = x.dtype
         xf = x.float()
@@ -77,9 +79,10 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together: one pass instead of two
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attention.forward(q, k, v, meta, cache)  # [T, Hq * D]
         return self.o_proj(out)
