@@ -13,7 +13,9 @@ LABEL_ACCELERATOR = "pdfleet_accelerator"
 LABEL_NAMESPACE = "namespace"
 # Labels the worker itself sets (vLLM's own label name for the served model).
 LABEL_MODEL = "model_name"
-# Labels of the operator's and router's own series.
+# Labels of the operator's and router's own series. NOTE: the operator's series carry the
+# deployment's `namespace`; its ServiceMonitor sets honorLabels (as kube-state-metrics' does) so the
+# operator pod's own namespace does not overwrite it.
 LABEL_DEPLOYMENT_OWN = "deployment"
 LABEL_ROLE_OWN = "role"
 LABEL_DIRECTION = "direction"

@@ -1,0 +1,203 @@
+"""The only reader of worker metrics: Prometheus (prometheus-api-client) or worker /metrics scrapes, into `MetricsSnapshot`s."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import httpx
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_client.parser import text_string_to_metric_families
+from urllib3.util.retry import Retry
+
+from pdfleet_operator import metric_names as names
+from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+
+# Fields a snapshot cannot do without; the others are None when the engine does not export them.
+REQUIRED = ("waiting", "running", "replicas", "sample_time")
+# The worker series ScrapeSource reads (a NaN in any of them makes the snapshot unavailable).
+SCRAPED = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.PROMPT_TOKENS_WAITING,
+           names.PROMPT_TOKENS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.KV_CACHE_USAGE,
+           names.KV_CACHE_USAGE_LEGACY)
+
+
+class MetricsError(Exception):
+    """A metrics read that must not be acted on (turned into an `ok=False` snapshot)."""
+
+
+class MetricsSource(Protocol):
+    """Where the autoscaler's numbers come from."""
+
+    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
+        """Per-role queues of one deployment now; `ok=False` with the error instead of raising."""
+        ...
+
+
+def _finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise MetricsError(f"{what} is {value}")
+    return value
+
+
+class PrometheusSource:
+    """Queries Prometheus with the PromQL of an engine profile (`metric_names.PROFILES`)."""
+
+    def __init__(self, url: str, profile: str | names.QueryProfile = "pdfleet", timeout: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if isinstance(profile, str):
+            if profile not in names.PROFILES:
+                raise ValueError(f"unknown metrics profile {profile!r}; known: {', '.join(names.PROFILES)}")
+            profile = names.PROFILES[profile]
+        self.url = url.rstrip("/")
+        self.profile = profile
+        self.timeout = timeout
+        self.clock = clock
+        # NOTE: one quick retry, not the client's default backoff: the autoscaler asks again next interval,
+        # and a Prometheus outage must turn into a held size within that interval.
+        retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504), allowed_methods=("GET",))
+        self.client = PrometheusConnect(url=self.url, disable_ssl=True, retry=retry, timeout=timeout)
+
+    @property
+    def name(self) -> str:
+        return f"prometheus {self.url} ({self.profile.name})"
+
+    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
+        taken_at = self.clock()
+        roles = list(roles)
+        try:
+            values = {field: self._by_role(promql)
+                      for field, promql in self.profile.queries(deployment, namespace).items()}
+            return MetricsSnapshot(taken_at=taken_at, source=self.name,
+                                   roles={role: self._role(role, values, deployment, namespace) for role in roles})
+        except MetricsError as exc:
+            return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
+        except (requests.RequestException, PrometheusApiClientException) as exc:
+            return MetricsSnapshot.unavailable(taken_at, f"{type(exc).__name__}: {exc}", source=self.name)
+
+    def _by_role(self, promql: str) -> dict[str, float]:
+        """An instant vector by role label; MetricsError on a malformed answer or NaN."""
+        try:
+            result = self.client.custom_query(promql)
+            out: dict[str, float] = {}
+            for series in result:
+                role = series["metric"].get(self.profile.role_label)
+                if role is None:
+                    raise MetricsError(f"series without {self.profile.role_label} label from {promql}")
+                out[role] = _finite(float(series["value"][1]), f"{promql} for {role}")
+            return out
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
+
+    def _role(self, role: str, values: Mapping[str, Mapping[str, float]], deployment: str,
+              namespace: str) -> RoleMetrics:
+        missing = [f for f in REQUIRED if role not in values[f]]
+        if missing:
+            raise MetricsError(f"no series for role {role} of {namespace}/{deployment} "
+                               f"({self.profile.render(getattr(self.profile, missing[0]), deployment, namespace)})")
+
+        def optional(field: str) -> float | None:
+            return values.get(field, {}).get(role)
+
+        return RoleMetrics(waiting=values["waiting"][role], running=values["running"][role],
+                           replicas_reporting=int(values["replicas"][role]),
+                           sample_time=values["sample_time"][role], kv_usage=optional("kv_usage"),
+                           prompt_tokens_waiting=optional("prompt_tokens_waiting"),
+                           prompt_tokens_rate=optional("prompt_tokens_rate"),
+                           generation_tokens_rate=optional("generation_tokens_rate"))
+
+
+# role -> worker /metrics URLs, for one deployment
+Targets = Mapping[str, Sequence[str]]
+
+
+class ScrapeSource:
+    """Scrapes worker `/metrics` directly (`pdfleet up`, clusters without Prometheus).
+
+    `targets` is role -> URLs, or a function of (deployment, namespace) returning that. Every replica
+    must answer: one unreachable replica makes the snapshot unavailable (its queue is unknown, not zero).
+    Token rates come from the counters' change between two snapshots.
+    """
+
+    def __init__(self, targets: Targets | Callable[[str, str], Targets], timeout: float = 2.0,
+                 clock: Callable[[], float] = time.time, client: httpx.Client | None = None) -> None:
+        self.targets = targets
+        self.timeout = timeout
+        self.clock = clock
+        self.client = client or httpx.Client(timeout=timeout)
+        self._counters: dict[tuple[str, str, str, str], tuple[float, float]] = {}  # -> (time, total)
+
+    name = "scrape"
+
+    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
+        taken_at = self.clock()
+        targets = self.targets(deployment, namespace) if callable(self.targets) else self.targets
+        try:
+            return MetricsSnapshot(taken_at=taken_at, source=self.name, roles={
+                role: self._role(namespace, deployment, role, targets.get(role, ()), taken_at) for role in roles})
+        except MetricsError as exc:
+            return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
+
+    def _role(self, namespace: str, deployment: str, role: str, urls: Sequence[str], now: float) -> RoleMetrics:
+        if not urls:
+            raise MetricsError(f"no /metrics targets for role {role} of {namespace}/{deployment}")
+        totals: dict[str, float] = {}
+        kv: list[float] = []
+        for url in urls:
+            samples = self._scrape(url)
+            for field, metric in (("waiting", names.NUM_REQUESTS_WAITING), ("running", names.NUM_REQUESTS_RUNNING)):
+                if metric not in samples:
+                    raise MetricsError(f"{url} does not export {metric}")
+                totals[field] = totals.get(field, 0.0) + samples[metric]
+            for field, metric in (("prompt_tokens_waiting", names.PROMPT_TOKENS_WAITING),
+                                  ("prompt_total", names.PROMPT_TOKENS_TOTAL),
+                                  ("generation_total", names.GENERATION_TOKENS_TOTAL)):
+                if metric in samples:
+                    totals[field] = totals.get(field, 0.0) + samples[metric]
+                else:
+                    totals[field] = math.nan  # one replica without it: the sum is unknown
+            usage = samples.get(names.KV_CACHE_USAGE, samples.get(names.KV_CACHE_USAGE_LEGACY))
+            if usage is not None:
+                kv.append(usage)
+
+        def known(field: str) -> float | None:
+            value = totals.get(field, math.nan)
+            return value if math.isfinite(value) else None
+
+        return RoleMetrics(
+            waiting=totals["waiting"], running=totals["running"], replicas_reporting=len(urls), sample_time=now,
+            kv_usage=sum(kv) / len(kv) if len(kv) == len(urls) else None,
+            prompt_tokens_waiting=known("prompt_tokens_waiting"),
+            prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt"), known("prompt_total"), now),
+            generation_tokens_rate=self._rate((namespace, deployment, role, "generation"),
+                                              known("generation_total"), now))
+
+    def _scrape(self, url: str) -> dict[str, float]:
+        """The series pdfleet reads, by sample name, summed over label sets (one replica serves one model)."""
+        try:
+            resp = self.client.get(url, headers={"Accept": "text/plain; version=0.0.4"})
+            resp.raise_for_status()
+            out: dict[str, float] = {}
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    if sample.name in SCRAPED:
+                        value = _finite(float(sample.value), f"{sample.name} at {url}")
+                        out[sample.name] = out.get(sample.name, 0.0) + value
+            return out
+        except httpx.HTTPError as exc:
+            raise MetricsError(f"scraping {url}: {type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:
+            raise MetricsError(f"parsing {url}: {exc}") from exc
+
+    def _rate(self, key: tuple[str, str, str, str], total: float | None, now: float) -> float | None:
+        """Per-second increase of a counter since the previous snapshot (None on the first or after a reset)."""
+        if total is None:
+            self._counters.pop(key, None)
+            return None
+        previous = self._counters.get(key)
+        self._counters[key] = (now, total)
+        if previous is None or now <= previous[0] or total < previous[1]:
+            return None
+        return (total - previous[1]) / (now - previous[0])

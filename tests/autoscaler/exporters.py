@@ -1,0 +1,76 @@
+"""Fake workers for metrics tests: each serves one replica's vLLM-compatible queue series, set by the test."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pdfleet_operator import metric_names as names
+from tests.support.components import free_port
+
+
+class WorkerExporter:
+    """One worker replica's /metrics (classic text format), whose queue numbers the test plays."""
+
+    def __init__(self, deployment: str, role: str, namespace: str = "default", model: str = "tiny",
+                 prompt_tokens_gauge: bool = True) -> None:
+        self.deployment, self.role, self.namespace = deployment, role, namespace
+        self.registry = CollectorRegistry()
+        labels = [names.LABEL_MODEL]
+        self.waiting = Gauge(names.NUM_REQUESTS_WAITING, "waiting", labels, registry=self.registry).labels(model)
+        self.running = Gauge(names.NUM_REQUESTS_RUNNING, "running", labels, registry=self.registry).labels(model)
+        self.kv = Gauge(names.KV_CACHE_USAGE, "kv usage", labels, registry=self.registry).labels(model)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS_TOTAL, "prompt tokens", labels,
+                                     registry=self.registry).labels(model)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS_TOTAL, "generated tokens", labels,
+                                         registry=self.registry).labels(model)
+        self.prompt_tokens_waiting = (Gauge(names.PROMPT_TOKENS_WAITING, "prompt tokens waiting", labels,
+                                            registry=self.registry).labels(model) if prompt_tokens_gauge else None)
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def play(self, waiting: float, running: float = 0.0, kv: float = 0.0, prompt_tokens_waiting: float = 0.0) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv.set(kv)
+        if self.prompt_tokens_waiting is not None:
+            self.prompt_tokens_waiting.set(prompt_tokens_waiting)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def static_config(self) -> dict:
+        """A Prometheus static_config with the target labels a PodMonitor puts on a pdfleet worker pod."""
+        return {"targets": [self.address], "labels": {names.LABEL_DEPLOYMENT: self.deployment,
+                                                      names.LABEL_ROLE: self.role,
+                                                      names.LABEL_NAMESPACE: self.namespace}}
+
+
+def scrape_config(exporters: list[WorkerExporter], interval: str = "1s") -> dict:
+    return {"job_name": "pdfleet-workers", "scrape_interval": interval,
+            "static_configs": [e.static_config() for e in exporters]}
