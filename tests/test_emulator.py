@@ -20,7 +20,8 @@ import kmock
 import pytest
 import yaml
 
-from tests.support.k8s_fixtures import Kube, require_component
+from tests.support import components
+from tests.support.k8s_fixtures import Kube
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OPERATOR = REPO / "tests" / "support" / "emulator_operator.py"
@@ -79,7 +80,7 @@ def _need(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        require_component(module, "pip install -e '.[dev]'")
+        components.missing(module)
 
 
 def cm(name: str, **meta) -> dict:

