@@ -1,0 +1,60 @@
+"""Whether a live object already holds everything the operator rendered for it (pure; kube.py asks before writing).
+
+A live object carries more than was applied (server defaults, other managers' fields, status), so the
+question is containment, not equality: every field we render must be present with our value; lists
+must match element by element (we own whole lists, as server-side apply replaces them). Quantities
+compare by value, because the API server canonicalises them ("1024Mi" is stored as "1Gi").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdfleet_operator.api import parse_quantity
+
+# Map keys whose values are Kubernetes quantities.
+QUANTITY_PARENTS = frozenset({"requests", "limits"})
+QUANTITY_KEYS = frozenset({"sizeLimit"})
+
+
+def _same_quantity(actual: Any, desired: Any) -> bool:
+    try:
+        return parse_quantity(actual) == parse_quantity(desired)
+    except (ValueError, TypeError):
+        return actual == desired
+
+
+def contains(actual: Any, desired: Any, *, quantities: bool = False) -> bool:
+    """True when `actual` has every field of `desired` with the same value (recursively)."""
+    if isinstance(desired, dict):
+        if not isinstance(actual, dict):
+            return not desired and actual is None
+        for key, value in desired.items():
+            if key not in actual:
+                if value in ({}, [], None):
+                    continue  # the server drops empty maps and lists
+                return False
+            as_quantity = key in QUANTITY_KEYS or quantities
+            if not contains(actual[key], value, quantities=as_quantity if not isinstance(value, dict)
+                            else key in QUANTITY_PARENTS):
+                return False
+        return True
+    if isinstance(desired, list):
+        if not isinstance(actual, list):
+            return not desired and actual is None
+        return len(actual) == len(desired) and all(contains(a, d) for a, d in zip(actual, desired))
+    if quantities:
+        return _same_quantity(actual, desired)
+    return actual == desired
+
+
+def differences(actual: Any, desired: Any, path: str = "") -> list[str]:
+    """Paths where `actual` does not contain `desired` (for Events and logs: what a hand edit changed)."""
+    if contains(actual, desired):
+        return []
+    if isinstance(desired, dict) and isinstance(actual, dict):
+        out: list[str] = []
+        for key, value in desired.items():
+            out += differences(actual.get(key), value, f"{path}.{key}")
+        return out or [path or "."]
+    return [path or "."]

@@ -1,0 +1,520 @@
+"""The Kubernetes objects one InferenceDeployment becomes, from its spec and its FleetPlan (pure).
+
+The reconcile path (handlers -> kube.apply) calls `render(...)`; golden-file tests and
+`kubernetes-validate` check its output. Per pool (role x AcceleratorClass) a worker Deployment; per
+role a headless Service (worker discovery) and a PodDisruptionBudget; a router Deployment and its
+Service (the endpoint); a ConfigMap with the engine config; a PodMonitor and a PrometheusRule when
+the monitoring.coreos.com CRDs exist. Names derive from the deployment name only, so a restarted
+operator finds what it created instead of creating twins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdfleet_operator import metric_names as names
+from pdfleet_operator.api import (
+    API_VERSION,
+    WORKER_ROLE,
+    AcceleratorClassSpec,
+    InferenceDeploymentSpec,
+    parse_duration,
+)
+from pdfleet_operator.placement import FleetPlan, PlannedPool
+
+MAX_NAME = 63
+HASH_LEN = 8
+HTTP_PORT = 8000
+ROUTER_SERVICE_PORT = 80
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/pdfleet"
+CONFIG_KEY = "engine.json"
+RUN_AS = 1000
+WORKER_GRACE_SECONDS = 90  # a draining worker finishes in-flight requests and releases KV leases
+ROUTER_GRACE_SECONDS = 30
+MANAGER = "pdfleet-operator"
+PART_OF = "pdfleet"
+
+LABEL_DEPLOYMENT = "pdfleet.io/deployment"
+LABEL_ROLE = "pdfleet.io/role"
+LABEL_ACCELERATOR = "pdfleet.io/accelerator"
+LABEL_REVISION = "pdfleet.io/revision"
+ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
+ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
+ROUTER_ROLE = "router"
+
+# (apiVersion, kind) of everything render() may produce; kube.py maps them to API paths.
+KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+)
+MONITORING_KINDS = frozenset({"PodMonitor", "PrometheusRule"})
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceDeployment that owns the children (and is garbage-collected with them)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": API_VERSION, "kind": "InferenceDeployment", "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def child_name(*parts: str) -> str:
+    """`a-b-c`, or when longer than 63 characters a 54-character prefix plus a hash of the whole name."""
+    if not parts or any(not p for p in parts):
+        raise ValueError(f"child name parts must be non-empty, got {parts!r}")
+    full = "-".join(parts)
+    if len(full) <= MAX_NAME:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:HASH_LEN]
+    return full[:MAX_NAME - HASH_LEN - 1].rstrip("-") + "-" + digest
+
+
+def pool_name(deployment: str, role: str, accelerator_class: str) -> str:
+    return child_name(deployment, role, accelerator_class)
+
+
+def role_service_name(deployment: str, role: str) -> str:
+    return child_name(deployment, role)
+
+
+def router_name(deployment: str) -> str:
+    return child_name(deployment, "router")
+
+
+def config_name(deployment: str) -> str:
+    return child_name(deployment, "engine")
+
+
+def endpoint(deployment: str, namespace: str) -> str:
+    """The OpenAI API base URL clients use: the router Service."""
+    return f"http://{deployment}.{namespace}.svc:{ROUTER_SERVICE_PORT}/v1"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def template_hash(spec: InferenceDeploymentSpec) -> str:
+    """Hash of what the pods run: model, engine, router, roles' classes and resources; not sizes or policies.
+
+    A change of it is a new revision (issue 7); replica counts, autoscaling, rollback and SLO edits are not.
+    """
+    roles = {role: {"classes": rs.accelerator_classes, "resources": rs.resources.wire()}
+             for role, rs in spec.roles().items()}
+    router = spec.router.wire()
+    router.pop("replicas", None)
+    return _digest({"model": spec.model.wire(), "engine": spec.engine.wire(), "roles": roles,
+                    "tier": spec.tier, "router": router})
+
+
+def labels(owner: Owner, component: str, *, role: str | None = None, accelerator: str | None = None,
+           revision: int | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "pdfleet-router" if component == ROUTER_ROLE else "pdfleet-worker",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGER,
+        LABEL_DEPLOYMENT: owner.name,
+    }
+    if role is not None:
+        out[LABEL_ROLE] = role
+    if accelerator is not None:
+        out[LABEL_ACCELERATOR] = accelerator
+    if revision is not None:
+        out[LABEL_REVISION] = str(revision)
+    return out
+
+
+def selector(owner: Owner, role: str, accelerator: str | None = None) -> dict[str, str]:
+    """Immutable Deployment selectors: never the revision (a new revision rolls pods, not selectors)."""
+    out = {LABEL_DEPLOYMENT: owner.name, LABEL_ROLE: role}
+    if accelerator is not None:
+        out[LABEL_ACCELERATOR] = accelerator
+    return out
+
+
+def _meta(owner: Owner, name: str, lbls: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": lbls,
+                            "ownerReferences": [owner.reference()]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _quantity(value: str | int | float) -> str:
+    return str(value)
+
+
+def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The worker's engine settings (keys as pdfleet_worker.config.EngineConfig names them)."""
+    e = spec.engine
+    return {
+        "served_model_name": spec.model.name,
+        "dtype": spec.model.dtype,
+        "max_model_len": spec.model.max_model_len,
+        "block_size": e.block_size,
+        "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
+        "kv_cache_dtype": e.kv_cache_dtype,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "max_num_waiting": e.max_waiting_requests,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "kv_transfer": {
+            "timeout_seconds": parse_duration(e.kv_transfer.timeout),
+            "lease_seconds": parse_duration(e.kv_transfer.lease),
+            "on_failure": e.kv_transfer.on_failure,
+        },
+    }
+
+
+def config_text(spec: InferenceDeploymentSpec) -> str:
+    return json.dumps(engine_config(spec), indent=2, sort_keys=True) + "\n"
+
+
+def model_dir(spec: InferenceDeploymentSpec) -> str:
+    src = spec.model.source
+    if src.pvc is not None:
+        return posixpath.join(MODEL_MOUNT, src.pvc.path) if src.pvc.path else MODEL_MOUNT
+    if src.host_path is not None:
+        return MODEL_MOUNT
+    assert src.local is not None, "validated model.source without pvc, hostPath or local"
+    # NOTE: a relative local path is relative to the worker's working directory (the image's), as
+    # `pdfleet up` resolves it relative to the spec file.
+    return src.local.path
+
+
+def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    src = spec.model.source
+    if src.pvc is not None:
+        vol = {"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}}
+    elif src.host_path is not None:
+        vol = {"name": "model", "hostPath": {"path": src.host_path.path, "type": "Directory"}}
+    else:
+        return [], []
+    return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+
+
+def worker_args(spec: InferenceDeploymentSpec, role: str) -> list[str]:
+    """`pdfleet worker` flags (issue 4's contract plus the engine config file and extra args)."""
+    return ["worker", "--model", model_dir(spec), "--role", WORKER_ROLE[role],
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--engine-config", posixpath.join(CONFIG_MOUNT, CONFIG_KEY), *spec.engine.extra_args]
+
+
+def router_args(owner: Owner, roles: list[str]) -> list[str]:
+    """`pdfleet router` flags: each role's headless Service, whose DNS name resolves to every ready worker."""
+    def url(role: str) -> str:
+        return f"http://{role_service_name(owner.name, role)}.{owner.namespace}.svc:{HTTP_PORT}"
+
+    args = ["router"]
+    if "colocated" in roles:
+        args += ["--workers", url("colocated")]
+    else:
+        args += ["--prefill", url("prefill"), "--decode", url("decode")]
+    return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+
+
+def _probes() -> dict[str, Any]:
+    def get(path: str) -> dict[str, Any]:
+        return {"path": path, "port": "http"}
+
+    return {
+        # NOTE: loading weights can take minutes; the startup probe holds liveness off until /health answers.
+        "startupProbe": {"httpGet": get("/health"), "periodSeconds": 10, "failureThreshold": 90},
+        "readinessProbe": {"httpGet": get("/ready"), "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": get("/health"), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT), "prometheus.io/path": "/metrics"}
+
+
+def _resources(role_resources: Any, cls: AcceleratorClassSpec | None) -> dict[str, Any]:
+    requests = {k: _quantity(v) for k, v in role_resources.requests.items()}
+    limits = {k: _quantity(v) for k, v in role_resources.limits.items()}
+    if cls is not None:
+        units = str(cls.count)
+        requests[cls.resource_name] = units
+        if cls.resource_name != "cpu":  # extended resources must have limit == request; cpu is not capped
+            limits[cls.resource_name] = units
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    return out
+
+
+def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[str, str]]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "PDFLEET_DEPLOYMENT", "value": owner.name},
+        {"name": "PDFLEET_ROLE", "value": role},
+    ]
+    if accelerator is not None:
+        env.append({"name": "PDFLEET_ACCELERATOR", "value": accelerator})
+    env += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    return env + extra
+
+
+def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPool, cls: AcceleratorClassSpec,
+                    *, revision: int) -> dict[str, Any]:
+    role, acc = pool.role, pool.accelerator_class
+    role_spec = spec.roles()[role]
+    name = pool_name(owner.name, role, acc)
+    model_vols, model_mounts = _model_volume(spec)
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": cls.image or spec.engine.image,
+        "command": ["pdfleet"],
+        "args": worker_args(spec, role),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _pod_env(owner, role, acc, [{"name": e.name, "value": e.value} for e in cls.env]),
+        **_probes(),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            *model_mounts,
+        ],
+    }
+    resources = _resources(role_spec.resources, cls)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": config_name(owner.name)}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
+            *model_vols,
+        ],
+    }
+    if cls.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(cls.node_selector.items()))
+    if cls.tolerations:
+        pod_spec["tolerations"] = [t.wire() for t in cls.tolerations]
+    pod_labels = labels(owner, role, role=role, accelerator=acc, revision=revision)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, name, labels(owner, role, role=role, accelerator=acc, revision=revision),
+                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec)}),
+        "spec": {
+            "replicas": pool.replicas,
+            "revisionHistoryLimit": 2,
+            "selector": {"matchLabels": selector(owner, role, acc)},
+            # NOTE: accelerators are scarce: a rolling update replaces one pod at a time instead of
+            # surging onto a spare device that usually does not exist (the pod would stay Pending).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels,
+                             "annotations": {**_scrape_annotations(), ANNOTATION_CONFIG_HASH: _digest(config_text(spec))}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, *, revision: int) -> dict[str, Any]:
+    roles = list(spec.roles())
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": spec.router.image or spec.engine.image,
+        "command": ["pdfleet"],
+        "args": router_args(owner, roles),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _pod_env(owner, ROUTER_ROLE, None, []),
+        **_probes(),
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    resources = _resources(spec.router.resources, None)
+    if resources:
+        container["resources"] = resources
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, router_name(owner.name), labels(owner, ROUTER_ROLE, role=ROUTER_ROLE, revision=revision),
+                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec)}),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "revisionHistoryLimit": 2,
+            "selector": {"matchLabels": selector(owner, ROUTER_ROLE)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels(owner, ROUTER_ROLE, role=ROUTER_ROLE, revision=revision),
+                             "annotations": _scrape_annotations()},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
+                    "securityContext": _pod_security(),
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                },
+            },
+        },
+    }
+
+
+def role_service(owner: Owner, role: str) -> dict[str, Any]:
+    """Headless: its DNS name answers every ready worker's IP, which is how the router finds them."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, role_service_name(owner.name, role), labels(owner, role, role=role)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(owner, role),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+def router_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, owner.name, labels(owner, ROUTER_ROLE, role=ROUTER_ROLE)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(owner, ROUTER_ROLE),
+            "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def role_pdb(owner: Owner, role: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, role_service_name(owner.name, role), labels(owner, role, role=role)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector(owner, role)},
+            # A worker that never got ready (no device, bad weights) must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def config_map(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, config_name(owner.name), labels(owner, "config")),
+        "data": {CONFIG_KEY: config_text(spec)},
+    }
+
+
+def pod_monitor(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """Scrapes workers and router; pod labels become the pdfleet_* target labels the autoscaler queries."""
+    def relabel(label: str, target: str) -> dict[str, Any]:
+        source = "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
+        return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
+
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(owner, owner.name, labels(owner, "monitoring")),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}},
+            "podMetricsEndpoints": [{
+                "port": "http",
+                "path": "/metrics",
+                "interval": spec.autoscaling.interval,
+                "relabelings": [
+                    relabel(LABEL_DEPLOYMENT, names.LABEL_DEPLOYMENT),
+                    relabel(LABEL_ROLE, names.LABEL_ROLE),
+                    relabel(LABEL_ACCELERATOR, names.LABEL_ACCELERATOR),
+                    {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": names.LABEL_NAMESPACE,
+                     "action": "replace"},
+                ],
+            }],
+        },
+    }
+
+
+def prometheus_rule(owner: Owner) -> dict[str, Any]:
+    """This deployment's $ per 1M generated tokens, from the operator's cost gauge and the workers' token rate."""
+    own = f'namespace="{owner.namespace}",{names.LABEL_DEPLOYMENT_OWN}="{owner.name}"'
+    workers = f'{names.LABEL_NAMESPACE}="{owner.namespace}",{names.LABEL_DEPLOYMENT}="{owner.name}"'
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _meta(owner, owner.name, labels(owner, "monitoring")),
+        "spec": {"groups": [{
+            "name": f"pdfleet-{owner.namespace}-{owner.name}",
+            "rules": [{
+                "record": "pdfleet:cost_per_million_tokens",
+                "expr": f"sum({names.POOL_COST_PER_HOUR}{{{own}}}) / "
+                        f"(sum(rate({names.GENERATION_TOKENS_TOTAL}{{{workers}}}[5m])) * 3600 / 1e6)",
+                "labels": {names.LABEL_NAMESPACE: owner.namespace, names.LABEL_DEPLOYMENT: owner.name},
+            }],
+        }]},
+    }
+
+
+def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
+           classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False) -> list[dict[str, Any]]:
+    """Every child object, in apply order (config and discovery before the pods that use them).
+
+    `spec` is the revision being served (rollback passes the stable revision's spec); `plan` gives the
+    replicas. Pools with a class missing from `classes` are a wrong call: ValueError.
+    """
+    if revision < 1:
+        raise ValueError(f"revision must be >= 1, got {revision}")
+    roles = list(spec.roles())
+    for pool in plan.pools:
+        if pool.role not in roles:
+            raise ValueError(f"plan has a {pool.role} pool but the spec's roles are {roles}")
+        if pool.accelerator_class not in classes:
+            raise ValueError(f"plan uses AcceleratorClass {pool.accelerator_class!r}, not among {sorted(classes)}")
+    out: list[dict[str, Any]] = [config_map(owner, spec)]
+    out += [role_service(owner, role) for role in roles]
+    out.append(router_service(owner))
+    out += [role_pdb(owner, role) for role in roles]
+    out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision) for pool in plan.pools]
+    out.append(router_deployment(owner, spec, revision=revision))
+    if monitoring:
+        out += [pod_monitor(owner, spec), prometheus_rule(owner)]
+    names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]
+    assert len(set(names_seen)) == len(names_seen), f"rendered two objects with one name: {names_seen}"
+    return out

@@ -1,0 +1,120 @@
+"""The InferenceDeployment status the reconcile path writes: pools, P:D, $/h, endpoint and conditions (pure).
+
+`compute(...)` takes the plan, its cost, what the children report as ready and the previous status,
+and returns the new status; conditions other than the four it owns (MetricsAvailable, RolledBack,
+set by the autoscaler and rollback through the same reconcile) and their fields are carried over.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdfleet_operator import render
+from pdfleet_operator.api import Condition, InferenceDeploymentStatus, PoolStatus, set_condition
+from pdfleet_operator.cost import PlanCost
+from pdfleet_operator.placement import FleetPlan
+
+OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded", "ScalingLimited")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the children say: ready replicas per worker Deployment name, and the router's."""
+
+    ready: Mapping[str, int] = field(default_factory=dict)
+    router_ready: int = 0
+    problems: tuple[str, ...] = ()  # objects that could not be applied (name conflicts, rejections)
+
+
+def pd_ratio(plan: FleetPlan) -> str:
+    if "colocated" in plan.targets:
+        return "-"
+    return f"{plan.replicas('prefill')}:{plan.replicas('decode')}"
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str, now: dt.datetime, generation: int | None) -> Condition:
+    return Condition(type=type_, status="True" if ok else "False", reason=reason, message=message[:32000],
+                     last_transition_time=now, observed_generation=generation)
+
+
+def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, observed: Observed,
+            previous: InferenceDeploymentStatus | None, generation: int | None, revision: int,
+            router_replicas: int, now: dt.datetime,
+            extra_conditions: Sequence[Condition] = ()) -> InferenceDeploymentStatus:
+    prev = previous or InferenceDeploymentStatus()
+    pools = [PoolStatus(name=render.pool_name(name, p.role, p.accelerator_class), role=p.role,
+                        accelerator_class=p.accelerator_class, desired=p.replicas,
+                        ready=observed.ready.get(render.pool_name(name, p.role, p.accelerator_class), 0),
+                        cost_per_hour=round(cost.of(p.role, p.accelerator_class), 4))
+             for p in plan.pools]
+    roles = plan.roles()
+    ready_by_role = {r: sum(p.ready for p in pools if p.role == r) for r in roles}
+    desired_by_role = {r: plan.replicas(r) for r in roles}
+
+    conditions = list(prev.conditions)
+    # ScalingLimited: the plan is short of its targets.
+    if plan.shortfalls:
+        first = plan.shortfalls[0]
+        conditions = set_condition(conditions, _cond(
+            "ScalingLimited", True, first.reason, "; ".join(s.message for s in plan.shortfalls), now, generation))
+    else:
+        conditions = set_condition(conditions, _cond(
+            "ScalingLimited", False, "CapacityAvailable", "every role has the replicas it asks for", now, generation))
+    # Degraded: a role that cannot run at all, or children that could not be applied.
+    unplaced = [r for r in roles if plan.targets.get(r, 0) > 0 and desired_by_role[r] == 0]
+    if observed.problems:
+        conditions = set_condition(conditions, _cond(
+            "Degraded", True, "ApplyFailed", "; ".join(observed.problems), now, generation))
+    elif unplaced:
+        conditions = set_condition(conditions, _cond(
+            "Degraded", True, "RoleUnplaced", f"no replica of {', '.join(unplaced)} could be placed", now, generation))
+    elif _is_true(conditions, "RolledBack"):
+        pass  # rollback owns Degraded while a rolled-back revision is served
+    else:
+        conditions = set_condition(conditions, _cond(
+            "Degraded", False, "AsExpected", "every role has a pool", now, generation))
+    # Progressing: children not yet at their desired size.
+    behind = [f"{p.name} {p.ready}/{p.desired}" for p in pools if p.ready < p.desired]
+    if observed.router_ready < router_replicas:
+        behind.append(f"{render.router_name(name)} {observed.router_ready}/{router_replicas}")
+    if behind:
+        conditions = set_condition(conditions, _cond(
+            "Progressing", True, "RollingOut", "waiting for " + ", ".join(behind), now, generation))
+    else:
+        conditions = set_condition(conditions, _cond(
+            "Progressing", False, "Complete", "every pool is at its desired size", now, generation))
+    # Ready: a request can be served end to end (router plus at least one worker per role).
+    missing = [r for r in roles if ready_by_role[r] == 0]
+    if observed.router_ready == 0:
+        missing.append("router")
+    if missing:
+        conditions = set_condition(conditions, _cond(
+            "Ready", False, "NotServing", "no ready replica of " + ", ".join(missing), now, generation))
+    else:
+        conditions = set_condition(conditions, _cond(
+            "Ready", True, "Serving", ", ".join(f"{r} {ready_by_role[r]}/{desired_by_role[r]}" for r in roles)
+            + f", router {observed.router_ready}/{router_replicas}", now, generation))
+    for extra in extra_conditions:
+        conditions = set_condition(conditions, extra)
+
+    if "colocated" in roles:
+        prefill_replicas, decode_replicas = None, desired_by_role["colocated"]
+    else:
+        prefill_replicas, decode_replicas = desired_by_role["prefill"], desired_by_role["decode"]
+    return prev.model_copy(update={
+        "observed_generation": generation,
+        "conditions": conditions,
+        "pools": pools,
+        "prefill_replicas": prefill_replicas,
+        "decode_replicas": decode_replicas,
+        "pd_ratio": pd_ratio(plan),
+        "cost_per_hour": round(cost.total_per_hour, 4),
+        "endpoint": render.endpoint(name, namespace),
+        "current_revision": revision,
+    })
+
+
+def _is_true(conditions: Sequence[Condition], type_: str) -> bool:
+    return any(c.type == type_ and c.status == "True" for c in conditions)
