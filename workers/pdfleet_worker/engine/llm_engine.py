@@ -71,6 +71,7 @@ class IterationStats:
     ttfts_s: list[float] = dataclasses.field(default_factory=list)
     inter_token_latencies_s: list[float] = dataclasses.field(default_factory=list)
     finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+    num_scheduled_tokens: int = 0    # tokens the model ran this step; 0: the step could do nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ class EngineStats:
     prefix_cache_queries_total: int  # tokens
     prefix_cache_hits_total: int     # tokens
     request_success_total: dict[str, int]
+    num_prompt_tokens_waiting: int = 0  # prompt tokens of requests not yet admitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +223,7 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         it.num_preemptions = len(sched.preempted_ids)
+        it.num_scheduled_tokens = sched.num_batched_tokens
         sampled = self.model_runner.execute(sched)
         for chunk in sched.chunks:
             if chunk.start_pos < self.scheduler.requests[chunk.request_id].num_prompt_tokens:
@@ -331,7 +334,8 @@ class LLMEngine:
             num_held_blocks=sum(len(q.block_ids) for q in s.held.values()),
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions, prefix_cache_queries_total=bm.stats.queries,
-            prefix_cache_hits_total=bm.stats.hits, request_success_total=dict(self._success))
+            prefix_cache_hits_total=bm.stats.hits, request_success_total=dict(self._success),
+            num_prompt_tokens_waiting=sum(q.num_prompt_tokens for q in s.waiting))
 
     def is_idle_and_whole(self) -> bool:
         """No request anywhere and every block free: what tests assert after each case."""
