@@ -140,6 +140,11 @@ def pod_requests(pod: dict) -> dict[str, float]:
     return total
 
 
+def taints_of(node: dict) -> tuple[Taint, ...]:
+    return tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
+                 for t in (node.get("spec") or {}).get("taints") or [])
+
+
 def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tuple[str, str] | None = None) -> Inventory:
     """The free capacity: allocatable of Ready, schedulable nodes minus what bound, running pods request.
 
@@ -179,7 +184,5 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
                 continue
             # NOTE: 1e-9 absorbs float error of milli-CPU sums before rounding down to whole units.
             free[resource] = max(0, math.floor(left + 1e-9))
-        taints = tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
-                       for t in (node.get("spec") or {}).get("taints") or [])
-        out.append(NodeInventory(name, dict((node.get("metadata") or {}).get("labels") or {}), taints, free))
+        out.append(NodeInventory(name, dict((node.get("metadata") or {}).get("labels") or {}), taints_of(node), free))
     return Inventory(tuple(out), tuple(notes))

@@ -1,0 +1,628 @@
+"""kopf handlers: thin triggers into one reconcile path per InferenceDeployment (run by `pdfleet operator`).
+
+Every trigger (the CR's create/update/resume, an AcceleratorClass or Node change, a child edited by
+hand, a freed accelerator, the periodic resync, the autoscaler or rollback asking for a new size or
+revision) ends in `Reconciler.reconcile(key, why)`: gather (indexes + children) -> plan -> render ->
+apply what differs -> status and Events if something changed. Runs of one key never overlap and
+requests arriving during a run fold into one more run.
+
+NOTE: kopf's own bookkeeping (last-handled configuration, handler progress) is kept in memory, not
+in annotations: it would cost a write per change on every CR. After a restart every CR is "created"
+again, which runs the same idempotent reconcile; kopf still writes its touch annotation to retry a
+handler that raised TemporaryError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+import pydantic
+
+from pdfleet_operator import cost, exporter, inventory, kube, placement, render, status
+from pdfleet_operator.api import (
+    AcceleratorClass,
+    AcceleratorClassSpec,
+    Condition,
+    InferenceDeployment,
+    InferenceDeploymentSpec,
+    parse_duration,
+)
+
+GROUP, VERSION = "pdfleet.io", "v1alpha1"
+logger = logging.getLogger("pdfleet.operator")
+Key = tuple[str, str]  # (namespace, name)
+MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
+RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclasses.dataclass
+class Options:
+    """Set by `pdfleet operator` before kopf starts."""
+
+    resync_interval: float = 300.0  # seconds between full re-reconciles (0: never)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    monitoring_check_interval: float = 300.0
+
+
+OPTIONS = Options()
+
+
+# --- kopf's state in memory --------------------------------------------------------------------------
+
+class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
+    """Last-handled essence per object uid, in this process only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._essences: dict[str, Any] = {}
+
+    def fetch(self, *, body: kopf.Body) -> Any:
+        return self._essences.get(body.metadata.uid)
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        self._essences[body.metadata.uid] = essence
+
+
+class MemoryProgressStorage(kopf.AnnotationsProgressStorage):
+    """Handler progress per object uid in memory; `touch` (inherited) still wakes kopf up for retries."""
+
+    def __init__(self) -> None:
+        super().__init__(prefix="pdfleet.io")
+        self._records: dict[tuple[str, str], Any] = {}
+
+    def fetch(self, *, key: Any, body: kopf.Body) -> Any:
+        return self._records.get((body.metadata.uid, str(key)))
+
+    def store(self, *, key: Any, record: Any, body: kopf.Body, patch: kopf.Patch) -> None:
+        self._records[(body.metadata.uid, str(key))] = dict(record)
+
+    def purge(self, *, key: Any, body: kopf.Body, patch: kopf.Patch) -> None:
+        self._records.pop((body.metadata.uid, str(key)), None)
+
+
+# --- the reconcile path --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """Which revision's pod template to serve (set by rollback); the spec is that revision's spec."""
+
+    revision: int
+    spec: InferenceDeploymentSpec
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one reconcile did (returned to handlers and tests)."""
+
+    writes: int = 0
+    plan: placement.FleetPlan | None = None
+    result: kube.ApplyResult | None = None
+    status_written: bool = False
+    skipped: str = ""
+
+
+class Reconciler:
+    """The state the handlers share: indexes, the API client, per-key inputs from the autoscaler and rollback."""
+
+    def __init__(self) -> None:
+        self.api: kube.Api | None = None
+        self.indexes: dict[str, Any] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._wanted: dict[Key, int] = {}
+        self._done: dict[Key, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._retries: dict[Key, int] = {}
+        # Inputs other pieces feed in (issue 6: desired replicas; issue 7: the revision to serve).
+        self.desired: dict[Key, dict[str, int]] = {}
+        self.templates: dict[Key, Template] = {}
+        self.extra_conditions: dict[Key, dict[str, Condition]] = {}
+        self.extra_status: dict[Key, dict[str, Any]] = {}
+        # What this process last saw or wrote.
+        self.limited: set[Key] = set()
+        self.node_digests: dict[str, str] = {}
+        self.class_specs: dict[str, dict[str, Any]] = {}
+        self._last_status: dict[Key, tuple[dict[str, Any], str | None, str | None]] = {}
+        self._monitoring: tuple[float, bool] | None = None
+        self.reconciles = 0
+
+    # --- inputs from the autoscaler and rollback --------------------------------------------------------
+    def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = "autoscaler") -> None:
+        """Total replicas per role to plan for; placement caps them at capacity (-> ScalingLimited)."""
+        self.desired[key] = dict(replicas)
+        self.request(key, why)
+
+    def set_template(self, key: Key, template: Template | None, why: str = "rollback") -> None:
+        """Serve `template` (a stored revision) instead of the current spec; None goes back to the spec."""
+        if template is None:
+            self.templates.pop(key, None)
+        else:
+            self.templates[key] = template
+        self.request(key, why)
+
+    def set_status(self, key: Key, *, conditions: list[Condition] = (), why: str = "", **fields: Any) -> None:
+        """Conditions (MetricsAvailable, RolledBack, ...) and status fields (lastScalingDecision,
+        stableRevision, failedRevision) written with the next status update; no second status writer."""
+        self.extra_conditions.setdefault(key, {}).update({c.type: c for c in conditions})
+        self.extra_status.setdefault(key, {}).update(fields)
+        self.request(key, why or "status update")
+
+    # --- triggering ---------------------------------------------------------------------------------------
+    def request(self, key: Key, why: str) -> None:
+        """Reconcile `key` soon, in the background (coalesced with runs already queued)."""
+        task = asyncio.get_running_loop().create_task(self._background(key, why))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _background(self, key: Key, why: str) -> None:
+        try:
+            await self.reconcile(key, why)
+            self._retries.pop(key, None)
+        except kube.ApiError as exc:
+            attempt = self._retries.get(key, 0)
+            self._retries[key] = attempt + 1
+            delay = RETRY_DELAYS[min(attempt, len(RETRY_DELAYS) - 1)]
+            logger.warning("reconcile of %s/%s (%s) failed: %s; retrying in %ss", *key, why, exc, delay)
+            await asyncio.sleep(delay)
+            self.request(key, why)
+        except (pydantic.ValidationError, ValueError) as exc:
+            logger.error("reconcile of %s/%s (%s) failed: %s", *key, why, exc)
+            exporter.RECONCILES.labels("error").inc()
+
+    async def drain(self) -> None:
+        """Wait for background reconciles (tests and shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def keys_using(self, class_names: set[str]) -> list[Key]:
+        out = []
+        for key, body in self._bodies().items():
+            spec = body.get("spec") or {}
+            listed = {c for role in ("prefill", "decode", "colocated") for c in (spec.get(role) or {}).get("acceleratorClasses", [])}
+            if listed & class_names:
+                out.append(key)
+        return sorted(out)
+
+    # --- gathering ----------------------------------------------------------------------------------------
+    def _bodies(self) -> dict[Key, dict[str, Any]]:
+        index = self.indexes.get("infdep_index")
+        if index is None:
+            return {}
+        return {key: next(iter(store)) for key, store in index.items()}
+
+    def _classes(self) -> dict[str, AcceleratorClassSpec]:
+        index = self.indexes.get("class_index") or {}
+        return {name: next(iter(store)) for name, store in index.items()}
+
+    def _inventory(self, key: Key) -> inventory.Inventory:
+        nodes = [next(iter(s)) for s in (self.indexes.get("node_index") or {}).values()]
+        pods = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s]
+        return inventory.build(nodes, pods, exclude_deployment=key)
+
+    async def _monitoring_enabled(self) -> bool:
+        assert self.api is not None
+        now = asyncio.get_running_loop().time()
+        if self._monitoring is None or now - self._monitoring[0] > OPTIONS.monitoring_check_interval:
+            self._monitoring = (now, await self.api.has_group("monitoring.coreos.com/v1"))
+        return self._monitoring[1]
+
+    # --- the reconcile --------------------------------------------------------------------------------------
+    async def reconcile(self, key: Key, why: str, *, body: Mapping[str, Any] | None = None) -> Outcome:
+        ticket = self._wanted[key] = self._wanted.get(key, 0) + 1
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if self._done.get(key, 0) >= ticket:
+                return Outcome(skipped="covered by a later run")
+            started = self._wanted[key]
+            try:
+                outcome = await self._reconcile(key, why, body)
+            except Exception:
+                exporter.RECONCILES.labels("error").inc()
+                raise
+            self._done[key] = started
+            exporter.RECONCILES.labels("ok" if not outcome.skipped else "skipped").inc()
+            self.reconciles += 1
+            return outcome
+
+    async def _reconcile(self, key: Key, why: str, given: Mapping[str, Any] | None) -> Outcome:
+        api = self.api
+        assert api is not None, "reconcile before login"
+        # NOTE: the index may hold a newer body than the handler's (our status writes come back through
+        # it); the generation decides which spec is newer, the index wins ties.
+        indexed = self._bodies().get(key)
+        body = indexed if indexed is not None else given
+        if given is not None and indexed is not None and \
+                (given.get("metadata") or {}).get("generation", 0) > (indexed.get("metadata") or {}).get("generation", 0):
+            body = given
+        if body is None:
+            return Outcome(skipped="gone")
+        meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return Outcome(skipped="being deleted")
+        dep = InferenceDeployment.model_validate({
+            "apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"), "kind": "InferenceDeployment",
+            "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "resourceVersion") if meta.get(k) is not None},
+            "spec": body.get("spec") or {}, **({"status": body["status"]} if body.get("status") else {}),
+        })
+        owner = render.Owner(dep.name, key[0], meta["uid"])
+        classes = self._classes()
+        monitoring = await self._monitoring_enabled()
+        kinds = kube.CHILD_KINDS + (("PodMonitor", "PrometheusRule") if monitoring else ())
+        children = await kube.list_children(api, owner, kinds)
+
+        template = self.templates.get(key)
+        spec = template.spec if template else dep.spec
+        revision = template.revision if template else _revision(dep, children)
+        desired = self._desired_for(key, dep.spec, spec, children)
+        plan = placement.plan(spec, classes, self._inventory(key), desired)
+        objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring)
+        writes_before = api.writes
+        result = await kube.apply_children(api, owner, objects, children)
+        for k in result.applied + result.created + result.deleted:
+            exporter.API_WRITES.labels(k.split("/")[0]).inc()
+
+        router_cpu = cost.router_cores(spec.router.resources.requests)
+        plan_cost = cost.plan_cost(plan, classes, router_replicas=spec.router.replicas, router_cpu=router_cpu)
+        ready = {c["metadata"]["name"]: int((c.get("status") or {}).get("readyReplicas") or 0)
+                 for c in children if c["kind"] == "Deployment"}
+        observed = status.Observed(ready=ready, router_ready=ready.get(render.router_name(dep.name), 0),
+                                   problems=tuple(result.problems))
+        previous = dep.status
+        new = status.compute(name=dep.name, namespace=key[0], plan=plan, cost=plan_cost, observed=observed,
+                             previous=previous, generation=dep.metadata.generation, revision=revision,
+                             router_replicas=spec.router.replicas, now=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
+                             extra_conditions=list(self.extra_conditions.get(key, {}).values()))
+        if self.extra_status.get(key):
+            new = new.model_copy(update=self.extra_status[key])
+        new_wire = new.wire()
+        old_wire = previous.wire() if previous else {}
+        written = False
+        last = self._last_status.get(key)
+        stale_echo = last is not None and last[0] == new_wire and meta.get("resourceVersion") in (last[1], last[2])
+        if new_wire != old_wire and not stale_echo:
+            patched = await api.patch_status(key[0], dep.name, new_wire)
+            self._last_status[key] = (new_wire, meta.get("resourceVersion"), (patched.get("metadata") or {}).get("resourceVersion"))
+            exporter.API_WRITES.labels("InferenceDeployment/status").inc()
+            written = True
+
+        await self._events(api, body, why, previous, new, plan, result)
+        if plan.shortfalls:
+            self.limited.add(key)
+        else:
+            self.limited.discard(key)
+        exporter.set_pools(key[0], dep.name, ((p.role, p.accelerator_class, p.replicas, plan_cost.of(p.role, p.accelerator_class))
+                                              for p in plan.pools),
+                           parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
+        return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
+
+    def _desired_for(self, key: Key, current: InferenceDeploymentSpec, spec: InferenceDeploymentSpec,
+                     children: list[dict[str, Any]]) -> dict[str, int] | None:
+        """The autoscaler's latest ask; else (after a restart) the sizes the pools already run, so a
+        restart never resets what the autoscaler had decided; else each role's minimum."""
+        roles = spec.roles()
+        if key in self.desired:
+            return {r: n for r, n in self.desired[key].items() if r in roles}
+        if not current.autoscaling.enabled:
+            return None
+        running: dict[str, int] = {}
+        for c in children:
+            role = (c["metadata"].get("labels") or {}).get(render.LABEL_ROLE)
+            if c["kind"] == "Deployment" and role in roles:
+                running[role] = running.get(role, 0) + int((c.get("spec") or {}).get("replicas") or 0)
+        return running or None
+
+    async def _events(self, api: kube.Api, body: Mapping[str, Any], why: str, previous: Any, new: Any,
+                      plan: placement.FleetPlan, result: kube.ApplyResult) -> None:
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
+
+        def pools(st: Any) -> list[tuple[str, str, int]]:
+            return [(p.role, p.accelerator_class, p.desired) for p in (st.pools if st else [])]
+
+        before, after = pools(previous), pools(new)
+        old_cost = previous.cost_per_hour if previous else None
+        if before != after or (old_cost is not None and old_cost != new.cost_per_hour):
+            desc = ", ".join(f"{r} {n}x{a}" for r, a, n in after) or "no pools"
+            reason = "Planned" if previous is None or not previous.pools else "Replanned"
+            await api.event(involved, "Normal", reason, f"{why}: {desc}, ${new.cost_per_hour:.2f}/h, P:D {new.pd_ratio}")
+        if result.drifted:
+            await api.event(involved, "Normal", "DriftReverted", "; ".join(
+                f"{k} ({', '.join(v[:4])})" for k, v in result.drifted.items()) + f" ({why})")
+        limited_before = _condition(previous, "ScalingLimited")
+        limited_now = _condition(new, "ScalingLimited")
+        if limited_now and limited_now.status == "True" and (limited_before is None or limited_before.message != limited_now.message):
+            await api.event(involved, "Warning", "ScalingLimited", limited_now.message)
+        if result.problems:
+            await api.event(involved, "Warning", "ApplyFailed", "; ".join(result.problems))
+
+
+def _condition(st: Any, type_: str) -> Condition | None:
+    return next((c for c in (st.conditions if st else []) if c.type == type_), None)
+
+
+def _revision(dep: InferenceDeployment, children: list[dict[str, Any]]) -> int:
+    """The revision number of the current spec's pod template: the same as the pools that run it, one
+    more than the newest pool revision when the template changed, else the status's (or 1)."""
+    wanted = render.template_hash(dep.spec)
+    seen: dict[str, int] = {}
+    for c in children:
+        if c["kind"] != "Deployment":
+            continue
+        meta = c["metadata"]
+        try:
+            rev = int((meta.get("labels") or {}).get(render.LABEL_REVISION, "0"))
+        except ValueError:
+            continue
+        seen[(meta.get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH, "")] = rev
+    if wanted in seen:
+        return seen[wanted]
+    if seen:
+        return max(seen.values()) + 1
+    return (dep.status.current_revision if dep.status and dep.status.current_revision else 1)
+
+
+RECONCILER = Reconciler()
+
+
+# --- kopf wiring -----------------------------------------------------------------------------------------
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.diffbase_storage = MemoryDiffBaseStorage()
+    settings.persistence.progress_storage = MemoryProgressStorage()
+    settings.persistence.finalizer = "pdfleet.io/finalizer"
+    # Events are posted by kube.event for decisions only; kopf's per-handler chatter stays in the log.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.queueing.worker_limit = 64
+    if OPTIONS.metrics_port is not None:
+        RECONCILER.indexes["_metrics_runner"] = await exporter.serve(OPTIONS.metrics_host, OPTIONS.metrics_port)
+    if OPTIONS.resync_interval > 0:
+        RECONCILER.indexes["_resync"] = asyncio.get_running_loop().create_task(_resync_loop())
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        RECONCILER.api = kube.Api.from_connection(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    task = RECONCILER.indexes.pop("_resync", None)
+    if task is not None:
+        task.cancel()
+    runner = RECONCILER.indexes.pop("_metrics_runner", None)
+    if runner is not None:
+        await runner.cleanup()
+    for t in list(RECONCILER._tasks):
+        t.cancel()
+    if RECONCILER.api is not None:
+        await RECONCILER.api.close()
+
+
+async def _resync_loop() -> None:
+    while True:
+        await asyncio.sleep(OPTIONS.resync_interval)
+        for key in sorted(RECONCILER._bodies()):
+            RECONCILER.request(key, "periodic resync")
+
+
+# Indexes: kopf fills them before any resource handler runs, so the first plan after a start sees the
+# whole cluster (an empty inventory would scale everything down).
+
+@kopf.index(GROUP, VERSION, "acceleratorclasses")
+def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[str, AcceleratorClassSpec] | None:
+    try:
+        return {name: AcceleratorClass.model_validate({"metadata": {"name": name}, "spec": dict(body.get("spec") or {})}).spec}
+    except pydantic.ValidationError as exc:
+        logger.error("AcceleratorClass %s is invalid and ignored: %s", name, exc)
+        return None
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {name: _node_view(body)}
+
+
+@kopf.index("", "v1", "pods")
+def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
+    spec = body.get("spec") or {}
+    node_name = spec.get("nodeName")
+    if not node_name or (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES:
+        return None
+    meta = body.get("metadata") or {}
+    view = {"metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
+                         "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k == inventory.DEPLOYMENT_LABEL}},
+            "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
+                     "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
+                     **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
+    return {node_name: view}
+
+
+@kopf.index(GROUP, VERSION, "inferencedeployments")
+def infdep_index(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> dict[Key, dict[str, Any]]:
+    _keep_indexes(kwargs)
+    return {(namespace, name): json.loads(json.dumps(dict(body)))}
+
+
+def _keep_indexes(kwargs: Mapping[str, Any]) -> None:
+    for name in ("class_index", "node_index", "pod_index", "infdep_index"):
+        if name in kwargs:
+            RECONCILER.indexes[name] = kwargs[name]
+
+
+def _node_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta, spec, st = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
+    return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+            "spec": {"taints": list(spec.get("taints") or []), "unschedulable": bool(spec.get("unschedulable"))},
+            "status": {"allocatable": dict(st.get("allocatable") or {}),
+                       "conditions": [c for c in st.get("conditions") or [] if c.get("type") == "Ready"][:1]}}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# --- the InferenceDeployment itself --------------------------------------------------------------------------
+
+async def _reconcile_from_handler(namespace: str, name: str, body: kopf.Body, why: str, kwargs: Mapping[str, Any]) -> None:
+    _keep_indexes(kwargs)
+    try:
+        outcome = await RECONCILER.reconcile((namespace, name), why, body=json.loads(json.dumps(dict(body))))
+    except pydantic.ValidationError as exc:
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except ValueError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    except kube.ApiError as exc:
+        if exc.heals:
+            raise kopf.TemporaryError(f"API server: {exc}", delay=5) from exc
+        raise kopf.PermanentError(f"API server rejected a request: {exc}") from exc
+    logger.debug("%s/%s reconciled (%s): %s", namespace, name, why, outcome)
+
+
+@kopf.on.create(GROUP, VERSION, "inferencedeployments")
+async def on_create(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
+    await _reconcile_from_handler(namespace, name, body, "created", kwargs)
+
+
+@kopf.on.update(GROUP, VERSION, "inferencedeployments")
+async def on_update(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
+    await _reconcile_from_handler(namespace, name, body, "spec changed", kwargs)
+
+
+@kopf.on.resume(GROUP, VERSION, "inferencedeployments")
+async def on_resume(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
+    await _reconcile_from_handler(namespace, name, body, "operator started", kwargs)
+
+
+@kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
+def on_delete(namespace: str, name: str, **_: Any) -> None:
+    """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
+    key = (namespace, name)
+    for store in (RECONCILER.desired, RECONCILER.templates, RECONCILER.extra_conditions, RECONCILER.extra_status,
+                  RECONCILER._last_status):
+        store.pop(key, None)
+    RECONCILER.limited.discard(key)
+    exporter.forget(namespace, name)
+
+
+# --- what else re-plans a deployment --------------------------------------------------------------------------
+
+@kopf.on.event(GROUP, VERSION, "acceleratorclasses")
+def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _keep_indexes(kwargs)
+    spec = dict(body.get("spec") or {})
+    before = RECONCILER.class_specs.get(name)
+    if event.get("type") == "DELETED":
+        RECONCILER.class_specs.pop(name, None)
+        why = f"AcceleratorClass {name} deleted"
+    else:
+        RECONCILER.class_specs[name] = spec
+        if event.get("type") is None or before == spec:
+            return  # the initial listing, or no change of the spec
+        if before is None:
+            why = f"AcceleratorClass {name} created"
+        else:
+            changed = sorted(k for k in set(before) | set(spec) if before.get(k) != spec.get(k))
+            why = f"AcceleratorClass {name} changed: " + ", ".join(
+                f"{k} {before.get(k)!r} -> {spec.get(k)!r}" if k in ("costPerHour", "count", "memoryGiB", "peakTflops",
+                                                                     "memoryBandwidthGBps", "resourceName")
+                else k for k in changed)
+    for key in RECONCILER.keys_using({name}):
+        RECONCILER.request(key, why)
+
+
+@kopf.on.event("", "v1", "nodes")
+def on_node_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _keep_indexes(kwargs)
+    view = _node_view(body)
+    digest = _digest(view)
+    before = RECONCILER.node_digests.get(name)
+    if event.get("type") == "DELETED":
+        RECONCILER.node_digests.pop(name, None)
+        what = f"node {name} removed"
+    else:
+        RECONCILER.node_digests[name] = digest
+        if event.get("type") is None or before == digest:
+            return  # the initial listing, or a heartbeat
+        what = f"node {name} {'added' if before is None else 'changed'}"
+    affected = _classes_on(view)
+    if not affected:
+        return
+    free = ", ".join(f"{view['status']['allocatable'].get(c.resource_name, 0)} {c.resource_name}"
+                     for c in {c.resource_name: c for c in affected.values()}.values())
+    for key in RECONCILER.keys_using(set(affected)):
+        RECONCILER.request(key, f"{what} ({free} allocatable)")
+
+
+def _classes_on(view: dict[str, Any]) -> dict[str, AcceleratorClassSpec]:
+    """The classes whose pods could land on this node (selector, taints) and whose resource it advertises."""
+    node = inventory.NodeInventory(view["metadata"]["name"], view["metadata"]["labels"], inventory.taints_of(view), {})
+    allocatable = view["status"]["allocatable"]
+    return {n: c for n, c in RECONCILER._classes().items() if node.admits(c) and c.resource_name in allocatable}
+
+
+@kopf.on.event("", "v1", "pods")
+def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    """A finished or deleted pod frees its accelerators: re-plan the deployments that were short of them."""
+    _keep_indexes(kwargs)
+    if event.get("type") is None or not RECONCILER.limited:
+        return
+    gone = event.get("type") == "DELETED" or (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES
+    if not gone or not (body.get("spec") or {}).get("nodeName"):
+        return
+    freed = {k for k in inventory.pod_requests(dict(body)) if k not in ("memory", "pods", "ephemeral-storage")}
+    classes = RECONCILER._classes()
+    for key in sorted(RECONCILER.limited):
+        spec = (RECONCILER._bodies().get(key) or {}).get("spec") or {}
+        listed = {c for r in ("prefill", "decode", "colocated") for c in (spec.get(r) or {}).get("acceleratorClasses", [])}
+        if any(classes[c].resource_name in freed for c in listed if c in classes):
+            RECONCILER.request(key, f"pod {body['metadata'].get('namespace')}/{body['metadata'].get('name')} freed "
+                                    + ", ".join(sorted(freed)))
+
+
+def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
+    _keep_indexes(kwargs)
+    if event.get("type") is None:
+        return
+    meta = body.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(render.LABEL_DEPLOYMENT)
+    key = (meta.get("namespace"), owner)
+    if not owner or key not in RECONCILER._bodies():
+        return
+    api = RECONCILER.api
+    if event.get("type") != "DELETED" and api is not None and \
+            api.is_own_write(kind, meta.get("namespace"), meta.get("name"), meta.get("resourceVersion")):
+        return  # the echo of our own write
+    RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def on_deployment_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _on_child_event("Deployment", body, event, kwargs)
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+def on_service_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _on_child_event("Service", body, event, kwargs)
+
+
+@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
+def on_configmap_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _on_child_event("ConfigMap", body, event, kwargs)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+def on_pdb_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _on_child_event("PodDisruptionBudget", body, event, kwargs)

@@ -1,0 +1,304 @@
+"""The only module that writes to the Kubernetes API: children by server-side apply, status, Events.
+
+Called by the reconcile path in `handlers`. Reads what exists (by label), writes only what differs
+(`drift.contains`), deletes children the render no longer has, never touches objects another owner
+controls. Speaks JSON over one aiohttp session with the credentials kopf logged in with.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import secrets
+import ssl
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import kopf
+
+from pdfleet_operator import drift, render
+
+FIELD_MANAGER = "pdfleet-operator"
+logger = logging.getLogger("pdfleet.kube")
+
+# kind -> (API prefix, plural); every kind this module reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
+    "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
+    "Event": ("/api/v1", "events"),
+    "InferenceDeployment": ("/apis/pdfleet.io/v1alpha1", "inferencedeployments"),
+}
+CHILD_KINDS = ("ConfigMap", "Service", "PodDisruptionBudget", "Deployment")
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class ApiError(Exception):
+    """A Kubernetes Status error answered by the API server."""
+
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(f"{code} {reason}: {message}")
+        self.code, self.reason, self.message = code, reason, message
+
+    @property
+    def heals(self) -> bool:
+        """Worth retrying: conflicts, throttling, server trouble (not a rejected object)."""
+        return self.code in (409, 429) or self.code >= 500
+
+
+@dataclass
+class ApplyResult:
+    """What `apply_children` did; `problems` are children it could not apply (-> Degraded)."""
+
+    applied: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    drifted: dict[str, list[str]] = field(default_factory=dict)  # existing child -> fields that differed
+
+    @property
+    def writes(self) -> int:
+        return len(self.applied) + len(self.created) + len(self.deleted)
+
+
+def _path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def key_of(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+class Api:
+    """A small async client for the few calls the operator makes; counts its writes."""
+
+    def __init__(self, server: str, *, headers: dict[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | bool | None = None) -> None:
+        self.server = server.rstrip("/")
+        self._headers = {"Accept": "application/json", **(headers or {})}
+        self._ssl = ssl_context
+        self._session: aiohttp.ClientSession | None = None
+        self.writes = 0
+        self.reads = 0
+        # (kind, namespace, name) -> resourceVersion of our last write: watch events carrying it are our own.
+        self.written: dict[tuple[str, str, str], str] = {}
+
+    @classmethod
+    def from_connection(cls, info: kopf.ConnectionInfo) -> Api:
+        """An Api with the credentials kopf's login produced (kubeconfig or in-cluster service account)."""
+        headers: dict[str, str] = {}
+        if info.scheme and info.token:
+            headers["Authorization"] = f"{info.scheme} {info.token}"
+        elif info.username and info.password:
+            import base64
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
+        context: ssl.SSLContext | bool | None = None
+        if info.server.startswith("https"):
+            if info.insecure:
+                context = False
+            else:
+                context = ssl.create_default_context(cafile=info.ca_path) if info.ca_path else ssl.create_default_context()
+                if info.ca_data:
+                    context.load_verify_locations(cadata=info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data)
+                if info.certificate_path or info.certificate_data:
+                    context.load_cert_chain(*_cert_files(info))
+        return cls(info.server, headers=headers, ssl_context=context)
+
+    async def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=30),
+                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True, limit=32))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None, body: Any = None,
+                      content_type: str = "application/json") -> Any:
+        session = await self._client()
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        if method in WRITE_METHODS:
+            self.writes += 1
+        else:
+            self.reads += 1
+        try:
+            async with session.request(method, self.server + path, params=params, data=data, headers=headers) as resp:
+                text = await resp.text()
+                payload = json.loads(text) if text else None
+                if resp.status >= 400:
+                    status = payload if isinstance(payload, dict) else {}
+                    raise ApiError(resp.status, status.get("reason", "Unknown"), status.get("message", text[:500]))
+                return payload
+        except aiohttp.ClientError as exc:
+            raise ApiError(503, "Unreachable", f"{method} {path}: {exc}") from exc
+
+    # --- reads ---
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", _path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        items = (await self.request("GET", _path(kind, namespace), params=params))["items"] or []
+        api_version = "v1" if RESOURCES[kind][0] == "/api/v1" else RESOURCES[kind][0].removeprefix("/apis/")
+        for item in items:  # list items come without kind/apiVersion
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", api_version)
+        return items
+
+    async def has_group(self, group_version: str) -> bool:
+        try:
+            await self.request("GET", f"/apis/{group_version}")
+            return True
+        except ApiError as exc:
+            if exc.code == 404:
+                return False
+            raise
+
+    # --- writes ---
+    def _remember(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        if meta.get("resourceVersion"):
+            self.written[(obj.get("kind", ""), meta.get("namespace", ""), meta["name"])] = meta["resourceVersion"]
+
+    def is_own_write(self, kind: str, namespace: str, name: str, resource_version: str | None) -> bool:
+        return resource_version is not None and self.written.get((kind, namespace, name)) == resource_version
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply with our field manager, forcing ownership of the fields we render."""
+        meta = obj["metadata"]
+        result = await self.request(
+            "PATCH", _path(obj["kind"], meta.get("namespace"), meta["name"]),
+            params={"fieldManager": FIELD_MANAGER, "force": "true"}, body=obj,
+            content_type="application/apply-patch+yaml")
+        result.setdefault("kind", obj["kind"])
+        self._remember(result)
+        return result
+
+    async def delete(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background",
+                "preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
+        try:
+            await self.request("DELETE", _path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
+        except ApiError as exc:
+            if exc.code not in (404, 409):  # already gone, or replaced by a new object of that name
+                raise
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        result = await self.request("PATCH", _path("InferenceDeployment", namespace, name, "status"),
+                                    body={"status": status}, content_type="application/merge-patch+json")
+        return result
+
+    async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about the InferenceDeployment (what `kubectl describe` shows)."""
+        meta = involved["metadata"]
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{int(time.time() * 1e6):x}{secrets.token_hex(2)}",
+                         "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": involved.get("apiVersion", render.API_VERSION),
+                               "kind": involved.get("kind", "InferenceDeployment"), "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid"),
+                               "resourceVersion": meta.get("resourceVersion")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+            "reportingInstance": FIELD_MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            await self.request("POST", _path("Event", meta["namespace"]), body=body)
+        except ApiError as exc:  # an Event is a courtesy: never fail a reconcile over it
+            logger.warning("could not post Event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], exc)
+
+
+def _cert_files(info: kopf.ConnectionInfo) -> tuple[str, str | None]:
+    def path_of(path: str | None, data: bytes | str | None) -> str | None:
+        if path or not data:
+            return path
+        handle = tempfile.NamedTemporaryFile("wb", delete=False, suffix=".pem")
+        handle.write(data if isinstance(data, bytes) else data.encode())
+        handle.close()
+        return handle.name
+
+    cert = path_of(info.certificate_path, info.certificate_data)
+    assert cert is not None, "client certificate expected"
+    return cert, path_of(info.private_key_path, info.private_key_data)
+
+
+async def list_children(api: Api, owner: render.Owner, kinds: Iterable[str]) -> list[dict[str, Any]]:
+    """The objects carrying this deployment's label that it controls (by ownerReference uid)."""
+    selector = f"{render.LABEL_DEPLOYMENT}={owner.name},app.kubernetes.io/managed-by={render.MANAGER}"
+    out: list[dict[str, Any]] = []
+    for kind in kinds:
+        out += [o for o in await api.list(kind, owner.namespace, selector) if controller_uid(o) == owner.uid]
+    return out
+
+
+async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, Any]],
+                         existing: list[dict[str, Any]]) -> ApplyResult:
+    """Make the children equal to `desired`: apply what differs, delete what is no longer rendered.
+
+    A name taken by an object this deployment does not control is left alone and reported.
+    """
+    result = ApplyResult()
+    current = {key_of(o): o for o in existing}
+    for obj in desired:
+        key = key_of(obj)
+        cur = current.get(key)
+        if cur is None:
+            found = await api.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+            if found is not None and controller_uid(found) != owner.uid:
+                result.problems.append(f"{key} exists and is not controlled by this InferenceDeployment")
+                continue
+            cur = found
+        if cur is not None and drift.contains(cur, obj):
+            continue
+        try:
+            await api.apply(obj)
+        except ApiError as exc:
+            if exc.heals:
+                raise
+            result.problems.append(f"{key}: {exc.reason}: {exc.message}")
+            continue
+        if cur is None:
+            result.created.append(key)
+        else:
+            result.applied.append(key)
+            result.drifted[key] = drift.differences(cur, obj)
+    wanted = {key_of(o) for o in desired}
+    for key, obj in sorted(current.items()):
+        if key not in wanted:
+            await api.delete(obj)
+            result.deleted.append(key)
+    return result

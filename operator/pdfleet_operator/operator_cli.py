@@ -1,0 +1,57 @@
+"""`pdfleet operator`: runs the kopf handlers of `pdfleet_operator.handlers` (cli.py calls register())."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdfleet_operator import handlers
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("operator", help="run the operator (kopf) against the cluster in kubeconfig / in-cluster")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch InferenceDeployments in this namespace (repeatable; globs allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="port of /metrics (default 8080; 0 disables)")
+    p.add_argument("--liveness-port", type=int, default=8081, help="port of /healthz (default 8081; 0 disables)")
+    p.add_argument("--bind", default="0.0.0.0", help="address for /metrics and /healthz (default 0.0.0.0)")
+    p.add_argument("--resync-interval", type=float, default=300.0,
+                   help="seconds between full re-reconciles of every InferenceDeployment (0: never; default 300)")
+    p.add_argument("--peering", default=None,
+                   help="kopf peering object for running several replicas (default: standalone)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers.OPTIONS.resync_interval = args.resync_interval
+    handlers.OPTIONS.metrics_host = args.bind
+    handlers.OPTIONS.metrics_port = args.metrics_port or None
+    liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
+    clusterwide = not args.namespace
+    asyncio.run(kopf.operator(
+        clusterwide=clusterwide,
+        namespaces=args.namespace or None,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=liveness,
+    ))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdfleet")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
