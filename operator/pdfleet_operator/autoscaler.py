@@ -19,6 +19,7 @@ Direction = Literal["up", "down", "hold"]
 QUEUE_ABOVE_TARGET = "QueueAboveTarget"
 QUEUE_BELOW_TARGET = "QueueBelowTarget"
 PREFILL_BACKLOG = "PrefillBacklog"            # decode grown ahead of work still queued at prefill
+QUEUE_GROWING = "QueueGrowing"                # sized for the queue expected at the next interval
 WITHIN_TOLERANCE = "WithinTolerance"
 SCALE_UP_STABILIZING = "ScaleUpStabilizing"
 SCALE_DOWN_STABILIZING = "ScaleDownStabilizing"
@@ -30,11 +31,28 @@ SCALING_LIMITED = "ScalingLimited"            # not enough free accelerators for
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 AUTOSCALING_DISABLED = "AutoscalingDisabled"
 
-REASONS = (QUEUE_ABOVE_TARGET, QUEUE_BELOW_TARGET, PREFILL_BACKLOG, WITHIN_TOLERANCE, SCALE_UP_STABILIZING,
+REASONS = (QUEUE_ABOVE_TARGET, QUEUE_BELOW_TARGET, PREFILL_BACKLOG, QUEUE_GROWING, WITHIN_TOLERANCE, SCALE_UP_STABILIZING,
            SCALE_DOWN_STABILIZING, SCALE_DOWN_DELAYED, MIN_REPLICAS, MAX_REPLICAS, RATIO_BOUND, SCALING_LIMITED,
            METRICS_UNAVAILABLE, AUTOSCALING_DISABLED)
 
 _EPS = 1e-9
+# The queue trend applies only to a surge: a queue at least this many times what the replicas carry at
+# target. Noise of +-30% around target never gets there.
+SURGE = 1.5
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which mechanisms beyond one HPA per role run; the bench switches them off to measure each."""
+
+    prefill_lookahead: bool = True   # decode counts requests queued at prefill beyond its tolerance
+    queue_trend: bool = True         # a queue that grew since the last interval is sized for the next one
+    ratio_bounds: bool = True        # spec.autoscaling.pdRatio
+
+
+PDFLEET = Policy()
+# Each role on its own queue, like one HPA per role (same targets, tolerance, windows, steps, bounds).
+PER_ROLE = Policy(prefill_lookahead=False, queue_trend=False, ratio_bounds=False)
 
 
 @dataclass(frozen=True)
@@ -61,13 +79,15 @@ class ScalerState:
 
     `replicas` is the size last decided per role; `recommendations` the (time, replicas) history the
     stabilization windows look back over; `last_scale_up` when each role last grew (grace period);
-    `watching_since` when the autoscaler first saw each role's metrics.
+    `watching_since` when the autoscaler first saw each role's metrics; `last_need` the (time,
+    replicas' worth) of each role's own queue at the last decision (the queue trend).
     """
 
     replicas: Mapping[str, int] = field(default_factory=dict)
     recommendations: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_up: Mapping[str, float] = field(default_factory=dict)
     watching_since: Mapping[str, float] = field(default_factory=dict)
+    last_need: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def initial(cls, spec: InferenceDeploymentSpec, replicas: Mapping[str, int] | None = None) -> "ScalerState":
@@ -82,6 +102,7 @@ class ScalerState:
             "recommendations": {role: [list(p) for p in hist] for role, hist in self.recommendations.items()},
             "lastScaleUp": dict(self.last_scale_up),
             "watchingSince": dict(self.watching_since),
+            "lastNeed": {role: list(p) for role, p in self.last_need.items()},
         }, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -95,6 +116,7 @@ class ScalerState:
                                  for r, hist in raw["recommendations"].items()},
                 last_scale_up={str(r): float(t) for r, t in raw["lastScaleUp"].items()},
                 watching_since={str(r): float(t) for r, t in raw["watchingSince"].items()},
+                last_need={str(r): (float(t), float(n)) for r, (t, n) in raw["lastNeed"].items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"invalid autoscaler state {text[:200]!r}: {exc}") from exc
@@ -114,7 +136,7 @@ class _Draft:
 
 
 def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSnapshot, now: float,
-           capacity: Mapping[str, int], current: Mapping[str, int] | None = None,
+           capacity: Mapping[str, int], current: Mapping[str, int] | None = None, policy: Policy = PDFLEET,
            ) -> tuple[dict[str, ScalingDecision], ScalerState]:
     """Desired replicas per role for this interval, and the state to pass to the next call.
 
@@ -123,6 +145,9 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
     `state` (what the Deployments ask for now). The chain: queue recommendation with tolerance ->
     stabilization windows -> grace period after a scale-up -> step limits -> min/max -> capacity ->
     P:D ratio bounds; the reason is that of the last policy that changed the number.
+
+    `policy=PER_ROLE` scales each role on its own queue only (no prefill look-ahead for decode, no
+    queue trend, no ratio bounds): the HPA-style baseline `bench/autoscaler.py` compares against.
     """
     roles = spec.roles()
     sizes = dict(state.replicas)
@@ -134,18 +159,20 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         drafts = {role: _Draft(cur[role], rs.min_replicas, AUTOSCALING_DISABLED,
                                f"autoscaling is disabled: running minReplicas ({rs.min_replicas})")
                   for role, rs in roles.items()}
-        return _finish(drafts, state, now, record=None)
+        return _finish(drafts, state, now, record=None, needs=None)
 
     problem = metrics_problem(snapshot, roles, now, parse_duration(auto.metrics_max_age))
     if problem:
         drafts = {role: _Draft(cur[role], cur[role], METRICS_UNAVAILABLE, f"holding {cur[role]} replicas: {problem}")
                   for role in roles}
-        return _finish(drafts, state, now, record=None)
+        return _finish(drafts, state, now, record=None, needs=None)
 
     recommended: dict[str, int] = {}
+    needs: dict[str, float] = {}
     drafts = {}
     for role in roles:
-        rec, reason, message = _recommend(spec, role, snapshot.roles, cur)
+        rec, reason, message, needs[role] = _recommend(spec, role, snapshot.roles, cur, policy,
+                                                        state.last_need.get(role), now)
         recommended[role] = rec
         drafts[role] = _Draft(cur[role], rec, reason, message)
 
@@ -159,9 +186,9 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         _step(draft, auto.max_scale_up_step, auto.max_scale_down_step)
         _bounds(draft, rs.min_replicas, rs.max_replicas)
         _capacity(draft, capacity.get(role))
-    if "prefill" in drafts and "decode" in drafts:
+    if policy.ratio_bounds and "prefill" in drafts and "decode" in drafts:
         _ratio(drafts["prefill"], drafts["decode"], spec, capacity, auto.pd_ratio.min, auto.pd_ratio.max)
-    return _finish(drafts, state, now, record=history)
+    return _finish(drafts, state, now, record=history, needs=needs)
 
 
 def metrics_problem(snapshot: MetricsSnapshot, roles: Mapping[str, object], now: float, max_age: float) -> str:
@@ -179,8 +206,12 @@ def metrics_problem(snapshot: MetricsSnapshot, roles: Mapping[str, object], now:
 
 
 def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, RoleMetrics],
-               cur: Mapping[str, int]) -> tuple[int, str, str]:
-    """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance."""
+               cur: Mapping[str, int], policy: Policy, last: tuple[float, float] | None, now: float,
+               ) -> tuple[int, str, str, float]:
+    """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance.
+
+    Also returns the role's own need (replicas' worth of its queue) for the next interval's trend.
+    """
     m, rs, n = metrics[role], spec.roles()[role], cur[role]
     tolerance = spec.autoscaling.tolerance
     target = spec.target_queue(role)
@@ -196,24 +227,44 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
             what += "; prompt tokens waiting not reported, scaled on requests only"
     else:
         load = m.running + m.waiting
-        if role == "decode" and "prefill" in metrics:
+        if policy.prefill_lookahead and role == "decode" and "prefill" in metrics:
             lookahead = prefill_backlog(metrics["prefill"].waiting, cur.get("prefill", 0),
                                         spec.target_queue("prefill"), tolerance)
-        need = (load + lookahead) / target
+        need = load / target
         what = f"{load:g} running+waiting requests (target {target:g}/replica)"
         if lookahead:
             what += f" + {lookahead:g} requests queued at prefill beyond its target"
+    own = need
+    need += lookahead / target
 
     if n > 0 and abs(need / n - 1.0) <= tolerance:
-        return n, WITHIN_TOLERANCE, f"{what}: {need:.2f} replicas' worth is within {tolerance:g} of {n}"
+        return n, WITHIN_TOLERANCE, f"{what}: {need:.2f} replicas' worth is within {tolerance:g} of {n}", own
     rec = max(0, math.ceil(need - _EPS))
     if rec > n:
-        ahead = lookahead and math.ceil((need - lookahead / target) - _EPS) <= n
-        reason = PREFILL_BACKLOG if ahead else QUEUE_ABOVE_TARGET
-        return rec, reason, f"{what}: needs {rec}"
+        reason = PREFILL_BACKLOG if math.ceil(own - _EPS) <= n else QUEUE_ABOVE_TARGET
+        surging = policy.queue_trend and own >= SURGE * max(n, 1)
+        growth = queue_growth(last, now, own, spec.interval_seconds()) if surging else 0.0
+        ahead = max(0, math.ceil(need + growth - _EPS))
+        if ahead > rec:
+            return ahead, QUEUE_GROWING, (f"{what}: needs {rec}, and the queue grew by {growth:.2f} replicas' "
+                                          f"worth over the last interval: sized for the next, {ahead}"), own
+        return rec, reason, f"{what}: needs {rec}", own
     if rec < n:
-        return rec, QUEUE_BELOW_TARGET, f"{what}: needs {rec}"
-    return n, WITHIN_TOLERANCE, f"{what}: needs {n}"
+        return rec, QUEUE_BELOW_TARGET, f"{what}: needs {rec}", own
+    return n, WITHIN_TOLERANCE, f"{what}: needs {n}", own
+
+
+def queue_growth(last: tuple[float, float] | None, now: float, need: float, interval: float) -> float:
+    """How much a role's need (replicas' worth of queue) grew per interval since the last decision; 0 if it shrank.
+
+    NOTE: used only in a surge (the queue asks for SURGE times the replicas that run). A replica asked
+    for now serves one start-up time later at the earliest, by when a growing queue is larger still;
+    sizing for the next interval's queue takes one step of the chase off. It never starts a scale-up by
+    itself, and a gap of more than three intervals voids it.
+    """
+    if last is None or not 0 < now - last[0] <= 3 * interval:
+        return 0.0
+    return max(0.0, (need - last[1]) / (now - last[0]) * interval)
 
 
 def prefill_backlog(prefill_waiting: float, prefill_replicas: int, prefill_target: float, tolerance: float) -> float:
@@ -327,7 +378,7 @@ def _ratio(p: _Draft, d: _Draft, spec: InferenceDeploymentSpec, capacity: Mappin
 
 
 def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
-            record: Mapping[str, tuple[tuple[float, int], ...]] | None,
+            record: Mapping[str, tuple[tuple[float, int], ...]] | None, needs: Mapping[str, float] | None,
             ) -> tuple[dict[str, ScalingDecision], ScalerState]:
     decisions = {}
     for role, d in drafts.items():
@@ -338,6 +389,7 @@ def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
     new_state = replace(
         state,
         watching_since={**state.watching_since, **watched},
+        last_need={**state.last_need, **{role: (now, need) for role, need in (needs or {}).items()}},
         replicas={**state.replicas, **{role: dec.desired for role, dec in decisions.items()}},
         recommendations=dict(record) if record is not None else state.recommendations,
         last_scale_up={**state.last_scale_up, **ups},

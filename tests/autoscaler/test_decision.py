@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -40,8 +41,8 @@ def test_prefill_queue_surge_scales_prefill_within_one_interval():
     assert all(st.decisions["prefill"].direction == "hold" for st in before)
     up = first(steps, "prefill", lambda d: d.direction == "up")
     assert up is not None and up.t - surge_at <= s.interval_seconds()
-    assert up.decisions["prefill"].reason == autoscaler.QUEUE_ABOVE_TARGET
-    assert up.replicas["prefill"] == 5  # 1 + maxScaleUpStep 4 toward the 10 the queue asks for
+    assert up.decisions["prefill"].reason == autoscaler.QUEUE_GROWING  # 1 -> 10 replicas' worth in one interval
+    assert up.replicas["prefill"] == 5  # 1 + maxScaleUpStep 4 toward the 19 the growing queue asks for
     assert "+4 this interval" in up.decisions["prefill"].message
     # the next interval goes on toward ceil(40 / 4) = 10
     assert max(st.replicas["prefill"] for st in steps) == 8  # maxReplicas
@@ -332,3 +333,35 @@ def test_headline_and_status_report_the_change():
     st = autoscaler.status_decision(decisions, T0)
     assert (st.role, st.from_replicas, st.to_replicas, st.reason) == ("decode", 2, 4, autoscaler.QUEUE_ABOVE_TARGET)
     assert st.wire()["fromReplicas"] == 2
+
+
+# --- the mechanisms beyond one HPA per role --------------------------------------------------------
+
+def test_per_role_baseline_neither_looks_ahead_nor_bounds_the_ratio():
+    s = spec(autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}})
+    roles = {"prefill": {"waiting": 48.0}, "decode": {"running": 32.0}}
+    ours, _ = one(s, roles, {"prefill": 2, "decode": 2})
+    assert ours["decode"].desired > 2
+    state = ScalerState.initial(s, {"prefill": 2, "decode": 2})
+    base, _ = decide(s, state, snapshot(T0, roles), T0, {}, policy=autoscaler.PER_ROLE)
+    assert (base["decode"].desired, base["decode"].reason) == (2, autoscaler.WITHIN_TOLERANCE)
+    assert base["prefill"].desired == 6  # 3:1 stands: no ratio bound in the baseline
+
+
+def test_queue_trend_sizes_a_surge_for_the_next_interval_only():
+    s = spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16},
+             autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    state = ScalerState.initial(s, {"prefill": 4, "decode": 4})
+    state = replace(state, last_need={"prefill": (T0 - 15, 4.0), "decode": (T0 - 15, 4.0)})
+    # prefill: 8 replicas' worth, grown by 4 in one interval -> sized for 12; decode 1.3x, growing: no trend
+    decisions, new = decide(s, state, snapshot(T0, {"prefill": {"waiting": 32.0}, "decode": {"running": 83.2}}),
+                            T0, {})
+    p, d = decisions["prefill"], decisions["decode"]
+    assert (p.desired, p.reason) == (12, autoscaler.QUEUE_GROWING) and "grew by 4.00" in p.message
+    # decode: (83.2 + the 14.4 queued at prefill beyond 1.1 x 16) / 16 = 6.1; growing, but 5.2 < 1.5 x 4: no trend
+    assert (d.desired, d.reason) == (7, autoscaler.QUEUE_ABOVE_TARGET)
+    assert new.last_need["prefill"] == (T0, 8.0)
+    # a last reading older than three intervals says nothing about the trend
+    stale = replace(state, last_need={"prefill": (T0 - 60, 4.0)})
+    decisions, _ = decide(s, stale, snapshot(T0, {"prefill": {"waiting": 32.0}, "decode": {"running": 64.0}}), T0, {})
+    assert (decisions["prefill"].desired, decisions["prefill"].reason) == (8, autoscaler.QUEUE_ABOVE_TARGET)

@@ -1,0 +1,366 @@
+"""Bench: the P:D autoscaler vs a per-role HPA-style baseline on scripted traces through a queueing model.
+
+Run: `.venv/bin/python bench/autoscaler.py` (about 10 s). Prints a table, then one JSON line.
+
+The queueing model (1 s steps, the same seeded arrivals for both policies):
+- Requests arrive as a Poisson process at the trace's rate, with exponentially distributed prompt
+  and output lengths around the trace's means at that moment.
+- Prefill: a FIFO queue of prompt tokens; each ready replica prefills PREFILL_TOKENS_PER_S tokens per
+  second (chunked, so a long prompt spreads over replicas). A request whose prompt is done moves to
+  decode at once (KV transfer time is ignored).
+- Decode: each ready replica runs up to DECODE_SLOTS sequences, each generating DECODE_TOKENS_PER_S
+  tokens per second; a sequence holds its slot for output_len / DECODE_TOKENS_PER_S seconds. The
+  rest wait, FIFO. A replica being removed finishes what it runs (graceful drain) but admits nothing.
+- A replica asked for becomes ready STARTUP_S later (scheduling, image, weights); one removed stops
+  counting at once.
+- Every SCRAPE_S the workers' gauges are scraped (waiting, running, prompt tokens waiting); every
+  autoscaling interval the policy decides from the last scrape, as the operator does from Prometheus.
+
+Measures, per role and summed:
+- needed(t) = replicas that just keep up with the offered load: ceil(rate x prompt / prefill speed)
+  for prefill, ceil(rate x output / decode speed / slots) for decode (Little's law), from the
+  trace's scripted rate and means, not from the queues either policy sees.
+- under-provisioned replica-seconds: sum of max(0, needed - ready); over-provisioned: sum of
+  max(0, desired - needed) (capacity paid for and not needed); replica-hours: sum of desired.
+- reaction time: in each surge, from the first second a role has fewer ready replicas than needed
+  until it has caught up (the surge's end if never), averaged over the roles that fell short.
+- direction changes: scaling direction flips (up after down, down after up), summed over roles.
+
+Every policy is `autoscaler.decide` with the same spec (targets, tolerance, windows, steps, grace
+period, min/max). The baseline is `policy=PER_ROLE`: each role scales on its own queue, like one HPA
+per role. pdfleet (`PDFLEET`) adds three mechanisms, also run one at a time:
+- look-ahead: decode counts requests queued at prefill beyond its tolerance (`prefill_backlog`), so
+  it grows while the wave is still at prefill, not after prefill drained it into decode;
+- trend: in a surge (queue >= 1.5x target), a queue that grew since the last interval is sized for
+  the next interval (`queue_growth`), since replicas asked for now serve a start-up time later;
+- ratio: the spec's P:D bounds (default 1:8..8:1; they seldom bind on these traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+from pdfleet_operator import autoscaler  # noqa: E402
+from pdfleet_operator.autoscaler import PDFLEET, PER_ROLE, Policy  # noqa: E402
+from pdfleet_operator.api import InferenceDeploymentSpec  # noqa: E402
+from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics  # noqa: E402
+
+PREFILL_TOKENS_PER_S = 4000.0   # per prefill replica
+DECODE_TOKENS_PER_S = 20.0      # per running sequence (50 ms inter-token latency)
+DECODE_SLOTS = 32               # sequences per decode replica
+STARTUP_S = 45.0
+SCRAPE_S = 5.0
+ROLES = ("prefill", "decode")
+
+
+def bench_spec() -> InferenceDeploymentSpec:
+    """The deployment both policies scale: targets match the model's replica capacities."""
+    return InferenceDeploymentSpec.model_validate({
+        "model": {"name": "bench", "source": {"local": {"path": "models/bench"}}},
+        "prefill": {"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
+                    "targetQueuePerReplica": 4, "targetPromptTokensPerReplica": 6000},
+        "decode": {"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 24,
+                   "targetQueuePerReplica": DECODE_SLOTS},
+        "autoscaling": {"interval": "15s", "tolerance": 0.1, "scaleUpStabilization": "0s",
+                        "scaleDownStabilization": "300s", "scaleDownDelayAfterScaleUp": "60s",
+                        "maxScaleUpStep": 4, "maxScaleDownStep": 1},
+    })
+
+
+# --- traces ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Trace:
+    """Offered load over time: request rate (req/s) and mean prompt/output lengths (tokens)."""
+
+    name: str
+    duration: float
+    rate: Callable[[float], float]
+    prompt: Callable[[float], float]
+    output: Callable[[float], float]
+    surges: tuple[tuple[float, float], ...] = ()
+
+    def needed(self, t: float) -> dict[str, int]:
+        rate = self.rate(t)
+        return {"prefill": max(1, math.ceil(rate * self.prompt(t) / PREFILL_TOKENS_PER_S - 1e-9)),
+                "decode": max(1, math.ceil(rate * self.output(t) / DECODE_TOKENS_PER_S / DECODE_SLOTS - 1e-9))}
+
+
+def _steps(levels: list[tuple[float, float]]) -> Callable[[float], float]:
+    """A piecewise-constant function from (start, value) pairs."""
+    def f(t: float) -> float:
+        value = levels[0][1]
+        for start, v in levels:
+            if t >= start:
+                value = v
+        return value
+    return f
+
+
+def _ramp(t0: float, t1: float, a: float, b: float) -> Callable[[float], float]:
+    return lambda t: a if t <= t0 else b if t >= t1 else a + (b - a) * (t - t0) / (t1 - t0)
+
+
+def _bursts(rng: random.Random, base: float, count: int, first: float) -> tuple[Callable[[float], float],
+                                                                        tuple[tuple[float, float], ...]]:
+    """Bursts of 2.5-4x the base rate at irregular times: a 60 s ramp up, 2-4 min at the peak, a 60 s ramp down."""
+    shapes, start = [], first
+    for _ in range(count):
+        peak, hold = base * rng.uniform(2.5, 4.0), rng.uniform(120.0, 240.0)
+        shapes.append((start, start + 60.0, start + 60.0 + hold, start + 120.0 + hold, peak))
+        start += 120.0 + hold + rng.uniform(300.0, 900.0)
+
+    def rate(t: float) -> float:
+        for up, top, down, end, peak in shapes:
+            if up <= t < end:
+                return base + (peak - base) * min(1.0, (t - up) / 60.0, (end - t) / 60.0)
+        return base
+
+    return rate, tuple((up, end) for up, _, _, end, _ in shapes)
+
+
+def traces() -> list[Trace]:
+    bursty_rate, surges = _bursts(random.Random(3), 4.0, 5, 300.0)
+    noise = random.Random(7)
+    levels = [(15.0 * k, 8.0 * noise.uniform(0.7, 1.3)) for k in range(0, 61)]
+    return [
+        Trace("bursty", surges[-1][1] + 300.0, bursty_rate, lambda t: 1500.0, lambda t: 300.0, surges),
+        Trace("noisy-steady", 900.0, _steps(levels), lambda t: 1500.0, lambda t: 200.0),
+        Trace("long-output", 1500.0, lambda t: 4.0, lambda t: 600.0, _ramp(300.0, 900.0, 200.0, 1000.0)),
+        Trace("short-prompt", 1500.0, lambda t: 8.0, _ramp(300.0, 900.0, 2000.0, 200.0), lambda t: 200.0),
+    ]
+
+
+# --- the fleet -------------------------------------------------------------------------------------
+
+@dataclass
+class Pool:
+    desired: int
+    starting: list[float] = field(default_factory=list)  # ready-at times of replicas on their way
+    ready: int = 0
+
+    def resize(self, desired: int, now: float) -> None:
+        if desired > self.desired:
+            self.starting += [now + STARTUP_S] * (desired - self.desired)
+        else:
+            drop = self.desired - desired
+            cancel = min(drop, len(self.starting))  # the newest unstarted replicas go first
+            self.starting = sorted(self.starting)[:len(self.starting) - cancel]
+            self.ready -= drop - cancel
+        self.desired = desired
+
+    def tick(self, now: float) -> None:
+        done = [t for t in self.starting if t <= now]
+        self.ready += len(done)
+        self.starting = [t for t in self.starting if t > now]
+
+
+@dataclass
+class Fleet:
+    """The queueing model: a prefill token queue and decode slots, fed by one trace."""
+
+    prefill: Pool
+    decode: Pool
+    prefill_queue: deque = field(default_factory=deque)   # [remaining prompt tokens, output tokens]
+    decode_waiting: deque = field(default_factory=deque)  # output tokens of sequences waiting for a slot
+    decode_running: list = field(default_factory=list)    # heap of finish times
+
+    def step(self, now: float, arrivals: list[tuple[float, float]]) -> None:
+        self.prefill.tick(now)
+        self.decode.tick(now)
+        self.prefill_queue.extend([p, o] for p, o in arrivals)
+        budget = self.prefill.ready * PREFILL_TOKENS_PER_S
+        while self.prefill_queue and budget > 0:
+            head = self.prefill_queue[0]
+            used = min(budget, head[0])
+            head[0] -= used
+            budget -= used
+            if head[0] <= 0:
+                self.prefill_queue.popleft()
+                self.decode_waiting.append(head[1])
+        while self.decode_running and self.decode_running[0] <= now:
+            heapq.heappop(self.decode_running)
+        slots = self.decode.ready * DECODE_SLOTS
+        while self.decode_waiting and len(self.decode_running) < slots:
+            heapq.heappush(self.decode_running, now + self.decode_waiting.popleft() / DECODE_TOKENS_PER_S)
+
+    def scrape(self, now: float) -> MetricsSnapshot:
+        """What the workers' /metrics would say now (the running prefill chunk counts as running)."""
+        in_prefill = len(self.prefill_queue)
+        prefill_running = min(in_prefill, self.prefill.ready)
+        return MetricsSnapshot(taken_at=now, source="bench", roles={
+            "prefill": RoleMetrics(waiting=float(in_prefill - prefill_running), running=float(prefill_running),
+                                   prompt_tokens_waiting=float(sum(p for p, _ in self.prefill_queue)),
+                                   replicas_reporting=max(1, self.prefill.ready), sample_time=now),
+            "decode": RoleMetrics(waiting=float(len(self.decode_waiting)), running=float(len(self.decode_running)),
+                                  replicas_reporting=max(1, self.decode.ready), sample_time=now),
+        })
+
+
+def arrivals(trace: Trace, seed: int) -> list[list[tuple[float, float]]]:
+    """Per second: (prompt tokens, output tokens) of each arriving request."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(int(trace.duration)):
+        count = _poisson(rng, trace.rate(t))
+        out.append([(max(16.0, rng.expovariate(1 / trace.prompt(t))), max(1.0, rng.expovariate(1 / trace.output(t))))
+                    for _ in range(count)])
+    return out
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    limit, k, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+# --- a run -----------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    under: dict[str, float]
+    over: dict[str, float]
+    replica_seconds: float
+    reactions: list[float]
+    direction_changes: int
+    max_replicas: dict[str, int]
+    final_replicas: dict[str, int]
+
+    @property
+    def reaction(self) -> float:
+        return sum(self.reactions) / len(self.reactions) if self.reactions else 0.0
+
+    @property
+    def under_total(self) -> float:
+        return sum(self.under.values())
+
+    @property
+    def over_total(self) -> float:
+        return sum(self.over.values())
+
+
+POLICIES: dict[str, Policy] = {
+    "per-role": PER_ROLE,
+    "+lookahead": Policy(prefill_lookahead=True, queue_trend=False, ratio_bounds=False),
+    "+trend": Policy(prefill_lookahead=False, queue_trend=True, ratio_bounds=False),
+    "pdfleet": PDFLEET,
+    "oracle": None,  # knows the offered load; still waits for the interval and the start-up
+}
+
+
+def run(trace: Trace, policy: Policy | None, seed: int = 1) -> Result:
+    """One trace through the fleet model; `policy=None` is the oracle: desired = needed(now) each interval."""
+    spec = bench_spec()
+    start = trace.needed(0.0)
+    fleet = Fleet(Pool(start["prefill"], ready=start["prefill"]), Pool(start["decode"], ready=start["decode"]))
+    state = autoscaler.ScalerState.initial(spec, start)
+    interval = spec.interval_seconds()
+    under = {r: 0.0 for r in ROLES}
+    over = {r: 0.0 for r in ROLES}
+    replica_seconds = 0.0
+    moves: dict[str, list[str]] = {r: [] for r in ROLES}
+    peak = dict(start)
+    short_since: dict[tuple[float, str], float] = {}   # (surge, role) -> when it first fell short
+    lags: dict[tuple[float, str], float] = {}
+    snapshot = fleet.scrape(0.0)
+    t0 = 1_000_000.0  # wall-clock origin for the decision's timestamps
+    for second, batch in enumerate(arrivals(trace, seed)):
+        now = float(second)
+        fleet.step(now, batch)
+        if now % SCRAPE_S == 0:
+            snapshot = fleet.scrape(t0 + now)
+        if now % interval == 0 and now > 0:
+            pools = {"prefill": fleet.prefill, "decode": fleet.decode}
+            if policy is None:
+                desired = trace.needed(now)
+            else:
+                decisions, state = autoscaler.decide(spec, state, snapshot, t0 + now, {},
+                                                     current={r: p.desired for r, p in pools.items()}, policy=policy)
+                desired = {role: d.desired for role, d in decisions.items()}
+            for role, n in desired.items():
+                if n != pools[role].desired:
+                    moves[role].append("up" if n > pools[role].desired else "down")
+                pools[role].resize(n, now)
+                peak[role] = max(peak[role], n)
+        needed = trace.needed(now)
+        for role, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
+            under[role] += max(0, needed[role] - pool.ready)
+            over[role] += max(0, pool.desired - needed[role])
+            replica_seconds += pool.desired
+        for s, e in trace.surges:
+            for role, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
+                key = (s, role)
+                if not s <= now < e or key in lags:
+                    continue
+                if pool.ready < needed[role]:
+                    short_since.setdefault(key, now)
+                elif key in short_since:
+                    lags[key] = now - short_since[key]
+    reactions = [lags.get(key, e - start) for (s, e) in trace.surges for key, start in short_since.items()
+                 if key[0] == s]
+    changes = sum(1 for r in ROLES for a, b in zip(moves[r], moves[r][1:]) if a != b)
+    return Result(under, over, replica_seconds, reactions, changes, peak,
+                  {"prefill": fleet.prefill.desired, "decode": fleet.decode.desired})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3, help="arrival seeds averaged per trace")
+    args = parser.parse_args(argv)
+
+    rows = []
+    results: dict[tuple[str, str], list[Result]] = {}
+    for trace in traces():
+        for policy, which in POLICIES.items():
+            rs = [run(trace, which, seed) for seed in range(1, args.seeds + 1)]
+            results[(trace.name, policy)] = rs
+            n = len(rs)
+            rows.append((trace.name, policy,
+                         sum(r.under["prefill"] for r in rs) / n, sum(r.under["decode"] for r in rs) / n,
+                         sum(r.over_total for r in rs) / n, sum(r.replica_seconds for r in rs) / n / 3600,
+                         (sum(sum(r.reactions) for r in rs) / max(1, sum(len(r.reactions) for r in rs))
+                          if trace.surges else float("nan")),
+                         sum(r.direction_changes for r in rs) / n))
+
+    header = ("trace", "policy", "under P r·s", "under D r·s", "over r·s", "replica-h", "reaction s", "dir changes")
+    print(f"{header[0]:<13} {header[1]:<11}" + "".join(f"{h:>13}" for h in header[2:]))
+    for row in rows:
+        print(f"{row[0]:<13} {row[1]:<11}" + "".join(f"{v:>13.1f}" if not math.isnan(v) else f"{'-':>13}"
+                                                   for v in row[2:]))
+
+    def mean(trace: str, policy: str, f: Callable[[Result], float]) -> float:
+        rs = results[(trace, policy)]
+        return sum(f(r) for r in rs) / len(rs)
+
+    under_base = mean("bursty", "per-role", lambda r: r.under_total)
+    under_ours = mean("bursty", "pdfleet", lambda r: r.under_total)
+    summary = {
+        "underprovisioned_reduction": round(1 - under_ours / under_base, 4) if under_base else 0.0,
+        "replica_hours_ratio": round(mean("bursty", "pdfleet", lambda r: r.replica_seconds)
+                                     / mean("bursty", "per-role", lambda r: r.replica_seconds), 4),
+        "direction_changes_noisy": round(mean("noisy-steady", "pdfleet", lambda r: r.direction_changes), 2),
+        "direction_changes_noisy_baseline": round(mean("noisy-steady", "per-role", lambda r: r.direction_changes), 2),
+        "reaction_s_bursty": round(mean("bursty", "pdfleet", lambda r: r.reaction), 1),
+        "reaction_s_bursty_baseline": round(mean("bursty", "per-role", lambda r: r.reaction), 1),
+        "seeds": args.seeds,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
