@@ -201,3 +201,14 @@ class ScrapeSource:
         if previous is None or now <= previous[0] or total < previous[1]:
             return None
         return (total - previous[1]) / (now - previous[0])
+
+
+_SOURCES: dict[tuple[str, str], PrometheusSource] = {}
+
+
+def prometheus_for(url: str, profile: str = "pdfleet") -> PrometheusSource:
+    """The PrometheusSource for a URL and profile, made once per process (it holds an HTTP session)."""
+    key = (url.rstrip("/"), profile)
+    if key not in _SOURCES:
+        _SOURCES[key] = PrometheusSource(url, profile=profile)
+    return _SOURCES[key]

@@ -155,7 +155,9 @@ def test_decisions_follow_the_queues_through_prometheus(prometheus_factory, flee
     finally:
         server.shutdown()
     assert f'{names.DESIRED_REPLICAS}{{deployment="demo",namespace="default",role="prefill"}} 5.0' in text
-    assert f'{names.SCALING_DECISIONS_TOTAL}{{direction="up",reason="QueueAboveTarget",role="prefill"}} 1.0' in text
+    reason = decisions["prefill"].reason
+    assert reason in (autoscaler.QUEUE_ABOVE_TARGET, autoscaler.QUEUE_GROWING)
+    assert f'{names.SCALING_DECISIONS_TOTAL}{{direction="up",reason="{reason}",role="prefill"}} 1.0' in text
     assert f'{names.PD_RATIO}{{deployment="demo",namespace="default"}}' in text
 
 
@@ -193,3 +195,27 @@ def test_scrape_source_with_a_replica_down_is_unavailable(fleet):
     assert not snap.ok and fleet["decode-b"].address in snap.error
     assert not (snap := ScrapeSource({"prefill": [fleet["prefill"].url]}).snapshot("demo", "default", ROLES)).ok
     assert "no /metrics targets for role decode" in snap.error
+
+
+def test_prometheus_for_reuses_one_source_per_url_and_rejects_unknown_profiles():
+    from pdfleet_operator.metrics import prometheus_for
+    assert prometheus_for("http://prom:9090/") is prometheus_for("http://prom:9090")
+    assert prometheus_for("http://prom:9090", "vllm").profile.name == "vllm"
+    with pytest.raises(ValueError, match="unknown metrics profile"):
+        PrometheusSource("http://prom:9090", profile="tgi")
+
+
+def test_every_profile_query_parses_with_promtool(tmp_path):
+    import subprocess
+
+    import yaml
+
+    from tests.support.components import binary
+    rules = [{"record": f"pdfleet:test_{profile}_{field}", "expr": promql}
+             for profile, p in names.PROFILES.items()
+             for field, promql in p.queries("demo", 'odd"ns\\').items()]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "autoscaler", "rules": rules}]}))
+    out = subprocess.run([binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(rules)} rules found" in out.stdout
