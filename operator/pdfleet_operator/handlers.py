@@ -33,6 +33,7 @@ from pdfleet_operator.api import (
     Condition,
     InferenceDeployment,
     InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
     parse_duration,
 )
 
@@ -132,6 +133,9 @@ class Reconciler:
         self.class_specs: dict[str, dict[str, Any]] = {}
         self._last_status: dict[Key, tuple[dict[str, Any], str | None, str | None]] = {}
         self._monitoring: tuple[float, bool] | None = None
+        # key -> child -> digest of what we rendered last: an apply of an unchanged rendering is a revert.
+        self._rendered: dict[Key, dict[str, str]] = {}
+        self._targets: dict[Key, dict[str, int]] = {}  # replicas per role this process last planned for
         self.reconciles = 0
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
@@ -263,9 +267,14 @@ class Reconciler:
         revision = template.revision if template else _revision(dep, children)
         desired = self._desired_for(key, dep.spec, spec, children)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
+        self._targets[key] = dict(plan.targets)
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring)
         writes_before = api.writes
         result = await kube.apply_children(api, owner, objects, children)
+        rendered = {kube.key_of(o): _digest(o) for o in objects}
+        last_rendered = self._rendered.get(key, {})
+        result.drifted = {k: v for k, v in result.drifted.items() if last_rendered.get(k) == rendered[k]}
+        self._rendered[key] = rendered
         for k in result.applied + result.created + result.deleted:
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
 
@@ -276,6 +285,10 @@ class Reconciler:
         observed = status.Observed(ready=ready, router_ready=ready.get(render.router_name(dep.name), 0),
                                    problems=tuple(result.problems))
         previous = dep.status
+        last = self._last_status.get(key)
+        if last is not None and meta.get("resourceVersion") == last[1]:
+            # The index has not caught up with our last status write yet: that write is the previous status.
+            previous = InferenceDeploymentStatus.model_validate(last[0])
         new = status.compute(name=dep.name, namespace=key[0], plan=plan, cost=plan_cost, observed=observed,
                              previous=previous, generation=dep.metadata.generation, revision=revision,
                              router_replicas=spec.router.replicas, now=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
@@ -285,9 +298,7 @@ class Reconciler:
         new_wire = new.wire()
         old_wire = previous.wire() if previous else {}
         written = False
-        last = self._last_status.get(key)
-        stale_echo = last is not None and last[0] == new_wire and meta.get("resourceVersion") in (last[1], last[2])
-        if new_wire != old_wire and not stale_echo:
+        if new_wire != old_wire:
             patched = await api.patch_status(key[0], dep.name, new_wire)
             self._last_status[key] = (new_wire, meta.get("resourceVersion"), (patched.get("metadata") or {}).get("resourceVersion"))
             exporter.API_WRITES.labels("InferenceDeployment/status").inc()
@@ -305,13 +316,15 @@ class Reconciler:
 
     def _desired_for(self, key: Key, current: InferenceDeploymentSpec, spec: InferenceDeploymentSpec,
                      children: list[dict[str, Any]]) -> dict[str, int] | None:
-        """The autoscaler's latest ask; else (after a restart) the sizes the pools already run, so a
-        restart never resets what the autoscaler had decided; else each role's minimum."""
+        """The autoscaler's latest ask; else what this process planned last (a hand-scaled pool is reverted);
+        else, right after a restart, the sizes the pools run, so a restart never resets what the
+        autoscaler had decided; else each role's minimum."""
         roles = spec.roles()
-        if key in self.desired:
-            return {r: n for r, n in self.desired[key].items() if r in roles}
         if not current.autoscaling.enabled:
             return None
+        for source in (self.desired, self._targets):
+            if key in source:
+                return {r: n for r, n in source[key].items() if r in roles}
         running: dict[str, int] = {}
         for c in children:
             role = (c["metadata"].get("labels") or {}).get(render.LABEL_ROLE)
@@ -353,9 +366,9 @@ def _revision(dep: InferenceDeployment, children: list[dict[str, Any]]) -> int:
     wanted = render.template_hash(dep.spec)
     seen: dict[str, int] = {}
     for c in children:
-        if c["kind"] != "Deployment":
-            continue
         meta = c["metadata"]
+        if c["kind"] != "Deployment" or (meta.get("labels") or {}).get(render.LABEL_ROLE) == render.ROUTER_ROLE:
+            continue
         try:
             rev = int((meta.get("labels") or {}).get(render.LABEL_REVISION, "0"))
         except ValueError:
@@ -507,11 +520,11 @@ async def on_resume(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -
 
 
 @kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
-def on_delete(namespace: str, name: str, **_: Any) -> None:
+async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
     key = (namespace, name)
     for store in (RECONCILER.desired, RECONCILER.templates, RECONCILER.extra_conditions, RECONCILER.extra_status,
-                  RECONCILER._last_status):
+                  RECONCILER._last_status, RECONCILER._rendered, RECONCILER._targets):
         store.pop(key, None)
     RECONCILER.limited.discard(key)
     exporter.forget(namespace, name)
@@ -520,7 +533,7 @@ def on_delete(namespace: str, name: str, **_: Any) -> None:
 # --- what else re-plans a deployment --------------------------------------------------------------------------
 
 @kopf.on.event(GROUP, VERSION, "acceleratorclasses")
-def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _keep_indexes(kwargs)
     spec = dict(body.get("spec") or {})
     before = RECONCILER.class_specs.get(name)
@@ -544,7 +557,7 @@ def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwarg
 
 
 @kopf.on.event("", "v1", "nodes")
-def on_node_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_node_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _keep_indexes(kwargs)
     view = _node_view(body)
     digest = _digest(view)
@@ -574,7 +587,7 @@ def _classes_on(view: dict[str, Any]) -> dict[str, AcceleratorClassSpec]:
 
 
 @kopf.on.event("", "v1", "pods")
-def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     """A finished or deleted pod frees its accelerators: re-plan the deployments that were short of them."""
     _keep_indexes(kwargs)
     if event.get("type") is None or not RECONCILER.limited:
@@ -602,27 +615,27 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     if not owner or key not in RECONCILER._bodies():
         return
     api = RECONCILER.api
-    if event.get("type") != "DELETED" and api is not None and \
-            api.is_own_write(kind, meta.get("namespace"), meta.get("name"), meta.get("resourceVersion")):
-        return  # the echo of our own write
+    if api is not None and api.is_own_write(kind, meta.get("namespace"), meta.get("name"),
+                                            kube.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion")):
+        return  # the echo of our own write or delete
     RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def on_deployment_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_deployment_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("Deployment", body, event, kwargs)
 
 
 @kopf.on.event("", "v1", "services", labels=MANAGED)
-def on_service_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_service_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("Service", body, event, kwargs)
 
 
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
-def on_configmap_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_configmap_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("ConfigMap", body, event, kwargs)
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
-def on_pdb_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+async def on_pdb_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("PodDisruptionBudget", body, event, kwargs)

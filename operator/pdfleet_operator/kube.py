@@ -40,6 +40,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
 }
 CHILD_KINDS = ("ConfigMap", "Service", "PodDisruptionBudget", "Deployment")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+DELETED = "<deleted>"  # marks our own deletes in Api.written
 
 
 class ApiError(Exception):
@@ -208,6 +209,7 @@ class Api:
         meta = obj["metadata"]
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background",
                 "preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
+        self.written[(obj["kind"], meta.get("namespace", ""), meta["name"])] = DELETED
         try:
             await self.request("DELETE", _path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
         except ApiError as exc:

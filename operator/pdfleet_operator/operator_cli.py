@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(
         clusterwide=clusterwide,
-        namespaces=args.namespace or None,
+        namespaces=args.namespace,
         standalone=args.peering is None,
         peering_name=args.peering,
         liveness_endpoint=liveness,

@@ -351,7 +351,7 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     }
 
 
-def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, *, revision: int) -> dict[str, Any]:
+def router_deployment(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     roles = list(spec.roles())
     container: dict[str, Any] = {
         "name": "router",
@@ -370,15 +370,16 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, *, revision: 
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner, router_name(owner.name), labels(owner, ROUTER_ROLE, role=ROUTER_ROLE, revision=revision),
-                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec)}),
+        # NOTE: no revision here: a new worker revision must not restart the router, whose pods only
+        # change with the router's own image, resources or the roles it routes to.
+        "metadata": _meta(owner, router_name(owner.name), labels(owner, ROUTER_ROLE, role=ROUTER_ROLE)),
         "spec": {
             "replicas": spec.router.replicas,
             "revisionHistoryLimit": 2,
             "selector": {"matchLabels": selector(owner, ROUTER_ROLE)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(owner, ROUTER_ROLE, role=ROUTER_ROLE, revision=revision),
+                "metadata": {"labels": labels(owner, ROUTER_ROLE, role=ROUTER_ROLE),
                              "annotations": _scrape_annotations()},
                 "spec": {
                     "automountServiceAccountToken": False,
@@ -512,7 +513,7 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out.append(router_service(owner))
     out += [role_pdb(owner, role) for role in roles]
     out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision) for pool in plan.pools]
-    out.append(router_deployment(owner, spec, revision=revision))
+    out.append(router_deployment(owner, spec))
     if monitoring:
         out += [pod_monitor(owner, spec), prometheus_rule(owner)]
     names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]
