@@ -79,9 +79,9 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         _write_quantized(cache.k, cache.k_scale, k, slots)
         _write_quantized(cache.v, cache.v_scale, v, slots)
         return
-    h, _, _, d = cache.k.shape
-    cache.k.view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
-    cache.v.view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
+    _, h, _, _, d = cache.kv.shape
+    new = torch.stack((k, v)).transpose(1, 2).to(cache.kv.dtype)  # [2, Hkv, T, D]
+    cache.kv.view(2, h, -1, d).index_copy_(2, slots, new)
 
 
 def _write_quantized(data: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -93,8 +93,8 @@ def _write_quantized(data: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, s
     blocks, offsets = slots // bs, slots % bs
     uniq, inv = torch.unique(blocks, return_inverse=True)  # [U], [T]
     u = uniq.numel()
-    amax = torch.zeros(h, u).scatter_reduce_(1, inv.expand(h, -1), x.abs().amax(-1), "amax")
-    first = torch.full((u,), bs, dtype=offsets.dtype).scatter_reduce_(0, inv, offsets, "amin")
+    amax = torch.zeros(h, u, device=x.device).scatter_reduce_(1, inv.expand(h, -1), x.abs().amax(-1), "amax")
+    first = torch.full((u,), bs, dtype=offsets.dtype, device=x.device).scatter_reduce_(0, inv, offsets, "amin")
     old = torch.where(first == 0, 0.0, scale[:, uniq].float())  # [Hkv, U]
     new = torch.maximum(old, amax / INT8_MAX).clamp_min(1e-8)
     grow = (old > 0) & (new > old)

@@ -50,18 +50,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables: [max_len, head_dim] in fp32, halves duplicated (rotate-half layout)."""
+    """cos and signed sin tables: [max_len, head_dim] in fp32 (rotate-half layout, as HF).
+    The sin table carries the rotation's sign: [-sin, sin], so apply_rope needs no negation."""
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(pos, rope_inv_freq(cfg))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    half = emb.shape[-1] // 2
+    signed_sin = emb.sin()
+    signed_sin[:, :half].neg_()
+    return emb.cos(), signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, signed_sin: [T, 1, D]. rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class Attention(nn.Module):

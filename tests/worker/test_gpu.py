@@ -1,0 +1,22 @@
+"""The CUDA path (FlexAttention, compiled) against transformers on the GPU. Opt-in: needs a CUDA GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.conftest import MAX_NEW, compare, random_prompts, run_and_capture
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("budget", [4, 64])
+def test_cuda_flex_matches_transformers(tiny, make_engine, budget):
+    """Same oracle as on CPU (the oracle itself runs on CPU in fp32). Never run on the machines
+    this was written on: they have no GPU."""
+    prompts = random_prompts(5, 1, 40, seed=21)
+    eng = make_engine(tiny.path, device="cuda", max_num_batched_tokens=budget, block_size=16)
+    assert eng.model_runner.backend == "flex" and eng.model_runner.linear_backend == "torch"
+    tokens, logits, _ = run_and_capture(eng, prompts)
+    logits = [[row.cpu() for row in rows] for rows in logits]
+    assert compare(tiny, prompts, tokens, logits, MAX_NEW).near_ties <= 1

@@ -1,0 +1,69 @@
+"""The KV connector interface (serve leased blocks on the prefill side, pull them on the decode side); the TCP connector implements it, the server calls it.
+
+NOTE: only TCP exists. An RDMA/NIXL connector would register the KV pool once and let the decode
+side read blocks one-sidedly into its own pool; it fits `pull` by writing into the destination
+blocks instead of returning host tensors, which is why the destination ids are passed in.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from pdfleet_worker.kv_transfer.lease import LeaseTable
+from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
+
+# Failure reasons (the `reason` label of pdfleet_kv_transfer_failures_total).
+CONNECT = "connect"            # the prefill worker's KV endpoint did not accept a connection
+TIMEOUT = "timeout"            # no complete answer within the transfer timeout
+PEER_CLOSED = "peer_closed"    # the connection broke midway (prefill worker died)
+INCOMPATIBLE = "incompatible"  # KV layout hashes differ: refused, nothing imported
+UNKNOWN_REQUEST = "unknown_request"  # no lease (expired, released, or never held)
+PROMPT_MISMATCH = "prompt_mismatch"  # the decode worker tokenized the prompt differently
+BAD_RESPONSE = "bad_response"  # the answer does not fit the request (shapes, sizes, protocol)
+UNSUPPORTED = "unsupported"    # a connector this worker does not have
+
+# (block ids) -> per layer {"kv": [2, Hkv, n, block_size, D], "scale": [2, Hkv, n]?}; LLMEngine.export_kv.
+ExportFn = Callable[[list[int]], list[dict[str, torch.Tensor]]]
+
+
+class KVTransferError(Exception):
+    """A pull or release that did not happen; `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class PulledKV:
+    layers: list[dict[str, torch.Tensor]]  # as LLMEngine.import_kv takes them
+    nbytes: int
+
+
+class KVConnector(abc.ABC):
+    """One transport for KV blocks between engines with equal KVLayout.compat_hash."""
+
+    name: str
+
+    # -- prefill side ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def serve(self, leases: LeaseTable, export: ExportFn, compat_hash: str) -> tuple[str, int]:
+        """Start answering pulls of leased blocks; returns the bound (host, port)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving (in-flight transfers are cut; their leases expire as usual)."""
+
+    # -- decode side ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
+             compat_hash: str, timeout_s: float) -> PulledKV:
+        """Fetch `len(dest_block_ids)` blocks of `prompt` starting at its block `first_block`.
+        Raises KVTransferError; never blocks longer than timeout_s."""
+
+    @abc.abstractmethod
+    def release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool, timeout_s: float) -> bool:
+        """Tell the prefill worker it may free the prompt's blocks (the ack). True if it held them."""

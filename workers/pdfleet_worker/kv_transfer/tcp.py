@@ -1,0 +1,268 @@
+"""The TCP KV connector: a prefill worker serves leased blocks on a socket, a decode worker pulls them into host tensors; the server starts it.
+
+Wire format: every message is a 4-byte big-endian length and a JSON object; a successful pull
+answer is followed by the raw bytes of its tensors, layer by layer, in the order its header lists.
+  pull    {"op": "pull", "request_id", "compat_hash", "first_block", "num_blocks"}
+          -> {"ok": true, "nbytes", "tensors": [{"layer", "name", "dtype", "shape"}...]} + bytes
+          |  {"ok": false, "reason", "error"}
+  release {"op": "release", "request_id", "ok"} -> {"ok": true, "released": bool}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+from pdfleet_worker.kv_transfer import connector as c
+from pdfleet_worker.kv_transfer.connector import ExportFn, KVConnector, KVTransferError, PulledKV
+from pdfleet_worker.kv_transfer.lease import LeaseTable
+from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
+
+log = logging.getLogger("pdfleet.kv")
+
+MAX_HEADER = 1 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_LEN = struct.Struct(">I")
+
+
+def _send_msg(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+def _recv_msg(sock: socket.socket, deadline: float | None) -> dict:
+    head = bytearray(_LEN.size)
+    _recv_exact(sock, memoryview(head), deadline)
+    (size,) = _LEN.unpack(head)
+    if size > MAX_HEADER:
+        raise ValueError(f"message of {size} bytes is larger than {MAX_HEADER}")
+    body = bytearray(size)
+    _recv_exact(sock, memoryview(body), deadline)
+    obj = json.loads(body)
+    if not isinstance(obj, dict):
+        raise ValueError("message is not a JSON object")
+    return obj
+
+
+class TcpKVConnector(KVConnector):
+    name = "tcp"
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, *, on_sent=None, io_timeout_s: float = 30.0):
+        self.host = host
+        self.port = port
+        self.on_sent = on_sent  # called with the byte count of each pull answered
+        self.io_timeout_s = io_timeout_s
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    # -- prefill side ---------------------------------------------------------------------------
+    def serve(self, leases: LeaseTable, export: ExportFn, compat_hash: str) -> tuple[str, int]:
+        assert self._listener is None, "already serving"
+        self._leases, self._export, self._compat_hash = leases, export, compat_hash
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(64)
+        self._listener = sock
+        t = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return sock.getsockname()[:2]
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve_conn, args=(conn,), name="kv-conn", daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed.is_set():
+                conn.settimeout(self.io_timeout_s)
+                try:
+                    msg = _recv_msg(conn, None)
+                except (ConnectionError, socket.timeout, OSError):
+                    return
+                op = msg.get("op")
+                if op == "pull":
+                    self._answer_pull(conn, msg)
+                elif op == "release":
+                    rid = str(msg.get("request_id"))
+                    _send_msg(conn, {"ok": True, "released": self._leases.release(rid)})
+                else:
+                    _send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE, "error": f"unknown op {op!r}"})
+        except (OSError, ValueError) as e:
+            log.info("KV connection ended: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer_pull(self, conn: socket.socket, msg: dict) -> None:
+        rid = str(msg.get("request_id"))
+        theirs = msg.get("compat_hash")
+        if theirs != self._compat_hash:
+            _send_msg(conn, {"ok": False, "reason": c.INCOMPATIBLE,
+                             "error": f"KV layout mismatch: this prefill engine has compat hash {self._compat_hash}, "
+                                      f"the puller has {theirs} (model, dtype, KV dtype, layers, KV heads, head dim "
+                                      f"or block size differ); refusing to send blocks"})
+            return
+        lease = self._leases.pin(rid)
+        if lease is None:
+            _send_msg(conn, {"ok": False, "reason": c.UNKNOWN_REQUEST,
+                             "error": f"no KV held for request {rid!r} (lease expired, released or never held)"})
+            return
+        try:
+            first, n = msg.get("first_block"), msg.get("num_blocks")
+            if not (isinstance(first, int) and isinstance(n, int) and first >= 0 and n >= 1
+                    and first + n <= len(lease.block_ids)):
+                _send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE,
+                                 "error": f"block range {first}+{n} is outside the {len(lease.block_ids)} held blocks"})
+                return
+            # NOTE: read outside the engine thread on purpose. Held blocks are finished and
+            # referenced, so nothing writes them; the pin keeps them from being freed under us.
+            layers = self._export(lease.block_ids[first:first + n])
+            tensors, header = [], []
+            for i, layer in enumerate(layers):
+                for name in sorted(layer):
+                    t = layer[name].contiguous()
+                    tensors.append(t)
+                    header.append({"layer": i, "name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            _send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": header})
+            for t in tensors:
+                conn.sendall(memoryview(t.view(torch.uint8).numpy()))
+            if self.on_sent is not None:
+                self.on_sent(nbytes)
+        finally:
+            self._leases.unpin(rid)
+
+    # -- decode side ----------------------------------------------------------------------------
+    def _connect(self, params: KVTransferParams, deadline: float) -> socket.socket:
+        try:
+            sock = socket.create_connection((params.host, params.port), timeout=max(deadline - time.monotonic(), 0.001))
+        except socket.timeout as e:
+            raise KVTransferError(c.TIMEOUT, f"connecting to {params.host}:{params.port} timed out") from e
+        except OSError as e:
+            raise KVTransferError(c.CONNECT, f"cannot connect to the prefill worker's KV endpoint "
+                                             f"{params.host}:{params.port}: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
+             compat_hash: str, timeout_s: float) -> PulledKV:
+        deadline = time.monotonic() + timeout_s
+        n = len(dest_block_ids)
+        sock = self._connect(params, deadline)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            _send_msg(sock, {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
+                             "first_block": first_block, "num_blocks": n})
+            head = _recv_msg(sock, deadline)
+            if not head.get("ok"):
+                raise KVTransferError(str(head.get("reason", c.BAD_RESPONSE)), str(head.get("error", head)))
+            specs = head.get("tensors")
+            nbytes = head.get("nbytes")
+            if not isinstance(specs, list) or not isinstance(nbytes, int) or nbytes < 0:
+                raise KVTransferError(c.BAD_RESPONSE, f"malformed pull answer {head}")
+            buf = bytearray(nbytes)
+            _recv_exact(sock, memoryview(buf), deadline)
+            return PulledKV(self._tensors(buf, specs, n), nbytes)
+        except KVTransferError:
+            raise
+        except socket.timeout as e:
+            raise KVTransferError(c.TIMEOUT, f"KV pull from {params.host}:{params.port} did not finish within "
+                                             f"{timeout_s:g}s") from e
+        except (ConnectionError, OSError) as e:
+            raise KVTransferError(c.PEER_CLOSED, f"KV pull from {params.host}:{params.port} broke: {e}") from e
+        except ValueError as e:
+            raise KVTransferError(c.BAD_RESPONSE, f"KV pull from {params.host}:{params.port}: {e}") from e
+        finally:
+            sock.close()
+
+    @staticmethod
+    def _tensors(buf: bytearray, specs: list, num_blocks: int) -> list[dict[str, torch.Tensor]]:
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        layers: list[dict[str, torch.Tensor]] = []
+        off = 0
+        for spec in specs:
+            dtype = DTYPES.get(spec.get("dtype"))
+            shape = spec.get("shape")
+            layer = spec.get("layer")
+            if dtype is None or not isinstance(shape, list) or len(shape) < 3 or shape[2] != num_blocks:
+                raise KVTransferError(c.BAD_RESPONSE, f"tensor {spec} does not hold {num_blocks} blocks")
+            if layer == len(layers):
+                layers.append({})
+            elif layer != len(layers) - 1:
+                raise KVTransferError(c.BAD_RESPONSE, f"tensor {spec} is out of layer order")
+            count = 1
+            for d in shape:
+                count *= d
+            size = count * torch.empty(0, dtype=dtype).element_size()
+            if off + size > len(flat):
+                raise KVTransferError(c.BAD_RESPONSE, f"{len(flat)} bytes cannot hold tensor {spec}")
+            layers[-1][spec["name"]] = flat[off:off + size].view(dtype).view(shape)
+            off += size
+        if off != len(flat):
+            raise KVTransferError(c.BAD_RESPONSE, f"{len(flat) - off} bytes left over after the tensors")
+        return layers
+
+    def release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        sock = self._connect(params, deadline)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            _send_msg(sock, {"op": "release", "request_id": prompt.request_id, "ok": ok})
+            return bool(_recv_msg(sock, deadline).get("released"))
+        except socket.timeout as e:
+            raise KVTransferError(c.TIMEOUT, f"KV release to {params.host}:{params.port} timed out") from e
+        except (ConnectionError, OSError, ValueError) as e:
+            raise KVTransferError(c.PEER_CLOSED, f"KV release to {params.host}:{params.port} failed: {e}") from e
+        finally:
+            sock.close()

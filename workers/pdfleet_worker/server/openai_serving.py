@@ -1,0 +1,565 @@
+"""The OpenAI completions and chat handlers: request -> engine requests -> JSON or SSE, including the PD prefill and decode modes; the app routes to it."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
+from pdfleet_worker.engine.sampler import TokenLogprobs
+from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
+from pdfleet_worker.server import protocol as p
+from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
+from pdfleet_worker.server.pd import PD, TransferRefused
+from pdfleet_worker.server.protocol import RequestError
+from pdfleet_worker.server.worker_config import WorkerConfig
+
+log = logging.getLogger("pdfleet.serving")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclasses.dataclass
+class ServerState:
+    draining: bool = False
+    inflight: int = 0  # generation requests not yet fully answered
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated request in engine terms."""
+
+    chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    logprobs: int | None
+    prefill_only: bool = False                 # PD prefill: hold the KV, return transfer params
+    remote: KVTransferParams | None = None     # PD decode: take the KV from a prefill worker
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    request_id: str
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    final: RequestOutput | None = None
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+class OpenAIServing:
+    def __init__(self, cfg: WorkerConfig, loop: EngineLoop, pd: PD | None, metrics, state: ServerState):
+        self.cfg = cfg
+        self.loop = loop
+        self.engine = loop.engine
+        self.tokenizer = loop.engine.tokenizer
+        self.pd = pd
+        self.metrics = metrics
+        self.state = state
+        self.model_name = cfg.served_model_name
+        self.max_model_len = loop.engine.max_model_len
+        self.vocab_size = loop.engine.model_config.vocab_size
+
+    # -- entry points ---------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        if self.state.draining:
+            self.metrics.rejected("draining")
+            raise RequestError(503, "this worker is draining (shutting down); retry on another worker",
+                               type="service_unavailable", code="draining",
+                               headers={"Retry-After": str(self.cfg.retry_after_s)})
+        raw = await read_json(request, self.cfg.max_request_bytes)
+        req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, raw)
+        prep = self._prepare(req, chat)
+        self.state.inflight += 1
+        handed_over = False
+        try:
+            choices, queue = await self._admit(prep)
+            if prep.stream and not prep.prefill_only:
+                response = await self._stream(request, prep, choices, queue)
+                handed_over = True  # the response's iterator finishes the bookkeeping
+                return response
+            return await self._complete(request, prep, choices, queue)
+        finally:
+            if not handed_over:
+                self.state.inflight -= 1
+
+    # -- validation -----------------------------------------------------------------------------
+    def _prepare(self, req: p.CompletionRequest | p.ChatCompletionRequest, chat: bool) -> Prepared:
+        if req.model != self.model_name:
+            raise RequestError(404, f"The model `{req.model}` does not exist; this worker serves `{self.model_name}`",
+                               param="model", code="model_not_found")
+        unsupported = [("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
+                       ("logit_bias", bool(req.logit_bias))]
+        if chat:
+            unsupported += [("tools", bool(req.tools)),
+                            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+                            ("response_format", bool(req.response_format) and req.response_format.get("type") != "text")]
+        else:
+            unsupported += [("echo", req.echo), ("suffix", req.suffix is not None),
+                            ("best_of", req.best_of is not None and req.best_of != req.n)]
+        for name, bad in unsupported:
+            if bad:
+                raise RequestError(400, f"{name} is not supported by this server", param=name)
+        if req.n > self.cfg.max_n:
+            raise RequestError(400, f"n is {req.n}; this server allows at most {self.cfg.max_n}", param="n")
+
+        prompts = self._chat_prompt(req) if chat else self._completion_prompts(req.prompt)
+        if chat:
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            if req.top_logprobs is not None and not req.logprobs:
+                raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        else:
+            max_tokens = req.max_tokens
+            logprobs = req.logprobs
+        if logprobs is not None and logprobs > self.cfg.max_logprobs:
+            raise RequestError(400, f"at most {self.cfg.max_logprobs} logprobs may be asked for", param="logprobs")
+        longest = max(len(t) for t in prompts)
+        if longest >= self.max_model_len:
+            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                                    f"prompt has {longest} tokens", param="prompt" if not chat else "messages",
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+            if self.cfg.max_tokens is not None:
+                max_tokens = min(max_tokens, self.cfg.max_tokens)
+        elif self.cfg.max_tokens is not None and max_tokens > self.cfg.max_tokens:
+            raise RequestError(400, f"max_tokens is {max_tokens}; this server allows at most {self.cfg.max_tokens}",
+                               param="max_tokens")
+        if longest + max_tokens > self.max_model_len:
+            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                    f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} "
+                                    f"for the completion). Reduce the prompt or max_tokens.", param="max_tokens",
+                               code="context_length_exceeded")
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        prefill_only, remote = self._pd_mode(req.kv_transfer_params, len(prompts))
+        n = req.n
+        if prefill_only:
+            max_tokens, n = 1, 1  # only the prompt's KV matters; the decode worker samples for real
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_k=top_k, top_p=1.0 if req.top_p is None else float(req.top_p), seed=req.seed, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        if params.stop and self.tokenizer is None:
+            raise RequestError(400, "stop strings need a tokenizer; this model has none", param="stop")
+        opts = req.stream_options
+        if opts is not None and not req.stream:
+            raise RequestError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        return Prepared(chat=chat, prompts=prompts, params=params, n=n, stream=req.stream,
+                        include_usage=bool(opts and opts.include_usage),
+                        continuous_usage=bool(opts and opts.continuous_usage_stats),
+                        return_token_ids=req.return_token_ids, logprobs=logprobs, prefill_only=prefill_only,
+                        remote=remote)
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for i, item in enumerate(prompt):
+            if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise RequestError(400, "text prompts need a tokenizer; this model has none; send token ids",
+                                       param="prompt")
+                ids = self.tokenizer.encode(item)
+            else:
+                ids = list(item)
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise RequestError(400, f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}",
+                                       param="prompt")
+            if not ids:
+                raise RequestError(400, f"prompt {i} is empty", param="prompt")
+            out.append(ids)
+        return out
+
+    def _chat_prompt(self, req: p.ChatCompletionRequest) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise RequestError(400, "chat needs a tokenizer with a chat template; this model has none", param="messages")
+        messages = []
+        for msg in req.messages:
+            content = msg.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            messages.append({"role": msg.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template error is the request's fault (e.g. roles it refuses)
+            raise RequestError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        # NOTE: the template writes the special tokens it wants; adding them again would double BOS.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise RequestError(400, "the messages render to an empty prompt", param="messages")
+        return [ids]
+
+    def _pd_mode(self, raw: dict | None, num_prompts: int) -> tuple[bool, KVTransferParams | None]:
+        if raw is None:
+            return False, None
+        if raw.get(DO_REMOTE_DECODE) is True:
+            if self.pd is None or self.pd.kv_address is None:
+                raise RequestError(400, f"this worker (role {self.cfg.role}) does not hold KV for remote decode",
+                                   param="kv_transfer_params")
+            return True, None
+        if raw.get(DO_REMOTE_PREFILL) is True:
+            if self.pd is None or not self.cfg.pulls_kv:
+                raise RequestError(400, f"this worker (role {self.cfg.role}) does not pull remote KV",
+                                   param="kv_transfer_params")
+            try:
+                params = KVTransferParams.from_json(raw)
+            except ValueError as e:
+                raise RequestError(400, str(e), param="kv_transfer_params") from None
+            if len(params.prompts) != num_prompts:
+                raise RequestError(400, f"kv_transfer_params holds {len(params.prompts)} prompts, the request "
+                                        f"{num_prompts}", param="kv_transfer_params")
+            return False, params
+        raise RequestError(400, f"kv_transfer_params needs {DO_REMOTE_DECODE} or {DO_REMOTE_PREFILL}: true",
+                           param="kv_transfer_params")
+
+    # -- admission ------------------------------------------------------------------------------
+    async def _admit(self, prep: Prepared) -> tuple[list[Choice], asyncio.Queue]:
+        base = p.new_id("cmpl")
+        ids = [[f"{base}-{i}-{j}" for j in range(prep.n)] for i in range(len(prep.prompts))]
+        queue: asyncio.Queue = asyncio.Queue()
+        choices: list[Choice] = []
+        remote_tokens: list[int] = [0] * len(prep.prompts)
+        if prep.remote is not None:
+            assert self.pd is not None
+            for i, tokens in enumerate(prep.prompts):
+                try:
+                    remote_tokens[i] = self.pd.remote_tokens(prep.remote, i, tokens)
+                except TransferRefused as e:
+                    self.pd.release_unused(prep.remote, i, e.reason)
+                    if self.cfg.kv_on_failure == "fail":
+                        for k in range(len(prep.prompts)):
+                            if k != i:
+                                self.pd.release_unused(prep.remote, k, None)
+                        raise RequestError(502, str(e), type="kv_transfer_error", code=e.reason) from None
+                    log.warning("%s; recomputing the prompt here", e)
+                    continue
+                if remote_tokens[i] == 0:
+                    self.pd.release_unused(prep.remote, i, None)
+                else:
+                    self.pd.register(prep.remote, i, ids[i])
+        added: list[str] = []
+        try:
+            for i, tokens in enumerate(prep.prompts):
+                for j, rid in enumerate(ids[i]):
+                    params = prep.params
+                    if params.seed is not None and prep.n > 1:
+                        params = dataclasses.replace(params, seed=params.seed + j)
+                    choices.append(Choice(index=len(choices), prompt_index=i, request_id=rid))
+                    await self.loop.add(rid, tokens, params, remote_kv_tokens=remote_tokens[i],
+                                        hold_kv=prep.prefill_only, queue=queue)
+                    added.append(rid)
+        except BaseException as e:
+            for rid in added:
+                self.loop.abort(rid)
+            if self.pd is not None:  # ack every remote prompt nobody will pull now
+                for rid in (r for row in ids for r in row):
+                    self.pd.settle(rid, ok=False)
+            if isinstance(e, QueueFullError):
+                self.metrics.rejected("queue_full")
+                raise RequestError(503, f"the server is overloaded ({e}); retry later", type="service_unavailable",
+                                   code="queue_full", headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            if isinstance(e, ValueError):
+                raise RequestError(400, str(e)) from None
+            raise
+        return choices, queue
+
+    def _end(self, prep: Prepared, choices: list[Choice]) -> None:
+        """After the answer (complete, failed or abandoned): stop what still runs, settle PD state."""
+        for ch in choices:
+            if ch.final is None:
+                self.loop.abort(ch.request_id)
+            if self.pd is not None:
+                self.pd.settle(ch.request_id, ok=ch.final is not None)
+
+    # -- consuming outputs ----------------------------------------------------------------------
+    def _apply(self, prep: Prepared, choice: Choice, out: RequestOutput) -> None:
+        choice.text.append(out.new_text)
+        choice.token_ids += out.new_token_ids
+        if out.logprobs:
+            choice.logprobs += out.logprobs
+        choice.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids and self.pd is not None and prep.remote is not None:
+            self.pd.settle(choice.request_id)  # decoding: the remote prompt is no longer needed
+        if out.finished:
+            choice.final = out
+            choice.finish_reason = out.finish_reason
+
+    async def _next(self, queue: asyncio.Queue, by_id: dict[str, Choice]) -> tuple[Choice, RequestOutput]:
+        """The next output that carries tokens or ends a choice; StreamError raises RequestError."""
+        while True:
+            item = await queue.get()
+            if isinstance(item, StreamError):
+                raise RequestError(item.status, item.message, type=item.type, code=item.code)
+            if item.kv_load is not None:
+                continue
+            if item.finished and item.finish_reason == "abort":
+                raise RequestError(503, "the request was aborted by the server", type="service_unavailable",
+                                   code="aborted")
+            return by_id[item.request_id], item
+
+    def _usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:
+        cached = sum(ch.num_cached_tokens for ch in choices if ch.index % prep.n == 0)
+        return p.usage(sum(len(t) for t in prep.prompts), sum(len(ch.token_ids) for ch in choices), cached)
+
+    # -- non-streaming --------------------------------------------------------------------------
+    async def _complete(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
+        by_id = {ch.request_id: ch for ch in choices}
+        created = p.now()
+        delivered = False
+        try:
+            async def collect() -> None:
+                pending = len(choices)
+                while pending:
+                    ch, out = await self._next(queue, by_id)
+                    self._apply(prep, ch, out)
+                    pending -= out.finished
+            await until_disconnect(request, collect())
+            body = self._full_body(prep, choices, created)
+            if prep.prefill_only:
+                assert self.pd is not None
+                held = [(ch.request_id, ch.final, prep.prompts[ch.prompt_index]) for ch in choices]
+                if any(out.held_kv is None for _, out, _ in held):
+                    raise RequestError(500, "the prefill finished without holding its KV", type="server_error")
+                body["kv_transfer_params"] = self.pd.transfer_params(held).to_json()
+            delivered = True
+            return JSONResponse(body)
+        finally:
+            self._end(prep, choices)
+            if prep.prefill_only and not delivered and self.pd is not None:
+                for ch in choices:
+                    if ch.final is not None and ch.final.held_kv is not None:
+                        self.pd.drop_lease(ch.request_id)
+
+    def _full_body(self, prep: Prepared, choices: list[Choice], created: int) -> dict[str, Any]:
+        out_choices = []
+        for ch in choices:
+            text = "".join(ch.text)
+            if prep.chat:
+                c: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": text},
+                                     "logprobs": self._chat_logprobs(ch.logprobs) if prep.logprobs is not None else None,
+                                     "finish_reason": ch.finish_reason}
+            else:
+                c = {"index": ch.index, "text": text,
+                     "logprobs": self._completion_logprobs(ch.logprobs, 0) if prep.logprobs is not None else None,
+                     "finish_reason": ch.finish_reason}
+            if prep.return_token_ids:
+                c["token_ids"] = ch.token_ids
+                c["prompt_token_ids"] = prep.prompts[ch.prompt_index]
+            out_choices.append(c)
+        return {"id": p.new_id("chatcmpl" if prep.chat else "cmpl"),
+                "object": "chat.completion" if prep.chat else "text_completion",
+                "created": created, "model": self.model_name, "choices": out_choices,
+                "usage": self._usage(prep, choices)}
+
+    # -- streaming ------------------------------------------------------------------------------
+    async def _stream(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
+        """Headers go out with the first token, so that an error before it (overload, a failed KV
+        pull) still gets a real status code and the router may retry elsewhere."""
+        by_id = {ch.request_id: ch for ch in choices}
+        try:
+            first = await until_disconnect(request, self._next(queue, by_id))
+        except BaseException:
+            self.state.inflight -= 1
+            self._end(prep, choices)
+            raise
+        return EventStreamResponse(self._events(prep, choices, by_id, queue, first), headers=SSE_HEADERS)
+
+    async def _events(self, prep: Prepared, choices: list[Choice], by_id: dict[str, Choice], queue: asyncio.Queue,
+                      first: tuple[Choice, RequestOutput]) -> AsyncIterator[bytes]:
+        rid = p.new_id("chatcmpl" if prep.chat else "cmpl")
+        created = p.now()
+        build = p.chat_chunk if prep.chat else p.completion_chunk
+        try:
+            if prep.chat:
+                roles = [{"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for ch in choices]
+                yield sse(build(rid, created, self.model_name, roles, self._cont_usage(prep, choices)))
+            pending = len(choices)
+            item: tuple[Choice, RequestOutput] | None = first
+            while pending:
+                if item is None:
+                    try:
+                        item = await self._next(queue, by_id)
+                    except RequestError as e:
+                        yield sse(p.error_body(e.message, e.type, e.param, e.code or e.status))
+                        yield b"data: [DONE]\n\n"
+                        return
+                ch, out = item
+                item = None
+                self._apply(prep, ch, out)
+                pending -= out.finished
+                if not (out.new_text or out.finished or (prep.return_token_ids and out.new_token_ids)):
+                    continue
+                yield sse(build(rid, created, self.model_name, [self._delta(prep, ch, out)],
+                                self._cont_usage(prep, choices)))
+            if prep.include_usage:
+                yield sse(build(rid, created, self.model_name, [], self._usage(prep, choices)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.state.inflight -= 1
+            self._end(prep, choices)
+
+    def _cont_usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any] | None:
+        return self._usage(prep, choices) if prep.include_usage and prep.continuous_usage else None
+
+    def _delta(self, prep: Prepared, ch: Choice, out: RequestOutput) -> dict[str, Any]:
+        lps = out.logprobs or []
+        if prep.chat:
+            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            d: dict[str, Any] = {"index": ch.index, "delta": delta,
+                                 "logprobs": self._chat_logprobs(lps) if prep.logprobs is not None else None,
+                                 "finish_reason": out.finish_reason if out.finished else None}
+        else:
+            offset = sum(len(t) for t in ch.text[:-1])
+            d = {"index": ch.index, "text": out.new_text,
+                 "logprobs": self._completion_logprobs(lps, offset) if prep.logprobs is not None else None,
+                 "finish_reason": out.finish_reason if out.finished else None}
+        if prep.return_token_ids:
+            d["token_ids"] = out.new_token_ids
+        return d
+
+    # -- logprobs -------------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                            for lp in lps]}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past `limit` bytes (checked before and while reading), 400 if malformed."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise RequestError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def until_disconnect(request: Request, aw: Awaitable[Any]) -> Any:
+    """Await `aw` unless the client disconnects first (then it is cancelled and ClientGone raised).
+    Only after the body was read: the next receive() is the disconnect."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(Response):
+    """SSE that stops its iterator (whose `finally` aborts the engine requests) the moment the
+    client disconnects, not at the next token."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        state = {"gone": False, "finished": False}
+
+        async def watch() -> None:
+            await _disconnected(receive)
+            if not state["finished"]:
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()
+        except OSError:
+            pass
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+            await self.events.aclose()
+

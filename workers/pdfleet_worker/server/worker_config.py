@@ -1,0 +1,239 @@
+"""WorkerConfig: `pdfleet worker` flags merged over the operator's engine config file, and the KV pool size from a memory fraction; the CLI and tests build it."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+from typing import Any
+
+from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, ModelConfig
+
+ROLES = ("prefill", "decode", "both")
+ON_FAILURE = ("recompute", "fail")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration(value: str | float | int) -> float:
+    """Seconds from 2.5, "2.5", "500ms", "10s", "2m" or "1h"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValueError(f"not a duration: {value!r} (use seconds or a number with ms, s, m or h)")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    """Everything one worker process runs with."""
+
+    engine: EngineConfig
+    served_model_name: str
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    accelerator: str = "cpu"
+    kv_cache_memory_fraction: float | None = None  # informational once engine.kv_cache_memory_bytes is set
+    # PD transfer
+    kv_transfer_timeout_s: float = 10.0
+    kv_lease_s: float = 30.0
+    kv_on_failure: str = "recompute"
+    kv_host: str | None = None      # address advertised to decode workers
+    kv_port: int = 0                # 0: any free port
+    # request limits
+    max_request_bytes: int = 4 << 20
+    max_tokens: int | None = None   # None: up to the model length
+    max_n: int = 16
+    max_logprobs: int = 20
+    retry_after_s: int = 1
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_on_failure not in ON_FAILURE:
+            raise ValueError(f"kv on_failure must be one of {ON_FAILURE}, got {self.kv_on_failure!r}")
+        for name in ("kv_transfer_timeout_s", "kv_lease_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_request_bytes", "max_n", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def serves_kv(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def pulls_kv(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `pdfleet worker` flags. Every engine flag defaults to None so that the engine config
+    file (what the operator renders) fills what the command line leaves out."""
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--served-model-name", help="name clients put in `model` (default: the directory's name)")
+    p.add_argument("--role", choices=ROLES, default=None, help="prefill: hold KV for decode workers; decode: pull it; both: either (colocated)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    p.add_argument("--engine-config", help="JSON file with engine settings (keys as the operator renders them); flags win")
+    p.add_argument("--accelerator", default=None, help="accelerator label on metrics (default $PDFLEET_ACCELERATOR or cpu)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", choices=DTYPES, default=None)
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="fraction of free device memory (after weights) for the KV cache (default 0.85)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-waiting-requests", "--max-num-waiting", dest="max_num_waiting", type=int, default=None,
+                   help="waiting requests before new ones get 503 + Retry-After (default 1024)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "cpu", "flex"), default=None)
+    k = p.add_argument_group("KV transfer (prefill/decode disaggregation)")
+    k.add_argument("--kv-transfer-timeout", default=None, help="give up on one pull after this long (default 10s)")
+    k.add_argument("--kv-lease", default=None, help="prefill: free held KV not acked within this long (default 30s)")
+    k.add_argument("--kv-on-failure", choices=ON_FAILURE, default=None,
+                   help="decode: after a failed pull recompute the prompt here, or fail the request (default recompute)")
+    k.add_argument("--kv-host", default=None, help="prefill: address decode workers reach the KV endpoint at "
+                                                  "(default $POD_IP, else --host, else 127.0.0.1)")
+    k.add_argument("--kv-port", type=int, default=None, help="prefill: KV endpoint port (default: any free port)")
+    s = p.add_argument_group("serving")
+    s.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)")
+    s.add_argument("--max-tokens-limit", dest="max_tokens", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the model length)")
+    s.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for (default 16)")
+    s.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503 (default 1)")
+    s.add_argument("--drain-timeout", default=None, help="on SIGTERM, abort what is still running after this long (default 60s)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+# Engine config file keys (operator/pdfleet_operator/render.py engine_config) -> our field names.
+_FILE_KEYS = {"served_model_name", "dtype", "max_model_len", "block_size", "kv_cache_memory_fraction", "num_kv_blocks",
+              "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "enable_prefix_caching",
+              "kv_transfer", "device", "num_threads"}
+
+
+def load_engine_file(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the engine config must be a JSON object")
+    unknown = sorted(set(raw) - _FILE_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown engine config keys {unknown}; known: {sorted(_FILE_KEYS)}")
+    out = {k: v for k, v in raw.items() if k != "kv_transfer"}
+    kv = raw.get("kv_transfer") or {}
+    if not isinstance(kv, dict):
+        raise ValueError(f"{path}: kv_transfer must be an object")
+    for key, field in (("timeout_seconds", "kv_transfer_timeout"), ("lease_seconds", "kv_lease"), ("on_failure", "kv_on_failure")):
+        if key in kv:
+            out[field] = kv[key]
+    return out
+
+
+def from_args(args: argparse.Namespace) -> WorkerConfig:
+    file = load_engine_file(args.engine_config) if args.engine_config else {}
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+        return file.get(name, default)
+
+    model = args.model
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model}: not a directory")
+    dtype = pick("dtype", "float32")
+    if dtype == "float16":
+        raise ValueError("dtype float16 is not supported by the pdfleet engine; use bfloat16 or float32")
+    model_cfg = ModelConfig.from_dir(model)
+    block_size = pick("block_size", 16)
+    num_kv_blocks = pick("num_kv_blocks", None)
+    fraction = pick("kv_cache_memory_fraction", 0.85)
+    device = pick("device", "cpu")
+    max_num_seqs = pick("max_num_seqs", 64)
+    max_model_len = pick("max_model_len", None)
+    kv_dtype = pick("kv_cache_dtype", "auto")
+    kv_bytes = 1 << 30
+    if num_kv_blocks is None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
+        kv_bytes = kv_cache_bytes(model, model_cfg, fraction=fraction, device=device, dtype=dtype, kv_dtype=kv_dtype,
+                                  block_size=block_size, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len or model_cfg.max_position_embeddings)
+    engine = EngineConfig(
+        model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_dtype, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=pick("max_num_batched_tokens", 512), max_model_len=max_model_len,
+        max_num_waiting=pick("max_num_waiting", 1024), enable_prefix_caching=pick("enable_prefix_caching", True),
+        num_threads=pick("num_threads", None), attention_backend=pick("attention_backend", "auto"))
+    return WorkerConfig(
+        engine=engine,
+        served_model_name=pick("served_model_name", None) or os.path.basename(os.path.normpath(model)),
+        role=pick("role", "both"), host=pick("host", "127.0.0.1"), port=pick("port", 8000),
+        accelerator=pick("accelerator", None) or os.environ.get("PDFLEET_ACCELERATOR") or "cpu",
+        kv_cache_memory_fraction=None if num_kv_blocks is not None else fraction,
+        kv_transfer_timeout_s=parse_duration(pick("kv_transfer_timeout", 10.0)),
+        kv_lease_s=parse_duration(pick("kv_lease", 30.0)),
+        kv_on_failure=pick("kv_on_failure", "recompute"),
+        kv_host=pick("kv_host", None), kv_port=pick("kv_port", 0),
+        max_request_bytes=pick("max_request_bytes", 4 << 20), max_tokens=pick("max_tokens", None),
+        max_n=pick("max_n", 16), retry_after_s=pick("retry_after", 1),
+        drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)))
+
+
+def _cpu_available_bytes() -> int:
+    """MemAvailable, capped by the cgroup (container) limit minus what the cgroup already uses."""
+    avail = None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    if avail is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
+                   block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """KV pool bytes: `fraction` of the device memory left after the weights, but no more than
+    max_num_seqs sequences of max_model_len tokens can use (a CPU has far more memory than that)."""
+    elem = {"float32": 4, "bfloat16": 2}[dtype]
+    # NOTE: the files' size, not the loaded size: an fp32 checkpoint served in bf16 leaves more
+    # room than this counts, which errs on the safe side.
+    weights = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+    else:
+        free = _cpu_available_bytes()
+    budget = int((free - weights) * fraction)
+    kv_elem = 1 if kv_dtype == "int8" else elem
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
+    blocks_per_seq = -(-max_model_len // block_size)
+    cap = max_num_seqs * blocks_per_seq * block_size * per_token
+    if budget < block_size * per_token:
+        raise ValueError(f"no memory for the KV cache: {free / 2**30:.1f} GiB free, weights {weights / 2**30:.1f} GiB, "
+                         f"fraction {fraction}")
+    return min(budget, cap)
