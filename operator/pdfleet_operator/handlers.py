@@ -137,6 +137,7 @@ class Reconciler:
         self._rendered: dict[Key, dict[str, str]] = {}
         self._targets: dict[Key, dict[str, int]] = {}  # replicas per role this process last planned for
         self.reconciles = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # kopf's loop: other threads call in through it
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
     def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = "autoscaler") -> None:
@@ -388,6 +389,7 @@ RECONCILER = Reconciler()
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    RECONCILER.loop = asyncio.get_running_loop()
     settings.persistence.diffbase_storage = MemoryDiffBaseStorage()
     settings.persistence.progress_storage = MemoryProgressStorage()
     settings.persistence.finalizer = "pdfleet.io/finalizer"
