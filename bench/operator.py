@@ -1,0 +1,241 @@
+"""Operator scale benchmark: reconcile N InferenceDeployments (4 pools each) against the API emulator.
+
+Runs the real operator (`pdfleet operator`, a subprocess) against the test API emulator (a thread of
+this process), creates N CRs, plays the Deployment controller (marks every Deployment ready), then
+restarts the operator with a short resync interval. Reports wall times, API calls and writes per CR,
+writes on resync and the operator's peak RSS; ends with one JSON line.
+
+    python bench/operator.py --crs 500
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# NOTE: run as `python bench/operator.py`, this directory is sys.path[0] and this file would shadow the
+# standard library's `operator` module (imported by enum, re, json, ...): drop the directory first.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse
+import copy
+import json
+import pathlib
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from tests.operator.cluster import CLASSES_FILE, node  # noqa: E402
+from tests.support.components import free_port  # noqa: E402
+from tests.support.k8s_emulator import EmulatorThread, write_kubeconfig  # noqa: E402
+
+NAMESPACE = "default"
+# Every CR asks for 2 prefill + 2 decode replicas; the preferred class of each role has room for
+# one replica only, so each role spills onto its second class: 4 pools per CR. (The emulator has no
+# pods, so every CR sees the same free capacity.)
+NODES = [node("h100-0", "h100", 1), node("h200-0", "h200", 64), node("mig-0", "h100-mig", 1), node("a100-0", "a100", 64)]
+SPEC = {
+    "model": {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "models", "path": "llama"}}, "maxModelLen": 8192,
+              "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128}},
+    "prefill": {"acceleratorClasses": ["h100-80gb", "h200-141gb"], "minReplicas": 2, "maxReplicas": 8},
+    "decode": {"acceleratorClasses": ["h100-mig-3g-40gb", "a100-80gb"], "minReplicas": 2, "maxReplicas": 8},
+    "tier": "cost",
+}
+
+
+def cr(i: int) -> dict:
+    return {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": f"bench-{i:04d}", "namespace": NAMESPACE}, "spec": copy.deepcopy(SPEC)}
+
+
+class Bench:
+    def __init__(self, server: EmulatorThread, kubeconfig: pathlib.Path, workdir: pathlib.Path) -> None:
+        self.server, self.kubeconfig, self.workdir = server, kubeconfig, workdir
+        self.emu = server.emulator
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
+
+    def call(self, fn, *args, **kwargs):
+        return self.server.call(fn, *args, **kwargs)
+
+    def res(self, name: str):
+        return self.call(self.emu.find_resource, name)
+
+    def list(self, name: str) -> list[dict]:
+        return self.call(self.emu.list_objects, self.res(name), NAMESPACE, None, None)
+
+    def writes(self) -> list:
+        return [r for r in self.call(lambda: list(self.emu.log)) if r.is_write]
+
+    def requests(self) -> list:
+        return self.call(lambda: list(self.emu.log))
+
+    def start_operator(self, resync: float) -> None:
+        self.metrics_port = free_port()
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        log = open(self.workdir / "operator.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdfleet_operator.operator_cli", "operator", "--metrics-port", str(self.metrics_port),
+             "--liveness-port", "0", "--resync-interval", str(resync)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def peak_rss_mb(self) -> float:
+        assert self.proc is not None
+        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def reconciles(self) -> int:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return 0
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("pdfleet_operator_reconciles_total{")))
+
+    def stop_operator(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def wait(self, predicate, timeout: float, what: str, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SystemExit(f"operator exited: see {self.workdir / 'operator.log'}")
+            time.sleep(interval)
+        raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+
+    def quiet(self, seconds: float = 2.0, timeout: float = 120.0) -> None:
+        last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            n = len(self.requests())
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= seconds:
+                return
+            time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--crs", type=int, default=500, help="InferenceDeployments to create (default 500)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds per phase")
+    args = parser.parse_args(argv)
+    n = args.crs
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="pdfleet-bench-operator-"))
+    with EmulatorThread() as server:
+        kubeconfig = write_kubeconfig(workdir / "kubeconfig", server.url)
+        b = Bench(server, kubeconfig, workdir)
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                b.call(b.emu.apply_object, doc)
+        for doc in yaml.safe_load_all(CLASSES_FILE.read_text()):
+            b.call(b.emu.apply_object, doc)
+        for doc in NODES:
+            b.call(b.emu.apply_object, doc)
+
+        b.start_operator(resync=0)
+        b.wait(lambda: b.metrics_port and b.reconciles() == 0 and _up(b), 60, "the operator to start", 0.2)
+        b.call(b.emu.log.clear)
+
+        # Phase 1: create N CRs; wait until each has a status with its 4 pools.
+        t0 = time.monotonic()
+        for i in range(n):
+            b.call(b.emu.apply_object, cr(i))
+        t_created = time.monotonic() - t0
+
+        def reconciled() -> bool:
+            items = b.list("infdep")
+            return len(items) == n and all(len((o.get("status") or {}).get("pools") or []) == 4 for o in items)
+        b.wait(reconciled, args.timeout, "every CR reconciled")
+        t_reconciled = time.monotonic() - t0
+        b.quiet(1.0)
+        creation = b.requests()
+        writes = [r for r in creation if r.is_write]
+        event_writes = [r for r in writes if r.resource == "events"]
+        object_writes = len(writes) - len(event_writes)
+
+        # Phase 2: play the Deployment controller; wait until every CR is Ready.
+        for dep in b.list("deployments.apps"):
+            replicas = dep["spec"].get("replicas", 1)
+            b.call(b.emu.patch_object, b.res("deployments.apps"), dep["metadata"]["name"],
+                   {"status": {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
+                               "updatedReplicas": replicas}}, NAMESPACE, subresource="status")
+
+        def all_ready() -> bool:
+            return all(any(c["type"] == "Ready" and c["status"] == "True" for c in (o.get("status") or {}).get("conditions", []))
+                       for o in b.list("infdep"))
+        b.wait(all_ready, args.timeout, "every CR Ready")
+        ready_seconds = time.monotonic() - t0
+        b.quiet(1.0)
+        ready_writes = len(b.writes()) - len(writes)
+        peak_rss = b.peak_rss_mb()
+        b.stop_operator()
+
+        # Phase 3: restart (every CR re-created in kopf's eyes) plus periodic resyncs; count writes.
+        b.call(b.emu.log.clear)
+        b.start_operator(resync=10)
+        t1 = time.monotonic()
+        b.wait(lambda: b.reconciles() >= 2 * n, args.timeout, "a restart and one full resync")
+        resync_seconds = time.monotonic() - t1
+        b.quiet(1.0)
+        resync_writes = len(b.writes())
+        resync_reads = len(b.requests())
+        peak_rss = max(peak_rss, b.peak_rss_mb())
+        b.stop_operator()
+
+    rows = [
+        ("CRs", f"{n}"),
+        ("create N CRs (s)", f"{t_created:.1f}"),
+        ("all reconciled, 4 pools each (s)", f"{t_reconciled:.1f}"),
+        ("all Ready after Deployments ready (s)", f"{ready_seconds:.1f}"),
+        ("API requests per new CR", f"{len(creation) / n:.1f}"),
+        ("object writes per new CR (children + status)", f"{object_writes / n:.2f}"),
+        ("Event writes per new CR", f"{len(event_writes) / n:.2f}"),
+        ("status writes per CR on becoming Ready", f"{ready_writes / n:.2f}"),
+        ("restart + full resync: writes / requests / s", f"{resync_writes} / {resync_reads} / {resync_seconds:.1f}"),
+        ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps({
+        "crs": n,
+        "writes_per_cr": round(object_writes / n, 2),
+        "event_writes_per_cr": round(len(event_writes) / n, 2),
+        "api_calls_per_cr": round(len(creation) / n, 1),
+        "resync_writes": resync_writes,
+        "reconciled_seconds": round(t_reconciled, 1),
+        "ready_seconds": round(ready_seconds, 1),
+        "peak_rss_mb": round(peak_rss, 1),
+    }))
+    return 0
+
+
+def _up(b: Bench) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{b.metrics_port}/metrics", timeout=1)
+        return True
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
