@@ -1,4 +1,4 @@
-"""The worker's `pdfleet` subcommands (`model init`); the operator's CLI calls register(). No torch at import time."""
+"""The worker's `pdfleet` subcommands (`model init`, `worker`, `router`); the operator's CLI calls register(). No torch at import time."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--tie-word-embeddings", action="store_true")
     init.set_defaults(func=_model_init)
 
+    from pdfleet_worker.router import router_config
+    from pdfleet_worker.server import worker_config
+
+    worker = subparsers.add_parser("worker", help="serve a model: OpenAI API, /health, /ready, /metrics (prefill, decode or both)")
+    worker_config.add_arguments(worker)
+    worker.set_defaults(func=_worker)
+    router = subparsers.add_parser("router", help="the OpenAI endpoint in front of prefill/decode or colocated workers")
+    router_config.add_arguments(router)
+    router.set_defaults(func=_router)
+
 
 def _model_init(args: argparse.Namespace) -> int:
     from pdfleet_worker import model_init
@@ -26,3 +36,15 @@ def _model_init(args: argparse.Namespace) -> int:
     print(f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
           f"vocab {result.vocab_size}")
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from pdfleet_worker.server import runner
+
+    return runner.run(args)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from pdfleet_worker.router import runner
+
+    return runner.run(args)

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
 from pdfleet_worker.engine.sampler import TokenLogprobs
@@ -20,11 +18,10 @@ from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.pd import PD, TransferRefused
 from pdfleet_worker.server.protocol import RequestError
+from pdfleet_worker.server.streaming import SSE_HEADERS, EventStreamResponse, read_json, sse, until_disconnect
 from pdfleet_worker.server.worker_config import WorkerConfig
 
 log = logging.getLogger("pdfleet.serving")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclasses.dataclass
@@ -61,10 +58,6 @@ class Choice:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     final: RequestOutput | None = None
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer was complete."""
 
 
 class OpenAIServing:
@@ -398,10 +391,19 @@ class OpenAIServing:
             self.state.inflight -= 1
             self._end(prep, choices)
             raise
-        return EventStreamResponse(self._events(prep, choices, by_id, queue, first), headers=SSE_HEADERS)
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                self.state.inflight -= 1
+                self._end(prep, choices)
+        return EventStreamResponse(self._events(prep, choices, by_id, queue, first, close), headers=SSE_HEADERS,
+                                   on_close=close)
 
     async def _events(self, prep: Prepared, choices: list[Choice], by_id: dict[str, Choice], queue: asyncio.Queue,
-                      first: tuple[Choice, RequestOutput]) -> AsyncIterator[bytes]:
+                      first: tuple[Choice, RequestOutput], close) -> AsyncIterator[bytes]:
         rid = p.new_id("chatcmpl" if prep.chat else "cmpl")
         created = p.now()
         build = p.chat_chunk if prep.chat else p.completion_chunk
@@ -417,7 +419,7 @@ class OpenAIServing:
                     try:
                         item = await self._next(queue, by_id)
                     except RequestError as e:
-                        yield sse(p.error_body(e.message, e.type, e.param, e.code or e.status))
+                        yield sse(p.error_body(e.message, e.type, e.param, e.status))
                         yield b"data: [DONE]\n\n"
                         return
                 ch, out = item
@@ -432,8 +434,7 @@ class OpenAIServing:
                 yield sse(build(rid, created, self.model_name, [], self._usage(prep, choices)))
             yield b"data: [DONE]\n\n"
         finally:
-            self.state.inflight -= 1
-            self._end(prep, choices)
+            close()
 
     def _cont_usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any] | None:
         return self._usage(prep, choices) if prep.include_usage and prep.continuous_usage else None
@@ -476,90 +477,3 @@ class OpenAIServing:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
                             for lp in lps]}
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past `limit` bytes (checked before and while reading), 400 if malformed."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise RequestError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-async def until_disconnect(request: Request, aw: Awaitable[Any]) -> Any:
-    """Await `aw` unless the client disconnects first (then it is cancelled and ClientGone raised).
-    Only after the body was read: the next receive() is the disconnect."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise ClientGone()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class EventStreamResponse(Response):
-    """SSE that stops its iterator (whose `finally` aborts the engine requests) the moment the
-    client disconnects, not at the next token."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        self.events = events
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        state = {"gone": False, "finished": False}
-
-        async def watch() -> None:
-            await _disconnected(receive)
-            if not state["finished"]:
-                state["gone"] = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            state["finished"] = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not state["gone"]:
-                raise
-            task.uncancel()
-        except OSError:
-            pass
-        finally:
-            state["finished"] = True
-            watcher.cancel()
-            await self.events.aclose()
-

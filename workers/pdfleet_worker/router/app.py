@@ -1,0 +1,89 @@
+"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics; the router runner serves it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from pdfleet_worker import metrics as m
+from pdfleet_worker.router.proxy import Router
+from pdfleet_worker.router.router_config import RouterConfig
+from pdfleet_worker.router.router_metrics import RouterMetrics
+from pdfleet_worker.router.upstreams import Upstreams
+from pdfleet_worker.server.streaming import install_error_handlers
+
+log = logging.getLogger("pdfleet.router")
+
+
+def build_app(cfg: RouterConfig) -> FastAPI:
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # NOTE: no read timeout on the pool: a long generation streams for minutes; the proxy
+        # bounds each wait with upstream_timeout instead.
+        client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        upstreams = Upstreams(cfg, client)
+        metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()])
+        state.update(client=client, upstreams=upstreams, metrics=metrics,
+                     router=Router(cfg, upstreams, metrics, client))
+        await upstreams.start()
+        yield
+        await upstreams.stop()
+        await client.aclose()
+
+    app = FastAPI(title="pdfleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def drain() -> None:
+        """SIGTERM: answer /ready 503 so the Service stops sending, let open requests finish
+        (within the router's drain timeout), then shut down."""
+        state["draining"] = True
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        while state["router"].active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    app.state.drain = drain
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["router"].handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await state["router"].handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = state["upstreams"].models()
+        data = [{"id": name, "object": "model", "owned_by": "pdfleet", "tier": tier} for name, tier in served.items()]
+        data += [{"id": alias, "object": "model", "owned_by": "pdfleet", "tier": tier}
+                 for alias, tier in cfg.aliases.items() if alias not in served]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ups: Upstreams = state["upstreams"]
+        tiers = {name: ups.servable(name) for name in cfg.tiers}
+        ok = tiers[cfg.default_tier] and not state.get("draining", False)
+        return JSONResponse({"ready": ok, "tiers": tiers}, status_code=200 if ok else 503)
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        return {"workers": [up.describe() for up in state["upstreams"].all.values()]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state["metrics"].exposition(), headers={"Content-Type": m.CONTENT_TYPE})
+
+    install_error_handlers(app)
+    return app

@@ -1,0 +1,128 @@
+"""RouterConfig: `pdfleet router` flags (pools per SLA tier, discovery, retries, aliases); the CLI and tests build it. No torch."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from urllib.parse import urlsplit
+
+DEFAULT_TIER = "default"
+DISCOVERY = ("auto", "static", "dns", "endpointslices")
+
+
+@dataclasses.dataclass
+class TierConfig:
+    """One SLA tier's pools: prefill + decode (disaggregated) or workers (colocated)."""
+
+    name: str
+    prefill: list[str] = dataclasses.field(default_factory=list)
+    decode: list[str] = dataclasses.field(default_factory=list)
+    workers: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+    def pools(self) -> dict[str, list[str]]:
+        """role -> URLs ('both' for colocated workers)."""
+        return {"prefill": self.prefill, "decode": self.decode} if self.disaggregated else {"both": self.workers}
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    tiers: dict[str, TierConfig]
+    default_tier: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    discovery: str = "auto"
+    namespace: str | None = None
+    discovery_interval_s: float = 5.0
+    health_interval_s: float = 1.0
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    upstream_timeout_s: float = 600.0
+    tier_header: str = "x-pdfleet-tier"
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # model alias -> tier
+    max_request_bytes: int = 4 << 20
+    retry_after_s: int = 1
+    drain_timeout_s: float = 25.0
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("no workers: give --prefill and --decode, or --workers")
+        for tier in self.tiers.values():
+            if tier.workers and (tier.prefill or tier.decode):
+                raise ValueError(f"tier {tier.name!r}: use either --prefill/--decode or --workers, not both")
+            if bool(tier.prefill) != bool(tier.decode):
+                raise ValueError(f"tier {tier.name!r}: --prefill and --decode go together")
+            for url in tier.prefill + tier.decode + tier.workers:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise ValueError(f"tier {tier.name!r}: {url!r} is not an http(s) URL")
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default tier {self.default_tier!r} has no workers; tiers: {sorted(self.tiers)}")
+        for alias, tier in self.aliases.items():
+            if tier not in self.tiers:
+                raise ValueError(f"model alias {alias!r} names tier {tier!r}, which has no workers; tiers: {sorted(self.tiers)}")
+        if self.discovery not in DISCOVERY:
+            raise ValueError(f"discovery must be one of {DISCOVERY}, got {self.discovery!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="+", default=[], metavar="[TIER=]URL",
+                   help="prefill worker URLs (a hostname is resolved to every address it has: a headless Service)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="[TIER=]URL", help="decode worker URLs")
+    p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=]URL", help="colocated (role both) worker URLs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--default-tier", help=f"tier for requests that name none (default: {DEFAULT_TIER!r}, else the first)")
+    p.add_argument("--tier-header", default="x-pdfleet-tier", help="request header that selects a tier")
+    p.add_argument("--model-alias", nargs="+", default=[], metavar="ALIAS=TIER",
+                   help="a `model` value that selects a tier (rewritten to the model that tier serves)")
+    p.add_argument("--discovery", choices=DISCOVERY, default="auto",
+                   help="auto: DNS for hostnames, as-is for IPs; static: URLs as given; dns: always resolve; "
+                        "endpointslices: read the Service's EndpointSlices (needs the kubernetes client)")
+    p.add_argument("--namespace", help="endpointslices: namespace of Services named without one")
+    p.add_argument("--discovery-interval", type=float, default=5.0, help="seconds between re-resolving workers")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between load/health probes")
+    p.add_argument("--max-retries", type=int, default=2, help="other workers tried before any byte reached the client")
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--upstream-timeout", type=float, default=600.0, help="longest wait for a worker's next bytes")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
+    p.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM, seconds open requests may take to finish (keep under the pod's grace period)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def split_tier(value: str) -> tuple[str, str]:
+    """'latency=http://x:8000' -> ('latency', 'http://x:8000'); a bare URL -> (DEFAULT_TIER, url)."""
+    head, sep, rest = value.partition("=")
+    if sep and "://" not in head:
+        if not head:
+            raise ValueError(f"{value!r}: empty tier name")
+        return head, rest
+    return DEFAULT_TIER, value
+
+
+def from_args(args: argparse.Namespace) -> RouterConfig:
+    tiers: dict[str, TierConfig] = {}
+    for role in ("prefill", "decode", "workers"):
+        for value in getattr(args, role):
+            name, url = split_tier(value)
+            tier = tiers.setdefault(name, TierConfig(name))
+            getattr(tier, role).append(url.rstrip("/"))
+    aliases = {}
+    for value in args.model_alias:
+        alias, sep, tier = value.partition("=")
+        if not sep or not alias or not tier:
+            raise ValueError(f"--model-alias {value!r}: expected ALIAS=TIER")
+        aliases[alias] = tier
+    default = args.default_tier or (DEFAULT_TIER if DEFAULT_TIER in tiers else next(iter(tiers), DEFAULT_TIER))
+    return RouterConfig(tiers=tiers, default_tier=default, host=args.host, port=args.port, discovery=args.discovery,
+                        namespace=args.namespace, discovery_interval_s=args.discovery_interval,
+                        health_interval_s=args.health_interval, max_retries=args.max_retries,
+                        connect_timeout_s=args.connect_timeout, upstream_timeout_s=args.upstream_timeout,
+                        tier_header=args.tier_header.lower(), aliases=aliases, max_request_bytes=args.max_request_bytes,
+                        retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout)

@@ -1,0 +1,142 @@
+"""The workers the router knows: discovered per tier and role, probed for health and load, taken out of rotation on failure; the proxy asks it for candidates."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from pdfleet_worker.router import picker
+from pdfleet_worker.router.discovery import Source, make_source
+from pdfleet_worker.router.router_config import RouterConfig
+
+log = logging.getLogger("pdfleet.router")
+
+
+@dataclasses.dataclass
+class Upstream:
+    url: str
+    tier: str
+    role: str                  # prefill | decode | both
+    healthy: bool = False      # in rotation; a worker enters after its first good probe
+    load: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inflight: int = 0
+    last_error: str | None = None
+    checked_at: float = 0.0
+
+    def candidate(self) -> picker.Candidate:
+        ld = self.load
+        return picker.Candidate(self.url, waiting=int(ld.get("waiting", 0)), running=int(ld.get("running", 0)),
+                                kv_usage=float(ld.get("kv_usage", 0.0)),
+                                prompt_tokens_waiting=int(ld.get("prompt_tokens_waiting", 0)), inflight=self.inflight)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "tier": self.tier, "role": self.role, "healthy": self.healthy,
+                "inflight": self.inflight, "last_error": self.last_error, "load": self.load}
+
+
+class Upstreams:
+    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
+        self.cfg = cfg
+        self.client = client
+        self.sources: list[tuple[str, str, Source]] = [
+            (tier.name, role, make_source(url, cfg.discovery, cfg.namespace))
+            for tier in cfg.tiers.values() for role, urls in tier.pools().items() for url in urls]
+        self._resolved: dict[int, set[str]] = {}
+        self.all: dict[tuple[str, str, str], Upstream] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        await self.probe_all()
+        self._tasks = [asyncio.create_task(self._every(self.cfg.discovery_interval_s, self.refresh)),
+                       asyncio.create_task(self._every(self.cfg.health_interval_s, self.probe_all))]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _every(self, interval: float, fn) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:
+                log.exception("%s failed", fn.__name__)
+
+    # -- discovery ------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        results = await asyncio.gather(*(asyncio.to_thread(src.resolve) for _, _, src in self.sources),
+                                       return_exceptions=True)
+        wanted: set[tuple[str, str, str]] = set()
+        for i, ((tier, role, src), res) in enumerate(zip(self.sources, results)):
+            if isinstance(res, BaseException):
+                # Keep the last known set: a DNS hiccup must not empty the pool.
+                log.warning("discovery of %s failed: %s", src.url, res)
+                res = self._resolved.get(i, set())
+            self._resolved[i] = res
+            wanted |= {(tier, role, url) for url in res}
+        for key in wanted - set(self.all):
+            self.all[key] = Upstream(key[2], key[0], key[1])
+            log.info("discovered %s worker %s (tier %s)", key[1], key[2], key[0])
+        for key in set(self.all) - wanted:
+            log.info("%s worker %s (tier %s) is gone from discovery", key[1], key[2], key[0])
+            del self.all[key]
+
+    # -- health ---------------------------------------------------------------------------------
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(up) for up in list(self.all.values())))
+
+    async def probe(self, up: Upstream) -> None:
+        timeout = max(0.5, min(2.0, 2 * self.cfg.health_interval_s))
+        try:
+            resp = await self.client.get(f"{up.url}/load", timeout=timeout)
+            body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+            ok = resp.status_code == 200 and body.get("ready") is True
+            error = None if ok else f"not ready ({resp.status_code}: {body.get('error') or 'loading or draining'})"
+        except (httpx.HTTPError, ValueError) as e:
+            ok, body, error = False, {}, f"{type(e).__name__}: {e}"
+        if ok != up.healthy:
+            log.info("%s worker %s is %s%s", up.role, up.url, "healthy" if ok else "out of rotation",
+                     "" if ok else f": {error}")
+        up.healthy, up.last_error, up.checked_at = ok, error, time.monotonic()
+        if body:
+            up.load = body
+
+    def mark_down(self, up: Upstream, error: str) -> None:
+        """Out of rotation until a probe finds it healthy again."""
+        if up.healthy:
+            log.warning("%s worker %s out of rotation: %s", up.role, up.url, error)
+        up.healthy, up.last_error = False, error
+
+    # -- queries --------------------------------------------------------------------------------
+    def pool(self, tier: str, role: str) -> list[Upstream]:
+        return [up for (t, r, _), up in self.all.items() if t == tier and r == role]
+
+    def pick(self, tier: str, role: str, exclude: set[str]) -> Upstream | None:
+        healthy = {up.url: up for up in self.pool(tier, role) if up.healthy and up.url not in exclude}
+        chosen = picker.pick(role, [up.candidate() for up in healthy.values()])
+        return None if chosen is None else healthy[chosen.url]
+
+    def served_model(self, tier: str) -> str | None:
+        for up in self.all.values():
+            if up.tier == tier and up.healthy and up.load.get("model"):
+                return up.load["model"]
+        return None
+
+    def models(self) -> dict[str, str]:
+        """Served model name -> tier, from healthy workers (the first tier listed wins a tie)."""
+        out: dict[str, str] = {}
+        for tier in self.cfg.tiers:
+            model = self.served_model(tier)
+            if model is not None:
+                out.setdefault(model, tier)
+        return out
+
+    def servable(self, tier: str) -> bool:
+        return all(any(up.healthy for up in self.pool(tier, role)) for role in self.cfg.tiers[tier].pools())
