@@ -173,11 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         object_writes = len(writes) - len(event_writes)
 
         # Phase 2: play the Deployment controller; wait until every CR is Ready.
-        for dep in b.list("deployments.apps"):
-            replicas = dep["spec"].get("replicas", 1)
-            b.call(b.emu.patch_object, b.res("deployments.apps"), dep["metadata"]["name"],
-                   {"status": {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
-                               "updatedReplicas": replicas}}, NAMESPACE, subresource="status")
+        deployments = b.res("deployments.apps")
+
+        def controller() -> None:  # on the emulator's loop, in one go: the controller is not what is measured
+            for dep in b.emu.list_objects(deployments, NAMESPACE, None, None):
+                replicas = dep["spec"].get("replicas", 1)
+                b.emu.patch_object(deployments, dep["metadata"]["name"],
+                                   {"status": {"replicas": replicas, "readyReplicas": replicas,
+                                               "availableReplicas": replicas, "updatedReplicas": replicas}},
+                                   NAMESPACE, subresource="status")
+        t_controller = time.monotonic()
+        b.call(controller)
+        t_controller = time.monotonic() - t_controller
 
         def all_ready() -> bool:
             return all(any(c["type"] == "Ready" and c["status"] == "True" for c in (o.get("status") or {}).get("conditions", []))
@@ -205,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         ("CRs", f"{n}"),
         ("create N CRs (s)", f"{t_created:.1f}"),
         ("all reconciled, 4 pools each (s)", f"{t_reconciled:.1f}"),
+        ("(emulated controller marking Deployments ready (s))", f"{t_controller:.1f}"),
         ("all Ready after Deployments ready (s)", f"{ready_seconds:.1f}"),
         ("API requests per new CR", f"{len(creation) / n:.1f}"),
         ("object writes per new CR (children + status)", f"{object_writes / n:.2f}"),

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # kopf logs every handler call at INFO: one line per watch event of every child
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     handlers.OPTIONS.resync_interval = args.resync_interval
     handlers.OPTIONS.metrics_host = args.bind
     handlers.OPTIONS.metrics_port = args.metrics_port or None
