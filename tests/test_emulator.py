@@ -574,8 +574,16 @@ def test_kopf_run_subprocess(widgets: Kube, tmp_path: pathlib.Path):
 
 def test_kopf_runner_in_process(widgets: Kube):
     testing = _need("kopf.testing")
-    with testing.KopfRunner(["run", "--standalone", "-A", "--verbose", str(OPERATOR)], timeout=30) as runner:
-        _exercise_operator(widgets)
+    kopf = _need("kopf")
+    # NOTE: kopf registers handlers in a process-wide default registry; other tests in this process
+    # import pdfleet's own handlers into it. A fresh registry runs only the tiny test operator.
+    previous = kopf.get_default_registry()
+    kopf.set_default_registry(kopf.OperatorRegistry())
+    try:
+        with testing.KopfRunner(["run", "--standalone", "-A", "--verbose", str(OPERATOR)], timeout=30) as runner:
+            _exercise_operator(widgets)
+    finally:
+        kopf.set_default_registry(previous)
     assert runner.exit_code == 0, runner.output[-8000:]
     assert runner.exception is None
     assert "Traceback" not in runner.output, runner.output[-8000:]
