@@ -1,0 +1,352 @@
+"""One simulated worker replica: the engine's continuous batching, token budget and KV capacity as an aggregate model.
+
+The scheduler rules are the engine's (`pdfleet_worker.engine.scheduler`, vLLM v1 style): every step
+first gives each running sequence its one decode token, then spends what is left of the token budget
+on prompt chunks in FIFO order (chunked prefill), admitting a waiting request only when a sequence
+slot and KV for its context are free; when the KV of the running batch no longer fits, the newest
+sequence is preempted and recomputed later.
+
+Time advances two ways, so that a day of traffic costs events per request, not per token:
+- while prompt tokens are to be computed the replica runs discrete steps (one event per step);
+- while it only decodes, it runs *fluid*: all B running sequences gain one token per step of
+  `step_time(B, KV)`, so the replica keeps a virtual clock V (steps done) and each sequence finishes
+  at a known V. Events happen only at a completion, a KV overflow, or when new work arrives.
+The KV a decoding batch holds is S0 + B x V (S0 summed at admission), so usage is exact at any time.
+
+Requests live in `Requests` (parallel lists indexed by request id); a replica holds only ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pdfleet_operator.sim.perf_model import ReplicaPerf
+
+if TYPE_CHECKING:
+    from pdfleet_operator.sim.stats import Histogram
+
+# Request status codes.
+ACTIVE, DONE, REJECTED, TOO_LONG, UNFINISHED = 0, 1, 2, 3, 4
+# Replica modes.
+IDLE, STEPPING, FLUID = 0, 1, 2
+# Tolerance on V (in decode steps) for float error over millions of steps.
+_EPS = 1e-6
+
+
+class Requests:
+    """Per-request state as parallel lists (list indexing is what a Python DES does fastest)."""
+
+    __slots__ = ("arrival", "prompt", "output", "t_first", "t_done", "status", "gen", "need", "ctx",
+                 "epoch", "v0", "c0", "preemptions", "second_gap", "deployment")
+
+    def __init__(self, arrival: list[float], prompt: list[int], output: list[int], deployment: list[int]) -> None:
+        n = len(arrival)
+        self.arrival, self.prompt, self.output, self.deployment = arrival, prompt, output, deployment
+        nan = math.nan
+        self.t_first = [nan] * n      # when the first token was produced
+        self.t_done = [nan] * n
+        self.status = [ACTIVE] * n
+        self.gen = [0] * n            # output tokens produced so far
+        self.need = [0] * n           # prompt tokens this request still has to compute where it waits
+        self.ctx = [0] * n            # KV tokens it needs where it waits (or holds where it runs)
+        self.epoch = [0] * n          # bumped on preemption: invalidates its entries in a running heap
+        self.v0 = [0.0] * n           # replica V when it joined the running batch
+        self.c0 = [0] * n             # its context when it joined
+        self.preemptions = [0] * n
+        self.second_gap = [nan] * n   # first token -> second token (the KV hand-off, in PD)
+        self.deployment = deployment
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+
+class Replica:
+    """One worker replica (prefill, decode or colocated) of one pool; driven by `Simulator` events."""
+
+    __slots__ = ("id", "deployment", "role", "accelerator_class", "perf", "reqs", "push", "itl", "on_prefilled",
+                 "on_done", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
+                 "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
+                 "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight",
+                 "prompt_tokens", "gen_tokens", "preempted", "busy_s")
+
+    def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
+                 reqs: Requests, push: Callable[[float, "Replica", int], None], itl: "Histogram",
+                 on_prefilled: Callable[["Replica", int, float], None], on_done: Callable[[int, float], None],
+                 max_waiting: int, created_at: float, ready_at: float, node: str) -> None:
+        self.id, self.deployment, self.role, self.accelerator_class = rid, deployment, role, accelerator_class
+        self.perf, self.reqs, self.push, self.itl = perf, reqs, push, itl
+        self.on_prefilled, self.on_done = on_prefilled, on_done
+        self.max_waiting = max_waiting
+        self.created_at, self.ready_at, self.node = created_at, ready_at, node
+        self.draining = False
+        self.removed_at: float | None = None
+        self.waiting: deque[int] = deque()
+        self.need_waiting = 0               # prompt tokens of the waiting requests
+        self.prefilling: list[int] = []     # admitted, prompt partly computed (FIFO)
+        self.running: list[tuple[float, int, int]] = []  # heap of (V at which it finishes, epoch, id)
+        self.order: list[tuple[int, int]] = []           # (id, epoch) in admission order: the preemption victim is last
+        self.B = 0                          # running (decoding) sequences
+        self.S0 = 0.0                       # KV of the running batch is S0 + B * V
+        self.V = 0.0                        # decode steps done (fractional while fluid)
+        self.kv_fixed = 0                   # KV of prefilling requests and of prompts held for a KV pull
+        self.t_last = 0.0
+        self.mode = IDLE
+        self.st = 0.0                       # step time while fluid
+        self.version = 0                    # bumps invalidate scheduled events
+        self.step_end = 0.0
+        self.step_chunks: list[tuple[int, int]] = []
+        self.step_decode = 0
+        self.inflight = 0                   # KV tokens routed here and still in transfer (the router counts them)
+        self.prompt_tokens = 0              # counters, as the worker's /metrics has them
+        self.gen_tokens = 0
+        self.preempted = 0
+        self.busy_s = 0.0
+
+    # --- what the router and the metrics see ------------------------------------------------------
+    def ready(self, now: float) -> bool:
+        return not self.draining and self.removed_at is None and now >= self.ready_at
+
+    def kv_used(self, now: float) -> float:
+        v = self.V
+        if self.mode == FLUID and self.st > 0:
+            v += (now - self.t_last) / self.st
+        return self.kv_fixed + self.S0 + self.B * v
+
+    def kv_usage(self, now: float) -> float:
+        return min(1.0, self.kv_used(now) / self.perf.kv_capacity_tokens)
+
+    def queue_len(self) -> int:
+        return len(self.waiting)
+
+    def num_running(self) -> int:
+        return self.B + len(self.prefilling)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.prefilling and self.B == 0 and self.kv_fixed == 0 and self.inflight == 0
+
+    # --- input -------------------------------------------------------------------------------------
+    def enqueue(self, rid: int, now: float, *, force: bool = False) -> bool:
+        """A request routed here (need/ctx set by the caller); False when the waiting queue is full (503)."""
+        if not force and len(self.waiting) >= self.max_waiting:
+            return False
+        self._advance(now)
+        self.waiting.append(rid)
+        self.need_waiting += self.reqs.need[rid]
+        if self.mode != STEPPING:
+            self._kick(now)
+        return True
+
+    def release(self, tokens: int, now: float) -> None:
+        """A decode replica finished pulling a held prompt's KV: its blocks are free again."""
+        self._advance(now)
+        self.kv_fixed -= tokens
+        assert self.kv_fixed >= 0, f"replica {self.id}: released more KV than held"
+        if self.mode != STEPPING:
+            self._kick(now)
+
+    def hold(self, tokens: int) -> None:
+        self.kv_fixed += tokens
+
+    # --- events ------------------------------------------------------------------------------------
+    def on_event(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        if self.mode == STEPPING:
+            self._finish_step(now)
+        else:
+            self._advance(now)
+            self._complete(now)
+            if self.B and self.kv_fixed + self.S0 + self.B * self.V > self.perf.kv_capacity_tokens + _EPS:
+                self._preempt(now)
+        self._kick(now)
+
+    # --- internals -----------------------------------------------------------------------------------
+    def _advance(self, now: float) -> None:
+        """Bring a fluid replica's virtual clock to `now` (events are scheduled so nothing finishes inside)."""
+        if self.mode == FLUID and now > self.t_last:
+            steps = (now - self.t_last) / self.st
+            self.V += steps
+            self.itl.add(self.st, self.B * steps)
+            self.busy_s += now - self.t_last
+        if self.mode != STEPPING:
+            self.t_last = now
+
+    def _complete(self, now: float) -> None:
+        reqs, running = self.reqs, self.running
+        while running and running[0][0] <= self.V + _EPS:
+            _, epoch, rid = heapq.heappop(running)
+            if epoch != reqs.epoch[rid]:
+                continue
+            self.B -= 1
+            self.S0 -= reqs.c0[rid] - reqs.v0[rid]
+            made = reqs.output[rid] - reqs.gen[rid]
+            reqs.gen[rid] = reqs.output[rid]
+            self.gen_tokens += made
+            reqs.epoch[rid] += 1
+            self.on_done(rid, now)
+        if self.B == 0:
+            self.S0, self.order = 0.0, []
+
+    def _drop_stale_top(self) -> None:
+        reqs, running = self.reqs, self.running
+        while running and running[0][1] != reqs.epoch[running[0][2]]:
+            heapq.heappop(running)
+
+    def _preempt(self, now: float) -> None:
+        """Out of KV for the running batch: recompute the newest sequence later (front of the queue)."""
+        reqs = self.reqs
+        while self.order:
+            rid, epoch = self.order.pop()
+            if epoch == reqs.epoch[rid]:
+                break
+        else:
+            raise AssertionError(f"replica {self.id}: {self.B} running sequences but none to preempt")
+        made = int(self.V - reqs.v0[rid] + _EPS)
+        made = min(made, reqs.output[rid] - reqs.gen[rid] - 1)
+        reqs.gen[rid] += made
+        self.gen_tokens += made
+        self.B -= 1
+        self.S0 -= reqs.c0[rid] - reqs.v0[rid]
+        reqs.epoch[rid] += 1
+        reqs.preemptions[rid] += 1
+        self.preempted += 1
+        reqs.ctx[rid] = reqs.prompt[rid] + reqs.gen[rid]
+        reqs.need[rid] = reqs.ctx[rid]
+        self.waiting.appendleft(rid)
+        self.need_waiting += reqs.need[rid]
+        if self.B == 0:
+            self.S0, self.order = 0.0, []
+
+    def _join(self, rid: int, now: float) -> None:
+        """A request whose prompt KV is all here starts decoding."""
+        reqs = self.reqs
+        left = reqs.output[rid] - reqs.gen[rid]
+        assert left > 0, f"request {rid} joins decoding with nothing left to generate"
+        reqs.v0[rid] = self.V
+        reqs.c0[rid] = reqs.ctx[rid]
+        self.S0 += reqs.ctx[rid] - self.V
+        self.B += 1
+        heapq.heappush(self.running, (self.V + left, reqs.epoch[rid], rid))
+        self.order.append((rid, reqs.epoch[rid]))
+        if reqs.gen[rid] == 1 and reqs.second_gap[rid] != reqs.second_gap[rid]:
+            # NOTE: the first decode token comes one step after joining; the step time here is the
+            # batch's current one, so the hand-off gap is exact up to that step's length.
+            reqs.second_gap[rid] = now - reqs.t_first[rid] + self.perf.step_time(self.B, self.kv_fixed + self.S0 + self.B * self.V)
+
+    def _admit_transferred(self, now: float) -> None:
+        """Waiting requests whose KV arrived (need 0) join the batch while seats and KV allow, FIFO."""
+        reqs, p = self.reqs, self.perf
+        while self.waiting and reqs.need[self.waiting[0]] == 0:
+            rid = self.waiting[0]
+            if self.B + len(self.prefilling) >= p.max_num_seqs:
+                return
+            if self.kv_fixed + self.S0 + self.B * self.V + reqs.ctx[rid] > p.kv_capacity_tokens:
+                return
+            self.waiting.popleft()
+            self._join(rid, now)
+
+    def _has_prefill_work(self) -> bool:
+        if self.prefilling:
+            return True
+        if not self.waiting:
+            return False
+        rid = self.waiting[0]
+        p = self.perf
+        if self.B + len(self.prefilling) >= p.max_num_seqs:
+            return False
+        return self.kv_fixed + self.S0 + self.B * self.V + self.reqs.ctx[rid] <= p.kv_capacity_tokens
+
+    def _kick(self, now: float) -> None:
+        """Choose what runs next from `now`: a discrete step, a fluid decode phase, or nothing."""
+        self._admit_transferred(now)
+        self.version += 1
+        if self._has_prefill_work():
+            self._start_step(now)
+            return
+        self._drop_stale_top()
+        if self.B == 0:
+            self.mode = IDLE
+            self.t_last = now
+            return
+        p = self.perf
+        kv_run = self.S0 + self.B * self.V
+        self.mode = FLUID
+        self.t_last = now
+        self.st = p.step_time(self.B, self.kv_fixed + kv_run)
+        steps = self.running[0][0] - self.V
+        room = (p.kv_capacity_tokens - self.kv_fixed - kv_run) / self.B
+        if room < steps:
+            steps = max(room, 0.0) + _EPS
+        self.push(now + max(steps, 0.0) * self.st, self, self.version)
+
+    def _start_step(self, now: float) -> None:
+        """One discrete step: decode tokens for the batch, then prompt chunks within the budget."""
+        reqs, p = self.reqs, self.perf
+        self.mode = STEPPING
+        self.t_last = now
+        self._drop_stale_top()
+        while self.B and self.kv_fixed + self.S0 + self.B * (self.V + 1) > p.kv_capacity_tokens:
+            self._preempt(now)
+            self._drop_stale_top()
+        budget = p.max_num_batched_tokens - self.B
+        chunks: list[tuple[int, int]] = []
+        for rid in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(reqs.need[rid], budget)
+            chunks.append((rid, take))
+            budget -= take
+        while budget > 0 and self.waiting:
+            rid = self.waiting[0]
+            if self.B + len(self.prefilling) >= p.max_num_seqs:
+                break
+            if self.kv_fixed + self.S0 + self.B * (self.V + 1) + reqs.ctx[rid] > p.kv_capacity_tokens:
+                break
+            self.waiting.popleft()
+            self.need_waiting -= reqs.need[rid]
+            if reqs.need[rid] == 0:
+                self._join(rid, now)
+                continue
+            self.kv_fixed += reqs.ctx[rid]
+            self.prefilling.append(rid)
+            take = min(reqs.need[rid], budget)
+            chunks.append((rid, take))
+            budget -= take
+        computed = sum(c for _, c in chunks)
+        if not computed and not self.B:
+            self._kick(now)  # only transferred requests were admitted: they decode fluidly
+            return
+        context = self.kv_fixed + self.S0 + self.B * self.V
+        dur = p.step_time(computed + self.B, context)
+        self.step_chunks, self.step_decode, self.step_end = chunks, self.B, now + dur
+        self.push(self.step_end, self, self.version)
+
+    def _finish_step(self, now: float) -> None:
+        reqs = self.reqs
+        dur = now - self.t_last
+        self.busy_s += dur
+        if self.step_decode:
+            self.V += 1.0
+            self.itl.add(dur, self.step_decode)
+            self._complete(now)
+        for rid, take in self.step_chunks:
+            reqs.need[rid] -= take
+            if reqs.need[rid] > 0:
+                continue
+            self.prefilling.remove(rid)
+            self.kv_fixed -= reqs.ctx[rid]
+            if reqs.gen[rid] == 0:  # a fresh prompt (not a recompute): its step also samples the first token
+                self.prompt_tokens += reqs.prompt[rid]
+                reqs.gen[rid] = 1
+                self.gen_tokens += 1
+                reqs.t_first[rid] = now
+            if self.role == "prefill" or reqs.gen[rid] >= reqs.output[rid]:
+                self.on_prefilled(self, rid, now)
+            else:
+                reqs.ctx[rid] = reqs.prompt[rid] + reqs.gen[rid]
+                self._join(rid, now)
+        self.t_last = now

@@ -1,0 +1,361 @@
+"""The `SimulatedFleet` file: nodes, AcceleratorClasses, a base InferenceDeployment and the policies to compare.
+
+One YAML document (`apiVersion: sim.pdfleet.io/v1alpha1`, `kind: SimulatedFleet`); the simulator
+and `pdfleet simulate` read it. It is not applied to a cluster. Every InferenceDeployment a policy
+produces (the base spec with the policy's changes merged in) and every AcceleratorClass is validated
+with the same models and admission rules as on a cluster; nodes become Node objects that the
+operator's `inventory.build` reads. Errors name the field, as `pdfleet validate` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdfleet_operator import autoscaler, crds, inventory, validate
+from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec, InferenceDeployment, InferenceDeploymentSpec
+from pdfleet_operator.sim import trace as tr
+
+API_VERSION = "sim.pdfleet.io/v1alpha1"
+KIND = "SimulatedFleet"
+AUTOSCALER_POLICIES = {"pdfleet": autoscaler.PDFLEET, "per-role": autoscaler.PER_ROLE}
+TOP_LEVEL = {"apiVersion", "kind", "metadata", "acceleratorClassFiles", "acceleratorClasses", "nodes",
+             "simulation", "trace", "deployment", "policies", "compare", "headline"}
+
+
+class FleetError(ValueError):
+    """A fleet file that cannot be simulated; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the simulated cluster behaves beyond what the API objects say."""
+
+    startup_s: float = 120.0                 # pod scheduled -> serving (image pull, weights load, warm-up)
+    startup_s_by_class: Mapping[str, float] = field(default_factory=dict)
+    scrape_interval_s: float = 5.0           # Prometheus scrape interval of the workers
+    kv_transfer_latency_s: float = 0.002
+    sample_interval_s: float = 60.0          # time series resolution of the report and plots
+    drain_timeout_s: float = 1800.0          # after the trace ends, how long in-flight requests may finish
+
+    def startup(self, cls: str) -> float:
+        return self.startup_s_by_class.get(cls, self.startup_s)
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """One InferenceDeployment a policy runs and the share of the trace's requests it gets."""
+
+    name: str
+    namespace: str
+    spec: InferenceDeploymentSpec
+    share: float
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    description: str
+    deployments: tuple[DeploymentPlan, ...]
+    autoscaler_policy: autoscaler.Policy
+
+
+@dataclass(frozen=True)
+class TraceDefaults:
+    preset: str = "conversation"
+    mean_rate: float = 1.0
+    duration_s: float = tr.DAY_S
+    start_hour: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    source: str
+    classes: Mapping[str, AcceleratorClassSpec]
+    nodes: tuple[dict[str, Any], ...]          # Node objects (what the API server would return)
+    devices: int                               # physical accelerators (a MIG-partitioned GPU is one)
+    settings: Settings
+    trace: TraceDefaults
+    policies: Mapping[str, Policy]
+    compare: tuple[str, ...]
+    headline: tuple[str, str] | None           # (baseline, candidate) for the one-line comparison
+
+    def inventory(self) -> inventory.Inventory:
+        return inventory.build(self.nodes, [])
+
+    def policy(self, name: str) -> Policy:
+        if name not in self.policies:
+            raise FleetError(f"{self.source}: no policy {name!r}; the fleet defines {', '.join(self.policies)}")
+        return self.policies[name]
+
+
+def load(path: str | Path) -> Fleet:
+    """Read and validate a fleet file; FleetError naming what is wrong."""
+    path = Path(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except FileNotFoundError:
+        raise FleetError(f"{path}: no such fleet file") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise FleetError(f"{path}: not readable YAML: {exc}") from exc
+    if len(docs) != 1:
+        raise FleetError(f"{path}: expected one {KIND} document, found {len(docs)}")
+    return parse(docs[0], source=str(path), base_dir=path.parent)
+
+
+def parse(doc: Any, *, source: str = "<fleet>", base_dir: Path = Path(".")) -> Fleet:
+    if not isinstance(doc, dict):
+        raise FleetError(f"{source}: expected a mapping, got {type(doc).__name__}")
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
+        raise FleetError(f"{source}: expected apiVersion {API_VERSION} and kind {KIND}, "
+                         f"got {doc.get('apiVersion')!r} / {doc.get('kind')!r}")
+    unknown = sorted(set(doc) - TOP_LEVEL)
+    if unknown:
+        raise FleetError(f"{source}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(TOP_LEVEL))})")
+    name = str((doc.get("metadata") or {}).get("name") or Path(source).stem)
+    classes = _classes(doc, source, base_dir)
+    nodes, devices = _nodes(doc.get("nodes"), classes, source)
+    settings = _settings(doc.get("simulation") or {}, source)
+    defaults = _trace(doc.get("trace") or {}, source)
+    policies = _policies(doc, classes, source)
+    compare = tuple(doc.get("compare") or policies)
+    for p in compare:
+        if p not in policies:
+            raise FleetError(f"{source}: compare lists {p!r}, not a policy of this fleet ({', '.join(policies)})")
+    headline = None
+    if doc.get("headline"):
+        h = doc["headline"]
+        if not isinstance(h, dict) or set(h) != {"baseline", "candidate"}:
+            raise FleetError(f"{source}: headline must be {{baseline: POLICY, candidate: POLICY}}")
+        for key in ("baseline", "candidate"):
+            if h[key] not in policies:
+                raise FleetError(f"{source}: headline.{key} {h[key]!r} is not a policy of this fleet")
+        headline = (h["baseline"], h["candidate"])
+    return Fleet(name, source, classes, nodes, devices, settings, defaults, policies, compare, headline)
+
+
+# --- parts ------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _crds() -> dict[str, dict[str, Any]]:
+    return crds.load_crds()
+
+
+def _check_object(obj: dict[str, Any], where: str) -> None:
+    problems = validate.validate_object(obj, where, _crds())
+    if problems:
+        raise FleetError("\n".join(str(p) for p in problems))
+
+
+def _classes(doc: dict[str, Any], source: str, base_dir: Path) -> dict[str, AcceleratorClassSpec]:
+    objects: list[tuple[str, dict[str, Any]]] = []
+    for rel in doc.get("acceleratorClassFiles") or []:
+        path = (base_dir / rel).resolve()
+        try:
+            found = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        except (OSError, yaml.YAMLError) as exc:
+            raise FleetError(f"{source}: acceleratorClassFiles: cannot read {rel}: {exc}") from exc
+        objects += [(f"{rel}#{i}", d) for i, d in enumerate(found) if d.get("kind") == "AcceleratorClass"]
+    for i, d in enumerate(doc.get("acceleratorClasses") or []):
+        if not isinstance(d, dict):
+            raise FleetError(f"{source}: acceleratorClasses[{i}] must be an AcceleratorClass object")
+        objects.append((f"{source}: acceleratorClasses[{i}]",
+                        {"apiVersion": "pdfleet.io/v1alpha1", "kind": "AcceleratorClass", **d}))
+    out: dict[str, AcceleratorClassSpec] = {}
+    for where, obj in objects:
+        _check_object(obj, where)
+        ac = AcceleratorClass.model_validate(obj)
+        out[ac.name] = ac.spec  # later definitions (the fleet's own) override the files'
+    if not out:
+        raise FleetError(f"{source}: no AcceleratorClasses (acceleratorClassFiles or acceleratorClasses)")
+    return out
+
+
+def _nodes(raw: Any, classes: Mapping[str, AcceleratorClassSpec], source: str) -> tuple[tuple[dict[str, Any], ...], int]:
+    """Node objects from node groups: `{name, count, accelerators: {class: units}, devices, labels, taints}`."""
+    if not isinstance(raw, list) or not raw:
+        raise FleetError(f"{source}: nodes must be a non-empty list of node groups")
+    nodes: list[dict[str, Any]] = []
+    devices = 0
+    seen: set[str] = set()
+    for i, group in enumerate(raw):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(group, dict):
+            raise FleetError(f"{where}: expected a mapping")
+        extra = sorted(set(group) - {"name", "count", "accelerators", "devices", "labels", "taints"})
+        if extra:
+            raise FleetError(f"{where}: unknown field(s) {', '.join(extra)}")
+        gname, count, accs = group.get("name"), group.get("count", 1), group.get("accelerators")
+        if not isinstance(gname, str) or not gname:
+            raise FleetError(f"{where}.name: required (node names are NAME-0, NAME-1, ...)")
+        if gname in seen:
+            raise FleetError(f"{where}.name: {gname!r} used twice")
+        seen.add(gname)
+        if not isinstance(count, int) or count < 1:
+            raise FleetError(f"{where}.count: must be a whole number >= 1, got {count!r}")
+        if not isinstance(accs, dict) or not accs:
+            raise FleetError(f"{where}.accelerators: expected {{AcceleratorClass: units per node}}")
+        labels: dict[str, str] = {}
+        allocatable: dict[str, str] = {}
+        for cname, units in accs.items():
+            if cname not in classes:
+                raise FleetError(f"{where}.accelerators: unknown AcceleratorClass {cname!r} (known: {', '.join(sorted(classes))})")
+            if not isinstance(units, int) or units < 1:
+                raise FleetError(f"{where}.accelerators.{cname}: units must be a whole number >= 1, got {units!r}")
+            cls = classes[cname]
+            for k, v in cls.node_selector.items():
+                if labels.get(k, v) != v:
+                    raise FleetError(f"{where}: classes {', '.join(accs)} need conflicting node label {k}")
+                labels[k] = v
+            resource = cls.resource_name
+            allocatable[resource] = str(int(allocatable.get(resource, "0")) + units)
+        labels.update({str(k): str(v) for k, v in (group.get("labels") or {}).items()})
+        per_node = group.get("devices", sum(accs.values()))
+        if not isinstance(per_node, int) or per_node < 0:
+            raise FleetError(f"{where}.devices: physical accelerators per node, a whole number >= 0")
+        devices += per_node * count
+        taints = group.get("taints") or []
+        for j in range(count):
+            node = {"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": f"{gname}-{j}", "labels": dict(labels)},
+                    "spec": {"taints": copy.deepcopy(taints)},
+                    "status": {"allocatable": dict(allocatable),
+                               "conditions": [{"type": "Ready", "status": "True"}]}}
+            nodes.append(node)
+    try:
+        inventory.build(nodes, [])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FleetError(f"{source}: nodes: {exc}") from exc
+    return tuple(nodes), devices
+
+
+def _seconds(value: Any, where: str) -> float:
+    try:
+        return tr.parse_span(str(value))
+    except ValueError as exc:
+        raise FleetError(f"{where}: {exc}") from None
+
+
+def _settings(raw: dict[str, Any], source: str) -> Settings:
+    known = {"startup", "startupByClass", "scrapeInterval", "kvTransferLatency", "sampleInterval", "drainTimeout"}
+    extra = sorted(set(raw) - known)
+    if extra:
+        raise FleetError(f"{source}: simulation: unknown field(s) {', '.join(extra)} (known: {', '.join(sorted(known))})")
+    s = Settings()
+    by_class = {k: _seconds(v, f"{source}: simulation.startupByClass.{k}") for k, v in (raw.get("startupByClass") or {}).items()}
+    return Settings(
+        startup_s=_seconds(raw["startup"], f"{source}: simulation.startup") if "startup" in raw else s.startup_s,
+        startup_s_by_class=by_class,
+        scrape_interval_s=_seconds(raw["scrapeInterval"], f"{source}: simulation.scrapeInterval") if "scrapeInterval" in raw else s.scrape_interval_s,
+        kv_transfer_latency_s=_seconds(raw["kvTransferLatency"], f"{source}: simulation.kvTransferLatency") if "kvTransferLatency" in raw else s.kv_transfer_latency_s,
+        sample_interval_s=_seconds(raw["sampleInterval"], f"{source}: simulation.sampleInterval") if "sampleInterval" in raw else s.sample_interval_s,
+        drain_timeout_s=_seconds(raw["drainTimeout"], f"{source}: simulation.drainTimeout") if "drainTimeout" in raw else s.drain_timeout_s,
+    )
+
+
+def _trace(raw: dict[str, Any], source: str) -> TraceDefaults:
+    known = {"preset", "meanRatePerSecond", "duration", "startHour"}
+    extra = sorted(set(raw) - known)
+    if extra:
+        raise FleetError(f"{source}: trace: unknown field(s) {', '.join(extra)} (known: {', '.join(sorted(known))})")
+    d = TraceDefaults()
+    rate = raw.get("meanRatePerSecond", d.mean_rate)
+    if not isinstance(rate, (int, float)) or rate <= 0:
+        raise FleetError(f"{source}: trace.meanRatePerSecond must be a number > 0, got {rate!r}")
+    preset = raw.get("preset", d.preset)
+    if preset not in tr.PRESETS:
+        raise FleetError(f"{source}: trace.preset {preset!r} is not one of {', '.join(tr.PRESETS)}")
+    start = raw.get("startHour", 0.0)
+    if not isinstance(start, (int, float)) or not 0 <= start < 24:
+        raise FleetError(f"{source}: trace.startHour must be in [0, 24), got {start!r}")
+    return TraceDefaults(preset, float(rate),
+                         _seconds(raw["duration"], f"{source}: trace.duration") if "duration" in raw else d.duration_s,
+                         float(start))
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """`patch` over `base`: mappings merge key by key, anything else (lists included) replaces; null deletes."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = merge(base.get(k), v)
+        return out
+    return copy.deepcopy(patch)
+
+
+def _deployment(obj: dict[str, Any], where: str, classes: Mapping[str, AcceleratorClassSpec]) -> InferenceDeployment:
+    full = {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment", **obj}
+    full.setdefault("metadata", {}).setdefault("namespace", "default")
+    _check_object(full, where)
+    dep = InferenceDeployment.model_validate(full)
+    if dep.spec.model.architecture is None:
+        raise FleetError(f"{where}: spec.model.architecture is required to simulate a model")
+    for role, rs in dep.spec.roles().items():
+        for cname in rs.accelerator_classes:
+            if cname not in classes:
+                raise FleetError(f"{where}: spec.{role}.acceleratorClasses lists unknown class {cname!r}")
+    return dep
+
+
+def _policies(doc: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], source: str) -> dict[str, Policy]:
+    base = doc.get("deployment")
+    if not isinstance(base, dict) or "spec" not in base:
+        raise FleetError(f"{source}: deployment: the base InferenceDeployment (metadata + spec) is required")
+    raw = doc.get("policies")
+    if not isinstance(raw, list) or not raw:
+        raise FleetError(f"{source}: policies: a non-empty list of {{name, description, spec | deployments}}")
+    out: dict[str, Policy] = {}
+    for i, p in enumerate(raw):
+        where = f"{source}: policies[{i}]"
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+            raise FleetError(f"{where}: needs a name")
+        extra = sorted(set(p) - {"name", "description", "spec", "deployments", "autoscalerPolicy"})
+        if extra:
+            raise FleetError(f"{where}: unknown field(s) {', '.join(extra)}")
+        if p["name"] in out:
+            raise FleetError(f"{where}: policy {p['name']!r} defined twice")
+        if "spec" in p and "deployments" in p:
+            raise FleetError(f"{where}: give spec (one deployment) or deployments (traffic tiers), not both")
+        how = p.get("autoscalerPolicy", "pdfleet")
+        if how not in AUTOSCALER_POLICIES:
+            raise FleetError(f"{where}.autoscalerPolicy: {how!r} is not one of {', '.join(AUTOSCALER_POLICIES)}")
+        tiers = p.get("deployments") or [{"share": 1.0, "spec": p.get("spec") or {}}]
+        deps: list[DeploymentPlan] = []
+        for j, tier in enumerate(tiers):
+            twhere = f"{where}.deployments[{j}]" if "deployments" in p else where
+            if not isinstance(tier, dict):
+                raise FleetError(f"{twhere}: expected {{name, share, spec}}")
+            share = tier.get("share", 1.0 if len(tiers) == 1 else None)
+            if not isinstance(share, (int, float)) or share <= 0:
+                raise FleetError(f"{twhere}.share: the fraction of requests this deployment serves, > 0")
+            meta = merge(base.get("metadata") or {}, {"name": tier["name"]} if tier.get("name") else {})
+            obj = {"metadata": meta, "spec": merge(base["spec"], tier.get("spec") or {})}
+            dep = _deployment(obj, twhere, classes)
+            deps.append(DeploymentPlan(dep.name, dep.metadata.namespace or "default", dep.spec, float(share)))
+        total = sum(d.share for d in deps)
+        if abs(total - 1.0) > 1e-6:
+            raise FleetError(f"{where}: deployment shares sum to {total:g}, not 1")
+        if len({d.name for d in deps}) != len(deps):
+            raise FleetError(f"{where}: deployment names must differ")
+        out[p["name"]] = Policy(p["name"], str(p.get("description", "")).strip(), tuple(deps), AUTOSCALER_POLICIES[how])
+    return out
+
+
+def validate_document(doc: Any, source: str, base_dir: Path) -> list[str]:
+    """Problems of a SimulatedFleet document for `pdfleet validate` (empty when it simulates)."""
+    try:
+        parse(doc, source=source, base_dir=base_dir)
+    except FleetError as exc:
+        return str(exc).splitlines()
+    return []
+
