@@ -1,0 +1,158 @@
+"""Bad input gets OpenAI error objects (400/404/413), overload gets 503 + Retry-After, disconnects free blocks, and the worker and router stay healthy afterwards."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdfleet_worker import metrics as m
+from tests.serving.conftest import MODEL, pool_whole, wait_until
+from tests.serving.test_kv_transfer import sample
+
+GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert contains in err["message"], err
+    return err
+
+
+def post_raw(url: str, content: bytes) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize("target", ["colo", "router"])
+def test_bad_input_gets_openai_error_objects(pipeline, target):
+    url = getattr(pipeline, target).url
+    post = lambda body: httpx.post(f"{url}/v1/completions", json=body, timeout=30)  # noqa: E731
+    assert_error(post_raw(url, b'{"model": "tiny", "prompt": '), 400, contains="not valid JSON")
+    assert_error(post_raw(url, b"[1, 2]"), 400, contains="JSON object")
+    assert_error(post({**GOOD, "max_tokens": "many"}), 400, "max_tokens")
+    assert_error(post({**GOOD, "max_tokens": -4}), 400, "max_tokens")
+    assert_error(post({**GOOD, "temperature": "hot"}), 400, "temperature")
+    assert_error(post({**GOOD, "n": 1.5}), 400, "n")
+    assert_error(post({**GOOD, "stop": 7}), 400, "stop")
+    assert_error(post({**GOOD, "frobnicate": True}), 400, "frobnicate", "Unrecognized request argument")
+    assert_error(post({k: v for k, v in GOOD.items() if k != "prompt"}), 400, "prompt", "Missing")
+    assert_error(post({**GOOD, "prompt": [1] * 2048}), 400, "prompt", "maximum context length")
+    assert_error(post({**GOOD, "prompt": [1, 2], "max_tokens": 2047}), 400, "max_tokens", "maximum context length")
+    assert_error(post({**GOOD, "prompt": [99999]}), 400, "prompt", "token ids outside")
+    assert_error(post({**GOOD, "prompt": []}), 400, "prompt")
+    assert_error(post({**GOOD, "presence_penalty": 0.5}), 400, "presence_penalty", "not supported")
+    assert_error(post({**GOOD, "model": "gpt-5"}), 404, "model", "does not exist")
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+                      timeout=30)
+    assert_error(chat, 400, "messages.0.role")
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30), 400,
+                 "messages")
+    huge = b'{"model": "tiny", "prompt": "' + b"x" * 5_000_000 + b'"}'
+    assert_error(post_raw(url, huge), 413, contains="limit")
+    assert_error(httpx.get(f"{url}/v1/nothing-here", timeout=10), 404)
+    # ... and afterwards everything still works.
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
+    ok = post(GOOD)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_sdk_sees_typed_errors(pipeline):
+    with openai.OpenAI(base_url=f"{pipeline.router.url}/v1", api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=[1] * 3000, max_tokens=1)
+        assert e.value.body["param"] == "prompt" and "maximum context length" in e.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+
+
+def test_overload_answers_503_with_retry_after_and_recovers(pipeline):
+    colo = pipeline.colo  # at most 4 waiting (not yet scheduled) requests
+    rejected0 = sample(colo.metrics_text(), m.ADMISSION_REJECTIONS_TOTAL.name, reason="queue_full")
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(f"{colo.url}/v1/completions", json=body) for _ in range(16)))
+    results = asyncio.run(burst())
+    codes = sorted(r.status_code for r in results)
+    # A burst lands between two engine steps: the first 4 fill the waiting queue, the rest are refused.
+    assert codes.count(200) >= 4 and codes.count(503) >= 1 and set(codes) <= {200, 503}, codes
+    for r in results:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1"
+            assert_error(r, 503, contains="overloaded")
+            assert r.json()["error"]["code"] == "queue_full"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 40
+    assert sample(colo.metrics_text(), m.ADMISSION_REJECTIONS_TOTAL.name, reason="queue_full") == \
+        rejected0 + codes.count(503)
+    wait_until(lambda: pool_whole(colo), what="pool whole after the burst")
+    assert httpx.post(f"{colo.url}/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_client_disconnect_aborts_and_frees_blocks(pipeline):
+    colo = pipeline.colo
+    aborted0 = sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1800, "temperature": 0, "ignore_eos": True}
+    # Streaming: read a little, then hang up.
+    with httpx.stream("POST", f"{colo.url}/v1/completions", json=dict(body, stream=True), timeout=30) as resp:
+        it = resp.iter_lines()
+        assert next(it).startswith("data: ")
+        assert colo.load()["running"] == 1
+        # The engine loop runs off the event loop: health answers at once during generation.
+        t0 = time.monotonic()
+        assert httpx.get(f"{colo.url}/health", timeout=5).status_code == 200
+        assert time.monotonic() - t0 < 0.5
+    wait_until(lambda: pool_whole(colo), timeout=10, what="blocks freed after the stream's client left")
+    # Non-streaming: the client gives up before the answer.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{colo.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    wait_until(lambda: pool_whole(colo), timeout=10, what="blocks freed after the client timed out")
+    assert sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort") >= aborted0 + 1
+
+
+def test_router_client_disconnect_reaches_the_decode_worker(pipeline):
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1800, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{pipeline.router.url}/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()  # NOTE: keep it: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")
+        assert pipeline.decode.load()["running"] == 1
+    wait_until(lambda: pool_whole(pipeline.decode) and pool_whole(pipeline.prefill), timeout=10,
+               what="decode and prefill pools whole after the client left the router")
+    assert httpx.get(f"{pipeline.router.url}/ready").status_code == 200
+
+
+def test_router_answers_503_when_no_worker_is_reachable(logdir):
+    from tests.serving.conftest import router
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = router(logdir, "--workers", dead, name="router-empty")
+    r.start()
+    try:
+        wait_until(lambda: _health(r), what="router up")
+        assert httpx.get(f"{r.url}/ready").status_code == 503
+        resp = httpx.post(f"{r.url}/v1/completions", json=GOOD, timeout=10)
+        assert_error(resp, 503, contains="no healthy both worker")
+        assert resp.headers["retry-after"] == "1"
+        assert sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="503", tier="default") == 1
+    finally:
+        assert r.stop() == 0
+
+
+def _health(p) -> bool:
+    try:
+        return httpx.get(f"{p.url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
