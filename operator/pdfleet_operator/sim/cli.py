@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)
-    err = Console(stderr=True)
     try:
         fl = fleet_file.load(args.fleet)
         names = list(fl.compare) if args.compare else (args.policy or [next(iter(fl.policies))])
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         trace, warmup = _trace(args, fl)
         effs = calibration.load(args.calibration, fl.classes)
     except (fleet_file.FleetError, tr.TraceFileError, calibration.CalibrationError, ValueError) as exc:
-        err.print(f"pdfleet simulate: {exc}", markup=False, highlight=False)
+        print(f"pdfleet simulate: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
