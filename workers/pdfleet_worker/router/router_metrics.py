@@ -17,8 +17,12 @@ class RouterMetrics:
         self._upstream_errors = m.make(m.ROUTER_UPSTREAM_ERRORS_TOTAL, self.registry)
         self._retries = m.make(m.ROUTER_RETRIES_TOTAL, self.registry)
         self._workers = workers
-        for tier in tiers:  # the series the rollback ratio divides by exist before the first request
-            self._requests.labels(code="200", tier=tier)
+        # NOTE: the codes the rollback ratio reads exist at 0 from the start: a 5xx series that
+        # appears only with the first error makes increase() miss that error and leaves the
+        # ratio empty (not 0) while all is well.
+        for tier in tiers:
+            for code in ("200", "400", "500", "502", "503", "504"):
+                self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
 
     def finished(self, tier: str, code: int, start: float) -> None:
