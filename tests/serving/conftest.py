@@ -31,6 +31,7 @@ class Proc:
         self.args = args + ["--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = logdir / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # extra environment (e.g. KUBECONFIG)
 
     @property
     def url(self) -> str:
@@ -42,7 +43,7 @@ class Proc:
         return self.proc.pid
 
     def start(self) -> "Proc":
-        env = dict(os.environ, **CHILD_ENV)
+        env = {**os.environ, **CHILD_ENV, **self.env}
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(PDFLEET + self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
