@@ -70,7 +70,7 @@ class Replica:
     __slots__ = ("id", "deployment", "role", "accelerator_class", "perf", "reqs", "push", "itl", "on_prefilled",
                  "on_done", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
                  "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
-                 "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight",
+                 "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight", "url",
                  "prompt_tokens", "gen_tokens", "preempted", "busy_s")
 
     def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
@@ -100,7 +100,8 @@ class Replica:
         self.step_end = 0.0
         self.step_chunks: list[tuple[int, int]] = []
         self.step_decode = 0
-        self.inflight = 0                   # KV tokens routed here and still in transfer (the router counts them)
+        self.inflight = 0                   # requests routed here whose KV is still in transfer
+        self.url = f"sim://replica-{rid:06d}"  # the router's name for it
         self.prompt_tokens = 0              # counters, as the worker's /metrics has them
         self.gen_tokens = 0
         self.preempted = 0

@@ -1,32 +1,36 @@
-"""The router's picking policy for the simulator: shortest prefill queue, lowest decode KV usage.
+"""The router's picking policy in the simulator: the production `pdfleet_worker.router.picker.pick`, fed simulated loads.
 
-NOTE: a mirror. Issue 4's router (`pdfleet_worker.router`) documents this policy but exposes no
-torch-free pure function to import yet; when it does, call it from here instead of these lines, so
-that the simulator keeps running the production policy.
+The real router scores workers from their last reported load plus its own in-flight count. Here
+the load is read from the simulated engines at the moment of the pick (no scrape lag), so
+`inflight` carries only what the engines cannot see yet: requests whose KV is still on its way to a
+decode worker. Ties go round-robin by the simulator's own counter, so runs are reproducible.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+
+from pdfleet_worker.router import picker
 
 from pdfleet_operator.sim.engine import Replica
 
 
-def pick_prefill(candidates: Sequence[Replica], now: float) -> Replica | None:
-    """The entry worker (prefill or colocated) with the shortest queue; KV usage breaks ties."""
-    best, best_key = None, None
-    for r in candidates:
-        key = (len(r.waiting) + len(r.prefilling), r.kv_usage(now))
-        if best_key is None or key < best_key:
-            best, best_key = r, key
-    return best
+class Router:
+    """Picks workers for one simulation with `picker.pick` (deterministic tie-breaking)."""
 
+    def __init__(self) -> None:
+        self._turn = itertools.count()
 
-def pick_decode(candidates: Sequence[Replica], now: float) -> Replica | None:
-    """The decode worker with the lowest KV usage, counting KV already on its way to it."""
-    best, best_use = None, 0.0
-    for r in candidates:
-        use = (r.kv_used(now) + r.inflight) / r.perf.kv_capacity_tokens
-        if best is None or use < best_use:
-            best, best_use = r, use
-    return best
+    def pick(self, role: str, replicas: Sequence[Replica], now: float) -> Replica | None:
+        if not replicas:
+            return None
+        by_url = {}
+        candidates = []
+        for r in replicas:
+            by_url[r.url] = r
+            candidates.append(picker.Candidate(
+                url=r.url, waiting=len(r.waiting), running=r.num_running(), kv_usage=r.kv_usage(now),
+                prompt_tokens_waiting=r.need_waiting, inflight=r.inflight))
+        chosen = picker.pick(role, candidates, turn=next(self._turn))
+        return None if chosen is None else by_url[chosen.url]

@@ -25,10 +25,11 @@ from pdfleet_operator import autoscaler, placement, rollback
 from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
 from pdfleet_operator.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import engine as eng
-from pdfleet_operator.sim import perf_model, router
+from pdfleet_operator.sim import perf_model
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy
 from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
 from pdfleet_operator.sim.perf_model import Efficiency, ReplicaPerf
+from pdfleet_operator.sim.router import Router
 from pdfleet_operator.sim.stats import Histogram
 from pdfleet_operator.sim.trace import Trace
 
@@ -133,6 +134,7 @@ class Simulator:
         self.end = trace.duration
         self.deps = [self._deployment(i, d) for i, d in enumerate(policy.deployments)]
         self._next_replica_id = itertools.count()
+        self.router = Router()
 
     # --- set-up -----------------------------------------------------------------------------------------
     def _deployment(self, idx: int, d: DeploymentPlan) -> DeploymentState:
@@ -312,7 +314,7 @@ class Simulator:
         reqs.need[rid] = prompt
         reqs.ctx[rid] = prompt
         entry = "prefill" if "prefill" in d.routable else "colocated"
-        rep = router.pick_prefill(d.routable[entry], t)
+        rep = self.router.pick(entry, d.routable[entry], t)
         if rep is None or not rep.enqueue(rid, t):
             self._reject(d, rid, t)
 
@@ -328,13 +330,13 @@ class Simulator:
             self._done(rid, t)
             return
         d = self.deps[rep.deployment]
-        dst = router.pick_decode(d.routable.get("decode", ()), t)
+        dst = self.router.pick("decode", d.routable.get("decode", ()), t)
         if dst is None:
             self._reject(d, rid, t)
             return
         prompt = reqs.prompt[rid]
         rep.hold(prompt)
-        dst.inflight += prompt + 1
+        dst.inflight += 1
         delay = perf_model.kv_transfer_s(prompt, rep.perf, dst.perf, self.settings.kv_transfer_latency_s)
         self._push(t + delay, TRANSFER, rid, (rep, dst))
 
@@ -342,7 +344,7 @@ class Simulator:
         reqs = self.reqs
         prompt = reqs.prompt[rid]
         src.release(prompt, t)
-        dst.inflight -= prompt + 1
+        dst.inflight -= 1
         reqs.need[rid] = 0
         reqs.ctx[rid] = prompt + reqs.gen[rid]
         dst.enqueue(rid, t, force=True)  # routed already: a decode queue never drops a request mid-stream

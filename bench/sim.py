@@ -1,0 +1,160 @@
+"""`pdfleet simulate` speed on a day of the 100-accelerator fleet, and the `cpu` class calibration measured with the engine.
+
+python bench/sim.py [--policy static-nvidia ...] [--duration 1d]   # speed: prints a table and one JSON line
+python bench/sim.py calibrate [--preset tiny] [--out cal.json]      # needs torch: the engine on this CPU
+
+The speed run is the CLI's own path (fleet file -> synthetic conversation trace -> Simulator ->
+summary) timed per policy. `calibrate` times real engine steps of a `pdfleet model init` model:
+prefill steps of several prompt lengths (a linear fit gives the per-step overhead and the seconds
+per token, hence the prefill MFU against the `cpu` class's peak) and batch-1 decode steps (the
+weight read beyond the overhead, hence the decode MBU against the class's bandwidth). It writes the
+JSON line that `pdfleet simulate --calibration FILE` reads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# NOTE: bench/operator.py would shadow the standard library's `operator` for every later import.
+if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "workers")]
+
+from pdfleet_operator.sim import fleet as fleet_file  # noqa: E402
+from pdfleet_operator.sim import report  # noqa: E402
+from pdfleet_operator.sim import trace as tr  # noqa: E402
+from pdfleet_operator.sim.simulator import Simulator  # noqa: E402
+
+FLEET = ROOT / "examples" / "sim" / "fleet-100.yaml"
+
+
+def speed(a: argparse.Namespace) -> int:
+    fl = fleet_file.load(a.fleet)
+    duration = tr.parse_span(a.duration)
+    warmup = 1800.0
+    started = time.perf_counter()
+    trace = tr.synthetic("conversation", mean_rate=fl.trace.mean_rate, duration=duration + warmup, seed=a.seed,
+                         start_hour=fl.trace.start_hour - warmup / 3600)
+    gen_s = time.perf_counter() - started
+    rows, result = [], {"requests": len(trace), "simulated_h": round(duration / 3600, 2), "trace_s": round(gen_s, 2),
+                        "cores": os.cpu_count(), "policies": {}}
+    for name in a.policy or [next(iter(fl.policies))]:
+        t0 = time.perf_counter()
+        sim = Simulator(fl, fl.policy(name), trace, warmup_s=warmup, seed=a.seed).run()
+        wall = time.perf_counter() - t0
+        e = report.summarize(sim)
+        rows.append((name, f"{len(trace):,}", f"{wall:.1f} s", f"{len(trace) / wall:,.0f}",
+                     f"${e['cost_per_1m_tokens']:.4f}", f"{e['slo_attainment']:.2%}"))
+        result["policies"][name] = {"wall_s": round(wall, 2), "requests_per_wall_s": round(len(trace) / wall),
+                                    "cost_per_1m_tokens": e["cost_per_1m_tokens"], "slo_attainment": e["slo_attainment"]}
+    header = ("policy", "requests", "wall", "req/s simulated", "$/1M tok", "SLO att.")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    worst = max(p["wall_s"] for p in result["policies"].values())
+    result["max_wall_s"] = worst
+    result["under_2_min"] = worst < 120
+    print(json.dumps(result))
+    return 0
+
+
+def calibrate(a: argparse.Namespace) -> int:
+    import torch
+
+    from pdfleet_worker import model_init
+    from pdfleet_worker.config import EngineConfig, ModelConfig
+    from pdfleet_worker.engine.llm_engine import LLMEngine
+    from pdfleet_worker.engine.sampling_params import SamplingParams
+
+    classes = fleet_file.load(ROOT / "examples" / "sim" / "local-tiny.yaml").classes
+    cpu = classes["cpu"]
+    torch.set_num_threads(a.threads)
+    model = a.model or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdfleet-bench-{a.preset}")
+    if not os.path.isfile(os.path.join(model, "model.safetensors")):
+        model_init.init_model(model, a.preset, seed=0)
+    cfg = ModelConfig.from_dir(model)
+    dtype_bytes = {"float32": 4, "bfloat16": 2}[a.dtype]
+    engine = LLMEngine(EngineConfig(model=model, dtype=a.dtype, max_num_seqs=64, max_num_batched_tokens=a.budget,
+                                    kv_cache_memory_bytes=1 << 30, num_threads=a.threads, enable_prefix_caching=False),
+                       load_tokenizer=False)
+    counter = iter(range(10**9))
+
+    def prefill(n: int) -> float:
+        prompt = [(7 * i + n) % (cfg.vocab_size - 8) + 8 for i in range(n)]
+        engine.add_request(f"p{next(counter)}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+
+    def decode_step(batch: int, steps: int = 16) -> float:
+        for b in range(batch):
+            engine.add_request(f"d{next(counter)}", [8 + b, 9, 10, 11], SamplingParams(max_tokens=steps + 2, temperature=0,
+                                                                                        ignore_eos=True))
+        engine.step()  # the prompts
+        stamps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            stamps.append(time.perf_counter())
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        return min(gaps)
+
+    lengths = [16, 64, 128, 256, a.budget]
+    for n in lengths:
+        prefill(n)  # warm-up
+    times = {n: min(prefill(n) for _ in range(a.reps)) for n in lengths}  # min: the machine is shared
+    xs, ys = list(times), [times[n] for n in times]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    overhead = max(0.0, my - slope * mx)
+    decode1 = decode_step(1)
+    decode8 = decode_step(8)
+    weights = cfg.num_params * dtype_bytes
+    peak = cpu.peak_tflops * 1e12 * cpu.count
+    bandwidth = cpu.memory_bandwidth_gbps * 1e9 * cpu.count
+    mfu = min(1.0, 2 * cfg.num_params / (peak * slope))
+    read = decode1 - overhead
+    mbu = min(1.0, weights / (bandwidth * read)) if read > 0 else 1.0
+    out = {"kind": "pdfleet-sim-calibration", "class": "cpu", "model": f"{a.preset} ({cfg.num_params / 1e6:.1f}M params, {a.dtype})",
+           "prefill_mfu": round(mfu, 4), "decode_mbu": round(mbu, 4), "step_overhead_s": round(overhead, 6),
+           "prefill_s": {str(n): round(t, 6) for n, t in times.items()}, "decode_step_s": {"1": round(decode1, 6), "8": round(decode8, 6)},
+           "threads": a.threads}
+    print(f"prefill step: {overhead * 1000:.2f} ms + {slope * 1e6:.1f} us/token  -> MFU {mfu:.3f} of {peak / 1e12:.2f} TFLOP/s")
+    print(f"decode bs1 step: {decode1 * 1000:.2f} ms, bs8 {decode8 * 1000:.2f} ms -> MBU {mbu:.3f} of {bandwidth / 1e9:.0f} GB/s")
+    line = json.dumps(out)
+    print(line)
+    if a.out:
+        Path(a.out).write_text(line + "\n")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd")
+    p.add_argument("--fleet", default=str(FLEET))
+    p.add_argument("--policy", nargs="+")
+    p.add_argument("--duration", default="1d")
+    p.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("calibrate", help="measure the cpu class with the engine (needs torch)")
+    c.add_argument("--preset", default="tiny", help="pdfleet model init preset (the local fleet runs tiny)")
+    c.add_argument("--model", help="model directory (default: a temp dir, created with model init)")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (local-tiny uses 512)")
+    c.add_argument("--reps", type=int, default=5)
+    c.add_argument("--out", help="also write the JSON line here")
+    a = p.parse_args()
+    return calibrate(a) if a.cmd == "calibrate" else speed(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
