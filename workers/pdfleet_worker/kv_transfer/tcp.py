@@ -211,8 +211,9 @@ class TcpKVConnector(KVConnector):
             nbytes = head.get("nbytes")
             if not isinstance(specs, list) or not isinstance(nbytes, int) or nbytes < 0:
                 raise KVTransferError(c.BAD_RESPONSE, f"malformed pull answer {head}")
-            buf = bytearray(nbytes)
-            _recv_exact(sock, memoryview(buf), deadline)
+            # NOTE: torch.empty, not bytearray: no zero-filling of a buffer about to be overwritten.
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            _recv_exact(sock, memoryview(buf.numpy()), deadline)
             return PulledKV(self._tensors(buf, specs, n), nbytes)
         except KVTransferError:
             raise
@@ -227,8 +228,7 @@ class TcpKVConnector(KVConnector):
             sock.close()
 
     @staticmethod
-    def _tensors(buf: bytearray, specs: list, num_blocks: int) -> list[dict[str, torch.Tensor]]:
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    def _tensors(flat: torch.Tensor, specs: list, num_blocks: int) -> list[dict[str, torch.Tensor]]:
         layers: list[dict[str, torch.Tensor]] = []
         off = 0
         for spec in specs:
