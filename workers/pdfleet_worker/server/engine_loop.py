@@ -55,6 +55,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._waiting_kv: dict[str, KVLoad] = {}       # engine thread only
         self._held: set[str] = set()                   # engine thread only: finished, KV kept
+        self._flush = False                            # engine thread only: step once for abort stats
         self._thread: threading.Thread | None = None
         self._stop = False
         self.on_held: Callable[[RequestOutput], None] | None = None
@@ -137,7 +138,8 @@ class EngineLoop:
             if request_id in self._held:
                 return
             self._waiting_kv.pop(request_id, None)
-            engine.abort(request_id)
+            if engine.abort(request_id):
+                self._flush = True
         self.call_soon(run)
 
     def release_held(self, request_id: str) -> None:
@@ -183,8 +185,11 @@ class EngineLoop:
                     break
                 if ran:
                     stalled = False
-                if stalled or not self.engine.has_unfinished_requests():
+                # NOTE: an abort's stats land in the next step; with nothing else to run, one
+                # empty step hands them to the metrics now rather than with some later request.
+                if (stalled or not self.engine.has_unfinished_requests()) and not self._flush:
                     continue
+                self._flush = False
                 outputs = self.engine.step()
                 it = self.engine.last_iteration_stats
                 # NOTE: nothing scheduled and nothing emitted: every request waits for remote KV or
