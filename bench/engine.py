@@ -172,11 +172,16 @@ def main() -> int:
     # NOTE: the machine is shared, so every repetition measures the engine and its baseline back
     # to back and the ratio is taken per repetition; the reported ratio is the median of those.
     m = {k: [] for k in ("eng", "hf8", "hf1", "bw", "dec32", "dec16", "hfdec", "prefix")}
+    def progress(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
     for rep in range(a.reps):
+        progress(f"mixed workload, repetition {rep + 1}/{a.reps}")
         m["eng"].append(engine_mixed(eng, work))
         m["hf8"].append(hf_static(hf, work, 8))
         m["hf1"].append(hf_static(hf, seq_work, 1))
     for rep in range(max(a.reps, 5)):  # short runs: a few more repetitions
+        progress(f"batch-1 decode, repetition {rep + 1}/{max(a.reps, 5)}")
         m["bw"].append(read_bandwidth_gbs())
         m["dec32"].append(engine_decode_s_per_token(eng, bs1_prompt, a.bs1_tokens))
         m["dec16"].append(engine_decode_s_per_token(eng16, bs1_prompt, a.bs1_tokens))
