@@ -18,6 +18,7 @@ import sys
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse
+import atexit
 import copy
 import json
 import pathlib
@@ -77,14 +78,17 @@ class Bench:
     def requests(self) -> list:
         return self.call(lambda: list(self.emu.log))
 
+    verbose = False
+
     def start_operator(self, resync: float) -> None:
         self.metrics_port = free_port()
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
         log = open(self.workdir / "operator.log", "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdfleet_operator.operator_cli", "operator", "--metrics-port", str(self.metrics_port),
-             "--liveness-port", "0", "--resync-interval", str(resync)],
+             "--liveness-port", "0", "--resync-interval", str(resync), *(["-v"] if self.verbose else [])],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(_kill, self.proc)  # a timeout (SystemExit) must not leave an operator behind
 
     def peak_rss_mb(self) -> float:
         assert self.proc is not None
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crs", type=int, default=500, help="InferenceDeployments to create (default 500)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds per phase")
+    parser.add_argument("--verbose", action="store_true", help="debug logging of the operator (to its log file)")
     args = parser.parse_args(argv)
     n = args.crs
 
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     with EmulatorThread() as server:
         kubeconfig = write_kubeconfig(workdir / "kubeconfig", server.url)
         b = Bench(server, kubeconfig, workdir)
+        b.verbose = args.verbose
+        print(f"operator log: {workdir / 'operator.log'}", file=sys.stderr)
         for path in sorted((ROOT / "crds").glob("*.yaml")):
             for doc in yaml.safe_load_all(path.read_text()):
                 b.call(b.emu.apply_object, doc)
@@ -235,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mb": round(peak_rss, 1),
     }))
     return 0
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _up(b: Bench) -> bool:

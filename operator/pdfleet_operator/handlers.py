@@ -136,6 +136,7 @@ class Reconciler:
         # key -> child -> digest of what we rendered last: an apply of an unchanged rendering is a revert.
         self._rendered: dict[Key, dict[str, str]] = {}
         self._targets: dict[Key, dict[str, int]] = {}  # replicas per role this process last planned for
+        self._specs: dict[Key, tuple[tuple[Any, Any], InferenceDeployment]] = {}
         self.reconciles = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # kopf's loop: other threads call in through it
 
@@ -252,11 +253,7 @@ class Reconciler:
         meta = body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             return Outcome(skipped="being deleted")
-        dep = InferenceDeployment.model_validate({
-            "apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"), "kind": "InferenceDeployment",
-            "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "resourceVersion") if meta.get(k) is not None},
-            "spec": body.get("spec") or {}, **({"status": body["status"]} if body.get("status") else {}),
-        })
+        dep = self._parse(key, body)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         classes = self._classes()
         monitoring = await self._monitoring_enabled()
@@ -314,6 +311,20 @@ class Reconciler:
                                               for p in plan.pools),
                            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
+
+    def _parse(self, key: Key, body: Mapping[str, Any]) -> InferenceDeployment:
+        """The CR as the API model; the spec (whose CEL rules are slow to evaluate) once per generation."""
+        meta = body.get("metadata") or {}
+        version = (meta.get("uid"), meta.get("generation"))
+        cached = self._specs.get(key)
+        if cached is None or cached[0] != version:
+            dep = InferenceDeployment.model_validate({
+                "apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"), "kind": "InferenceDeployment",
+                "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None},
+                "spec": body.get("spec") or {}})
+            self._specs[key] = cached = (version, dep)
+        st = InferenceDeploymentStatus.model_validate(body["status"]) if body.get("status") else None
+        return cached[1].model_copy(update={"status": st})
 
     def _desired_for(self, key: Key, current: InferenceDeploymentSpec, spec: InferenceDeploymentSpec,
                      children: list[dict[str, Any]]) -> dict[str, int] | None:
@@ -526,7 +537,7 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
     key = (namespace, name)
     for store in (RECONCILER.desired, RECONCILER.templates, RECONCILER.extra_conditions, RECONCILER.extra_status,
-                  RECONCILER._last_status, RECONCILER._rendered, RECONCILER._targets):
+                  RECONCILER._last_status, RECONCILER._rendered, RECONCILER._targets, RECONCILER._specs):
         store.pop(key, None)
     RECONCILER.limited.discard(key)
     exporter.forget(namespace, name)

@@ -209,7 +209,8 @@ def test_full_cluster_is_scaling_limited_until_capacity_frees(kube) -> None:
         assert "missing 1 x nvidia.com/gpu on l40s-48gb" in cond["ScalingLimited"]["message"]
         assert cond["Degraded"]["reason"] == "RoleUnplaced"
         assert not any(k.startswith("Deployment/qwen2-7b-colocated") for k in children(kube, "qwen2-7b"))
-        assert [e for e in events(kube, "qwen2-7b") if e["reason"] == "ScalingLimited"]
+        kube.wait_for(lambda: [e for e in events(kube, "qwen2-7b") if e["reason"] == "ScalingLimited"],
+                      message="a ScalingLimited Event (posted after the status)")
         kube.delete("pods", "training")
         cr = wait_reconciled(kube, "qwen2-7b", check=lambda cr: cr["status"]["pools"])
         assert cr["status"]["pools"][0]["desired"] == 1
