@@ -84,3 +84,22 @@ def test_merge_maps_merge_lists_replace_null_deletes() -> None:
     base = {"a": {"b": 1, "c": [1, 2]}, "d": 1}
     assert fleet.merge(base, {"a": {"c": [3]}, "d": None}) == {"a": {"b": 1, "c": [3]}}
     assert base == {"a": {"b": 1, "c": [1, 2]}, "d": 1}
+
+
+def test_the_local_fleet_replay_target_simulates_with_a_calibration(tmp_path) -> None:
+    import json
+
+    from pdfleet_operator.sim import calibration, report, simulator
+    from pdfleet_operator.sim import trace as tr
+
+    f = fleet.load(EXAMPLE.parent / "local-tiny.yaml")
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"kind": calibration.CALIBRATION_KIND, "class": "cpu", "prefill_mfu": 0.05,
+                               "decode_mbu": 0.5, "step_overhead_s": 0.002}))
+    effs = calibration.load([cal], f.classes)
+    t = tr.synthetic("conversation", mean_rate=2.0, duration=120, seed=1)
+    t = tr.Trace(t.name, t.arrival, t.prompt.clip(max=600), t.output.clip(max=200), t.duration)
+    sim = simulator.Simulator(f, f.policy("local"), t, efficiencies=effs).run()
+    e = report.summarize(sim)
+    assert e["completed"] == e["requests"] > 100
+    assert set(e["accelerator_hours"]) == {"cpu"}

@@ -25,6 +25,8 @@ class Router:
     def pick(self, role: str, replicas: Sequence[Replica], now: float) -> Replica | None:
         if not replicas:
             return None
+        if len(replicas) == 1:
+            return replicas[0]
         by_url = {}
         candidates = []
         for r in replicas:
