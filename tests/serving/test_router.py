@@ -114,3 +114,14 @@ def test_router_discovers_workers_from_endpoint_slices(pipeline, logdir, kube):
                           timeout=30).status_code == 503
     finally:
         assert r.stop() == 0
+
+
+def test_router_and_cli_import_no_torch():
+    """The router runs in a small image: nothing on its import path may pull torch in."""
+    import subprocess
+
+    code = ("import sys; import pdfleet_worker.cli, pdfleet_worker.router.app, pdfleet_worker.router.runner, "
+            "pdfleet_worker.router.picker, pdfleet_worker.server.worker_config, pdfleet_worker.metrics; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'safetensors')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
