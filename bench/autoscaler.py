@@ -38,6 +38,8 @@ per role. pdfleet (`PDFLEET`) adds three mechanisms, also run one at a time:
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
 import argparse
 import heapq
 import json

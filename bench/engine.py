@@ -5,6 +5,8 @@ Prints a table, then one JSON line with the ratios.
 """
 from __future__ import annotations
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
 import argparse
 import json
 import os

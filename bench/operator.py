@@ -10,14 +10,11 @@ writes on resync and the operator's peak RSS; ends with one JSON line.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# NOTE: run as `python bench/operator.py`, this directory is sys.path[0] and this file would shadow the
-# standard library's `operator` module (imported by enum, re, json, ...): drop the directory first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import _sys_path  # noqa: F401,I001  -- first: keeps this file from shadowing the stdlib (see it)
 
 import argparse
+import os
+import sys
 import atexit
 import copy
 import json

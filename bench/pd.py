@@ -10,12 +10,8 @@ JSON line.
 """
 from __future__ import annotations
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import sys
-
-# NOTE: bench/ holds an operator.py; with this script's folder first on sys.path it would shadow
-# the standard library's `operator` (imported by enum, re, json, ...). Drop the folder.
-if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
-    del sys.path[0]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -13,11 +13,8 @@ JSON line that `pdfleet simulate --calibration FILE` reads.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import sys
-
-# NOTE: bench/operator.py would shadow the standard library's `operator` for every later import.
-if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
-    sys.path.pop(0)
 
 import argparse
 import json

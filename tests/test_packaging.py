@@ -28,6 +28,15 @@ def test_cli_and_decision_code_load_without_torch():
     assert result.returncode == 0, result.stderr
 
 
+def test_worker_cli_and_config_load_without_torch():
+    """`pdfleet worker/router --help` and the worker's flag parsing must not pay for (or need) torch."""
+    result = _python("import sys; from pdfleet_operator import cli; "
+                     "[cli.build_parser([c]) for c in ('worker', 'router', 'model', 'simulate')]; "
+                     "import pdfleet_worker.server.worker_config, pdfleet_worker.router.app; "
+                     "assert 'torch' not in sys.modules, 'torch imported'")
+    assert result.returncode == 0, result.stderr
+
+
 def test_import_contracts_hold():
     lint = Path(sys.executable).parent / "lint-imports"
     result = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,8 +1,9 @@
 """The `pdfleet` command: one entry point for the operator, the worker and the local tools.
 
-Control-plane subcommands live here; data-plane ones (`model`, `worker`, `router`) are registered
-by `pdfleet_worker.cli`, loaded by name so that the operator image (no torch) still starts and
-says clearly what is missing when a worker command is asked for.
+Small commands live here. The others are registered by their own modules (`register(subparsers)`),
+imported only when their command is run: `pdfleet validate` does not pay for kopf, numpy or torch,
+and an image without an extra (the operator image has no torch) still starts and says clearly
+what is missing when one of those commands is asked for.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from pathlib import Path
 
 from pdfleet_operator import __version__
 
-# Modules that add subcommands with `register(subparsers)`; the first is the data plane.
-PLUGINS = ("pdfleet_worker.cli",)
+# command -> (module whose register(subparsers) adds it, the extra that installs its dependencies, help)
+PLUGINS: dict[str, tuple[str, str, str]] = {
+    "operator": ("pdfleet_operator.operator_cli", "operator", "run the operator (kopf) against a cluster"),
+    "simulate": ("pdfleet_operator.sim.cli", "sim", "plan a fleet against a simulated cluster and a request trace"),
+    "model": ("pdfleet_worker.cli", "worker", "create and inspect model directories"),
+    "worker": ("pdfleet_worker.cli", "worker", "serve a model: OpenAI API, /health, /ready, /metrics"),
+    "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
+}
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
@@ -61,7 +68,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the plugin module of the command in argv (if any) is imported."""
     parser = argparse.ArgumentParser(
         prog="pdfleet",
         description="Prefill/decode-disaggregated LLM inference fleets on Kubernetes (and on one machine).")
@@ -82,28 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML files or directories")
     p.set_defaults(func=_cmd_validate)
 
-    for name in PLUGINS:
+    command = next((a for a in (argv or []) if not a.startswith("-")), None)
+    if command in PLUGINS:
+        module_name, extra, _ = PLUGINS[command]
         try:
-            module = importlib.import_module(name)
-        except ImportError as exc:  # the operator image ships without the data plane's dependencies
-            _missing_plugin(sub, name, exc)
-            continue
-        module.register(sub)
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # an image built without this command's extra
+            _unavailable(sub, command, f"needs {exc.name}, which is not installed (pip install 'pdfleet[{extra}]')")
+        else:
+            module.register(sub)
+    for name, (_, _, help_text) in PLUGINS.items():
+        if name not in sub.choices:  # listed in --help; its module is loaded when it is the command
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def _missing_plugin(sub: argparse._SubParsersAction, name: str, exc: ImportError) -> None:
+def _unavailable(sub: argparse._SubParsersAction, command: str, why: str) -> None:
     def explain(_: argparse.Namespace) -> int:
-        print(f"pdfleet: this command needs {name} ({exc}); install `pdfleet[worker]`", file=sys.stderr)
+        print(f"pdfleet {command}: {why}", file=sys.stderr)
         return 2
 
-    for command in ("model", "worker", "router"):
-        if command not in sub.choices:
-            sub.add_parser(command, help=f"(unavailable: {exc.name} is not installed)").set_defaults(func=explain)
+    sub.add_parser(command, help=f"(unavailable: {why})", add_help=False, prefix_chars="\0").set_defaults(func=explain)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

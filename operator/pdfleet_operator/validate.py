@@ -106,6 +106,14 @@ def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
             continue
         for source, doc in documents:
             checked += 1
+            if isinstance(doc, dict) and doc.get("kind") == "SimulatedFleet":
+                # A `pdfleet simulate` input, not a cluster object: checked by the simulator's own parser.
+                from pdfleet_operator.sim import fleet
+
+                name = (doc.get("metadata") or {}).get("name", "<no name>")
+                problems.extend(Problem(source, f"SimulatedFleet/{name}", "", line)
+                                for line in fleet.validate_document(doc, source, path.parent))
+                continue
             problems.extend(validate_object(doc, source, crd_by_kind))
     return checked, problems
 
