@@ -34,6 +34,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     discovery: str = "auto"
+    workers_file: str | None = None  # re-read every discovery round (pdfleet up rewrites it)
     namespace: str | None = None
     discovery_interval_s: float = 5.0
     health_interval_s: float = 1.0
@@ -74,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill worker URLs (a hostname is resolved to every address it has: a headless Service)")
     p.add_argument("--decode", nargs="+", default=[], metavar="[TIER=]URL", help="decode worker URLs")
     p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=]URL", help="colocated (role both) worker URLs")
+    p.add_argument("--workers-file", metavar="FILE",
+                   help='instead of the three flags above: a JSON file {"prefill": [...], "decode": [...], "workers": '
+                        '[...]} (entries as the flags take them), re-read every discovery interval; the roles present '
+                        "at start are the router's pools")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--default-tier", help=f"tier for requests that name none (default: {DEFAULT_TIER!r}, else the first)")
@@ -107,9 +112,17 @@ def split_tier(value: str) -> tuple[str, str]:
 
 
 def from_args(args: argparse.Namespace) -> RouterConfig:
+    listed = {role: getattr(args, role) for role in ("prefill", "decode", "workers")}
+    workers_file = getattr(args, "workers_file", None)
+    if workers_file:
+        from pdfleet_worker.router import workers_file as wf
+
+        if any(listed.values()):
+            raise ValueError("--workers-file replaces --prefill/--decode/--workers: give one or the other")
+        listed = {role: wf.read(workers_file).get(role, []) for role in listed}
     tiers: dict[str, TierConfig] = {}
-    for role in ("prefill", "decode", "workers"):
-        for value in getattr(args, role):
+    for role, values in listed.items():
+        for value in values:
             name, url = split_tier(value)
             tier = tiers.setdefault(name, TierConfig(name))
             getattr(tier, role).append(url.rstrip("/"))
@@ -121,7 +134,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         aliases[alias] = tier
     default = args.default_tier or (DEFAULT_TIER if DEFAULT_TIER in tiers else next(iter(tiers), DEFAULT_TIER))
     return RouterConfig(tiers=tiers, default_tier=default, host=args.host, port=args.port, discovery=args.discovery,
-                        namespace=args.namespace, discovery_interval_s=args.discovery_interval,
+                        workers_file=workers_file, namespace=args.namespace, discovery_interval_s=args.discovery_interval,
                         health_interval_s=args.health_interval, max_retries=args.max_retries,
                         connect_timeout_s=args.connect_timeout, upstream_timeout_s=args.upstream_timeout,
                         tier_header=args.tier_header.lower(), aliases=aliases, max_request_bytes=args.max_request_bytes,

@@ -12,6 +12,7 @@ import httpx
 from pdfleet_worker.router import picker
 from pdfleet_worker.router.discovery import Source, make_source
 from pdfleet_worker.router.router_config import RouterConfig
+from pdfleet_worker.router.workers_file import WorkersFile
 
 log = logging.getLogger("pdfleet.router")
 
@@ -45,6 +46,10 @@ class Upstreams:
         self.sources: list[tuple[str, str, Source]] = [
             (tier.name, role, make_source(url, cfg.discovery, cfg.namespace))
             for tier in cfg.tiers.values() for role, urls in tier.pools().items() for url in urls]
+        if cfg.workers_file:
+            # One source per pool: the file's current list for it (the URLs above were its first read).
+            self.sources = [(tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery))
+                            for tier in cfg.tiers.values() for role in tier.pools()]
         self._resolved: dict[int, set[str]] = {}
         self.all: dict[tuple[str, str, str], Upstream] = {}
         self._tasks: list[asyncio.Task] = []
