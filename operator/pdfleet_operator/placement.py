@@ -121,7 +121,9 @@ def rank(role: str, spec: InferenceDeploymentSpec, classes: Mapping[str, Acceler
             continue
         ok, why = _meets_slo(role, spec, cls)
         speed = _speed(role, cls)
-        score = speed if spec.tier == "latency" else (speed / cls.cost_per_hour if cls.cost_per_hour > 0 else math.inf)
+        # Per $/h of one replica: speed and price both scale with the units a replica requests.
+        replica_price = cls.cost_per_hour * cls.count
+        score = speed if spec.tier == "latency" else (speed / replica_price if replica_price > 0 else math.inf)
         found.append(Candidate(name, cls, ok, score, idx))
         reasons.append(f"{role}: {name} {why}")
     eligible = [c for c in found if c.meets_slo]
