@@ -166,16 +166,24 @@ def values_tree(root: Path = ROOT) -> Group:
             "create": _bool(True, "Create the ClusterRole/Roles and their bindings."),
         }),
         "acceleratorClasses": Group(
-            "Default AcceleratorClasses, with prices. Prices are USD per unit-hour and EXAMPLES: replace them with "
-            "what you pay. Manage them here (`helm upgrade`) rather than with `kubectl edit`, which the next upgrade "
-            "would undo, or set `create: false` and manage them yourself.", {
-                "create": _bool(True, "Create the classes below."),
-                "classes": Value(_class_defaults(root),
-                                 "Class name -> AcceleratorClass spec (the CRD's schema applies: vendor, "
-                                 "resourceName, count, memoryGiB, peakTflops, memoryBandwidthGBps, costPerHour, "
-                                 "nodeSelector, tolerations, env, ...).",
+            "AcceleratorClasses with prices. Prices are USD per unit-hour; the defaults are EXAMPLES: replace them "
+            "with what you pay. Manage them here (`helm upgrade`) rather than with `kubectl edit`, which the next "
+            "upgrade would undo, or set `create: false` and manage them yourself.", {
+                "create": _bool(True, "Create AcceleratorClasses from this chart."),
+                "includeDefaults": _bool(True, "Create the classes of `defaultClasses` (false: only `classes`)."),
+                "classes": Value({}, "Your classes: name -> AcceleratorClass spec. A name that is also in "
+                                     "`defaultClasses` replaces that class entirely.",
                                  {"type": "object", "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
                                   "additionalProperties": class_spec}),
+                "defaultClasses": Value(_class_defaults(root),
+                                        "pdfleet's default classes (examples/acceleratorclasses.yaml): NVIDIA GPUs, "
+                                        "MIG slices, Ascend, Cambricon, Hygon, Kunlunxin and plain CPU. Change a "
+                                        "price with `defaultClasses.<name>.costPerHour`; set a class to null to leave "
+                                        "it out. Each spec follows the CRD: vendor, resourceName, "
+                                        "count, memoryGiB, peakTflops, memoryBandwidthGBps, costPerHour, "
+                                        "nodeSelector, tolerations, env, ...",
+                                        {"type": "object", "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
+                                         "additionalProperties": {"anyOf": [class_spec, {"type": "null"}]}}),
             }),
         "monitoring": Group(
             "Prometheus Operator objects (monitoring.coreos.com/v1). Turn off where its CRDs are not installed. "
