@@ -22,6 +22,8 @@ PLUGINS: dict[str, tuple[str, str, str]] = {
     "model": ("pdfleet_worker.cli", "worker", "create and inspect model directories"),
     "worker": ("pdfleet_worker.cli", "worker", "serve a model: OpenAI API, /health, /ready, /metrics"),
     "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
+    "up": ("pdfleet_operator.local.cli", "operator", "run an InferenceDeployment on this machine: router + workers + autoscaler"),
+    "load": ("pdfleet_operator.local.cli", "operator", "open-loop load on an OpenAI endpoint: TTFT/ITL and tokens/s"),
 }
 
 

@@ -1,0 +1,352 @@
+"""The local fleet's processes: the router and worker replicas per pool on free loopback ports, restarted with back-off when they crash, drained when the plan shrinks; `pdfleet up` drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pdfleet_operator import cost, metric_names as names, render
+from pdfleet_operator.api import WORKER_ROLE
+from pdfleet_operator.local import machine as mach
+from pdfleet_operator.local.process import Child, describe_exit
+from pdfleet_operator.local.spec import LocalSpec, UpError
+from pdfleet_operator.placement import FleetPlan
+from pdfleet_worker.router import workers_file
+
+# A crashed process waits 1 s, then 2, 4, ... up to 30 s before it is started again; once it has
+# served (ready) for 30 s, its next crash starts over at 1 s (as kubelet's CrashLoopBackOff does).
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_S = 30.0
+# The router re-reads its workers file and probes workers this often.
+ROUTER_DISCOVERY_S = 0.5
+ROUTER_HEALTH_S = 0.5
+# A drained worker leaves the router's file this long before its SIGTERM (two discovery rounds).
+LEAVE_ROUTER_S = 2 * ROUTER_DISCOVERY_S + 0.2
+# Worker SIGTERM drain (open requests finish), and how much longer we wait before SIGKILL.
+WORKER_DRAIN_S = 30.0
+KILL_GRACE_S = 10.0
+ROUTER_DRAIN_S = 10.0
+
+STARTING, READY, BACKOFF, DRAINING = "starting", "ready", "backoff", "draining"
+PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to a process, for the live view and the summary."""
+
+    at: float        # seconds since the fleet started
+    kind: str        # started, ready, crashed, restarted, draining, stopped, killed
+    subject: str     # replica name, e.g. decode-1, or router
+    message: str
+
+
+@dataclass
+class Replica:
+    """One process slot (a worker of one pool, or the router) and where it is in its life."""
+
+    name: str
+    role: str                                 # prefill, decode, colocated, or router
+    accelerator_class: str                    # "" for the router
+    port: int
+    devices: tuple[int, ...] = ()             # GPU indices (CUDA_VISIBLE_DEVICES)
+    child: Child | None = None
+    state: str = STARTING
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float = 0.0
+    ready_since: float | None = None
+    term_at: float | None = None              # when a draining replica gets its SIGTERM
+    kill_at: float | None = None              # when a draining replica that has not exited gets SIGKILL
+    load: dict = field(default_factory=dict)  # the worker's last /load answer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Supervisor:
+    """Starts, watches, restarts and drains the processes of one local fleet. Single-threaded: every
+    method runs on the event loop of `pdfleet up`'s main thread (children die with that thread)."""
+
+    def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
+                 machine: mach.Machine, router_host: str = "127.0.0.1",
+                 on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
+        self.router_host = router_host
+        self.on_event = on_event or (lambda e: None)
+        self.clock = clock
+        self.started_at = clock()
+        self.events: list[Event] = []
+        self.workers: list[Replica] = []
+        self.router = Replica("router", "router", "", router_port)
+        self.counters: dict[str, int] = {}
+        self.startup = True                    # any exit before the fleet was first ready is fatal
+        self.spent_usd = 0.0
+        self._cost_at = clock()
+        self.classes = mach.local_classes(local.classes)
+        self.router_per_hour = (local.spec.router.replicas * cost.router_cores(local.spec.router.resources.requests)
+                                * cost.cpu_core_price(self.classes))
+        self.engine_config = run_dir / "engine.json"
+        self.workers_path = run_dir / "workers.json"
+        self.targets_path = run_dir / "prometheus-targets.json"
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
+
+    # -- events -----------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return self.clock() - self.started_at
+
+    def event(self, kind: str, subject: str, message: str) -> None:
+        ev = Event(round(self.elapsed(), 1), kind, subject, message)
+        self.events.append(ev)
+        self.on_event(ev)
+
+    # -- what runs ----------------------------------------------------------------------------------
+    def active(self, role: str | None = None) -> list[Replica]:
+        """Workers the fleet counts (not draining), optionally of one role."""
+        return [r for r in self.workers if r.state != DRAINING and (role is None or r.role == role)]
+
+    def replicas(self) -> dict[str, int]:
+        """Replicas per role as the autoscaler's `current` (what the Deployments would ask for)."""
+        return {role: len(self.active(role)) for role in self.local.spec.roles()}
+
+    def ready(self, role: str) -> list[Replica]:
+        return [r for r in self.active(role) if r.state == READY]
+
+    def scrape_targets(self) -> dict[str, list[str]]:
+        """role -> /metrics URLs of its ready workers (a starting or crashed one has no queue yet)."""
+        return {role: [f"{r.url}/metrics" for r in self.ready(role)] for role in self.local.spec.roles()}
+
+    def cost_per_hour(self) -> float:
+        """$/h of every worker process alive now (starting and draining ones too) plus the router."""
+        per_hour = self.router_per_hour if self.router.child and self.router.child.alive() else 0.0
+        for r in self.workers:
+            if r.child is not None and r.child.alive():
+                cls = self.classes[r.accelerator_class]
+                per_hour += cls.count * cls.cost_per_hour
+        return per_hour
+
+    def _account(self) -> None:
+        now = self.clock()
+        self.spent_usd += self.cost_per_hour() * (now - self._cost_at) / 3600.0
+        self._cost_at = now
+
+    # -- files the router and Prometheus read -----------------------------------------------------------
+    def write_files(self) -> None:
+        self.engine_config.write_text(render.config_text(self.local.spec))
+        self._write_worker_lists()
+
+    def _write_worker_lists(self) -> None:
+        lists: dict[str, list[str]] = {}
+        for role in self.local.spec.roles():
+            key = workers_file.KEY_OF_ROLE[WORKER_ROLE[role]]
+            lists[key] = [r.url for r in self.active(role)]
+        workers_file.write(self.workers_path, lists)
+        groups = [{"targets": [f"127.0.0.1:{r.port}"],
+                   "labels": {names.LABEL_NAMESPACE: self.local.namespace,
+                              names.LABEL_DEPLOYMENT: self.local.name, names.LABEL_ROLE: r.role,
+                              names.LABEL_ACCELERATOR: r.accelerator_class, "replica": r.name}}
+                  for r in self.active()]
+        tmp = self.targets_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=1))
+        os.replace(tmp, self.targets_path)
+
+    # -- commands -------------------------------------------------------------------------------------
+    def _worker_argv(self, r: Replica) -> list[str]:
+        argv = PDFLEET + ["worker", "--model", str(self.local.model_dir), "--role", WORKER_ROLE[r.role],
+                          "--host", "127.0.0.1", "--port", str(r.port), "--kv-host", "127.0.0.1",
+                          "--engine-config", str(self.engine_config), "--num-threads", str(self.threads),
+                          "--accelerator", r.accelerator_class, "--drain-timeout", f"{WORKER_DRAIN_S:g}s",
+                          "--log-level", "warning"]
+        if r.devices:
+            argv += ["--device", "cuda"]
+        return argv + list(self.local.spec.engine.extra_args)
+
+    def _router_argv(self) -> list[str]:
+        return PDFLEET + ["router", "--workers-file", str(self.workers_path), "--discovery", "static",
+                          "--host", self.router_host, "--port", str(self.router.port),
+                          "--discovery-interval", f"{ROUTER_DISCOVERY_S:g}", "--health-interval", f"{ROUTER_HEALTH_S:g}",
+                          "--drain-timeout", f"{ROUTER_DRAIN_S:g}", "--log-level", "warning"]
+
+    def _env(self, r: Replica) -> dict[str, str]:
+        env = dict(os.environ)
+        threads = str(self.threads)
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
+                   PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(str(d) for d in r.devices))
+        if r.accelerator_class:
+            env["PDFLEET_ACCELERATOR"] = r.accelerator_class
+            for var in self.classes[r.accelerator_class].env:
+                if var.name != "CUDA_VISIBLE_DEVICES":
+                    env[var.name] = var.value
+        return env
+
+    def _spawn(self, r: Replica) -> None:
+        if not mach.port_free(r.port, self.router_host if r.role == "router" else "127.0.0.1"):
+            if r.role == "router":
+                raise UpError(f"router port {r.port} was taken by another process while pdfleet up ran")
+            r.port = mach.free_port(avoid=self._ports())
+            self._write_worker_lists()
+        argv = self._router_argv() if r.role == "router" else self._worker_argv(r)
+        r.child = Child(r.name, argv, self.run_dir / "logs" / f"{r.name}.log", self._env(r)).start()
+        r.state, r.ready_since, r.load = STARTING, None, {}
+
+    def _ports(self) -> set[int]:
+        return {self.router.port} | {r.port for r in self.workers}
+
+    def _gpus_for(self, cls_name: str) -> tuple[int, ...]:
+        cls = self.classes[cls_name]
+        if cls.resource_name != mach.GPU:
+            return ()
+        taken = {d for r in self.workers for d in r.devices}
+        free = [d for d in range(self.machine.gpus) if d not in taken]
+        if len(free) < cls.count:
+            raise UpError(f"{cls_name}: {cls.count} GPU(s) per replica, {len(free)} free")
+        return tuple(free[:cls.count])
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self, plan: FleetPlan) -> None:
+        """Write the files, start every worker of the plan and the router (readiness: `wait_ready`)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.scale_to(plan, why="initial plan")
+        self.write_files()
+        self._spawn(self.router)
+        self.event("started", "router", f"pid {self.router.child.pid}, {self.router_host}:{self.router.port}")
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the router and every worker answer ready; UpError (with the log tail) if one exits first."""
+        deadline = self.clock() + timeout
+        while True:
+            await self.tick()
+            if self.router.state == READY and all(r.state == READY for r in self.active()):
+                self.startup = False
+                return
+            if self.clock() > deadline:
+                waiting = [r.name for r in [self.router, *self.active()] if r.state != READY]
+                raise UpError(f"not ready after {timeout:g}s: {', '.join(waiting)} (logs in {self.run_dir / 'logs'})")
+            await asyncio.sleep(0.2)
+
+    def scale_to(self, plan: FleetPlan, why: str = "") -> None:
+        """Start or drain workers so that each (role, class) pool runs what the plan asks."""
+        wanted = {(p.role, p.accelerator_class): p.replicas for p in plan.pools}
+        keys = set(wanted) | {(r.role, r.accelerator_class) for r in self.active()}
+        changed = False
+        for role, cls_name in sorted(keys):
+            have = [r for r in self.active(role) if r.accelerator_class == cls_name]
+            want = wanted.get((role, cls_name), 0)
+            for _ in range(want - len(have)):
+                n = self.counters.get(role, 0)
+                self.counters[role] = n + 1
+                r = Replica(f"{role}-{n}", role, cls_name, mach.free_port(avoid=self._ports()), self._gpus_for(cls_name))
+                self.workers.append(r)
+                self._spawn(r)
+                self.event("started", r.name, f"pid {r.child.pid}, :{r.port} on {cls_name}" + (f" ({why})" if why else ""))
+                changed = True
+            # Drain what serves least first: a crashed one, then one still starting, then the newest.
+            order = {BACKOFF: 0, STARTING: 1, READY: 2}
+            victims = sorted(have, key=lambda r: (order[r.state], -self.workers.index(r)))[:max(0, len(have) - want)]
+            for r in victims:
+                self._drain(r, why)
+                changed = True
+        if changed and self.workers_path.parent.exists():
+            self._write_worker_lists()
+
+    def _drain(self, r: Replica, why: str) -> None:
+        if r.child is None or not r.child.alive():
+            self.workers.remove(r)
+            self.event("stopped", r.name, "removed while waiting to restart" + (f" ({why})" if why else ""))
+            return
+        r.state, r.term_at = DRAINING, self.clock() + LEAVE_ROUTER_S
+        self.event("draining", r.name, "out of the router's list; SIGTERM follows" + (f" ({why})" if why else ""))
+
+    async def tick(self) -> None:
+        """One supervision round: exits, restarts due, readiness, drains, cost."""
+        self._account()
+        now = self.clock()
+        for r in [self.router, *self.workers]:
+            code = r.child.poll() if r.child is not None else None
+            if r.child is not None and code is not None and r.state != BACKOFF:
+                self._exited(r, code, now)
+            elif r.state == BACKOFF and now >= r.restart_at:
+                r.restarts += 1
+                self._spawn(r)
+                self.event("restarted", r.name, f"pid {r.child.pid}, :{r.port} (restart {r.restarts})")
+            elif r.state == DRAINING and r.child is not None:
+                if r.term_at is not None and now >= r.term_at:
+                    r.child.terminate()
+                    r.term_at, r.kill_at = None, now + WORKER_DRAIN_S + KILL_GRACE_S
+                elif r.kill_at is not None and now >= r.kill_at:
+                    r.child.kill()
+                    r.kill_at = None
+                    self.event("killed", r.name, f"did not drain within {WORKER_DRAIN_S + KILL_GRACE_S:g}s: SIGKILL")
+        await self._probe([r for r in [self.router, *self.workers] if r.state in (STARTING, READY)])
+
+    def _exited(self, r: Replica, code: int, now: float) -> None:
+        how = describe_exit(code)
+        if r.state == DRAINING:
+            self.workers.remove(r)
+            self.event("stopped", r.name, "drained and exited" if code == 0 else how)
+            return
+        tail = r.child.log_tail(3) if r.child else ""
+        if self.startup:
+            raise UpError(f"{r.name} {how} while the fleet was starting" + (f": {tail.splitlines()[-1]}" if tail else "")
+                          + f" (log: {r.child.log_path if r.child else '-'})")
+        served = r.ready_since is not None and now - r.ready_since >= BACKOFF_RESET_S
+        r.backoff_s = BACKOFF_FIRST_S if served or r.backoff_s == 0 else min(BACKOFF_MAX_S, r.backoff_s * 2)
+        r.state, r.restart_at, r.ready_since, r.load = BACKOFF, now + r.backoff_s, None, {}
+        self.event("crashed", r.name, f"pid {r.child.pid} {how}; restarting in {r.backoff_s:g}s")
+
+    async def _probe(self, replicas: list[Replica]) -> None:
+        async def one(r: Replica) -> None:
+            path = "/health" if r.role == "router" else "/load"
+            try:
+                resp = await self.http.get(f"{r.url}{path}")
+                body = resp.json() if r.role != "router" else {}
+                ok = resp.status_code == 200 and (r.role == "router" or body.get("ready") is True)
+            except (httpx.HTTPError, ValueError):
+                ok, body = False, {}
+            if r.role != "router" and body:
+                r.load = body
+            if ok and r.state == STARTING and r.child is not None and r.child.alive():
+                r.state, r.ready_since = READY, self.clock()
+                self.event("ready", r.name, f"serving on :{r.port}" + (f" after restart {r.restarts}" if r.restarts else ""))
+
+        await asyncio.gather(*(one(r) for r in replicas))
+
+    async def shutdown(self, timeout: float = WORKER_DRAIN_S + KILL_GRACE_S) -> None:
+        """The router drains first (open requests finish), then every worker; SIGKILL for what lingers."""
+        for group, grace in (([self.router], ROUTER_DRAIN_S + 5.0), (list(self.workers), timeout)):
+            live = [r for r in group if r.child is not None and r.child.alive()]
+            for r in live:
+                r.child.terminate()
+            deadline = self.clock() + grace
+            while any(r.child.alive() for r in live) and self.clock() < deadline:
+                self._account()
+                await asyncio.sleep(0.1)
+            for r in live:
+                if r.child.alive():
+                    r.child.kill()
+                    self.event("killed", r.name, f"still running {grace:g}s after SIGTERM: SIGKILL")
+                r.child.wait(10)
+        self._account()
+        self.workers.clear()
+        await self.http.aclose()
+
+    def kill_all(self) -> None:
+        """SIGKILL every child now and reap it (a second Ctrl-C, or an error path)."""
+        for r in [self.router, *self.workers]:
+            if r.child is not None and r.child.proc is not None:
+                r.child.kill()
+                r.child.wait(10)
+
+    def pids(self) -> list[int]:
+        return [r.child.pid for r in [self.router, *self.workers] if r.child is not None and r.child.alive()]
+
