@@ -94,6 +94,12 @@ class Bench:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the operator process used so far."""
+        assert self.proc is not None
+        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def reconciles(self) -> int:
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).read().decode()
@@ -120,6 +126,12 @@ class Bench:
             if self.proc is not None and self.proc.poll() is not None:
                 raise SystemExit(f"operator exited: see {self.workdir / 'operator.log'}")
             time.sleep(interval)
+        seen: dict[tuple, int] = {}
+        for r in self.requests():
+            seen[(r.verb, r.resource, r.subresource, r.status)] = seen.get((r.verb, r.resource, r.subresource, r.status), 0) + 1
+        print("requests so far (verb, resource, subresource, status): count", file=sys.stderr)
+        for k, v in sorted(seen.items(), key=str):
+            print(f"  {k}: {v}", file=sys.stderr)
         raise SystemExit(f"timed out after {timeout} s waiting for {what}")
 
     def quiet(self, seconds: float = 2.0, timeout: float = 120.0) -> None:
@@ -175,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         writes = [r for r in creation if r.is_write]
         event_writes = [r for r in writes if r.resource == "events"]
         object_writes = len(writes) - len(event_writes)
+        by_kind: dict[str, int] = {}
+        for w in writes:
+            k = f"{w.verb} {w.resource}{'/' + w.subresource if w.subresource else ''}"
+            by_kind[k] = by_kind.get(k, 0) + 1
+        print("writes while reconciling new CRs: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())),
+              file=sys.stderr)
 
         # Phase 2: play the Deployment controller; wait until every CR is Ready.
         deployments = b.res("deployments.apps")
@@ -198,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         b.quiet(1.0)
         ready_writes = len(b.writes()) - len(writes)
         peak_rss = b.peak_rss_mb()
+        operator_cpu = b.cpu_seconds()
+        emulator_cpu = time.process_time()
         b.stop_operator()
 
         # Phase 3: restart (every CR re-created in kopf's eyes) plus periodic resyncs; count writes.
@@ -224,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         ("status writes per CR on becoming Ready", f"{ready_writes / n:.2f}"),
         ("restart + full resync: writes / requests / s", f"{resync_writes} / {resync_reads} / {resync_seconds:.1f}"),
         ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
+        ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
