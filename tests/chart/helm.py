@@ -20,6 +20,7 @@ import kubernetes_validate
 import yaml
 
 from pdfleet_operator import admission, crds
+from tests.operator.cluster import standard_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pdfleet"
@@ -91,6 +92,19 @@ def the(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objects, kind)
     assert len(found) == 1, f"expected one {kind}, found {[o['metadata']['name'] for o in found]}"
     return found[0]
+
+
+def install(kube: Any, values: dict[str, Any], namespaces: list[str]) -> helm_python.Config:
+    """Namespaces, the monitoring CRDs and a fleet of Nodes into the emulator, then `helm install` of the chart."""
+    for ns in namespaces:
+        kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    kube.apply(monitoring_crds())  # as if the Prometheus Operator were installed
+    kube.apply(standard_nodes())
+    config = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=NAMESPACE, storage_driver="memory")
+    release = config.install(CHART, RELEASE, values, namespace=NAMESPACE, create_namespace=True,
+                             timeout=60)
+    assert release["status"] == "deployed", release
+    return config
 
 
 # --- monitoring.coreos.com/v1, as documented -------------------------------------------------------------

@@ -21,22 +21,10 @@ import pytest
 
 from tests.chart import helm
 from tests.chart.operator_process import OperatorProcess, exercise
-from tests.operator.cluster import example_deployments, standard_nodes
+from tests.operator.cluster import example_deployments
 from tests.support.k8s_emulator import LoggedRequest
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
-
-
-def install(kube: Any, values: dict[str, Any], namespaces: list[str]) -> helm_python.Config:
-    for ns in namespaces:
-        kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    kube.apply(helm.monitoring_crds())  # as if the Prometheus Operator were installed
-    kube.apply(standard_nodes())
-    config = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=helm.NAMESPACE, storage_driver="memory")
-    release = config.install(helm.CHART, helm.RELEASE, values, namespace=helm.NAMESPACE, create_namespace=True,
-                             timeout=60)
-    assert release["status"] == "deployed", release
-    return config
 
 
 def required(requests: list[LoggedRequest]) -> dict[tuple[str | None, Grant], int]:
@@ -75,7 +63,7 @@ def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_granted(kube, tmp_path) -> None:
-    config = install(kube, {}, ["team-a"])
+    config = helm.install(kube, {}, ["team-a"])
     installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render({})}
     for kind, name in installed:
         resource = {"ClusterRole": "clusterroles.rbac.authorization.k8s.io",
@@ -118,7 +106,7 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
 
 @pytest.mark.slow
 def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
-    install(kube, helm.VALUE_SETS["namespaced"], ["team-a", "team-b", "elsewhere"])
+    helm.install(kube, helm.VALUE_SETS["namespaced"], ["team-a", "team-b", "elsewhere"])
     kube.clear_requests()
     operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE), kube.kubeconfig,
                                tmp_path / "operator.log")
