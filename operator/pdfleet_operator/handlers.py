@@ -137,6 +137,7 @@ class Reconciler:
         self._rendered: dict[Key, dict[str, str]] = {}
         self._targets: dict[Key, dict[str, int]] = {}  # replicas per role this process last planned for
         self._specs: dict[Key, tuple[tuple[Any, Any], InferenceDeployment]] = {}
+        self.plans: dict[Key, placement.FleetPlan] = {}  # the last plan per deployment
         self.reconciles = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # kopf's loop: other threads call in through it
 
@@ -160,6 +161,11 @@ class Reconciler:
         self.extra_conditions.setdefault(key, {}).update({c.type: c for c in conditions})
         self.extra_status.setdefault(key, {}).update(fields)
         self.request(key, why or "status update")
+
+    def capacity(self, key: Key) -> dict[str, int]:
+        """Per role, the most replicas placeable on free capacity as of the last plan (for the autoscaler)."""
+        plan = self.plans.get(key)
+        return {} if plan is None else {role: plan.capacity(role) for role in plan.roles()}
 
     # --- triggering ---------------------------------------------------------------------------------------
     def request(self, key: Key, why: str) -> None:
@@ -266,6 +272,7 @@ class Reconciler:
         desired = self._desired_for(key, dep.spec, spec, children)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         self._targets[key] = dict(plan.targets)
+        self.plans[key] = plan
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring)
         writes_before = api.writes
         result = await kube.apply_children(api, owner, objects, children)
@@ -540,7 +547,8 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
     key = (namespace, name)
     for store in (RECONCILER.desired, RECONCILER.templates, RECONCILER.extra_conditions, RECONCILER.extra_status,
-                  RECONCILER._last_status, RECONCILER._rendered, RECONCILER._targets, RECONCILER._specs):
+                  RECONCILER._last_status, RECONCILER._rendered, RECONCILER._targets, RECONCILER._specs,
+                  RECONCILER.plans):
         store.pop(key, None)
     RECONCILER.limited.discard(key)
     exporter.forget(namespace, name)

@@ -35,6 +35,7 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         limited = next(c for c in cr["status"]["conditions"] if c["type"] == "ScalingLimited")
         assert limited["status"] == "True" and "missing 2 x nvidia.com/mig-3g.40gb" in limited["message"]
         assert kube.get("deployments.apps", "llama31-8b-decode-h100-mig-3g-40gb")["spec"]["replicas"] == 4
+        assert handlers.RECONCILER.capacity(KEY) == {"prefill": 4, "decode": 4}
         # Issue 7: serve an older revision's template (here: a different image) without touching the spec.
         old = spec_of(example_deployments()["llama31-8b"]).model_copy(deep=True)
         old.engine.image = "ghcr.io/pdfleet/pdfleet-worker:0.0.9"
