@@ -121,8 +121,8 @@ def values_tree(root: Path = ROOT) -> Group:
         "image": Group("The operator image (`docker build --target operator -t pdfleet-operator:<version> .`; "
                        "it has no torch). Workers use the image each InferenceDeployment names in "
                        "`spec.engine.image`.", {
-                           "repository": _string("pdfleet-operator", "Image repository (push the image you built "
-                                                 "to your registry and name it here).", minLength=1),
+                           "repository": _string("ghcr.io/pdfleet/pdfleet-operator", "Image repository (or the "
+                                                 "registry you pushed your build to).", minLength=1),
                            "tag": _string("", "Image tag; empty means the chart's appVersion."),
                            "digest": _string("", "Image digest (sha256:...); when set it wins over the tag.",
                                              pattern="^(sha256:[a-f0-9]{64})?$"),
@@ -352,8 +352,9 @@ def stale_files(root: Path = ROOT) -> list[Path]:
 
 
 def write(root: Path = ROOT) -> list[Path]:
+    files = generated_files(root)
     written = []
-    for path, text in generated_files(root).items():
+    for path, text in files.items():
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if not target.exists() or target.read_text() != text:
@@ -361,7 +362,7 @@ def write(root: Path = ROOT) -> list[Path]:
             written.append(path)
     for folder in (CHART_DIR / "charts" / "crds" / "crds", CHART_DIR / "files" / "dashboards"):
         for path in sorted((root / folder).glob("*")):
-            if path.relative_to(root) not in generated_files(root):
+            if path.relative_to(root) not in files:
                 path.unlink()
                 written.append(path.relative_to(root))
     return written

@@ -115,7 +115,7 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
     cw = helm.the(rendered["cluster-wide"], "Deployment")["spec"]["template"]["spec"]
     assert cw["containers"][0]["image"] == "registry.example.com/pdfleet/pdfleet-operator@sha256:" + "ab" * 32
     assert helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] == \
-        f"pdfleet-operator:{__version__}"
+        f"ghcr.io/pdfleet/pdfleet-operator:{__version__}"
 
 
 def test_watch_scope_matches_rbac_scope(rendered) -> None:
@@ -239,3 +239,28 @@ def test_every_value_is_documented_and_typed() -> None:
     text = (helm.CHART / "values.yaml").read_text()
     assert yaml.safe_load(text) == chart.defaults()
     helm.chart().validate_schema(chart.defaults())
+
+
+def test_check_commands_name_stale_files(tmp_path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    for module, command in (("pdfleet_operator.chart", "chart"), ("pdfleet_operator.dashboards", "dashboards")):
+        ok = subprocess.run([sys.executable, "-m", module, command, "--check"], capture_output=True, text=True,
+                            timeout=120)
+        assert ok.returncode == 0, ok.stderr
+    root = tmp_path / "repo"
+    shutil.copytree(helm.ROOT / "charts", root / "charts")
+    shutil.copytree(helm.ROOT / "examples", root / "examples")
+    shutil.copytree(helm.ROOT / "dashboards", root / "dashboards")
+    (root / "charts/pdfleet/values.yaml").write_text("# edited by hand\n")
+    (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").write_text("{}")
+    stale = subprocess.run([sys.executable, "-m", "pdfleet_operator.chart", "chart", "--check", "--root", str(root)],
+                           capture_output=True, text=True, timeout=120)
+    assert stale.returncode == 1
+    assert "charts/pdfleet/values.yaml" in stale.stderr and "pdfleet-old.json" in stale.stderr
+    fixed = subprocess.run([sys.executable, "-m", "pdfleet_operator.chart", "chart", "--root", str(root)],
+                           capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0 and not (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").exists()
+    assert chart.stale_files(root) == []
