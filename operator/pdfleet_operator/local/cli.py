@@ -54,14 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                        "the workers (it must scrape RUN_DIR/prometheus-targets.json)")
     up.add_argument("--load", metavar="steady|bursty|FILE.csv",
                     help="drive load through the router, then wait for the pools to settle, print the summary and exit")
-    up.add_argument("--rate", type=_burst, default=4.0, help="base request rate of steady/bursty load (default 4/s)")
-    up.add_argument("--burst", type=_burst, default=4.0, help="rate multiplier of the bursty profile's burst (default 4)")
+    up.add_argument("--rate", type=_burst, default=3.0, help="base request rate of steady/bursty load (default 3/s)")
+    up.add_argument("--burst", type=_burst, default=5.0, help="rate multiplier of the bursty profile's burst (default 5)")
     up.add_argument("--duration", type=_seconds, metavar="S",
                     help="with --load: how long the load runs (default 60s); without: stop after this long")
     up.add_argument("--settle", type=_seconds, metavar="S", help="longest wait after the load for the pools to scale "
                                                                  "back down (default: from the spec's windows)")
     up.add_argument("--prompt-tokens", type=int, default=64, help="median prompt length of steady/bursty load")
-    up.add_argument("--output-tokens", type=int, default=64, help="median output length of steady/bursty load")
+    up.add_argument("--output-tokens", type=int, default=128, help="median output length of steady/bursty load")
     up.add_argument("--threads-per-worker", dest="threads", type=int, default=1,
                     help="torch threads of each worker (default 1: workers share the machine's cores)")
     up.add_argument("--run-dir", metavar="DIR", help="where engine config, workers file and logs go (kept); default: "
@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--trace", metavar="FILE.csv", help="replay this trace's arrivals and lengths instead")
     load.add_argument("--speedup", type=_burst, default=1.0, help="replay a trace this many times faster (default 1)")
     load.add_argument("--prompt-tokens", type=int, default=64, help="median prompt length (default 64)")
-    load.add_argument("--output-tokens", type=int, default=64, help="median output length (default 64)")
+    load.add_argument("--output-tokens", type=int, default=128, help="median output length (default 128)")
     load.add_argument("--model", help="the model name to send (default: the first of /v1/models)")
     load.add_argument("--max-concurrency", type=int, default=256, help="open requests beyond this are dropped (counted)")
     load.add_argument("--slo-ttft", type=_seconds, metavar="S", help="with --slo-itl: report SLO attainment")

@@ -106,10 +106,15 @@ class Result:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     def tpot(self) -> float | None:
-        """Time per output token after the first (what the SLO's ITL is checked against per request)."""
-        if len(self.token_times) < 2:
+        """Time per output token after the first (what the SLO's ITL is checked against per request).
+
+        NOTE: counted in tokens (the usage chunk), not chunks: a token that ends inside a UTF-8
+        character streams no text, so its time falls into the next chunk's gap.
+        """
+        tokens = max(self.completion_tokens, len(self.token_times))
+        if len(self.token_times) < 2 or tokens < 2:
             return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        return (self.token_times[-1] - self.token_times[0]) / (tokens - 1)
 
 
 class LoadGenerator:

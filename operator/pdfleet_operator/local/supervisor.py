@@ -68,10 +68,11 @@ class Replica:
     term_at: float | None = None              # when a draining replica gets its SIGTERM
     kill_at: float | None = None              # when a draining replica that has not exited gets SIGKILL
     load: dict = field(default_factory=dict)  # the worker's last /load answer
+    host: str = "127.0.0.1"                   # where we reach it
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class Supervisor:
@@ -88,7 +89,8 @@ class Supervisor:
         self.started_at = clock()
         self.events: list[Event] = []
         self.workers: list[Replica] = []
-        self.router = Replica("router", "router", "", router_port)
+        reach = "127.0.0.1" if router_host in ("0.0.0.0", "::", "") else router_host
+        self.router = Replica("router", "router", "", router_port, host=reach)
         self.counters: dict[str, int] = {}
         self.startup = True                    # any exit before the fleet was first ready is fatal
         self.spent_usd = 0.0
@@ -226,13 +228,20 @@ class Supervisor:
         deadline = self.clock() + timeout
         while True:
             await self.tick()
-            if self.router.state == READY and all(r.state == READY for r in self.active()):
+            if self.router.state == READY and all(r.state == READY for r in self.active()) and await self._routing():
                 self.startup = False
                 return
             if self.clock() > deadline:
                 waiting = [r.name for r in [self.router, *self.active()] if r.state != READY]
                 raise UpError(f"not ready after {timeout:g}s: {', '.join(waiting)} (logs in {self.run_dir / 'logs'})")
             await asyncio.sleep(0.2)
+
+    async def _routing(self) -> bool:
+        """Whether the router has found a ready worker for every role (its /ready)."""
+        try:
+            return (await self.http.get(f"{self.router.url}/ready")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def scale_to(self, plan: FleetPlan, why: str = "") -> None:
         """Start or drain workers so that each (role, class) pool runs what the plan asks."""

@@ -34,12 +34,12 @@ class Options:
     port: int = 8000
     prometheus: str | None = None
     load: str | None = None            # steady, bursty or a CSV trace
-    rate: float = 4.0
-    burst: float = 4.0
+    rate: float = 3.0
+    burst: float = 5.0
     duration: float | None = None
     settle: float | None = None
     prompt_tokens: int = 64
-    output_tokens: int = 64
+    output_tokens: int = 128
     threads: int = 1
     run_dir: str | None = None
     report: str | None = None
@@ -136,8 +136,6 @@ class Up:
                 loop.remove_signal_handler(sig)
         if code == 0:
             self._finish(run_dir)
-        else:
-            print(f"pdfleet up: logs kept in {run_dir / 'logs'}", file=sys.stderr)
         return code
 
     def _on_signal(self, sig: int) -> None:
@@ -165,7 +163,7 @@ class Up:
                  f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
                  f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='-'); "
                  f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
-                 f"  pdfleet load --url {url} --rate 4 --duration 60 --burst 4"]
+                 f"  pdfleet load --url {url} --rate 3 --duration 40 --burst 5"]
         if self.opts.prometheus is None:
             lines.append(f"Prometheus can scrape the workers from {self.sup.targets_path} (file_sd_configs)")
         for line in lines:

@@ -1,0 +1,126 @@
+"""`pdfleet up` end to end: real router and worker processes serving the openai SDK, a queue surge growing the decode pool and its shrink after the stabilization window, a kill -9 restarted with back-off, SIGTERM leaving no process and no port behind, and the demo's bursty run printing its summary last."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.local.conftest import UpProcess, pid_alive, port_free, write_spec
+from tests.support.components import free_port
+
+pytestmark = pytest.mark.slow
+
+# Short windows so that growth and shrink both happen within seconds.
+FAST = {"autoscaling.interval": "1s", "autoscaling.scaleDownStabilization": "4s",
+        "autoscaling.scaleDownDelayAfterScaleUp": "2s", "decode.targetQueuePerReplica": 4}
+
+
+def decode_urls(run_dir) -> list[str]:
+    try:
+        return json.loads((run_dir / "workers.json").read_text())["decode"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def wait_for(predicate, timeout: float, what: str, up: UpProcess):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not reached within {timeout}s; output:\n{up.output()[-6000:]}")
+
+
+def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stops_clean(tmp_path, model_dir):
+    spec = write_spec(tmp_path, model_dir, **FAST)
+    port, run_dir = free_port(), tmp_path / "run"
+    up = UpProcess([str(spec), "--port", str(port), "--run-dir", str(run_dir)], cwd=tmp_path)
+    try:
+        up.wait_line(r"fleet ready after", timeout=120)
+        assert any(f"curl http://127.0.0.1:{port}/v1/completions" in line for line in up.lines), "the curl line to try"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        done = client.completions.create(model="tiny", prompt="Hello", max_tokens=8)
+        assert done.usage.completion_tokens == 8 and done.choices[0].text
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              stream=True)
+        assert sum(1 for c in chat if c.choices and c.choices[0].delta.content is not None) >= 1
+        assert len(decode_urls(run_dir)) == 1
+
+        # A surge: far more concurrent long streams than one decode replica's target (4) of running + waiting.
+        def stream(i: int) -> int:
+            out = client.completions.create(model="tiny", prompt=f"surge {i}", max_tokens=300, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            return [c.usage.completion_tokens for c in out if c.usage][-1]
+
+        mark = len(up.lines)
+        with ThreadPoolExecutor(24) as pool:
+            futures = [pool.submit(stream, i) for i in range(24)]
+            up.wait_line(r"scale\s+decode 1 -> [23] \((QueueAboveTarget|QueueGrowing|MaxReplicas)", timeout=60, after=mark)
+            wait_for(lambda: len(decode_urls(run_dir)) >= 2, 10, "a second decode worker in the router's list", up)
+            assert [f.result(timeout=180) for f in futures] == [300] * 24, "every surge stream finished"
+        up.wait_line(r"decode-1\s+ready", timeout=60)
+        # Quiet again: after the stabilization window the pool drains back to minReplicas.
+        mark = len(up.lines)
+        up.wait_line(r"scale\s+decode \d -> \d \(QueueBelowTarget", timeout=60, after=mark)
+        wait_for(lambda: len(decode_urls(run_dir)) == 1, 60, "decode back to one worker", up)
+        up.wait_line(r"decode-\d+\s+stopped: drained and exited", timeout=60, after=mark)
+        lines = [line for line in up.lines if re.search(r"scale\s+decode", line)]
+        assert len(lines) >= 2, lines
+
+        # kill -9 the prefill worker: restarted after a 1 s back-off, the event shown, serving again.
+        pid = int(up.wait_line(r"prefill-0\s+started: pid (\d+)", timeout=1).group(1))
+        mark = len(up.lines)
+        import os
+
+        os.kill(pid, signal.SIGKILL)
+        up.wait_line(rf"prefill-0\s+crashed: pid {pid} killed by SIGKILL; restarting in 1s", timeout=15, after=mark)
+        up.wait_line(r"prefill-0\s+restarted: pid \d+", timeout=15, after=mark)
+        up.wait_line(r"prefill-0\s+ready", timeout=60, after=mark)
+        for _ in range(30):  # the router's probe puts it back within a second or so
+            try:
+                assert client.completions.create(model="tiny", prompt="again", max_tokens=4).usage.completion_tokens == 4
+                break
+            except openai.APIStatusError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError(f"no completion after the restart:\n{up.output()[-4000:]}")
+
+        pids, ports = up.pids(), up.ports() | {port}
+        assert len(pids) >= 5, pids  # router, prefill-0 twice, decode-0, decode-1 (at least)
+        up.signal(signal.SIGTERM)
+        assert up.wait(60) == 0, up.output()[-4000:]
+        summary = up.summary()
+        assert "scaling   " in summary and "decode    1 -> " in summary and "prefill-0" in summary, summary
+        assert not [p for p in pids if pid_alive(p)], "every child process is gone"
+        assert all(port_free(p) for p in ports), "every port is free again"
+    finally:
+        up.stop()
+
+
+def test_bursty_load_scales_up_and_down_and_prints_the_summary_last(tmp_path, model_dir):
+    """What `make demo` runs, shortened: bursty load through the router, then the summary as the last lines."""
+    spec = write_spec(tmp_path, model_dir, **FAST)
+    report = tmp_path / "report.json"
+    up = UpProcess([str(spec), "--port", str(free_port()), "--load", "bursty", "--duration", "20", "--rate", "3",
+                    "--burst", "6", "--output-tokens", "128", "--report", str(report)], cwd=tmp_path)
+    try:
+        assert up.wait(240) == 0, up.output()[-6000:]
+    finally:
+        up.stop()
+    summary = up.summary()
+    for needle in ("requests  ", "TTFT      p50", "per 1M generated tokens", "scaling   ", "cpu $0.1/unit-h"):
+        assert needle in summary, (needle, summary)
+    doc = json.loads(report.read_text())
+    assert doc["completed"] > 0 and doc["ttft_p50_s"] > 0 and doc["cost_per_1m_tokens"] > 0
+    assert doc["scale_events"]["up"] >= 1 and doc["scale_events"]["down"] >= 1, summary
+    ups = [c for c in doc["scale_events"]["changes"] if c["desired"] > c["current"]]
+    assert all(c["reason"] and c["message"] for c in doc["scale_events"]["changes"])
+    assert re.search(r"\d+ -> \d+\s+\w+: ", summary) and ups
