@@ -1,7 +1,7 @@
 """Grafana dashboards (fleet cost, deployment, operator health) as code, and `pdfleet dashboards [--check]` that writes them.
 
-Built with grafana-foundation-sdk from the metric names the operator and the workers define, so a
-renamed metric breaks the build instead of a panel. Every query is scoped by template variables
+Built with grafana-foundation-sdk from the metric names the operator and the workers define
+(`metric_names`, `pdfleet_worker.metrics`, torch-free), so a renamed metric breaks the build instead of a panel. Every query is scoped by template variables
 (datasource, namespace, deployment, the operator's job): none hard-codes `job=`. The chart ships the
 same JSON as ConfigMaps for Grafana's sidecar (`pdfleet chart`). Pure: nothing here runs a query.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 from pdfleet_operator import alerts
 from pdfleet_operator import metric_names as names
+from pdfleet_worker import metrics as worker_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = Path("dashboards")
@@ -31,10 +32,11 @@ OWN = f'{names.LABEL_NAMESPACE}=~"$namespace", {names.LABEL_DEPLOYMENT_OWN}=~"$d
 ALL_OWN = f'{names.LABEL_NAMESPACE}=~"$namespace"'
 SERVING = f'{names.LABEL_ROLE}!="prefill"'  # tokens clients receive: prefill's one discarded token is not served
 REVISION_LABEL = "pdfleet_revision"  # the chart's PodMonitor turns pdfleet.io/revision into this target label
-ROUTER_TTFT = "pdfleet_router_time_to_first_token_seconds"
-KV_TRANSFER_SECONDS = "pdfleet_kv_transfer_seconds"
-KV_TRANSFER_FAILURES = "pdfleet_kv_transfer_failures_total"
-KV_TRANSFER_BYTES = "pdfleet_kv_transfer_bytes_total"
+ROUTER_TTFT = worker_metrics.ROUTER_TIME_TO_FIRST_TOKEN.name
+KV_TRANSFER_SECONDS = worker_metrics.KV_TRANSFER_SECONDS.name
+KV_TRANSFER_FAILURES = worker_metrics.KV_TRANSFER_FAILURES_TOTAL.name
+KV_TRANSFER_BYTES = worker_metrics.KV_TRANSFER_BYTES_TOTAL.name
+# The operator's own series (pdfleet_operator.exporter, which needs aiohttp; tests check the names match).
 RECONCILES = "pdfleet_operator_reconciles_total"
 API_WRITES = "pdfleet_operator_api_writes_total"
 

@@ -66,6 +66,27 @@ def test_every_promql_parses_with_promtool(tmp_path) -> None:
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
 
 
+def test_every_metric_a_panel_reads_is_one_pdfleet_exports() -> None:
+    from pdfleet_operator import alerts, exporter, operator_metrics
+    from pdfleet_operator import metric_names as names
+    from pdfleet_worker import metrics as worker_metrics
+
+    def exported(registry) -> set[str]:
+        return {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
+
+    known = {getattr(names, n) for n in dir(names) if n.isupper() and isinstance(getattr(names, n), str)}
+    known |= set(worker_metrics.ALL_METRICS) | exported(exporter.REGISTRY)
+    known |= exported(operator_metrics.OperatorMetrics().registry) | {alerts.SLO_TTFT, alerts.SLO_ITL}
+    read = set()
+    for model in grafana.models().values():
+        for _, expr in grafana.exprs(model, annotations=True):
+            read |= {re.sub(r"_bucket$", "", m) for m in re.findall(r"\b(?:vllm:|pdfleet_)[a-z_:]+(?=[{\[)\s])", expr)}
+    read -= {names.LABEL_DEPLOYMENT, names.LABEL_ROLE, names.LABEL_ACCELERATOR, dashboards.REVISION_LABEL}
+    assert read and read <= known, f"panels read metrics nobody exports: {sorted(read - known)}"
+    assert {names.POOL_COST_PER_HOUR, names.GENERATION_TOKENS_TOTAL, names.PD_RATIO, dashboards.KV_TRANSFER_SECONDS,
+            dashboards.RECONCILES, dashboards.API_WRITES} <= read
+
+
 def test_substitution_keeps_label_replace_references() -> None:
     expr = 'label_replace(x{namespace=~"$namespace"}[$__range], "d", "$1", "s", "(.*)") * $__range_s'
     assert grafana.substitute(expr, namespace="ns", range_s=60) == \
