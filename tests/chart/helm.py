@@ -1,6 +1,6 @@
 """The chart under test: rendering with Helm's own engine, the value sets the tests use, and validation of every object.
 
-Built-in kinds go through `kubernetes-validate` (strict, Kubernetes 1.30); pdfleet.io objects through
+Built-in kinds go through `kubernetes-validate` (strict, Kubernetes 1.30 and 1.37); pdfleet.io objects through
 `pdfleet_operator.admission.validate` against the generated CRDs (schema and CEL, as the API server
 would); monitoring.coreos.com objects through the small schemas in this file, written by hand from
 the prometheus-operator API reference (monitoring.coreos.com/v1: ServiceMonitorSpec, PodMonitorSpec,
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pdfleet"
 RELEASE = "pdfleet"
 NAMESPACE = "pdfleet-system"
-KUBE_VERSION = "1.30.0"
+KUBE_VERSIONS = ("1.30.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas kubernetes-validate has
 
 # The value sets every rendering test runs over (besides the defaults).
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -207,8 +207,10 @@ def validate(obj: dict[str, Any]) -> list[str]:
     if group == "monitoring.coreos.com":
         validator = jsonschema.Draft7Validator(MONITORING_SCHEMAS[obj["kind"]])
         return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-    try:
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        return [f"{'.'.join(map(str, exc.path))}: {exc.message}"]
-    return []
+    problems = []
+    for version in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{version}: {'.'.join(map(str, exc.path))}: {exc.message}")
+    return problems

@@ -66,6 +66,24 @@ def test_every_rendered_object_is_valid(name: str, rendered) -> None:
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdfleet"
 
 
+def test_validation_catches_what_the_api_server_would_refuse(rendered) -> None:
+    import copy
+
+    objects = rendered["defaults"]
+    dep = copy.deepcopy(helm.the(objects, "Deployment"))
+    dep["spec"]["template"]["spec"]["containers"][0]["securityContxt"] = {}
+    assert any("securityContxt" in p for p in helm.validate(dep))
+    pm = copy.deepcopy(helm.the(objects, "PodMonitor"))
+    pm["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["action"] = "rename"
+    assert helm.validate(pm)
+    rule = copy.deepcopy(helm.the(objects, "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "two minutes"
+    assert helm.validate(rule)
+    cls = copy.deepcopy(next(o for o in objects if o["kind"] == "AcceleratorClass" and o["metadata"]["name"] == "cpu"))
+    cls["spec"]["resourceName"] = "nvidia.com/gpu"  # a CEL rule: resourceName 'cpu' goes with vendor 'cpu'
+    assert any("resourceName" in p for p in helm.validate(cls))
+
+
 def test_what_each_value_set_creates(rendered) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in rendered.items()}
     everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodMonitor",
