@@ -6,7 +6,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv system-deps generate clean
+.PHONY: test demo up venv system-deps generate clean
 
 venv: $(STAMP)
 
@@ -32,12 +32,16 @@ generate: venv
 	$(VENV)/bin/pdfleet crds
 	$(VENV)/bin/pdfleet rules
 
+# The local fleet under a 40 s bursty load: the decode pool grows and shrinks; the summary is printed last.
 demo: venv
 	$(VENV)/bin/pdfleet validate examples/
-	$(VENV)/bin/pdfleet model init models/tiny --preset tiny
-	@echo
-	@echo "The local fleet (pdfleet up: router + prefill + decode workers + autoscaler) is not built yet;"
-	@echo "it arrives with issue 9. What exists today: the API, CRDs and validation (above) and the engine."
+	test -f models/tiny/model.safetensors || $(VENV)/bin/pdfleet model init models/tiny --preset tiny
+	$(VENV)/bin/pdfleet up examples/local-tiny.yaml --port $${PDFLEET_PORT:-8000} --load bursty --duration 40
+
+# The same fleet, kept running (Ctrl-C stops it): it prints the curl and openai SDK lines to try.
+up: venv
+	test -f models/tiny/model.safetensors || $(VENV)/bin/pdfleet model init models/tiny --preset tiny
+	$(VENV)/bin/pdfleet up examples/local-tiny.yaml --port $${PDFLEET_PORT:-8000}
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
