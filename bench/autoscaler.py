@@ -13,8 +13,10 @@ The queueing model (1 s steps, the same seeded arrivals for both policies):
   rest wait, FIFO. A replica being removed finishes what it runs (graceful drain) but admits nothing.
 - A replica asked for becomes ready STARTUP_S later (scheduling, image, weights); one removed stops
   counting at once.
-- Every SCRAPE_S the workers' gauges are scraped (waiting, running, prompt tokens waiting); every
-  autoscaling interval the policy decides from the last scrape, as the operator does from Prometheus.
+- Every SCRAPE_S the workers' gauges are scraped (waiting, running, prompt tokens waiting) and the
+  token counters' rate over the last RATE_WINDOW_S (prompt tokens prefilled, tokens generated), as
+  `rate(...[1m])`; every autoscaling interval the policy decides from the last scrape, as the operator
+  does from Prometheus.
 
 Measures, per role and summed:
 - needed(t) = replicas that just keep up with the offered load: ceil(rate x prompt / prefill speed)
@@ -28,17 +30,22 @@ Measures, per role and summed:
 
 Every policy is `autoscaler.decide` with the same spec (targets, tolerance, windows, steps, grace
 period, min/max). The baseline is `policy=PER_ROLE`: each role scales on its own queue, like one HPA
-per role. pdfleet (`PDFLEET`) adds three mechanisms, also run one at a time:
+per role. pdfleet (`PDFLEET`) adds four mechanisms, also run one at a time:
 - look-ahead: decode counts requests queued at prefill beyond its tolerance (`prefill_backlog`), so
   it grows while the wave is still at prefill, not after prefill drained it into decode;
 - trend: in a surge (queue >= 1.5x target), a queue that grew since the last interval is sized for
   the next interval (`queue_growth`), since replicas asked for now serve a start-up time later;
+- rate: each role is also sized for its token arrival rate (served + the token queue's growth) against
+  the per-replica throughput it learned while saturated, at TARGET_UTILIZATION (0.7; `--utilization`
+  sweeps it), and decode for what prefill's arrivals will generate (`rate_need`, `observe_rate`);
 - ratio: the spec's P:D bounds (default 1:8..8:1; they seldom bind on these traces).
+No policy is told the replicas' speeds: the rate mechanism learns them from the scrapes.
 """
 
 from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+if not __package__:  # run as a script; imported as `bench.autoscaler` (tests) bench/ is not on sys.path
+    import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 import argparse
 import heapq
@@ -48,7 +55,7 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
@@ -63,6 +70,7 @@ DECODE_TOKENS_PER_S = 20.0      # per running sequence (50 ms inter-token latenc
 DECODE_SLOTS = 32               # sequences per decode replica
 STARTUP_S = 45.0
 SCRAPE_S = 5.0
+RATE_WINDOW_S = 60.0          # the PromQL rate window (`rate(...[1m])`)
 ROLES = ("prefill", "decode")
 
 
@@ -177,6 +185,9 @@ class Fleet:
     prefill_queue: deque = field(default_factory=deque)   # [remaining prompt tokens, output tokens]
     decode_waiting: deque = field(default_factory=deque)  # output tokens of sequences waiting for a slot
     decode_running: list = field(default_factory=list)    # heap of finish times
+    prompt_total: float = 0.0                             # counters: vllm:prompt_tokens_total summed over replicas
+    generation_total: float = 0.0                         # vllm:generation_tokens_total
+    scrapes: deque = field(default_factory=deque)         # (time, prompt_total, generation_total) of recent scrapes
 
     def step(self, now: float, arrivals: list[tuple[float, float]]) -> None:
         self.prefill.tick(now)
@@ -188,6 +199,7 @@ class Fleet:
             used = min(budget, head[0])
             head[0] -= used
             budget -= used
+            self.prompt_total += used
             if head[0] <= 0:
                 self.prefill_queue.popleft()
                 self.decode_waiting.append(head[1])
@@ -196,16 +208,27 @@ class Fleet:
         slots = self.decode.ready * DECODE_SLOTS
         while self.decode_waiting and len(self.decode_running) < slots:
             heapq.heappush(self.decode_running, now + self.decode_waiting.popleft() / DECODE_TOKENS_PER_S)
+        self.generation_total += len(self.decode_running) * DECODE_TOKENS_PER_S
 
     def scrape(self, now: float) -> MetricsSnapshot:
-        """What the workers' /metrics would say now (the running prefill chunk counts as running)."""
+        """What Prometheus would answer now: the gauges (the running prefill chunk counts as running) and
+        the counters' rate over the last RATE_WINDOW_S of scrapes, as `rate(...[1m])`."""
+        self.scrapes.append((now, self.prompt_total, self.generation_total))
+        while len(self.scrapes) > 1 and now - self.scrapes[1][0] >= RATE_WINDOW_S:
+            self.scrapes.popleft()
+        t0, prompt0, gen0 = self.scrapes[0]
+        span = now - t0
+        prompt_rate = (self.prompt_total - prompt0) / span if span > 0 else None
+        gen_rate = (self.generation_total - gen0) / span if span > 0 else None
         in_prefill = len(self.prefill_queue)
         prefill_running = min(in_prefill, self.prefill.ready)
         return MetricsSnapshot(taken_at=now, source="bench", roles={
             "prefill": RoleMetrics(waiting=float(in_prefill - prefill_running), running=float(prefill_running),
                                    prompt_tokens_waiting=float(sum(p for p, _ in self.prefill_queue)),
+                                   prompt_tokens_rate=prompt_rate,
                                    replicas_reporting=max(1, self.prefill.ready), sample_time=now),
             "decode": RoleMetrics(waiting=float(len(self.decode_waiting)), running=float(len(self.decode_running)),
+                                  generation_tokens_rate=gen_rate,
                                   replicas_reporting=max(1, self.decode.ready), sample_time=now),
         })
 
@@ -257,8 +280,9 @@ class Result:
 
 POLICIES: dict[str, Policy] = {
     "per-role": PER_ROLE,
-    "+lookahead": Policy(prefill_lookahead=True, queue_trend=False, ratio_bounds=False),
-    "+trend": Policy(prefill_lookahead=False, queue_trend=True, ratio_bounds=False),
+    "+lookahead": Policy(prefill_lookahead=True, queue_trend=False, token_rate=False, ratio_bounds=False),
+    "+trend": Policy(prefill_lookahead=False, queue_trend=True, token_rate=False, ratio_bounds=False),
+    "+rate": Policy(prefill_lookahead=False, queue_trend=False, token_rate=True, ratio_bounds=False),
     "pdfleet": PDFLEET,
     "oracle": None,  # knows the offered load; still waits for the interval and the start-up
 }
@@ -322,12 +346,18 @@ def run(trace: Trace, policy: Policy | None, seed: int = 1) -> Result:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="arrival seeds averaged per trace")
+    parser.add_argument("--utilization", type=float, default=autoscaler.TARGET_UTILIZATION,
+                        help="the token rate's target utilization for +rate and pdfleet (a sweep knob)")
     args = parser.parse_args(argv)
+    if not 0 < args.utilization <= 1:
+        parser.error(f"--utilization must be in (0, 1], got {args.utilization}")
+    policies = {name: p if p is None or not p.token_rate else replace(p, utilization=args.utilization)
+                for name, p in POLICIES.items()}
 
     rows = []
     results: dict[tuple[str, str], list[Result]] = {}
     for trace in traces():
-        for policy, which in POLICIES.items():
+        for policy, which in policies.items():
             rs = [run(trace, which, seed) for seed in range(1, args.seeds + 1)]
             results[(trace.name, policy)] = rs
             n = len(rs)
@@ -358,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "direction_changes_noisy_baseline": round(mean("noisy-steady", "per-role", lambda r: r.direction_changes), 2),
         "reaction_s_bursty": round(mean("bursty", "pdfleet", lambda r: r.reaction), 1),
         "reaction_s_bursty_baseline": round(mean("bursty", "per-role", lambda r: r.reaction), 1),
+        "utilization": args.utilization,
         "seeds": args.seeds,
     }
     print(json.dumps(summary))

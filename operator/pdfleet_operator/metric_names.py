@@ -96,6 +96,10 @@ class QueryProfile:
                 for f in fields if getattr(self, f) is not None}
 
 
+# The window of the token-rate queries; the autoscaler reads a rate as this long an average.
+RATE_WINDOW_S = 60
+_RATE_WINDOW = f"{RATE_WINDOW_S // 60}m"
+
 # NOTE: the replica count and the sample age come from the waiting gauge because every engine exports
 # it on every replica; `min(timestamp(...))` is the oldest replica's last scrape, so one stale replica
 # makes the whole role stale rather than silently under-counting its queue.
@@ -104,8 +108,8 @@ _COMMON = dict(
     running=f"sum by ($by) ({NUM_REQUESTS_RUNNING}{{$sel}})",
     replicas=f"count by ($by) ({NUM_REQUESTS_WAITING}{{$sel}})",
     sample_time=f"min by ($by) (timestamp({NUM_REQUESTS_WAITING}{{$sel}}))",
-    prompt_tokens_rate=f"sum by ($by) (rate({PROMPT_TOKENS_TOTAL}{{$sel}}[1m]))",
-    generation_tokens_rate=f"sum by ($by) (rate({GENERATION_TOKENS_TOTAL}{{$sel}}[1m]))",
+    prompt_tokens_rate=f"sum by ($by) (rate({PROMPT_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
+    generation_tokens_rate=f"sum by ($by) (rate({GENERATION_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
 )
 
 PROFILES: dict[str, QueryProfile] = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import autoscaler as bench
 from pdfleet_operator.autoscaler import PDFLEET, PER_ROLE
 
@@ -32,3 +34,22 @@ def test_bench_ends_with_the_json_line(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
     assert {"underprovisioned_reduction", "replica_hours_ratio", "direction_changes_noisy"} <= set(summary)
+
+
+def test_token_rate_alone_underprovisions_less_and_flaps_less_than_per_role():
+    traces = {t.name: t for t in bench.traces()}
+    rate = bench.POLICIES["+rate"]
+    assert rate.token_rate and not (rate.prefill_lookahead or rate.queue_trend or rate.ratio_bounds)
+    base, ours = bench.run(traces["bursty"], PER_ROLE, seed=1), bench.run(traces["bursty"], rate, seed=1)
+    assert ours.under["prefill"] < base.under["prefill"] and ours.under_total < base.under_total
+    assert ours.replica_seconds <= base.replica_seconds
+    noisy_base = bench.run(traces["noisy-steady"], PER_ROLE, seed=1)
+    noisy = bench.run(traces["noisy-steady"], rate, seed=1)
+    assert noisy.direction_changes < noisy_base.direction_changes
+    # the scrape hands decide() the token rates it learns from, as Prometheus' rate(...[1m]) would
+    fleet = bench.Fleet(bench.Pool(1, ready=1), bench.Pool(1, ready=1))
+    for second in range(61):
+        fleet.step(float(second), [(8000.0, 100.0)] if second < 60 else [])
+        if second % bench.SCRAPE_S == 0:
+            snap = fleet.scrape(float(second))
+    assert snap.roles["prefill"].prompt_tokens_rate == pytest.approx(bench.PREFILL_TOKENS_PER_S)

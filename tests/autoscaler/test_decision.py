@@ -364,3 +364,149 @@ def test_queue_trend_sizes_a_surge_for_the_next_interval_only():
     stale = replace(state, last_need={"prefill": (T0 - 60, 4.0)})
     decisions, _ = decide(s, stale, snapshot(T0, {"prefill": {"waiting": 32.0}, "decode": {"running": 64.0}}), T0, {})
     assert (decisions["prefill"].desired, decisions["prefill"].reason) == (8, autoscaler.QUEUE_ABOVE_TARGET)
+
+
+# --- the token rate (Policy.token_rate) ---------------------------------------------------------------
+
+RATE_ONLY = autoscaler.Policy(prefill_lookahead=False, queue_trend=False, token_rate=True, ratio_bounds=False)
+
+
+def rate_snapshot(t, prefill_waiting, prompt_rate, prefill_replicas, *, tokens_waiting=0.0, decode_waiting=0.0,
+                  decode_running=16.0, gen_rate=None, decode_replicas=2):
+    return MetricsSnapshot(taken_at=t, source="script", roles={
+        "prefill": RoleMetrics(waiting=prefill_waiting, running=float(prefill_replicas), sample_time=t,
+                               replicas_reporting=prefill_replicas, prompt_tokens_waiting=tokens_waiting,
+                               prompt_tokens_rate=prompt_rate),
+        "decode": RoleMetrics(waiting=decode_waiting, running=decode_running, sample_time=t,
+                              replicas_reporting=decode_replicas, generation_tokens_rate=gen_rate)})
+
+
+def test_throughput_is_learned_only_from_a_saturated_rate_window():
+    s = spec()
+    state = ScalerState.initial(s, {"prefill": 2, "decode": 2})
+    # 2 prefill replicas with requests waiting for a whole minute serve 8000 tokens/s: 4000 each
+    for k in range(5):
+        _, state = decide(s, state, rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2, tokens_waiting=9000.0),
+                          T0 + 15 * k, {}, current={"prefill": 2, "decode": 2}, policy=RATE_ONLY)
+        assert ("prefill" in state.throughput) == (k == 4), k  # only once the samples cover 60 s
+    assert state.throughput["prefill"] == pytest.approx(4000.0)
+    # a saturated window whose replicas changed divides by the replicas that served it (time-weighted)
+    samples = ((0.0, 2, True), (30.0, 4, True), (60.0, 4, True))
+    assert autoscaler.served_by(samples, 0.0, 60.0) == pytest.approx(3.0)
+    # a minute with nothing waiting says nothing: 2 replicas serving 2000 tokens/s are not at 1000 each
+    fresh = ScalerState.initial(s, {"prefill": 2, "decode": 2})
+    for k in range(6):
+        _, fresh = decide(s, fresh, rate_snapshot(T0 + 15 * k, 0.0, 2000.0, 2), T0 + 15 * k, {},
+                          policy=RATE_ONLY)
+    assert "prefill" not in fresh.throughput
+    # the baseline learns nothing and keeps no token-rate state
+    base = ScalerState.initial(s, {"prefill": 2, "decode": 2})
+    for k in range(6):
+        _, base = decide(s, base, rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2), T0 + 15 * k, {},
+                         policy=autoscaler.PER_ROLE)
+    assert base.throughput == {} and base.samples == {} and base.last_queue == {}
+
+
+def test_a_window_that_ends_saturated_only_raises_the_learned_throughput():
+    s = spec()
+    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 3000.0},
+                    samples={"prefill": ((T0 - 60, 2, False), (T0 - 45, 2, False), (T0 - 30, 2, False),
+                                         (T0 - 15, 2, True))})
+    rate = autoscaler.observe_rate("prefill", rate_snapshot(T0, 3.0, 7000.0, 2).roles["prefill"], state, T0)
+    assert rate.per_replica == pytest.approx(3500.0)  # a lower bound above 3000 raises it
+    rate = autoscaler.observe_rate("prefill", rate_snapshot(T0, 3.0, 5000.0, 2).roles["prefill"], state, T0)
+    assert rate.per_replica == pytest.approx(3000.0)  # a lower bound below it says nothing
+
+
+def test_token_rate_keeps_prefill_at_its_demand_where_the_empty_queue_would_shrink_it():
+    s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"})
+    state = replace(ScalerState.initial(s, {"prefill": 4, "decode": 2}), throughput={"prefill": 4000.0},
+                    watching_since={"prefill": T0 - 600, "decode": T0 - 600})
+    # 9800 tokens/s arrive and are served with nothing waiting: 9800 / (4000 x 0.7) = 3.5 -> 4
+    snap = rate_snapshot(T0, 0.0, 9800.0, 4)
+    ours, _ = decide(s, state, snap, T0, {}, policy=RATE_ONLY)
+    assert (ours["prefill"].desired, ours["prefill"].reason) == (4, autoscaler.WITHIN_TOLERANCE)
+    assert "tokens/s per saturated replica" in ours["prefill"].message
+    base, _ = decide(s, state, snap, T0, {}, policy=autoscaler.PER_ROLE)
+    assert (base["prefill"].desired, base["prefill"].reason) == (3, autoscaler.QUEUE_BELOW_TARGET)
+    # at a third of that demand the rate lets it shrink, and says why
+    low, _ = decide(s, state, rate_snapshot(T0, 0.0, 3000.0, 4), T0, {}, policy=RATE_ONLY)
+    assert (low["prefill"].desired, low["prefill"].reason) == (3, autoscaler.TOKEN_RATE_BELOW_CAPACITY)
+
+
+def test_token_rate_counts_the_queue_growth_as_arrivals():
+    s = spec(autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 4000.0},
+                    last_queue={"prefill": (T0 - 15, 0.0)})
+    # saturated at 8000 tokens/s, and 30000 tokens queued in 15 s: 10000 tokens/s arrive
+    assert autoscaler.arrival_rate(8000.0, 30000.0, (T0 - 15, 0.0), T0, 15.0) == pytest.approx(10000.0)
+    assert autoscaler.arrival_rate(8000.0, 30000.0, (T0 - 60, 0.0), T0, 15.0) == 8000.0  # too old to tell
+    assert autoscaler.arrival_rate(8000.0, None, (T0 - 15, 0.0), T0, 15.0) == 8000.0     # no token queue
+    # 10000 / 2800 + 30000 / (4000 x 60) = 3.70 replicas' worth; the queue alone (1 waiting) asks for 1
+    decisions, new = decide(s, state, rate_snapshot(T0, 1.0, 8000.0, 2, tokens_waiting=30000.0), T0, {},
+                            policy=RATE_ONLY)
+    p = decisions["prefill"]
+    assert (p.desired, p.direction, p.reason) == (4, "up", autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
+    assert "10000 tokens/s arriving" in p.message
+    assert new.last_queue["prefill"] == (T0, 30000.0)
+    assert autoscaler.rate_need(10000.0, 30000.0, 4000.0, 0.7) == pytest.approx(10000 / 2800 + 0.125)
+    with pytest.raises(ValueError, match="utilization"):
+        autoscaler.rate_need(1.0, None, 4000.0, 0.0)
+
+
+def test_decode_grows_for_what_prefill_arrivals_will_generate():
+    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
+                     "targetQueuePerReplica": 32}, autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    steady = ((T0 - 30, 2, False), (T0 - 15, 2, False))
+    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+                    throughput={"prefill": 4000.0, "decode": 640.0}, samples={"prefill": steady, "decode": steady})
+    # steady: 6000 prompt tokens/s in, 1200 generated: decode learns 0.2 generated per prompt token
+    _, state = decide(s, state, rate_snapshot(T0, 0.0, 6000.0, 2, decode_running=60.0, gen_rate=1200.0), T0, {},
+                      policy=RATE_ONLY)
+    assert state.generation_per_prompt == pytest.approx(0.2)
+    # prefill's arrivals triple (its queue grows by 12000 tokens/s): decode, not yet reached, grows ahead
+    t = T0 + 15
+    decisions, _ = decide(s, state, rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0,
+                                                   decode_running=60.0, gen_rate=1200.0), t, {}, policy=RATE_ONLY)
+    d = decisions["decode"]
+    # 0.2 x 18000 = 3600 tokens/s on their way / (640 x 0.7) = 8.04 -> 9
+    assert (d.desired, d.reason) == (9, autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
+    assert "on their way from prefill" in d.message
+    assert d.current == 3  # 1200 / (640 x 0.7) = 2.68 at the steady decision
+    # the baseline's decode sees only its own 60 running (2 replicas' worth): it does not grow
+    base, _ = decide(s, state, rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0, decode_running=60.0,
+                                             gen_rate=1200.0), t, {}, policy=autoscaler.PER_ROLE)
+    assert base["decode"].direction == "hold" and base["decode"].desired == 3
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_noisy_steady_token_rate_changes_direction_at_most_once_in_ten_minutes(seed):
+    """The +-30% noise carried by the token rate as well as the queues (a learned throughput in play)."""
+    s = spec()
+    rng = random.Random(seed)
+    state = replace(ScalerState.initial(s, {"prefill": 3, "decode": 3}), throughput={"prefill": 4000.0})
+    moves: list[str] = []
+    for k in range(40):
+        t = T0 + 15 * k
+        cur = state.replicas
+        # 8400 tokens/s (3 replicas at 0.7 of 4000) +-30%, queues at target +-30%
+        snap = rate_snapshot(t, 12.0 * rng.uniform(0.7, 1.3), 8400.0 * rng.uniform(0.7, 1.3), cur["prefill"],
+                             decode_running=48.0 * rng.uniform(0.7, 1.3), decode_replicas=cur["decode"])
+        decisions, state = decide(s, state, snap, t, {})
+        state = ScalerState.from_json(state.to_json())
+        moves += [f"{r}:{d.direction}" for r, d in decisions.items() if d.direction != "hold"]
+    for role in ("prefill", "decode"):
+        mine = [m for m in moves if m.startswith(role)]
+        assert sum(1 for a, b in zip(mine, mine[1:]) if a != b) <= 1, mine
+
+
+def test_token_rate_state_round_trips_and_an_older_state_still_parses():
+    s = spec()
+    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 4000.0},
+                    samples={"prefill": ((T0, 2, True),)}, last_queue={"prefill": (T0, 10.0)},
+                    generation_per_prompt=0.2)
+    assert ScalerState.from_json(state.to_json()) == state
+    old = ('{"lastNeed":{},"lastScaleUp":{},"recommendations":{},"replicas":{"decode":2,"prefill":2},'
+           '"watchingSince":{}}')
+    parsed = ScalerState.from_json(old)
+    assert parsed.throughput == {} and parsed.generation_per_prompt is None and parsed.replicas["prefill"] == 2
