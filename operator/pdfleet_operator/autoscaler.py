@@ -49,7 +49,7 @@ SERVED_TOKENS = {"prefill": "prompt_tokens_rate", "decode": "generation_tokens_r
 THROUGHPUT_WEIGHT = 0.5
 # The token rate sizes a role to run at this share of its saturated throughput: the headroom a burst
 # meets before the replicas it makes the autoscaler ask for are ready.
-# NOTE: a constant until the API has a field for it (proposed: `autoscaling.targetUtilization`); the
+# It is the spec's `autoscaling.targetUtilization` (default below) unless a Policy overrides it; the
 # tolerance still applies on top, as the dead band. `bench/autoscaler.py --utilization` sweeps it: on
 # the bursty trace the under-provisioning reduction is 0.32 at 0.70 but 0.25 at 0.72 and 0.17 at 0.91
 # (= 1 / (1 + tolerance)), at 0.86-0.91 of the baseline's replica-hours throughout.
@@ -63,7 +63,7 @@ class Policy:
     prefill_lookahead: bool = True   # decode counts requests queued at prefill beyond its tolerance
     queue_trend: bool = True         # a queue that grew since the last interval is sized for the next one
     token_rate: bool = True          # also size prefill/decode for their token arrival rate (`rate_need`)
-    utilization: float = TARGET_UTILIZATION  # the token rate's target share of saturated throughput
+    utilization: float | None = None  # the token rate's target share of saturated throughput; None: the spec's
     ratio_bounds: bool = True        # spec.autoscaling.pdRatio
 
 
@@ -309,7 +309,8 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
         if rate.ahead is not None and rate.ahead > arriving:
             what += f"; {rate.ahead:.0f} tokens/s on their way from prefill's arrivals"
             arriving = rate.ahead
-        token_need = rate_need(arriving, rate.queued, rate.per_replica, policy.utilization)
+        utilization = policy.utilization if policy.utilization is not None else spec.autoscaling.target_utilization
+        token_need = rate_need(arriving, rate.queued, rate.per_replica, utilization)
         by_rate = token_need > need
         what += (f"; {arriving:.0f} tokens/s arriving" + (f" + {rate.queued:g} queued" if rate.queued else "")
                  + f" at {rate.per_replica:.0f} tokens/s per saturated replica: {token_need:.2f} replicas' worth")

@@ -510,3 +510,18 @@ def test_token_rate_state_round_trips_and_an_older_state_still_parses():
            '"watchingSince":{}}')
     parsed = ScalerState.from_json(old)
     assert parsed.throughput == {} and parsed.generation_per_prompt is None and parsed.replicas["prefill"] == 2
+
+
+def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
+    assert autoscaler.TARGET_UTILIZATION == spec().autoscaling.target_utilization
+    state = replace(ScalerState.initial(spec(), {"prefill": 4, "decode": 2}), throughput={"prefill": 4000.0},
+                    watching_since={"prefill": T0 - 600, "decode": T0 - 600})
+    snap = rate_snapshot(T0, 0.0, 9800.0, 4)
+    fast = {"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"}
+    # 9800 tokens/s at 4000 per replica: 3.5 replicas at 0.7, 2.72 (-> 3) at 0.9, 4.9 (-> 5) at 0.5
+    hot = spec(autoscaling={**fast, "targetUtilization": 0.9, "maxScaleUpStep": 10})
+    cool = spec(autoscaling={**fast, "targetUtilization": 0.5, "maxScaleUpStep": 10})
+    assert decide(hot, state, snap, T0, {}, policy=RATE_ONLY)[0]["prefill"].desired == 3
+    assert decide(cool, state, snap, T0, {}, policy=RATE_ONLY)[0]["prefill"].desired == 5
+    override = replace(RATE_ONLY, utilization=0.9)
+    assert decide(cool, state, snap, T0, {}, policy=override)[0]["prefill"].desired == 3

@@ -204,6 +204,10 @@ class AutoscalingSpec(ApiModel):
     max_scale_up_step: int = Field(4, ge=1, le=10000, description="Most replicas added to one role per interval.")
     max_scale_down_step: int = Field(1, ge=1, le=10000, description="Most replicas removed from one role per interval.")
     metrics_max_age: Duration = Field("60s", description="Older samples count as missing (the size is held).")
+    target_utilization: float = Field(
+        0.7, gt=0, le=1,
+        description="Share of a replica's measured saturated token throughput each role is sized to run at "
+                    "(the rest is headroom for a burst while new replicas start).")
     pd_ratio: RatioBounds = Field(default_factory=RatioBounds, description="Bounds on the prefill:decode ratio.")
 
 
