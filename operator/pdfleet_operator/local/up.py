@@ -301,7 +301,7 @@ class Up:
                  "ready_after_s": round(self.ready_after or 0.0, 1), "ran_s": round(ran, 1),
                  "cost_usd": round(sup.spent_usd, 6), "cost_per_1m_tokens": None if per_1m is None else round(per_1m, 5),
                  "mean_cost_per_hour": sup.spent_usd / (ran / 3600.0) if ran > 0 else 0.0,
-                 "prices": prices + (f", router {sup.router_per_hour:g}/h" if sup.router_per_hour else "")}
+                 "prices": prices + (f", router ${sup.router_per_hour:g}/h" if sup.router_per_hour else "")}
         if self.opts.report:
             by_reason: dict[str, int] = {}
             for c in self.changes:
