@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from pdfleet_operator import cost, exporter, inventory, kube, placement, render, status
+from pdfleet_operator import cost, exporter, inventory, kube, placement, render, scaling, status
 from pdfleet_operator.api import (
     AcceleratorClass,
     AcceleratorClassSpec,
@@ -52,6 +52,9 @@ class Options:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
     monitoring_check_interval: float = 300.0
+    autoscaler: bool = True            # run the autoscaler daemon (tests of the reconcile alone switch it off)
+    prometheus_url: str | None = None  # the autoscaler's Prometheus when a spec names none
+    metrics_profile: str = "pdfleet"   # metric_names.PROFILES: the PromQL of the engine kind
 
 
 OPTIONS = Options()
@@ -140,6 +143,9 @@ class Reconciler:
         self.plans: dict[Key, placement.FleetPlan] = {}  # the last plan per deployment
         self.reconciles = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # kopf's loop: other threads call in through it
+        self.scaler = scaling.Scaler()
+        self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
+        self._autoscalers: dict[Key, asyncio.Task] = {}
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
     def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = "autoscaler") -> None:
@@ -161,6 +167,15 @@ class Reconciler:
         self.extra_conditions.setdefault(key, {}).update({c.type: c for c in conditions})
         self.extra_status.setdefault(key, {}).update(fields)
         self.request(key, why or "status update")
+
+    def clear_condition(self, key: Key, type_: str) -> None:
+        """Stop overriding a condition the reconcile computes itself (it takes effect with the next status update)."""
+        self.extra_conditions.get(key, {}).pop(type_, None)
+
+    def current_replicas(self, key: Key) -> dict[str, int]:
+        """Per role, the replicas the last plan runs ({} before the first plan)."""
+        plan = self.plans.get(key)
+        return {} if plan is None else {role: plan.replicas(role) for role in plan.roles()}
 
     def capacity(self, key: Key) -> dict[str, int]:
         """Per role, the most replicas placeable on free capacity as of the last plan (for the autoscaler)."""
@@ -188,6 +203,45 @@ class Reconciler:
         except (pydantic.ValidationError, ValueError) as exc:
             logger.error("reconcile of %s/%s (%s) failed: %s", *key, why, exc)
             exporter.RECONCILES.labels("error").inc()
+
+    # --- the autoscaler loop of each deployment -----------------------------------------------------------
+    # NOTE: a task of our own rather than @kopf.daemon/@kopf.timer: kopf puts a finalizer on every object a
+    # daemon or timer serves, which costs a write per CR and blocks deleting a CR while the operator is down.
+    def _start_autoscaler(self, key: Key) -> None:
+        task = self._autoscalers.get(key)
+        if self.autoscaling and (task is None or task.done()):
+            self._autoscalers[key] = asyncio.get_running_loop().create_task(self._autoscale(key))
+
+    def stop_autoscaler(self, key: Key) -> None:
+        task = self._autoscalers.pop(key, None)
+        if task is not None:
+            task.cancel()
+        self.scaler.forget(key)
+
+    async def _autoscale(self, key: Key) -> None:
+        """One `scaling` tick per spec.autoscaling.interval while the deployment exists."""
+        while True:
+            body = self._bodies().get(key)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                self._autoscalers.pop(key, None)
+                self.scaler.forget(key)
+                return
+            delay = 5.0
+            try:
+                dep = self._parse(key, body)
+            except (pydantic.ValidationError, ValueError):
+                dep = None  # the reconcile reports an invalid spec; nothing to scale
+            if dep is not None:
+                delay = dep.spec.interval_seconds()
+                if dep.spec.autoscaling.enabled:
+                    try:
+                        await self.scaler.tick(self, key, dep, body, default_url=OPTIONS.prometheus_url,
+                                               profile=OPTIONS.metrics_profile)
+                    except kube.ApiError as exc:
+                        logger.warning("autoscaler tick of %s/%s failed: %s; next in %ss", *key, exc, delay)
+                    except Exception:  # NOTE: a bug in one tick must not end the deployment's autoscaling
+                        logger.exception("autoscaler tick of %s/%s failed; next in %ss", *key, delay)
+            await asyncio.sleep(delay)
 
     async def drain(self) -> None:
         """Wait for background reconciles (tests and shutdown)."""
@@ -242,6 +296,8 @@ class Reconciler:
             self._done[key] = started
             exporter.RECONCILES.labels("ok" if not outcome.skipped else "skipped").inc()
             self.reconciles += 1
+            if outcome.plan is not None:
+                self._start_autoscaler(key)
             return outcome
 
     async def _reconcile(self, key: Key, why: str, given: Mapping[str, Any] | None) -> Outcome:
@@ -419,6 +475,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # event, so a limit of W caps throughput at W objects per idle_timeout (64 per 5 s was the
     # bottleneck of bench/operator.py). Workers are asyncio tasks; a shorter idle time frees them sooner.
     settings.queueing.idle_timeout = 1.0
+    RECONCILER.autoscaling = OPTIONS.autoscaler
     if OPTIONS.metrics_port is not None:
         RECONCILER.indexes["_metrics_runner"] = await exporter.serve(OPTIONS.metrics_host, OPTIONS.metrics_port)
     if OPTIONS.resync_interval > 0:
@@ -441,7 +498,7 @@ async def cleanup(**_: Any) -> None:
     runner = RECONCILER.indexes.pop("_metrics_runner", None)
     if runner is not None:
         await runner.cleanup()
-    for t in list(RECONCILER._tasks):
+    for t in list(RECONCILER._tasks) + list(RECONCILER._autoscalers.values()):
         t.cancel()
     if RECONCILER.api is not None:
         await RECONCILER.api.close()
@@ -551,6 +608,7 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
                   RECONCILER.plans):
         store.pop(key, None)
     RECONCILER.limited.discard(key)
+    RECONCILER.stop_autoscaler(key)
     exporter.forget(namespace, name)
 
 

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from pdfleet_operator import handlers
+from pdfleet_operator import handlers, metric_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bind", default="0.0.0.0", help="address for /metrics and /healthz (default 0.0.0.0)")
     p.add_argument("--resync-interval", type=float, default=300.0,
                    help="seconds between full re-reconciles of every InferenceDeployment (0: never; default 300)")
+    p.add_argument("--prometheus-url", default=None, metavar="URL",
+                   help="Prometheus the autoscaler reads when a spec sets no autoscaling.prometheusUrl "
+                        "(without either, autoscaled deployments hold their size with MetricsAvailable=False)")
+    p.add_argument("--metrics-profile", default="pdfleet", choices=sorted(metric_names.PROFILES),
+                   help="the queue queries of the worker engine: pdfleet or vllm (default pdfleet)")
+    p.add_argument("--no-autoscaler", dest="autoscaler", action="store_false",
+                   help="do not run the autoscaler (pools stay at what the spec and placement give)")
     p.add_argument("--peering", default=None,
                    help="kopf peering object for running several replicas (default: standalone)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -36,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.resync_interval = args.resync_interval
     handlers.OPTIONS.metrics_host = args.bind
     handlers.OPTIONS.metrics_port = args.metrics_port or None
+    handlers.OPTIONS.prometheus_url = args.prometheus_url
+    handlers.OPTIONS.metrics_profile = args.metrics_profile
+    handlers.OPTIONS.autoscaler = args.autoscaler
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

@@ -1,0 +1,135 @@
+"""The autoscaler in the operator: one tick per InferenceDeployment (snapshot -> decide -> reconciler inputs); run by the kopf daemon in `handlers`.
+
+A tick reads the deployment's queues from Prometheus (`metrics`, in a thread: the client blocks),
+runs the pure `autoscaler.decide` against the capacity of the last plan, and hands the outcome to
+the reconciler: desired replicas through `set_desired` (the reconcile path stays the only writer),
+MetricsAvailable / ScalingLimited and lastScalingDecision through `set_status`. Only what changed
+is handed over, so a steady deployment costs no reconcile per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdfleet_operator import autoscaler, exporter, metrics, operator_metrics
+from pdfleet_operator.api import Condition, InferenceDeployment
+from pdfleet_operator.autoscaler import ScalerState, ScalingDecision
+from pdfleet_operator.metrics_snapshot import MetricsSnapshot
+
+logger = logging.getLogger("pdfleet.scaling")
+Key = tuple[str, str]
+
+NO_URL = ("no Prometheus to read queue metrics from: set spec.autoscaling.prometheusUrl or start the "
+          "operator with --prometheus-url")
+# The decision series live next to the pool series, on the operator's one /metrics.
+METRICS = operator_metrics.OperatorMetrics(exporter.REGISTRY)
+
+
+class Inputs(Protocol):
+    """What a tick needs from the reconciler (`handlers.Reconciler`)."""
+
+    api: Any
+
+    def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = ...) -> None: ...
+    def set_status(self, key: Key, *, conditions: list[Condition] = ..., why: str = ..., **fields: Any) -> None: ...
+    def clear_condition(self, key: Key, type_: str) -> None: ...
+    def capacity(self, key: Key) -> dict[str, int]: ...
+    def current_replicas(self, key: Key) -> dict[str, int]: ...
+
+
+@dataclass
+class Memory:
+    """What the autoscaler keeps per deployment in this process."""
+
+    state: ScalerState
+    available: bool | None = None                        # MetricsAvailable as last reported
+    conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, message)
+    headline: tuple[str, int, int, str] | None = None    # (role, from, to, reason) of the last reported decision
+
+
+class Scaler:
+    """Per-deployment autoscaler memory and the tick that uses it (one per Reconciler)."""
+
+    def __init__(self) -> None:
+        self.memory: dict[Key, Memory] = {}
+
+    def forget(self, key: Key) -> None:
+        self.memory.pop(key, None)
+        METRICS.forget(*key)
+
+    async def tick(self, inputs: Inputs, key: Key, dep: InferenceDeployment, body: Mapping[str, Any], *,
+                   default_url: str | None, profile: str, now: float | None = None) -> dict[str, ScalingDecision]:
+        """One interval of one deployment; returns the decisions (tests and logs)."""
+        spec = dep.spec
+        current = inputs.current_replicas(key)
+        mem = self.memory.get(key)
+        if mem is None:
+            # NOTE: seeded from what the pools run now, so an operator restart does not reset the sizes.
+            mem = self.memory[key] = Memory(ScalerState.initial(spec, current))
+        snap = await snapshot(dep, default_url, profile)
+        at = time.time() if now is None else now
+        decisions, mem.state = autoscaler.decide(spec, mem.state, snap, at, inputs.capacity(key), current=current or None)
+        METRICS.record(key[0], key[1], decisions)
+
+        desired = {role: d.desired for role, d in decisions.items()}
+        changed = [d for d in decisions.values() if d.direction != "hold"]
+        if changed:
+            why = "autoscaler: " + ", ".join(f"{d.role} {d.current}->{d.desired} ({d.reason})" for d in changed)
+            inputs.set_desired(key, desired, why)
+
+        await self._report(inputs, key, dep, body, decisions, at, mem)
+        return decisions
+
+    async def _report(self, inputs: Inputs, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
+                      decisions: Mapping[str, ScalingDecision], now: float, mem: Memory) -> None:
+        metrics_cond, limited_cond = autoscaler.conditions(decisions, now, dep.metadata.generation)
+        conditions: list[Condition] = []
+        seen = (metrics_cond.status, metrics_cond.reason or "", metrics_cond.message or "")
+        if mem.conditions.get("MetricsAvailable") != seen:
+            conditions.append(metrics_cond)
+            mem.conditions["MetricsAvailable"] = seen
+        limited = limited_cond.status == "True"
+        seen_limited = (limited_cond.status, limited_cond.reason or "", limited_cond.message or "")
+        if mem.conditions.get("ScalingLimited") != seen_limited:
+            mem.conditions["ScalingLimited"] = seen_limited
+            if limited:
+                conditions.append(limited_cond)
+            else:
+                # NOTE: the plan's own ScalingLimited (status.compute) speaks when the autoscaler is not limited.
+                inputs.clear_condition(key, "ScalingLimited")
+
+        fields: dict[str, Any] = {}
+        head = autoscaler.headline(decisions)
+        headline = (head.role, head.current, head.desired, head.reason)
+        if headline != mem.headline:
+            fields["last_scaling_decision"] = autoscaler.status_decision(decisions, now)
+            mem.headline = headline
+        if conditions or fields:
+            inputs.set_status(key, conditions=conditions, why=f"autoscaler: {head.reason}", **fields)
+
+        available = metrics_cond.status == "True"
+        if available != mem.available and inputs.api is not None:
+            involved = {"apiVersion": body.get("apiVersion", "pdfleet.io/v1alpha1"), "kind": "InferenceDeployment",
+                        "metadata": body["metadata"]}
+            if not available:
+                await inputs.api.event(involved, "Warning", autoscaler.METRICS_UNAVAILABLE,
+                                       f"{metrics_cond.message} (P:D {autoscaler.ratio_text(decisions)} held)")
+            elif mem.available is False:
+                await inputs.api.event(involved, "Normal", "MetricsAvailable",
+                                       f"queue metrics are back; P:D {autoscaler.ratio_text(decisions)}")
+        mem.available = available
+
+
+async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: str) -> MetricsSnapshot:
+    """The deployment's queue metrics now; an unavailable snapshot (never an exception) when they cannot be read."""
+    url = dep.spec.autoscaling.prometheus_url or default_url
+    if not url:
+        return MetricsSnapshot.unavailable(time.time(), NO_URL)
+    source = metrics.prometheus_for(url, profile)
+    assert dep.metadata.name and dep.metadata.namespace, "a stored InferenceDeployment has a name and namespace"
+    return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()))
