@@ -124,3 +124,42 @@ def test_bursty_load_scales_up_and_down_and_prints_the_summary_last(tmp_path, mo
     ups = [c for c in doc["scale_events"]["changes"] if c["desired"] > c["current"]]
     assert all(c["reason"] and c["message"] for c in doc["scale_events"]["changes"])
     assert re.search(r"\d+ -> \d+\s+\w+: ", summary) and ups
+
+
+def test_a_killed_pdfleet_up_takes_its_children_with_it(tmp_path, model_dir):
+    """Even SIGKILL, which pdfleet up cannot catch, leaves no orphan: each child gets SIGTERM when its parent dies."""
+    spec = write_spec(tmp_path, model_dir)
+    port = free_port()
+    up = UpProcess([str(spec), "--port", str(port)], cwd=tmp_path)
+    try:
+        up.wait_line(r"fleet ready after", timeout=120)
+        pids = up.pids()
+        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+        up.signal(signal.SIGKILL)
+        up.wait(10)
+        wait_for(lambda: not [p for p in pids if pid_alive(p)], 30, "every child gone after its parent was killed", up)
+        wait_for(lambda: port_free(port), 10, "the router's port free", up)
+    finally:
+        up.stop()
+
+
+def test_up_reads_the_queues_from_prometheus_when_given_one(tmp_path, model_dir, prometheus_factory):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    prom = prometheus_factory(extra_scrape_configs=[{
+        "job_name": "pdfleet-up", "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")],
+                                                       "refresh_interval": "1s"}]}])
+    spec = write_spec(tmp_path, model_dir, **FAST)
+    up = UpProcess([str(spec), "--port", str(free_port()), "--run-dir", str(run_dir), "--prometheus", prom.url],
+                   cwd=tmp_path)
+    try:
+        up.wait_line(r"fleet ready after", timeout=120)
+        up.wait_line(rf"metrics\s+prometheus {prom.url} \(pdfleet\): available", timeout=60)
+        series = prom.query('count by (pdfleet_role) (vllm:num_requests_waiting{pdfleet_deployment="local-tiny",'
+                            'namespace="default"})')
+        assert {s["metric"]["pdfleet_role"] for s in series} == {"prefill", "decode"}
+        up.signal(signal.SIGTERM)
+        assert up.wait(60) == 0, up.output()[-4000:]
+        assert "scaling   0 up, 0 down" in up.summary()
+    finally:
+        up.stop()

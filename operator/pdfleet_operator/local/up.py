@@ -97,10 +97,10 @@ class Up:
     async def run(self) -> int:
         o = self.opts
         loop = asyncio.get_running_loop()
+        self.view = View(self.console, o.live)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         run_dir = Path(o.run_dir) if o.run_dir else Path(tempfile.mkdtemp(prefix=f"pdfleet-up-{self.local.name}-"))
-        self.view = View(self.console, o.live)
         self.sup = Supervisor(self.local, run_dir, o.port, threads=o.threads, machine=self.machine,
                               router_host=o.host, on_event=self._on_event)
         self.endpoint = f"http://{o.host}:{o.port}"
@@ -181,8 +181,11 @@ class Up:
         try:
             done, _ = await asyncio.wait(tasks + ends, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                if t in tasks:
-                    t.result()  # a supervisor error (UpError) ends the run
+                error = t.exception()
+                if isinstance(error, specs.UpError):
+                    raise error
+                if error is not None:
+                    raise specs.UpError(f"{type(error).__name__}: {error}") from error
         finally:
             for t in tasks + ends:
                 t.cancel()
@@ -249,11 +252,16 @@ class Up:
         source = self._source()
         state = autoscaler.ScalerState.initial(spec, sup.replicas())
         interval = spec.interval_seconds()
+        was_ok: bool | None = None
         while True:
             await asyncio.sleep(interval)
-            if hasattr(source, "targets"):
+            if not self.opts.prometheus:
                 source.targets = sup.scrape_targets()
             self.snapshot = await asyncio.to_thread(source.snapshot, self.local.name, self.local.namespace, roles)
+            if self.snapshot.ok != was_ok:
+                was_ok = self.snapshot.ok
+                self.view.line(f"+{sup.elapsed():5.1f}s  metrics     {source.name}: "
+                               + ("available" if was_ok else f"unavailable, holding sizes ({self.snapshot.error})"))
             current = sup.replicas()
             room = placement.plan(spec, self.usable, self.inventory, desired=current)
             capacity = {role: room.capacity(role) for role in roles}

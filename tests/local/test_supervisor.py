@@ -1,0 +1,86 @@
+"""The supervisor's rules without a fleet: worker command lines and environments per class (GPU devices handed out once), back-off that doubles to its cap and starts over after a replica has served, drain order."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pdfleet_operator.local import machine, spec as specs, supervisor as sv
+from pdfleet_operator.local.process import Child
+from pdfleet_operator.placement import FleetPlan, PlannedPool
+from tests.local.conftest import ROOT, write_spec
+from tests.support.components import free_port
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(tmp_path, model_dir, gpus: int = 0, **changes) -> tuple[sv.Supervisor, Clock]:
+    local = specs.load(write_spec(tmp_path, model_dir, **changes), ROOT / "examples" / "acceleratorclasses.yaml")
+    clock = Clock()
+    sup = sv.Supervisor(local, tmp_path / "run", free_port(), threads=2, machine=machine.Machine(2, gpus), clock=clock)
+    return sup, clock
+
+
+def test_worker_command_and_environment_follow_the_class(tmp_path, model_dir):
+    sup, _ = make(tmp_path, model_dir, gpus=2, **{"decode.acceleratorClasses": ["h100-80gb"],
+                                                "engine.extraArgs": ["--max-n", "2"]})
+    gpu = sv.Replica("decode-0", "decode", "h100-80gb", 9001, sup._gpus_for("h100-80gb"))
+    sup.workers.append(gpu)
+    assert gpu.devices == (0,) and sup._gpus_for("h100-80gb") == (1,)
+    sup.workers.append(sv.Replica("decode-1", "decode", "h100-80gb", 9002, (1,)))
+    with pytest.raises(specs.UpError, match="1 GPU\\(s\\) per replica, 0 free"):
+        sup._gpus_for("h100-80gb")
+    argv = sup._worker_argv(gpu)
+    assert argv[:4] == [sys.executable, "-m", "pdfleet_operator.cli", "worker"] and argv[-2:] == ["--max-n", "2"]
+    assert ["--role", "decode"] == argv[argv.index("--role"):argv.index("--role") + 2] and "--device" in argv
+    assert argv[argv.index("--engine-config") + 1] == str(tmp_path / "run" / "engine.json")
+    assert argv[argv.index("--num-threads") + 1] == "2"
+    env = sup._env(gpu)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PDFLEET_ACCELERATOR"] == "h100-80gb" and env["OMP_NUM_THREADS"] == "2"
+    cpu = sv.Replica("prefill-0", "prefill", "cpu", 9003)
+    assert "--device" not in sup._worker_argv(cpu) and sup._env(cpu)["CUDA_VISIBLE_DEVICES"] == ""
+    router = sup._router_argv()
+    assert router[router.index("--workers-file") + 1] == str(tmp_path / "run" / "workers.json")
+
+
+def test_back_off_doubles_to_its_cap_and_starts_over_after_serving(tmp_path, model_dir):
+    sup, clock = make(tmp_path, model_dir)
+    sup.startup = False
+    r = sv.Replica("decode-0", "decode", "cpu", 9001)
+    r.child = Child("decode-0", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "c.log", {}).start()
+    code = r.child.wait(30)
+    sup.workers.append(r)
+    waits = []
+    for _ in range(7):
+        r.state = sv.READY
+        sup._exited(r, code, clock.now)
+        waits.append(r.backoff_s)
+        assert r.state == sv.BACKOFF and r.restart_at == clock.now + r.backoff_s
+    assert waits == [1, 2, 4, 8, 16, 30, 30]
+    assert sup.events[-1].message == f"pid {r.child.pid} exited with status 3; restarting in 30s"
+    r.state, r.ready_since = sv.READY, clock.now - sv.BACKOFF_RESET_S
+    sup._exited(r, code, clock.now)
+    assert r.backoff_s == 1, "a replica that served for BACKOFF_RESET_S starts over"
+    sup.startup = True
+    r.state = sv.STARTING
+    with pytest.raises(specs.UpError, match="decode-0 exited with status 3 while the fleet was starting"):
+        sup._exited(r, code, clock.now)
+
+
+def test_scaling_down_drains_a_crashed_replica_first_then_the_newest(tmp_path, model_dir):
+    sup, _ = make(tmp_path, model_dir)
+    sup.run_dir.mkdir()
+    a, b, c = (sv.Replica(f"decode-{i}", "decode", "cpu", 9001 + i, state=sv.READY) for i in range(3))
+    b.state = sv.BACKOFF
+    sup.workers += [a, b, c]
+    plan = FleetPlan((PlannedPool("prefill", "cpu", 0), PlannedPool("decode", "cpu", 1)))
+    sup.scale_to(FleetPlan((PlannedPool("decode", "cpu", 2),)))
+    assert b not in sup.workers and [e.subject for e in sup.events] == ["decode-1"], "the crashed one goes first"
+    sup.scale_to(plan)
+    assert [r.name for r in sup.active("decode")] == ["decode-0"], "then the newest"
