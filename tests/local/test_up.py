@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -26,6 +27,12 @@ def decode_urls(run_dir) -> list[str]:
         return json.loads((run_dir / "workers.json").read_text())["decode"]
     except (OSError, ValueError, KeyError):
         return []
+
+
+def healthy(port: int, role: str) -> list[str]:
+    """The workers of a role the router has in rotation (its /workers)."""
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=5).json()["workers"]
+    return [w["url"] for w in workers if w["role"] == role and w["healthy"]]
 
 
 def wait_for(predicate, timeout: float, what: str, up: UpProcess):
@@ -67,10 +74,12 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
             wait_for(lambda: len(decode_urls(run_dir)) >= 2, 10, "a second decode worker in the router's list", up)
             assert [f.result(timeout=180) for f in futures] == [300] * 24, "every surge stream finished"
         up.wait_line(r"decode-1\s+ready", timeout=60)
+        wait_for(lambda: len(healthy(port, "decode")) >= 2, 10, "the router routing to the new decode worker", up)
         # Quiet again: after the stabilization window the pool drains back to minReplicas.
         mark = len(up.lines)
         up.wait_line(r"scale\s+decode \d -> \d \(QueueBelowTarget", timeout=60, after=mark)
         wait_for(lambda: len(decode_urls(run_dir)) == 1, 60, "decode back to one worker", up)
+        wait_for(lambda: healthy(port, "decode") == decode_urls(run_dir), 10, "the router dropping drained workers", up)
         up.wait_line(r"decode-\d+\s+stopped: drained and exited", timeout=60, after=mark)
         lines = [line for line in up.lines if re.search(r"scale\s+decode", line)]
         assert len(lines) >= 2, lines
@@ -78,8 +87,6 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
         # kill -9 the prefill worker: restarted after a 1 s back-off, the event shown, serving again.
         pid = int(up.wait_line(r"prefill-0\s+started: pid (\d+)", timeout=1).group(1))
         mark = len(up.lines)
-        import os
-
         os.kill(pid, signal.SIGKILL)
         up.wait_line(rf"prefill-0\s+crashed: pid {pid} killed by SIGKILL; restarting in 1s", timeout=15, after=mark)
         up.wait_line(r"prefill-0\s+restarted: pid \d+", timeout=15, after=mark)
