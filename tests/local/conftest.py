@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
-    """examples/local-tiny.yaml with the model at `model_dir` and `changes` merged into spec (dotted keys)."""
+    """examples/local-tiny.yaml with the model at `model_dir` and `changes` merged into spec (dotted keys; None removes)."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["model"]["source"] = {"local": {"path": str(model_dir)}}
     for dotted, value in changes.items():
@@ -38,7 +38,10 @@ def write_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
         *head, leaf = dotted.split(".")
         for key in head:
             node = node.setdefault(key, {})
-        node[leaf] = value
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
     path = directory / "spec.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path

@@ -1,6 +1,7 @@
 """The supervisor's rules without a fleet: worker command lines and environments per class (GPU devices handed out once), back-off that doubles to its cap and starts over after a replica has served, drain order."""
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -84,3 +85,33 @@ def test_scaling_down_drains_a_crashed_replica_first_then_the_newest(tmp_path, m
     assert b not in sup.workers and [e.subject for e in sup.events] == ["decode-1"], "the crashed one goes first"
     sup.scale_to(plan)
     assert [r.name for r in sup.active("decode")] == ["decode-0"], "then the newest"
+
+
+def test_the_router_and_prometheus_files_list_the_pools_a_colocated_spec_has(tmp_path, model_dir):
+    sup, _ = make(tmp_path, model_dir, disaggregation=False, prefill=None, decode=None,
+                  colocated={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 2})
+    sup.run_dir.mkdir()
+    sup.workers += [sv.Replica("colocated-0", "colocated", "cpu", 9001, state=sv.READY),
+                    sv.Replica("colocated-1", "colocated", "cpu", 9002, state=sv.DRAINING)]
+    sup.write_files()
+    assert json.loads((sup.run_dir / "workers.json").read_text()) == {"workers": ["http://127.0.0.1:9001"]}
+    groups = json.loads((sup.run_dir / "prometheus-targets.json").read_text())
+    assert groups == [{"targets": ["127.0.0.1:9001"], "labels": {
+        "namespace": "default", "pdfleet_deployment": "local-tiny", "pdfleet_role": "colocated",
+        "pdfleet_accelerator": "cpu", "replica": "colocated-0"}}]
+    assert json.loads((sup.run_dir / "engine.json").read_text())["max_model_len"] == 1024
+    assert sup.scrape_targets() == {"colocated": ["http://127.0.0.1:9001/metrics"]}
+
+
+def test_up_replays_a_csv_trace_as_its_load(tmp_path):
+    from rich.console import Console
+
+    from pdfleet_operator.local import up
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,prompt_tokens,output_tokens\n100,8,4\n101.5,16,2\n130,8,8\n")
+    runner = up.Up(up.Options(file="x.yaml", load=str(trace), duration=20.0), Console())
+    assert [(a.t, a.prompt_tokens, a.output_tokens) for a in runner._arrivals()] == [(0.0, 8, 4), (1.5, 16, 2)]
+    runner.opts.load = str(tmp_path / "missing.csv")
+    with pytest.raises(specs.UpError, match="no such trace file"):
+        runner._arrivals()
