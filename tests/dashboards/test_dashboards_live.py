@@ -200,10 +200,9 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
             served = sum(f.result() for f in futures)
         decide()
         prom.wait_for(f'sum(vllm:generation_tokens_total{{pdfleet_role="decode"}}) == {served}', timeout=20)
-        answered = prom.wait_for('sum(pdfleet_router_requests_total)',
-                                 lambda r: r and float(r[0]["value"][1]) >= REQUESTS, timeout=20)
-        router_lines = [l for l in httpx.get(f"{router.url}/metrics").text.splitlines() if "requests_total{" in l]
-        assert float(answered[0]["value"][1]) == REQUESTS, router_lines
+        # NOTE: every request counted, whatever its code: the router can count a stream the client closed right
+        # after [DONE] as 499 (its code is settled only when the worker's stream ends), which is not this test's.
+        prom.wait_for('sum(pdfleet_router_requests_total) == %d' % REQUESTS, timeout=20)
         time.sleep(3)  # a few more scrapes: counters flat, decision counters seen twice
 
         # --- every panel of every dashboard returns data ---
