@@ -20,13 +20,27 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 import pydantic
+from aiohttp import web
 
-from pdfleet_operator import cost, exporter, inventory, kube, placement, render, scaling, status
+from pdfleet_operator import (
+    alertmanager,
+    cost,
+    exporter,
+    inventory,
+    kube,
+    placement,
+    render,
+    revisions,
+    rollback,
+    scaling,
+    status,
+)
 from pdfleet_operator.api import (
     AcceleratorClass,
     AcceleratorClassSpec,
@@ -55,6 +69,9 @@ class Options:
     autoscaler: bool = True            # run the autoscaler daemon (tests of the reconcile alone switch it off)
     prometheus_url: str | None = None  # the autoscaler's Prometheus when a spec names none
     metrics_profile: str = "pdfleet"   # metric_names.PROFILES: the PromQL of the engine kind
+    analysis_interval: float = 15.0    # seconds between rollback analyses from Prometheus (0: only on alerts)
+    alertmanager_host: str = "0.0.0.0"
+    alertmanager_port: int | None = None  # the Alertmanager webhook receiver (POST /alerts)
 
 
 OPTIONS = Options()
@@ -146,6 +163,8 @@ class Reconciler:
         self.scaler = scaling.Scaler()
         self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
         self._autoscalers: dict[Key, asyncio.Task] = {}
+        self.rollbacks = revisions.Analysis()
+        self._analyzers: dict[Key, asyncio.Task] = {}
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
     def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = "autoscaler") -> None:
@@ -211,12 +230,95 @@ class Reconciler:
         task = self._autoscalers.get(key)
         if self.autoscaling and (task is None or task.done()):
             self._autoscalers[key] = asyncio.get_running_loop().create_task(self._autoscale(key))
+        task = self._analyzers.get(key)
+        if self.autoscaling and OPTIONS.analysis_interval > 0 and (task is None or task.done()):
+            self._analyzers[key] = asyncio.get_running_loop().create_task(self._analysis_loop(key))
 
     def stop_autoscaler(self, key: Key) -> None:
-        task = self._autoscalers.pop(key, None)
-        if task is not None:
-            task.cancel()
+        for tasks in (self._autoscalers, self._analyzers):
+            task = tasks.pop(key, None)
+            if task is not None:
+                task.cancel()
         self.scaler.forget(key)
+        self.rollbacks.forget(key)
+
+    async def _analysis_loop(self, key: Key) -> None:
+        """Rollback analysis from Prometheus every OPTIONS.analysis_interval while the deployment exists."""
+        while key in self._bodies():
+            try:
+                await self.analyze_rollback(key, "timer")
+            except kube.ApiError as exc:
+                logger.warning("rollback analysis of %s/%s failed: %s", *key, exc)
+            except Exception:  # NOTE: one bad analysis must not end the deployment's protection
+                logger.exception("rollback analysis of %s/%s failed", *key)
+            await asyncio.sleep(OPTIONS.analysis_interval)
+        self._analyzers.pop(key, None)
+
+    async def on_alert(self, trigger: alertmanager.RollbackTrigger) -> None:
+        """A pdfleet rollback alert from Alertmanager: the same analysis, now."""
+        self.rollbacks.triggers.append((asyncio.get_running_loop().time(), trigger))
+        key = (trigger.namespace, trigger.deployment)
+        if key not in self._bodies():
+            logger.warning("alert about unknown deployment %s/%s ignored", *key)
+            return
+        await self.analyze_rollback(key, "alertmanager", trigger)
+
+    async def analyze_rollback(self, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None = None
+                               ) -> rollback.RollbackAction | None:
+        body = self._bodies().get(key)
+        if body is None or key not in self.plans:
+            return None
+        dep = self._parse(key, body)
+        template = self.templates.get(key)
+        served = template.revision if template else (dep.status.current_revision if dep.status else None)
+        if served is None:
+            return None
+        health = self.rollbacks.health.get(key)
+        if health is None or health.revision != served:
+            health = rollback.RevisionHealth(served, time.time(), rollback_target=template is not None)
+        if trigger is not None and trigger.firing:
+            health = rollback.health_from_alert(health, trigger.starts_at, dep.spec.rollback)
+        self.rollbacks.health[key] = health
+        sample = await revisions.sample(dep, OPTIONS.prometheus_url, OPTIONS.metrics_profile)
+        # NOTE: a window that began before this revision served mixes in the previous one's responses (right
+        # after a rollback: the failed revision's 5xx); only a window inside the revision's lifetime counts.
+        if sample.time - health.started_at < parse_duration(dep.spec.rollback.window):
+            return None
+        stable = self.extra_status.get(key, {}).get("stable_revision") or (dep.status.stable_revision if dep.status else None)
+        health, action = rollback.analyze(health, sample, dep.spec.rollback, stable)
+        self.rollbacks.health[key] = health
+        if action.kind == "none":
+            return action
+        self.rollbacks.actions.append((asyncio.get_running_loop().time(), key, source, action))
+        assert self.api is not None, "analysis before login"
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
+        generation = dep.metadata.generation
+        if action.kind == "mark_stable":
+            self.set_status(key, stable_revision=served, why=f"revision {served} stable")
+            await self.api.event(involved, "Normal", action.reason, action.message)
+        elif action.kind == "rollback":
+            assert stable is not None
+            stored = revisions.find(await kube.list_revisions(self.api, self._owner(key, body)), stable)
+            if stored is None:
+                action = rollback.RollbackAction("page", "RollbackFailed", f"stable revision {stable} is not stored "
+                                                 f"(pruned or deleted); {action.message}", action.ratio)
+            else:
+                self.rollbacks.failed[key] = revisions.Failed(
+                    served, generation, rollback.fingerprint(rollback.template_spec(dep.spec)))
+                self.set_status(key, conditions=revisions.conditions_for(action, served, stable, generation),
+                                failed_revision=served, why=f"rollback of revision {served} ({source})")
+                self.set_template(key, Template(stable, revisions.spec_for_rollback(stored, dep.spec)),
+                                  why=f"rollback of revision {served} to {stable} ({source})")
+                await self.api.event(involved, "Warning", "RolledBack",
+                                     f"revision {served} rolled back to {stable} ({source}): {action.message}")
+        if action.kind == "page":
+            self.set_status(key, conditions=revisions.conditions_for(action, served, stable, generation),
+                            why=f"rollback failed ({source})")
+            await self.api.event(involved, "Warning", action.reason, action.message)
+        return action
+
+    def _owner(self, key: Key, body: Mapping[str, Any]) -> render.Owner:
+        return render.Owner(key[1], key[0], body["metadata"]["uid"])
 
     async def _autoscale(self, key: Key) -> None:
         """One `scaling` tick per spec.autoscaling.interval while the deployment exists."""
@@ -323,8 +425,21 @@ class Reconciler:
         children = await kube.list_children(api, owner, kinds)
 
         template = self.templates.get(key)
+        if template is not None and self.rollbacks.spec_moved_on(key, dep):
+            # A new generation with another template ends the rollback: serve the spec again.
+            self.templates.pop(key, None)
+            template = None
+            failed = self.rollbacks.failed.pop(key)
+            self.clear_condition(key, "Degraded")
+            self.extra_conditions.setdefault(key, {})["RolledBack"] = Condition(
+                type="RolledBack", status="False", reason="RolledForward",
+                message=f"the spec changed after revision {failed.revision} was rolled back",
+                last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
+                observed_generation=dep.metadata.generation)
+        stored = await kube.list_revisions(api, owner)
         spec = template.spec if template else dep.spec
-        revision = template.revision if template else _revision(dep, children)
+        revision = template.revision if template else revisions.number_for(dep.spec, stored, _revision(dep, children) - 1) \
+            if stored else _revision(dep, children)
         desired = self._desired_for(key, dep.spec, spec, children)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         self._targets[key] = dict(plan.targets)
@@ -336,6 +451,11 @@ class Reconciler:
         last_rendered = self._rendered.get(key, {})
         result.drifted = {k: v for k, v in result.drifted.items() if last_rendered.get(k) == rendered[k]}
         self._rendered[key] = rendered
+        stable = self.extra_status.get(key, {}).get("stable_revision") or (
+            dep.status.stable_revision if dep.status else None)
+        for k in await revisions.record(api, owner, revision, spec, stored, dep.spec.rollback.revision_history_limit,
+                                        {stable} if stable else set()):
+            exporter.API_WRITES.labels(k.split("/")[0]).inc()
         for k in result.applied + result.created + result.deleted:
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
 
@@ -476,6 +596,11 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # bottleneck of bench/operator.py). Workers are asyncio tasks; a shorter idle time frees them sooner.
     settings.queueing.idle_timeout = 1.0
     RECONCILER.autoscaling = OPTIONS.autoscaler
+    if OPTIONS.alertmanager_port is not None:
+        runner = web.AppRunner(alertmanager.make_app(RECONCILER.on_alert), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, OPTIONS.alertmanager_host, OPTIONS.alertmanager_port).start()
+        RECONCILER.indexes["_alertmanager_runner"] = runner
     if OPTIONS.metrics_port is not None:
         RECONCILER.indexes["_metrics_runner"] = await exporter.serve(OPTIONS.metrics_host, OPTIONS.metrics_port)
     if OPTIONS.resync_interval > 0:
@@ -495,9 +620,10 @@ async def cleanup(**_: Any) -> None:
     task = RECONCILER.indexes.pop("_resync", None)
     if task is not None:
         task.cancel()
-    runner = RECONCILER.indexes.pop("_metrics_runner", None)
-    if runner is not None:
-        await runner.cleanup()
+    for name in ("_metrics_runner", "_alertmanager_runner"):
+        runner = RECONCILER.indexes.pop(name, None)
+        if runner is not None:
+            await runner.cleanup()
     for t in list(RECONCILER._tasks) + list(RECONCILER._autoscalers.values()):
         t.cancel()
     if RECONCILER.api is not None:

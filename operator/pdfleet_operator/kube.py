@@ -32,6 +32,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "ControllerRevision": ("/apis/apps/v1", "controllerrevisions"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
     "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
@@ -304,3 +305,19 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             await api.delete(obj)
             result.deleted.append(key)
     return result
+
+
+async def list_revisions(api: Api, owner: render.Owner) -> list[dict[str, Any]]:
+    """The ControllerRevisions this deployment controls, oldest revision first."""
+    found = await list_children(api, owner, ("ControllerRevision",))
+    return sorted(found, key=lambda o: int(o.get("revision") or 0))
+
+
+async def save_revision(api: Api, revision: dict[str, Any]) -> dict[str, Any]:
+    """Create (or take over) one ControllerRevision; its data never changes after creation."""
+    return await api.apply(revision)
+
+
+async def delete_revisions(api: Api, revisions: Iterable[dict[str, Any]]) -> None:
+    for obj in revisions:
+        await api.delete(obj)

@@ -77,6 +77,25 @@ class PrometheusSource:
         except (requests.RequestException, PrometheusApiClientException) as exc:
             return MetricsSnapshot.unavailable(taken_at, f"{type(exc).__name__}: {exc}", source=self.name)
 
+    def router_requests(self, deployment: str, namespace: str, window: str) -> tuple[float | None, float | None, str]:
+        """(requests, 5xx responses) through the deployment's router over `window`, for rollback analysis;
+        (None, None, why) when unknown (no series, NaN, Prometheus down). No 5xx series means no 5xx."""
+        sel = self.profile.selector(deployment, namespace)
+        total = f"sum(increase({names.ROUTER_REQUESTS_TOTAL}{{{sel}}}[{window}]))"
+        errors = f'sum(increase({names.ROUTER_REQUESTS_TOTAL}{{{sel},{names.LABEL_CODE}=~"5.."}}[{window}]))'
+        try:
+            values = []
+            for promql in (total, errors):
+                result = self.client.custom_query(promql)
+                values.append(_finite(float(result[0]["value"][1]), promql) if result else None)
+        except (MetricsError, KeyError, IndexError, TypeError, ValueError) as exc:
+            return None, None, f"{type(exc).__name__}: {exc}"
+        except (requests.RequestException, PrometheusApiClientException) as exc:
+            return None, None, f"Prometheus {self.url}: {type(exc).__name__}: {exc}"
+        if values[0] is None:
+            return None, None, f"no {names.ROUTER_REQUESTS_TOTAL} series for {namespace}/{deployment}"
+        return values[0], values[1] if values[1] is not None else 0.0, ""
+
     def _by_role(self, promql: str) -> dict[str, float]:
         """An instant vector by role label; MetricsError on a malformed answer or NaN."""
         try:

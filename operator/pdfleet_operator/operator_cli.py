@@ -27,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the queue queries of the worker engine: pdfleet or vllm (default pdfleet)")
     p.add_argument("--no-autoscaler", dest="autoscaler", action="store_false",
                    help="do not run the autoscaler (pools stay at what the spec and placement give)")
+    p.add_argument("--alertmanager-port", type=int, default=0,
+                   help="serve the Alertmanager webhook receiver (POST /alerts) on this port (default 0: off)")
+    p.add_argument("--analysis-interval", type=float, default=15.0,
+                   help="seconds between rollback analyses from Prometheus (0: only on alerts; default 15)")
     p.add_argument("--peering", default=None,
                    help="kopf peering object for running several replicas (default: standalone)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -46,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.prometheus_url = args.prometheus_url
     handlers.OPTIONS.metrics_profile = args.metrics_profile
     handlers.OPTIONS.autoscaler = args.autoscaler
+    handlers.OPTIONS.alertmanager_host = args.bind
+    handlers.OPTIONS.alertmanager_port = args.alertmanager_port or None
+    handlers.OPTIONS.analysis_interval = args.analysis_interval
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

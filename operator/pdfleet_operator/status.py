@@ -54,6 +54,9 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
     desired_by_role = {r: plan.replicas(r) for r in roles}
 
     conditions = list(prev.conditions)
+    # Others' conditions first too, so that what is decided below sees them (RolledBack -> Degraded).
+    for extra in extra_conditions:
+        conditions = set_condition(conditions, extra)
     # ScalingLimited: the plan is short of its targets.
     if plan.shortfalls:
         first = plan.shortfalls[0]

@@ -160,6 +160,15 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
         failing.clear()
     harness.wait_reconciled(kube, target, namespace=namespace, timeout=30)
 
+    # Revision history beyond its limit is pruned (ControllerRevisions deleted).
+    current = kube.get("infdep", target, namespace)
+    kube.patch("infdep", target, {"spec": {"rollback": {"revisionHistoryLimit": 1},
+                                           "engine": {"maxNumSeqs": current["spec"]["engine"]["maxNumSeqs"] + 1}}},
+               namespace)
+    kube.wait_for(lambda: len(kube.list("controllerrevisions.apps", namespace,
+                                        label_selector=f"{render.LABEL_DEPLOYMENT}={target}")) == 1,
+                  timeout=20, message="revision history pruned to 1")
+
     # A price change re-plans; deleting the CR lets garbage collection take the children.
     kube.patch("acceleratorclass", "cpu", {"spec": {"costPerHour": 0.11}})
     kube.wait_for(lambda: any(e["reason"] == "Replanned" for e in harness.events(kube, "local-tiny", namespace)),

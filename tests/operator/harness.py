@@ -28,12 +28,16 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 
 @contextlib.contextmanager
 def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
-                     prometheus_url: str | None = None) -> Iterator[kopf.testing.KopfRunner]:
-    """kopf with pdfleet's handlers; the autoscaler daemon only when asked (tests of the reconcile alone)."""
+                     prometheus_url: str | None = None, alertmanager_port: int | None = None,
+                     analysis_interval: float = 15.0) -> Iterator[kopf.testing.KopfRunner]:
+    """kopf with pdfleet's handlers; the autoscaler and rollback-analysis loops only when asked (`autoscaler`),
+    so tests of the reconcile alone see no metrics-driven writes."""
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler
     handlers.OPTIONS.prometheus_url = prometheus_url
+    handlers.OPTIONS.alertmanager_port = alertmanager_port
+    handlers.OPTIONS.analysis_interval = analysis_interval
     handlers.OPTIONS.metrics_port = None
     args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.handlers"]
     with kopf.testing.KopfRunner(args, timeout=60) as runner:

@@ -108,7 +108,7 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             # A prefill surge: 6 waiting at 2 per replica -> 3 prefill replicas.
             queues.set("prefill", waiting=6, running=2)
             took = _wait_role(kube, NAME, "prefill", 3, timeout=15)
-            print(f"prefill surge -> 3 replicas after {took:.2f}s (interval {INTERVAL_S}s + scrape {SCRAPE_S}s)")
+            report = (f"prefill surge -> 3 replicas after {took:.2f}s (interval {INTERVAL_S}s + scrape {SCRAPE_S}s)")
             assert took <= INTERVAL_S + SCRAPE_S + SLACK_S, took
             decision = kube.get("infdep", NAME, "default")["status"]["lastScalingDecision"]
             assert decision["reason"] and decision["toReplicas"] >= decision["fromReplicas"]
@@ -139,6 +139,7 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             assert [e["reason"] for e in events(kube, NAME)].count("MetricsAvailable") == 1
             # The other deployment stayed held the whole time.
             assert replicas(kube, "unscraped") == {"prefill": 1, "decode": 1}
+        print(report)  # NOTE: after the runner: KopfRunner swaps sys.stdout while kopf runs
     finally:
         queues.server.shutdown()
 

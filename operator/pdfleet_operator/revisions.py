@@ -1,0 +1,155 @@
+"""Revisions and rollback in the operator: ControllerRevision bookkeeping and the analysis loop; called by `handlers`.
+
+Every pod template a deployment serves is a ControllerRevision it owns (data: the template part of
+the spec and the whole spec it came from). The analysis feeds `rollback.analyze` with the router's
+5xx ratio from Prometheus (`metrics`), on a timer and when Alertmanager posts a firing alert, and
+turns its action into reconciler inputs: `set_template` to the stable revision, conditions, Events.
+Writes go through `kube`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdfleet_operator import kube, metrics, render, rollback
+from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec
+
+logger = logging.getLogger("pdfleet.revisions")
+Key = tuple[str, str]
+ANNOTATION_FINGERPRINT = "pdfleet.io/template-fingerprint"
+ANNOTATION_ROLLBACK_TO = "pdfleet.io/rollback-to"
+# Policy fields a rollback takes from the user's current spec rather than from the stored revision.
+CURRENT_POLICIES = ("autoscaling", "rollback", "slo", "tier")
+
+
+def revision_object(owner: render.Owner, number: int, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    template = rollback.template_spec(spec)
+    return {
+        "apiVersion": "apps/v1", "kind": "ControllerRevision",
+        "metadata": {"name": render.child_name(owner.name, "rev", str(number)), "namespace": owner.namespace,
+                     "labels": render.labels(owner, "revision", revision=number),
+                     "annotations": {render.ANNOTATION_TEMPLATE_HASH: render.template_hash(spec),
+                                     ANNOTATION_FINGERPRINT: rollback.fingerprint(template)},
+                     "ownerReferences": [owner.reference()]},
+        "revision": number,
+        "data": {"template": template, "spec": spec.wire()},
+    }
+
+
+def number_of(obj: Mapping[str, Any]) -> int:
+    return int(obj.get("revision") or 0)
+
+
+def find(revisions: list[dict[str, Any]], number: int) -> dict[str, Any] | None:
+    return next((r for r in revisions if number_of(r) == number), None)
+
+
+def spec_for_rollback(stored: Mapping[str, Any], current: InferenceDeploymentSpec) -> InferenceDeploymentSpec:
+    """The stored revision's spec with the user's current policies (sizes, autoscaling, rollback, SLO)."""
+    wire = dict((stored.get("data") or {}).get("spec") or {})
+    if not wire:
+        raise ValueError(f"ControllerRevision {stored['metadata']['name']} holds no spec")
+    now = current.wire()
+    for name in CURRENT_POLICIES:
+        if name in now:
+            wire[name] = now[name]
+    return InferenceDeploymentSpec.model_validate(wire)
+
+
+def number_for(spec: InferenceDeploymentSpec, revisions: list[dict[str, Any]], pools: int) -> int:
+    """The revision number of this spec's pod template: the newest stored revision's when it is that template,
+    else one past every number used (stored or on the pools). As with a Deployment's rollout history, going
+    back to an older template is a new revision; a number is never reused for another template."""
+    newest = max(revisions, key=number_of, default=None)
+    if newest is not None and _hash(newest) == render.template_hash(spec):
+        return number_of(newest)
+    return max([pools] + [number_of(r) for r in revisions]) + 1
+
+
+def _hash(obj: Mapping[str, Any]) -> str | None:
+    return (obj["metadata"].get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH)
+
+
+async def record(api: kube.Api, owner: render.Owner, number: int, spec: InferenceDeploymentSpec,
+                 revisions: list[dict[str, Any]], limit: int, keep: set[int]) -> list[str]:
+    """Store the served revision if new, drop older copies of its template (not kept ones) and prune beyond
+    the history limit; the keys written."""
+    written = []
+    keep = keep | {number}
+    if find(revisions, number) is None:
+        obj = await kube.save_revision(api, revision_object(owner, number, spec))
+        duplicates = [r for r in revisions if _hash(r) == _hash(obj) and number_of(r) not in keep]
+        await kube.delete_revisions(api, duplicates)
+        written += [kube.key_of(obj)] + [kube.key_of(r) for r in duplicates]
+        revisions = [r for r in revisions if r not in duplicates] + [obj]
+    prune = set(rollback.revisions_to_prune([number_of(r) for r in revisions], limit, keep))
+    gone = [r for r in revisions if number_of(r) in prune]
+    await kube.delete_revisions(api, gone)
+    return written + [kube.key_of(r) for r in gone]
+
+
+@dataclass
+class Failed:
+    """A rolled-back revision: not served again until a new generation brings a different template."""
+
+    revision: int
+    generation: int | None
+    fingerprint: str
+
+
+@dataclass
+class Analysis:
+    """Rollback memory per deployment in this process."""
+
+    health: dict[Key, rollback.RevisionHealth] = field(default_factory=dict)
+    failed: dict[Key, Failed] = field(default_factory=dict)
+    manual: dict[Key, str] = field(default_factory=dict)      # rollback-to annotation values acted on
+    triggers: list[tuple[float, Any]] = field(default_factory=list)  # (monotonic time, RollbackTrigger) received
+    actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
+
+    def forget(self, key: Key) -> None:
+        self.health.pop(key, None)
+        self.failed.pop(key, None)
+        self.manual.pop(key, None)
+
+    def spec_moved_on(self, key: Key, dep: InferenceDeployment) -> bool:
+        """A rollback ends when the user changes the spec again to another template."""
+        failed = self.failed.get(key)
+        if failed is None:
+            return False
+        fp = rollback.fingerprint(rollback.template_spec(dep.spec))
+        return dep.metadata.generation != failed.generation and fp != failed.fingerprint
+
+
+async def sample(dep: InferenceDeployment, default_url: str | None, profile: str) -> rollback.RatioSample:
+    """The 5xx ratio of the deployment's router over the rollback window (missing -> held, never healthy)."""
+    now = time.time()
+    url = dep.spec.autoscaling.prometheus_url or default_url
+    if not url:
+        return rollback.RatioSample(now, None, None, "no Prometheus URL (spec.autoscaling.prometheusUrl / --prometheus-url)")
+    source = metrics.prometheus_for(url, profile)
+    assert dep.metadata.name and dep.metadata.namespace
+    requests, errors, why = await asyncio.to_thread(source.router_requests, dep.metadata.name, dep.metadata.namespace,
+                                                    dep.spec.rollback.window)
+    return rollback.RatioSample(now, requests, errors, why)
+
+
+def conditions_for(action: rollback.RollbackAction, failed: int, stable: int | None, generation: int | None
+                   ) -> list[Condition]:
+    at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    ratio = f"{action.ratio:.2%}" if action.ratio is not None else "n/a"
+    if action.kind == "rollback":
+        message = f"revision {failed} rolled back to {stable}: 5xx ratio {ratio}. {action.message}"
+        return [Condition(type="RolledBack", status="True", reason=action.reason, message=message,
+                          last_transition_time=at, observed_generation=generation),
+                Condition(type="Degraded", status="True", reason="RolledBack", message=message,
+                          last_transition_time=at, observed_generation=generation)]
+    message = f"revision {failed}: 5xx ratio {ratio}. {action.message}"
+    return [Condition(type="Degraded", status="True", reason=action.reason, message=message,
+                      last_transition_time=at, observed_generation=generation)]
