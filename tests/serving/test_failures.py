@@ -137,9 +137,12 @@ def test_sigterm_drains_finishing_short_requests_and_failing_long_ones(procs):
         return chunks, None
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        short = pool.submit(consume, 60)
+        # The long stream first, then the short one: on a loaded machine a short stream started first
+        # can finish before the long one is scheduled, and "both running" is never seen.
         long = pool.submit(consume, 1900)
-        wait_until(lambda: w.load()["running"] == 2, what="both streams running")
+        wait_until(lambda: w.load()["running"] == 1, timeout=30, what="the long stream running")
+        short = pool.submit(consume, 60)
+        wait_until(lambda: w.load()["running"] == 2, timeout=30, what="both streams running")
         w.signal(signal.SIGTERM)
         wait_until(lambda: httpx.get(f"{w.url}/ready").status_code == 503, timeout=5, what="/ready 503 while draining")
         assert httpx.get(f"{w.url}/health").status_code == 200
