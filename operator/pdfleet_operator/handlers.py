@@ -66,7 +66,7 @@ class Options:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
     monitoring_check_interval: float = 300.0
-    autoscaler: bool = True            # run the autoscaler daemon (tests of the reconcile alone switch it off)
+    autoscaler: bool = True            # run the autoscaler loops (tests of the reconcile alone switch them off)
     prometheus_url: str | None = None  # the autoscaler's Prometheus when a spec names none
     metrics_profile: str = "pdfleet"   # metric_names.PROFILES: the PromQL of the engine kind
     analysis_interval: float = 15.0    # seconds between rollback analyses from Prometheus (0: only on alerts)
@@ -164,6 +164,7 @@ class Reconciler:
         self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
         self._autoscalers: dict[Key, asyncio.Task] = {}
         self.rollbacks = revisions.Analysis()
+        self.analysis = False  # start rollback-analysis timers (set at kopf startup from OPTIONS.analysis_interval)
         self._analyzers: dict[Key, asyncio.Task] = {}
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
@@ -223,18 +224,18 @@ class Reconciler:
             logger.error("reconcile of %s/%s (%s) failed: %s", *key, why, exc)
             exporter.RECONCILES.labels("error").inc()
 
-    # --- the autoscaler loop of each deployment -----------------------------------------------------------
+    # --- the autoscaler and rollback-analysis loops of each deployment ------------------------------------
     # NOTE: a task of our own rather than @kopf.daemon/@kopf.timer: kopf puts a finalizer on every object a
     # daemon or timer serves, which costs a write per CR and blocks deleting a CR while the operator is down.
-    def _start_autoscaler(self, key: Key) -> None:
+    def _start_loops(self, key: Key) -> None:
         task = self._autoscalers.get(key)
         if self.autoscaling and (task is None or task.done()):
             self._autoscalers[key] = asyncio.get_running_loop().create_task(self._autoscale(key))
         task = self._analyzers.get(key)
-        if self.autoscaling and OPTIONS.analysis_interval > 0 and (task is None or task.done()):
+        if self.analysis and (task is None or task.done()):
             self._analyzers[key] = asyncio.get_running_loop().create_task(self._analysis_loop(key))
 
-    def stop_autoscaler(self, key: Key) -> None:
+    def stop_loops(self, key: Key) -> None:
         for tasks in (self._autoscalers, self._analyzers):
             task = tasks.pop(key, None)
             if task is not None:
@@ -399,7 +400,7 @@ class Reconciler:
             exporter.RECONCILES.labels("ok" if not outcome.skipped else "skipped").inc()
             self.reconciles += 1
             if outcome.plan is not None:
-                self._start_autoscaler(key)
+                self._start_loops(key)
             return outcome
 
     async def _reconcile(self, key: Key, why: str, given: Mapping[str, Any] | None) -> Outcome:
@@ -437,6 +438,11 @@ class Reconciler:
                 last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
                 observed_generation=dep.metadata.generation)
         stored = await kube.list_revisions(api, owner)
+        wanted = (meta.get("annotations") or {}).get(revisions.ANNOTATION_ROLLBACK_TO)
+        if wanted is not None and self.rollbacks.manual.get(key) != meta.get("resourceVersion"):
+            # (once per version of the object: the index may still show the annotation we just removed)
+            self.rollbacks.manual[key] = meta.get("resourceVersion")
+            template = await self._manual_rollback(api, key, dep, body, wanted, stored, children) or template
         spec = template.spec if template else dep.spec
         revision = template.revision if template else revisions.number_for(dep.spec, stored, _revision(dep, children) - 1) \
             if stored else _revision(dep, children)
@@ -494,6 +500,36 @@ class Reconciler:
                                               for p in plan.pools),
                            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
+
+    async def _manual_rollback(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
+                               wanted: str, stored: list[dict[str, Any]], children: list[dict[str, Any]]
+                               ) -> Template | None:
+        """`kubectl annotate infdep X pdfleet.io/rollback-to=N`: serve revision N until the spec changes again.
+
+        The annotation is a one-shot command: removed once acted on (or rejected with a Warning Event), so a
+        restart or a later spec change does not roll back again.
+        """
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
+        target = revisions.find(stored, int(wanted)) if wanted.isdigit() else None
+        await api.remove_annotation("InferenceDeployment", key[0], key[1], revisions.ANNOTATION_ROLLBACK_TO)
+        if target is None:
+            known = ", ".join(str(revisions.number_of(r)) for r in stored) or "none"
+            await api.event(involved, "Warning", "RollbackRejected",
+                            f"{revisions.ANNOTATION_ROLLBACK_TO}={wanted!r} names no stored revision (stored: {known})")
+            return None
+        number = revisions.number_of(target)
+        current = self.templates[key].revision if key in self.templates else _revision(dep, children)
+        template = Template(number, revisions.spec_for_rollback(target, dep.spec))
+        self.templates[key] = template
+        self.rollbacks.failed[key] = revisions.Failed(current, dep.metadata.generation,
+                                                      rollback.fingerprint(rollback.template_spec(dep.spec)))
+        message = f"revision {current} rolled back to {number} by hand ({revisions.ANNOTATION_ROLLBACK_TO})"
+        self.extra_conditions.setdefault(key, {})["RolledBack"] = Condition(
+            type="RolledBack", status="True", reason="ManualRollback", message=message,
+            last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
+            observed_generation=dep.metadata.generation)
+        await api.event(involved, "Normal", "RolledBack", message)
+        return template
 
     def _parse(self, key: Key, body: Mapping[str, Any]) -> InferenceDeployment:
         """The CR as the API model; the spec (whose CEL rules are slow to evaluate) once per generation."""
@@ -596,6 +632,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # bottleneck of bench/operator.py). Workers are asyncio tasks; a shorter idle time frees them sooner.
     settings.queueing.idle_timeout = 1.0
     RECONCILER.autoscaling = OPTIONS.autoscaler
+    RECONCILER.analysis = OPTIONS.analysis_interval > 0
     if OPTIONS.alertmanager_port is not None:
         runner = web.AppRunner(alertmanager.make_app(RECONCILER.on_alert), access_log=None)
         await runner.setup()
@@ -725,6 +762,15 @@ async def on_resume(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -
     await _reconcile_from_handler(namespace, name, body, "operator started", kwargs)
 
 
+@kopf.on.event(GROUP, VERSION, "inferencedeployments", annotations={revisions.ANNOTATION_ROLLBACK_TO: kopf.PRESENT})
+async def on_rollback_annotation(namespace: str, name: str, event: Mapping[str, Any], **kwargs: Any) -> None:
+    """`pdfleet.io/rollback-to=N` set by hand. NOTE: an on.event handler, because kopf leaves annotations under
+    its own storage prefix (pdfleet.io) out of the essence that on.update compares."""
+    _keep_indexes(kwargs)
+    if event.get("type") in (None, "ADDED", "MODIFIED"):
+        RECONCILER.request((namespace, name), f"annotation {revisions.ANNOTATION_ROLLBACK_TO}")
+
+
 @kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
 async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
@@ -734,7 +780,7 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
                   RECONCILER.plans):
         store.pop(key, None)
     RECONCILER.limited.discard(key)
-    RECONCILER.stop_autoscaler(key)
+    RECONCILER.stop_loops(key)
     exporter.forget(namespace, name)
 
 

@@ -222,6 +222,11 @@ class Api:
                                     body={"status": status}, content_type="application/merge-patch+json")
         return result
 
+    async def remove_annotation(self, kind: str, namespace: str, name: str, key: str) -> None:
+        """Drop one annotation (a one-shot command such as pdfleet.io/rollback-to, once acted on)."""
+        await self.request("PATCH", _path(kind, namespace, name), body={"metadata": {"annotations": {key: None}}},
+                           content_type="application/merge-patch+json")
+
     async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about the InferenceDeployment (what `kubectl describe` shows)."""
         meta = involved["metadata"]

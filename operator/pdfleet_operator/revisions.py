@@ -109,7 +109,7 @@ class Analysis:
 
     health: dict[Key, rollback.RevisionHealth] = field(default_factory=dict)
     failed: dict[Key, Failed] = field(default_factory=dict)
-    manual: dict[Key, str] = field(default_factory=dict)      # rollback-to annotation values acted on
+    manual: dict[Key, str | None] = field(default_factory=dict)  # resourceVersion whose rollback-to was acted on
     triggers: list[tuple[float, Any]] = field(default_factory=list)  # (monotonic time, RollbackTrigger) received
     actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
 

@@ -29,9 +29,9 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 @contextlib.contextmanager
 def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
                      prometheus_url: str | None = None, alertmanager_port: int | None = None,
-                     analysis_interval: float = 15.0) -> Iterator[kopf.testing.KopfRunner]:
-    """kopf with pdfleet's handlers; the autoscaler and rollback-analysis loops only when asked (`autoscaler`),
-    so tests of the reconcile alone see no metrics-driven writes."""
+                     analysis_interval: float = 0.0) -> Iterator[kopf.testing.KopfRunner]:
+    """kopf with pdfleet's handlers; the autoscaler and rollback-analysis loops only when asked (`autoscaler`,
+    `analysis_interval` > 0), so tests of the reconcile alone see no metrics-driven writes."""
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler

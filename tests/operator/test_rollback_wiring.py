@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from pdfleet_operator import alerts, handlers, render
+from pdfleet_operator import alerts, handlers, render, revisions
 from pdfleet_operator.api import parse_duration
 from tests.operator.harness import events, prepare_cluster, running_operator, wait_reconciled
 from tests.support.components import free_port
@@ -122,7 +122,7 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
                                       "labels": {"namespace": "default", "pdfleet_deployment": NAME}}]}])
         prom.wait_for(f'pdfleet_router_requests_total{{pdfleet_deployment="{NAME}"}}')
         prepare_cluster(kube)
-        with running_operator(kube, autoscaler=True, alertmanager_port=receiver_port, analysis_interval=1.0):
+        with running_operator(kube, alertmanager_port=receiver_port, analysis_interval=1.0):
             kube.apply(spec(GOOD, prom.url))
             # Revision 1 serves healthy traffic for its soak and becomes stable.
             cr = wait_reconciled(kube, NAME, timeout=20, check=lambda cr: cr["status"].get("stableRevision") == 1)
@@ -177,6 +177,39 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             cr = wait_reconciled(kube, NAME, timeout=20, check=lambda cr: cr["status"].get("stableRevision") == 3)
             revs = kube.list("controllerrevisions.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
             assert sorted(r["revision"] for r in revs) == [1, 2, 3]
+
+            # By hand: `kubectl annotate infdep guarded pdfleet.io/rollback-to=1`; a revision not stored is refused.
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "99"}}})
+            kube.wait_for(lambda: any(e["reason"] == "RollbackRejected" for e in events(kube, NAME)), timeout=10,
+                          message="rollback-to=99 rejected")
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "1"}}})
+            kube.wait_for(lambda: image_of(kube) == GOOD, timeout=15, message="manual rollback to revision 1")
+            cr = wait_reconciled(kube, NAME, check=lambda cr: conditions(cr)["RolledBack"]["reason"] == "ManualRollback")
+            assert cr["status"]["currentRevision"] == 1 and cr["spec"]["engine"]["image"] == NEXT
+            assert revisions.ANNOTATION_ROLLBACK_TO not in (cr["metadata"].get("annotations") or {})
+            assert "rolled back to 1 by hand" in [e for e in events(kube, NAME) if e["reason"] == "RolledBack"][-1]["message"]
         print(report)  # NOTE: after the runner: KopfRunner swaps sys.stdout while kopf runs
     finally:
         router.close()
+
+
+def _stored(number: int, image: str) -> dict[str, Any]:
+    from pdfleet_operator.api import InferenceDeploymentSpec
+    owner = render.Owner(NAME, "default", "uid-1")
+    return revisions.revision_object(owner, number, InferenceDeploymentSpec.model_validate(spec(image, "http://p:9090")["spec"]))
+
+
+def test_revision_numbers_never_repeat_and_a_rollback_keeps_the_current_policies() -> None:
+    from pdfleet_operator.api import InferenceDeploymentSpec
+    good, bad = _stored(1, GOOD), _stored(2, BAD)
+    current = InferenceDeploymentSpec.model_validate(spec(BAD, "http://p:9090")["spec"])
+    assert revisions.number_for(current, [good, bad], 0) == 2          # still the newest template
+    assert revisions.number_for(current, [good], 1) == 2               # a new template: the next number
+    back = InferenceDeploymentSpec.model_validate(spec(GOOD, "http://p:9090")["spec"])
+    assert revisions.number_for(back, [good, bad], 2) == 3             # going back is a new revision, as in a rollout
+    assert good["data"]["template"]["engine"]["image"] == GOOD and good["revision"] == 1
+    assert good["metadata"]["name"] == f"{NAME}-rev-1"
+
+    edited = current.model_copy(update={"rollback": current.rollback.model_copy(update={"soak_time": "9m"})})
+    restored = revisions.spec_for_rollback(good, edited)
+    assert restored.engine.image == GOOD and restored.rollback.soak_time == "9m"
