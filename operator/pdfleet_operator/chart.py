@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import yaml
 
-from pdfleet_operator import alerts, crds
+from pdfleet_operator import alerts, crds, metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = Path("charts/pdfleet")
@@ -30,8 +30,9 @@ DNS_LABEL = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 LABEL_VALUE = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 DURATION = "^([0-9]+(ms|s|m|h))+$"
-OPERATOR_METRICS_PORT = 9090  # the Dockerfile EXPOSEs 9090 for /metrics and 8080 for liveness
+OPERATOR_METRICS_PORT = 9090  # the Dockerfile EXPOSEs 9090 for /metrics, 8080 for liveness, 9443 for alerts
 OPERATOR_LIVENESS_PORT = 8080
+OPERATOR_ALERTS_PORT = 9443
 
 
 # --- the values, defined once -------------------------------------------------------------------------
@@ -142,6 +143,21 @@ def values_tree(root: Path = ROOT) -> Group:
                                       "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
             "resyncInterval": Value(300, "Seconds between full re-reconciles of every InferenceDeployment "
                                          "(0: only on changes).", {"type": "number", "minimum": 0}),
+            "prometheusUrl": _string("", "Prometheus the autoscaler and the rollback analysis read when an "
+                                         "InferenceDeployment names none in spec.autoscaling.prometheusUrl, e.g. "
+                                         "http://kube-prometheus-stack-prometheus.monitoring.svc:9090. Empty and "
+                                         "unnamed: autoscaled deployments hold their size (MetricsAvailable=False).",
+                                     pattern="^(https?://[^\\s]+)?$", maxLength=2048),
+            "metricsProfile": Value("pdfleet", "The queue queries of the worker engine: pdfleet, or vllm for "
+                                               "vLLM pods.", {"enum": sorted(metric_names.PROFILES)}),
+            "autoscaler": _bool(True, "Run the autoscaler (false: pools stay at what the spec and placement give)."),
+            "analysisInterval": Value(15, "Seconds between rollback analyses from Prometheus (0: only on alerts).",
+                                      {"type": "number", "minimum": 0}),
+            "alertmanagerPort": _int(OPERATOR_ALERTS_PORT, "Port of the Alertmanager webhook receiver (POST /alerts) "
+                                                           "that triggers rollback analysis at once; 0 turns it off. "
+                                                           "Point an Alertmanager receiver at "
+                                                           "http://<release>-operator.<namespace>.svc:<port>/alerts.",
+                                     minimum=0, maximum=65535),
             "metricsPort": _port(OPERATOR_METRICS_PORT, "Port of the operator's /metrics (pool replicas, $/h, "
                                                         "SLO targets, reconciles)."),
             "livenessPort": _port(OPERATOR_LIVENESS_PORT, "Port of the operator's /healthz (liveness probe)."),

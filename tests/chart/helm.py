@@ -33,7 +33,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
     "cluster-wide": {
-        "operator": {"watchNamespaces": [], "resyncInterval": 60, "verbose": True,
+        "operator": {"watchNamespaces": [], "resyncInterval": 60, "verbose": True, "metricsProfile": "vllm",
+                     "prometheusUrl": "http://kube-prometheus-stack-prometheus.monitoring.svc:9090",
                      "nodeSelector": {"kubernetes.io/os": "linux"},
                      "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}]},
         "image": {"repository": "registry.example.com/pdfleet/pdfleet-operator",
@@ -44,7 +45,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                        "prometheusRule": {"labels": {"release": "kube-prometheus-stack"}}},
         "dashboards": {"namespace": "monitoring", "folder": "Inference"},
     },
-    "monitoring-off": {"monitoring": {"enabled": False}, "dashboards": {"enabled": False}},
+    "monitoring-off": {"monitoring": {"enabled": False}, "dashboards": {"enabled": False},
+                       "operator": {"autoscaler": False, "alertmanagerPort": 0, "analysisInterval": 0}},
     "custom-classes": {"acceleratorClasses": {"includeDefaults": False, "classes": {
         "h20-96gb": {"vendor": "nvidia", "model": "H20 96GB", "resourceName": "nvidia.com/gpu", "memoryGiB": 96,
                      "peakTflops": 148, "memoryBandwidthGBps": 4000, "costPerHour": 1.35,
@@ -60,6 +62,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "bring-your-own": {"crds": {"install": False}, "rbac": {"create": False},
                        "serviceAccount": {"create": False, "name": "platform-pdfleet"},
                        "acceleratorClasses": {"create": False}},
+    # What e2e/run.sh installs on kind.
+    "e2e": yaml.safe_load((ROOT / "e2e" / "values.yaml").read_text()),
 }
 
 

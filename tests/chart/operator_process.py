@@ -26,16 +26,22 @@ from tests.operator import harness
 from tests.operator.cluster import example_deployments
 from tests.support.components import free_port
 
-PORT_FLAGS = ("--metrics-port", "--liveness-port")
+PORT_FLAGS = ("--metrics-port", "--liveness-port", "--alertmanager-port")
+
+
+def free_ports() -> dict[str, int]:
+    """A free local port for each port flag (pick them early when a scrape config must name them)."""
+    return {flag: free_port() for flag in PORT_FLAGS}
 
 
 class OperatorProcess:
     """The operator container's command line as a local process; stopped by PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, deployment: dict[str, Any], kubeconfig: Path, log_path: Path) -> None:
+    def __init__(self, deployment: dict[str, Any], kubeconfig: Path, log_path: Path,
+                 ports: dict[str, int] | None = None) -> None:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["command"] == ["pdfleet"], container["command"]
-        self.ports = {flag: free_port() for flag in PORT_FLAGS}
+        self.ports = ports or free_ports()
         self.args = [self._port(a) for a in container["args"]]
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig),
                     **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -127,10 +128,24 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert f"--metrics-port={ports['metrics']}" in container["args"]
         assert f"--liveness-port={ports['health']}" in container["args"]
+        if "alerts" in ports:
+            assert f"--alertmanager-port={ports['alerts']}" in container["args"]
+            service = helm.the(objects, "Service")
+            assert {"name": "alerts", "port": ports["alerts"], "targetPort": "alerts", "protocol": "TCP"} in \
+                service["spec"]["ports"]
+        else:
+            assert "--alertmanager-port=0" in container["args"] and "--no-autoscaler" in container["args"]
+        # Every flag the chart passes is one `pdfleet operator` accepts (parsed by its own parser).
+        from pdfleet_operator import operator_cli
+        parser = argparse.ArgumentParser()
+        operator_cli.register(parser.add_subparsers(dest="command"))
+        parser.parse_args(container["args"])
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     byo = helm.the(rendered["bring-your-own"], "Deployment")["spec"]["template"]["spec"]
     assert byo["serviceAccountName"] == "platform-pdfleet"
     cw = helm.the(rendered["cluster-wide"], "Deployment")["spec"]["template"]["spec"]
+    assert "--prometheus-url=http://kube-prometheus-stack-prometheus.monitoring.svc:9090" in cw["containers"][0]["args"]
+    assert "--metrics-profile=vllm" in cw["containers"][0]["args"]
     assert cw["containers"][0]["image"] == "registry.example.com/pdfleet/pdfleet-operator@sha256:" + "ab" * 32
     assert helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] == \
         f"ghcr.io/pdfleet/pdfleet-operator:{__version__}"

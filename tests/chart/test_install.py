@@ -15,7 +15,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import helm_python
 import httpx
 import pytest
 

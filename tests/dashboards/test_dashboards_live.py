@@ -3,12 +3,12 @@ operator under a short load; the $ per 1M tokens panels equal the number compute
 the class prices the chart installed.
 
 The fleet: `pdfleet model init` (tiny), `pdfleet worker --role prefill|decode` and `pdfleet router`, one torch thread
-each; the operator exactly as the chart describes it (tests/chart/operator_process.py) against the API emulator with
-the chart installed and examples/local-tiny.yaml applied, so its pool $/h comes from the chart's AcceleratorClasses;
-the autoscaler's series (pdfleet_desired_replicas, pdfleet_pd_ratio, pdfleet_scaling_decisions_total) from
-`operator_metrics.OperatorMetrics`, served in this process, recording the decisions `autoscaler.decide` makes from
-what `metrics.PrometheusSource` reads back from that Prometheus. Workers are scraped with the target labels the
-chart's PodMonitor relabelings produce from the pod labels `render` gives the local-tiny pods.
+each; the operator exactly as the chart describes it (tests/chart/operator_process.py), pointed at the test's
+Prometheus through the chart's `operator.prometheusUrl`, against the API emulator with the chart installed and
+examples/local-tiny.yaml applied: its pool $/h comes from the chart's AcceleratorClasses, its autoscaler decides
+from the live queues (pdfleet_desired_replicas, pdfleet_pd_ratio, pdfleet_scaling_decisions_total). Workers are
+scraped with the target labels the chart's PodMonitor relabelings produce from the pod labels `render` gives the
+local-tiny pods.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import httpx
 import pytest
 import yaml
 
-from pdfleet_operator import autoscaler, dashboards, inventory, metrics, operator_metrics, placement, render
+from pdfleet_operator import dashboards, inventory, placement, render
+from pdfleet_operator import metric_names as names
 from pdfleet_operator.api import InferenceDeployment
 from tests.chart import helm
-from tests.chart.operator_process import OperatorProcess
+from tests.chart.operator_process import OperatorProcess, free_ports
 from tests.dashboards import grafana
 from tests.operator import harness
 from tests.operator.cluster import EXAMPLES, classes, standard_nodes
@@ -130,21 +131,9 @@ def complete(router_url: str, i: int) -> int:
 
 @pytest.mark.slow
 def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_path, prometheus_factory) -> None:
-    # --- the operator, installed by the chart, planning local-tiny on the chart's classes ---
-    helm.install(kube, {"monitoring": {"enabled": False}}, [])
-    rendered = helm.render({})
-    cpu = next(o["spec"] for o in helm.by_kind(rendered, "AcceleratorClass") if o["metadata"]["name"] == "cpu")
-    relabelings = helm.the(rendered, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["relabelings"]
-    kube.apply(EXAMPLES / "local-tiny.yaml")
-    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
-                               kube.kubeconfig, tmp_path / "operator.log").start()
     children: list[Child] = []
-    decisions_server = None
+    operator = None
     try:
-        cr = harness.wait_reconciled(kube, NAME)
-        planned = {p["role"]: p["desired"] for p in cr["status"]["pools"]}
-        assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
-
         # --- the data plane ---
         model = tmp_path / "tiny"
         subprocess.run(PDFLEET + ["model", "init", str(model), "--preset", "tiny"], check=True, capture_output=True,
@@ -161,53 +150,55 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         children.append(router)
         router.wait_ready()
 
-        om = operator_metrics.OperatorMetrics()
-        om_port = free_port()
-        decisions_server = operator_metrics.serve(om, om_port, host="127.0.0.1")
-
+        # --- Prometheus: the workers with the PodMonitor's target labels, the operator's port picked ahead ---
+        rendered = helm.render({})
+        relabelings = helm.the(rendered, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["relabelings"]
         pods = pod_labels_of_local_tiny()
         targets = {"prefill": prefill, "decode": decode, render.ROUTER_ROLE: router}
         worker_job = {"job_name": "pdfleet-workers", "static_configs": [
             {"targets": [f"127.0.0.1:{child.port}"], "labels": scrape_labels(pods[role], relabelings)}
             for role, child in targets.items()]}
-        operator_job = {"job_name": "pdfleet-operator", "honor_labels": True, "static_configs": [
-            {"targets": [operator.metrics_url.split("/")[2], f"127.0.0.1:{om_port}"]}]}
+        assert worker_job["static_configs"][1]["labels"] == {
+            "namespace": NAMESPACE, "pdfleet_deployment": NAME, "pdfleet_role": "decode", "pdfleet_accelerator": "cpu",
+            "pdfleet_revision": "1"}
+        ports = free_ports()
+        operator_job = {"job_name": "pdfleet-operator", "honor_labels": True,  # as the chart's ServiceMonitor
+                        "static_configs": [{"targets": [f"127.0.0.1:{ports['--metrics-port']}"]}]}
         started = time.time()
         prom = prometheus_factory(extra_scrape_configs=[worker_job, operator_job])
-        labels = worker_job["static_configs"][1]["labels"]
-        assert labels == {"namespace": NAMESPACE, "pdfleet_deployment": NAME, "pdfleet_role": "decode",
-                          "pdfleet_accelerator": "cpu", "pdfleet_revision": "1"}
-        prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 5', timeout=30)
-        prom.wait_for(f'vllm:generation_tokens_total{{pdfleet_role="decode"}} == 0', timeout=30)
 
-        # --- the autoscaler's decisions, from what Prometheus says, while a burst goes through the router ---
-        spec = InferenceDeployment.model_validate(kube.get("infdep", NAME, NAMESPACE)).spec
-        source = metrics.PrometheusSource(prom.url)
-        state = autoscaler.ScalerState.initial(spec, planned)
+        # --- the operator, installed by the chart and pointed at that Prometheus, planning local-tiny on the
+        # chart's classes; its autoscaler decides from the live queues (bounded to one replica per role, so the
+        # pool $/h stays what the hand computation below assumes) ---
+        helm.install(kube, {"monitoring": {"enabled": False}, "operator": {"prometheusUrl": prom.url}}, [])
+        cpu = next(o["spec"] for o in helm.by_kind(rendered, "AcceleratorClass") if o["metadata"]["name"] == "cpu")
+        doc = yaml.safe_load((EXAMPLES / "local-tiny.yaml").read_text())
+        for role in ("prefill", "decode"):
+            doc["spec"][role]["maxReplicas"] = 1
+        kube.apply(doc)
+        operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+                                   kube.kubeconfig, tmp_path / "operator.log", ports=ports)
+        assert f"--prometheus-url={prom.url}" in operator.args
+        operator.start()
+        cr = harness.wait_reconciled(kube, NAME)
+        planned = {p["role"]: p["desired"] for p in cr["status"]["pools"]}
+        assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
+        prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 4', timeout=30)
+        prom.wait_for('vllm:generation_tokens_total{pdfleet_role="decode"} == 0', timeout=30)
+        prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=30)
 
-        def decide() -> None:
-            nonlocal state
-            snap = source.snapshot(NAME, NAMESPACE, spec.roles())
-            assert snap.ok, snap.error
-            decided, state = autoscaler.decide(spec, state, snap, time.time(), capacity={"prefill": 2, "decode": 3})
-            om.record(NAMESPACE, NAME, decided)
-
-        decide()
+        # --- a burst through the router ---
         # NOTE: the router creates its per-tier latency histograms on first use; one request first, scraped, so
         # the burst's observations are increases Prometheus can see (the first sample of a series is not one).
         served = complete(router.url, REQUESTS)
         prom.wait_for(f"{dashboards.ROUTER_TTFT}_count", timeout=20)
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            futures = [pool.submit(complete, router.url, i) for i in range(REQUESTS)]
-            time.sleep(1.0)
-            decide()
-            served += sum(f.result() for f in futures)
-        decide()
+            served += sum(pool.map(lambda i: complete(router.url, i), range(REQUESTS)))
         prom.wait_for(f'sum(vllm:generation_tokens_total{{pdfleet_role="decode"}}) == {served}', timeout=20)
         # NOTE: every request counted, whatever its code: the router can count a stream the client closed right
         # after [DONE] as 499 (its code is settled only when the worker's stream ends), which is not this test's.
         prom.wait_for('sum(pdfleet_router_requests_total) == %d' % (REQUESTS + 1), timeout=20)
-        time.sleep(3)  # a few more scrapes: counters flat, decision counters seen twice
+        time.sleep(3)  # a few more scrapes: counters flat, decisions seen again
 
         # --- every panel of every dashboard returns data ---
         # NOTE: $__rate_interval covers the whole run: on a loaded machine the burst may end over a minute ago.
@@ -230,8 +221,7 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         range_s = math.ceil(at - started) + 5
         dollars_per_hour = sum(planned.values()) * cpu["count"] * cpu["costPerHour"]  # 2 replicas x 2 cores x $0.10
         by_hand = dollars_per_hour * range_s / 3600 / (served / 1e6)
-        fleet = grafana.models()["pdfleet-fleet-cost"]
-        panels = dict(grafana.exprs(fleet))
+        panels = dict(grafana.exprs(grafana.models()["pdfleet-fleet-cost"]))
         overall = grafana.substitute(panels["$ per 1M served tokens (time range)"], namespace=NAMESPACE,
                                      range_s=range_s)
         per_deployment = grafana.substitute(panels["$ per 1M served tokens by deployment (time range)"],
@@ -246,6 +236,5 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
     finally:
         for c in reversed(children):
             c.stop()
-        if decisions_server is not None:
-            decisions_server.shutdown()
-        operator.stop()
+        if operator is not None:
+            operator.stop()
