@@ -188,6 +188,17 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             assert cr["status"]["currentRevision"] == 1 and cr["spec"]["engine"]["image"] == NEXT
             assert revisions.ANNOTATION_ROLLBACK_TO not in (cr["metadata"].get("annotations") or {})
             assert "rolled back to 1 by hand" in [e for e in events(kube, NAME) if e["reason"] == "RolledBack"][-1]["message"]
+
+            # A rollback that itself goes bad (here: by hand to the broken revision 2) pages once, and stays put.
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "2"}}})
+            kube.wait_for(lambda: image_of(kube) == BAD, timeout=15, message="manual rollback to revision 2")
+            kube.wait_for(lambda: any(e["reason"] == "RollbackFailed" for e in events(kube, NAME)), timeout=25,
+                          message="the failed rollback paged")
+            cr = wait_reconciled(kube, NAME, check=lambda cr: conditions(cr)["Degraded"]["reason"] == "RollbackFailed")
+            assert "not rolling back again" in conditions(cr)["Degraded"]["message"]
+            time.sleep(parse_duration(FOR))
+            assert image_of(kube) == BAD and cr["status"]["currentRevision"] == 2
+            assert [e["reason"] for e in events(kube, NAME)].count("RollbackFailed") == 1
         print(report)  # NOTE: after the runner: KopfRunner swaps sys.stdout while kopf runs
     finally:
         router.close()
