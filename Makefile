@@ -31,6 +31,8 @@ test: venv system-deps
 generate: venv
 	$(VENV)/bin/pdfleet crds
 	$(VENV)/bin/pdfleet rules
+	$(VENV)/bin/pdfleet dashboards
+	$(VENV)/bin/pdfleet chart
 
 # The local fleet under a 40 s bursty load: the decode pool grows and shrinks; the summary is printed last.
 demo: venv

@@ -24,6 +24,8 @@ PLUGINS: dict[str, tuple[str, str, str]] = {
     "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
     "up": ("pdfleet_operator.local.cli", "operator", "run an InferenceDeployment on this machine: router + workers + autoscaler"),
     "load": ("pdfleet_operator.local.cli", "operator", "open-loop load on an OpenAI endpoint: TTFT/ITL and tokens/s"),
+    "chart": ("pdfleet_operator.chart", "dev", "regenerate the Helm chart's generated files"),
+    "dashboards": ("pdfleet_operator.dashboards", "dev", "regenerate the Grafana dashboards"),
 }
 
 
