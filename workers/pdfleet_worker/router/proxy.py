@@ -251,7 +251,9 @@ class _Relay:
                         metrics.first_token(self.tier, self.start)
                         first = False
                     if event.startswith(b"data: [DONE]"):
-                        done = True
+                        # The answer is whole once [DONE] is relayed: a client that closes right after it
+                        # was served, not dropped (499 would count a served request as a client abort).
+                        done, self.code = True, code
                     elif event.startswith(b'data: {"error"'):
                         code = _error_code(event)
                     yield event

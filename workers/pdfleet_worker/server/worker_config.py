@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", default=None, help="accelerator label on metrics (default $PDFLEET_ACCELERATOR or cpu)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=DTYPES, default=None)
-    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N, or auto: cuda when torch sees a GPU, else cpu (default auto)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="fraction of free device memory (after weights) for the KV cache (default 0.85)")
@@ -161,7 +162,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     block_size = pick("block_size", 16)
     num_kv_blocks = pick("num_kv_blocks", None)
     fraction = pick("kv_cache_memory_fraction", 0.85)
-    device = pick("device", "cpu")
+    device = resolve_device(pick("device", "auto"))
     max_num_seqs = pick("max_num_seqs", 64)
     max_model_len = pick("max_model_len", None)
     kv_dtype = pick("kv_cache_dtype", "auto")
@@ -212,6 +213,19 @@ def _cpu_available_bytes() -> int:
     except (OSError, ValueError):
         pass
     return avail
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when torch sees a GPU (the pod got one from the device plugin), else cpu.
+
+    NOTE: the operator renders no --device: a pod on an NVIDIA class must use its GPU without the
+    spec saying so. Vendor runtimes (torch_npu, ...) are not wired: those classes run the vendor's image.
+    """
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
