@@ -16,14 +16,14 @@ def test_sim_calibration_line_sets_every_factor(tmp_path) -> None:
     path = tmp_path / "cal.txt"
     path.write_text("step overhead   1.2 ms\n" + json.dumps({
         "kind": calibration.CALIBRATION_KIND, "class": "cpu", "prefill_mfu": 0.31, "decode_mbu": 0.62,
-        "step_overhead_s": 0.0012, "kv_transfer_gbps": 1.5, "model": "tiny"}) + "\n")
+        "step_overhead_s": 0.0012, "kv_transfer_gbps": 1.5, "http_hop_s": 0.004, "model": "tiny"}) + "\n")
     effs = calibration.load([path], classes)
     e = effs["cpu"]
-    assert (e.prefill_mfu, e.decode_mbu, e.step_overhead_s, e.kv_transfer_gbps) == (0.31, 0.62, 0.0012, 1.5)
+    assert (e.prefill_mfu, e.decode_mbu, e.step_overhead_s, e.kv_transfer_gbps, e.http_hop_s) == (0.31, 0.62, 0.0012, 1.5, 0.004)
     assert "measured" in e.source and "tiny" in e.source
     rows = calibration.rows(["cpu", "h100-80gb"], effs)
-    assert rows[0][:4] == ("cpu", "0.310", "0.620", "1.20 ms")
-    assert rows[1][1:3] == ("0.500", "0.800") and "default" in rows[1][5]
+    assert rows[0][:5] == ("cpu", "0.310", "0.620", "1.20 ms", "4.00 ms")
+    assert rows[1][1:3] == ("0.500", "0.800") and rows[1][4] == "0.00 ms" and "default" in rows[1][6]
 
 
 def test_engine_and_pd_bench_lines_refine_the_cpu_class(tmp_path) -> None:

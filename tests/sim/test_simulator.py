@@ -8,6 +8,7 @@ import pytest
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim import report, simulator
 from pdfleet_operator.sim import trace as tr
+from pdfleet_operator.sim.perf_model import Efficiency
 from tests.sim.support import small
 
 
@@ -151,3 +152,26 @@ def test_summary_has_the_report_keys_and_sane_values() -> None:
     times, cum = report.cost_series(sim)
     assert cum[-1] == pytest.approx(e["cost_usd"], rel=0.02)
     assert np.all(np.diff(cum) >= -1e-9)
+
+
+@pytest.mark.parametrize("policy, hops", [("static", 3), ("colocated", 2)])
+def test_http_hops_delay_the_first_token_and_pd_ttft_includes_the_hand_off(policy: str, hops: int) -> None:
+    """Sparse requests (no queueing): a measured HTTP hop adds 3 hops to a PD request's TTFT (client -> router ->
+    prefill, router -> decode) and 2 to a colocated one's; in PD the first token the client sees is the decode
+    worker's, so TTFT covers the KV hand-off and the ITL does not."""
+    n = 20
+    trace = tr.Trace("sparse", np.arange(n) * 10.0, np.full(n, 500), np.full(n, 50), n * 10.0)
+    f = small()
+    hop = 0.05
+    base = report.summarize(run(policy, trace, f))
+    effs = {c: Efficiency(http_hop_s=hop) for c in f.classes}
+    slow = report.summarize(run(policy, trace, f, efficiencies=effs))
+    assert slow["completed"] == base["completed"] == n
+    assert slow["ttft_p50_s"] - base["ttft_p50_s"] == pytest.approx(hops * hop, abs=2e-3)
+    assert slow["itl_p99_s"] == pytest.approx(base["itl_p99_s"], rel=0.05)  # hops are not inter-token gaps
+    sim = run(policy, trace, f)
+    first = np.asarray(sim.reqs.t_first) - np.asarray(sim.reqs.arrival)
+    if policy == "static":  # the hand-off (KV pull, one decode step) comes after the prefill's token
+        assert base["ttft_p50_s"] > float(np.median(first))
+    else:
+        assert base["ttft_p50_s"] == pytest.approx(float(np.median(first)), abs=1e-4)

@@ -3,7 +3,8 @@
 Reads, from any text file, every line that is a JSON object, and understands three shapes:
 - `bench/sim.py calibrate` (measured with the engine; torch is needed there, never here):
   `{"kind": "pdfleet-sim-calibration", "class": "cpu", "prefill_mfu": .., "decode_mbu": ..,
-  "step_overhead_s": .., ...}`, the complete calibration of one class;
+  "step_overhead_s": .., "http_hop_s": .., ...}`, the complete calibration of one class (`http_hop_s`,
+  one HTTP round trip to a real worker's first byte, is optional);
 - `bench/engine.py`'s result line (`bs1_mbu`, `read_gbs`, ...): the decode MBU of the `cpu` class,
   rescaled from the bandwidth it measured to the class's `memoryBandwidthGBps`;
 - `bench/pd.py`'s result line (`transfer_gbps`, `pd_ttft_overhead_ms`, `kv_bytes`): the KV link
@@ -91,6 +92,8 @@ def _from_object(obj: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec
             step_overhead_s=_check(obj.get("step_overhead_s"), "step_overhead_s", path, -1e-12, 10),
             source=f"measured: {path.name}" + (f" ({obj['model']})" if obj.get("model") else ""),
         )
+        if "http_hop_s" in obj:
+            out[name] = replace(out[name], http_hop_s=_check(obj["http_hop_s"], "http_hop_s", path, -1e-12, 10))
         if "kv_transfer_gbps" in obj:
             out[name] = replace(out[name], kv_transfer_gbps=_check(obj["kv_transfer_gbps"], "kv_transfer_gbps", path, 0, 1e4))
         return True
@@ -112,12 +115,13 @@ def _join(base: Efficiency, what: str) -> str:
     return what if base.source == Efficiency().source else f"{base.source}; {what}"
 
 
-def rows(classes: Iterable[str], effs: Mapping[str, Efficiency]) -> list[tuple[str, str, str, str, str, str]]:
-    """(class, prefill MFU, decode MBU, step overhead, KV link, source) for the classes a run uses."""
+def rows(classes: Iterable[str], effs: Mapping[str, Efficiency]) -> list[tuple[str, str, str, str, str, str, str]]:
+    """(class, prefill MFU, decode MBU, step overhead, HTTP hop, KV link, source) for the classes a run uses."""
     out = []
     for name in classes:
         e = effs.get(name, Efficiency())
         out.append((name, f"{e.prefill_mfu:.3f}", f"{e.decode_mbu:.3f}", f"{e.step_overhead_s * 1000:.2f} ms",
+                    f"{e.http_hop_s * 1000:.2f} ms",
                     "class networkGBps" if e.kv_transfer_gbps is None else f"{e.kv_transfer_gbps:.2f} GB/s",
                     e.source))
     return out
@@ -129,7 +133,7 @@ def print_table(classes: Iterable[str], effs: Mapping[str, Efficiency], console:
 
     console = console or Console()
     t = Table(title="calibration (efficiency factors per AcceleratorClass)")
-    for col in ("class", "prefill MFU", "decode MBU", "step overhead", "KV link", "source"):
+    for col in ("class", "prefill MFU", "decode MBU", "step overhead", "HTTP hop", "KV link", "source"):
         t.add_column(col)
     for row in rows(classes, effs):
         t.add_row(*row)

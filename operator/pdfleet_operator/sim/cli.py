@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "fleet": fl.name, "fleet_file": str(args.fleet), "nodes": len(fl.nodes), "devices": fl.devices,
         "trace": {"name": trace.name, "source": args.trace, "requests": len(trace), "duration_s": trace.duration,
                   "warmup_s": warmup, "mean_rate": round(trace.mean_rate, 4), "seed": args.seed},
-        "calibration": {row[0]: dict(zip(("prefill_mfu", "decode_mbu", "step_overhead", "kv_link", "source"), row[1:]))
+        "calibration": {row[0]: dict(zip(("prefill_mfu", "decode_mbu", "step_overhead", "http_hop", "kv_link", "source"), row[1:]))
                         for row in calibration.rows(used, effs)},
         "policies": entries,
         "comparison": comparison,

@@ -10,6 +10,12 @@ roofline of `pdfleet_operator.perf` made per-step:
 so a prefill chunk is compute-bound, a decode step is bandwidth-bound until the batch is large enough
 to become compute-bound, and a growing batch slows every sequence in it (its KV is read each step).
 KV moves between pools in bytes / min(source, destination network) plus a fixed latency.
+
+A request also pays the serving path outside the engine: every HTTP round trip to first byte (client ->
+router, router -> prefill worker, router -> decode worker) costs `http_hop_s` of the worker's class
+(parsing, tokenizer-free admission, the event loop, the socket), measured by `bench/sim.py calibrate`
+against a real worker. The simulator delays a request's entry into its first queue by two hops and the
+KV hand-off by one; a class without a measurement pays nothing (the default 0).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Efficiency:
     decode_mbu: float = perf.DECODE_MBU
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     kv_transfer_gbps: float | None = None   # measured KV link; None: the class's networkGBps
+    http_hop_s: float = 0.0                  # one HTTP round trip to first byte on this class's host (measured)
     source: str = "default (pdfleet_operator.perf)"
 
     def __post_init__(self) -> None:
@@ -44,6 +51,8 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name} must be in (0, 1], got {value}")
         if not 0 <= self.step_overhead_s < 10:
             raise ValueError(f"Efficiency.step_overhead_s must be in [0, 10) seconds, got {self.step_overhead_s}")
+        if not 0 <= self.http_hop_s < 10:
+            raise ValueError(f"Efficiency.http_hop_s must be in [0, 10) seconds, got {self.http_hop_s}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class ReplicaPerf:
     max_num_batched_tokens: int
     max_num_seqs: int
     block_size: int
+    http_hop_s: float = 0.0        # one HTTP round trip to a worker of this class (first byte)
 
     def step_time(self, tokens: float, context: float) -> float:
         """One engine step computing `tokens` tokens over a batch whose KV holds `context` tokens."""
@@ -109,6 +119,7 @@ def replica_perf(spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClass
         max_num_batched_tokens=spec.engine.max_num_batched_tokens,
         max_num_seqs=spec.engine.max_num_seqs,
         block_size=block,
+        http_hop_s=eff.http_hop_s,
     )
 
 

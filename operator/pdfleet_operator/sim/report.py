@@ -47,9 +47,17 @@ def summarize(sim: Simulator) -> dict[str, Any]:
     dep = np.asarray(r.deployment)
     measured = arrival >= sim.warmup
     done = (status == eng.DONE) & measured
-    ttft = t_first - arrival
+    gaps = np.asarray(r.second_gap)
+    # In PD the client's first token is not the prefill's: the router drops it (the prefill call asks for
+    # max_tokens=1) and streams the decode worker's, which comes after the hand-off (router -> decode hop,
+    # KV pull, admission, one decode step) -- the simulated second token. The hand-off is therefore TTFT,
+    # not an inter-token gap. (A one-token request ends at its prefill here: its decode leg is not modelled.)
+    pd = np.array([bool(d.spec.disaggregation) for d in sim.deps], dtype=bool)[dep] if len(dep) else np.zeros(0, bool)
+    handoff = pd & (output > 1) & np.isfinite(gaps)
+    first = np.where(handoff, t_first + np.where(handoff, gaps, 0.0), t_first)
+    ttft = first - arrival
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(output > 1, (t_done - t_first) / np.maximum(output - 1, 1), 0.0)
+        tpot = np.where(output > 1, (t_done - first) / np.maximum(output - 1 - handoff, 1), 0.0)
     slo_ttft = np.array([parse_duration(d.spec.slo.ttft) for d in sim.deps])[dep]
     slo_itl = np.array([parse_duration(d.spec.slo.itl) for d in sim.deps])[dep]
     valid = (status != eng.TOO_LONG) & measured
@@ -57,8 +65,8 @@ def summarize(sim: Simulator) -> dict[str, Any]:
     itl = Histogram()
     for d in sim.deps:
         itl.merge(d.itl)
-    gaps = np.asarray(r.second_gap)[measured]
-    for g in gaps[np.isfinite(gaps)].tolist():
+    colo_gaps = gaps[measured & ~pd]
+    for g in colo_gaps[np.isfinite(colo_gaps)].tolist():
         itl.add(g, 1.0)
 
     hours: dict[str, float] = {}

@@ -33,7 +33,7 @@ from pdfleet_operator.sim.router import Router
 from pdfleet_operator.sim.stats import Histogram
 from pdfleet_operator.sim.trace import Trace
 
-REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP = range(7)
+REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP, ENTER = range(8)
 
 
 @dataclass
@@ -315,8 +315,20 @@ class Simulator:
         reqs.ctx[rid] = prompt
         entry = "prefill" if "prefill" in d.routable else "colocated"
         rep = self.router.pick(entry, d.routable[entry], t)
-        if rep is None or not rep.enqueue(rid, t):
+        if rep is None:
             self._reject(d, rid, t)
+        elif rep.perf.http_hop_s > 0:
+            # client -> router -> worker: two HTTP hops before the engine sees it; `inflight` tells the
+            # router's next picks (and keeps a draining replica) that it is on its way
+            rep.inflight += 1
+            self._push(t + 2 * rep.perf.http_hop_s, ENTER, rid, rep)
+        elif not rep.enqueue(rid, t):
+            self._reject(d, rid, t)
+
+    def _enter(self, rid: int, rep: eng.Replica, t: float) -> None:
+        rep.inflight -= 1
+        if not rep.enqueue(rid, t):
+            self._reject(self.deps[rep.deployment], rid, t)
 
     def _reject(self, d: DeploymentState, rid: int, t: float) -> None:
         self.reqs.status[rid] = eng.REJECTED  # 503 (no worker, or its queue is full)
@@ -337,7 +349,9 @@ class Simulator:
         prompt = reqs.prompt[rid]
         rep.hold(prompt)
         dst.inflight += 1
-        delay = perf_model.kv_transfer_s(prompt, rep.perf, dst.perf, self.settings.kv_transfer_latency_s)
+        # the router's call to the decode worker (one HTTP hop), then the pull
+        delay = dst.perf.http_hop_s + perf_model.kv_transfer_s(prompt, rep.perf, dst.perf,
+                                                               self.settings.kv_transfer_latency_s)
         self._push(t + delay, TRANSFER, rid, (rep, dst))
 
     def _transferred(self, rid: int, src: eng.Replica, dst: eng.Replica, t: float) -> None:
@@ -383,6 +397,8 @@ class Simulator:
                 elif kind == TRANSFER:
                     src, dst = b  # type: ignore[misc]
                     self._transferred(a, src, dst, t)  # type: ignore[arg-type]
+                elif kind == ENTER:
+                    self._enter(a, b, t)  # type: ignore[arg-type]
                 elif kind == READY:
                     if a.removed_at is None:  # type: ignore[union-attr]
                         self._route_table(self.deps[a.deployment])  # type: ignore[union-attr]
@@ -436,7 +452,7 @@ class Simulator:
 
     def _in_flight(self) -> bool:
         return any(r.waiting or r.prefilling or r.B or r.inflight for d in self.deps for r in d.replicas) or \
-            any(k == TRANSFER for _, _, k, _, _ in self.heap)
+            any(k == TRANSFER or k == ENTER for _, _, k, _, _ in self.heap)
 
     def _cost_rate(self) -> float:
         """$/h of every pod holding accelerators now (starting and draining pods are billed too)."""
