@@ -29,8 +29,9 @@ FROM base AS operator
 RUN pip install -c constraints.txt '.[operator]' \
     && python -c "import pdfleet_operator.cli, sys; assert 'torch' not in sys.modules"
 USER 10001:10001
-# 8080: liveness; 9090: the operator's /metrics; 9443: Alertmanager receiver.
-EXPOSE 8080 9090 9443
+# `pdfleet operator` defaults: /metrics on 8080, /healthz on 8081; the Alertmanager receiver listens
+# only when --alertmanager-port is given (the chart passes 9090, 8080 and 9443).
+EXPOSE 8080 8081 9090 9443
 ENTRYPOINT ["pdfleet", "operator"]
 
 # --- worker: engine, server and router (torch) ----------------------------------------------------
