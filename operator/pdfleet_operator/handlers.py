@@ -53,6 +53,8 @@ from pdfleet_operator.api import (
 
 GROUP, VERSION = "pdfleet.io", "v1alpha1"
 logger = logging.getLogger("pdfleet.operator")
+# How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
+INDEX_SYNC_TIMEOUT_S = 10.0
 Key = tuple[str, str]  # (namespace, name)
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -142,6 +144,7 @@ class Reconciler:
         self._done: dict[Key, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._retries: dict[Key, int] = {}
+        self._synced: asyncio.Task | None = None  # the one-time wait for kopf's indexes (see _await_indexes)
         # Inputs other pieces feed in (issue 6: desired replicas; issue 7: the revision to serve).
         self.desired: dict[Key, dict[str, int]] = {}
         self.templates: dict[Key, Template] = {}
@@ -403,6 +406,35 @@ class Reconciler:
                 self._start_loops(key)
             return outcome
 
+    async def _await_indexes(self, api: kube.Api) -> None:
+        """Once per process: wait until kopf's class and node indexes hold what the API lists.
+
+        NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
+        start-up among them) already run. A plan made before every AcceleratorClass and Node is
+        indexed sees less capacity or a missing class and would move or delete serving pools, so the
+        first reconcile of a process waits (up to INDEX_SYNC_TIMEOUT_S) for both to be complete.
+        """
+        if self._synced is None:
+            self._synced = asyncio.get_running_loop().create_task(self._sync_indexes(api))
+        try:
+            await asyncio.shield(self._synced)
+        except kube.ApiError:
+            self._synced = None  # the API was unreachable: the next reconcile lists again
+            raise
+
+    async def _sync_indexes(self, api: kube.Api) -> None:
+        listed = {"class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
+                  "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
+        deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
+        while True:
+            missing = {name: sorted(want - set(self.indexes.get(name) or {})) for name, want in listed.items()}
+            if not any(missing.values()):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("planning with incomplete indexes after %ss: %s", INDEX_SYNC_TIMEOUT_S, missing)
+                return
+            await asyncio.sleep(0.05)
+
     async def _reconcile(self, key: Key, why: str, given: Mapping[str, Any] | None) -> Outcome:
         api = self.api
         assert api is not None, "reconcile before login"
@@ -419,6 +451,7 @@ class Reconciler:
         if meta.get("deletionTimestamp"):
             return Outcome(skipped="being deleted")
         dep = self._parse(key, body)
+        await self._await_indexes(api)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         classes = self._classes()
         monitoring = await self._monitoring_enabled()

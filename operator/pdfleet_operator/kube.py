@@ -38,6 +38,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
     "Event": ("/api/v1", "events"),
     "InferenceDeployment": ("/apis/pdfleet.io/v1alpha1", "inferencedeployments"),
+    "AcceleratorClass": ("/apis/pdfleet.io/v1alpha1", "acceleratorclasses"),
+    "Node": ("/api/v1", "nodes"),
 }
 CHILD_KINDS = ("ConfigMap", "Service", "PodDisruptionBudget", "Deployment")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

@@ -103,3 +103,24 @@ async def test_metrics_endpoint_ignores_openmetrics_accept() -> None:
                 assert "# EOF" not in await resp.text()
     finally:
         await runner.cleanup()
+
+
+async def test_first_reconcile_waits_until_class_and_node_indexes_hold_what_the_api_lists() -> None:
+    """At start-up kopf runs handlers while its indexes still fill; planning then would see a missing
+    class or node and move or delete serving pools. The first reconcile waits for both."""
+    import asyncio
+
+    class FakeApi:
+        async def list(self, kind, namespace, label_selector=None):
+            names = {"AcceleratorClass": ["h100-80gb", "h200-141gb"], "Node": ["n1", "n2"]}[kind]
+            return [{"metadata": {"name": n}} for n in names]
+
+    rec = handlers.Reconciler()
+    rec.indexes = {"class_index": {"h100-80gb": [object()]}, "node_index": {"n1": [object()]}}
+    waiting = asyncio.ensure_future(rec._await_indexes(FakeApi()))
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "planned before h200-141gb and n2 were indexed"
+    rec.indexes["class_index"]["h200-141gb"] = [object()]
+    rec.indexes["node_index"]["n2"] = [object()]
+    await asyncio.wait_for(waiting, timeout=2)
+    await asyncio.wait_for(rec._await_indexes(FakeApi()), timeout=0.1)  # once per process
