@@ -145,6 +145,7 @@ class Reconciler:
         self._tasks: set[asyncio.Task] = set()
         self._retries: dict[Key, int] = {}
         self._synced: asyncio.Task | None = None  # the one-time wait for kopf's indexes (see _await_indexes)
+        self._analysis_locks: dict[Key, asyncio.Lock] = {}
         # Inputs other pieces feed in (issue 6: desired replicas; issue 7: the revision to serve).
         self.desired: dict[Key, dict[str, int]] = {}
         self.templates: dict[Key, Template] = {}
@@ -269,6 +270,16 @@ class Reconciler:
 
     async def analyze_rollback(self, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None = None
                                ) -> rollback.RollbackAction | None:
+        """One analysis of the served revision; the timer and Alertmanager take turns per deployment.
+
+        NOTE: an analysis awaits Prometheus between reading and storing the revision's health; two
+        at once (a timer tick and an alert) would both act on the same health and page or roll back twice.
+        """
+        async with self._analysis_locks.setdefault(key, asyncio.Lock()):
+            return await self._analyze_rollback(key, source, trigger)
+
+    async def _analyze_rollback(self, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None
+                                ) -> rollback.RollbackAction | None:
         body = self._bodies().get(key)
         if body is None or key not in self.plans:
             return None
