@@ -1309,7 +1309,7 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
                 response = await _kmock_apps.RawHandler._handle(self, request)
                 entry.status = response.status
                 return response
-            except NotImplementedError:
+            except NotImplementedError:  # NOTE: kmock's own signal that no user reaction matched
                 pass
         try:
             response = await self._dispatch(request, entry)
