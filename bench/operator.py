@@ -187,12 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         writes = [r for r in creation if r.is_write]
         event_writes = [r for r in writes if r.resource == "events"]
         object_writes = len(writes) - len(event_writes)
-        by_kind: dict[str, int] = {}
-        for w in writes:
-            k = f"{w.verb} {w.resource}{'/' + w.subresource if w.subresource else ''}"
-            by_kind[k] = by_kind.get(k, 0) + 1
-        print("writes while reconciling new CRs: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())),
-              file=sys.stderr)
+        print("writes while reconciling new CRs: " + _by_kind(writes), file=sys.stderr)
 
         # Phase 2: play the Deployment controller; wait until every CR is Ready.
         deployments = b.res("deployments.apps")
@@ -213,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                        for o in b.list("infdep"))
         b.wait(all_ready, args.timeout, "every CR Ready")
         ready_seconds = time.monotonic() - t0
+
+        # The autoscaler's first tick waits for ready pods; with no Prometheus here it reports
+        # MetricsAvailable=False (one status write and one Event per CR). Let that land before the restart.
+        def all_reported() -> bool:
+            return all(any(c["type"] == "MetricsAvailable" for c in (o.get("status") or {}).get("conditions", []))
+                       for o in b.list("infdep"))
+        b.wait(all_reported, args.timeout, "every CR's first autoscaler report")
         b.quiet(1.0)
         ready_writes = len(b.writes()) - len(writes)
         peak_rss = b.peak_rss_mb()
@@ -228,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         resync_seconds = time.monotonic() - t1
         b.quiet(1.0)
         resync_writes = len(b.writes())
+        if resync_writes:
+            print("writes on restart + resync: " + _by_kind(b.writes()), file=sys.stderr)
+            if args.verbose:
+                for w in b.writes():
+                    print(f"  {w.verb} {w.resource} {w.name}: {json.dumps(w.body)[:400]}", file=sys.stderr)
         resync_reads = len(b.requests())
         peak_rss = max(peak_rss, b.peak_rss_mb())
         b.stop_operator()
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ("API requests per new CR", f"{len(creation) / n:.1f}"),
         ("object writes per new CR (children + status)", f"{object_writes / n:.2f}"),
         ("Event writes per new CR", f"{len(event_writes) / n:.2f}"),
-        ("status writes per CR on becoming Ready", f"{ready_writes / n:.2f}"),
+        ("writes per CR on becoming Ready (status, autoscaler)", f"{ready_writes / n:.2f}"),
         ("restart + full resync: writes / requests / s", f"{resync_writes} / {resync_reads} / {resync_seconds:.1f}"),
         ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
         ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
@@ -260,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mb": round(peak_rss, 1),
     }))
     return 0
+
+
+def _by_kind(writes: list) -> str:
+    counts: dict[str, int] = {}
+    for w in writes:
+        k = f"{w.verb} {w.resource}{'/' + w.subresource if w.subresource else ''}"
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def _kill(proc: subprocess.Popen) -> None:

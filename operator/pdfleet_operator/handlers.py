@@ -350,7 +350,7 @@ class Reconciler:
                 dep = None  # the reconcile reports an invalid spec; nothing to scale
             if dep is not None:
                 delay = dep.spec.interval_seconds()
-                if dep.spec.autoscaling.enabled:
+                if dep.spec.autoscaling.enabled and (key in self.scaler.memory or not _starting(dep)):
                     try:
                         await self.scaler.tick(self, key, dep, body, default_url=OPTIONS.prometheus_url,
                                                profile=OPTIONS.metrics_profile)
@@ -629,6 +629,16 @@ class Reconciler:
             await api.event(involved, "Warning", "ScalingLimited", limited_now.message)
         if result.problems:
             await api.event(involved, "Warning", "ApplyFailed", "; ".join(result.problems))
+
+
+def _starting(dep: InferenceDeployment) -> bool:
+    """A new deployment whose pools have replicas but none ready yet: no worker reports queue metrics.
+
+    NOTE: the autoscaler's first tick waits for that to end; reading metrics earlier finds none and
+    would post a MetricsUnavailable warning (and a status write) for every deployment it creates.
+    """
+    pools = dep.status.pools if dep.status else []
+    return not pools or (sum(p.desired for p in pools) > 0 and sum(p.ready for p in pools) == 0)
 
 
 def _condition(st: Any, type_: str) -> Condition | None:

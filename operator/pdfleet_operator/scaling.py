@@ -51,6 +51,24 @@ class Memory:
     conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, message)
     headline: tuple[str, int, int, str] | None = None    # (role, from, to, reason) of the last reported decision
 
+    def seed_from(self, dep: InferenceDeployment) -> None:
+        """What an earlier process already reported (status), so a restart re-reports only what changed.
+
+        NOTE: without this, the first tick after every operator restart rewrote each deployment's
+        status (a fresh lastScalingDecision time) and repeated its MetricsUnavailable Event.
+        """
+        status = dep.status
+        if status is None:
+            return
+        for cond in status.conditions:
+            if cond.type in ("MetricsAvailable", "ScalingLimited"):
+                self.conditions[cond.type] = (cond.status, cond.reason or "", cond.message or "")
+                if cond.type == "MetricsAvailable" and cond.status in ("True", "False"):
+                    self.available = cond.status == "True"
+        last = status.last_scaling_decision
+        if last is not None:
+            self.headline = (last.role, last.from_replicas, last.to_replicas, last.reason)
+
 
 class Scaler:
     """Per-deployment autoscaler memory and the tick that uses it (one per Reconciler)."""
@@ -71,6 +89,7 @@ class Scaler:
         if mem is None:
             # NOTE: seeded from what the pools run now, so an operator restart does not reset the sizes.
             mem = self.memory[key] = Memory(ScalerState.initial(spec, current))
+            mem.seed_from(dep)
         snap = await snapshot(dep, default_url, profile)
         at = time.time() if now is None else now
         decisions, mem.state = autoscaler.decide(spec, mem.state, snap, at, inputs.capacity(key), current=current or None)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from pdfleet_operator import metric_names as names
 from pdfleet_operator import render
-from tests.operator.harness import events, prepare_cluster, running_operator, wait_reconciled
+from tests.operator.harness import events, mark_ready, prepare_cluster, running_operator, wait_reconciled
 from tests.test_prometheus_fixtures import serve_text_metrics
 
 NAME = "scaled"
@@ -96,6 +96,13 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             kube.apply(spec(NAME, prom.url))
             kube.apply(spec("unscraped", None))  # no URL in the spec, none given to the operator
             wait_reconciled(kube, NAME)
+            wait_reconciled(kube, "unscraped")
+            # Pools still starting: no worker reports yet, so the autoscaler says nothing (no warning per new CR).
+            time.sleep(3 * INTERVAL_S)
+            for name in (NAME, "unscraped"):
+                assert condition(kube, name, "MetricsAvailable") is None, condition(kube, name, "MetricsAvailable")
+                assert not [e for e in events(kube, name) if e["reason"] == "MetricsUnavailable"]
+                mark_ready(kube, name)
             kube.wait_for(lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "True",
                           timeout=10, message="MetricsAvailable=True")
             assert replicas(kube, NAME) == {"prefill": 1, "decode": 1}
