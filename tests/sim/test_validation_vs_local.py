@@ -7,11 +7,12 @@ and generated tokens/s must agree within 25%.
 The trace is 60 s at about 1 request/s with 32-256-token prompts and 16-64-token outputs: far below what
 two cores sustain, so the comparison is of latency, not of a queue that a few % of speed would tip over.
 
-Opt-in (PDFLEET_SIM_VALIDATION=1): on this shared 2-core machine the local fleet's own TTFT p50 moves by a
-third from run to run with other jobs' load (25-43 ms for the same trace), so a 25% bound is not reliable
-here. Measured (simulated vs local TTFT p50): -9%, +24%, +16% in three consecutive runs of this test
-(load average 0.5-1.5); +4%, +77%, -25% with a 40-s trace and 20 timed HTTP requests (load 1-2.3).
-Tokens/s agreed within 2% every time. Run it on a quiet machine.
+On a shared 2-core machine the local fleet's own TTFT p50 moves with other jobs' load (25-43 ms for the
+same trace), and the calibration measured a minute earlier may not see the same load. So a miss is
+measured once more from a fresh calibration and a fresh replay; a systematic error of the simulator
+misses both attempts, and the failure message shows both. Measured (simulated vs local TTFT p50):
+-9%, +24%, +16%, -15% in four runs (load average 0.5-1.6); +4%, +77%, -25% with an earlier 40-s trace
+(load 1-2.3). Tokens/s agreed within 2% every time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from tests.local.conftest import CHILD_ENV, PDFLEET, ROOT, UpProcess, model_dir,
 from tests.support.components import free_port
 
 TOLERANCE = 0.25
+# A miss is measured again from a fresh calibration (see the module docstring); an error in the model
+# is systematic and misses every attempt.
+ATTEMPTS = 2
 
 
 def write_trace(path, seconds: float = 60.0, rate: float = 1.0, seed: int = 1) -> int:
@@ -40,31 +44,28 @@ def write_trace(path, seconds: float = 60.0, rate: float = 1.0, seed: int = 1) -
     return len(rows)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PDFLEET_SIM_VALIDATION") != "1",
-                    reason="opt-in (PDFLEET_SIM_VALIDATION=1): TTFT p50 of the local fleet varies by a third on a "
-                           "shared machine; see the module docstring")
-def test_the_simulator_reproduces_the_local_fleet_within_25_percent(tmp_path, model_dir):  # noqa: F811
-    trace = tmp_path / "trace.csv"
-    n = write_trace(trace)
-    cal = tmp_path / "cal.json"
+def measure(workdir, model_dir, trace, n: int) -> tuple[dict[str, float], dict[str, str], dict]:  # noqa: F811
+    """Calibrate the `cpu` class now, replay `trace` through `pdfleet up` and through `pdfleet simulate`."""
+    workdir.mkdir()
+    cal = workdir / "cal.json"
     # one torch thread: what `pdfleet up` gives each worker (--threads-per-worker 1)
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sim.py"), "calibrate", "--model", str(model_dir),
                            "--threads", "1", "--stat", "median", "--reps", "5", "--http-reps", "40", "--out", str(cal)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **CHILD_ENV})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "http_hop_s" in json.loads(cal.read_text())
+    calibration = json.loads(cal.read_text())
+    assert "http_hop_s" in calibration
 
-    spec = write_spec(tmp_path, model_dir)
-    report = tmp_path / "up.json"
-    up = UpProcess([str(spec), "--port", str(free_port()), "--load", str(trace), "--report", str(report)], cwd=tmp_path)
+    spec = write_spec(workdir, model_dir)
+    report = workdir / "up.json"
+    up = UpProcess([str(spec), "--port", str(free_port()), "--load", str(trace), "--report", str(report)], cwd=workdir)
     try:
         assert up.wait(240) == 0, up.output()[-6000:]
     finally:
         up.stop()
     real = json.loads(report.read_text())
 
-    out = tmp_path / "sim"
+    out = workdir / "sim"
     done = subprocess.run(PDFLEET + ["simulate", "--fleet", str(ROOT / "examples" / "sim" / "local-tiny.yaml"),
                                      "--trace", str(trace), "--calibration", str(cal), "--out", str(out),
                                      "--no-plots", "--quiet"], capture_output=True, text=True, timeout=120)
@@ -78,5 +79,18 @@ def test_the_simulator_reproduces_the_local_fleet_within_25_percent(tmp_path, mo
     }
     errors = {k: (s - r) / r for k, (r, s) in compared.items()}
     detail = {k: f"local {r:.4g} simulated {s:.4g} ({errors[k]:+.0%})" for k, (r, s) in compared.items()}
-    print(json.dumps({"calibration": json.loads(cal.read_text()), **detail}))
-    assert all(abs(e) <= TOLERANCE for e in errors.values()), detail
+    return errors, detail, calibration
+
+
+@pytest.mark.slow
+def test_the_simulator_reproduces_the_local_fleet_within_25_percent(tmp_path, model_dir):  # noqa: F811
+    trace = tmp_path / "trace.csv"
+    n = write_trace(trace)
+    attempts = []
+    for attempt in range(ATTEMPTS):
+        errors, detail, calibration = measure(tmp_path / f"attempt-{attempt}", model_dir, trace, n)
+        attempts.append(detail)
+        print(json.dumps({"attempt": attempt, "calibration": calibration, **detail}))
+        if all(abs(e) <= TOLERANCE for e in errors.values()):
+            break
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), attempts
