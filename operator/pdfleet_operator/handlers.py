@@ -32,6 +32,7 @@ from pdfleet_operator import (
     alertmanager,
     cost,
     exporter,
+    handover,
     inventory,
     kube,
     placement,
@@ -514,7 +515,7 @@ class Reconciler:
         ready = {c["metadata"]["name"]: int((c.get("status") or {}).get("readyReplicas") or 0)
                  for c in children if c["kind"] == "Deployment"}
         observed = status.Observed(ready=ready, router_ready=ready.get(render.router_name(dep.name), 0),
-                                   problems=tuple(result.problems))
+                                   problems=tuple(result.problems), retained=_retained(result, children))
         previous = dep.status
         last = self._last_status.get(key)
         if last is not None and meta.get("resourceVersion") == last[1]:
@@ -619,7 +620,13 @@ class Reconciler:
         if before != after or (old_cost is not None and old_cost != new.cost_per_hour):
             desc = ", ".join(f"{r} {n}x{a}" for r, a, n in after) or "no pools"
             reason = "Planned" if previous is None or not previous.pools else "Replanned"
-            await api.event(involved, "Normal", reason, f"{why}: {desc}, ${new.cost_per_hour:.2f}/h, P:D {new.pd_ratio}")
+            kept = "".join(f"; {k.split('/', 1)[1]} kept {w}" for k, w in sorted(result.retained.items()))
+            await api.event(involved, "Normal", reason,
+                            f"{why}: {desc}, ${new.cost_per_hour:.2f}/h, P:D {new.pd_ratio}{kept}")
+        retired = [k.split("/", 1)[1] for k in result.deleted if k.startswith("Deployment/")]
+        if retired and before == after:
+            await api.event(involved, "Normal", "PoolRetired", f"deleted {', '.join(retired)}: the pools that "
+                            f"replace {'it' if len(retired) == 1 else 'them'} are ready ({why})")
         if result.drifted:
             await api.event(involved, "Normal", "DriftReverted", "; ".join(
                 f"{k} ({', '.join(v[:4])})" for k, v in result.drifted.items()) + f" ({why})")
@@ -629,6 +636,13 @@ class Reconciler:
             await api.event(involved, "Warning", "ScalingLimited", limited_now.message)
         if result.problems:
             await api.event(involved, "Warning", "ApplyFailed", "; ".join(result.problems))
+
+
+def _retained(result: kube.ApplyResult, children: list[dict[str, Any]]) -> tuple[tuple[str, str, int, str], ...]:
+    """The pools `apply_children` kept serving while their role's new pools start, for the status."""
+    by_key = {kube.key_of(c): c for c in children}
+    return tuple((by_key[k]["metadata"]["name"], by_key[k]["metadata"]["labels"][render.LABEL_ROLE],
+                  handover.ready_replicas(by_key[k]), why) for k, why in sorted(result.retained.items()))
 
 
 def _starting(dep: InferenceDeployment) -> bool:

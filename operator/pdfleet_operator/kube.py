@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from pdfleet_operator import drift, render
+from pdfleet_operator import drift, handover, render
 
 FIELD_MANAGER = "pdfleet-operator"
 logger = logging.getLogger("pdfleet.kube")
@@ -68,6 +68,7 @@ class ApplyResult:
     deleted: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     drifted: dict[str, list[str]] = field(default_factory=dict)  # existing child -> fields that differed
+    retained: dict[str, str] = field(default_factory=dict)  # pools no longer planned, kept until their role's new pools serve
 
     @property
     def writes(self) -> int:
@@ -277,7 +278,8 @@ async def list_children(api: Api, owner: render.Owner, kinds: Iterable[str]) -> 
 
 async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, Any]],
                          existing: list[dict[str, Any]]) -> ApplyResult:
-    """Make the children equal to `desired`: apply what differs, delete what is no longer rendered.
+    """Make the children equal to `desired`: apply what differs, delete what is no longer rendered
+    (a pool the plan moved elsewhere only once its role's new pools are ready: `handover`).
 
     A name taken by an object this deployment does not control is left alone and reported.
     """
@@ -307,8 +309,9 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             result.applied.append(key)
             result.drifted[key] = drift.differences(cur, obj)
     wanted = {key_of(o) for o in desired}
+    result.retained = handover.retained(desired, existing)
     for key, obj in sorted(current.items()):
-        if key not in wanted:
+        if key not in wanted and key not in result.retained:
             await api.delete(obj)
             result.deleted.append(key)
     return result

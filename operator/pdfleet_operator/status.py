@@ -26,6 +26,9 @@ class Observed:
     ready: Mapping[str, int] = field(default_factory=dict)
     router_ready: int = 0
     problems: tuple[str, ...] = ()  # objects that could not be applied (name conflicts, rejections)
+    # Pools the plan dropped but that keep serving until their role's new pools are ready
+    # (`handover`): (Deployment name, role, ready replicas, why).
+    retained: tuple[tuple[str, str, int, str], ...] = ()
 
 
 def pd_ratio(plan: FleetPlan) -> str:
@@ -51,6 +54,7 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
              for p in plan.pools]
     roles = plan.roles()
     ready_by_role = {r: sum(p.ready for p in pools if p.role == r) for r in roles}
+    serving_by_role = {r: ready_by_role[r] + sum(n for _, role, n, _ in observed.retained if role == r) for r in roles}
     desired_by_role = {r: plan.replicas(r) for r in roles}
 
     conditions = list(prev.conditions)
@@ -82,14 +86,17 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
     behind = [f"{p.name} {p.ready}/{p.desired}" for p in pools if p.ready < p.desired]
     if observed.router_ready < router_replicas:
         behind.append(f"{render.router_name(name)} {observed.router_ready}/{router_replicas}")
-    if behind:
+    kept = [f"keeping {pool} {why}" for pool, _, _, why in observed.retained]
+    if behind or kept:
         conditions = set_condition(conditions, _cond(
-            "Progressing", True, "RollingOut", "waiting for " + ", ".join(behind), now, generation))
+            "Progressing", True, "RollingOut", "; ".join(
+                (["waiting for " + ", ".join(behind)] if behind else []) + kept), now, generation))
     else:
         conditions = set_condition(conditions, _cond(
             "Progressing", False, "Complete", "every pool is at its desired size", now, generation))
-    # Ready: a request can be served end to end (router plus at least one worker per role).
-    missing = [r for r in roles if ready_by_role[r] == 0]
+    # Ready: a request can be served end to end (router plus at least one worker per role, counting
+    # a pool kept serving while its replacement starts).
+    missing = [r for r in roles if serving_by_role[r] == 0]
     if observed.router_ready == 0:
         missing.append("router")
     if missing:
@@ -97,7 +104,7 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
             "Ready", False, "NotServing", "no ready replica of " + ", ".join(missing), now, generation))
     else:
         conditions = set_condition(conditions, _cond(
-            "Ready", True, "Serving", ", ".join(f"{r} {ready_by_role[r]}/{desired_by_role[r]}" for r in roles)
+            "Ready", True, "Serving", ", ".join(f"{r} {serving_by_role[r]}/{desired_by_role[r]}" for r in roles)
             + f", router {observed.router_ready}/{router_replicas}", now, generation))
     for extra in extra_conditions:
         conditions = set_condition(conditions, extra)

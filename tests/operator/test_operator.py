@@ -89,14 +89,29 @@ def test_spec_edit_changes_only_what_must(kube) -> None:
         pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
         assert pool["spec"]["template"]["metadata"]["labels"]["pdfleet.io/revision"] == "2"
 
-        # A pool the plan no longer has is deleted; the new one is created.
+        # A pool the plan no longer has keeps serving until its replacement is ready, then is deleted.
+        mark_ready(kube, "llama31-8b")
+        settle(kube)
         kube.clear_requests()
         kube.patch("infdep", "llama31-8b", {"spec": {"decode": {"acceleratorClasses": ["h100-80gb"]}}})
-        wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "h100-80gb")
+        cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "h100-80gb")
         settle(kube)
-        assert "Deployment/llama31-8b-decode-h100-mig-3g-40gb" not in children(kube, "llama31-8b")
         assert "Deployment/llama31-8b-decode-h100-80gb" in children(kube, "llama31-8b")
+        assert "Deployment/llama31-8b-decode-h100-mig-3g-40gb" in children(kube, "llama31-8b")
+        assert not [w for w in kube.writes() if w.verb == "delete"]
+        cond = {c["type"]: c for c in kube.get("infdep", "llama31-8b")["status"]["conditions"]}
+        assert "keeping llama31-8b-decode-h100-mig-3g-40gb until the decode pools llama31-8b-decode-h100-80gb " \
+               "are ready (0/3 replicas)" in cond["Progressing"]["message"], cond["Progressing"]
+        assert cond["Ready"]["status"] == "True", cond["Ready"]  # the kept pool serves decode meanwhile
+        replanned = [e for e in events(kube, "llama31-8b") if e["reason"] == "Replanned"][-1]
+        assert "llama31-8b-decode-h100-mig-3g-40gb kept until" in replanned["message"]
+        mark_ready(kube, "llama31-8b")
+        kube.wait_for(lambda: "Deployment/llama31-8b-decode-h100-mig-3g-40gb" not in children(kube, "llama31-8b"),
+                      message="the replaced pool deleted once the new one is ready")
+        settle(kube)
         assert [w.name for w in kube.writes() if w.verb == "delete"] == ["llama31-8b-decode-h100-mig-3g-40gb"]
+        retired = [e for e in events(kube, "llama31-8b") if e["reason"] == "PoolRetired"]
+        assert len(retired) == 1 and retired[0]["message"].startswith("deleted llama31-8b-decode-h100-mig-3g-40gb")
 
 
 def test_deleting_the_cr_removes_children_by_garbage_collection(kube) -> None:
@@ -174,7 +189,12 @@ def test_new_ascend_node_replans_with_an_event(kube) -> None:
         # (the emulator, like a kubelet, reports a new node's allocatable in a second write: "added" or "changed")
         assert ev and ev[-1]["message"].startswith("node ascend-1 ") and "(8 huawei.com/Ascend910" in ev[-1]["message"]
         assert "allocatable): prefill 1xascend-910b, decode 2xhygon-dcu-k100" in ev[-1]["message"]
-        assert "Deployment/chat-cost-prefill-hygon-dcu-k100" not in children(kube, "chat-cost")
+        # the Hygon prefill pool serves until the Ascend one is ready
+        assert "Deployment/chat-cost-prefill-hygon-dcu-k100" in children(kube, "chat-cost")
+        mark_ready(kube, "chat-cost")
+        kube.wait_for(lambda: "Deployment/chat-cost-prefill-hygon-dcu-k100" not in children(kube, "chat-cost"),
+                      message="the Hygon prefill pool deleted once the Ascend one is ready")
+        settle(kube)
         # A node of an unrelated kind re-plans nothing.
         kube.clear_requests()
         kube.apply(node("l40s-9", "l40s", 4))
