@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -47,6 +47,16 @@ SURGE = 1.5
 SERVED_TOKENS = {"prefill": "prompt_tokens_rate", "decode": "generation_tokens_rate"}
 # Learned per-replica throughput follows new saturated readings at this weight (older ones decay).
 THROUGHPUT_WEIGHT = 0.5
+# The class name under which a role is learned as a whole: a source that cannot tell its replicas'
+# AcceleratorClasses apart (no `pdfleet_accelerator` label), and state written before classes were.
+WHOLE_ROLE = ""
+# A class is saturated (its served rate is what its replicas can serve) while at least this many
+# requests per replica wait on it.
+# NOTE: not "any request waiting": a request that arrives during an engine step waits for the next
+# one, so a scrape catches a few waiting on replicas with room to spare (the simulated fleet's decode
+# pool, at ~10 running per replica, showed some at most scrapes); read as saturation, that taught a
+# throughput of what arrived, not what the replicas serve. A full engine builds a backlog of more.
+SATURATED_WAITING = 1.0
 # The token rate sizes a role to run at this share of its saturated throughput: the headroom a burst
 # meets before the replicas it makes the autoscaler ask for are ready.
 # It is the spec's `autoscaling.targetUtilization` (default below) unless a Policy overrides it; the
@@ -104,6 +114,11 @@ class ScalerState:
     last decision (the arrival rate counts the queue's growth); `generation_per_prompt` the tokens
     decode generates per prompt token prefill serves, learned while neither role has requests waiting
     (decode's look-ahead by token rate).
+
+    `throughput` and `samples` see a role as one class (`WHOLE_ROLE`): what a source without the
+    per-class breakdown gives, and all that state written before the breakdown existed holds.
+    `class_throughput` and `class_samples` are the same per AcceleratorClass (role -> class -> ...):
+    a pool spread over classes of different speed has no single per-replica throughput.
     """
 
     replicas: Mapping[str, int] = field(default_factory=dict)
@@ -115,6 +130,8 @@ class ScalerState:
     samples: Mapping[str, tuple[tuple[float, int, bool], ...]] = field(default_factory=dict)
     last_queue: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     generation_per_prompt: float | None = None
+    class_throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    class_samples: Mapping[str, Mapping[str, tuple[tuple[float, int, bool], ...]]] = field(default_factory=dict)
 
     @classmethod
     def initial(cls, spec: InferenceDeploymentSpec, replicas: Mapping[str, int] | None = None) -> "ScalerState":
@@ -134,6 +151,9 @@ class ScalerState:
             "samples": {role: [list(x) for x in hist] for role, hist in self.samples.items()},
             "lastQueue": {role: list(p) for role, p in self.last_queue.items()},
             "generationPerPrompt": self.generation_per_prompt,
+            "classThroughput": {role: dict(by_class) for role, by_class in self.class_throughput.items()},
+            "classSamples": {role: {cls: [list(x) for x in hist] for cls, hist in by_class.items()}
+                             for role, by_class in self.class_samples.items()},
         }, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -141,7 +161,8 @@ class ScalerState:
         """Parse `to_json` output; ValueError naming the problem when it is not one.
 
         NOTE: the token-rate keys may be absent (a state written before they existed): that is a
-        throughput not learned yet, not an error.
+        throughput not learned yet, not an error. State written before the per-class keys holds one
+        number per role in `throughput`: it loads as the role learned as one class (`WHOLE_ROLE`).
         """
         try:
             raw = json.loads(text)
@@ -158,20 +179,59 @@ class ScalerState:
                 last_queue={str(r): (float(t), float(q)) for r, (t, q) in raw.get("lastQueue", {}).items()},
                 generation_per_prompt=(None if raw.get("generationPerPrompt") is None
                                        else float(raw["generationPerPrompt"])),
+                class_throughput={str(r): {str(k): float(c) for k, c in by_class.items()}
+                                  for r, by_class in raw.get("classThroughput", {}).items()},
+                class_samples={str(r): {str(k): tuple((float(t), int(n), bool(sat)) for t, n, sat in hist)
+                                        for k, hist in by_class.items()}
+                               for r, by_class in raw.get("classSamples", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"invalid autoscaler state {text[:200]!r}: {exc}") from exc
 
 
+Samples = tuple[tuple[float, int, bool], ...]  # (time, replicas reporting, saturated) per decision
+
+
 @dataclass(frozen=True)
 class TokenRate:
-    """One role's token throughput at this decision: what the `token_rate` policy sizes it by."""
+    """One role's token throughput at this decision: what the `token_rate` policy sizes it by.
+
+    Per-replica throughput is learned per AcceleratorClass (`WHOLE_ROLE` when the source has no
+    per-class breakdown); a class not learned yet is assumed to serve like the learned replicas.
+    """
 
     served: float | None       # tokens/s served over the rate window (None: the engine does not export it)
     queued: float | None       # tokens waiting to be served (prefill's prompt tokens; None where unknown)
-    per_replica: float | None  # tokens/s one replica serves when saturated, learned (None: not seen saturated yet)
-    samples: tuple[tuple[float, int, bool], ...]  # (time, replicas reporting, saturated) over the rate window
+    per_class: Mapping[str, float]   # class -> tokens/s one replica serves when saturated (learned ones only)
+    replicas: Mapping[str, int]      # class -> replicas reporting now
+    samples: Mapping[str, Samples]   # class -> its samples over the rate window
+    steady: bool = False       # no request waiting at this decision nor at the one before
     ahead: float | None = None  # tokens/s on their way (decode: what prefill's arrivals will generate)
+
+    @property
+    def per_replica(self) -> float | None:
+        """Tokens/s one replica of an unlearned class is assumed to serve: the mean over the replicas
+        reporting now whose class is learned, else over the learned classes (None: none learned)."""
+        named = {k: v for k, v in self.per_class.items() if k != WHOLE_ROLE}
+        if not named:
+            return self.per_class.get(WHOLE_ROLE)
+        weights = {k: self.replicas[k] for k in named if self.replicas.get(k)}
+        if weights:
+            return sum(named[k] * n for k, n in weights.items()) / sum(weights.values())
+        return sum(named.values()) / len(named)
+
+    def slots(self, order: Sequence[tuple[str, int]] | None) -> tuple[float, ...]:
+        """Tokens/s of each replica the role would run, in the order placement adds them.
+
+        `order` is (AcceleratorClass, most replicas placeable on it) in placement's order: a role at
+        N replicas runs the first N of these slots. Without it (or without a learned class in it)
+        every slot serves the mean of the replicas now, which, summed over them, is what they serve.
+        """
+        default = self.per_replica
+        assert default is not None, "slots of a role with no learned throughput"
+        if not order or not any(cls in self.per_class for cls, _ in order):
+            return (default,)
+        return tuple(self.per_class.get(cls, default) for cls, cap in order for _ in range(cap))
 
 
 @dataclass
@@ -189,12 +249,15 @@ class _Draft:
 
 def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSnapshot, now: float,
            capacity: Mapping[str, int], current: Mapping[str, int] | None = None, policy: Policy = PDFLEET,
+           order: Mapping[str, Sequence[tuple[str, int]]] | None = None,
            ) -> tuple[dict[str, ScalingDecision], ScalerState]:
     """Desired replicas per role for this interval, and the state to pass to the next call.
 
     `capacity` is the most replicas of each role placeable on free accelerators (placement's
     `FleetPlan.capacity(role)`; a role absent from it is unbounded). `current` overrides the sizes in
-    `state` (what the Deployments ask for now). The chain: queue recommendation with tolerance ->
+    `state` (what the Deployments ask for now). `order` is, per role, (AcceleratorClass, most replicas
+    placeable on it) in the order placement fills them (`FleetPlan.class_capacity(role)`): the token
+    rate sizes a role by the learned throughput of the classes its next replicas land on. The chain: queue recommendation with tolerance ->
     stabilization windows -> grace period after a scale-up -> step limits -> min/max -> capacity ->
     P:D ratio bounds; the reason is that of the last policy that changed the number.
 
@@ -235,7 +298,7 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
     for role in roles:
         rec, reason, message, needs[role] = _recommend(spec, role, snapshot.roles, cur, policy,
                                                         state.last_need.get(role), now, rates.get(role),
-                                                        state.last_queue.get(role))
+                                                        state.last_queue.get(role), (order or {}).get(role))
         recommended[role] = rec
         drafts[role] = _Draft(cur[role], rec, reason, message)
 
@@ -271,11 +334,11 @@ def metrics_problem(snapshot: MetricsSnapshot, roles: Mapping[str, object], now:
 def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, RoleMetrics],
                cur: Mapping[str, int], policy: Policy, last: tuple[float, float] | None, now: float,
                rate: TokenRate | None = None, last_queue: tuple[float, float] | None = None,
-               ) -> tuple[int, str, str, float]:
+               order: Sequence[tuple[str, int]] | None = None) -> tuple[int, str, str, float]:
     """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance.
 
     With a token rate (`policy.token_rate`), the larger of that and what the token arrival rate asks
-    for (`rate_need`). Also returns the role's own need (replicas' worth of its queue) for the next
+    for (`tokens_needed` over the throughput of the replicas placement would run, `replicas_for`). Also returns the role's own need (replicas' worth of its queue) for the next
     interval's trend.
     """
     m, rs, n = metrics[role], spec.roles()[role], cur[role]
@@ -310,10 +373,13 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
             what += f"; {rate.ahead:.0f} tokens/s on their way from prefill's arrivals"
             arriving = rate.ahead
         utilization = policy.utilization if policy.utilization is not None else spec.autoscaling.target_utilization
-        token_need = rate_need(arriving, rate.queued, rate.per_replica, utilization)
+        token_need = replicas_for(tokens_needed(arriving, rate.queued, utilization), rate.slots(order))
         by_rate = token_need > need
+        classes = sorted((k, v) for k, v in rate.per_class.items() if k != WHOLE_ROLE)
         what += (f"; {arriving:.0f} tokens/s arriving" + (f" + {rate.queued:g} queued" if rate.queued else "")
-                 + f" at {rate.per_replica:.0f} tokens/s per saturated replica: {token_need:.2f} replicas' worth")
+                 + f" at {rate.per_replica:.0f} tokens/s per saturated replica"
+                 + (f" ({', '.join(f'{k} {v:.0f}' for k, v in classes)})" if len(classes) > 1 else "")
+                 + f": {token_need:.2f} replicas' worth")
         need = max(need, token_need)
 
     if n > 0 and abs(need / n - 1.0) <= tolerance:
@@ -335,32 +401,84 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
 
 
 def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float) -> TokenRate:
-    """The role's token rate, queue and learned per-replica throughput, after this snapshot.
+    """The role's token rate, queue and learned per-replica throughput of each class, after this snapshot.
 
-    A role is saturated while requests wait (its engines run full token budgets or full batches). When
-    it was saturated at every decision over the last rate window, the rate it served over that window,
-    divided by the replicas that served it (time-weighted), is one replica's throughput: the learned
-    value moves THROUGHPUT_WEIGHT of the way toward it. A window that ends saturated (this decision and
-    the one before) but began with spare capacity served less than the replicas could: it is a lower
-    bound, which raises the learned value when it is higher and otherwise says nothing. Windows with
-    requests waiting at neither end say nothing (a replica with spare capacity serves what arrives), so
-    the learned value lasts until the next saturation.
+    A class is saturated while requests wait on its replicas (its engines run full token budgets or
+    full batches). When it was saturated at every decision over the last rate window, the rate it
+    served over that window, divided by the replicas that served it (time-weighted), is one replica's
+    throughput: the learned value moves THROUGHPUT_WEIGHT of the way toward it. A window that ends
+    saturated (this decision and the one before) but began with spare capacity served less than the
+    replicas could: it is a lower bound, which raises the learned value when it is higher and otherwise
+    says nothing. Windows with requests waiting at neither end say nothing (a replica with spare
+    capacity serves what arrives), so the learned value lasts until the next saturation.
+
+    NOTE: per class, not per role: in a pool spread over a slow and a fast class, requests wait on the
+    slow replicas while the fast ones have room, and the role's rate divided by all its replicas is
+    then what arrives, not what they can serve; learned as the role's throughput it shrinks to the
+    demand and the rate asks for 1 / utilization times the replicas, again at every window.
     """
     served = getattr(m, SERVED_TOKENS[role])
     queued = m.prompt_tokens_waiting if role == "prefill" else None
+    learned = known_throughput(state, role)
+    history = known_samples(state, role)
+    parts = class_parts(role, m)
+    window: dict[str, Samples] = {}
+    for cls, (replicas, saturated, rate) in parts.items():
+        window[cls] = _window(history.get(cls, ()), now, (now, replicas, saturated))
+        per_replica = _learn(learned.get(cls), rate, window[cls], now)
+        if per_replica is not None:
+            learned[cls] = per_replica
+    before = [x for hist in window.values() for x in hist[:-1]]
+    last = max((t for t, _, _ in before), default=None)
+    steady = last is not None and m.waiting == 0 and not any(sat for t, _, sat in before if t == last)
+    return TokenRate(served=served, queued=queued, per_class=learned,
+                     replicas={cls: n for cls, (n, _, _) in parts.items()}, samples=window, steady=steady)
+
+
+def class_parts(role: str, m: RoleMetrics) -> dict[str, tuple[int, bool, float | None]]:
+    """class -> (replicas reporting, saturated, tokens/s served) of the role; the whole role as one
+    class (`WHOLE_ROLE`) when the snapshot has no per-class breakdown or one without the served rate."""
+    name = SERVED_TOKENS[role]
+    whole = getattr(m, name)
+    if m.classes and (whole is None or all(getattr(c, name) is not None for c in m.classes.values())):
+        return {cls: (c.replicas_reporting, c.waiting >= SATURATED_WAITING * c.replicas_reporting, getattr(c, name))
+                for cls, c in m.classes.items()}
+    return {WHOLE_ROLE: (m.replicas_reporting, m.waiting >= SATURATED_WAITING * m.replicas_reporting, whole)}
+
+
+def known_throughput(state: ScalerState, role: str) -> dict[str, float]:
+    """class -> learned tokens/s per replica of the role, the role as a whole under `WHOLE_ROLE`."""
+    out = {WHOLE_ROLE: state.throughput[role]} if role in state.throughput else {}
+    out.update(state.class_throughput.get(role, {}))
+    return out
+
+
+def known_samples(state: ScalerState, role: str) -> dict[str, Samples]:
+    out = {WHOLE_ROLE: state.samples[role]} if role in state.samples else {}
+    out.update(state.class_samples.get(role, {}))
+    return out
+
+
+def _window(history: Samples, now: float, latest: tuple[float, int, bool]) -> Samples:
+    """The samples covering the rate window ending now, this decision's last."""
     start = now - RATE_WINDOW_S
-    past = tuple(x for x in state.samples.get(role, ()) if x[0] < now)
+    past = tuple(x for x in history if x[0] < now)
     # keep the last sample at or before the window's start: it says who served the window's first seconds
     older = [x for x in past if x[0] <= start]
-    samples = tuple(older[-1:]) + tuple(x for x in past if x[0] > start) + ((now, m.replicas_reporting, m.waiting > 0),)
-    learned = state.throughput.get(role)
-    if served is not None and older and samples[-2][2] and samples[-1][2]:
-        per_replica = served / served_by(samples, start, now)
-        if all(saturated for _, _, saturated in samples):
-            learned = per_replica if learned is None else learned + THROUGHPUT_WEIGHT * (per_replica - learned)
-        elif learned is None or per_replica > learned:
-            learned = per_replica
-    return TokenRate(served=served, queued=queued, per_replica=learned, samples=samples)
+    return tuple(older[-1:]) + tuple(x for x in past if x[0] > start) + (latest,)
+
+
+def _learn(learned: float | None, served: float | None, samples: Samples, now: float) -> float | None:
+    """The learned per-replica throughput after a window's samples (see `observe_rate`)."""
+    start = now - RATE_WINDOW_S
+    if served is None or len(samples) < 2 or samples[0][0] > start or not (samples[-2][2] and samples[-1][2]):
+        return learned
+    per_replica = served / served_by(samples, start, now)
+    if all(saturated for _, _, saturated in samples):
+        return per_replica if learned is None else learned + THROUGHPUT_WEIGHT * (per_replica - learned)
+    if learned is None or per_replica > learned:
+        return per_replica
+    return learned
 
 
 def served_by(samples: tuple[tuple[float, int, bool], ...], start: float, end: float) -> float:
@@ -375,8 +493,7 @@ def served_by(samples: tuple[tuple[float, int, bool], ...], start: float, end: f
 def generation_ratio(previous: float | None, prefill: TokenRate, decode: TokenRate) -> float | None:
     """Tokens decode generates per prompt token prefill serves, moved toward this window's ratio when both
     roles ran with nothing waiting at this decision and the one before (served = arrived on both sides)."""
-    steady = all(len(r.samples) >= 2 and not r.samples[-1][2] and not r.samples[-2][2] for r in (prefill, decode))
-    if not steady or not prefill.served or decode.served is None:
+    if not (prefill.steady and decode.steady) or not prefill.served or decode.served is None:
         return previous
     observed = decode.served / prefill.served
     return observed if previous is None else previous + THROUGHPUT_WEIGHT * (observed - previous)
@@ -395,14 +512,35 @@ def arrival_rate(served: float, queued: float | None, last: tuple[float, float] 
     return max(0.0, served + (queued - last[1]) / (now - last[0]))
 
 
+def tokens_needed(arriving: float, queued: float | None, utilization: float,
+                  drain_s: float = RATE_WINDOW_S) -> float:
+    """Saturated tokens/s a role needs, by Little's law: the arrivals at the target utilization, plus what
+    drains the queued tokens within `drain_s` (one rate window by default, so the next window measures
+    arrivals rather than backlog)."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"tokens_needed: utilization {utilization} must be in (0, 1]")
+    return arriving / utilization + (queued or 0.0) / drain_s
+
+
+def replicas_for(tokens_per_s: float, slots: Sequence[float]) -> float:
+    """Replicas' worth that serve `tokens_per_s` at saturation, taking replicas in order from `slots` (the
+    tokens/s of each; past the end, more like the last): whole replicas, then a fraction of the next."""
+    if not slots or min(slots) <= 0:
+        raise ValueError(f"replicas_for: per-replica throughputs {tuple(slots)[:8]} must be > 0")
+    need, left = 0.0, max(0.0, tokens_per_s)
+    for speed in slots[:-1]:
+        if left <= speed:
+            return need + left / speed
+        need, left = need + 1.0, left - speed
+    return need + left / slots[-1]
+
+
 def rate_need(arriving: float, queued: float | None, per_replica: float, utilization: float,
               drain_s: float = RATE_WINDOW_S) -> float:
-    """Replicas' worth of token work, by Little's law: arrivals over what one replica carries at the target
-    utilization, plus what drains the queued tokens within `drain_s` (one rate window by default, so the
-    next window measures arrivals rather than backlog)."""
+    """Replicas' worth of token work for replicas that all serve `per_replica` tokens/s when saturated."""
     if per_replica <= 0 or not 0 < utilization <= 1:
         raise ValueError(f"rate_need: per_replica {per_replica} must be > 0 and utilization {utilization} in (0, 1]")
-    return arriving / (per_replica * utilization) + (queued or 0.0) / (per_replica * drain_s)
+    return replicas_for(tokens_needed(arriving, queued, utilization, drain_s), (per_replica,))
 
 
 def queue_growth(last: tuple[float, float] | None, now: float, need: float, interval: float) -> float:
@@ -545,9 +683,16 @@ def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
         replicas={**state.replicas, **{role: dec.desired for role, dec in decisions.items()}},
         recommendations=dict(record) if record is not None else state.recommendations,
         last_scale_up={**state.last_scale_up, **ups},
-        throughput={**state.throughput, **{role: r.per_replica for role, r in (rates or {}).items()
-                                           if r.per_replica is not None}},
-        samples={**state.samples, **{role: r.samples for role, r in (rates or {}).items()}},
+        throughput={**state.throughput, **{role: r.per_class[WHOLE_ROLE] for role, r in (rates or {}).items()
+                                           if WHOLE_ROLE in r.per_class}},
+        samples={**{role: hist for role, hist in state.samples.items() if role not in (rates or {})},
+                 **{role: r.samples[WHOLE_ROLE] for role, r in (rates or {}).items() if WHOLE_ROLE in r.samples}},
+        class_throughput={**state.class_throughput, **{
+            role: {k: v for k, v in r.per_class.items() if k != WHOLE_ROLE} for role, r in (rates or {}).items()
+            if len(r.per_class) > (WHOLE_ROLE in r.per_class)}},
+        class_samples={**{role: by_class for role, by_class in state.class_samples.items() if role not in (rates or {})},
+                       **{role: {k: v for k, v in r.samples.items() if k != WHOLE_ROLE}
+                          for role, r in (rates or {}).items() if len(r.samples) > (WHOLE_ROLE in r.samples)}},
         last_queue={**state.last_queue, **{role: (now, r.queued) for role, r in (rates or {}).items()
                                            if r.queued is not None}},
     )

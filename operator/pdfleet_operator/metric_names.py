@@ -65,8 +65,10 @@ class QueryProfile:
     """The PromQL the autoscaler runs for one engine kind, as templates over `$sel` and `$by`.
 
     `$sel` becomes the label matchers scoping a deployment (`namespace="x",pdfleet_deployment="y"`),
-    `$by` the role label. Every query answers one series per role. A template of None means the
-    engine does not export that signal (the snapshot leaves it None; it is never read as zero).
+    `$by` the role label, `$cls` the accelerator label. Every role query answers one series per role;
+    the `class_` queries one per (role, AcceleratorClass), the breakdown the autoscaler learns each
+    class's throughput from. A template of None means the engine does not export that signal (the
+    snapshot leaves it None; it is never read as zero).
     """
 
     name: str
@@ -78,22 +80,33 @@ class QueryProfile:
     prompt_tokens_waiting: str | None
     prompt_tokens_rate: str | None
     generation_tokens_rate: str | None
+    class_replicas: str | None = None
+    class_waiting: str | None = None
+    class_prompt_tokens_rate: str | None = None
+    class_generation_tokens_rate: str | None = None
     deployment_label: str = LABEL_DEPLOYMENT
     namespace_label: str = LABEL_NAMESPACE
     role_label: str = LABEL_ROLE
+    accelerator_label: str = LABEL_ACCELERATOR
 
     def selector(self, deployment: str, namespace: str) -> str:
         return f"{self.namespace_label}={label_value(namespace)},{self.deployment_label}={label_value(deployment)}"
 
     def render(self, template: str, deployment: str, namespace: str) -> str:
-        return Template(template).substitute(sel=self.selector(deployment, namespace), by=self.role_label)
+        return Template(template).substitute(sel=self.selector(deployment, namespace), by=self.role_label,
+                                             cls=self.accelerator_label)
 
     def queries(self, deployment: str, namespace: str) -> dict[str, str]:
-        """Snapshot field -> PromQL, for the signals this engine exports."""
-        fields = ("waiting", "running", "replicas", "sample_time", "kv_usage", "prompt_tokens_waiting",
-                  "prompt_tokens_rate", "generation_tokens_rate")
+        """Snapshot field -> PromQL, for the signals this engine exports (`CLASS_FIELDS` by role and class)."""
         return {f: self.render(getattr(self, f), deployment, namespace)
-                for f in fields if getattr(self, f) is not None}
+                for f in ROLE_FIELDS + CLASS_FIELDS if getattr(self, f) is not None}
+
+
+# QueryProfile fields answered by role (RoleMetrics), and by role and AcceleratorClass (ClassMetrics,
+# named without the `class_` prefix).
+ROLE_FIELDS = ("waiting", "running", "replicas", "sample_time", "kv_usage", "prompt_tokens_waiting",
+               "prompt_tokens_rate", "generation_tokens_rate")
+CLASS_FIELDS = ("class_replicas", "class_waiting", "class_prompt_tokens_rate", "class_generation_tokens_rate")
 
 
 # The window of the token-rate queries; the autoscaler reads a rate as this long an average.
@@ -110,6 +123,12 @@ _COMMON = dict(
     sample_time=f"min by ($by) (timestamp({NUM_REQUESTS_WAITING}{{$sel}}))",
     prompt_tokens_rate=f"sum by ($by) (rate({PROMPT_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
     generation_tokens_rate=f"sum by ($by) (rate({GENERATION_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
+    # NOTE: per class as well: a role spread over accelerators of different speed has no single
+    # per-replica throughput (series without the accelerator label give no breakdown, not an error).
+    class_replicas=f"count by ($by, $cls) ({NUM_REQUESTS_WAITING}{{$sel}})",
+    class_waiting=f"sum by ($by, $cls) ({NUM_REQUESTS_WAITING}{{$sel}})",
+    class_prompt_tokens_rate=f"sum by ($by, $cls) (rate({PROMPT_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
+    class_generation_tokens_rate=f"sum by ($by, $cls) (rate({GENERATION_TOKENS_TOTAL}{{$sel}}[{_RATE_WINDOW}]))",
 )
 
 PROFILES: dict[str, QueryProfile] = {

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from urllib3.util.retry import Retry
 
 from pdfleet_operator import metric_names as names
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+from pdfleet_operator.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
 
 # Fields a snapshot cannot do without; the others are None when the engine does not export them.
 REQUIRED = ("waiting", "running", "replicas", "sample_time")
@@ -68,10 +68,14 @@ class PrometheusSource:
         taken_at = self.clock()
         roles = list(roles)
         try:
-            values = {field: self._by_role(promql)
-                      for field, promql in self.profile.queries(deployment, namespace).items()}
+            queries = self.profile.queries(deployment, namespace)
+            values = {field: self._by_role(promql) for field, promql in queries.items()
+                      if field not in names.CLASS_FIELDS}
+            by_class = {field.removeprefix("class_"): self._by_role_class(promql) for field, promql in queries.items()
+                        if field in names.CLASS_FIELDS}
             return MetricsSnapshot(taken_at=taken_at, source=self.name,
-                                   roles={role: self._role(role, values, deployment, namespace) for role in roles})
+                                   roles={role: self._role(role, values, deployment, namespace, _classes(role, by_class))
+                                          for role in roles})
         except MetricsError as exc:
             return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
         except (requests.RequestException, PrometheusApiClientException) as exc:
@@ -110,8 +114,22 @@ class PrometheusSource:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
 
+    def _by_role_class(self, promql: str) -> dict[str, dict[str | None, float]]:
+        """An instant vector by role and accelerator label (None: a series without the accelerator label)."""
+        try:
+            out: dict[str, dict[str | None, float]] = {}
+            for series in self.client.custom_query(promql):
+                role = series["metric"].get(self.profile.role_label)
+                if role is None:
+                    raise MetricsError(f"series without {self.profile.role_label} label from {promql}")
+                cls = series["metric"].get(self.profile.accelerator_label) or None
+                out.setdefault(role, {})[cls] = _finite(float(series["value"][1]), f"{promql} for {role}/{cls}")
+            return out
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
+
     def _role(self, role: str, values: Mapping[str, Mapping[str, float]], deployment: str,
-              namespace: str) -> RoleMetrics:
+              namespace: str, classes: Mapping[str, ClassMetrics]) -> RoleMetrics:
         missing = [f for f in REQUIRED if role not in values[f]]
         if missing:
             raise MetricsError(f"no series for role {role} of {namespace}/{deployment} "
@@ -125,7 +143,25 @@ class PrometheusSource:
                            sample_time=values["sample_time"][role], kv_usage=optional("kv_usage"),
                            prompt_tokens_waiting=optional("prompt_tokens_waiting"),
                            prompt_tokens_rate=optional("prompt_tokens_rate"),
-                           generation_tokens_rate=optional("generation_tokens_rate"))
+                           generation_tokens_rate=optional("generation_tokens_rate"), classes=classes)
+
+
+def _classes(role: str, by_class: Mapping[str, Mapping[str, Mapping[str | None, float]]]) -> dict[str, ClassMetrics]:
+    """The role's per-AcceleratorClass breakdown from the `class_` queries (ClassMetrics field -> role ->
+    class -> value); empty, the role then seen as one class, when a replica has no accelerator label or
+    the replica count and the queue do not name the same classes."""
+    counts = by_class.get("replicas", {}).get(role, {})
+    waiting = by_class.get("waiting", {}).get(role, {})
+    if not counts or None in counts or set(counts) != set(waiting) or min(counts.values()) < 1:
+        return {}
+
+    def rate(field: str, cls: str) -> float | None:
+        return by_class.get(field, {}).get(role, {}).get(cls)
+
+    return {cls: ClassMetrics(replicas_reporting=int(n), waiting=waiting[cls],
+                              prompt_tokens_rate=rate("prompt_tokens_rate", cls),
+                              generation_tokens_rate=rate("generation_tokens_rate", cls))
+            for cls, n in counts.items() if cls is not None}
 
 
 # role -> worker /metrics URLs, for one deployment
@@ -137,7 +173,9 @@ class ScrapeSource:
 
     `targets` is role -> URLs, or a function of (deployment, namespace) returning that. Every replica
     must answer: one unreachable replica makes the snapshot unavailable (its queue is unknown, not zero).
-    Token rates come from the counters' change between two snapshots.
+    Token rates come from the counters' change between two snapshots. A pdfleet worker labels its series
+    with its AcceleratorClass (`pdfleet_accelerator`), which splits each role by class as the Prometheus
+    queries do; a replica without the label (a vLLM pod) leaves its role without the breakdown.
     """
 
     def __init__(self, targets: Targets | Callable[[str, str], Targets], timeout: float = 2.0,
@@ -146,7 +184,7 @@ class ScrapeSource:
         self.timeout = timeout
         self.clock = clock
         self.client = client or httpx.Client(timeout=timeout)
-        self._counters: dict[tuple[str, str, str, str], tuple[float, float]] = {}  # -> (time, total)
+        self._counters: dict[tuple[str, ...], tuple[float, float]] = {}  # (ns, deployment, role, counter[, class]) -> (time, total)
 
     name = "scrape"
 
@@ -164,8 +202,14 @@ class ScrapeSource:
             raise MetricsError(f"no /metrics targets for role {role} of {namespace}/{deployment}")
         totals: dict[str, float] = {}
         kv: list[float] = []
+        per_class: dict[str | None, dict[str, float]] = {}
         for url in urls:
-            samples = self._scrape(url)
+            samples, accelerator = self._scrape(url)
+            mine = per_class.setdefault(accelerator, {})
+            mine["replicas"] = mine.get("replicas", 0.0) + 1
+            for field, metric in (("waiting", names.NUM_REQUESTS_WAITING), ("prompt_total", names.PROMPT_TOKENS_TOTAL),
+                                  ("generation_total", names.GENERATION_TOKENS_TOTAL)):
+                mine[field] = mine.get(field, 0.0) + samples.get(metric, math.nan)
             for field, metric in (("waiting", names.NUM_REQUESTS_WAITING), ("running", names.NUM_REQUESTS_RUNNING)):
                 if metric not in samples:
                     raise MetricsError(f"{url} does not export {metric}")
@@ -181,36 +225,51 @@ class ScrapeSource:
             if usage is not None:
                 kv.append(usage)
 
-        def known(field: str) -> float | None:
-            value = totals.get(field, math.nan)
+        def known(field: str, where: Mapping[str, float] = totals) -> float | None:
+            value = where.get(field, math.nan)
             return value if math.isfinite(value) else None
 
+        classes = {}
+        if None not in per_class:
+            for cls, got in sorted(per_class.items()):
+                assert cls is not None
+                classes[cls] = ClassMetrics(
+                    replicas_reporting=int(got["replicas"]), waiting=got["waiting"],
+                    prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt", cls),
+                                                  known("prompt_total", got), now),
+                    generation_tokens_rate=self._rate((namespace, deployment, role, "generation", cls),
+                                                      known("generation_total", got), now))
         return RoleMetrics(
             waiting=totals["waiting"], running=totals["running"], replicas_reporting=len(urls), sample_time=now,
             kv_usage=sum(kv) / len(kv) if len(kv) == len(urls) else None,
             prompt_tokens_waiting=known("prompt_tokens_waiting"),
             prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt"), known("prompt_total"), now),
             generation_tokens_rate=self._rate((namespace, deployment, role, "generation"),
-                                              known("generation_total"), now))
+                                              known("generation_total"), now),
+            classes=classes)
 
-    def _scrape(self, url: str) -> dict[str, float]:
-        """The series pdfleet reads, by sample name, summed over label sets (one replica serves one model)."""
+    def _scrape(self, url: str) -> tuple[dict[str, float], str | None]:
+        """The series pdfleet reads, by sample name, summed over label sets (one replica serves one model),
+        and the replica's AcceleratorClass (its waiting gauge's `pdfleet_accelerator` label; None without)."""
         try:
             resp = self.client.get(url, headers={"Accept": "text/plain; version=0.0.4"})
             resp.raise_for_status()
             out: dict[str, float] = {}
+            accelerator = None
             for family in text_string_to_metric_families(resp.text):
                 for sample in family.samples:
                     if sample.name in SCRAPED:
                         value = _finite(float(sample.value), f"{sample.name} at {url}")
                         out[sample.name] = out.get(sample.name, 0.0) + value
-            return out
+                    if sample.name == names.NUM_REQUESTS_WAITING:
+                        accelerator = sample.labels.get(names.LABEL_ACCELERATOR) or accelerator
+            return out, accelerator
         except httpx.HTTPError as exc:
             raise MetricsError(f"scraping {url}: {type(exc).__name__}: {exc}") from exc
         except ValueError as exc:
             raise MetricsError(f"parsing {url}: {exc}") from exc
 
-    def _rate(self, key: tuple[str, str, str, str], total: float | None, now: float) -> float | None:
+    def _rate(self, key: tuple[str, ...], total: float | None, now: float) -> float | None:
         """Per-second increase of a counter since the previous snapshot (None on the first or after a reset)."""
         if total is None:
             self._counters.pop(key, None)

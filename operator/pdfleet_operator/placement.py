@@ -63,6 +63,8 @@ class FleetPlan:
     targets: Mapping[str, int] = field(default_factory=dict)  # replicas asked per role (after min/max)
     capacities: Mapping[str, int] = field(default_factory=dict)
     ranking: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # role -> (class, most replicas of the role placeable on it) in the order the plan fills them
+    class_capacities: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     def replicas(self, role: str) -> int:
         return sum(p.replicas for p in self.pools if p.role == role)
@@ -70,6 +72,11 @@ class FleetPlan:
     def capacity(self, role: str) -> int:
         """Most replicas of `role` placeable (up to its maxReplicas), counting what the plan holds."""
         return self.capacities.get(role, 0)
+
+    def class_capacity(self, role: str) -> tuple[tuple[str, int], ...]:
+        """(AcceleratorClass, most replicas of `role` placeable on it, counting the plan's) in placement
+        order: the classes a growing role lands on next (the autoscaler's token-rate sizing)."""
+        return self.class_capacities.get(role, ())
 
     def pools_for(self, role: str) -> tuple[PlannedPool, ...]:
         return tuple(p for p in self.pools if p.role == role)
@@ -181,6 +188,7 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
     pools: list[PlannedPool] = []
     shortfalls: list[Shortfall] = []
     capacities: dict[str, int] = {}
+    by_class: dict[str, tuple[tuple[str, int], ...]] = {}
     for role in (r for r in ROLES if r in roles):
         for cand in ranking[role]:
             n = placed.get((role, cand.name), 0)
@@ -205,14 +213,18 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
         # What the autoscaler may grow to: the plan's replicas plus what still fits after it.
         extra, spare = 0, inv
         cap = roles[role].max_replicas
+        slots = []
         for cand in ranking[role]:
-            if have + extra >= cap:
-                break
-            spare, got = spare.take(cand.spec, cap - have - extra)
-            extra += got
+            got = 0
+            if have + extra < cap:
+                spare, got = spare.take(cand.spec, cap - have - extra)
+                extra += got
+            if placed.get((role, cand.name), 0) + got:
+                slots.append((cand.name, placed.get((role, cand.name), 0) + got))
         capacities[role] = have + extra
+        by_class[role] = tuple(slots)
         reasons.append(f"{role}: {have} of {targets[role]} replicas placed"
                        + (": " + ", ".join(f"{p.replicas} on {p.accelerator_class}" for p in pools if p.role == role)
                           if have else ""))
     return FleetPlan(tuple(pools), tuple(shortfalls), tuple(reasons) + inventory.notes, targets, capacities,
-                     {r: tuple(c.name for c in ranking[r]) for r in ranking})
+                     {r: tuple(c.name for c in ranking[r]) for r in ranking}, by_class)

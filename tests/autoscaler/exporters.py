@@ -15,19 +15,22 @@ class WorkerExporter:
     """One worker replica's /metrics (classic text format), whose queue numbers the test plays."""
 
     def __init__(self, deployment: str, role: str, namespace: str = "default", model: str = "tiny",
-                 prompt_tokens_gauge: bool = True) -> None:
-        self.deployment, self.role, self.namespace = deployment, role, namespace
+                 prompt_tokens_gauge: bool = True, accelerator: str | None = None) -> None:
+        """`accelerator`: the AcceleratorClass a pdfleet worker puts on its series and a PodMonitor on its
+        target (`pdfleet_accelerator`); None for a worker without it (a vLLM pod)."""
+        self.deployment, self.role, self.namespace, self.accelerator = deployment, role, namespace, accelerator
         self.registry = CollectorRegistry()
-        labels = [names.LABEL_MODEL]
-        self.waiting = Gauge(names.NUM_REQUESTS_WAITING, "waiting", labels, registry=self.registry).labels(model)
-        self.running = Gauge(names.NUM_REQUESTS_RUNNING, "running", labels, registry=self.registry).labels(model)
-        self.kv = Gauge(names.KV_CACHE_USAGE, "kv usage", labels, registry=self.registry).labels(model)
+        labels = [names.LABEL_MODEL] + ([names.LABEL_ACCELERATOR] if accelerator else [])
+        values = [model] + ([accelerator] if accelerator else [])
+        self.waiting = Gauge(names.NUM_REQUESTS_WAITING, "waiting", labels, registry=self.registry).labels(*values)
+        self.running = Gauge(names.NUM_REQUESTS_RUNNING, "running", labels, registry=self.registry).labels(*values)
+        self.kv = Gauge(names.KV_CACHE_USAGE, "kv usage", labels, registry=self.registry).labels(*values)
         self.prompt_tokens = Counter(names.PROMPT_TOKENS_TOTAL, "prompt tokens", labels,
-                                     registry=self.registry).labels(model)
+                                     registry=self.registry).labels(*values)
         self.generation_tokens = Counter(names.GENERATION_TOKENS_TOTAL, "generated tokens", labels,
-                                         registry=self.registry).labels(model)
+                                         registry=self.registry).labels(*values)
         self.prompt_tokens_waiting = (Gauge(names.PROMPT_TOKENS_WAITING, "prompt tokens waiting", labels,
-                                            registry=self.registry).labels(model) if prompt_tokens_gauge else None)
+                                            registry=self.registry).labels(*values) if prompt_tokens_gauge else None)
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,9 +69,11 @@ class WorkerExporter:
 
     def static_config(self) -> dict:
         """A Prometheus static_config with the target labels a PodMonitor puts on a pdfleet worker pod."""
-        return {"targets": [self.address], "labels": {names.LABEL_DEPLOYMENT: self.deployment,
-                                                      names.LABEL_ROLE: self.role,
-                                                      names.LABEL_NAMESPACE: self.namespace}}
+        labels = {names.LABEL_DEPLOYMENT: self.deployment, names.LABEL_ROLE: self.role,
+                  names.LABEL_NAMESPACE: self.namespace}
+        if self.accelerator:
+            labels[names.LABEL_ACCELERATOR] = self.accelerator
+        return {"targets": [self.address], "labels": labels}
 
 
 def scrape_config(exporters: list[WorkerExporter], interval: str = "1s") -> dict:

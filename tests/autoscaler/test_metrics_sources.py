@@ -22,8 +22,8 @@ def fleet():
     """Replicas of deployment default/demo (1 prefill, 2 decode) and one of another deployment."""
     workers = {
         "prefill": WorkerExporter("demo", "prefill"),
-        "decode-a": WorkerExporter("demo", "decode"),
-        "decode-b": WorkerExporter("demo", "decode"),
+        "decode-a": WorkerExporter("demo", "decode", accelerator="h200"),
+        "decode-b": WorkerExporter("demo", "decode", accelerator="ascend-910b-x2"),
         "other": WorkerExporter("other", "prefill"),
     }
     yield workers
@@ -64,6 +64,10 @@ def test_prometheus_source_reads_back_what_the_workers_play(prometheus_factory, 
     assert (p.waiting, p.running, p.replicas_reporting, p.prompt_tokens_waiting, p.kv_usage) == (7, 2, 1, 9000, 0.25)
     assert (d.waiting, d.running, d.replicas_reporting) == (3, 16, 2)  # summed over the two decode replicas
     assert d.kv_usage == pytest.approx(0.6)
+    # decode split by the replicas' AcceleratorClass; prefill's replica has no class label: no breakdown
+    assert {c: (m.replicas_reporting, m.waiting) for c, m in d.classes.items()} == {"h200": (1, 1),
+                                                                                   "ascend-910b-x2": (1, 2)}
+    assert p.classes == {}
     assert abs(p.sample_time - time.time()) < 10
     assert "prometheus" in snap.source
 
@@ -180,6 +184,10 @@ def test_scrape_source_reads_the_workers_directly(fleet):
     snap = source.snapshot("demo", "default", ROLES)
     assert snap.roles["prefill"].prompt_tokens_rate == 500.0  # 5000 tokens over 10 s
     assert snap.roles["decode"].generation_tokens_rate == 40.0
+    classes = snap.roles["decode"].classes  # the workers' pdfleet_accelerator label splits decode by class
+    assert {c: (m.replicas_reporting, m.waiting, m.generation_tokens_rate) for c, m in classes.items()} == {
+        "h200": (1, 1, 30.0), "ascend-910b-x2": (1, 2, 10.0)}
+    assert snap.roles["prefill"].classes == {}
 
     fleet["decode-b"].play(waiting=float("nan"))
     snap = source.snapshot("demo", "default", ROLES)

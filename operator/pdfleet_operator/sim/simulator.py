@@ -277,8 +277,9 @@ class Simulator:
         capacity = {role: d.fleet_plan.capacity(role) for role in roles}
         current = {role: d.fleet_plan.replicas(role) + sum(v for (r, _), v in d.pending.items() if r == role)
                    for role in roles}
+        order = {role: d.fleet_plan.class_capacity(role) for role in roles}
         decisions, d.scaler = autoscaler.decide(d.spec, d.scaler, snapshot, t, capacity, current=current,
-                                                policy=self.policy.autoscaler_policy)
+                                                policy=self.policy.autoscaler_policy, order=order)
         desired = {role: dec.desired for role, dec in decisions.items()}
         for dec in decisions.values():
             if dec.direction != "hold":
