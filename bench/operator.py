@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
         b.start_operator(resync=0)
         b.wait(lambda: b.metrics_port and b.reconciles() == 0 and _up(b), 60, "the operator to start", 0.2)
+        # The operator's first round of AcceleratorClass status (per class, not per CR) lands before the count.
+        b.wait(lambda: all("free" in (c.get("status") or {}) for c in b.list("acc")), 60, "AcceleratorClass status")
+        b.quiet(0.5)
         b.call(b.emu.log.clear)
 
         # Phase 1: create N CRs; wait until each has a status with its 4 pools.

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from pdfleet_operator import (
     alertmanager,
+    class_status,
     cost,
     exporter,
     handover,
@@ -75,6 +76,7 @@ class Options:
     analysis_interval: float = 15.0    # seconds between rollback analyses from Prometheus (0: only on alerts)
     alertmanager_host: str = "0.0.0.0"
     alertmanager_port: int | None = None  # the Alertmanager webhook receiver (POST /alerts)
+    class_status_interval: float = 15.0   # seconds between AcceleratorClass status rounds (0: never written)
 
 
 OPTIONS = Options()
@@ -710,6 +712,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         RECONCILER.indexes["_metrics_runner"] = await exporter.serve(OPTIONS.metrics_host, OPTIONS.metrics_port)
     if OPTIONS.resync_interval > 0:
         RECONCILER.indexes["_resync"] = asyncio.get_running_loop().create_task(_resync_loop())
+    if OPTIONS.class_status_interval > 0:
+        RECONCILER.indexes["_class_status"] = asyncio.get_running_loop().create_task(_class_status_loop())
 
 
 @kopf.on.login()
@@ -722,9 +726,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    task = RECONCILER.indexes.pop("_resync", None)
-    if task is not None:
-        task.cancel()
+    for name in ("_resync", "_class_status"):
+        task = RECONCILER.indexes.pop(name, None)
+        if task is not None:
+            task.cancel()
     for name in ("_metrics_runner", "_alertmanager_runner"):
         runner = RECONCILER.indexes.pop(name, None)
         if runner is not None:
@@ -733,6 +738,25 @@ async def cleanup(**_: Any) -> None:
         t.cancel()
     if RECONCILER.api is not None:
         await RECONCILER.api.close()
+
+
+async def _class_status_loop() -> None:
+    """AcceleratorClass status (nodes, allocatable, free units) every --class-status-interval seconds."""
+    writer = class_status.ClassStatusWriter()
+    while True:
+        api = RECONCILER.api
+        if api is not None:
+            try:
+                await RECONCILER._await_indexes(api)
+                nodes = [next(iter(s)) for s in (RECONCILER.indexes.get("node_index") or {}).values()]
+                pods = [p for s in (RECONCILER.indexes.get("pod_index") or {}).values() for p in s]
+                for _ in await writer.sync(api, nodes, pods):
+                    exporter.API_WRITES.labels("AcceleratorClass/status").inc()
+            except kube.ApiError as exc:
+                logger.warning("AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval)
+            except Exception:  # NOTE: a bug here must not end the loop (or the operator)
+                logger.exception("AcceleratorClass status round failed")
+        await asyncio.sleep(OPTIONS.class_status_interval if api is not None else 0.2)
 
 
 async def _resync_loop() -> None:

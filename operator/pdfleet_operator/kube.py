@@ -221,9 +221,12 @@ class Api:
                 raise
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        result = await self.request("PATCH", _path("InferenceDeployment", namespace, name, "status"),
-                                    body={"status": status}, content_type="application/merge-patch+json")
-        return result
+        return await self.patch_status_of("InferenceDeployment", namespace, name, status)
+
+    async def patch_status_of(self, kind: str, namespace: str | None, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """A merge patch of the status subresource (the only way the operator writes a status)."""
+        return await self.request("PATCH", _path(kind, namespace, name, "status"),
+                                  body={"status": status}, content_type="application/merge-patch+json")
 
     async def remove_annotation(self, kind: str, namespace: str, name: str, key: str) -> None:
         """Drop one annotation (a one-shot command such as pdfleet.io/rollback-to, once acted on)."""

@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve the Alertmanager webhook receiver (POST /alerts) on this port (default 0: off)")
     p.add_argument("--analysis-interval", type=float, default=15.0,
                    help="seconds between rollback analyses from Prometheus (0: only on alerts; default 15)")
+    p.add_argument("--class-status-interval", type=float, default=15.0,
+                   help="seconds between updates of AcceleratorClass status (nodes, allocatable, free units; "
+                        "0: never; default 15)")
     p.add_argument("--peering", default=None,
                    help="kopf peering object for running several replicas (default: standalone)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.alertmanager_host = args.bind
     handlers.OPTIONS.alertmanager_port = args.alertmanager_port or None
     handlers.OPTIONS.analysis_interval = args.analysis_interval
+    handlers.OPTIONS.class_status_interval = args.class_status_interval
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

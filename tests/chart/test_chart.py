@@ -161,8 +161,11 @@ def test_watch_scope_matches_rbac_scope(rendered) -> None:
     assert sorted(r["metadata"]["namespace"] for r in helm.by_kind(namespaced, "Role")) == ["team-a", "team-b"]
     cluster_role = helm.the(namespaced, "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "acceleratorclasses", "customresourcedefinitions", "namespaces"}, \
-        "namespaced mode reads only cluster-scoped kinds"
+        "nodes", "acceleratorclasses", "acceleratorclasses/status", "customresourcedefinitions", "namespaces"}, \
+        "namespaced mode reads only cluster-scoped kinds (and writes the AcceleratorClass status)"
+    writes = {(r, v) for rule in cluster_role["rules"] for r in rule["resources"] for v in rule["verbs"]
+              if v not in ("get", "list", "watch")}
+    assert writes == {("acceleratorclasses/status", "patch")}
     for objects in rendered.values():
         for role in helm.by_kind(objects, "ClusterRole") + helm.by_kind(objects, "Role"):
             for rule in role["rules"]:

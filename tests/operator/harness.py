@@ -29,9 +29,11 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 @contextlib.contextmanager
 def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
                      prometheus_url: str | None = None, alertmanager_port: int | None = None,
-                     analysis_interval: float = 0.0) -> Iterator[kopf.testing.KopfRunner]:
-    """kopf with pdfleet's handlers; the autoscaler and rollback-analysis loops only when asked (`autoscaler`,
-    `analysis_interval` > 0), so tests of the reconcile alone see no metrics-driven writes."""
+                     analysis_interval: float = 0.0, class_status_interval: float = 0.0
+                     ) -> Iterator[kopf.testing.KopfRunner]:
+    """kopf with pdfleet's handlers; the autoscaler, rollback-analysis and class-status loops only when asked
+    (`autoscaler`, `analysis_interval` / `class_status_interval` > 0), so tests of the reconcile alone see
+    no metrics- or capacity-driven writes."""
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler
@@ -39,6 +41,7 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     handlers.OPTIONS.alertmanager_port = alertmanager_port
     handlers.OPTIONS.analysis_interval = analysis_interval
     handlers.OPTIONS.metrics_port = None
+    handlers.OPTIONS.class_status_interval = class_status_interval
     args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.handlers"]
     with kopf.testing.KopfRunner(args, timeout=60) as runner:
         yield runner
