@@ -51,6 +51,7 @@ from pdfleet_operator.api import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     parse_duration,
+    set_condition,
 )
 
 GROUP, VERSION = "pdfleet.io", "v1alpha1"
@@ -291,9 +292,10 @@ class Reconciler:
         served = template.revision if template else (dep.status.current_revision if dep.status else None)
         if served is None:
             return None
+        stable = self.extra_status.get(key, {}).get("stable_revision") or (dep.status.stable_revision if dep.status else None)
         health = self.rollbacks.health.get(key)
         if health is None or health.revision != served:
-            health = rollback.RevisionHealth(served, time.time(), rollback_target=template is not None)
+            health = revisions.health_for(served, time.time(), template is not None, stable, dep.status)
         if trigger is not None and trigger.firing:
             health = rollback.health_from_alert(health, trigger.starts_at, dep.spec.rollback)
         self.rollbacks.health[key] = health
@@ -302,7 +304,6 @@ class Reconciler:
         # after a rollback: the failed revision's 5xx); only a window inside the revision's lifetime counts.
         if sample.time - health.started_at < parse_duration(dep.spec.rollback.window):
             return None
-        stable = self.extra_status.get(key, {}).get("stable_revision") or (dep.status.stable_revision if dep.status else None)
         health, action = rollback.analyze(health, sample, dep.spec.rollback, stable)
         self.rollbacks.health[key] = health
         if action.kind == "none":
@@ -472,27 +473,26 @@ class Reconciler:
         kinds = kube.CHILD_KINDS + (("PodMonitor", "PrometheusRule") if monitoring else ())
         children = await kube.list_children(api, owner, kinds)
 
-        template = self.templates.get(key)
-        if template is not None and self.rollbacks.spec_moved_on(key, dep):
-            # A new generation with another template ends the rollback: serve the spec again.
-            self.templates.pop(key, None)
-            template = None
-            failed = self.rollbacks.failed.pop(key)
-            self.clear_condition(key, "Degraded")
-            self.extra_conditions.setdefault(key, {})["RolledBack"] = Condition(
-                type="RolledBack", status="False", reason="RolledForward",
-                message=f"the spec changed after revision {failed.revision} was rolled back",
-                last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
-                observed_generation=dep.metadata.generation)
         stored = await kube.list_revisions(api, owner)
+        if key not in self.rollbacks.resumed:
+            self._resume(key, dep, stored)
+        if self.rollbacks.spec_moved_on(key, dep):
+            self._roll_forward(key, dep)
+        template = self.templates.get(key)
+        spec_revision = revisions.number_for(dep.spec, stored, _revision(dep, children) - 1) if stored \
+            else _revision(dep, children)
         wanted = (meta.get("annotations") or {}).get(revisions.ANNOTATION_ROLLBACK_TO)
         if wanted is not None and self.rollbacks.manual.get(key) != meta.get("resourceVersion"):
             # (once per version of the object: the index may still show the annotation we just removed)
             self.rollbacks.manual[key] = meta.get("resourceVersion")
-            template = await self._manual_rollback(api, key, dep, body, wanted, stored, children) or template
+            template = await self._manual_rollback(api, key, dep, body, wanted, stored, children, spec_revision) \
+                or template
+        if key in self.rollbacks.held:
+            if template is None:
+                return await self._hold(api, key, dep, body)
+            self.rollbacks.held.pop(key)  # a rollback by hand named a stored revision
         spec = template.spec if template else dep.spec
-        revision = template.revision if template else revisions.number_for(dep.spec, stored, _revision(dep, children) - 1) \
-            if stored else _revision(dep, children)
+        revision = template.revision if template else spec_revision
         desired = self._desired_for(key, dep.spec, spec, children)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         self._targets[key] = dict(plan.targets)
@@ -506,8 +506,10 @@ class Reconciler:
         self._rendered[key] = rendered
         stable = self.extra_status.get(key, {}).get("stable_revision") or (
             dep.status.stable_revision if dep.status else None)
+        # The failed revision's record is kept too: after a restart it is how the rollback is recognised.
+        keep = {n for n in (stable, getattr(self.rollbacks.failed.get(key), "revision", None)) if n}
         for k in await revisions.record(api, owner, revision, spec, stored, dep.spec.rollback.revision_history_limit,
-                                        {stable} if stable else set()):
+                                        keep):
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
         for k in result.applied + result.created + result.deleted:
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
@@ -548,9 +550,61 @@ class Reconciler:
                            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
 
+    def _resume(self, key: Key, dep: InferenceDeployment, stored: list[dict[str, Any]]) -> None:
+        """Once per key and process: take over a rollback a previous process left in force (see `revisions.resume`),
+        so that a restart never re-applies the failed revision while the spec is unchanged."""
+        self.rollbacks.resumed.add(key)
+        resumed = revisions.resume(dep.status, dep.metadata.generation, dep.spec, stored)
+        if resumed.kind == "spec":
+            return
+        assert resumed.failed is not None, resumed
+        logger.info("%s/%s: rollback of revision %s taken over from the status: %s", *key, resumed.failed.revision,
+                    resumed.kind)
+        self.rollbacks.failed[key] = resumed.failed
+        if resumed.kind == "stored":
+            assert resumed.template is not None and resumed.spec is not None, resumed
+            self.templates[key] = Template(resumed.template, resumed.spec)
+        elif resumed.kind == "hold":
+            self.rollbacks.held[key] = resumed.message
+        # "roll_forward": the failed revision is remembered only for spec_moved_on to end the rollback now.
+
+    def _roll_forward(self, key: Key, dep: InferenceDeployment) -> None:
+        """A new generation with another template ends the rollback: serve the spec again."""
+        self.templates.pop(key, None)
+        self.rollbacks.held.pop(key, None)
+        failed = self.rollbacks.failed.pop(key)
+        self.clear_condition(key, "Degraded")
+        self.extra_conditions.setdefault(key, {})["RolledBack"] = Condition(
+            type="RolledBack", status="False", reason="RolledForward",
+            message=f"the spec changed after revision {failed.revision} was rolled back",
+            last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
+            observed_generation=dep.metadata.generation)
+
+    async def _hold(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any]) -> Outcome:
+        """The revision a rollback serves cannot be rendered: touch no pool (the spec is the failed revision), page once.
+
+        NOTE: the page is said once per cluster, not per process: a Degraded condition already saying it
+        means an earlier process posted the Event too.
+        """
+        message = self.rollbacks.held[key]
+        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+        page = Condition(type="Degraded", status="True", reason=revisions.REASON_REVISION_MISSING, message=message,
+                         last_transition_time=now, observed_generation=dep.metadata.generation)
+        said = _condition(dep.status, "Degraded")
+        if said is not None and (said.status, said.reason, said.message) == (page.status, page.reason, page.message):
+            return Outcome(skipped="held: " + message)
+        previous = dep.status or InferenceDeploymentStatus()
+        new = previous.model_copy(update={"conditions": set_condition(list(previous.conditions), page)})
+        await api.patch_status(key[0], dep.name, new.wire())
+        exporter.API_WRITES.labels("InferenceDeployment/status").inc()
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
+        await api.event(involved, "Warning", revisions.REASON_REVISION_MISSING, message)
+        logger.error("%s/%s: %s", *key, message)
+        return Outcome(skipped="held: " + message, status_written=True)
+
     async def _manual_rollback(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
-                               wanted: str, stored: list[dict[str, Any]], children: list[dict[str, Any]]
-                               ) -> Template | None:
+                               wanted: str, stored: list[dict[str, Any]], children: list[dict[str, Any]],
+                               spec_revision: int) -> Template | None:
         """`kubectl annotate infdep X pdfleet.io/rollback-to=N`: serve revision N until the spec changes again.
 
         The annotation is a one-shot command: removed once acted on (or rejected with a Warning Event), so a
@@ -568,8 +622,11 @@ class Reconciler:
         current = self.templates[key].revision if key in self.templates else _revision(dep, children)
         template = Template(number, revisions.spec_for_rollback(target, dep.spec))
         self.templates[key] = template
-        self.rollbacks.failed[key] = revisions.Failed(current, dep.metadata.generation,
+        # What is not re-applied until the spec changes is the spec's own revision (status.failedRevision, which
+        # a restart reads back), whichever revision was being served.
+        self.rollbacks.failed[key] = revisions.Failed(spec_revision, dep.metadata.generation,
                                                       rollback.fingerprint(rollback.template_spec(dep.spec)))
+        self.extra_status.setdefault(key, {})["failed_revision"] = spec_revision
         message = f"revision {current} rolled back to {number} by hand ({revisions.ANNOTATION_ROLLBACK_TO})"
         self.extra_conditions.setdefault(key, {})["RolledBack"] = Condition(
             type="RolledBack", status="True", reason="ManualRollback", message=message,

@@ -4,7 +4,8 @@ Every pod template a deployment serves is a ControllerRevision it owns (data: th
 the spec and the whole spec it came from). The analysis feeds `rollback.analyze` with the router's
 5xx ratio from Prometheus (`metrics`), on a timer and when Alertmanager posts a firing alert, and
 turns its action into reconciler inputs: `set_template` to the stable revision, conditions, Events.
-Writes go through `kube`.
+A new process rebuilds that memory from the status and the ControllerRevisions (`resume`,
+`health_for`), so a restart re-applies no failed revision and repeats no page. Writes go through `kube`.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pdfleet_operator import kube, metrics, render, rollback
-from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec
+from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus
 
 logger = logging.getLogger("pdfleet.revisions")
 Key = tuple[str, str]
 ANNOTATION_FINGERPRINT = "pdfleet.io/template-fingerprint"
 ANNOTATION_ROLLBACK_TO = "pdfleet.io/rollback-to"
+# Degraded's reason while the revision a rollback serves has no ControllerRevision left (the pools are held).
+REASON_REVISION_MISSING = "RevisionMissing"
 # Policy fields a rollback takes from the user's current spec rather than from the stored revision.
 CURRENT_POLICIES = ("autoscaling", "rollback", "slo", "tier")
 
@@ -59,6 +63,11 @@ def spec_for_rollback(stored: Mapping[str, Any], current: InferenceDeploymentSpe
     for name in CURRENT_POLICIES:
         if name in now:
             wire[name] = now[name]
+    # Sizes are not part of a revision either: each role (and the router) keeps the stored template fields only.
+    for role in ("prefill", "decode", "colocated", "router"):
+        if isinstance(wire.get(role), dict) and isinstance(now.get(role), dict):
+            kept = ("image", "resources") if role == "router" else ("acceleratorClasses", "resources")
+            wire[role] = {**now[role], **{k: v for k, v in wire[role].items() if k in kept}}
     return InferenceDeploymentSpec.model_validate(wire)
 
 
@@ -70,6 +79,12 @@ def number_for(spec: InferenceDeploymentSpec, revisions: list[dict[str, Any]], p
     if newest is not None and _hash(newest) == render.template_hash(spec):
         return number_of(newest)
     return max([pools] + [number_of(r) for r in revisions]) + 1
+
+
+def fingerprint_of(obj: Mapping[str, Any]) -> str:
+    """The template fingerprint of a stored revision (its annotation, else computed from its data)."""
+    stored = (obj["metadata"].get("annotations") or {}).get(ANNOTATION_FINGERPRINT)
+    return stored or rollback.fingerprint((obj.get("data") or {}).get("template") or {})
 
 
 def _hash(obj: Mapping[str, Any]) -> str | None:
@@ -98,9 +113,89 @@ async def record(api: kube.Api, owner: render.Owner, number: int, spec: Inferenc
 class Failed:
     """A rolled-back revision: not served again until a new generation brings a different template."""
 
-    revision: int
-    generation: int | None
-    fingerprint: str
+    revision: int               # the spec's revision when it was rolled back (status.failedRevision)
+    generation: int | None      # the generation rolled back (the RolledBack condition's observedGeneration)
+    fingerprint: str | None     # the spec's template then; None: not known (its ControllerRevision is gone)
+
+
+def moved_on(failed: Failed, generation: int | None, fingerprint: str) -> bool:
+    """A rollback ends when the user changes the spec again to another template.
+
+    NOTE: with the failed template unknown, any new generation ends it: the spec did change, and
+    the analysis judges whatever it brings (the alternative, a rollback nothing can end, is worse).
+    """
+    if generation == failed.generation:
+        return False
+    return failed.fingerprint is None or fingerprint != failed.fingerprint
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a new process serves for a deployment, rebuilt from its status and ControllerRevisions.
+
+    kind: "spec" (no rollback in force), "stored" (keep serving stored revision `template` with
+    `spec`), "roll_forward" (the spec changed to another template while no process watched: end
+    the rollback of `failed`), "hold" (the revision to keep serving is not stored: leave the pools
+    as they are and page with `message` until the spec changes).
+    """
+
+    kind: Literal["spec", "stored", "roll_forward", "hold"]
+    failed: Failed | None = None
+    template: int | None = None
+    spec: InferenceDeploymentSpec | None = None
+    message: str = ""
+
+
+def resume(status: InferenceDeploymentStatus | None, generation: int | None, spec: InferenceDeploymentSpec,
+           stored: list[dict[str, Any]]) -> Resumed:
+    """The rollback state a previous process left in the cluster: `RolledBack=True` (its observedGeneration
+    is the generation rolled back), status.currentRevision (the revision served instead of the spec),
+    status.failedRevision and its ControllerRevision (the template not to re-apply)."""
+    rolled = condition(status, "RolledBack")
+    if status is None or rolled is None or rolled.status != "True" or status.current_revision is None:
+        return Resumed("spec")
+    served = status.current_revision
+    number = status.failed_revision if status.failed_revision is not None else served
+    record = find(stored, number) if status.failed_revision is not None else None
+    failed = Failed(number, rolled.observed_generation, fingerprint_of(record) if record is not None else None)
+    if moved_on(failed, generation, rollback.fingerprint(rollback.template_spec(spec))):
+        return Resumed("roll_forward", failed)
+    kept = find(stored, served)
+    try:
+        if kept is not None:
+            return Resumed("stored", failed, served, spec_for_rollback(kept, spec))
+        why = "its ControllerRevision is gone (deleted by hand?)"
+    except ValueError as exc:
+        why = f"its ControllerRevision is unusable ({exc})"
+    return Resumed("hold", failed, message=(
+        f"revision {served}, served since revision {failed.revision} was rolled back, cannot be rendered: {why}. "
+        f"The pools are left as they are; change the spec, or annotate {ANNOTATION_ROLLBACK_TO}=N with a stored "
+        f"revision ({', '.join(str(number_of(r)) for r in stored) or 'none'})"))
+
+
+def condition(status: InferenceDeploymentStatus | None, type_: str) -> Condition | None:
+    return next((c for c in (status.conditions if status else []) if c.type == type_), None)
+
+
+def paged_revision(status: InferenceDeploymentStatus | None) -> int | None:
+    """The revision a standing page (Degraded=True, RollbackFailed) is about, so that no process pages twice.
+
+    NOTE: read back from the message `conditions_for` writes ("revision N: ..."); the status has no
+    field of its own for it.
+    """
+    degraded = condition(status, "Degraded")
+    if degraded is None or degraded.status != "True" or degraded.reason != "RollbackFailed":
+        return None
+    found = re.match(r"revision (\d+): ", degraded.message or "")
+    return int(found.group(1)) if found else None
+
+
+def health_for(revision: int, now: float, rollback_target: bool, stable: int | None,
+               status: InferenceDeploymentStatus | None) -> rollback.RevisionHealth:
+    """The analysis state of a revision this process starts watching: what the status already says (it is
+    the stable revision, it has paged) is not said again by a new process."""
+    return rollback.RevisionHealth(revision, now, rollback_target=rollback_target, stable=stable == revision,
+                                   done=paged_revision(status) == revision)
 
 
 @dataclass
@@ -110,6 +205,8 @@ class Analysis:
     health: dict[Key, rollback.RevisionHealth] = field(default_factory=dict)
     failed: dict[Key, Failed] = field(default_factory=dict)
     manual: dict[Key, str | None] = field(default_factory=dict)  # resourceVersion whose rollback-to was acted on
+    resumed: set[Key] = field(default_factory=set)  # rebuilt from the cluster in this process (`resume`)
+    held: dict[Key, str] = field(default_factory=dict)  # pools left as they are, with the page's message
     triggers: list[tuple[float, Any]] = field(default_factory=list)  # (monotonic time, RollbackTrigger) received
     actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
 
@@ -117,14 +214,15 @@ class Analysis:
         self.health.pop(key, None)
         self.failed.pop(key, None)
         self.manual.pop(key, None)
+        self.resumed.discard(key)
+        self.held.pop(key, None)
 
     def spec_moved_on(self, key: Key, dep: InferenceDeployment) -> bool:
         """A rollback ends when the user changes the spec again to another template."""
         failed = self.failed.get(key)
         if failed is None:
             return False
-        fp = rollback.fingerprint(rollback.template_spec(dep.spec))
-        return dep.metadata.generation != failed.generation and fp != failed.fingerprint
+        return moved_on(failed, dep.metadata.generation, rollback.fingerprint(rollback.template_spec(dep.spec)))
 
 
 async def sample(dep: InferenceDeployment, default_url: str | None, profile: str) -> rollback.RatioSample:
