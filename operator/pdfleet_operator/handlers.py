@@ -205,6 +205,11 @@ class Reconciler:
         plan = self.plans.get(key)
         return {} if plan is None else {role: plan.replicas(role) for role in plan.roles()}
 
+    def class_order(self, key: Key) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Per role, (class, most replicas placeable on it) in the order placement fills them, as of the last plan."""
+        plan = self.plans.get(key)
+        return {} if plan is None else {role: plan.class_capacity(role) for role in plan.roles()}
+
     def capacity(self, key: Key) -> dict[str, int]:
         """Per role, the most replicas placeable on free capacity as of the last plan (for the autoscaler)."""
         plan = self.plans.get(key)

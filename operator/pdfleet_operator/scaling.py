@@ -40,6 +40,7 @@ class Inputs(Protocol):
     def clear_condition(self, key: Key, type_: str) -> None: ...
     def capacity(self, key: Key) -> dict[str, int]: ...
     def current_replicas(self, key: Key) -> dict[str, int]: ...
+    def class_order(self, key: Key) -> dict[str, tuple[tuple[str, int], ...]]: ...
 
 
 @dataclass
@@ -92,7 +93,8 @@ class Scaler:
             mem.seed_from(dep)
         snap = await snapshot(dep, default_url, profile)
         at = time.time() if now is None else now
-        decisions, mem.state = autoscaler.decide(spec, mem.state, snap, at, inputs.capacity(key), current=current or None)
+        decisions, mem.state = autoscaler.decide(spec, mem.state, snap, at, inputs.capacity(key), current=current or None,
+                                                 order=inputs.class_order(key) or None)
         METRICS.record(key[0], key[1], decisions)
 
         desired = {role: d.desired for role, d in decisions.items()}

@@ -45,6 +45,9 @@ class FakeInputs:
     def current_replicas(self, key: Any) -> dict[str, int]:
         return {"prefill": 1, "decode": 1}
 
+    def class_order(self, key: Any) -> dict[str, tuple[tuple[str, int], ...]]:
+        return {"prefill": (("cpu", 8),), "decode": (("cpu", 8),)}
+
 
 def body() -> dict[str, Any]:
     doc = yaml.safe_load(open("examples/qwen2-7b.yaml"))

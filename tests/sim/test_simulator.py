@@ -175,3 +175,28 @@ def test_http_hops_delay_the_first_token_and_pd_ttft_includes_the_hand_off(polic
         assert base["ttft_p50_s"] > float(np.median(first))
     else:
         assert base["ttft_p50_s"] == pytest.approx(float(np.median(first)), abs=1e-4)
+
+
+def test_the_generation_counter_counts_tokens_as_they_are_made_not_when_a_request_ends(monkeypatch) -> None:
+    """The autoscaler learns decode throughput from this counter's rate; counting at completion made it lag."""
+    from pdfleet_operator.sim import metrics_source
+
+    seen: dict[int, float] = {}
+    ahead = []
+    original = metrics_source.SimulatedMetricsSource.scrape
+
+    def scrape(self, now: float) -> None:  # noqa: ANN001
+        for reps in self.replicas().values():
+            for r in reps:
+                value = r.generated(now)
+                assert value >= seen.get(id(r), 0.0) - 1e-6, "a counter never goes down"
+                assert value >= r.gen_tokens - 1e-9
+                seen[id(r)] = value
+                ahead.append(value - r.gen_tokens)
+        original(self, now)
+
+    monkeypatch.setattr(metrics_source.SimulatedMetricsSource, "scrape", scrape)
+    sim = run("dynamic", surge(duration=600.0, low=2.0, high=25.0))
+    assert max(ahead) > 100, "running sequences' tokens show before they finish"
+    for r in sim.all_replicas:
+        assert r.generated(sim.end) == pytest.approx(r.gen_tokens)  # all finished: the two agree

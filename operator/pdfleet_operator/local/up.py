@@ -265,7 +265,9 @@ class Up:
             current = sup.replicas()
             room = placement.plan(spec, self.usable, self.inventory, desired=current)
             capacity = {role: room.capacity(role) for role in roles}
-            decisions, state = autoscaler.decide(spec, state, self.snapshot, time.time(), capacity, current=current)
+            order = {role: room.class_capacity(role) for role in roles}
+            decisions, state = autoscaler.decide(spec, state, self.snapshot, time.time(), capacity, current=current,
+                                                 order=order)
             self.holds = {r: f"{d.reason}: {d.message}" for r, d in decisions.items() if d.direction == "hold"}
             moved = [d for d in decisions.values() if d.direction != "hold"]
             if not moved:

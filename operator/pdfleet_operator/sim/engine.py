@@ -71,7 +71,7 @@ class Replica:
                  "on_done", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
                  "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
                  "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight", "url",
-                 "prompt_tokens", "gen_tokens", "preempted", "busy_s")
+                 "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0")
 
     def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
                  reqs: Requests, push: Callable[[float, "Replica", int], None], itl: "Histogram",
@@ -92,6 +92,7 @@ class Replica:
         self.B = 0                          # running (decoding) sequences
         self.S0 = 0.0                       # KV of the running batch is S0 + B * V
         self.V = 0.0                        # decode steps done (fractional while fluid)
+        self.V0 = 0.0                       # sum of V at which each running sequence joined
         self.kv_fixed = 0                   # KV of prefilling requests and of prompts held for a KV pull
         self.t_last = 0.0
         self.mode = IDLE
@@ -116,6 +117,14 @@ class Replica:
         if self.mode == FLUID and self.st > 0:
             v += (now - self.t_last) / self.st
         return self.kv_fixed + self.S0 + self.B * v
+
+    def generated(self, now: float) -> float:
+        """Tokens generated so far, as a worker's counter has them (it counts every token as it is sampled):
+        those of finished and preempted sequences plus what the running batch has made since joining."""
+        v = self.V
+        if self.mode == FLUID and self.st > 0:
+            v += (now - self.t_last) / self.st
+        return self.gen_tokens + max(0.0, self.B * v - self.V0)
 
     def kv_usage(self, now: float) -> float:
         return min(1.0, self.kv_used(now) / self.perf.kv_capacity_tokens)
@@ -184,13 +193,14 @@ class Replica:
                 continue
             self.B -= 1
             self.S0 -= reqs.c0[rid] - reqs.v0[rid]
+            self.V0 -= reqs.v0[rid]
             made = reqs.output[rid] - reqs.gen[rid]
             reqs.gen[rid] = reqs.output[rid]
             self.gen_tokens += made
             reqs.epoch[rid] += 1
             self.on_done(rid, now)
         if self.B == 0:
-            self.S0, self.order = 0.0, []
+            self.S0, self.V0, self.order = 0.0, 0.0, []
 
     def _drop_stale_top(self) -> None:
         reqs, running = self.reqs, self.running
@@ -212,6 +222,7 @@ class Replica:
         self.gen_tokens += made
         self.B -= 1
         self.S0 -= reqs.c0[rid] - reqs.v0[rid]
+        self.V0 -= reqs.v0[rid]
         reqs.epoch[rid] += 1
         reqs.preemptions[rid] += 1
         self.preempted += 1
@@ -220,7 +231,7 @@ class Replica:
         self.waiting.appendleft(rid)
         self.need_waiting += reqs.need[rid]
         if self.B == 0:
-            self.S0, self.order = 0.0, []
+            self.S0, self.V0, self.order = 0.0, 0.0, []
 
     def _join(self, rid: int, now: float) -> None:
         """A request whose prompt KV is all here starts decoding."""
@@ -230,6 +241,7 @@ class Replica:
         reqs.v0[rid] = self.V
         reqs.c0[rid] = reqs.ctx[rid]
         self.S0 += reqs.ctx[rid] - self.V
+        self.V0 += self.V
         self.B += 1
         heapq.heappush(self.running, (self.V + left, reqs.epoch[rid], rid))
         self.order.append((rid, reqs.epoch[rid]))

@@ -43,7 +43,7 @@ class SimulatedMetricsSource:
         for role, reps in self.replicas().items():
             for r in reps:
                 p, g = totals.get((role, r.accelerator_class), (0.0, 0.0))
-                totals[(role, r.accelerator_class)] = (p + r.prompt_tokens, g + r.gen_tokens)
+                totals[(role, r.accelerator_class)] = (p + r.prompt_tokens, g + r.generated(now))
             shown = exposed[role] = [r for r in reps if r.removed_at is None and now >= r.ready_at]
             if not shown:
                 continue
