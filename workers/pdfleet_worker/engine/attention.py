@@ -68,20 +68,21 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor     # [Bd, max_blocks] int64 (padded with block 0)
     decode_context_lens: torch.Tensor     # [Bd] int64
-    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1
     prefills: list[PrefillMeta]
+    lone_decode_len: int = 0                 # context length when the step's only decode is one sequence
+    one_slot: tuple[int, int] | None = None  # (block, offset) when the step writes one token
     flex: object | None = None            # FlexMetadata on the flex backend
 
 
-def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys and values. k, v: [T, Hkv, D]; slots: [T]."""
+def write_kv(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys and values. kv: [T, 2, Hkv, D] (keys, then values; may be a strided view); slots: [T]."""
     if cache.quantized:
-        _write_quantized(cache.k, cache.k_scale, k, slots)
-        _write_quantized(cache.v, cache.v_scale, v, slots)
+        _write_quantized(cache.k, cache.k_scale, kv[:, 0], slots)
+        _write_quantized(cache.v, cache.v_scale, kv[:, 1], slots)
         return
     _, h, _, _, d = cache.kv.shape
-    new = torch.stack((k, v)).transpose(1, 2).to(cache.kv.dtype)  # [2, Hkv, T, D]
-    cache.kv.view(2, h, -1, d).index_copy_(2, slots, new)
+    cache.kv.view(2, h, -1, d).index_copy_(2, slots, kv.permute(1, 2, 0, 3).to(cache.kv.dtype))
 
 
 def _write_quantized(data: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -117,14 +118,18 @@ def gather_kv(cache: KVCache, block_table: torch.Tensor, dtype: torch.dtype) -> 
     return kv[0], kv[1]
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens -> out [T, Hq * D]."""
-    write_kv(cache, k, v, meta.slot_mapping)
+def forward(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    """q: [T, Hq, D]; kv: [T, 2, Hkv, D] for the new tokens -> out [T, Hq * D]."""
+    if meta.one_slot is not None and not cache.quantized:
+        block, offset = meta.one_slot
+        cache.kv.select(3, offset).select(2, block).copy_(kv[0])  # [2, Hkv, D]
+    else:
+        write_kv(cache, kv, meta.slot_mapping)
     if meta.backend == "reference":
         return _reference(q, meta, cache)
     if meta.backend == "flex":
         return _flex(q, meta, cache)
-    return _cpu(q, k, v, meta, cache)
+    return _cpu(q, kv, meta, cache)
 
 
 def _reference(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
@@ -144,8 +149,16 @@ def _reference(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torc
     return out.view(t, hq * d)
 
 
-def _cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, meta: AttentionMetadata,
-         cache: KVCache) -> torch.Tensor:
+def _decode_context(cache: KVCache, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values the decodes attend to: k, v: [Hkv, Bd, L, D]. A lone decode gets exactly its
+    context (L = its length), so it needs no mask."""
+    k, v = gather_kv(cache, meta.decode_block_tables, dtype)
+    if meta.lone_decode_len:
+        return k[:, :, :meta.lone_decode_len], v[:, :, :meta.lone_decode_len]
+    return k, v
+
+
+def _cpu(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
     """All decodes in one padded batch (query heads of a KV group ride along the query-length axis,
     so GQA needs no copies); prefill chunks without a past attend to their own fresh k, v."""
     t, hq, d = q.shape
@@ -155,14 +168,14 @@ def _cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, meta: Attent
     bd = meta.num_decodes
     if bd:
         qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
-        k, v = gather_kv(cache, meta.decode_block_tables, q.dtype)  # [Hkv, Bd, L, D]
+        k, v = _decode_context(cache, meta, q.dtype)  # [Hkv, Bd, L, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [Hkv, Bd, G, D]
         parts.append(o.transpose(0, 1).reshape(bd, hq * d))
     for p in meta.prefills:
         qp = q[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.mask is None:
-            k = k_new[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-            v = v_new[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            k = kv_new[p.start:p.start + p.num_tokens, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = kv_new[p.start:p.start + p.num_tokens, 1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
         else:
             k, v = gather_kv(cache, p.block_table, q.dtype)

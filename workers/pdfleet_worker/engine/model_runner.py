@@ -112,14 +112,19 @@ class ModelRunner:
             decode_context_lens=torch.empty(0, dtype=torch.int64, device=dev),
             decode_mask=None,
             prefills=[])
+        if len(slots) == 1:
+            meta.one_slot = divmod(slots[0], bs)
         if decodes:
             ctx = [c.start_pos + 1 for c in decodes]
             width = math.ceil(max(ctx) / bs)
             tables = [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # [Bd, W]
             meta.decode_context_lens = torch.tensor(ctx, dtype=torch.int64, device=dev)
-            keys = torch.arange(width * bs, device=dev)
-            meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]
+            if len(decodes) > 1:
+                keys = torch.arange(width * bs, device=dev)
+                meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]
+            else:
+                meta.lone_decode_len = ctx[0]
         for row, c in prefills:
             n = len(c.token_ids)
             ctx = c.start_pos + n

@@ -16,10 +16,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._doubled_weight: torch.Tensor | None = None  # [weight, weight], for the fp32 path
+        self._doubled_ptr = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # NOTE: [x, -x] has mean 0 and variance mean(x^2), so LayerNorm over it is RMSNorm of
+            # x (same eps) in one fused kernel; torch's rms_norm runs ~8 small kernels on CPU,
+            # which is most of a batch-1 decode step's norm time.
+            # Built on first use (weights are fixed once loaded; a reloaded weight has a new address).
+            if self._doubled_ptr != self.weight.data_ptr():
+                self._doubled_weight = torch.cat((self.weight, self.weight)).detach()
+                self._doubled_ptr = self.weight.data_ptr()
+            d = x.shape[-1]
+            y = nn.functional.layer_norm(torch.cat((x, -x), -1), (2 * d,), self._doubled_weight, None, self.eps)
+            return y[..., :d]
         # NOTE: computed in fp32 and cast back before the weight, as Hugging Face does.
         dtype = x.dtype
         xf = x.float()
@@ -61,9 +72,10 @@ def rope_cos_sin(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Te
     return emb.cos(), signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, signed_sin: [T, 1, D]. rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate x in place. x: [T, H, D] (may be a strided view); cos, signed_sin: [T, 1, D].
+    rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]."""
+    torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
 class Attention(nn.Module):
@@ -80,13 +92,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotate together: one pass instead of two
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = attention.forward(q, k, v, meta, cache)  # [T, Hq * D]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]: q, k, v heads
+        # NOTE: q and k heads are adjacent, so they rotate together, in place; k and v then sit
+        # side by side in the same buffer and the KV write is one copy.
+        apply_rope_(heads[:, :hq + hkv], cos, sin)
+        q = heads[:, :hq]                                 # [T, Hq, D]
+        kv = heads[:, hq:].unflatten(1, (2, hkv))         # [T, 2, Hkv, D]
+        out = attention.forward(q, kv, meta, cache)       # [T, Hq * D]
         return self.o_proj(out)
 
 
