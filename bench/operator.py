@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         resync_seconds = time.monotonic() - t1
         b.quiet(1.0)
         resync_writes = len(b.writes())
+        print("requests on restart + resync: " + _by_kind(b.requests()), file=sys.stderr)
         if resync_writes:
             print("writes on restart + resync: " + _by_kind(b.writes()), file=sys.stderr)
             if args.verbose:

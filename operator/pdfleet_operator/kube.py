@@ -7,6 +7,7 @@ controls. Speaks JSON over one aiohttp session with the credentials kopf logged 
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
@@ -99,6 +100,9 @@ def controller_uid(obj: dict[str, Any]) -> str | None:
 class Api:
     """A small async client for the few calls the operator makes; counts its writes."""
 
+    connect_timeout_s = 10.0  # to open a TCP (and TLS) connection
+    read_timeout_s = 30.0     # of silence from the server while a response is due
+
     def __init__(self, server: str, *, headers: dict[str, str] | None = None,
                  ssl_context: ssl.SSLContext | bool | None = None) -> None:
         self.server = server.rstrip("/")
@@ -133,8 +137,13 @@ class Api:
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # NOTE: no total timeout: with hundreds of reconciles in flight a request can wait long for one of
+            # the `limit` pooled connections (our own back-pressure, not a server fault); a server that does
+            # not answer is still cut off after sock_read seconds of silence.
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=aiohttp.ClientTimeout(total=30),
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
+                                              sock_read=self.read_timeout_s),
                 connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True, limit=32))
         return self._session
 
@@ -159,6 +168,8 @@ class Api:
                     status = payload if isinstance(payload, dict) else {}
                     raise ApiError(resp.status, status.get("reason", "Unknown"), status.get("message", text[:500]))
                 return payload
+        except asyncio.TimeoutError as exc:  # (aiohttp's ServerTimeoutError is one too: sock_connect / sock_read)
+            raise ApiError(504, "Timeout", f"{method} {path}: no answer in time ({exc or 'timeout'})") from exc
         except aiohttp.ClientError as exc:
             raise ApiError(503, "Unreachable", f"{method} {path}: {exc}") from exc
 

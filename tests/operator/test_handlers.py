@@ -124,3 +124,33 @@ async def test_first_reconcile_waits_until_class_and_node_indexes_hold_what_the_
     rec.indexes["node_index"]["n2"] = [object()]
     await asyncio.wait_for(waiting, timeout=2)
     await asyncio.wait_for(rec._await_indexes(FakeApi()), timeout=0.1)  # once per process
+
+
+async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:
+    """A server that accepts and never answers: the read timeout becomes 504, which kopf retries soon.
+    (It was an uncaught asyncio.TimeoutError, retried by kopf only after 60 s; 73 of 500 CRs in bench/operator.py.)"""
+    import asyncio
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    api = kube.Api(f"http://127.0.0.1:{port}")
+    api.read_timeout_s = 0.2
+    try:
+        with pytest.raises(kube.ApiError) as err:
+            await api.list("Node", None)
+        assert err.value.code == 504 and err.value.heals
+        handlers.RECONCILER = handlers.Reconciler()
+        handlers.RECONCILER.api = api
+        body = {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
+                "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
+                "spec": {"model": {"name": "m", "source": {"local": {"path": "/m"}}}, "disaggregation": False,
+                         "colocated": {"acceleratorClasses": ["cpu"]}}}
+        with pytest.raises(kopf.TemporaryError, match="504 Timeout"):
+            await handlers._reconcile_from_handler("default", "x", body, "created", {})
+    finally:
+        await api.close()
+        server.close()
