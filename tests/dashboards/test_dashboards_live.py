@@ -181,6 +181,8 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         assert f"--prometheus-url={prom.url}" in operator.args
         operator.start()
         cr = harness.wait_reconciled(kube, NAME)
+        # The workers above are the pools' replicas: their Deployments report ready (the autoscaler waits for that).
+        harness.mark_ready(kube, NAME)
         planned = {p["role"]: p["desired"] for p in cr["status"]["pools"]}
         assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
         prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 4', timeout=30)
