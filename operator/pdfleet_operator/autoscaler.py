@@ -57,6 +57,14 @@ WHOLE_ROLE = ""
 # pool, at ~10 running per replica, showed some at most scrapes); read as saturation, that taught a
 # throughput of what arrived, not what the replicas serve. A full engine builds a backlog of more.
 SATURATED_WAITING = 1.0
+# Decode also needs its room used up: KV usage at least this, or running sequences at least
+# SATURATED_SEATS of engine.maxNumSeqs per replica. (When the source has no KV usage, waiting decides.)
+# NOTE: in a disaggregated pool a request waits on decode while its KV is pulled from prefill, so a
+# burst of hand-offs looks like a backlog on replicas with most of their KV free. The simulated mixed
+# fleet learned Hygon decode at 658 tokens/s per replica from such a moment of its cold start (KV 10%
+# used), never queued again, and the token rate then kept 2-3x the replicas the queues needed.
+SATURATED_KV = 0.8
+SATURATED_SEATS = 0.9
 # The token rate sizes a role to run at this share of its saturated throughput: the headroom a burst
 # meets before the replicas it makes the autoscaler ask for are ready.
 # It is the spec's `autoscaling.targetUtilization` (default below) unless a Policy overrides it; the
@@ -283,7 +291,8 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
                   for role in roles}
         return _finish(drafts, state, now, record=None, needs=None, rates=None)
 
-    rates = ({role: observe_rate(role, snapshot.roles[role], state, now) for role in roles if role in SERVED_TOKENS}
+    rates = ({role: observe_rate(role, snapshot.roles[role], state, now, max_num_seqs=spec.engine.max_num_seqs)
+              for role in roles if role in SERVED_TOKENS}
              if policy.token_rate else {})
     ratio = state.generation_per_prompt
     if "prefill" in rates and "decode" in rates:
@@ -400,7 +409,7 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
     return n, WITHIN_TOLERANCE, f"{what}: needs {n}", own
 
 
-def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float) -> TokenRate:
+def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float, max_num_seqs: int | None = None) -> TokenRate:
     """The role's token rate, queue and learned per-replica throughput of each class, after this snapshot.
 
     A class is saturated while requests wait on its replicas (its engines run full token budgets or
@@ -421,7 +430,7 @@ def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float) -> T
     queued = m.prompt_tokens_waiting if role == "prefill" else None
     learned = known_throughput(state, role)
     history = known_samples(state, role)
-    parts = class_parts(role, m)
+    parts = class_parts(role, m, max_num_seqs)
     window: dict[str, Samples] = {}
     for cls, (replicas, saturated, rate) in parts.items():
         window[cls] = _window(history.get(cls, ()), now, (now, replicas, saturated))
@@ -435,15 +444,30 @@ def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float) -> T
                      replicas={cls: n for cls, (n, _, _) in parts.items()}, samples=window, steady=steady)
 
 
-def class_parts(role: str, m: RoleMetrics) -> dict[str, tuple[int, bool, float | None]]:
+def class_parts(role: str, m: RoleMetrics, max_num_seqs: int | None = None) -> dict[str, tuple[int, bool, float | None]]:
     """class -> (replicas reporting, saturated, tokens/s served) of the role; the whole role as one
     class (`WHOLE_ROLE`) when the snapshot has no per-class breakdown or one without the served rate."""
     name = SERVED_TOKENS[role]
     whole = getattr(m, name)
+    full = room_used_up(role, m, max_num_seqs)
     if m.classes and (whole is None or all(getattr(c, name) is not None for c in m.classes.values())):
-        return {cls: (c.replicas_reporting, c.waiting >= SATURATED_WAITING * c.replicas_reporting, getattr(c, name))
-                for cls, c in m.classes.items()}
-    return {WHOLE_ROLE: (m.replicas_reporting, m.waiting >= SATURATED_WAITING * m.replicas_reporting, whole)}
+        return {cls: (c.replicas_reporting, full and c.waiting >= SATURATED_WAITING * c.replicas_reporting,
+                      getattr(c, name)) for cls, c in m.classes.items()}
+    return {WHOLE_ROLE: (m.replicas_reporting, full and m.waiting >= SATURATED_WAITING * m.replicas_reporting, whole)}
+
+
+def room_used_up(role: str, m: RoleMetrics, max_num_seqs: int | None) -> bool:
+    """Whether the role's replicas have no room left that waiting requests could take (see SATURATED_KV).
+
+    NOTE: from the role's mean KV usage and running sequences (the sources have no per-class KV usage):
+    in a pool whose one class is full and another idle, the mean can hide the full one; it then learns
+    nothing from that window, which keeps the value it had rather than teaching a wrong one.
+    """
+    if role != "decode" or m.kv_usage is None:
+        return True
+    if m.kv_usage >= SATURATED_KV:
+        return True
+    return max_num_seqs is not None and m.running >= SATURATED_SEATS * max_num_seqs * m.replicas_reporting
 
 
 def known_throughput(state: ScalerState, role: str) -> dict[str, float]:

@@ -126,3 +126,32 @@ def test_replicas_for_takes_replicas_in_placement_order():
     assert autoscaler.replicas_for(0.0, (4000.0,)) == 0.0
     with pytest.raises(ValueError, match="must be > 0"):
         autoscaler.replicas_for(1.0, (4000.0, 0.0))
+
+
+def decode_snapshot(t, *, waiting, kv, running=40.0):
+    """2 decode replicas of one class, requests waiting on them, serving 1000 generated tokens/s."""
+    by_class = {"fast": ClassMetrics(replicas_reporting=2, waiting=waiting, generation_tokens_rate=1000.0)}
+    return MetricsSnapshot(taken_at=t, source="script", roles={
+        "prefill": RoleMetrics(waiting=0.0, running=1.0, replicas_reporting=1, sample_time=t, prompt_tokens_rate=500.0),
+        "decode": RoleMetrics(waiting=waiting, running=running, replicas_reporting=2, sample_time=t, kv_usage=kv,
+                              generation_tokens_rate=1000.0, classes=by_class)})
+
+
+def decode_learned(kv, running=40.0, max_num_seqs=256):
+    s = spec(engine={"maxNumSeqs": max_num_seqs})
+    state = replace(ScalerState.initial(s, {"prefill": 1, "decode": 2}),
+                    watching_since={"prefill": T0 - 600, "decode": T0 - 600})
+    for k in range(5):
+        t = T0 + 15 * k
+        _, state = decide(s, state, decode_snapshot(t, waiting=4.0, kv=kv, running=running), t, {},
+                          current={"prefill": 1, "decode": 2}, policy=RATE_ONLY)
+    return state.class_throughput.get("decode", {}).get("fast")
+
+
+def test_decode_waiting_with_free_kv_is_not_saturation():
+    """In PD a request waits on decode while its KV is pulled: a backlog on replicas with room is not what
+    they can serve (learned as such, the token rate over-provisioned the simulated mixed fleet 2-3x)."""
+    assert decode_learned(kv=0.10) is None
+    assert decode_learned(kv=0.85) == pytest.approx(500.0)        # KV used up: the backlog is real
+    assert decode_learned(kv=0.10, running=2 * 240, max_num_seqs=256) == pytest.approx(500.0)  # seats used up
+    assert decode_learned(kv=None) == pytest.approx(500.0)        # a source without KV usage: waiting decides
