@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Union
 
 import yaml
 
-from pdfleet_operator import alerts, crds, metric_names
+from pdfleet_operator import alerts, crds, generated, metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = Path("charts/pdfleet")
@@ -396,21 +395,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    if args.check:
-        stale = stale_files(root)
-        for path in stale:
-            print(f"stale: {path} (run `pdfleet chart` to regenerate)", file=sys.stderr)
-        return 1 if stale else 0
-    for path in write(root):
-        print(f"wrote {path}")
-    return 0
+    return generated.regenerate("chart", args.check, lambda: stale_files(root), lambda: write(root))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdfleet")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return generated.standalone(register, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from pdfleet_operator import __version__
+from pdfleet_operator import __version__, generated
 
 # command -> (module whose register(subparsers) adds it, the extra that installs its dependencies, help)
 PLUGINS: dict[str, tuple[str, str, str]] = {
@@ -33,14 +33,7 @@ def _cmd_crds(args: argparse.Namespace) -> int:
     from pdfleet_operator import crds
 
     out = Path(args.out)
-    if args.check:
-        stale = crds.stale_files(out)
-        for path in stale:
-            print(f"stale: {path} (run `pdfleet crds` to regenerate)", file=sys.stderr)
-        return 1 if stale else 0
-    for path in crds.write_all(out):
-        print(f"wrote {path}")
-    return 0
+    return generated.regenerate("crds", args.check, lambda: crds.stale_files(out), lambda: crds.write_all(out))
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:

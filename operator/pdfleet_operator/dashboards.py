@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfleet_operator import alerts
+from pdfleet_operator import alerts, generated
 from pdfleet_operator import metric_names as names
 from pdfleet_worker import metrics as worker_metrics
 
@@ -424,21 +423,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    if args.check:
-        stale = stale_files(root)
-        for path in stale:
-            print(f"stale: {path} (run `pdfleet dashboards` to regenerate)", file=sys.stderr)
-        return 1 if stale else 0
-    for path in write(root):
-        print(f"wrote {path}")
-    return 0
+    return generated.regenerate("dashboards", args.check, lambda: stale_files(root), lambda: write(root))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdfleet")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return generated.standalone(register, argv)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from pdfleet_operator import handlers, metric_names
+from pdfleet_operator import generated, handlers, metric_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,10 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdfleet")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return generated.standalone(register, argv)
 
 
 if __name__ == "__main__":
