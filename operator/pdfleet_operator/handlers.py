@@ -484,8 +484,8 @@ class Reconciler:
         if self.rollbacks.spec_moved_on(key, dep):
             self._roll_forward(key, dep)
         template = self.templates.get(key)
-        spec_revision = revisions.number_for(dep.spec, stored, _revision(dep, children) - 1) if stored \
-            else _revision(dep, children)
+        spec_revision = revisions.number_for(dep.spec, stored, revisions.running_revisions(children),
+                                             dep.status.current_revision if dep.status and dep.status.current_revision else 1)
         wanted = (meta.get("annotations") or {}).get(revisions.ANNOTATION_ROLLBACK_TO)
         if wanted is not None and self.rollbacks.manual.get(key) != meta.get("resourceVersion"):
             # (once per version of the object: the index may still show the annotation we just removed)
@@ -504,18 +504,20 @@ class Reconciler:
         self.plans[key] = plan
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring)
         writes_before = api.writes
+        stable = self.extra_status.get(key, {}).get("stable_revision") or (
+            dep.status.stable_revision if dep.status else None)
+        # Kept: the served revision, the stable one, and the failed one (after a restart it is how the rollback
+        # is recognised). The revision served until now is stored before the ConfigMap stops describing it.
+        keep = {n for n in (revision, stable, getattr(self.rollbacks.failed.get(key), "revision", None)) if n}
+        config = next((c for c in children if c["kind"] == "ConfigMap"), None)
+        for k in await revisions.record(api, revisions.superseded(config, owner, revision, stored), stored,
+                                        dep.spec.rollback.revision_history_limit, keep):
+            exporter.API_WRITES.labels(k.split("/")[0]).inc()
         result = await kube.apply_children(api, owner, objects, children)
         rendered = {kube.key_of(o): _digest(o) for o in objects}
         last_rendered = self._rendered.get(key, {})
         result.drifted = {k: v for k, v in result.drifted.items() if last_rendered.get(k) == rendered[k]}
         self._rendered[key] = rendered
-        stable = self.extra_status.get(key, {}).get("stable_revision") or (
-            dep.status.stable_revision if dep.status else None)
-        # The failed revision's record is kept too: after a restart it is how the rollback is recognised.
-        keep = {n for n in (stable, getattr(self.rollbacks.failed.get(key), "revision", None)) if n}
-        for k in await revisions.record(api, owner, revision, spec, stored, dep.spec.rollback.revision_history_limit,
-                                        keep):
-            exporter.API_WRITES.labels(k.split("/")[0]).inc()
         for k in result.applied + result.created + result.deleted:
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
 
@@ -620,11 +622,13 @@ class Reconciler:
         await api.remove_annotation("InferenceDeployment", key[0], key[1], revisions.ANNOTATION_ROLLBACK_TO)
         if target is None:
             known = ", ".join(str(revisions.number_of(r)) for r in stored) or "none"
+            serving = self.templates[key].revision if key in self.templates else spec_revision
             await api.event(involved, "Warning", "RollbackRejected",
-                            f"{revisions.ANNOTATION_ROLLBACK_TO}={wanted!r} names no stored revision (stored: {known})")
+                            f"{revisions.ANNOTATION_ROLLBACK_TO}={wanted!r} names no stored revision (stored: {known}; "
+                            f"serving: {serving})")
             return None
         number = revisions.number_of(target)
-        current = self.templates[key].revision if key in self.templates else _revision(dep, children)
+        current = self.templates[key].revision if key in self.templates else spec_revision
         template = Template(number, revisions.spec_for_rollback(target, dep.spec))
         self.templates[key] = template
         # What is not re-applied until the spec changes is the spec's own revision (status.failedRevision, which
@@ -721,27 +725,6 @@ def _starting(dep: InferenceDeployment) -> bool:
 
 def _condition(st: Any, type_: str) -> Condition | None:
     return next((c for c in (st.conditions if st else []) if c.type == type_), None)
-
-
-def _revision(dep: InferenceDeployment, children: list[dict[str, Any]]) -> int:
-    """The revision number of the current spec's pod template: the same as the pools that run it, one
-    more than the newest pool revision when the template changed, else the status's (or 1)."""
-    wanted = render.template_hash(dep.spec)
-    seen: dict[str, int] = {}
-    for c in children:
-        meta = c["metadata"]
-        if c["kind"] != "Deployment" or (meta.get("labels") or {}).get(render.LABEL_ROLE) == render.ROUTER_ROLE:
-            continue
-        try:
-            rev = int((meta.get("labels") or {}).get(render.LABEL_REVISION, "0"))
-        except ValueError:
-            continue
-        seen[(meta.get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH, "")] = rev
-    if wanted in seen:
-        return seen[wanted]
-    if seen:
-        return max(seen.values()) + 1
-    return (dep.status.current_revision if dep.status and dep.status.current_revision else 1)
 
 
 RECONCILER = Reconciler()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdfleet_operator import metric_names as names
+from pdfleet_operator import rollback
 from pdfleet_operator.api import (
     API_VERSION,
     WORKER_ROLE,
@@ -46,6 +47,9 @@ LABEL_ACCELERATOR = "pdfleet.io/accelerator"
 LABEL_REVISION = "pdfleet.io/revision"
 ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
 ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
+# On the ConfigMap: the served revision's template (`rollback.revision_wire`, JSON). The served revision is
+# not a ControllerRevision yet; the operator stores it from here when another revision supersedes it.
+ANNOTATION_REVISION_SPEC = "pdfleet.io/revision-spec"
 ROUTER_ROLE = "router"
 
 # (apiVersion, kind) of everything render() may produce; kube.py maps them to API paths.
@@ -436,11 +440,15 @@ def role_pdb(owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
-def config_map(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> dict[str, Any]:
+    """The engine config, labelled with the revision it belongs to and carrying that revision's template
+    (the record the operator turns into a ControllerRevision once the revision is superseded)."""
+    revision_spec = json.dumps(rollback.revision_wire(spec), sort_keys=True, separators=(",", ":"))
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(owner, config_name(owner.name), labels(owner, "config")),
+        "metadata": _meta(owner, config_name(owner.name), labels(owner, "config", revision=revision),
+                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec), ANNOTATION_REVISION_SPEC: revision_spec}),
         "data": {CONFIG_KEY: config_text(spec)},
     }
 
@@ -508,7 +516,7 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
             raise ValueError(f"plan has a {pool.role} pool but the spec's roles are {roles}")
         if pool.accelerator_class not in classes:
             raise ValueError(f"plan uses AcceleratorClass {pool.accelerator_class!r}, not among {sorted(classes)}")
-    out: list[dict[str, Any]] = [config_map(owner, spec)]
+    out: list[dict[str, Any]] = [config_map(owner, spec, revision)]
     out += [role_service(owner, role) for role in roles]
     out.append(router_service(owner))
     out += [role_pdb(owner, role) for role in roles]

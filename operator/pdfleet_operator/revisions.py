@@ -1,7 +1,9 @@
 """Revisions and rollback in the operator: ControllerRevision bookkeeping and the analysis loop; called by `handlers`.
 
-Every pod template a deployment serves is a ControllerRevision it owns (data: the template part of
-the spec and the whole spec it came from). The analysis feeds `rollback.analyze` with the router's
+Every pod template a deployment has served is a revision. The one served now is recorded on the
+ConfigMap (revision label, template hash, `rollback.revision_wire`); once another revision supersedes
+it, it is stored as a ControllerRevision the deployment owns (data: the template and the partial
+spec it came from), before the ConfigMap is overwritten (`superseded`, `record`). The analysis feeds `rollback.analyze` with the router's
 5xx ratio from Prometheus (`metrics`), on a timer and when Alertmanager posts a firing alert, and
 turns its action into reconciler inputs: `set_template` to the stable revision, conditions, Events.
 A new process rebuilds that memory from the status and the ControllerRevisions (`resume`,
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import re
 import time
@@ -32,18 +35,42 @@ REASON_REVISION_MISSING = "RevisionMissing"
 CURRENT_POLICIES = ("autoscaling", "rollback", "slo", "tier")
 
 
-def revision_object(owner: render.Owner, number: int, spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    template = rollback.template_spec(spec)
+def revision_object(owner: render.Owner, number: int, wire: Mapping[str, Any], template_hash: str) -> dict[str, Any]:
+    """The ControllerRevision of revision `number`: its template (`wire`, a `rollback.revision_wire`)."""
+    template = rollback.template_of(dict(wire))
     return {
         "apiVersion": "apps/v1", "kind": "ControllerRevision",
         "metadata": {"name": render.child_name(owner.name, "rev", str(number)), "namespace": owner.namespace,
                      "labels": render.labels(owner, "revision", revision=number),
-                     "annotations": {render.ANNOTATION_TEMPLATE_HASH: render.template_hash(spec),
+                     "annotations": {render.ANNOTATION_TEMPLATE_HASH: template_hash,
                                      ANNOTATION_FINGERPRINT: rollback.fingerprint(template)},
                      "ownerReferences": [owner.reference()]},
         "revision": number,
-        "data": {"template": template, "spec": spec.wire()},
+        "data": {"template": template, "spec": dict(wire)},
     }
+
+
+def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, serving: int,
+               stored: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ControllerRevision to store before the pools move to revision `serving`: the revision the
+    ConfigMap says is served now, when it is another one and not stored yet; else None.
+
+    The served revision lives in the spec (or a stored record), the pools and the ConfigMap; it
+    becomes a record only once superseded, so a new deployment writes none (issue 5's write budget).
+    Every revision that ever served still gets one, before the last copy of its template is overwritten.
+    """
+    if config_map is None:
+        return None
+    meta = config_map.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    try:
+        number = int((meta.get("labels") or {}).get(render.LABEL_REVISION, ""))
+        wire = json.loads(annotations[render.ANNOTATION_REVISION_SPEC])
+    except (KeyError, ValueError):
+        return None  # written by an operator that stored every revision as it served (or edited by hand)
+    if number == serving or find(stored, number) is not None:
+        return None
+    return revision_object(owner, number, wire, annotations.get(render.ANNOTATION_TEMPLATE_HASH, ""))
 
 
 def number_of(obj: Mapping[str, Any]) -> int:
@@ -71,14 +98,45 @@ def spec_for_rollback(stored: Mapping[str, Any], current: InferenceDeploymentSpe
     return InferenceDeploymentSpec.model_validate(wire)
 
 
-def number_for(spec: InferenceDeploymentSpec, revisions: list[dict[str, Any]], pools: int) -> int:
-    """The revision number of this spec's pod template: the newest stored revision's when it is that template,
-    else one past every number used (stored or on the pools). As with a Deployment's rollout history, going
-    back to an older template is a new revision; a number is never reused for another template."""
+def number_for(spec: InferenceDeploymentSpec, revisions: list[dict[str, Any]], running: Mapping[str, int],
+               fallback: int) -> int:
+    """The revision number of this spec's pod template.
+
+    `running`: template hash -> revision of what the pools and the ConfigMap run now; `fallback`: the
+    number when nothing runs and nothing is stored (the status's, or 1). The template that runs keeps
+    its number. Else the newest stored revision's, when it is this template and newer than anything
+    running (the spec's revision while a rollback serves an older one); else one past every number
+    used. As with a Deployment's rollout history, going back to an older template is a new revision;
+    a number is never reused for another template.
+    """
+    wanted = render.template_hash(spec)
+    if wanted in running:
+        return running[wanted]
+    numbers = [number_of(r) for r in revisions]
     newest = max(revisions, key=number_of, default=None)
-    if newest is not None and _hash(newest) == render.template_hash(spec):
+    if newest is not None and _hash(newest) == wanted and number_of(newest) > max(running.values(), default=0):
         return number_of(newest)
-    return max([pools] + [number_of(r) for r in revisions]) + 1
+    if not running:
+        return max([fallback - 1] + numbers) + 1
+    return max(list(running.values()) + numbers) + 1
+
+
+def running_revisions(children: list[dict[str, Any]]) -> dict[str, int]:
+    """Template hash -> revision of the worker Deployments and the ConfigMap (the router runs no template)."""
+    out: dict[str, int] = {}
+    for c in children:
+        meta = c["metadata"]
+        labels = meta.get("labels") or {}
+        if c["kind"] not in ("Deployment", "ConfigMap") or labels.get(render.LABEL_ROLE) == render.ROUTER_ROLE:
+            continue
+        found = (meta.get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH)
+        try:
+            number = int(labels.get(render.LABEL_REVISION, ""))
+        except ValueError:
+            continue
+        if found:
+            out[found] = max(number, out.get(found, 0))
+    return out
 
 
 def fingerprint_of(obj: Mapping[str, Any]) -> str:
@@ -91,20 +149,19 @@ def _hash(obj: Mapping[str, Any]) -> str | None:
     return (obj["metadata"].get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH)
 
 
-async def record(api: kube.Api, owner: render.Owner, number: int, spec: InferenceDeploymentSpec,
-                 revisions: list[dict[str, Any]], limit: int, keep: set[int]) -> list[str]:
-    """Store the served revision if new, drop older copies of its template (not kept ones) and prune beyond
-    the history limit; the keys written."""
+async def record(api: kube.Api, revision: dict[str, Any] | None, stored: list[dict[str, Any]], limit: int,
+                 keep: set[int]) -> list[str]:
+    """Store a superseded revision (`superseded`), drop older copies of its template (not kept ones) and
+    prune beyond the history limit (never one in `keep`: served, stable, failed); the keys written."""
     written = []
-    keep = keep | {number}
-    if find(revisions, number) is None:
-        obj = await kube.save_revision(api, revision_object(owner, number, spec))
-        duplicates = [r for r in revisions if _hash(r) == _hash(obj) and number_of(r) not in keep]
+    if revision is not None:
+        obj = await kube.save_revision(api, revision)
+        duplicates = [r for r in stored if _hash(r) == _hash(obj) and number_of(r) not in keep | {number_of(obj)}]
         await kube.delete_revisions(api, duplicates)
         written += [kube.key_of(obj)] + [kube.key_of(r) for r in duplicates]
-        revisions = [r for r in revisions if r not in duplicates] + [obj]
-    prune = set(rollback.revisions_to_prune([number_of(r) for r in revisions], limit, keep))
-    gone = [r for r in revisions if number_of(r) in prune]
+        stored = [r for r in stored if r not in duplicates] + [obj]
+    prune = set(rollback.revisions_to_prune([number_of(r) for r in stored], limit, keep))
+    gone = [r for r in stored if number_of(r) in prune]
     await kube.delete_revisions(api, gone)
     return written + [kube.key_of(r) for r in gone]
 

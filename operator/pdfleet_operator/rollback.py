@@ -147,7 +147,11 @@ def template_spec(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     Replica counts, autoscaling, SLO, tier and rollback policy are not in it; neither is anything
     the operator decides itself (replicas per class).
     """
-    wire = spec.wire()
+    return template_of(spec.wire())
+
+
+def template_of(wire: dict[str, Any]) -> dict[str, Any]:
+    """`template_spec` of a spec's wire form, or of its `revision_wire`."""
     roles = {role: {"acceleratorClasses": wire[role]["acceleratorClasses"], "resources": wire[role].get("resources", {})}
              for role in ("prefill", "decode", "colocated") if role in wire}
     return {
@@ -157,6 +161,21 @@ def template_spec(spec: InferenceDeploymentSpec) -> dict[str, Any]:
         "roles": roles,
         "router": {"image": wire["router"].get("image"), "resources": wire["router"].get("resources", {})},
     }
+
+
+def revision_wire(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The template part of a spec in the spec's own shape (a partial spec): what a revision record keeps.
+
+    `template_of(revision_wire(s)) == template_spec(s)`; a rollback fills the rest (sizes, policies)
+    from the user's current spec.
+    """
+    wire = spec.wire()
+    out = {name: wire[name] for name in ("model", "engine", "disaggregation")}
+    for role in ("prefill", "decode", "colocated"):
+        if role in wire:
+            out[role] = {k: wire[role][k] for k in ("acceleratorClasses", "resources") if k in wire[role]}
+    out["router"] = {k: wire["router"][k] for k in ("image", "resources") if k in wire["router"]}
+    return out
 
 
 def fingerprint(template: dict[str, Any]) -> str:

@@ -166,14 +166,21 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
         failing.clear()
     harness.wait_reconciled(kube, target, namespace=namespace, timeout=30)
 
-    # Revision history beyond its limit is pruned (ControllerRevisions deleted).
-    current = kube.get("infdep", target, namespace)
-    kube.patch("infdep", target, {"spec": {"rollback": {"revisionHistoryLimit": 1},
-                                           "engine": {"maxNumSeqs": current["spec"]["engine"]["maxNumSeqs"] + 1}}},
+    # Revision history beyond its limit is pruned (ControllerRevisions deleted): two template changes store
+    # the two superseded revisions, and a limit of 1 keeps the newer one.
+    before = kube.get("infdep", target, namespace)
+    seqs, served = before["spec"]["engine"]["maxNumSeqs"], before["status"]["currentRevision"]
+    kube.patch("infdep", target, {"spec": {"rollback": {"revisionHistoryLimit": 1}, "engine": {"maxNumSeqs": seqs + 1}}},
                namespace)
-    kube.wait_for(lambda: len(kube.list("controllerrevisions.apps", namespace,
-                                        label_selector=f"{render.LABEL_DEPLOYMENT}={target}")) == 1,
-                  timeout=20, message="revision history pruned to 1")
+    harness.wait_reconciled(kube, target, namespace=namespace, timeout=20,
+                            check=lambda cr: cr["status"]["currentRevision"] == served + 1)
+    kube.patch("infdep", target, {"spec": {"engine": {"maxNumSeqs": seqs + 2}}}, namespace)
+
+    def history() -> list[int]:
+        return sorted(r["revision"] for r in kube.list("controllerrevisions.apps", namespace,
+                                                       label_selector=f"{render.LABEL_DEPLOYMENT}={target}"))
+
+    kube.wait_for(lambda: history() == [served + 1], timeout=20, message=f"revision history pruned to 1: {history()}")
 
     # A price change re-plans; deleting the CR lets garbage collection take the children.
     kube.patch("acceleratorclass", "cpu", {"spec": {"costPerHour": 0.11}})

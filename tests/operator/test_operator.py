@@ -79,9 +79,9 @@ def test_spec_edit_changes_only_what_must(kube) -> None:
         wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["currentRevision"] == 2)
         settle(kube)
         changed = sorted(w.name for w in kube.writes() if w.resource != "inferencedeployments" and w.resource != "events")
-        # (plus the new revision's ControllerRevision, issue 7)
+        # (plus the superseded revision 1's ControllerRevision, issue 7: revision 2 is on the ConfigMap now)
         assert changed == ["llama31-8b-decode-h100-mig-3g-40gb", "llama31-8b-engine", "llama31-8b-prefill-h100-80gb",
-                           "llama31-8b-rev-2"]
+                           "llama31-8b-rev-1"]
         after = {k: v["metadata"]["resourceVersion"] for k, v in children(kube, "llama31-8b").items()}
         assert {k for k in before if before[k] != after[k]} == {
             "ConfigMap/llama31-8b-engine", "Deployment/llama31-8b-decode-h100-mig-3g-40gb",

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from pdfleet_operator import alerts, handlers, render, revisions
+from pdfleet_operator import alerts, handlers, render, revisions, rollback
 from pdfleet_operator.api import parse_duration
 from tests.operator.harness import events, prepare_cluster, running_operator, wait_reconciled
 from tests.support.components import free_port
@@ -127,10 +127,11 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             # Revision 1 serves healthy traffic for its soak and becomes stable.
             cr = wait_reconciled(kube, NAME, timeout=20, check=lambda cr: cr["status"].get("stableRevision") == 1)
             assert cr["status"]["currentRevision"] == 1
-            revs = kube.list("controllerrevisions.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
-            assert [(r["metadata"]["name"], r["revision"]) for r in revs] == [(f"{NAME}-rev-1", 1)]
-            assert revs[0]["data"]["template"]["engine"]["image"] == GOOD
-            assert revs[0]["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
+            # The served revision is recorded on the ConfigMap; it becomes a ControllerRevision once superseded.
+            assert kube.list("controllerrevisions.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}") == []
+            config = kube.get("configmaps", render.config_name(NAME), "default")
+            assert config["metadata"]["labels"][render.LABEL_REVISION] == "1"
+            assert GOOD in config["metadata"]["annotations"][render.ANNOTATION_REVISION_SPEC]
 
             # A bad image: revision 2 answers 5xx from the moment its pods serve.
             kube.patch("infdep", NAME, {"spec": {"engine": {"image": BAD}}})
@@ -146,6 +147,10 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
 
             cr = wait_reconciled(kube, NAME, check=lambda cr: cr["status"].get("failedRevision") == 2)
             assert cr["spec"]["engine"]["image"] == BAD  # the user's spec is untouched
+            revs = kube.list("controllerrevisions.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
+            assert [(r["metadata"]["name"], r["revision"]) for r in revs] == [(f"{NAME}-rev-1", 1), (f"{NAME}-rev-2", 2)]
+            assert [r["data"]["template"]["engine"]["image"] for r in revs] == [GOOD, BAD]
+            assert revs[0]["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
             assert cr["status"]["currentRevision"] == 1 and cr["status"]["stableRevision"] == 1
             cond = conditions(cr)
             assert cond["RolledBack"]["status"] == "True" and cond["RolledBack"]["reason"] == "HighErrorRatio"
@@ -176,7 +181,7 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             assert conditions(cr)["Degraded"]["status"] == "False"
             cr = wait_reconciled(kube, NAME, timeout=20, check=lambda cr: cr["status"].get("stableRevision") == 3)
             revs = kube.list("controllerrevisions.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
-            assert sorted(r["revision"] for r in revs) == [1, 2, 3]
+            assert sorted(r["revision"] for r in revs) == [1, 2]  # 3 serves: on the ConfigMap
 
             # By hand: `kubectl annotate infdep guarded pdfleet.io/rollback-to=1`; a revision not stored is refused.
             kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "99"}}})
@@ -204,23 +209,51 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
         router.close()
 
 
-def _stored(number: int, image: str) -> dict[str, Any]:
+def _spec(image: str) -> Any:
     from pdfleet_operator.api import InferenceDeploymentSpec
+    return InferenceDeploymentSpec.model_validate(spec(image, "http://p:9090")["spec"])
+
+
+def _stored(number: int, image: str) -> dict[str, Any]:
+    """Revision `number` as the operator stores it: from its ConfigMap, once another revision supersedes it."""
     owner = render.Owner(NAME, "default", "uid-1")
-    return revisions.revision_object(owner, number, InferenceDeploymentSpec.model_validate(spec(image, "http://p:9090")["spec"]))
+    record = revisions.superseded(render.config_map(owner, _spec(image), number), owner, number + 1, [])
+    assert record is not None
+    return record
 
 
 def test_revision_numbers_never_repeat_and_a_rollback_keeps_the_current_policies() -> None:
-    from pdfleet_operator.api import InferenceDeploymentSpec
     good, bad = _stored(1, GOOD), _stored(2, BAD)
-    current = InferenceDeploymentSpec.model_validate(spec(BAD, "http://p:9090")["spec"])
-    assert revisions.number_for(current, [good, bad], 0) == 2          # still the newest template
-    assert revisions.number_for(current, [good], 1) == 2               # a new template: the next number
-    back = InferenceDeploymentSpec.model_validate(spec(GOOD, "http://p:9090")["spec"])
-    assert revisions.number_for(back, [good, bad], 2) == 3             # going back is a new revision, as in a rollout
+    current, back = _spec(BAD), _spec(GOOD)
+    runs = {render.template_hash(current): 2}
+    assert revisions.number_for(current, [good], runs, 1) == 2           # the template the pools run keeps its number
+    assert revisions.number_for(current, [good, bad], {render.template_hash(back): 1}, 1) == 2  # rolled back: the spec's
+    assert revisions.number_for(current, [good], {render.template_hash(back): 1}, 1) == 2      # a new template: next
+    assert revisions.number_for(back, [good], runs, 1) == 3              # going back is a new revision, as in a rollout
+    assert revisions.number_for(back, [], {}, 1) == 1                    # a new deployment
+    assert revisions.number_for(back, [good, bad], {}, 4) == 4           # pools gone: the status's number stays
     assert good["data"]["template"]["engine"]["image"] == GOOD and good["revision"] == 1
     assert good["metadata"]["name"] == f"{NAME}-rev-1"
+    assert good["data"]["template"] == rollback.template_spec(back)     # the ConfigMap's partial spec is the template
+    assert good["metadata"]["annotations"][render.ANNOTATION_TEMPLATE_HASH] == render.template_hash(back)
 
     edited = current.model_copy(update={"rollback": current.rollback.model_copy(update={"soak_time": "9m"})})
     restored = revisions.spec_for_rollback(good, edited)
     assert restored.engine.image == GOOD and restored.rollback.soak_time == "9m"
+    # What a rollback serves from a record made of the ConfigMap's partial spec is the spec that ran, with the
+    # user's current sizes and policies: the same as from a record of the whole spec (the old format).
+    whole = {**good, "data": {"template": good["data"]["template"], "spec": back.wire()}}
+    assert revisions.spec_for_rollback(whole, edited) == restored
+
+
+def test_a_revision_is_stored_once_superseded_and_only_then() -> None:
+    owner = render.Owner(NAME, "default", "uid-1")
+    config = render.config_map(owner, _spec(GOOD), 1)
+    assert revisions.superseded(None, owner, 1, []) is None                    # nothing served yet
+    assert revisions.superseded(config, owner, 1, []) is None                  # still served: the ConfigMap holds it
+    record = revisions.superseded(config, owner, 2, [])
+    assert record is not None and record["revision"] == 1 and record["kind"] == "ControllerRevision"
+    assert record["metadata"]["ownerReferences"] == [owner.reference()]
+    assert revisions.superseded(config, owner, 2, [record]) is None            # stored already (a retried reconcile)
+    legacy = {**config, "metadata": {**config["metadata"], "annotations": {}}}
+    assert revisions.superseded(legacy, owner, 2, []) is None                  # an older operator stored it as it served

@@ -29,8 +29,14 @@ def spec(image: str, max_replicas: int = 2, soak: str = "2s") -> InferenceDeploy
 
 
 def stored(*images: str) -> list[dict[str, Any]]:
-    """ControllerRevisions 1..n holding these images, as `revisions.record` writes them."""
-    return [revisions.revision_object(OWNER, n, spec(image)) for n, image in enumerate(images, start=1)]
+    """ControllerRevisions 1..n holding these images, as the operator stores them: from revision n's
+    ConfigMap once revision n + 1 supersedes it."""
+    out: list[dict[str, Any]] = []
+    for n, image in enumerate(images, start=1):
+        record = revisions.superseded(render.config_map(OWNER, spec(image), n), OWNER, n + 1, out)
+        assert record is not None
+        out.append(record)
+    return out
 
 
 def cond(type_: str, status: str, reason: str, message: str = "", generation: int | None = 2) -> Condition:
