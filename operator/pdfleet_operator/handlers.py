@@ -805,10 +805,14 @@ async def _class_status_loop() -> None:
 
 
 async def _resync_loop() -> None:
+    """Every deployment again, `--resync-interval` after the previous round finished: a round that takes
+    longer than the interval (a large fleet, a slow API server) does not stack the next one on top."""
     while True:
         await asyncio.sleep(OPTIONS.resync_interval)
-        for key in sorted(RECONCILER._bodies()):
-            RECONCILER.request(key, "periodic resync")
+        done = await asyncio.gather(*(RECONCILER._background(key, "periodic resync") for key in sorted(RECONCILER._bodies())),
+                                    return_exceptions=True)
+        for failed in (d for d in done if isinstance(d, Exception)):
+            logger.error("periodic resync: %r", failed)
 
 
 # Indexes: kopf fills them before any resource handler runs, so the first plan after a start sees the

@@ -229,7 +229,9 @@ class RollbackSpec(ApiModel):
     for_: Duration = Field("2m", alias="for", description="How long the ratio must stay above the threshold.")
     min_requests: int = Field(20, ge=0, description="Fewer requests in the window is inconclusive, neither healthy nor failing.")
     soak_time: Duration = Field("10m", description="A revision serving this long with a healthy ratio becomes stable.")
-    revision_history_limit: int = Field(10, ge=1, le=100, description="ControllerRevisions kept.")
+    revision_history_limit: int = Field(
+        10, ge=1, le=100,
+        description="Superseded revisions kept as ControllerRevisions (the served one is recorded on the engine ConfigMap).")
 
 
 class RouterSpec(ApiModel):
