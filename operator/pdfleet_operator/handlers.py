@@ -479,8 +479,9 @@ class Reconciler:
         children = await kube.list_children(api, owner, kinds)
 
         stored = await kube.list_revisions(api, owner)
+        config = next((c for c in children if c["kind"] == "ConfigMap"), None)
         if key not in self.rollbacks.resumed:
-            self._resume(key, dep, stored)
+            self._resume(key, dep, stored, revisions.served_record(config, owner))
         if self.rollbacks.spec_moved_on(key, dep):
             self._roll_forward(key, dep)
         template = self.templates.get(key)
@@ -509,7 +510,6 @@ class Reconciler:
         # Kept: the served revision, the stable one, and the failed one (after a restart it is how the rollback
         # is recognised). The revision served until now is stored before the ConfigMap stops describing it.
         keep = {n for n in (revision, stable, getattr(self.rollbacks.failed.get(key), "revision", None)) if n}
-        config = next((c for c in children if c["kind"] == "ConfigMap"), None)
         for k in await revisions.record(api, revisions.superseded(config, owner, revision, stored), stored,
                                         dep.spec.rollback.revision_history_limit, keep):
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
@@ -557,11 +557,12 @@ class Reconciler:
                            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
 
-    def _resume(self, key: Key, dep: InferenceDeployment, stored: list[dict[str, Any]]) -> None:
+    def _resume(self, key: Key, dep: InferenceDeployment, stored: list[dict[str, Any]],
+                serving: dict[str, Any] | None) -> None:
         """Once per key and process: take over a rollback a previous process left in force (see `revisions.resume`),
         so that a restart never re-applies the failed revision while the spec is unchanged."""
         self.rollbacks.resumed.add(key)
-        resumed = revisions.resume(dep.status, dep.metadata.generation, dep.spec, stored)
+        resumed = revisions.resume(dep.status, dep.metadata.generation, dep.spec, stored, serving)
         if resumed.kind == "spec":
             return
         assert resumed.failed is not None, resumed

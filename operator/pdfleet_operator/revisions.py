@@ -50,6 +50,24 @@ def revision_object(owner: render.Owner, number: int, wire: Mapping[str, Any], t
     }
 
 
+def served_record(config_map: Mapping[str, Any] | None, owner: render.Owner) -> dict[str, Any] | None:
+    """The revision the ConfigMap says is served, as the ControllerRevision it becomes once superseded;
+    None when the ConfigMap records none (absent, written by an operator that stored every revision as
+    it served, or edited by hand)."""
+    if config_map is None:
+        return None
+    meta = config_map.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    try:
+        number = int((meta.get("labels") or {}).get(render.LABEL_REVISION, ""))
+        wire = json.loads(annotations[render.ANNOTATION_REVISION_SPEC])
+    except (KeyError, ValueError):
+        return None
+    if not isinstance(wire, dict):
+        return None
+    return revision_object(owner, number, wire, annotations.get(render.ANNOTATION_TEMPLATE_HASH, ""))
+
+
 def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, serving: int,
                stored: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ControllerRevision to store before the pools move to revision `serving`: the revision the
@@ -59,18 +77,10 @@ def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, servin
     becomes a record only once superseded, so a new deployment writes none (issue 5's write budget).
     Every revision that ever served still gets one, before the last copy of its template is overwritten.
     """
-    if config_map is None:
+    record = served_record(config_map, owner)
+    if record is None or number_of(record) == serving or find(stored, number_of(record)) is not None:
         return None
-    meta = config_map.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
-    try:
-        number = int((meta.get("labels") or {}).get(render.LABEL_REVISION, ""))
-        wire = json.loads(annotations[render.ANNOTATION_REVISION_SPEC])
-    except (KeyError, ValueError):
-        return None  # written by an operator that stored every revision as it served (or edited by hand)
-    if number == serving or find(stored, number) is not None:
-        return None
-    return revision_object(owner, number, wire, annotations.get(render.ANNOTATION_TEMPLATE_HASH, ""))
+    return record
 
 
 def number_of(obj: Mapping[str, Any]) -> int:
@@ -204,10 +214,12 @@ class Resumed:
 
 
 def resume(status: InferenceDeploymentStatus | None, generation: int | None, spec: InferenceDeploymentSpec,
-           stored: list[dict[str, Any]]) -> Resumed:
+           stored: list[dict[str, Any]], serving: dict[str, Any] | None = None) -> Resumed:
     """The rollback state a previous process left in the cluster: `RolledBack=True` (its observedGeneration
     is the generation rolled back), status.currentRevision (the revision served instead of the spec),
-    status.failedRevision and its ControllerRevision (the template not to re-apply)."""
+    status.failedRevision and its ControllerRevision (the template not to re-apply). `serving`: the
+    record of what the ConfigMap says is served (`served_record`), used when the served revision's
+    ControllerRevision is gone."""
     rolled = condition(status, "RolledBack")
     if status is None or rolled is None or rolled.status != "True" or status.current_revision is None:
         return Resumed("spec")
@@ -218,6 +230,8 @@ def resume(status: InferenceDeploymentStatus | None, generation: int | None, spe
     if moved_on(failed, generation, rollback.fingerprint(rollback.template_spec(spec))):
         return Resumed("roll_forward", failed)
     kept = find(stored, served)
+    if kept is None and serving is not None and number_of(serving) == served:
+        kept = serving  # its record was deleted, but the ConfigMap still holds what the pools run
     try:
         if kept is not None:
             return Resumed("stored", failed, served, spec_for_rollback(kept, spec))

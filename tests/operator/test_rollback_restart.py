@@ -1,7 +1,7 @@
 """A rollback survives operator restarts: real Prometheus, kopf against the emulator, one new process after another.
 
 The rollback state of a process (the revision served instead of the spec, the failed revision, a
-standing page) is rebuilt from the status and the ControllerRevisions by the next process, so a
+standing page) is rebuilt from the status, the ControllerRevisions and the ConfigMap by the next process, so a
 restart writes no Deployment, re-applies no failed revision and pages nobody again; a spec change
 made while no operator ran rolls forward.
 """
@@ -86,9 +86,19 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
             assert conditions(cr)["Degraded"]["reason"] == "RollbackFailed"
             assert reasons(kube).count("RollbackFailed") == 1
 
-        # While no operator runs, the served revision's record is deleted: process 4 holds the pools and pages
-        # once; process 5 does not page again.
+        # While no operator runs, the served revision's record is deleted: the ConfigMap still records revision 2,
+        # so process 4 keeps serving it with no write and no page.
         kube.delete("controllerrevisions.apps", f"{NAME}-rev-2", "default")
+        with restarted(kube):
+            assert kube.count_writes("deployments") == 0 and image_of(kube) == BAD
+            assert revisions.REASON_REVISION_MISSING not in reasons(kube)
+            assert conditions(kube.get("infdep", NAME, "default"))["Degraded"]["reason"] == "RollbackFailed"
+            assert reasons(kube).count("RollbackFailed") == 1
+
+        # With the ConfigMap's record gone too (edited by hand), process 5 holds the pools and pages once;
+        # process 6 does not page again.
+        kube.patch("configmaps", render.config_name(NAME),
+                   {"metadata": {"annotations": {render.ANNOTATION_REVISION_SPEC: None}}}, "default")
         for _ in range(2):
             with restarted(kube):
                 assert kube.count_writes("deployments") == 0 and image_of(kube) == BAD
@@ -97,7 +107,7 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
                 assert conditions(cr)["Degraded"]["reason"] == revisions.REASON_REVISION_MISSING
                 assert "revision 2" in conditions(cr)["Degraded"]["message"]
 
-        # The spec changes while no operator runs: process 6 rolls forward to revision 3.
+        # The spec changes while no operator runs: process 7 rolls forward to revision 3.
         kube.patch("infdep", NAME, {"spec": {"engine": {"image": NEXT}}})
         kube.clear_requests()
         with running_operator(kube, analysis_interval=ANALYSIS_S):

@@ -95,6 +95,18 @@ def test_stable_revision_record_gone_holds_the_pools_and_pages_instead_of_crashi
     assert revisions.resume(rolled_back(), 3, spec(NEXT), stored(GOOD, BAD)[1:]).kind == "roll_forward"
 
 
+def test_served_record_gone_is_rebuilt_from_the_configmap_that_still_records_it() -> None:
+    config = render.config_map(OWNER, spec(GOOD), 1)  # what the pools run: revision 1, served by the rollback
+    serving = revisions.served_record(config, OWNER)
+    got = revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], serving)
+    assert got.kind == "stored" and got.template == 1
+    assert got.spec is not None and got.spec.engine.image == GOOD
+    # The ConfigMap records another revision (or none): nothing to rebuild from, hold as before.
+    other = revisions.served_record(render.config_map(OWNER, spec(BAD), 2), OWNER)
+    assert revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], other).kind == "hold"
+    assert revisions.served_record({"metadata": {"labels": {render.LABEL_REVISION: "1"}}}, OWNER) is None
+
+
 def test_failed_record_gone_ends_the_rollback_on_any_spec_change_only() -> None:
     revs = [stored(GOOD, BAD)[0]]
     assert revisions.resume(rolled_back(), 2, spec(BAD), revs).kind == "stored"
