@@ -53,3 +53,13 @@ def test_token_rate_alone_underprovisions_less_and_flaps_less_than_per_role():
         if second % bench.SCRAPE_S == 0:
             snap = fleet.scrape(float(second))
     assert snap.roles["prefill"].prompt_tokens_rate == pytest.approx(bench.PREFILL_TOKENS_PER_S)
+
+
+def test_rate_trend_meets_surges_sooner_at_about_the_same_replica_hours():
+    bursty = next(t for t in bench.traces() if t.name == "bursty")
+    rate, trend = bench.POLICIES["+rate"], bench.POLICIES["+rate+trend"]
+    assert trend.rate_trend and not rate.rate_trend and trend.token_rate
+    base, before, after = (bench.run(bursty, p, seed=1) for p in (PER_ROLE, rate, trend))
+    assert after.under["prefill"] < before.under["prefill"] and after.under["decode"] < before.under["decode"]
+    assert after.reaction < before.reaction
+    assert after.replica_seconds <= 1.01 * before.replica_seconds and after.replica_seconds <= base.replica_seconds

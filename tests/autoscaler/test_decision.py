@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -504,12 +505,13 @@ def test_token_rate_state_round_trips_and_an_older_state_still_parses():
     s = spec()
     state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 4000.0},
                     samples={"prefill": ((T0, 2, True),)}, last_queue={"prefill": (T0, 10.0)},
-                    generation_per_prompt=0.2)
+                    generation_per_prompt=0.2, rate_history={"prefill": ((T0 - 15, 7000.0, 2), (T0, 8000.0, 2))})
     assert ScalerState.from_json(state.to_json()) == state
     old = ('{"lastNeed":{},"lastScaleUp":{},"recommendations":{},"replicas":{"decode":2,"prefill":2},'
            '"watchingSince":{}}')
     parsed = ScalerState.from_json(old)
     assert parsed.throughput == {} and parsed.generation_per_prompt is None and parsed.replicas["prefill"] == 2
+    assert parsed.rate_history == {}
 
 
 def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
@@ -525,3 +527,99 @@ def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
     assert decide(cool, state, snap, T0, {}, policy=RATE_ONLY)[0]["prefill"].desired == 5
     override = replace(RATE_ONLY, utilization=0.9)
     assert decide(cool, state, snap, T0, {}, policy=override)[0]["prefill"].desired == 3
+
+
+# --- the rate trend (Policy.rate_trend) ----------------------------------------------------------------
+
+def test_arrival_trend_needs_two_rises_that_add_up_to_a_surge():
+    rising = ((T0 - 30, 6000.0), (T0 - 15, 7000.0), (T0, 8000.0))
+    assert autoscaler.arrival_trend(rising, T0, 15.0) == pytest.approx(2000.0 / 30)
+    assert autoscaler.arrival_trend(((T0 - 60, 1.0),) + rising, T0, 15.0) == pytest.approx(2000.0 / 30)  # last two only
+    assert autoscaler.arrival_trend(rising[1:], T0, 15.0) == 0.0                      # one interval says nothing
+    assert autoscaler.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 8500.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a dip
+    assert autoscaler.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 6600.0), (T0, 7400.0)), T0, 15.0) == 0.0  # +23%
+    assert autoscaler.arrival_trend(((T0 - 45, 6000.0), (T0 - 30, 7000.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a gap
+    assert autoscaler.arrival_trend(((T0 - 30, 0.0), (T0 - 15, 500.0), (T0, 900.0)), T0, 15.0) == 0.0  # from nothing
+
+
+def test_surge_growth_trusts_a_rise_only_with_the_same_replicas_over_its_windows():
+    # two minutes at 6000 tokens/s on 3 replicas, then +1000 and +1500: 2500 / 30 s over 30 + 60 s
+    history = tuple((T0 - 15 * k, 6000.0, 3) for k in range(8, 1, -1)) + ((T0 - 15, 7000.0, 3), (T0, 8500.0, 3))
+    assert autoscaler.surge_growth(history, T0, 15.0) == pytest.approx(2500.0 / 30 * 90)
+    # a replica left 100 s ago: its series vanished from the sum, whose recovery looks like a rise
+    left = tuple((t, v, 4 if t < T0 - 90 else 3) for t, v, _ in history)
+    assert autoscaler.surge_growth(left, T0, 15.0) == 0.0
+    # one joined: it may be serving a backlog, not new arrivals
+    joined = tuple((t, v, 3 if t < T0 - 20 else 4) for t, v, _ in history)
+    assert autoscaler.surge_growth(joined, T0, 15.0) == 0.0
+    # a history shorter than the first reading's rate window (a fresh start fills its windows from 0)
+    assert autoscaler.surge_growth(history[-6:], T0, 15.0) == 0.0
+
+
+def _trend_series(s, policy, prompt_rates, waiting=0.0, gen_rates=None):
+    """Decisions at 15 s steps over a prefill whose served rate follows `prompt_rates` (3 replicas held
+    apart from what the decisions ask: the replicas reporting are those of the state at the start)."""
+    state = replace(ScalerState.initial(s, {"prefill": 3, "decode": 3}),
+                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2)
+    out = []
+    for k, rate in enumerate(prompt_rates):
+        t = T0 + 15 * k
+        gen = 0.2 * rate if gen_rates is None else gen_rates[k]
+        snap = rate_snapshot(t, waiting, rate, 3, tokens_waiting=0.0, decode_running=40.0, gen_rate=gen,
+                             decode_replicas=3)
+        decisions, state = decide(s, state, snap, t, {}, current={"prefill": 3, "decode": 3}, policy=policy)
+        state = ScalerState.from_json(state.to_json())
+        out.append(decisions)
+    return out, state
+
+
+def test_a_surge_of_arrivals_is_sized_for_when_new_replicas_serve():
+    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
+                     "targetQueuePerReplica": 32}, autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    ramp = [8400.0] * 8 + [9800.0, 11900.0]
+    ours, state = _trend_series(s, RATE_ONLY, ramp)
+    assert all(d["prefill"].desired == 3 and "surging" not in d["prefill"].message for d in ours[:8])
+    p, d = ours[-1]["prefill"], ours[-1]["decode"]
+    # +3500 tokens/s in 30 s, over the 1-minute rate's 30 s lag + a 60 s horizon: 11900 + 10500 = 22400
+    # tokens/s by when new replicas serve; 22400 / (4000 x 0.7) = 8
+    assert (p.desired, p.reason) == (8, autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
+    assert "arrivals surging: 11900 tokens/s + 10500" in p.message
+    # decode, its generation rising alike: 2380 + 2100 tokens/s = 4480 / (640 x 0.7) = 10
+    assert d.desired == 10 and "arrivals surging: 2380 tokens/s + 2100" in d.message
+    # decode not reached yet (1680 tokens/s all along): it grows for what prefill's surge will generate
+    ahead, state = _trend_series(s, RATE_ONLY, ramp, gen_rates=[1680.0] * len(ramp))
+    ratio = state.generation_per_prompt  # drifts toward 1680 / 11900 while both roles run with nothing waiting
+    d = ahead[-1]["decode"]
+    assert "surging" not in d.message and "on their way from prefill" in d.message
+    assert d.desired == math.ceil(ratio * 22400.0 / (640 * 0.7)) > 3
+    assert len(state.rate_history["prefill"]) == 9  # two rate windows' worth of decisions
+    # without the trend, the rates now: prefill 11900 / 2800 = 4.25 -> 5
+    flat, _ = _trend_series(s, replace(RATE_ONLY, rate_trend=False), ramp)
+    assert flat[-1]["prefill"].desired == 5 and flat[-1]["decode"].desired == 6  # 2380 / 448 = 5.3
+    # the baseline keeps no rate history
+    _, base = _trend_series(s, autoscaler.PER_ROLE, ramp)
+    assert base.rate_history == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_noisy_unsaturated_token_rate_changes_direction_at_most_once_in_ten_minutes(seed):
+    """Arrivals +-30% around 8400 tokens/s in each 15 s, read as a 1-minute rate (four of them) with nothing
+    waiting, so the rate trend is in play: it must not read the noise as surges."""
+    s = spec()
+    rng = random.Random(seed)
+    arrived = [8400.0 * rng.uniform(0.7, 1.3) for _ in range(43)]
+    rates = [sum(arrived[k:k + 4]) / 4 for k in range(40)]
+    state = replace(ScalerState.initial(s, {"prefill": 3, "decode": 3}),
+                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2)
+    moves: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for k, rate in enumerate(rates):
+        t = T0 + 15 * k
+        cur = state.replicas
+        snap = rate_snapshot(t, 0.0, rate, cur["prefill"], decode_running=40.0, gen_rate=0.2 * rate,
+                             decode_replicas=cur["decode"])
+        decisions, state = decide(s, state, snap, t, {})
+        for role in moves:
+            if decisions[role].direction != "hold":
+                moves[role].append(decisions[role].direction)
+    for role, mine in moves.items():
+        assert sum(1 for a, b in zip(mine, mine[1:]) if a != b) <= 1, (role, mine)
