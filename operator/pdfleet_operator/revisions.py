@@ -92,7 +92,11 @@ def find(revisions: list[dict[str, Any]], number: int) -> dict[str, Any] | None:
 
 
 def spec_for_rollback(stored: Mapping[str, Any], current: InferenceDeploymentSpec) -> InferenceDeploymentSpec:
-    """The stored revision's spec with the user's current policies (sizes, autoscaling, rollback, SLO)."""
+    """The stored revision's spec with the user's current policies (sizes, autoscaling, rollback, SLO).
+
+    NOTE: a record keeps each role's template only (classes, resources). A role the current spec does
+    not have (a rollback across a colocated <-> PD switch) gets the default replica bounds (1..4).
+    """
     wire = dict((stored.get("data") or {}).get("spec") or {})
     if not wire:
         raise ValueError(f"ControllerRevision {stored['metadata']['name']} holds no spec")
