@@ -1,6 +1,6 @@
 """Bench: the P:D autoscaler vs a per-role HPA-style baseline on scripted traces through a queueing model.
 
-Run: `.venv/bin/python bench/autoscaler.py` (about 15 s at the default 10 arrival seeds). Prints a table,
+Run: `.venv/bin/python bench/autoscaler.py` (about 12 s at the default 10 arrival seeds). Prints a table,
 then one JSON line.
 
 The queueing model (1 s steps, the same seeded arrivals for both policies):

@@ -491,7 +491,7 @@ class Reconciler:
         if wanted is not None and self.rollbacks.manual.get(key) != meta.get("resourceVersion"):
             # (once per version of the object: the index may still show the annotation we just removed)
             self.rollbacks.manual[key] = meta.get("resourceVersion")
-            template = await self._manual_rollback(api, key, dep, body, wanted, stored, children, spec_revision) \
+            template = await self._manual_rollback(api, key, dep, body, wanted, stored, spec_revision) \
                 or template
         if key in self.rollbacks.held:
             if template is None:
@@ -611,8 +611,7 @@ class Reconciler:
         return Outcome(skipped="held: " + message, status_written=True)
 
     async def _manual_rollback(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
-                               wanted: str, stored: list[dict[str, Any]], children: list[dict[str, Any]],
-                               spec_revision: int) -> Template | None:
+                               wanted: str, stored: list[dict[str, Any]], spec_revision: int) -> Template | None:
         """`kubectl annotate infdep X pdfleet.io/rollback-to=N`: serve revision N until the spec changes again.
 
         The annotation is a one-shot command: removed once acted on (or rejected with a Warning Event), so a

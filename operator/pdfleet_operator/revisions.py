@@ -3,10 +3,11 @@
 Every pod template a deployment has served is a revision. The one served now is recorded on the
 ConfigMap (revision label, template hash, `rollback.revision_wire`); once another revision supersedes
 it, it is stored as a ControllerRevision the deployment owns (data: the template and the partial
-spec it came from), before the ConfigMap is overwritten (`superseded`, `record`). The analysis feeds `rollback.analyze` with the router's
-5xx ratio from Prometheus (`metrics`), on a timer and when Alertmanager posts a firing alert, and
-turns its action into reconciler inputs: `set_template` to the stable revision, conditions, Events.
-A new process rebuilds that memory from the status and the ControllerRevisions (`resume`,
+spec it came from), before the ConfigMap is overwritten (`superseded`, `record`). The analysis feeds
+`rollback.analyze` with the router's 5xx ratio from Prometheus (`metrics`), on a timer and when
+Alertmanager posts a firing alert, and turns its action into reconciler inputs: `set_template` to the
+stable revision, conditions, Events. A new process rebuilds that memory from the status, the
+ControllerRevisions and the ConfigMap (`resume`,
 `health_for`), so a restart re-applies no failed revision and repeats no page. Writes go through `kube`.
 """
 
@@ -54,18 +55,26 @@ def served_record(config_map: Mapping[str, Any] | None, owner: render.Owner) -> 
     """The revision the ConfigMap says is served, as the ControllerRevision it becomes once superseded;
     None when the ConfigMap records none (absent, written by an operator that stored every revision as
     it served, or edited by hand)."""
-    if config_map is None:
+    number = served_number(config_map)
+    if config_map is None or number is None:
         return None
-    meta = config_map.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
+    annotations = (config_map.get("metadata") or {}).get("annotations") or {}
     try:
-        number = int((meta.get("labels") or {}).get(render.LABEL_REVISION, ""))
         wire = json.loads(annotations[render.ANNOTATION_REVISION_SPEC])
     except (KeyError, ValueError):
         return None
     if not isinstance(wire, dict):
         return None
     return revision_object(owner, number, wire, annotations.get(render.ANNOTATION_TEMPLATE_HASH, ""))
+
+
+def served_number(config_map: Mapping[str, Any] | None) -> int | None:
+    """The revision the ConfigMap is labelled with (None: no ConfigMap, or no usable label)."""
+    labels = ((config_map or {}).get("metadata") or {}).get("labels") or {}
+    try:
+        return int(labels[render.LABEL_REVISION])
+    except (KeyError, ValueError):
+        return None
 
 
 def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, serving: int,
@@ -77,10 +86,10 @@ def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, servin
     becomes a record only once superseded, so a new deployment writes none (issue 5's write budget).
     Every revision that ever served still gets one, before the last copy of its template is overwritten.
     """
-    record = served_record(config_map, owner)
-    if record is None or number_of(record) == serving or find(stored, number_of(record)) is not None:
+    number = served_number(config_map)  # (checked first: a steady reconcile parses no JSON)
+    if number is None or number == serving or find(stored, number) is not None:
         return None
-    return record
+    return served_record(config_map, owner)
 
 
 def number_of(obj: Mapping[str, Any]) -> int:

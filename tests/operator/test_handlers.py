@@ -154,3 +154,26 @@ async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:
     finally:
         await api.close()
         server.close()
+
+
+async def test_periodic_resync_starts_a_round_only_after_the_previous_one_finished(monkeypatch) -> None:
+    # A round that takes longer than the interval (here 5x) must not have the next stacked on top of it.
+    interval, reconcile_s = 0.02, 0.1
+    running, peak, rounds = 0, 0, 0
+
+    async def slow(key, why):  # stands in for one reconcile of `key`
+        nonlocal running, peak, rounds
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(reconcile_s)
+        running -= 1
+        rounds += key == KEY
+
+    monkeypatch.setattr(handlers.OPTIONS, "resync_interval", interval)
+    monkeypatch.setattr(handlers.RECONCILER, "_bodies", lambda: {KEY: {}, ("default", "other"): {}})
+    monkeypatch.setattr(handlers.RECONCILER, "_background", slow)
+    loop = asyncio.ensure_future(handlers._resync_loop())
+    await asyncio.sleep(0.5)
+    loop.cancel()
+    assert peak == 2  # the two deployments of one round, never two rounds at once
+    assert 2 <= rounds <= 0.5 / (interval + reconcile_s) + 1
