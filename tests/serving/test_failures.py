@@ -16,13 +16,20 @@ from tests.serving.conftest import MODEL, pool_whole, router, start_all, wait_un
 from tests.serving.test_kv_transfer import sample
 
 
+# The SIGTERM test's drain window. The short stream (60 tokens) gets SIGTERM once 20 have arrived, so its
+# last 40 must fit the window on a loaded machine (~40 ms a step: 1.6 s); the long one (1,900 tokens,
+# started first) must not: a lone 1,900-token stream takes 2.8 s on an idle 2-core machine here, and with
+# a 3 s window and SIGTERM sent when the short stream was merely running, it once finished inside it.
+DRAIN = "2s"
+
+
 @pytest.fixture(scope="module")
 def procs(logdir, model_dir, pipeline):
     victims = [worker(logdir, model_dir, "prefill", "--kv-lease", "20s", name=f"victim{i}") for i in (1, 2)]
     fail = worker(logdir, model_dir, "decode", "--kv-on-failure", "fail", "--kv-transfer-timeout", "20s",
-                  "--drain-timeout", "3s", name="decode-fail")
+                  "--drain-timeout", DRAIN, name="decode-fail")
     recompute = worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout", "20s",
-                       "--drain-timeout", "3s", name="decode-recompute")
+                       "--drain-timeout", DRAIN, name="decode-recompute")
     everything = [*victims, fail, recompute]
     start_all(*everything)
     r = router(logdir, "--prefill", pipeline.prefill.url, "--decode", fail.url, recompute.url, name="router2")
@@ -126,8 +133,7 @@ def test_sigterm_drains_finishing_short_requests_and_failing_long_ones(procs):
     w = procs.get("survivor") or procs["recompute"]
     client = openai.OpenAI(base_url=f"{w.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
-    def consume(max_tokens: int):
-        chunks = []
+    def consume(max_tokens: int, chunks: list):
         try:
             for chunk in client.completions.create(model=MODEL, prompt=[7, 8, 9, 10], max_tokens=max_tokens,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
@@ -137,12 +143,15 @@ def test_sigterm_drains_finishing_short_requests_and_failing_long_ones(procs):
         return chunks, None
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        # The long stream first, then the short one: on a loaded machine a short stream started first
-        # can finish before the long one is scheduled, and "both running" is never seen.
-        long = pool.submit(consume, 1900)
-        wait_until(lambda: w.load()["running"] == 1, timeout=30, what="the long stream running")
-        short = pool.submit(consume, 60)
-        wait_until(lambda: w.load()["running"] == 2, timeout=30, what="both streams running")
+        # The long stream first, then the short one; SIGTERM once the short one is a third done, so what
+        # either has left, not how fast this machine is today, decides which finishes inside the window.
+        long_chunks: list = []
+        short_chunks: list = []
+        long = pool.submit(consume, 1900, long_chunks)
+        wait_until(lambda: long_chunks, timeout=30, what="the long stream streaming")
+        short = pool.submit(consume, 60, short_chunks)
+        wait_until(lambda: len(short_chunks) >= 20, timeout=30, interval=0.005, what="the short stream a third done")
+        assert not short.done() and not long.done(), "both streams running when SIGTERM is sent"
         w.signal(signal.SIGTERM)
         wait_until(lambda: httpx.get(f"{w.url}/ready").status_code == 503, timeout=5, what="/ready 503 while draining")
         assert httpx.get(f"{w.url}/health").status_code == 200
