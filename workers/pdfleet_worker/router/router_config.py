@@ -5,7 +5,9 @@ import argparse
 import dataclasses
 from urllib.parse import urlsplit
 
-DEFAULT_TIER = "default"
+from pdfleet_worker.router import workers_file as wf
+from pdfleet_worker.router.tiers import DEFAULT_TIER, split_tier
+
 DISCOVERY = ("auto", "static", "dns", "endpointslices")
 
 
@@ -101,22 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def split_tier(value: str) -> tuple[str, str]:
-    """'latency=http://x:8000' -> ('latency', 'http://x:8000'); a bare URL -> (DEFAULT_TIER, url)."""
-    head, sep, rest = value.partition("=")
-    if sep and "://" not in head:
-        if not head:
-            raise ValueError(f"{value!r}: empty tier name")
-        return head, rest
-    return DEFAULT_TIER, value
-
-
 def from_args(args: argparse.Namespace) -> RouterConfig:
     listed = {role: getattr(args, role) for role in ("prefill", "decode", "workers")}
     workers_file = getattr(args, "workers_file", None)
     if workers_file:
-        from pdfleet_worker.router import workers_file as wf
-
         if any(listed.values()):
             raise ValueError("--workers-file replaces --prefill/--decode/--workers: give one or the other")
         listed = {role: wf.read(workers_file).get(role, []) for role in listed}

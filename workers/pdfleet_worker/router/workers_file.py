@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pdfleet_worker.router.discovery import Source, make_source
-from pdfleet_worker.router.router_config import split_tier
+from pdfleet_worker.router.tiers import split_tier
 
 # File key -> the role the router gives its workers (the keys are the router's flags).
 ROLE_OF_KEY = {"prefill": "prefill", "decode": "decode", "workers": "both"}
