@@ -1,4 +1,4 @@
-"""Worker discovery: a URL as given, every address DNS has for its host (a headless Service), or a Service's ready EndpointSlice endpoints; the upstream set refreshes them."""
+"""Worker discovery: a URL as given, every address DNS has for its host (a headless Service), or a Service's ready EndpointSlice endpoints, each source of one engine; the upstream set refreshes them."""
 from __future__ import annotations
 
 import abc
@@ -7,6 +7,8 @@ import os
 import socket
 from typing import Any
 from urllib.parse import urlsplit
+
+from pdfleet_worker.router import engines
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -32,10 +34,12 @@ def is_ip(host: str) -> bool:
 
 
 class Source(abc.ABC):
-    """Where the workers behind one configured URL are; resolve() blocks (run it in a thread)."""
+    """Where the workers behind one configured URL are, and which engine they run; resolve() blocks (run it
+    in a thread)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, engine: str = engines.PDFLEET):
         self.url = url
+        self.engine = engine
 
     @abc.abstractmethod
     def resolve(self) -> set[str]:
@@ -79,8 +83,8 @@ def endpoints_from_slices(slices: list[dict[str, Any]], port: int, scheme: str =
 class EndpointSlices(Source):
     """The Service's EndpointSlices through the Kubernetes API (in-cluster config, else kubeconfig)."""
 
-    def __init__(self, url: str, namespace: str | None = None):
-        super().__init__(url)
+    def __init__(self, url: str, namespace: str | None = None, engine: str = engines.PDFLEET):
+        super().__init__(url, engine)
         try:
             import kubernetes
         except ImportError:
@@ -118,12 +122,10 @@ def _own_namespace() -> str:
         return "default"
 
 
-def make_source(url: str, mode: str, namespace: str | None = None) -> Source:
-    if mode == "static":
-        return Static(url)
+def make_source(url: str, mode: str, namespace: str | None = None, engine: str = engines.PDFLEET) -> Source:
     if mode == "endpointslices":
-        return EndpointSlices(url, namespace)
-    if mode == "dns":
-        return Dns(url)
-    _, host, _ = _split(url)
-    return Static(url) if is_ip(host) else Dns(url)
+        return EndpointSlices(url, namespace, engine)
+    if mode == "auto":
+        _, host, _ = _split(url)
+        mode = "static" if is_ip(host) else "dns"
+    return Static(url, engine) if mode == "static" else Dns(url, engine)

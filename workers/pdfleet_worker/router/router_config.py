@@ -1,10 +1,11 @@
-"""RouterConfig: `pdfleet router` flags (pools per SLA tier, discovery, retries, aliases); the CLI and tests build it. No torch."""
+"""RouterConfig: `pdfleet router` flags (pools per SLA tier and engine, discovery, retries, aliases); the CLI and tests build it. No torch."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from urllib.parse import urlsplit
 
+from pdfleet_worker.router import engines
 from pdfleet_worker.router import workers_file as wf
 from pdfleet_worker.router.tiers import DEFAULT_TIER, split_tier
 
@@ -19,6 +20,10 @@ class TierConfig:
     prefill: list[str] = dataclasses.field(default_factory=list)
     decode: list[str] = dataclasses.field(default_factory=list)
     workers: list[str] = dataclasses.field(default_factory=list)
+    engines: dict[str, str] = dataclasses.field(default_factory=dict)  # URL -> engine; absent: pdfleet
+
+    def engine_of(self, url: str) -> str:
+        return self.engines.get(url, engines.PDFLEET)
 
     @property
     def disaggregated(self) -> bool:
@@ -37,6 +42,7 @@ class RouterConfig:
     port: int = 8000
     discovery: str = "auto"
     workers_file: str | None = None  # re-read every discovery round (pdfleet up rewrites it)
+    engine: str = engines.PDFLEET    # the engine of worker entries that name none (`ENGINE@URL`)
     namespace: str | None = None
     discovery_interval_s: float = 5.0
     health_interval_s: float = 1.0
@@ -61,11 +67,16 @@ class RouterConfig:
                 parts = urlsplit(url)
                 if parts.scheme not in ("http", "https") or not parts.hostname:
                     raise ValueError(f"tier {tier.name!r}: {url!r} is not an http(s) URL")
+            for url, engine in tier.engines.items():
+                engines.check(engine)
+                if engine != engines.PDFLEET and url in tier.prefill + tier.decode:
+                    raise ValueError(engines.pd_error(tier.name, engine, url))
         if self.default_tier not in self.tiers:
             raise ValueError(f"default tier {self.default_tier!r} has no workers; tiers: {sorted(self.tiers)}")
         for alias, tier in self.aliases.items():
             if tier not in self.tiers:
                 raise ValueError(f"model alias {alias!r} names tier {tier!r}, which has no workers; tiers: {sorted(self.tiers)}")
+        engines.check(self.engine)
         if self.discovery not in DISCOVERY:
             raise ValueError(f"discovery must be one of {DISCOVERY}, got {self.discovery!r}")
         if self.max_retries < 0:
@@ -76,7 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="+", default=[], metavar="[TIER=]URL",
                    help="prefill worker URLs (a hostname is resolved to every address it has: a headless Service)")
     p.add_argument("--decode", nargs="+", default=[], metavar="[TIER=]URL", help="decode worker URLs")
-    p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=]URL", help="colocated (role both) worker URLs")
+    p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=][ENGINE@]URL",
+                   help="colocated (role both) worker URLs; ENGINE (default --engine) is pdfleet or vllm, e.g. "
+                        "fast=vllm@http://vllm:8000")
+    p.add_argument("--engine", choices=engines.ENGINES, default=engines.PDFLEET,
+                   help="engine of the workers whose entry names none: pdfleet (probed at /load) or vllm (vLLM and "
+                        "its vendor builds: /health, /v1/models and /metrics)")
     p.add_argument("--workers-file", metavar="FILE",
                    help='instead of the three flags above: a JSON file {"prefill": [...], "decode": [...], "workers": '
                         '[...]} (entries as the flags take them), re-read every discovery interval; the roles present '
@@ -113,9 +129,13 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     tiers: dict[str, TierConfig] = {}
     for role, values in listed.items():
         for value in values:
-            name, url = split_tier(value)
+            name, rest = split_tier(value)
+            engine, url = engines.split_engine(rest, args.engine)
+            url = url.rstrip("/")
             tier = tiers.setdefault(name, TierConfig(name))
-            getattr(tier, role).append(url.rstrip("/"))
+            if tier.engines.setdefault(url, engine) != engine:
+                raise ValueError(f"tier {name!r}: {url} is listed as both {tier.engines[url]} and {engine}")
+            getattr(tier, role).append(url)
     aliases = {}
     for value in args.model_alias:
         alias, sep, tier = value.partition("=")
@@ -124,8 +144,9 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         aliases[alias] = tier
     default = args.default_tier or (DEFAULT_TIER if DEFAULT_TIER in tiers else next(iter(tiers), DEFAULT_TIER))
     return RouterConfig(tiers=tiers, default_tier=default, host=args.host, port=args.port, discovery=args.discovery,
-                        workers_file=workers_file, namespace=args.namespace, discovery_interval_s=args.discovery_interval,
-                        health_interval_s=args.health_interval, max_retries=args.max_retries,
-                        connect_timeout_s=args.connect_timeout, upstream_timeout_s=args.upstream_timeout,
+                        workers_file=workers_file, engine=args.engine, namespace=args.namespace,
+                        discovery_interval_s=args.discovery_interval, health_interval_s=args.health_interval,
+                        max_retries=args.max_retries, connect_timeout_s=args.connect_timeout,
+                        upstream_timeout_s=args.upstream_timeout,
                         tier_header=args.tier_header.lower(), aliases=aliases, max_request_bytes=args.max_request_bytes,
                         retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout)

@@ -1,4 +1,4 @@
-"""The workers the router knows: discovered per tier and role, probed for health and load, taken out of rotation on failure; the proxy asks it for candidates."""
+"""The workers the router knows: discovered per tier and role, probed for health and load as their engine answers them, taken out of rotation on failure; the proxy asks it for candidates."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from pdfleet_worker.router import picker
+from pdfleet_worker.router import engines, picker
 from pdfleet_worker.router.discovery import Source, make_source
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.workers_file import WorkersFile
@@ -22,6 +22,7 @@ class Upstream:
     url: str
     tier: str
     role: str                  # prefill | decode | both
+    engine: str = engines.PDFLEET
     healthy: bool = False      # in rotation; a worker enters after its first good probe
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
     inflight: int = 0
@@ -35,7 +36,7 @@ class Upstream:
                                 prompt_tokens_waiting=int(ld.get("prompt_tokens_waiting", 0)), inflight=self.inflight)
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "tier": self.tier, "role": self.role, "healthy": self.healthy,
+        return {"url": self.url, "tier": self.tier, "role": self.role, "engine": self.engine, "healthy": self.healthy,
                 "inflight": self.inflight, "last_error": self.last_error, "load": self.load}
 
 
@@ -44,12 +45,14 @@ class Upstreams:
         self.cfg = cfg
         self.client = client
         self.sources: list[tuple[str, str, Source]] = [
-            (tier.name, role, make_source(url, cfg.discovery, cfg.namespace))
+            (tier.name, role, make_source(url, cfg.discovery, cfg.namespace, tier.engine_of(url)))
             for tier in cfg.tiers.values() for role, urls in tier.pools().items() for url in urls]
         if cfg.workers_file:
-            # One source per pool: the file's current list for it (the URLs above were its first read).
-            self.sources = [(tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery))
-                            for tier in cfg.tiers.values() for role in tier.pools()]
+            # One source per pool and engine: the file's current list for it (the URLs above were its first read).
+            self.sources = [(tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery, engine,
+                                                          cfg.engine))
+                            for tier in cfg.tiers.values() for role in tier.pools()
+                            for engine in (engines.ENGINES if role == "both" else (engines.PDFLEET,))]
         self._resolved: dict[int, set[str]] = {}
         self.all: dict[tuple[str, str, str], Upstream] = {}
         self._tasks: list[asyncio.Task] = []
@@ -78,18 +81,20 @@ class Upstreams:
     async def refresh(self) -> None:
         results = await asyncio.gather(*(asyncio.to_thread(src.resolve) for _, _, src in self.sources),
                                        return_exceptions=True)
-        wanted: set[tuple[str, str, str]] = set()
+        wanted: dict[tuple[str, str, str], str] = {}  # (tier, role, url) -> engine
         for i, ((tier, role, src), res) in enumerate(zip(self.sources, results)):
             if isinstance(res, BaseException):
                 # Keep the last known set: a DNS hiccup must not empty the pool.
                 log.warning("discovery of %s failed: %s", src.url, res)
                 res = self._resolved.get(i, set())
             self._resolved[i] = res
-            wanted |= {(tier, role, url) for url in res}
-        for key in wanted - set(self.all):
-            self.all[key] = Upstream(key[2], key[0], key[1])
-            log.info("discovered %s worker %s (tier %s)", key[1], key[2], key[0])
-        for key in set(self.all) - wanted:
+            wanted.update({(tier, role, url): src.engine for url in res})
+        for key, engine in wanted.items():
+            if key in self.all and self.all[key].engine == engine:
+                continue
+            self.all[key] = Upstream(key[2], key[0], key[1], engine)
+            log.info("discovered %s worker %s@%s (tier %s)", key[1], engine, key[2], key[0])
+        for key in set(self.all) - set(wanted):
             log.info("%s worker %s (tier %s) is gone from discovery", key[1], key[2], key[0])
             del self.all[key]
 
@@ -99,19 +104,13 @@ class Upstreams:
 
     async def probe(self, up: Upstream) -> None:
         timeout = max(0.5, min(2.0, 2 * self.cfg.health_interval_s))
-        try:
-            resp = await self.client.get(f"{up.url}/load", timeout=timeout)
-            body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-            ok = resp.status_code == 200 and body.get("ready") is True
-            error = None if ok else f"not ready ({resp.status_code}: {body.get('error') or 'loading or draining'})"
-        except (httpx.HTTPError, ValueError) as e:
-            ok, body, error = False, {}, f"{type(e).__name__}: {e}"
-        if ok != up.healthy:
-            log.info("%s worker %s is %s%s", up.role, up.url, "healthy" if ok else "out of rotation",
-                     "" if ok else f": {error}")
-        up.healthy, up.last_error, up.checked_at = ok, error, time.monotonic()
-        if body:
-            up.load = body
+        result = await engines.probe(self.client, up.engine, up.url, timeout)
+        if result.ok != up.healthy:
+            log.info("%s worker %s@%s is %s", up.role, up.engine, up.url,
+                     "healthy" if result.ok else f"out of rotation: {result.error}")
+        up.healthy, up.last_error, up.checked_at = result.ok, result.error, time.monotonic()
+        if result.load:
+            up.load = result.load
 
     def mark_down(self, up: Upstream, error: str) -> None:
         """Out of rotation until a probe finds it healthy again."""
@@ -135,12 +134,17 @@ class Upstreams:
         return None
 
     def models(self) -> dict[str, str]:
-        """Served model name -> tier, from healthy workers (the first tier listed wins a tie)."""
+        """Served model name -> tier, from healthy workers (the first tier listed wins a tie); a vLLM worker
+        may serve several names (its /v1/models list)."""
         out: dict[str, str] = {}
         for tier in self.cfg.tiers:
             model = self.served_model(tier)
             if model is not None:
                 out.setdefault(model, tier)
+            for up in self.all.values():
+                if up.tier == tier and up.healthy:
+                    for name in up.load.get("models") or ():
+                        out.setdefault(name, tier)
         return out
 
     def servable(self, tier: str) -> bool:

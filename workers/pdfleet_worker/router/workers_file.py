@@ -7,17 +7,24 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pdfleet_worker.router import engines
 from pdfleet_worker.router.discovery import Source, make_source
-from pdfleet_worker.router.tiers import split_tier
+from pdfleet_worker.router.tiers import DEFAULT_TIER, split_tier
 
 # File key -> the role the router gives its workers (the keys are the router's flags).
 ROLE_OF_KEY = {"prefill": "prefill", "decode": "decode", "workers": "both"}
 KEY_OF_ROLE = {role: key for key, role in ROLE_OF_KEY.items()}
 
 
+def entry(url: str, tier: str = DEFAULT_TIER, engine: str = engines.PDFLEET) -> str:
+    """The `[TIER=][ENGINE@]URL` string for one worker, as the flags and the file take it."""
+    engines.check(engine)
+    return (f"{tier}=" if tier != DEFAULT_TIER else "") + (f"{engine}@" if engine != engines.PDFLEET else "") + url
+
+
 def read(path: str | os.PathLike) -> dict[str, list[str]]:
-    """{"prefill": [...], "decode": [...], "workers": [...]} as in the file (entries `[TIER=]URL`, like the
-    flags); ValueError naming the file and what is wrong with it."""
+    """{"prefill": [...], "decode": [...], "workers": [...]} as in the file (entries `[TIER=][ENGINE@]URL`, like
+    the flags); ValueError naming the file and what is wrong with it."""
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -35,6 +42,11 @@ def read(path: str | os.PathLike) -> dict[str, list[str]]:
     for key, values in raw.items():
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise ValueError(f"workers file {path}: {key} must be a list of URLs")
+        for value in values:
+            try:
+                engines.split_engine(split_tier(value)[1])
+            except ValueError as e:
+                raise ValueError(f"workers file {path}: {key}: {e}") from None
     return {key: list(values) for key, values in raw.items()}
 
 
@@ -55,14 +67,18 @@ def write(path: str | os.PathLike, entries: Mapping[str, Sequence[str]]) -> None
 
 
 class WorkersFile(Source):
-    """The workers one (tier, role) has in the file now; each URL resolved as `--discovery` says.
+    """The workers of one engine that one (tier, role) has in the file now; each URL resolved as
+    `--discovery` says. Entries that name no engine have `default_engine` (the router's --engine).
 
-    A file that cannot be read raises OSError, so the router keeps the last set it knew.
+    A file that cannot be read raises OSError, so the router keeps the last set it knew; so does a
+    file that puts a non-pdfleet worker in a prefill or decode pool.
     """
 
-    def __init__(self, path: str, tier: str, role: str, mode: str = "auto"):
-        super().__init__(f"file:{path}#{KEY_OF_ROLE[role]}")
+    def __init__(self, path: str, tier: str, role: str, mode: str = "auto", engine: str = engines.PDFLEET,
+                 default_engine: str = engines.PDFLEET):
+        super().__init__(f"file:{path}#{KEY_OF_ROLE[role]}", engines.check(engine))
         self.path, self.tier, self.key = path, tier, KEY_OF_ROLE[role]
+        self.default_engine = engines.check(default_engine)
         # NOTE: EndpointSlices name Services, not workers; the file's URLs are resolved as DNS would.
         self.mode = mode if mode in ("static", "dns") else "auto"
 
@@ -73,7 +89,12 @@ class WorkersFile(Source):
             raise OSError(str(e)) from None
         out: set[str] = set()
         for value in entries.get(self.key, []):
-            tier, url = split_tier(value)
-            if tier == self.tier:
+            tier, rest = split_tier(value)
+            engine, url = engines.split_engine(rest, self.default_engine)
+            if tier != self.tier:
+                continue
+            if engine != engines.PDFLEET and self.key != KEY_OF_ROLE["both"]:
+                raise OSError(f"workers file {self.path}: {self.key}: {engines.pd_error(tier, engine, url)}")
+            if engine == self.engine:
                 out |= make_source(url.rstrip("/"), self.mode).resolve()
         return out
