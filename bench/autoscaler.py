@@ -65,10 +65,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from pdfleet_operator import autoscaler  # noqa: E402
-from pdfleet_operator.autoscaler import PDFLEET, PER_ROLE, Policy  # noqa: E402
+from pdfleet_operator.decide import autoscaler  # noqa: E402
+from pdfleet_operator.decide.autoscaler import PDFLEET, PER_ROLE, Policy  # noqa: E402
 from pdfleet_operator.api import InferenceDeploymentSpec  # noqa: E402
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics  # noqa: E402
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics  # noqa: E402
 
 PREFILL_TOKENS_PER_S = 4000.0   # per prefill replica
 DECODE_TOKENS_PER_S = 20.0      # per running sequence (50 ms inter-token latency)

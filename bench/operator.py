@@ -82,7 +82,7 @@ class Bench:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
         log = open(self.workdir / "operator.log", "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfleet_operator.operator_cli", "operator", "--metrics-port", str(self.metrics_port),
+            [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", str(self.metrics_port),
              "--liveness-port", "0", "--resync-interval", str(resync), *(["-v"] if self.verbose else [])],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         atexit.register(_kill, self.proc)  # a timeout (SystemExit) must not leave an operator behind

@@ -1,4 +1,4 @@
-"""pdfleet_operator.admission: kube-apiserver's CR admission (structural schema + CEL), offline.
+"""pdfleet_operator.api.admission: kube-apiserver's CR admission (structural schema + CEL), offline.
 
 Small hand-written CRDs pin each rule and the Kubernetes wording of its message; the project's
 generated CRDs (crds/*.yaml) must accept every example in examples/.
@@ -12,8 +12,8 @@ import pathlib
 import pytest
 import yaml
 
-from pdfleet_operator import admission
-from pdfleet_operator.admission import FieldError
+from pdfleet_operator.api import admission
+from pdfleet_operator.api.admission import FieldError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -258,6 +258,6 @@ def test_admission_does_not_import_kopf_kubernetes_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, pdfleet_operator.admission as a; a.validate({}, {}); "
+    code = ("import sys, pdfleet_operator.api.admission as a; a.validate({}, {}); "
             "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0

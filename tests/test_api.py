@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdfleet_operator import admission, api, crds, validate
+from pdfleet_operator.api import admission
+from pdfleet_operator import api, validate
+from pdfleet_operator.api import schema as crd_schema
+from pdfleet_operator.gen import crds
 from pdfleet_operator.api.meta import parse_duration, parse_quantity
 from tests import invalid_resources
 from tests.invalid_resources import CASES
@@ -102,7 +105,7 @@ def _walk(node, path="schema"):
 
 @pytest.mark.parametrize("kind", list(api.KINDS))
 def test_crd_schema_is_structural(kind):
-    crd = crds.build_crd(kind)
+    crd = crd_schema.build_crd(kind)
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(schema):
         if not isinstance(node, dict):
@@ -122,14 +125,14 @@ def test_crd_schema_is_structural(kind):
 
 
 def test_crd_printer_columns_and_names():
-    infdep = crds.build_crd("InferenceDeployment")
+    infdep = crd_schema.build_crd("InferenceDeployment")
     version = infdep["spec"]["versions"][0]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:6] == ["Model", "Prefill", "Decode", "P:D", "$/h", "Ready"] and columns[-1] == "Age"
     assert version["subresources"] == {"status": {}}
     assert infdep["spec"]["names"]["shortNames"] == ["infdep"]
     assert infdep["spec"]["names"]["categories"] == ["pdfleet"]
-    acc = crds.build_crd("AcceleratorClass")
+    acc = crd_schema.build_crd("AcceleratorClass")
     assert acc["spec"]["scope"] == "Cluster"
     assert [c["name"] for c in acc["spec"]["versions"][0]["additionalPrinterColumns"] if "priority" not in c] == \
         ["Vendor", "Resource", "$/h", "Age"]
@@ -137,15 +140,15 @@ def test_crd_printer_columns_and_names():
 
 def test_crd_rules_match_the_models():
     """The CEL text in the CRD is the text the models evaluate: one rule, not two copies."""
-    schema = crds.build_crd("InferenceDeployment")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    role_rules = schema["properties"]["spec"]["properties"]["decode"]["x-kubernetes-validations"]
+    root = crd_schema.build_crd("InferenceDeployment")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    role_rules = root["properties"]["spec"]["properties"]["decode"]["x-kubernetes-validations"]
     assert [r["rule"] for r in role_rules] == [r.rule for r in api.RoleSpec.cel_rules]
 
 
 def test_crds_are_valid_kubernetes_objects():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for kind in api.KINDS:
-        kubernetes_validate.validate(crds.build_crd(kind), "1.30.0", strict=True)
+        kubernetes_validate.validate(crd_schema.build_crd(kind), "1.30.0", strict=True)
 
 
 def test_committed_crds_are_fresh():
@@ -214,7 +217,7 @@ def test_invalid_resource_rejected_by_validate(case):
     # Both layers must reject on their own: the CRD's admission rules and the operator's models.
     kind = obj["kind"]
     assert any(invalid_resources.matches(case, e.field, e.message)
-               for e in admission.validate(crds.build_crd(kind), obj)), "admission (schema + CEL) accepted it"
+               for e in admission.validate(crd_schema.build_crd(kind), obj)), "admission (schema + CEL) accepted it"
     assert any(invalid_resources.matches(case, f, m)
                for f, m in validate.pydantic_problems(api.KINDS[kind], obj)), "the pydantic model accepted it"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from pdfleet_operator import alerts
+from pdfleet_operator.gen import alerts
 from tests.support.components import binary
 
 ROOT = Path(__file__).resolve().parent.parent

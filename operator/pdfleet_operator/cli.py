@@ -13,31 +13,32 @@ import importlib
 import sys
 from pathlib import Path
 
-from pdfleet_operator import __version__, generated
+from pdfleet_operator import __version__
+from pdfleet_operator.gen import generated
 
 # command -> (module whose register(subparsers) adds it, the extra that installs its dependencies, help)
 PLUGINS: dict[str, tuple[str, str, str]] = {
-    "operator": ("pdfleet_operator.operator_cli", "operator", "run the operator (kopf) against a cluster"),
+    "operator": ("pdfleet_operator.kube.operator_cli", "operator", "run the operator (kopf) against a cluster"),
     "simulate": ("pdfleet_operator.sim.cli", "sim", "plan a fleet against a simulated cluster and a request trace"),
     "model": ("pdfleet_worker.cli", "worker", "create and inspect model directories"),
     "worker": ("pdfleet_worker.cli", "worker", "serve a model: OpenAI API, /health, /ready, /metrics"),
     "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
     "up": ("pdfleet_operator.local.cli", "operator", "run an InferenceDeployment on this machine: router + workers + autoscaler"),
     "load": ("pdfleet_operator.local.cli", "operator", "open-loop load on an OpenAI endpoint: TTFT/ITL and tokens/s"),
-    "chart": ("pdfleet_operator.chart", "dev", "regenerate the Helm chart's generated files"),
-    "dashboards": ("pdfleet_operator.dashboards", "dev", "regenerate the Grafana dashboards"),
+    "chart": ("pdfleet_operator.gen.chart", "dev", "regenerate the Helm chart's generated files"),
+    "dashboards": ("pdfleet_operator.gen.dashboards", "dev", "regenerate the Grafana dashboards"),
 }
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
-    from pdfleet_operator import crds
+    from pdfleet_operator.gen import crds
 
     out = Path(args.out)
     return generated.regenerate("crds", args.check, lambda: crds.stale_files(out), lambda: crds.write_all(out))
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:
-    from pdfleet_operator import alerts
+    from pdfleet_operator.gen import alerts
 
     out = Path(args.out)
     text = alerts.render_rule_file()

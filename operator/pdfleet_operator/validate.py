@@ -7,80 +7,13 @@ parses). Errors are reported per object and field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import pydantic
 import yaml
 
-from pdfleet_operator import admission, api, crds
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with one object."""
-
-    source: str   # file name (and document index when a file has several)
-    obj: str      # Kind/name
-    field: str    # Kubernetes field path, e.g. spec.decode.maxReplicas
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.field}: " if self.field else ""
-        return f"{self.source}: {self.obj}: {where}{self.message}"
-
-
-def _loc_to_path(loc: Iterable[Any]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path
-
-
-def pydantic_problems(model: type[pydantic.BaseModel], doc: dict[str, Any]) -> list[tuple[str, str]]:
-    """(field, message) for every pydantic error of doc against model."""
-    try:
-        model.model_validate(doc)
-    except pydantic.ValidationError as exc:
-        out = []
-        for err in exc.errors():
-            field = _loc_to_path(err["loc"])
-            ctx = err.get("ctx") or {}
-            if err["type"] == "rule" and ctx.get("field_path"):
-                field = f"{field}{ctx['field_path']}" if field else ctx["field_path"].lstrip(".")
-            if err["type"] == "extra_forbidden":
-                out.append((field, "unknown field (not declared in the schema)"))
-            else:
-                out.append((field, err["msg"]))
-        return out
-    return []
-
-
-def validate_object(doc: Any, source: str, crd_by_kind: dict[str, dict[str, Any]] | None = None) -> list[Problem]:
-    """Every problem of one parsed YAML document, as admission and the operator would see them."""
-    crd_by_kind = crd_by_kind or crds.load_crds()
-    if not isinstance(doc, dict):
-        return [Problem(source, "?", "", f"expected a Kubernetes object (a mapping), got {type(doc).__name__}")]
-    kind = doc.get("kind")
-    name = (doc.get("metadata") or {}).get("name") or "<no name>"
-    label = f"{kind}/{name}"
-    if kind not in api.KINDS:
-        return [Problem(source, label, "kind", f"not a pdfleet kind (expected one of {', '.join(api.KINDS)})")]
-    if doc.get("apiVersion") != api.API_VERSION:
-        return [Problem(source, label, "apiVersion", f"unsupported apiVersion {doc.get('apiVersion')!r}, expected {api.API_VERSION!r}")]
-    if not (doc.get("metadata") or {}).get("name"):
-        return [Problem(source, label, "metadata.name", "Required value: every object needs a name")]
-
-    problems: dict[str, Problem] = {}
-    for err in admission.validate(crd_by_kind[kind], doc):
-        problems.setdefault(err.field, Problem(source, label, err.field, err.message))
-    for field, message in pydantic_problems(api.KINDS[kind], doc):
-        problems.setdefault(field, Problem(source, label, field, message))
-    return list(problems.values())
+from pdfleet_operator.api import schema
+from pdfleet_operator.api.validation import Problem, pydantic_problems, validate_object  # noqa: F401 (the command's API)
 
 
 def load_documents(path: Path) -> list[tuple[str, Any]]:
@@ -96,7 +29,7 @@ def load_documents(path: Path) -> list[tuple[str, Any]]:
 
 def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
     """Validate files (directories: their *.yaml / *.yml); returns (objects checked, problems)."""
-    crd_by_kind = crds.load_crds()
+    crd_by_kind = schema.load_crds()
     checked, problems = 0, []
     for path in _expand(paths):
         try:
@@ -107,7 +40,8 @@ def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
         for source, doc in documents:
             checked += 1
             if isinstance(doc, dict) and doc.get("kind") == "SimulatedFleet":
-                # A `pdfleet simulate` input, not a cluster object: checked by the simulator's own parser.
+                # A `pdfleet simulate` input, not a cluster object: checked by the simulator's own parser
+                # (imported here: it needs numpy, which the core install that runs `pdfleet validate` lacks).
                 from pdfleet_operator.sim import fleet
 
                 name = (doc.get("metadata") or {}).get("name", "<no name>")

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from pdfleet_operator import metric_names as names
+from pdfleet_operator.decide import metric_names as names
 from tests.support.components import free_port
 
 

@@ -6,9 +6,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet_operator import autoscaler
+from pdfleet_operator.decide import autoscaler
 from pdfleet_operator.api import InferenceDeploymentSpec
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics
 
 # A script answers, at simulated time t and the replicas running then, each role's queues as
 # {"waiting": .., "running": .., "prompt_tokens_waiting": ..}, or a MetricsSnapshot to hand over as is

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import autoscaler as bench
-from pdfleet_operator.autoscaler import PDFLEET, PER_ROLE
+from pdfleet_operator.decide.autoscaler import PDFLEET, PER_ROLE
 
 
 def test_bursty_trace_pdfleet_underprovisions_less_at_no_more_replica_hours():

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdfleet_operator import autoscaler
-from pdfleet_operator.autoscaler import ScalerState, decide
-from pdfleet_operator.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide import autoscaler
+from pdfleet_operator.decide.autoscaler import ScalerState, decide
+from pdfleet_operator.decide.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
 from tests.autoscaler.sim import spec
 
 T0 = 1_000_000.0

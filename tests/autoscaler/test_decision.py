@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdfleet_operator import autoscaler
-from pdfleet_operator.autoscaler import ScalerState, decide
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide import autoscaler, token_rate
+from pdfleet_operator.decide.autoscaler import ScalerState, decide
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics
 from tests.autoscaler.sim import direction_changes, first, simulate, snapshot, spec
 
 T0 = 1_000_000.0
@@ -393,7 +393,7 @@ def test_throughput_is_learned_only_from_a_saturated_rate_window():
     assert state.throughput["prefill"] == pytest.approx(4000.0)
     # a saturated window whose replicas changed divides by the replicas that served it (time-weighted)
     samples = ((0.0, 2, True), (30.0, 4, True), (60.0, 4, True))
-    assert autoscaler.served_by(samples, 0.0, 60.0) == pytest.approx(3.0)
+    assert token_rate.served_by(samples, 0.0, 60.0) == pytest.approx(3.0)
     # a minute with nothing waiting says nothing: 2 replicas serving 2000 tokens/s are not at 1000 each
     fresh = ScalerState.initial(s, {"prefill": 2, "decode": 2})
     for k in range(6):
@@ -450,9 +450,9 @@ def test_token_rate_counts_the_queue_growth_as_arrivals():
     assert (p.desired, p.direction, p.reason) == (4, "up", autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
     assert "10000 tokens/s arriving" in p.message
     assert new.last_queue["prefill"] == (T0, 30000.0)
-    assert autoscaler.rate_need(10000.0, 30000.0, 4000.0, 0.7) == pytest.approx(10000 / 2800 + 0.125)
+    assert token_rate.rate_need(10000.0, 30000.0, 4000.0, 0.7) == pytest.approx(10000 / 2800 + 0.125)
     with pytest.raises(ValueError, match="utilization"):
-        autoscaler.rate_need(1.0, None, 4000.0, 0.0)
+        token_rate.rate_need(1.0, None, 4000.0, 0.0)
 
 
 def test_decode_grows_for_what_prefill_arrivals_will_generate():
@@ -533,13 +533,13 @@ def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
 
 def test_arrival_trend_needs_two_rises_that_add_up_to_a_surge():
     rising = ((T0 - 30, 6000.0), (T0 - 15, 7000.0), (T0, 8000.0))
-    assert autoscaler.arrival_trend(rising, T0, 15.0) == pytest.approx(2000.0 / 30)
-    assert autoscaler.arrival_trend(((T0 - 60, 1.0),) + rising, T0, 15.0) == pytest.approx(2000.0 / 30)  # last two only
-    assert autoscaler.arrival_trend(rising[1:], T0, 15.0) == 0.0                      # one interval says nothing
-    assert autoscaler.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 8500.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a dip
-    assert autoscaler.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 6600.0), (T0, 7400.0)), T0, 15.0) == 0.0  # +23%
-    assert autoscaler.arrival_trend(((T0 - 45, 6000.0), (T0 - 30, 7000.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a gap
-    assert autoscaler.arrival_trend(((T0 - 30, 0.0), (T0 - 15, 500.0), (T0, 900.0)), T0, 15.0) == 0.0  # from nothing
+    assert token_rate.arrival_trend(rising, T0, 15.0) == pytest.approx(2000.0 / 30)
+    assert token_rate.arrival_trend(((T0 - 60, 1.0),) + rising, T0, 15.0) == pytest.approx(2000.0 / 30)  # last two only
+    assert token_rate.arrival_trend(rising[1:], T0, 15.0) == 0.0                      # one interval says nothing
+    assert token_rate.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 8500.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a dip
+    assert token_rate.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 6600.0), (T0, 7400.0)), T0, 15.0) == 0.0  # +23%
+    assert token_rate.arrival_trend(((T0 - 45, 6000.0), (T0 - 30, 7000.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a gap
+    assert token_rate.arrival_trend(((T0 - 30, 0.0), (T0 - 15, 500.0), (T0, 900.0)), T0, 15.0) == 0.0  # from nothing
 
 
 def test_surge_growth_trusts_a_rise_only_with_the_same_replicas_over_its_windows():

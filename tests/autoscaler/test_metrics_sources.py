@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 
-from pdfleet_operator import autoscaler, metric_names as names
-from pdfleet_operator.metrics import PrometheusSource, ScrapeSource
-from pdfleet_operator.operator_metrics import OperatorMetrics, serve
+from pdfleet_operator.decide import autoscaler, metric_names as names
+from pdfleet_operator.prometheus import PrometheusSource, ScrapeSource
+from pdfleet_operator.kube.operator_metrics import OperatorMetrics, serve
 from tests.autoscaler.exporters import WorkerExporter, scrape_config
 from tests.autoscaler.sim import spec
 from tests.support.components import free_port
@@ -206,7 +206,7 @@ def test_scrape_source_with_a_replica_down_is_unavailable(fleet):
 
 
 def test_prometheus_for_reuses_one_source_per_url_and_rejects_unknown_profiles():
-    from pdfleet_operator.metrics import prometheus_for
+    from pdfleet_operator.prometheus import prometheus_for
     assert prometheus_for("http://prom:9090/") is prometheus_for("http://prom:9090")
     assert prometheus_for("http://prom:9090", "vllm").profile.name == "vllm"
     with pytest.raises(ValueError, match="unknown metrics profile"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdfleet_operator import autoscaler, metric_names as names
-from pdfleet_operator.operator_metrics import OperatorMetrics
+from pdfleet_operator.decide import autoscaler, metric_names as names
+from pdfleet_operator.kube.operator_metrics import OperatorMetrics
 
 
 def _decision(role, current, desired, reason):

@@ -1,7 +1,7 @@
 """The chart under test: rendering with Helm's own engine, the value sets the tests use, and validation of every object.
 
 Built-in kinds go through `kubernetes-validate` (strict, Kubernetes 1.30 and 1.37); pdfleet.io objects through
-`pdfleet_operator.admission.validate` against the generated CRDs (schema and CEL, as the API server
+`pdfleet_operator.api.admission.validate` against the generated CRDs (schema and CEL, as the API server
 would); monitoring.coreos.com objects through the small schemas in this file, written by hand from
 the prometheus-operator API reference (monitoring.coreos.com/v1: ServiceMonitorSpec, PodMonitorSpec,
 Endpoint, PodMetricsEndpoint, RelabelConfig, PrometheusRuleSpec, RuleGroup, Rule) for the fields a
@@ -19,7 +19,8 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from pdfleet_operator import admission, crds
+from pdfleet_operator.api import admission
+from pdfleet_operator.api import schema
 from tests.operator.cluster import standard_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +201,7 @@ def monitoring_crds() -> list[dict[str, Any]]:
 
 # --- validation ----------------------------------------------------------------------------------------------
 
-_PDFLEET_CRDS = crds.load_crds(ROOT / "crds")
+_PDFLEET_CRDS = schema.load_crds(ROOT / "crds")
 
 
 def validate(obj: dict[str, Any]) -> list[str]:

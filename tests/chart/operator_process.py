@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import kmock
 
-from pdfleet_operator import render
+from pdfleet_operator.kube import render
 from tests.operator import harness
 from tests.operator.cluster import example_deployments
 from tests.support.components import free_port

@@ -10,8 +10,10 @@ import helm_python
 import pytest
 import yaml
 
-from pdfleet_operator import __version__, alerts, chart, crds, dashboards, render
-from pdfleet_operator import metric_names as names
+from pdfleet_operator import __version__
+from pdfleet_operator.gen import alerts, chart, crds, dashboards
+from pdfleet_operator.kube import render
+from pdfleet_operator.decide import metric_names as names
 from tests.chart import helm
 
 
@@ -136,7 +138,7 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         else:
             assert "--alertmanager-port=0" in container["args"] and "--no-autoscaler" in container["args"]
         # Every flag the chart passes is one `pdfleet operator` accepts (parsed by its own parser).
-        from pdfleet_operator import operator_cli
+        from pdfleet_operator.kube import operator_cli
         parser = argparse.ArgumentParser()
         operator_cli.register(parser.add_subparsers(dest="command"))
         parser.parse_args(container["args"])
@@ -282,7 +284,7 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
     import subprocess
     import sys
 
-    for module, command in (("pdfleet_operator.chart", "chart"), ("pdfleet_operator.dashboards", "dashboards")):
+    for module, command in (("pdfleet_operator.gen.chart", "chart"), ("pdfleet_operator.gen.dashboards", "dashboards")):
         ok = subprocess.run([sys.executable, "-m", module, command, "--check"], capture_output=True, text=True,
                             timeout=120)
         assert ok.returncode == 0, ok.stderr
@@ -292,11 +294,11 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
     shutil.copytree(helm.ROOT / "dashboards", root / "dashboards")
     (root / "charts/pdfleet/values.yaml").write_text("# edited by hand\n")
     (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").write_text("{}")
-    stale = subprocess.run([sys.executable, "-m", "pdfleet_operator.chart", "chart", "--check", "--root", str(root)],
+    stale = subprocess.run([sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--check", "--root", str(root)],
                            capture_output=True, text=True, timeout=120)
     assert stale.returncode == 1
     assert "charts/pdfleet/values.yaml" in stale.stderr and "pdfleet-old.json" in stale.stderr
-    fixed = subprocess.run([sys.executable, "-m", "pdfleet_operator.chart", "chart", "--root", str(root)],
+    fixed = subprocess.run([sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--root", str(root)],
                            capture_output=True, text=True, timeout=120)
     assert fixed.returncode == 0 and not (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").exists()
     assert chart.stale_files(root) == []

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from pdfleet_operator import dashboards
+from pdfleet_operator.gen import dashboards
 from tests.dashboards import grafana
 from tests.support.components import binary
 
@@ -67,8 +67,9 @@ def test_every_promql_parses_with_promtool(tmp_path) -> None:
 
 
 def test_every_metric_a_panel_reads_is_one_pdfleet_exports() -> None:
-    from pdfleet_operator import alerts, exporter, operator_metrics
-    from pdfleet_operator import metric_names as names
+    from pdfleet_operator.gen import alerts
+    from pdfleet_operator.kube import exporter, operator_metrics
+    from pdfleet_operator.decide import metric_names as names
     from pdfleet_worker import metrics as worker_metrics
 
     def exported(registry) -> set[str]:

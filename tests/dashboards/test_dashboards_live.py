@@ -26,8 +26,10 @@ import httpx
 import pytest
 import yaml
 
-from pdfleet_operator import dashboards, inventory, placement, render
-from pdfleet_operator import metric_names as names
+from pdfleet_operator.gen import dashboards
+from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator.kube import render
+from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.api import InferenceDeployment
 from tests.chart import helm
 from tests.chart.operator_process import OperatorProcess, free_ports

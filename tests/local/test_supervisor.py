@@ -8,7 +8,7 @@ import pytest
 
 from pdfleet_operator.local import machine, spec as specs, supervisor as sv
 from pdfleet_operator.local.process import Child
-from pdfleet_operator.placement import FleetPlan, PlannedPool
+from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 from tests.local.conftest import ROOT, write_spec
 from tests.support.components import free_port
 

@@ -5,7 +5,7 @@ from rich.console import Console
 
 from pdfleet_operator.local import view
 from pdfleet_operator.local.supervisor import Event, Replica
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics
 
 
 def test_a_frame_shows_pools_queues_ratio_decisions_and_money():

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from pdfleet_operator import cost, inventory, placement, render, status
+from pdfleet_operator.decide import cost, inventory, placement, status
+from pdfleet_operator.kube import render
 from tests.operator.cluster import classes, example_files, spec_of, standard_nodes
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"

@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf.testing
 
-from pdfleet_operator import handlers, render
+from pdfleet_operator.kube import handlers, render
 from tests.operator.cluster import ROOT, class_objects, standard_nodes
 
 CHILD_RESOURCES = ("deployments.apps", "services", "configmaps", "poddisruptionbudgets.policy")
@@ -42,7 +42,7 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     handlers.OPTIONS.analysis_interval = analysis_interval
     handlers.OPTIONS.metrics_port = None
     handlers.OPTIONS.class_status_interval = class_status_interval
-    args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.handlers"]
+    args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.kube.handlers"]
     with kopf.testing.KopfRunner(args, timeout=60) as runner:
         yield runner
     assert runner.exception is None, runner.exception

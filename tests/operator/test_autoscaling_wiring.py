@@ -12,8 +12,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from pdfleet_operator import metric_names as names
-from pdfleet_operator import render
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.kube import render
 from tests.operator.harness import events, mark_ready, prepare_cluster, running_operator, wait_reconciled
 from tests.test_prometheus_fixtures import serve_text_metrics
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from pdfleet_operator import class_status
+from pdfleet_operator.kube import class_status
 from tests.operator.cluster import CLASSES_FILE, node, pod
 from tests.operator.harness import prepare_cluster, running_operator, settle
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet_operator import cost
-from pdfleet_operator.placement import FleetPlan, PlannedPool
+from pdfleet_operator.decide import cost
+from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 from tests.operator.cluster import classes
 
 CLASSES = classes()

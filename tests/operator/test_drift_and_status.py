@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pdfleet_operator import cost, drift, inventory, placement, status
+from pdfleet_operator.decide import cost, drift, inventory, placement, status
 from pdfleet_operator.api import Condition
 from tests.operator.cluster import classes, example_deployments, node, spec_of
 

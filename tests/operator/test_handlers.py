@@ -8,7 +8,7 @@ import datetime as dt
 import kopf
 import pytest
 
-from pdfleet_operator import exporter, handlers, kube, render
+from pdfleet_operator.kube import exporter, handlers, client, render
 from pdfleet_operator.api import Condition
 from tests.operator.cluster import EXAMPLES, example_deployments, spec_of
 from tests.operator.harness import children, prepare_cluster, running_operator, settle, wait_reconciled
@@ -66,7 +66,7 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
 
 async def test_invalid_spec_is_permanent_and_api_trouble_is_temporary() -> None:
     handlers.RECONCILER = handlers.Reconciler()
-    handlers.RECONCILER.api = kube.Api("http://127.0.0.1:9")  # nothing listens on the discard port
+    handlers.RECONCILER.api = client.Api("http://127.0.0.1:9")  # nothing listens on the discard port
     body = {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
             "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
             "spec": {"model": {"name": "m", "source": {"local": {"path": "/m"}}}, "disaggregation": False}}
@@ -137,10 +137,10 @@ async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    api = kube.Api(f"http://127.0.0.1:{port}")
+    api = client.Api(f"http://127.0.0.1:{port}")
     api.read_timeout_s = 0.2
     try:
-        with pytest.raises(kube.ApiError) as err:
+        with pytest.raises(client.ApiError) as err:
             await api.list("Node", None)
         assert err.value.code == 504 and err.value.heals
         handlers.RECONCILER = handlers.Reconciler()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdfleet_operator import handover, render
+from pdfleet_operator.decide import handover
+from pdfleet_operator.kube import render
 
 
 def deployment(name: str, role: str, replicas: int, ready: int | None = None, **status: Any) -> dict[str, Any]:

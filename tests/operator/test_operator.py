@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from pdfleet_operator import handlers
+from pdfleet_operator.kube import handlers
 from tests.operator import golden
 from tests.operator.cluster import EXAMPLES, example_deployments, example_files, node, pod
 from tests.operator.harness import (
@@ -247,7 +247,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
         doc = copy.deepcopy(base)
         doc["metadata"]["name"] = n
         kube.apply(doc)
-    cmd = [sys.executable, "-m", "pdfleet_operator.operator_cli", "operator", "--metrics-port", "0",
+    cmd = [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", "0",
            "--liveness-port", "0", "--resync-interval", "0"]
     log = open(tmp_path / "operator.log", "w")
     first = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdfleet_operator import inventory, placement
+from pdfleet_operator.decide import inventory, placement
 from tests.operator.cluster import classes, example_deployments, node, pod, spec_of
 
 CLASSES = classes()

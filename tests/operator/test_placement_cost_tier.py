@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdfleet_operator import placement
+from pdfleet_operator.decide import placement
 from pdfleet_operator.api import AcceleratorClassSpec
 from tests.operator.cluster import classes, example_deployments, spec_of
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 
-from pdfleet_operator import inventory, placement, render
-from pdfleet_operator.placement import FleetPlan, PlannedPool
+from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator import runtime
+from pdfleet_operator.api import names
+from pdfleet_operator.kube import render
+from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 from tests.operator.cluster import classes, example_deployments, spec_of, standard_nodes
 
 CLASSES = classes()
@@ -145,7 +149,7 @@ def test_router_services_and_config() -> None:
     colocated = {(o["kind"], o["metadata"]["name"]): o for o in rendered("qwen2-7b")}
     assert colocated[("Deployment", "qwen2-7b-router")]["spec"]["template"]["spec"]["containers"][0]["args"][:3] == [
         "router", "--workers", "http://qwen2-7b-colocated.team-a.svc:8000"]
-    assert render.endpoint("qwen2-7b", "team-a") == "http://qwen2-7b.team-a.svc:80/v1"
+    assert names.endpoint("qwen2-7b", "team-a") == "http://qwen2-7b.team-a.svc:80/v1"
 
 
 def test_monitoring_only_when_asked() -> None:
@@ -161,9 +165,9 @@ def test_long_names_are_hashed_deterministically() -> None:
     name = render.pool_name(long, "colocated", "b" * 63)
     assert len(name) == 63 and name == render.pool_name(long, "colocated", "b" * 63)
     assert name != render.pool_name(long, "colocated", "b" * 62 + "c")
-    assert render.child_name("x", "y") == "x-y"
+    assert names.child_name("x", "y") == "x-y"
     with pytest.raises(ValueError):
-        render.child_name("x", "")
+        names.child_name("x", "")
     spec = spec_of(EXAMPLES["qwen2-7b"])
     cls = CLASSES["l40s-48gb"]
     plan = FleetPlan(pools=(PlannedPool("colocated", "l" * 63, 1),), targets={"colocated": 1})
@@ -204,7 +208,10 @@ def test_wrong_calls_raise() -> None:
         render.render(OWNER, spec, FleetPlan(pools=(PlannedPool("colocated", "nope", 1),)), CLASSES, revision=1)
 
 
-PURE = ("inventory", "perf", "placement", "cost", "render", "drift", "status")
+# Every module of api/ and decide/, and the pure parts of the backends.
+_PKG = Path(__file__).resolve().parents[2] / "operator" / "pdfleet_operator"
+PURE = tuple(sorted(f"{pkg}.{p.stem}" for pkg in ("api", "decide") for p in (_PKG / pkg).glob("*.py")
+                    if p.stem != "__init__")) + ("kube.render", "runtime")
 
 
 def test_decision_modules_import_no_kopf_kubernetes_or_http() -> None:
@@ -220,7 +227,7 @@ def test_engine_config_keys_are_the_worker_engine_config_fields() -> None:
     import dataclasses
     config = pytest.importorskip("pdfleet_worker.config")
     fields = {f.name for f in dataclasses.fields(config.EngineConfig)}
-    rendered = set(render.engine_config(spec_of(EXAMPLES["llama31-8b"])))
+    rendered = set(runtime.engine_config(spec_of(EXAMPLES["llama31-8b"])))
     operator_only = {"served_model_name", "kv_cache_memory_fraction", "kv_transfer"}  # the worker reads these itself
     assert rendered - operator_only <= fields, sorted(rendered - operator_only - fields)
 
@@ -242,7 +249,7 @@ def test_worker_and_router_flags_parse_with_the_worker_cli() -> None:
 def test_the_worker_reads_the_rendered_engine_config(tmp_path) -> None:
     from pdfleet_worker.server import worker_config
     path = tmp_path / "engine.json"
-    path.write_text(render.config_text(spec_of(EXAMPLES["llama31-8b"])))
+    path.write_text(runtime.config_text(spec_of(EXAMPLES["llama31-8b"])))
     loaded = worker_config.load_engine_file(str(path))
     assert loaded["served_model_name"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert loaded["max_num_batched_tokens"] == 4096

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pdfleet_operator import handlers, render, revisions
+from pdfleet_operator.kube import handlers, render, revisions
 from pdfleet_operator.api import parse_duration
 from tests.operator.harness import events, prepare_cluster, running_operator, settle, wait_reconciled
 from tests.operator.test_rollback_wiring import BAD, FOR, GOOD, NAME, NEXT, WINDOW, Router, conditions, image_of, spec

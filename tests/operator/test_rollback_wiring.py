@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from pdfleet_operator import alerts, handlers, render, revisions, rollback
+from pdfleet_operator.gen import alerts
+from pdfleet_operator.kube import handlers, render, revisions
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.api import parse_duration
 from tests.operator.harness import events, prepare_cluster, running_operator, wait_reconciled
 from tests.support.components import free_port

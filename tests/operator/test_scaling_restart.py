@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from pdfleet_operator import scaling
+from pdfleet_operator.kube import scaling
 from pdfleet_operator.api import InferenceDeployment
 
 KEY = ("default", "qwen2-7b")

@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from pdfleet_operator import alertmanager, alerts
+from pdfleet_operator.kube import alertmanager
+from pdfleet_operator.gen import alerts
 from tests.support.components import free_port
 
 GOOD = {

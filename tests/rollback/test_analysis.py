@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from pdfleet_operator import rollback
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.api.inference_deployment import InferenceDeploymentSpec, RollbackSpec
-from pdfleet_operator.rollback import RatioSample, RevisionHealth
+from pdfleet_operator.decide.rollback import RatioSample, RevisionHealth
 
 SPEC = RollbackSpec(error_ratio_threshold=0.01, window="1m", **{"for": "2m"}, min_requests=20, soak_time="10m")
 STEP = 15.0

@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from pdfleet_operator import render, revisions, rollback
+from pdfleet_operator.kube import render, revisions
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.api import Condition, InferenceDeploymentSpec, InferenceDeploymentStatus
 
 GOOD, BAD, NEXT = "worker:good", "worker:broken", "worker:next"

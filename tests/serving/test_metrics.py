@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdfleet_operator import metric_names as names
+from pdfleet_operator.decide import metric_names as names
 from pdfleet_worker import metrics as m
 from tests.serving.conftest import MODEL, pool_whole, wait_until
 from tests.serving.test_kv_transfer import BLOCK, BYTES_PER_BLOCK
@@ -163,7 +163,7 @@ def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
         assert value(f"{names.KV_CACHE_USAGE}{{{sel(role)}}}") == 0.0 or role == "colocated"
     prom.wait_for(f"{names.KV_CACHE_USAGE}{{{sel('colocated')}}} == 0")
 
-    # The autoscaler's own queries (operator/pdfleet_operator/metric_names.py) answer one series per role.
+    # The autoscaler's own queries (operator/pdfleet_operator/decide/metric_names.py) answer one series per role.
     for field, query in names.PROFILES["pdfleet"].queries(DEPLOYMENT, NAMESPACE).items():
         result = prom.query(query)
         roles = {s["metric"].get(names.LABEL_ROLE) for s in result}

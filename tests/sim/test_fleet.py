@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 import pytest
 
-from pdfleet_operator import inventory
+from pdfleet_operator.decide import inventory
 from pdfleet_operator.sim import fleet
 from tests.sim.support import EXAMPLE, ROOT, doc
 

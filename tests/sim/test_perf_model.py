@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet_operator import perf
+from pdfleet_operator.decide import perf
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
 from pdfleet_operator.sim import perf_model as pm
 

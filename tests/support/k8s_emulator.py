@@ -81,7 +81,7 @@ import yaml
 from kmock._internal import apps as _kmock_apps
 from kmock._internal import rendering as _kmock_rendering
 
-from pdfleet_operator import admission
+from pdfleet_operator.api import admission
 
 __all__ = [
     "ApiError",

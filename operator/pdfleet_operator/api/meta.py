@@ -2,7 +2,7 @@
 
 Every API type inherits `ApiModel`: camelCase wire names, unknown fields rejected (as kubectl's
 strict field validation does), and cross-field rules written once in CEL. The same CEL text is put
-into the CRD as `x-kubernetes-validations` (see `pdfleet_operator.crds`) and evaluated here by
+into the CRD as `x-kubernetes-validations` (see `pdfleet_operator.api.schema`) and evaluated here by
 `celpy`, so the API server's admission and `pydantic` enforce one rule, not two copies of it.
 """
 

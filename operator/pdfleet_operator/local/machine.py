@@ -10,9 +10,9 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdfleet_operator import placement
+from pdfleet_operator.decide import placement
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
-from pdfleet_operator.inventory import Inventory, NodeInventory
+from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.local.spec import UpError
 
 NODE = "localhost"

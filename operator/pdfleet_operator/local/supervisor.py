@@ -13,12 +13,13 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet_operator import cost, metric_names as names, render
+from pdfleet_operator.decide import cost, metric_names as names
+from pdfleet_operator import runtime
 from pdfleet_operator.api import WORKER_ROLE
 from pdfleet_operator.local import machine as mach
 from pdfleet_operator.local.process import Child, describe_exit
 from pdfleet_operator.local.spec import LocalSpec, UpError
-from pdfleet_operator.placement import FleetPlan
+from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_worker.router import workers_file
 
 # A crashed process waits 1 s, then 2, 4, ... up to 30 s before it is started again; once it has
@@ -144,7 +145,7 @@ class Supervisor:
 
     # -- files the router and Prometheus read -----------------------------------------------------------
     def write_files(self) -> None:
-        self.engine_config.write_text(render.config_text(self.local.spec))
+        self.engine_config.write_text(runtime.config_text(self.local.spec))
         self._write_worker_lists()
 
     def _write_worker_lists(self) -> None:
@@ -164,14 +165,13 @@ class Supervisor:
 
     # -- commands -------------------------------------------------------------------------------------
     def _worker_argv(self, r: Replica) -> list[str]:
-        argv = PDFLEET + ["worker", "--model", str(self.local.model_dir), "--role", WORKER_ROLE[r.role],
-                          "--host", "127.0.0.1", "--port", str(r.port), "--kv-host", "127.0.0.1",
-                          "--engine-config", str(self.engine_config), "--num-threads", str(self.threads),
-                          "--accelerator", r.accelerator_class, "--drain-timeout", f"{WORKER_DRAIN_S:g}s",
-                          "--log-level", "warning"]
+        flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
+                 "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning"]
         if r.devices:
-            argv += ["--device", "cuda"]
-        return argv + list(self.local.spec.engine.extra_args)
+            flags += ["--device", "cuda"]
+        return PDFLEET + runtime.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
+                                             host="127.0.0.1", port=r.port, engine_config=str(self.engine_config),
+                                             flags=flags)
 
     def _router_argv(self) -> list[str]:
         return PDFLEET + ["router", "--workers-file", str(self.workers_path), "--discovery", "static",

@@ -15,12 +15,12 @@ from typing import Any
 
 from rich.console import Console
 
-from pdfleet_operator import autoscaler, placement
+from pdfleet_operator.decide import autoscaler, placement
 from pdfleet_operator.api import parse_duration
 from pdfleet_operator.local import load as loadgen, machine as mach, spec as specs
 from pdfleet_operator.local.supervisor import Event, Supervisor
 from pdfleet_operator.local.view import Change, Status, View, summary_text
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 
 SUPERVISE_EVERY_S = 0.25
 VIEW_EVERY_S = 0.5
@@ -240,11 +240,11 @@ class Up:
 
     # -- autoscaling -----------------------------------------------------------------------------------
     def _source(self):
-        from pdfleet_operator import metrics
+        from pdfleet_operator import prometheus
 
         if self.opts.prometheus:
-            return metrics.PrometheusSource(self.opts.prometheus)
-        return metrics.ScrapeSource({})
+            return prometheus.PrometheusSource(self.opts.prometheus)
+        return prometheus.ScrapeSource({})
 
     async def _autoscale(self) -> None:
         spec, sup = self.local.spec, self.sup

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from pdfleet_operator.local.load import summary_lines
 from pdfleet_operator.local.supervisor import Event, Replica
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 
 SHOWN = 7  # decisions and events kept on screen
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import yaml
 
-from pdfleet_operator import autoscaler, crds, inventory, validate
+from pdfleet_operator.decide import autoscaler, inventory
+from pdfleet_operator.api import schema
+from pdfleet_operator.api import validation
 from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec, InferenceDeployment, InferenceDeploymentSpec
 from pdfleet_operator.sim import trace as tr
 
@@ -145,11 +147,11 @@ def parse(doc: Any, *, source: str = "<fleet>", base_dir: Path = Path(".")) -> F
 
 @functools.lru_cache(maxsize=1)
 def _crds() -> dict[str, dict[str, Any]]:
-    return crds.load_crds()
+    return schema.load_crds()
 
 
 def _check_object(obj: dict[str, Any], where: str) -> None:
-    problems = validate.validate_object(obj, where, _crds())
+    problems = validation.validate_object(obj, where, _crds())
     if problems:
         raise FleetError("\n".join(str(p) for p in problems))
 

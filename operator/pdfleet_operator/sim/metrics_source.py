@@ -1,6 +1,6 @@
 """A `MetricsSource` over simulated workers: what Prometheus would return, scraped at the simulated interval.
 
-It has the `snapshot(deployment, namespace, roles)` method of `pdfleet_operator.metrics.MetricsSource`,
+It has the `snapshot(deployment, namespace, roles)` method of `pdfleet_operator.prometheus.MetricsSource`,
 so the autoscaler reads the simulated fleet through the same interface as the real one: gauges summed
 per role over the replicas that expose metrics (ready or draining; a starting pod has no endpoint yet),
 sampled at the last scrape, with token rates over the last minute; a role with no replica reporting
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pdfleet_operator.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
 from pdfleet_operator.sim.engine import Replica
 
 RATE_WINDOW_S = 60.0

@@ -2,7 +2,7 @@
 
 The simulator's engine model (`sim.engine`) asks one question many times: how long does an engine step
 take that computes `tokens` new tokens while reading the KV of `context` tokens? The answer is the
-roofline of `pdfleet_operator.perf` made per-step:
+roofline of `pdfleet_operator.decide.perf` made per-step:
 
     step = overhead + max(tokens x 2 x params / (peak x count x MFU),
                           (weights + context x KV bytes per token) / (bandwidth x count x MBU))
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdfleet_operator import perf
+from pdfleet_operator.decide import perf
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
 
 GIB = perf.GIB
@@ -42,7 +42,7 @@ class Efficiency:
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     kv_transfer_gbps: float | None = None   # measured KV link; None: the class's networkGBps
     http_hop_s: float = 0.0                  # one HTTP round trip to first byte on this class's host (measured)
-    source: str = "default (pdfleet_operator.perf)"
+    source: str = "default (pdfleet_operator.decide.perf)"
 
     def __post_init__(self) -> None:
         for name in ("prefill_mfu", "decode_mbu"):

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdfleet_operator import autoscaler, placement, rollback
+from pdfleet_operator.decide import autoscaler, placement, rollback
 from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
-from pdfleet_operator.inventory import Inventory, NodeInventory
+from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim import perf_model
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pdfleet_operator import render
+from pdfleet_operator.api import names
 
 
 def _key(obj: Mapping[str, Any]) -> str:
@@ -27,8 +27,8 @@ def _key(obj: Mapping[str, Any]) -> str:
 def _worker_role(obj: Mapping[str, Any]) -> str | None:
     if obj.get("kind") != "Deployment":
         return None
-    role = ((obj.get("metadata") or {}).get("labels") or {}).get(render.LABEL_ROLE)
-    return None if role in (None, render.ROUTER_ROLE) else role
+    role = ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_ROLE)
+    return None if role in (None, names.ROUTER_ROLE) else role
 
 
 def ready_replicas(obj: Mapping[str, Any]) -> int:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfleet_operator import alerts, generated
-from pdfleet_operator import metric_names as names
+from pdfleet_operator.gen import alerts, generated
+from pdfleet_operator.decide import metric_names as names
 from pdfleet_worker import metrics as worker_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OUT_DIR = Path("dashboards")
 DATASOURCE = "${datasource}"
 
@@ -35,7 +35,7 @@ ROUTER_TTFT = worker_metrics.ROUTER_TIME_TO_FIRST_TOKEN.name
 KV_TRANSFER_SECONDS = worker_metrics.KV_TRANSFER_SECONDS.name
 KV_TRANSFER_FAILURES = worker_metrics.KV_TRANSFER_FAILURES_TOTAL.name
 KV_TRANSFER_BYTES = worker_metrics.KV_TRANSFER_BYTES_TOTAL.name
-# The operator's own series (pdfleet_operator.exporter, which needs aiohttp; tests check the names match).
+# The operator's own series (pdfleet_operator.kube.exporter, which needs aiohttp; tests check the names match).
 RECONCILES = "pdfleet_operator_reconciles_total"
 API_WRITES = "pdfleet_operator_api_writes_total"
 

@@ -28,21 +28,8 @@ import kopf
 import pydantic
 from aiohttp import web
 
-from pdfleet_operator import (
-    alertmanager,
-    class_status,
-    cost,
-    exporter,
-    handover,
-    inventory,
-    kube,
-    placement,
-    render,
-    revisions,
-    rollback,
-    scaling,
-    status,
-)
+from pdfleet_operator.kube import alertmanager, class_status, exporter, client, render, revisions, scaling
+from pdfleet_operator.decide import cost, handover, inventory, placement, rollback, status
 from pdfleet_operator.api import (
     AcceleratorClass,
     AcceleratorClassSpec,
@@ -132,7 +119,7 @@ class Outcome:
 
     writes: int = 0
     plan: placement.FleetPlan | None = None
-    result: kube.ApplyResult | None = None
+    result: client.ApplyResult | None = None
     status_written: bool = False
     skipped: str = ""
 
@@ -141,7 +128,7 @@ class Reconciler:
     """The state the handlers share: indexes, the API client, per-key inputs from the autoscaler and rollback."""
 
     def __init__(self) -> None:
-        self.api: kube.Api | None = None
+        self.api: client.Api | None = None
         self.indexes: dict[str, Any] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._wanted: dict[Key, int] = {}
@@ -226,7 +213,7 @@ class Reconciler:
         try:
             await self.reconcile(key, why)
             self._retries.pop(key, None)
-        except kube.ApiError as exc:
+        except client.ApiError as exc:
             attempt = self._retries.get(key, 0)
             self._retries[key] = attempt + 1
             delay = RETRY_DELAYS[min(attempt, len(RETRY_DELAYS) - 1)]
@@ -261,7 +248,7 @@ class Reconciler:
         while key in self._bodies():
             try:
                 await self.analyze_rollback(key, "timer")
-            except kube.ApiError as exc:
+            except client.ApiError as exc:
                 logger.warning("rollback analysis of %s/%s failed: %s", *key, exc)
             except Exception:  # NOTE: one bad analysis must not end the deployment's protection
                 logger.exception("rollback analysis of %s/%s failed", *key)
@@ -322,7 +309,7 @@ class Reconciler:
             await self.api.event(involved, "Normal", action.reason, action.message)
         elif action.kind == "rollback":
             assert stable is not None
-            stored = revisions.find(await kube.list_revisions(self.api, self._owner(key, body)), stable)
+            stored = revisions.find(await client.list_revisions(self.api, self._owner(key, body)), stable)
             if stored is None:
                 action = rollback.RollbackAction("page", "RollbackFailed", f"stable revision {stable} is not stored "
                                                  f"(pruned or deleted); {action.message}", action.ratio)
@@ -363,7 +350,7 @@ class Reconciler:
                     try:
                         await self.scaler.tick(self, key, dep, body, default_url=OPTIONS.prometheus_url,
                                                profile=OPTIONS.metrics_profile)
-                    except kube.ApiError as exc:
+                    except client.ApiError as exc:
                         logger.warning("autoscaler tick of %s/%s failed: %s; next in %ss", *key, exc, delay)
                     except Exception:  # NOTE: a bug in one tick must not end the deployment's autoscaling
                         logger.exception("autoscaler tick of %s/%s failed; next in %ss", *key, delay)
@@ -426,7 +413,7 @@ class Reconciler:
                 self._start_loops(key)
             return outcome
 
-    async def _await_indexes(self, api: kube.Api) -> None:
+    async def _await_indexes(self, api: client.Api) -> None:
         """Once per process: wait until kopf's class and node indexes hold what the API lists.
 
         NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
@@ -438,11 +425,11 @@ class Reconciler:
             self._synced = asyncio.get_running_loop().create_task(self._sync_indexes(api))
         try:
             await asyncio.shield(self._synced)
-        except kube.ApiError:
+        except client.ApiError:
             self._synced = None  # the API was unreachable: the next reconcile lists again
             raise
 
-    async def _sync_indexes(self, api: kube.Api) -> None:
+    async def _sync_indexes(self, api: client.Api) -> None:
         listed = {"class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
                   "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
@@ -475,10 +462,10 @@ class Reconciler:
         owner = render.Owner(dep.name, key[0], meta["uid"])
         classes = self._classes()
         monitoring = await self._monitoring_enabled()
-        kinds = kube.CHILD_KINDS + (("PodMonitor", "PrometheusRule") if monitoring else ())
-        children = await kube.list_children(api, owner, kinds)
+        kinds = client.CHILD_KINDS + (("PodMonitor", "PrometheusRule") if monitoring else ())
+        children = await client.list_children(api, owner, kinds)
 
-        stored = await kube.list_revisions(api, owner)
+        stored = await client.list_revisions(api, owner)
         config = next((c for c in children if c["kind"] == "ConfigMap"), None)
         if key not in self.rollbacks.resumed:
             self._resume(key, dep, stored, revisions.served_record(config, owner))
@@ -513,8 +500,8 @@ class Reconciler:
         for k in await revisions.record(api, revisions.superseded(config, owner, revision, stored), stored,
                                         dep.spec.rollback.revision_history_limit, keep):
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
-        result = await kube.apply_children(api, owner, objects, children)
-        rendered = {kube.key_of(o): _digest(o) for o in objects}
+        result = await client.apply_children(api, owner, objects, children)
+        rendered = {client.key_of(o): _digest(o) for o in objects}
         last_rendered = self._rendered.get(key, {})
         result.drifted = {k: v for k, v in result.drifted.items() if last_rendered.get(k) == rendered[k]}
         self._rendered[key] = rendered
@@ -588,7 +575,7 @@ class Reconciler:
             last_transition_time=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
             observed_generation=dep.metadata.generation)
 
-    async def _hold(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any]) -> Outcome:
+    async def _hold(self, api: client.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any]) -> Outcome:
         """The revision a rollback serves cannot be rendered: touch no pool (the spec is the failed revision), page once.
 
         NOTE: the page is said once per cluster, not per process: a Degraded condition already saying it
@@ -610,7 +597,7 @@ class Reconciler:
         logger.error("%s/%s: %s", *key, message)
         return Outcome(skipped="held: " + message, status_written=True)
 
-    async def _manual_rollback(self, api: kube.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
+    async def _manual_rollback(self, api: client.Api, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
                                wanted: str, stored: list[dict[str, Any]], spec_revision: int) -> Template | None:
         """`kubectl annotate infdep X pdfleet.io/rollback-to=N`: serve revision N until the spec changes again.
 
@@ -676,8 +663,8 @@ class Reconciler:
                 running[role] = running.get(role, 0) + int((c.get("spec") or {}).get("replicas") or 0)
         return running or None
 
-    async def _events(self, api: kube.Api, body: Mapping[str, Any], why: str, previous: Any, new: Any,
-                      plan: placement.FleetPlan, result: kube.ApplyResult) -> None:
+    async def _events(self, api: client.Api, body: Mapping[str, Any], why: str, previous: Any, new: Any,
+                      plan: placement.FleetPlan, result: client.ApplyResult) -> None:
         involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
 
         def pools(st: Any) -> list[tuple[str, str, int]]:
@@ -706,9 +693,9 @@ class Reconciler:
             await api.event(involved, "Warning", "ApplyFailed", "; ".join(result.problems))
 
 
-def _retained(result: kube.ApplyResult, children: list[dict[str, Any]]) -> tuple[tuple[str, str, int, str], ...]:
+def _retained(result: client.ApplyResult, children: list[dict[str, Any]]) -> tuple[tuple[str, str, int, str], ...]:
     """The pools `apply_children` kept serving while their role's new pools start, for the status."""
-    by_key = {kube.key_of(c): c for c in children}
+    by_key = {client.key_of(c): c for c in children}
     return tuple((by_key[k]["metadata"]["name"], by_key[k]["metadata"]["labels"][render.LABEL_ROLE],
                   handover.ready_replicas(by_key[k]), why) for k, why in sorted(result.retained.items()))
 
@@ -738,7 +725,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = MemoryDiffBaseStorage()
     settings.persistence.progress_storage = MemoryProgressStorage()
     settings.persistence.finalizer = "pdfleet.io/finalizer"
-    # Events are posted by kube.event for decisions only; kopf's per-handler chatter stays in the log.
+    # Events are posted by client.event for decisions only; kopf's per-handler chatter stays in the log.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -765,7 +752,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        RECONCILER.api = kube.Api.from_connection(info)
+        RECONCILER.api = client.Api.from_connection(info)
     return info
 
 
@@ -797,7 +784,7 @@ async def _class_status_loop() -> None:
                 pods = [p for s in (RECONCILER.indexes.get("pod_index") or {}).values() for p in s]
                 for _ in await writer.sync(api, nodes, pods):
                     exporter.API_WRITES.labels("AcceleratorClass/status").inc()
-            except kube.ApiError as exc:
+            except client.ApiError as exc:
                 logger.warning("AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval)
             except Exception:  # NOTE: a bug here must not end the loop (or the operator)
                 logger.exception("AcceleratorClass status round failed")
@@ -881,7 +868,7 @@ async def _reconcile_from_handler(namespace: str, name: str, body: kopf.Body, wh
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     except ValueError as exc:
         raise kopf.PermanentError(str(exc)) from exc
-    except kube.ApiError as exc:
+    except client.ApiError as exc:
         if exc.heals:
             raise kopf.TemporaryError(f"API server: {exc}", delay=5) from exc
         raise kopf.PermanentError(f"API server rejected a request: {exc}") from exc
@@ -1011,7 +998,7 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
         return
     api = RECONCILER.api
     if api is not None and api.is_own_write(kind, meta.get("namespace"), meta.get("name"),
-                                            kube.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion")):
+                                            client.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion")):
         return  # the echo of our own write or delete
     RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
 

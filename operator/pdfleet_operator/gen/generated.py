@@ -2,7 +2,7 @@
 
 `regenerate` writes the files, or with `check` writes nothing and names each stale one (exit 1), the
 test every generator's `--check` is. `standalone` runs one plugin's `register` as its own program
-(`python -m pdfleet_operator.chart chart --check`), which the tests use.
+(`python -m pdfleet_operator.gen.chart chart --check`), which the tests use.
 """
 
 from __future__ import annotations

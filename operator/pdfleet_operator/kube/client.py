@@ -23,7 +23,8 @@ from typing import Any
 import aiohttp
 import kopf
 
-from pdfleet_operator import drift, handover, render
+from pdfleet_operator.decide import drift, handover
+from pdfleet_operator.kube import render
 
 FIELD_MANAGER = "pdfleet-operator"
 logger = logging.getLogger("pdfleet.kube")

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import prometheus_client
 from aiohttp import web
 
-from pdfleet_operator import metric_names as names
+from pdfleet_operator.decide import metric_names as names
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REGISTRY = prometheus_client.CollectorRegistry()

@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from pdfleet_operator import metric_names as names
-from pdfleet_operator.autoscaler import ScalingDecision, pd_ratio
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide.autoscaler import ScalingDecision, pd_ratio
 
 # The classic text format, whatever the scraper asks for (see `serve`).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -19,7 +19,7 @@ from typing import Literal
 import pydantic
 from aiohttp import web
 
-from pdfleet_operator import alerts
+from pdfleet_operator.gen import alerts
 from pdfleet_operator.api.meta import DNS_LABEL_PATTERN
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdfleet_operator import render
+from pdfleet_operator.api import names
 from pdfleet_operator.api import Condition, InferenceDeploymentStatus, PoolStatus, set_condition
-from pdfleet_operator.cost import PlanCost
-from pdfleet_operator.placement import FleetPlan
+from pdfleet_operator.decide.cost import PlanCost
+from pdfleet_operator.decide.placement import FleetPlan
 
 OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded", "ScalingLimited")
 
@@ -47,9 +47,9 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
             router_replicas: int, now: dt.datetime,
             extra_conditions: Sequence[Condition] = ()) -> InferenceDeploymentStatus:
     prev = previous or InferenceDeploymentStatus()
-    pools = [PoolStatus(name=render.pool_name(name, p.role, p.accelerator_class), role=p.role,
+    pools = [PoolStatus(name=names.pool_name(name, p.role, p.accelerator_class), role=p.role,
                         accelerator_class=p.accelerator_class, desired=p.replicas,
-                        ready=observed.ready.get(render.pool_name(name, p.role, p.accelerator_class), 0),
+                        ready=observed.ready.get(names.pool_name(name, p.role, p.accelerator_class), 0),
                         cost_per_hour=round(cost.of(p.role, p.accelerator_class), 4))
              for p in plan.pools]
     roles = plan.roles()
@@ -85,7 +85,7 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
     # Progressing: children not yet at their desired size.
     behind = [f"{p.name} {p.ready}/{p.desired}" for p in pools if p.ready < p.desired]
     if observed.router_ready < router_replicas:
-        behind.append(f"{render.router_name(name)} {observed.router_ready}/{router_replicas}")
+        behind.append(f"{names.router_name(name)} {observed.router_ready}/{router_replicas}")
     kept = [f"keeping {pool} {why}" for pool, _, _, why in observed.retained]
     if behind or kept:
         conditions = set_condition(conditions, _cond(
@@ -121,7 +121,7 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
         "decode_replicas": decode_replicas,
         "pd_ratio": pd_ratio(plan),
         "cost_per_hour": round(cost.total_per_hour, 4),
-        "endpoint": render.endpoint(name, namespace),
+        "endpoint": names.endpoint(name, namespace),
         "current_revision": revision,
     })
 

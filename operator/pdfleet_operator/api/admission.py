@@ -35,8 +35,11 @@ import json
 import math
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any
+
+from pdfleet_operator.api import cel
+from pdfleet_operator.api import field_errors as fe
+from pdfleet_operator.api.field_errors import FieldError, status_message
 
 __all__ = [
     "FieldError",
@@ -49,18 +52,6 @@ __all__ = [
     "status_message",
     "DNS1123_SUBDOMAIN",
 ]
-
-
-@dataclass(frozen=True)
-class FieldError:
-    """One admission error, shaped like a Kubernetes ``StatusCause``."""
-
-    field: str  # a Kubernetes field path, e.g. "spec.decode.maxReplicas", "spec.roles[0]", "metadata.name"
-    reason: str  # FieldValueInvalid, FieldValueRequired, ..., or FieldValueUnknown for unknown fields
-    message: str  # the detail without the field, e.g. 'Invalid value: 0: spec.x in body should be ...'
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}" if self.field else self.message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,69 +88,6 @@ def name_errors(name: str, *, label: bool = False) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kubernetes-style error wording
-# ---------------------------------------------------------------------------------------------
-
-def _value_str(value: Any) -> str:
-    """Render a bad value the way apimachinery's field.Error does (close enough for JSON values)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (int, float)):
-        return _num(value)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _num(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return str(value)
-
-
-def _invalid(path: str, value: Any, detail: str) -> FieldError:
-    return FieldError(path, "FieldValueInvalid", f"Invalid value: {_value_str(value)}: {detail}")
-
-
-def _type_invalid(path: str, value: Any, detail: str) -> FieldError:
-    return FieldError(path, "FieldValueTypeInvalid", f"Invalid value: {_value_str(value)}: {detail}")
-
-
-def _required(path: str, detail: str = "") -> FieldError:
-    return FieldError(path, "FieldValueRequired", "Required value" + (f": {detail}" if detail else ""))
-
-
-def _forbidden(path: str, detail: str) -> FieldError:
-    return FieldError(path, "FieldValueForbidden", f"Forbidden: {detail}")
-
-
-def _duplicate(path: str, value: Any) -> FieldError:
-    return FieldError(path, "FieldValueDuplicate", f"Duplicate value: {_value_str(value)}")
-
-
-def _not_supported(path: str, value: Any, allowed: list[Any]) -> FieldError:
-    shown = ", ".join(json.dumps(v) if isinstance(v, str) else _value_str(v) for v in allowed)
-    return FieldError(path, "FieldValueNotSupported", f"Unsupported value: {_value_str(value)}: supported values: {shown}")
-
-
-def _too_long(path: str, maximum: int) -> FieldError:
-    return FieldError(path, "FieldValueTooLong", f"Too long: may not be more than {maximum} bytes")
-
-
-def _too_many(path: str, actual: int, maximum: int) -> FieldError:
-    return FieldError(path, "FieldValueTooMany", f"Too many: {actual}: must have at most {maximum} items")
-
-
-def status_message(kind: str, group: str, name: str, errors: list[FieldError]) -> str:
-    """The top-level message of a 422 Status: ``Kind.group "name" is invalid: <errors>``."""
-    qualified = f"{kind}.{group}" if group else kind
-    parts = [str(e) for e in errors]
-    body = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    return f'{qualified} "{name}" is invalid: {body}'
-
-
 # ---------------------------------------------------------------------------------------------
 # CRD helpers
 # ---------------------------------------------------------------------------------------------
@@ -184,14 +112,6 @@ def _schema_of(crd: dict, version: dict | None) -> dict:
     # apiextensions.k8s.io/v1beta1 style: a top-level validation.
     legacy = ((crd.get("spec") or {}).get("validation") or {}).get("openAPIV3Schema")
     return legacy if legacy is not None else {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-
-
-def _child(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _index(path: str, i: int | str) -> str:
-    return f"{path}[{i}]"
 
 
 def _type_name(value: Any) -> str:
@@ -252,22 +172,22 @@ def _walk_unknown(schema: dict, value: Any, path: str, found: list[str], prune: 
                 if key == "metadata":
                     continue  # ObjectMeta is handled by the API machinery, not by the CRD schema
                 if key in props:
-                    value[key] = _walk_unknown(props[key], sub, _child(path, key), found, prune)
+                    value[key] = _walk_unknown(props[key], sub, fe.child(path, key), found, prune)
                 continue
             if key in props:
-                value[key] = _walk_unknown(props[key], sub, _child(path, key), found, prune)
+                value[key] = _walk_unknown(props[key], sub, fe.child(path, key), found, prune)
             elif isinstance(additional, dict):
-                value[key] = _walk_unknown(additional, sub, _child(path, key), found, prune)
+                value[key] = _walk_unknown(additional, sub, fe.child(path, key), found, prune)
             elif additional is True or preserve:
                 continue
             else:
-                found.append(_child(path, key))
+                found.append(fe.child(path, key))
                 if prune:
                     del value[key]
         return value
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
-            value[i] = _walk_unknown(schema["items"], item, _index(path, i), found, prune)
+            value[i] = _walk_unknown(schema["items"], item, fe.index(path, i), found, prune)
     return value
 
 
@@ -392,17 +312,17 @@ class _Validator:
             if schema.get("nullable"):
                 return
             if schema.get("type"):
-                self.add(_type_invalid(path, "null", f"{body} in body must be of type {schema['type']}: \"null\""))
+                self.add(fe.type_invalid(path, "null", f"{body} in body must be of type {schema['type']}: \"null\""))
             return
 
         int_or_string = bool(schema.get("x-kubernetes-int-or-string"))
         stype = schema.get("type")
         if int_or_string:
             if not (isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))):
-                self.add(_type_invalid(path, _type_name(value), f"{body} in body must be of type integer-or-string: \"{_type_name(value)}\""))
+                self.add(fe.type_invalid(path, _type_name(value), f"{body} in body must be of type integer-or-string: \"{_type_name(value)}\""))
                 return
         elif stype and not _type_ok(stype, value):
-            self.add(_type_invalid(path, _type_name(value), f"{body} in body must be of type {stype}: \"{_type_name(value)}\""))
+            self.add(fe.type_invalid(path, _type_name(value), f"{body} in body must be of type {stype}: \"{_type_name(value)}\""))
             return
 
         # Combinators (value validations only in structural schemas).
@@ -410,16 +330,16 @@ class _Validator:
             self.check(sub, value, path)
         if schema.get("anyOf"):
             if not any(not _errors_for(sub, value, path) for sub in schema["anyOf"]):
-                self.add(_invalid(path, value, f"{body} in body must validate at least one schema (anyOf)"))
+                self.add(fe.invalid(path, value, f"{body} in body must validate at least one schema (anyOf)"))
         if schema.get("oneOf"):
             matches = sum(1 for sub in schema["oneOf"] if not _errors_for(sub, value, path))
             if matches != 1:
-                self.add(_invalid(path, value, f"{body} in body must validate one and only one schema (oneOf)"))
+                self.add(fe.invalid(path, value, f"{body} in body must validate one and only one schema (oneOf)"))
         if isinstance(schema.get("not"), dict) and not _errors_for(schema["not"], value, path):
-            self.add(_invalid(path, value, f"{body} in body should not match the schema (not)"))
+            self.add(fe.invalid(path, value, f"{body} in body should not match the schema (not)"))
 
         if "enum" in schema and isinstance(schema["enum"], list) and value not in schema["enum"]:
-            self.add(_not_supported(path, value, schema["enum"]))
+            self.add(fe.not_supported(path, value, schema["enum"]))
 
         if isinstance(value, bool):
             pass
@@ -437,54 +357,54 @@ class _Validator:
             lo = schema["minimum"]
             if schema.get("exclusiveMinimum") is True:
                 if not value > lo:
-                    self.add(_invalid(path, value, f"{body} in body should be greater than {_num(lo)}"))
+                    self.add(fe.invalid(path, value, f"{body} in body should be greater than {fe.num(lo)}"))
             elif not value >= lo:
-                self.add(_invalid(path, value, f"{body} in body should be greater than or equal to {_num(lo)}"))
+                self.add(fe.invalid(path, value, f"{body} in body should be greater than or equal to {fe.num(lo)}"))
         elif isinstance(schema.get("exclusiveMinimum"), (int, float)) and not isinstance(schema["exclusiveMinimum"], bool):
             if not value > schema["exclusiveMinimum"]:
-                self.add(_invalid(path, value, f"{body} in body should be greater than {_num(schema['exclusiveMinimum'])}"))
+                self.add(fe.invalid(path, value, f"{body} in body should be greater than {fe.num(schema['exclusiveMinimum'])}"))
         if "maximum" in schema:
             hi = schema["maximum"]
             if schema.get("exclusiveMaximum") is True:
                 if not value < hi:
-                    self.add(_invalid(path, value, f"{body} in body should be less than {_num(hi)}"))
+                    self.add(fe.invalid(path, value, f"{body} in body should be less than {fe.num(hi)}"))
             elif not value <= hi:
-                self.add(_invalid(path, value, f"{body} in body should be less than or equal to {_num(hi)}"))
+                self.add(fe.invalid(path, value, f"{body} in body should be less than or equal to {fe.num(hi)}"))
         elif isinstance(schema.get("exclusiveMaximum"), (int, float)) and not isinstance(schema["exclusiveMaximum"], bool):
             if not value < schema["exclusiveMaximum"]:
-                self.add(_invalid(path, value, f"{body} in body should be less than {_num(schema['exclusiveMaximum'])}"))
+                self.add(fe.invalid(path, value, f"{body} in body should be less than {fe.num(schema['exclusiveMaximum'])}"))
         if schema.get("multipleOf"):
             factor = schema["multipleOf"]
             quotient = value / factor
             if not math.isclose(quotient, round(quotient), rel_tol=0, abs_tol=1e-9):
-                self.add(_invalid(path, value, f"{body} in body should be a multiple of {_num(factor)}"))
+                self.add(fe.invalid(path, value, f"{body} in body should be a multiple of {fe.num(factor)}"))
 
     def _string(self, schema: dict, value: str, path: str, body: str) -> None:
         if "maxLength" in schema and len(value) > schema["maxLength"]:
-            self.add(_too_long(path, schema["maxLength"]))
+            self.add(fe.too_long(path, schema["maxLength"]))
         if "minLength" in schema and len(value) < schema["minLength"]:
-            self.add(_invalid(path, value, f"{body} in body should be at least {schema['minLength']} chars long"))
+            self.add(fe.invalid(path, value, f"{body} in body should be at least {schema['minLength']} chars long"))
         if "pattern" in schema:
             if _compiled(schema["pattern"]).search(value) is None:
-                self.add(_invalid(path, value, f"{body} in body should match '{schema['pattern']}'"))
+                self.add(fe.invalid(path, value, f"{body} in body should match '{schema['pattern']}'"))
         if "format" in schema and not _format_ok(schema["format"], value):
-            self.add(_invalid(path, value, f"{body} in body must be of type {schema['format']}: {json.dumps(value)}"))
+            self.add(fe.invalid(path, value, f"{body} in body must be of type {schema['format']}: {json.dumps(value)}"))
 
     def _array(self, schema: dict, value: list, path: str, body: str) -> None:
         if "maxItems" in schema and len(value) > schema["maxItems"]:
-            self.add(_too_many(path, len(value), schema["maxItems"]))
+            self.add(fe.too_many(path, len(value), schema["maxItems"]))
         if "minItems" in schema and len(value) < schema["minItems"]:
-            self.add(_invalid(path, value, f"{body} in body should have at least {schema['minItems']} items"))
+            self.add(fe.invalid(path, value, f"{body} in body should have at least {schema['minItems']} items"))
         items = schema.get("items")
         if isinstance(items, dict):
             for i, item in enumerate(value):
-                self.check(items, item, _index(path, i))
+                self.check(items, item, fe.index(path, i))
         list_type = schema.get("x-kubernetes-list-type")
         if list_type == "set" or schema.get("uniqueItems"):
             seen: list[Any] = []
             for i, item in enumerate(value):
                 if item in seen:
-                    self.add(_duplicate(_index(path, i), item))
+                    self.add(fe.duplicate(fe.index(path, i), item))
                 else:
                     seen.append(item)
         elif list_type == "map":
@@ -495,7 +415,7 @@ class _Validator:
                     continue
                 key = tuple(item.get(k) for k in keys)
                 if key in seen_keys:
-                    self.add(_duplicate(_index(path, i), {k: item.get(k) for k in keys}))
+                    self.add(fe.duplicate(fe.index(path, i), {k: item.get(k) for k in keys}))
                 else:
                     seen_keys.append(key)
 
@@ -503,19 +423,19 @@ class _Validator:
         props = schema.get("properties") or {}
         for key in schema.get("required") or []:
             if key not in value or (value[key] is None and not (props.get(key) or {}).get("nullable")):
-                self.add(_required(_child(path, key)))
+                self.add(fe.required(fe.child(path, key)))
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
-            self.add(_too_many(path, len(value), schema["maxProperties"]))
+            self.add(fe.too_many(path, len(value), schema["maxProperties"]))
         if "minProperties" in schema and len(value) < schema["minProperties"]:
-            self.add(_invalid(path, value, f"{body} in body should have at least {schema['minProperties']} properties"))
+            self.add(fe.invalid(path, value, f"{body} in body should have at least {schema['minProperties']} properties"))
         additional = schema.get("additionalProperties")
         for key, sub in value.items():
             if root and key == "metadata":
                 continue
             if key in props:
-                self.check(props[key], sub, _child(path, key))
+                self.check(props[key], sub, fe.child(path, key))
             elif isinstance(additional, dict):
-                self.check(additional, sub, _child(path, key))
+                self.check(additional, sub, fe.child(path, key))
 
 
 def _errors_for(schema: dict, value: Any, path: str) -> list[FieldError]:
@@ -528,195 +448,6 @@ def _errors_for(schema: dict, value: Any, path: str) -> list[FieldError]:
 def _compiled(pattern: str) -> re.Pattern[str]:
     # Go's RE2 and Python's re agree on the patterns CRDs use; \z is Go's end of text.
     return re.compile(pattern.replace(r"\z", r"\Z"))
-
-
-# ---------------------------------------------------------------------------------------------
-# CEL (x-kubernetes-validations)
-# ---------------------------------------------------------------------------------------------
-
-def _cel_functions() -> dict[str, Any]:
-    import celpy.celtypes as ct
-
-    def lower_ascii(s: Any) -> Any:
-        return ct.StringType(str(s).lower())
-
-    def upper_ascii(s: Any) -> Any:
-        return ct.StringType(str(s).upper())
-
-    def trim(s: Any) -> Any:
-        return ct.StringType(str(s).strip())
-
-    def split(s: Any, sep: Any) -> Any:
-        return ct.ListType([ct.StringType(p) for p in str(s).split(str(sep))])
-
-    def join(items: Any, sep: Any = "") -> Any:
-        return ct.StringType(str(sep).join(str(i) for i in items))
-
-    def index_of(s: Any, sub: Any) -> Any:
-        if isinstance(s, list):
-            return ct.IntType(s.index(sub) if sub in s else -1)
-        return ct.IntType(str(s).find(str(sub)))
-
-    def last_index_of(s: Any, sub: Any) -> Any:
-        if isinstance(s, list):
-            return ct.IntType(len(s) - 1 - s[::-1].index(sub) if sub in s else -1)
-        return ct.IntType(str(s).rfind(str(sub)))
-
-    def is_sorted(items: Any) -> Any:
-        values = list(items)
-        return ct.BoolType(all(a <= b for a, b in zip(values, values[1:])))
-
-    def cel_sum(items: Any) -> Any:
-        values = list(items)
-        if not values:
-            return ct.IntType(0)
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        return total
-
-    def cel_min(items: Any) -> Any:
-        return min(list(items))
-
-    def cel_max(items: Any) -> Any:
-        return max(list(items))
-
-    def replace(s: Any, old: Any, new: Any, n: Any = -1) -> Any:
-        return ct.StringType(str(s).replace(str(old), str(new), int(n)))
-
-    return {
-        "lowerAscii": lower_ascii, "upperAscii": upper_ascii, "trim": trim, "split": split,
-        "join": join, "indexOf": index_of, "lastIndexOf": last_index_of, "isSorted": is_sorted,
-        "sum": cel_sum, "min": cel_min, "max": cel_max, "replace": replace,
-    }
-
-
-@functools.lru_cache(maxsize=1)
-def _cel_env() -> Any:
-    import logging
-
-    import celpy
-
-    # celpy logs every evaluation step at DEBUG (and absorbs errors of short-circuited branches
-    # with a log line): quiet it unless someone configured it on purpose.
-    for name in ("celpy", "celpy.Evaluator", "celpy.Environment", "celpy.celtypes"):
-        if logging.getLogger(name).level == logging.NOTSET:
-            logging.getLogger(name).setLevel(logging.WARNING)
-    return celpy.Environment()
-
-
-@functools.lru_cache(maxsize=1024)
-def _cel_program(expression: str) -> Any:
-    env = _cel_env()
-    return env.program(env.compile(expression), functions=_cel_functions())
-
-
-def _cel_eval(expression: str, activation: dict[str, Any]) -> Any:
-    import celpy
-
-    program = _cel_program(expression)
-    result = program.evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
-    if isinstance(result, celpy.CELEvalError):
-        raise result
-    return result
-
-
-def _field_path(base: str, field_path: str) -> str:
-    """Join a rule's path with its ``fieldPath`` (``.spec.x``, ``.x['y.z']``)."""
-    out = base
-    for m in re.finditer(r"\.([A-Za-z0-9_$-]+)|\['([^']*)'\]|\[(\d+)\]", field_path):
-        if m.group(1) is not None:
-            out = _child(out, m.group(1))
-        elif m.group(2) is not None:
-            out = _child(out, m.group(2)) if "." not in m.group(2) else f"{out}[{m.group(2)}]"
-        else:
-            out = _index(out, m.group(3))
-    return out
-
-
-def _cel_error(path: str, schema: dict, rule: dict, detail: str) -> FieldError:
-    if rule.get("fieldPath"):
-        path = _field_path(path, rule["fieldPath"])
-    shown_type = schema.get("type") or ("" if not schema.get("x-kubernetes-int-or-string") else "integer-or-string")
-    reason = rule.get("reason")
-    if reason == "FieldValueForbidden":
-        return _forbidden(path, detail)
-    if reason == "FieldValueRequired":
-        return _required(path, detail)
-    if reason == "FieldValueDuplicate":
-        return _duplicate(path, shown_type)
-    return _invalid(path, shown_type, detail)
-
-
-def _check_cel(schema: dict, value: Any, old: Any, has_old: bool, path: str, errors: list[FieldError]) -> None:
-    if not isinstance(schema, dict) or value is None:
-        return
-    # Children first would also be fine; Kubernetes reports in schema order, parents first.
-    for rule in schema.get("x-kubernetes-validations") or []:
-        expression = rule.get("rule", "")
-        uses_old = re.search(r"\boldSelf\b", expression) is not None
-        if uses_old and not has_old:
-            continue  # transition rules only run on updates where the old value exists
-        activation = {"self": value}
-        if uses_old:
-            activation["oldSelf"] = old
-        try:
-            ok = _cel_eval(expression, activation)
-        except Exception as exc:  # compile errors are caught by check_crd; here: evaluation errors
-            errors.append(_cel_error(path, schema, rule, f"rule evaluation error: {_cel_exc(exc)}"))
-            continue
-        if bool(ok):
-            continue
-        message = rule.get("message") or f"failed rule: {expression.strip()}"
-        if rule.get("messageExpression"):
-            try:
-                rendered = _cel_eval(rule["messageExpression"], activation)
-                if isinstance(rendered, str) and rendered.strip():
-                    message = str(rendered)
-            except Exception:
-                pass
-        errors.append(_cel_error(path, schema, rule, message))
-
-    if isinstance(value, dict):
-        props = schema.get("properties") or {}
-        additional = schema.get("additionalProperties")
-        for key, sub in value.items():
-            sub_old_present = has_old and isinstance(old, dict) and key in old
-            sub_old = old.get(key) if sub_old_present else None
-            if key in props:
-                _check_cel(props[key], sub, sub_old, sub_old_present, _child(path, key), errors)
-            elif isinstance(additional, dict):
-                _check_cel(additional, sub, sub_old, sub_old_present, _child(path, key), errors)
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        items = schema["items"]
-        old_by_key: dict[tuple, Any] = {}
-        keys = schema.get("x-kubernetes-list-map-keys") or []
-        if has_old and isinstance(old, list) and schema.get("x-kubernetes-list-type") == "map":
-            old_by_key = {tuple(o.get(k) for k in keys): o for o in old if isinstance(o, dict)}
-        for i, item in enumerate(value):
-            key = tuple(item.get(k) for k in keys) if keys and isinstance(item, dict) else None
-            present = key is not None and key in old_by_key
-            _check_cel(items, item, old_by_key.get(key) if present else None, present, _index(path, i), errors)
-
-
-def _cel_exc(exc: Exception) -> str:
-    args = getattr(exc, "args", ())
-    return str(args[0]) if args else str(exc)
-
-
-def _walk_rules(schema: Any, path: str) -> list[tuple[str, dict]]:
-    found: list[tuple[str, dict]] = []
-    if not isinstance(schema, dict):
-        return found
-    for rule in schema.get("x-kubernetes-validations") or []:
-        found.append((path, rule))
-    for key, sub in (schema.get("properties") or {}).items():
-        found += _walk_rules(sub, _child(path, key))
-    if isinstance(schema.get("items"), dict):
-        found += _walk_rules(schema["items"], f"{path}.items" if path else "items")
-    if isinstance(schema.get("additionalProperties"), dict):
-        found += _walk_rules(schema["additionalProperties"], f"{path}.additionalProperties")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,25 +470,25 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     if version is None:
         served = [f"{group}/{v.get('name')}" for v in spec.get("versions") or [] if v.get("served", True)]
         if not api_version:
-            errors.append(_required("apiVersion"))
+            errors.append(fe.required("apiVersion"))
         else:
-            errors.append(_not_supported("apiVersion", api_version, served))
+            errors.append(fe.not_supported("apiVersion", api_version, served))
         return errors
     kind = (spec.get("names") or {}).get("kind")
     if obj.get("kind") != kind:
-        errors.append(_not_supported("kind", obj.get("kind"), [kind]))
+        errors.append(fe.not_supported("kind", obj.get("kind"), [kind]))
 
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
         meta = {}
     name = meta.get("name")
     if not name and not meta.get("generateName"):
-        errors.append(_required("metadata.name", "name or generateName is required"))
+        errors.append(fe.required("metadata.name", "name or generateName is required"))
     elif name:
         for msg in name_errors(str(name)):
-            errors.append(_invalid("metadata.name", name, msg))
+            errors.append(fe.invalid("metadata.name", name, msg))
     if (spec.get("scope") == "Cluster") and meta.get("namespace"):
-        errors.append(_forbidden("metadata.namespace", "not allowed on this type"))
+        errors.append(fe.forbidden("metadata.namespace", "not allowed on this type"))
 
     schema = _schema_of(crd, version)
     # Name constraints that a CRD may declare in its schema's metadata.
@@ -787,7 +518,7 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     errors += validator.errors
 
     # Like kube-apiserver: CEL rules are not run over values of the wrong type.
-    if any(e.reason in ("FieldValueTypeInvalid",) for e in validator.errors) and _walk_rules(schema, ""):
+    if any(e.reason in ("FieldValueTypeInvalid",) for e in validator.errors) and cel.walk_rules(schema, ""):
         errors.append(FieldError("", "FieldValueInvalid",
                                  "some validation rules were not checked because the object was invalid; "
                                  "correct the existing errors to complete validation"))
@@ -799,7 +530,7 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     if old_work is not None:
         old_root = {k: v for k, v in old_work.items() if k != "metadata"}
         old_root["metadata"] = {k: (old.get("metadata") or {}).get(k) for k in ("name", "generateName") if k in (old.get("metadata") or {})}
-    _check_cel(schema, root_value, old_root, old_root is not None, "", cel_errors)
+    cel.check_cel(schema, root_value, old_root, old_root is not None, "", cel_errors)
     errors += cel_errors
     return errors
 
@@ -808,38 +539,38 @@ def check_crd(crd: dict) -> list[FieldError]:
     """Sanity checks a CRD the way the API server does on create: names, versions, CEL compiles."""
     errors: list[FieldError] = []
     if crd.get("apiVersion") != "apiextensions.k8s.io/v1" or crd.get("kind") != "CustomResourceDefinition":
-        errors.append(_invalid("apiVersion", crd.get("apiVersion"), "must be apiextensions.k8s.io/v1 CustomResourceDefinition"))
+        errors.append(fe.invalid("apiVersion", crd.get("apiVersion"), "must be apiextensions.k8s.io/v1 CustomResourceDefinition"))
         return errors
     spec = crd.get("spec") or {}
     names = spec.get("names") or {}
     group = spec.get("group") or ""
     if not group:
-        errors.append(_required("spec.group"))
+        errors.append(fe.required("spec.group"))
     for key in ("plural", "kind"):
         if not names.get(key):
-            errors.append(_required(f"spec.names.{key}"))
+            errors.append(fe.required(f"spec.names.{key}"))
     name = (crd.get("metadata") or {}).get("name")
     if names.get("plural") and group and name != f"{names['plural']}.{group}":
-        errors.append(_invalid("metadata.name", name, "must be spec.names.plural+\".\"+spec.group"))
+        errors.append(fe.invalid("metadata.name", name, "must be spec.names.plural+\".\"+spec.group"))
     if spec.get("scope") not in ("Namespaced", "Cluster"):
-        errors.append(_not_supported("spec.scope", spec.get("scope"), ["Cluster", "Namespaced"]))
+        errors.append(fe.not_supported("spec.scope", spec.get("scope"), ["Cluster", "Namespaced"]))
     versions = spec.get("versions") or []
     if not versions:
-        errors.append(_required("spec.versions", "must have exactly one version marked as storage version"))
+        errors.append(fe.required("spec.versions", "must have exactly one version marked as storage version"))
     if versions and sum(1 for v in versions if v.get("storage")) != 1:
-        errors.append(_invalid("spec.versions", [v.get("name") for v in versions], "must have exactly one version marked as storage version"))
+        errors.append(fe.invalid("spec.versions", [v.get("name") for v in versions], "must have exactly one version marked as storage version"))
     for i, version in enumerate(versions):
         schema = (version.get("schema") or {}).get("openAPIV3Schema")
         base = f"spec.versions[{i}].schema.openAPIV3Schema"
         if schema is None:
             continue
-        for path, rule in _walk_rules(schema, ""):
+        for path, rule in cel.walk_rules(schema, ""):
             for key in ("rule", "messageExpression"):
                 if not rule.get(key):
                     continue
                 try:
-                    _cel_program(rule[key])
+                    cel.cel_program(rule[key])
                 except Exception as exc:
                     where = f"{base}.{path}.x-kubernetes-validations" if path else f"{base}.x-kubernetes-validations"
-                    errors.append(_invalid(f"{where}[{key}]", rule[key], f"compilation failed: {_cel_exc(exc)}"))
+                    errors.append(fe.invalid(f"{where}[{key}]", rule[key], f"compilation failed: {cel.cel_exc(exc)}"))
     return errors

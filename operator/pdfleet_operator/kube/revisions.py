@@ -23,7 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdfleet_operator import kube, metrics, render, rollback
+from pdfleet_operator.api import names
+from pdfleet_operator.kube import client, render
+from pdfleet_operator import prometheus
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus
 
 logger = logging.getLogger("pdfleet.revisions")
@@ -41,7 +44,7 @@ def revision_object(owner: render.Owner, number: int, wire: Mapping[str, Any], t
     template = rollback.template_of(dict(wire))
     return {
         "apiVersion": "apps/v1", "kind": "ControllerRevision",
-        "metadata": {"name": render.child_name(owner.name, "rev", str(number)), "namespace": owner.namespace,
+        "metadata": {"name": names.child_name(owner.name, "rev", str(number)), "namespace": owner.namespace,
                      "labels": render.labels(owner, "revision", revision=number),
                      "annotations": {render.ANNOTATION_TEMPLATE_HASH: template_hash,
                                      ANNOTATION_FINGERPRINT: rollback.fingerprint(template)},
@@ -172,21 +175,21 @@ def _hash(obj: Mapping[str, Any]) -> str | None:
     return (obj["metadata"].get("annotations") or {}).get(render.ANNOTATION_TEMPLATE_HASH)
 
 
-async def record(api: kube.Api, revision: dict[str, Any] | None, stored: list[dict[str, Any]], limit: int,
+async def record(api: client.Api, revision: dict[str, Any] | None, stored: list[dict[str, Any]], limit: int,
                  keep: set[int]) -> list[str]:
     """Store a superseded revision (`superseded`), drop older copies of its template (not kept ones) and
     prune beyond the history limit (never one in `keep`: served, stable, failed); the keys written."""
     written = []
     if revision is not None:
-        obj = await kube.save_revision(api, revision)
+        obj = await client.save_revision(api, revision)
         duplicates = [r for r in stored if _hash(r) == _hash(obj) and number_of(r) not in keep | {number_of(obj)}]
-        await kube.delete_revisions(api, duplicates)
-        written += [kube.key_of(obj)] + [kube.key_of(r) for r in duplicates]
+        await client.delete_revisions(api, duplicates)
+        written += [client.key_of(obj)] + [client.key_of(r) for r in duplicates]
         stored = [r for r in stored if r not in duplicates] + [obj]
     prune = set(rollback.revisions_to_prune([number_of(r) for r in stored], limit, keep))
     gone = [r for r in stored if number_of(r) in prune]
-    await kube.delete_revisions(api, gone)
-    return written + [kube.key_of(r) for r in gone]
+    await client.delete_revisions(api, gone)
+    return written + [client.key_of(r) for r in gone]
 
 
 @dataclass
@@ -315,7 +318,7 @@ async def sample(dep: InferenceDeployment, default_url: str | None, profile: str
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
         return rollback.RatioSample(now, None, None, "no Prometheus URL (spec.autoscaling.prometheusUrl / --prometheus-url)")
-    source = metrics.prometheus_for(url, profile)
+    source = prometheus.prometheus_for(url, profile)
     assert dep.metadata.name and dep.metadata.namespace
     requests, errors, why = await asyncio.to_thread(source.router_requests, dep.metadata.name, dep.metadata.namespace,
                                                     dep.spec.rollback.window)

@@ -15,7 +15,8 @@ from typing import Any
 
 import pydantic
 
-from pdfleet_operator import inventory, kube
+from pdfleet_operator.decide import inventory
+from pdfleet_operator.kube import client
 from pdfleet_operator.api import AcceleratorClass
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class ClassStatusWriter:
     def __init__(self) -> None:
         self.writes = 0
 
-    async def sync(self, api: kube.Api, nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]]) -> list[str]:
+    async def sync(self, api: client.Api, nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]]) -> list[str]:
         """Patch the status of every class whose numbers changed; returns their names."""
         listed = await api.list("AcceleratorClass", None)
         wanted = compute(listed, nodes, pods)
@@ -63,7 +64,7 @@ class ClassStatusWriter:
                 continue
             try:
                 await api.patch_status_of("AcceleratorClass", None, name, want)
-            except kube.ApiError as exc:
+            except client.ApiError as exc:
                 if exc.code == 404:
                     continue  # deleted since the list
                 raise

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdfleet_operator.api import AcceleratorClassSpec, parse_quantity
-from pdfleet_operator.placement import FleetPlan, PlannedPool
+from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
 # CPU cores a router replica is priced at when its resources do not request cpu.
 DEFAULT_ROUTER_CORES = 1.0

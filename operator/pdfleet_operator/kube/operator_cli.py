@@ -1,4 +1,4 @@
-"""`pdfleet operator`: runs the kopf handlers of `pdfleet_operator.handlers` (cli.py calls register())."""
+"""`pdfleet operator`: runs the kopf handlers of `pdfleet_operator.kube.handlers` (cli.py calls register())."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 
-from pdfleet_operator import generated, handlers, metric_names
+from pdfleet_operator.gen import generated
+from pdfleet_operator.kube import handlers
+from pdfleet_operator.decide import metric_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdfleet_operator import autoscaler, exporter, metrics, operator_metrics
+from pdfleet_operator.decide import autoscaler
+from pdfleet_operator.kube import exporter, operator_metrics
+from pdfleet_operator import prometheus
 from pdfleet_operator.api import Condition, InferenceDeployment
-from pdfleet_operator.autoscaler import ScalerState, ScalingDecision
-from pdfleet_operator.metrics_snapshot import MetricsSnapshot
+from pdfleet_operator.decide.autoscaler import ScalerState, ScalingDecision
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 
 logger = logging.getLogger("pdfleet.scaling")
 Key = tuple[str, str]
@@ -151,6 +153,6 @@ async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: s
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
         return MetricsSnapshot.unavailable(time.time(), NO_URL)
-    source = metrics.prometheus_for(url, profile)
+    source = prometheus.prometheus_for(url, profile)
     assert dep.metadata.name and dep.metadata.namespace, "a stored InferenceDeployment has a name and namespace"
     return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()))

@@ -17,41 +17,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet_operator import metric_names as names
-from pdfleet_operator import rollback
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.api import (
     API_VERSION,
-    WORKER_ROLE,
     AcceleratorClassSpec,
     InferenceDeploymentSpec,
-    parse_duration,
 )
-from pdfleet_operator.placement import FleetPlan, PlannedPool
+from pdfleet_operator import runtime
+from pdfleet_operator.api.names import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_REVISION_SPEC,
+    ANNOTATION_TEMPLATE_HASH,
+    LABEL_ACCELERATOR,
+    LABEL_DEPLOYMENT,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    MANAGER,
+    PART_OF,
+    ROUTER_ROLE,
+    ROUTER_SERVICE_PORT,
+    config_name,
+    pool_name,
+    role_service_name,
+    router_name,
+)
+from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
-MAX_NAME = 63
-HASH_LEN = 8
 HTTP_PORT = 8000
-ROUTER_SERVICE_PORT = 80
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/pdfleet"
 CONFIG_KEY = "engine.json"
 RUN_AS = 10001  # the image's user (Dockerfile: useradd --uid 10001)
 WORKER_GRACE_SECONDS = 90  # a draining worker finishes in-flight requests and releases KV leases
 ROUTER_GRACE_SECONDS = 30
-MANAGER = "pdfleet-operator"
-PART_OF = "pdfleet"
-
-LABEL_DEPLOYMENT = "pdfleet.io/deployment"
-LABEL_ROLE = "pdfleet.io/role"
-LABEL_ACCELERATOR = "pdfleet.io/accelerator"
-LABEL_REVISION = "pdfleet.io/revision"
-ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
-ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
-# On the ConfigMap: the served revision's template (`rollback.revision_wire`, JSON). The served revision is
-# not a ControllerRevision yet; the operator stores it from here when another revision supersedes it.
-ANNOTATION_REVISION_SPEC = "pdfleet.io/revision-spec"
-ROUTER_ROLE = "router"
-
 # (apiVersion, kind) of everything render() may produce; kube.py maps them to API paths.
 KINDS = (
     ("v1", "ConfigMap"),
@@ -75,38 +74,6 @@ class Owner:
     def reference(self) -> dict[str, Any]:
         return {"apiVersion": API_VERSION, "kind": "InferenceDeployment", "name": self.name, "uid": self.uid,
                 "controller": True, "blockOwnerDeletion": True}
-
-
-def child_name(*parts: str) -> str:
-    """`a-b-c`, or when longer than 63 characters a 54-character prefix plus a hash of the whole name."""
-    if not parts or any(not p for p in parts):
-        raise ValueError(f"child name parts must be non-empty, got {parts!r}")
-    full = "-".join(parts)
-    if len(full) <= MAX_NAME:
-        return full
-    digest = hashlib.sha256(full.encode()).hexdigest()[:HASH_LEN]
-    return full[:MAX_NAME - HASH_LEN - 1].rstrip("-") + "-" + digest
-
-
-def pool_name(deployment: str, role: str, accelerator_class: str) -> str:
-    return child_name(deployment, role, accelerator_class)
-
-
-def role_service_name(deployment: str, role: str) -> str:
-    return child_name(deployment, role)
-
-
-def router_name(deployment: str) -> str:
-    return child_name(deployment, "router")
-
-
-def config_name(deployment: str) -> str:
-    return child_name(deployment, "engine")
-
-
-def endpoint(deployment: str, namespace: str) -> str:
-    """The OpenAI API base URL clients use: the router Service."""
-    return f"http://{deployment}.{namespace}.svc:{ROUTER_SERVICE_PORT}/v1"
 
 
 def _digest(value: Any) -> str:
@@ -165,32 +132,6 @@ def _quantity(value: str | int | float) -> str:
     return str(value)
 
 
-def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """The worker's engine settings (keys as pdfleet_worker.config.EngineConfig names them)."""
-    e = spec.engine
-    return {
-        "served_model_name": spec.model.name,
-        "dtype": spec.model.dtype,
-        "max_model_len": spec.model.max_model_len,
-        "block_size": e.block_size,
-        "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
-        "kv_cache_dtype": e.kv_cache_dtype,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "max_num_waiting": e.max_waiting_requests,
-        "enable_prefix_caching": e.enable_prefix_caching,
-        "kv_transfer": {
-            "timeout_seconds": parse_duration(e.kv_transfer.timeout),
-            "lease_seconds": parse_duration(e.kv_transfer.lease),
-            "on_failure": e.kv_transfer.on_failure,
-        },
-    }
-
-
-def config_text(spec: InferenceDeploymentSpec) -> str:
-    return json.dumps(engine_config(spec), indent=2, sort_keys=True) + "\n"
-
-
 def model_dir(spec: InferenceDeploymentSpec) -> str:
     src = spec.model.source
     if src.pvc is not None:
@@ -215,10 +156,9 @@ def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict], list[dict]
 
 
 def worker_args(spec: InferenceDeploymentSpec, role: str) -> list[str]:
-    """`pdfleet worker` flags (issue 4's contract plus the engine config file and extra args)."""
-    return ["worker", "--model", model_dir(spec), "--role", WORKER_ROLE[role],
-            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--engine-config", posixpath.join(CONFIG_MOUNT, CONFIG_KEY), *spec.engine.extra_args]
+    """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args)."""
+    return runtime.worker_args(spec, role, model_dir=model_dir(spec), host="0.0.0.0", port=HTTP_PORT,
+                               engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY))
 
 
 def router_args(owner: Owner, roles: list[str]) -> list[str]:
@@ -348,7 +288,7 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
                 "metadata": {"labels": pod_labels,
-                             "annotations": {**_scrape_annotations(), ANNOTATION_CONFIG_HASH: _digest(config_text(spec))}},
+                             "annotations": {**_scrape_annotations(), ANNOTATION_CONFIG_HASH: _digest(runtime.config_text(spec))}},
                 "spec": pod_spec,
             },
         },
@@ -449,7 +389,7 @@ def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> di
         "kind": "ConfigMap",
         "metadata": _meta(owner, config_name(owner.name), labels(owner, "config", revision=revision),
                           {ANNOTATION_TEMPLATE_HASH: template_hash(spec), ANNOTATION_REVISION_SPEC: revision_spec}),
-        "data": {CONFIG_KEY: config_text(spec)},
+        "data": {CONFIG_KEY: runtime.config_text(spec)},
     }
 
 

@@ -13,8 +13,8 @@ from prometheus_api_client import PrometheusApiClientException, PrometheusConnec
 from prometheus_client.parser import text_string_to_metric_families
 from urllib3.util.retry import Retry
 
-from pdfleet_operator import metric_names as names
-from pdfleet_operator.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
 
 # Fields a snapshot cannot do without; the others are None when the engine does not export them.
 REQUIRED = ("waiting", "running", "replicas", "sample_time")
