@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.set_defaults(func=_router)
 
 
+def _before_torch() -> None:
+    # NOTE: an installed torch_npu without its CANN libraries makes `import torch` itself fail unless backend
+    # autoloading is off; the worker imports the bridge of the device it is told to use (server/device.py).
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
 def _model_init(args: argparse.Namespace) -> int:
+    _before_torch()
     from pdfleet_worker import model_init
 
     result = model_init.init_model(args.dir, args.preset, arch=args.arch, dtype=args.dtype, seed=args.seed,
@@ -39,6 +47,7 @@ def _model_init(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    _before_torch()
     from pdfleet_worker.server import runner
 
     return runner.run(args)

@@ -7,9 +7,12 @@ import glob
 import json
 import os
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from pdfleet_worker.server import device as devices
 
 ROLES = ("prefill", "decode", "both")
 ON_FAILURE = ("recompute", "fail")
@@ -83,11 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--engine-config", help="JSON file with engine settings (keys as the operator renders them); flags win")
-    p.add_argument("--accelerator", default=None, help="accelerator label on metrics (default $PDFLEET_ACCELERATOR or cpu)")
+    p.add_argument("--accelerator", "--accelerator-class", dest="accelerator", default=None,
+                   help="the pod's AcceleratorClass: the accelerator label on metrics, named when --device is absent "
+                        "(default $PDFLEET_ACCELERATOR, else cpu)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=DTYPES, default=None)
     g.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N, or auto: cuda when torch sees a GPU, else cpu (default auto)")
+                   help="cpu; cuda[:N] (NVIDIA, MIG, Hygon DTK); npu[:N] (Ascend, loads torch_npu); mlu[:N] (Cambricon, "
+                        "loads torch_mlu); xpu[:N] (Intel); or auto: cuda when torch sees a GPU, else cpu (default auto). "
+                        "A named accelerator that is absent is an error, never a CPU fallback")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="fraction of free device memory (after weights) for the KV cache (default 0.85)")
@@ -119,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-# Engine config file keys (operator/pdfleet_operator/render.py engine_config) -> our field names.
+# Engine config file keys (operator/pdfleet_operator/kube/render.py engine_config) -> our field names.
 _FILE_KEYS = {"served_model_name", "dtype", "max_model_len", "block_size", "kv_cache_memory_fraction", "num_kv_blocks",
               "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "enable_prefix_caching",
               "kv_transfer", "device", "num_threads"}
@@ -162,7 +169,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     block_size = pick("block_size", 16)
     num_kv_blocks = pick("num_kv_blocks", None)
     fraction = pick("kv_cache_memory_fraction", 0.85)
-    device = resolve_device(pick("device", "auto"))
+    accelerator_class = pick("accelerator", None) or os.environ.get("PDFLEET_ACCELERATOR")
+    device = devices.resolve_device(pick("device", "auto"), accelerator_class)
     max_num_seqs = pick("max_num_seqs", 64)
     max_model_len = pick("max_model_len", None)
     kv_dtype = pick("kv_cache_dtype", "auto")
@@ -183,7 +191,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         engine=engine,
         served_model_name=pick("served_model_name", None) or os.path.basename(os.path.normpath(model)),
         role=pick("role", "both"), host=pick("host", "127.0.0.1"), port=pick("port", 8000),
-        accelerator=pick("accelerator", None) or os.environ.get("PDFLEET_ACCELERATOR") or "cpu",
+        accelerator=accelerator_class or "cpu",
         kv_cache_memory_fraction=None if num_kv_blocks is not None else fraction,
         kv_transfer_timeout_s=parse_duration(pick("kv_transfer_timeout", 10.0)),
         kv_lease_s=parse_duration(pick("kv_lease", 30.0)),
@@ -194,60 +202,24 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)))
 
 
-def _cpu_available_bytes() -> int:
-    """MemAvailable, capped by the cgroup (container) limit minus what the cgroup already uses."""
-    avail = None
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    if avail is None:
-        raise RuntimeError("/proc/meminfo has no MemAvailable")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when torch sees a GPU (the pod got one from the device plugin), else cpu.
-
-    NOTE: the operator renders no --device: a pod on an NVIDIA class must use its GPU without the
-    spec saying so. Vendor runtimes (torch_npu, ...) are not wired: those classes run the vendor's image.
-    """
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
-                   block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """KV pool bytes: `fraction` of the device memory left after the weights, but no more than
-    max_num_seqs sequences of max_model_len tokens can use (a CPU has far more memory than that)."""
+                   block_size: int, max_num_seqs: int, max_model_len: int,
+                   cgroup_dirs: Sequence[Path] | None = None) -> int:
+    """KV pool bytes: `fraction` of the memory left after the weights (the device's; on the CPU the headroom
+    under the pod's cgroup limit, see device.free_memory), but no more than max_num_seqs sequences of
+    max_model_len tokens can use (a CPU has far more memory than that)."""
     elem = {"float32": 4, "bfloat16": 2}[dtype]
     # NOTE: the files' size, not the loaded size: an fp32 checkpoint served in bf16 leaves more
     # room than this counts, which errs on the safe side.
     weights = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if device.startswith("cuda"):
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-    else:
-        free = _cpu_available_bytes()
+    memory = devices.free_memory(device, cgroup_dirs)
+    free = memory.bytes
     budget = int((free - weights) * fraction)
     kv_elem = 1 if kv_dtype == "int8" else elem
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
     blocks_per_seq = -(-max_model_len // block_size)
     cap = max_num_seqs * blocks_per_seq * block_size * per_token
     if budget < block_size * per_token:
-        raise ValueError(f"no memory for the KV cache: {free / 2**30:.1f} GiB free, weights {weights / 2**30:.1f} GiB, "
-                         f"fraction {fraction}")
+        raise ValueError(f"no memory for the KV cache: {free / 2**30:.1f} GiB free ({memory.source}), "
+                         f"weights {weights / 2**30:.1f} GiB, fraction {fraction}")
     return min(budget, cap)
