@@ -90,13 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=][ENGINE@]URL",
                    help="colocated (role both) worker URLs; ENGINE (default --engine) is pdfleet or vllm, e.g. "
                         "fast=vllm@http://vllm:8000")
-    p.add_argument("--engine", choices=engines.ENGINES, default=engines.PDFLEET,
-                   help="engine of the workers whose entry names none: pdfleet (probed at /load) or vllm (vLLM and "
-                        "its vendor builds: /health, /v1/models and /metrics)")
     p.add_argument("--workers-file", metavar="FILE",
                    help='instead of the three flags above: a JSON file {"prefill": [...], "decode": [...], "workers": '
                         '[...]} (entries as the flags take them), re-read every discovery interval; the roles present '
                         "at start are the router's pools")
+    p.add_argument("--engine", choices=engines.ENGINES, default=engines.PDFLEET,
+                   help="engine of the workers whose entry names none: pdfleet (probed at /load) or vllm (vLLM and "
+                        "its vendor builds: /health, /v1/models and /metrics)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--default-tier", help=f"tier for requests that name none (default: {DEFAULT_TIER!r}, else the first)")
