@@ -134,6 +134,11 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: s
     raise AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
 
 
+def worker_urls(router: Proc) -> dict[str, str]:
+    """The router's worker ids (what its x-pdfleet-* headers carry: never an address) -> URLs, from /workers."""
+    return {w["id"]: w["url"] for w in httpx.get(f"{router.url}/workers", timeout=5).json()["workers"]}
+
+
 def pool_whole(w: Proc) -> bool:
     ld = w.load()
     return (ld.get("free_blocks") == ld.get("total_blocks") and ld.get("running") == 0 and ld.get("waiting") == 0

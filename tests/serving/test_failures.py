@@ -12,7 +12,7 @@ import pytest
 
 from pdfleet_worker import metrics as m
 from pdfleet_worker.kv_transfer import connector as c
-from tests.serving.conftest import MODEL, pool_whole, router, start_all, wait_until, worker
+from tests.serving.conftest import MODEL, pool_whole, router, start_all, wait_until, worker, worker_urls
 from tests.serving.test_kv_transfer import sample
 
 
@@ -101,7 +101,7 @@ def test_decode_killed_mid_stream_gives_api_error_and_the_router_keeps_serving(p
     client = openai.OpenAI(base_url=f"{r2.url}/v1", api_key="unused", max_retries=0, timeout=60)
     raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt_of(20, seed=23), max_tokens=1500,
                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
-    victim_url = raw.headers["x-pdfleet-decode"]
+    victim_url = worker_urls(r2)[raw.headers["x-pdfleet-decode"]]
     victim = procs["fail"] if victim_url == procs["fail"].url else procs["recompute"]
     survivor = procs["recompute"] if victim is procs["fail"] else procs["fail"]
     procs["survivor"] = survivor
@@ -123,7 +123,7 @@ def test_decode_killed_mid_stream_gives_api_error_and_the_router_keeps_serving(p
     for i in range(4):
         resp = client.completions.with_raw_response.create(model=MODEL, prompt=prompt_of(12, seed=30 + i),
                                                            max_tokens=4, temperature=0)
-        assert resp.headers["x-pdfleet-decode"] == survivor.url
+        assert worker_urls(r2)[resp.headers["x-pdfleet-decode"]] == survivor.url
         assert resp.parse().choices[0].finish_reason in ("stop", "length")
     assert sample(r2.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="200", tier="default") >= 4
     client.close()

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import MODEL, pool_whole, wait_until
+from tests.serving.conftest import MODEL, pool_whole, wait_until, worker_urls
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -142,7 +142,7 @@ def test_colocated_tier_by_alias_and_header_gives_the_same_tokens(pipeline, clie
     pd = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     by_alias = client.completions.with_raw_response.create(model="tiny-colo", prompt=prompt, **GREEDY)
     assert by_alias.headers["x-pdfleet-tier"] == "colo"
-    assert by_alias.headers["x-pdfleet-worker"] == pipeline.colo.url
+    assert worker_urls(pipeline.router)[by_alias.headers["x-pdfleet-worker"]] == pipeline.colo.url
     colo = by_alias.parse()
     assert colo.model == MODEL, "the alias is rewritten to the model the tier serves"
     by_header = client.completions.create(model=MODEL, prompt=prompt, extra_headers={"x-pdfleet-tier": "colo"},

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdfleet_worker.router import discovery, picker, router_config
-from tests.serving.conftest import MODEL, Proc, wait_until
+from tests.serving.conftest import MODEL, Proc, wait_until, worker_urls
 
 
 def parse(*argv: str) -> router_config.RouterConfig:
@@ -80,7 +80,7 @@ def test_router_discovers_workers_by_dns_of_a_hostname(pipeline, logdir):
         urls = {w["url"]: w["healthy"] for w in httpx.get(f"{r.url}/workers").json()["workers"]}
         assert urls.get(f"http://127.0.0.1:{port}") is True, urls
         resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert resp.status_code == 200 and resp.headers["x-pdfleet-worker"] == f"http://127.0.0.1:{port}"
+        assert resp.status_code == 200 and worker_urls(r)[resp.headers["x-pdfleet-worker"]] == f"http://127.0.0.1:{port}"
     finally:
         assert r.stop() == 0
 

@@ -1,4 +1,4 @@
-"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics; the router runner serves it."""
+"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, every client answer counted; the router runner serves it."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +14,9 @@ from starlette.responses import JSONResponse, Response
 from pdfleet_worker import metrics as m
 from pdfleet_worker.router.proxy import Router
 from pdfleet_worker.router.router_config import RouterConfig
-from pdfleet_worker.router.router_metrics import RouterMetrics
+from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstreams
+from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.streaming import install_error_handlers
 
 log = logging.getLogger("pdfleet.router")
@@ -40,6 +41,8 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="pdfleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CountResponses, metrics=lambda: state.get("metrics"), default_tier=cfg.default_tier)
+    started = p.now()
 
     async def drain() -> None:
         """SIGTERM: answer /ready 503 so the Service stops sending, let open requests finish
@@ -58,13 +61,21 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await state["router"].handle(request, "/v1/chat/completions")
 
+    def cards() -> dict[str, dict[str, Any]]:
+        served = state["upstreams"].models()
+        names = {**served, **{alias: tier for alias, tier in cfg.aliases.items() if alias not in served}}
+        return {name: p.model_card(name, started, tier=tier) for name, tier in names.items()}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        served = state["upstreams"].models()
-        data = [{"id": name, "object": "model", "owned_by": "pdfleet", "tier": tier} for name, tier in served.items()]
-        data += [{"id": alias, "object": "model", "owned_by": "pdfleet", "tier": tier}
-                 for alias, tier in cfg.aliases.items() if alias not in served]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": list(cards().values())}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        known = cards()
+        if model_id not in known:
+            raise p.model_not_found(model_id, list(known))
+        return known[model_id]
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -79,7 +90,8 @@ def build_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
-        return {"workers": [up.describe() for up in state["upstreams"].all.values()]}
+        router: Router = state["router"]  # `id`: what response headers call the worker
+        return {"workers": [{**up.describe(), "id": router.worker_id(up.url)} for up in state["upstreams"].all.values()]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

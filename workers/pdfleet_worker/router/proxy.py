@@ -1,12 +1,15 @@
-"""One client request through the router: tier choice, prefill -> decode orchestration or colocated passthrough, retries before the first byte, SSE relay with an error event when a worker dies mid-stream; the router app calls it."""
+"""One client request through the router: validation against the tier's limits before any work, tier choice, prefill -> decode orchestration or colocated passthrough, retries before the first byte, SSE relay with an error event when a worker dies mid-stream, cancellation when the client leaves; what reaches the client never names a worker's address. The router app calls it."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
+import os
+import re
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import httpx
@@ -14,20 +17,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE
+from pdfleet_worker.router import engines
 from pdfleet_worker.router.router_config import RouterConfig
-from pdfleet_worker.router.router_metrics import RouterMetrics
+from pdfleet_worker.router.router_metrics import OUTCOME, Outcome, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
 from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.protocol import RequestError
-from pdfleet_worker.server.streaming import SSE_HEADERS, EventStreamResponse, read_json, sse
+from pdfleet_worker.server.streaming import (SSE_HEADERS, ClientGone, EventStreamResponse, internal_error_response,
+                                             read_json, sse, until_disconnect)
 
 log = logging.getLogger("pdfleet.router")
 
+CHAT_PATH = "/v1/chat/completions"
 # Failures where the worker cannot have started answering: safe to try another one.
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
              httpx.ReadError, httpx.WriteError)
-
-
 @dataclasses.dataclass
 class Answer:
     """A worker's complete (non-streamed) answer."""
@@ -48,47 +52,51 @@ class Router:
         self.metrics = metrics
         self.client = client
         self.active = 0  # client requests not yet fully answered
+        self._id_key = os.urandom(16)
+
+    def worker_id(self, url: str) -> str:
+        """What clients see of a worker (response headers): stable while this router runs, and no
+        address; /workers maps it back for an operator."""
+        return hmac.new(self._id_key, url.encode(), hashlib.sha256).hexdigest()[:12]
 
     # -- entry ----------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
+        """Never raises: every answer is an OpenAI error object or the worker's; the app's counting
+        middleware reads the tier and a stream's final code from the request's Outcome."""
+        outcome: Outcome = request.scope.setdefault(OUTCOME, Outcome(self.cfg.default_tier))
         self.active += 1
         streaming = False
-        try:
-            response = await self._handle(request, path)
-            streaming = isinstance(response, EventStreamResponse)
-            return response
-        finally:
-            if not streaming:  # a stream's relay decrements when it ends
-                self.active -= 1
-
-    async def _handle(self, request: Request, path: str) -> Response:
-        start = time.monotonic()
-        tier = self.cfg.default_tier
         try:
             body = await read_json(request, self.cfg.max_request_bytes)
             if not isinstance(body, dict):
                 raise RequestError(400, "the request body must be a JSON object")
-            tier = self._tier(request, body)
+            outcome.tier = self._tier(request, body)
             if body.get("kv_transfer_params") is not None:
                 raise RequestError(400, "kv_transfer_params is set by the router, not by clients",
                                    param="kv_transfer_params")
-            stream = body.get("stream") is True
-            headers = {"x-pdfleet-tier": tier}
-            if self.cfg.tiers[tier].disaggregated:
-                response = await self._disaggregated(path, body, stream, tier, headers, start)
-            else:
-                response = await self._forward(tier, "both", path, body, stream, headers, start)
+            stream = self._validate(outcome.tier, body, path == CHAT_PATH)
+            # NOTE: the body is read, so the next receive() is the disconnect: a client that leaves while a
+            # worker computes (prefill, queue, a whole non-streamed answer) cancels that call, and the worker,
+            # seeing its connection close, aborts the request.
+            response = await until_disconnect(request, self._route(outcome, path, body, stream))
+            streaming = isinstance(response, EventStreamResponse)
+            return response
         except RequestError as e:
-            self.metrics.finished(tier, e.status, start)
             return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json",
                             headers=e.headers)
-        return response
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; counted as the client's abort
+        except Exception as e:  # a bug: counted as a 500 like any other answer, its details logged only
+            return internal_error_response(request.method, path, e)
+        finally:
+            if not streaming:  # a stream's relay decrements when it ends
+                self.active -= 1
 
     def _tier(self, request: Request, body: dict) -> str:
         named = request.headers.get(self.cfg.tier_header)
         if named is not None:
             if named not in self.cfg.tiers:
-                raise RequestError(400, f"unknown tier {named!r} in {self.cfg.tier_header}; tiers: "
+                raise RequestError(400, f"unknown tier {p.shown(named)} in {self.cfg.tier_header}; tiers: "
                                         f"{', '.join(sorted(self.cfg.tiers))}", param=self.cfg.tier_header)
             return named
         model = body.get("model")
@@ -104,50 +112,92 @@ class Router:
                 return tier
         return self.cfg.default_tier
 
+    def _validate(self, tier: str, body: dict, chat: bool) -> bool:
+        """The worker's own checks (protocol.check) against the strictest limits the tier's workers
+        report, before any worker is called; returns whether the client asked for a stream.
+        NOTE: a tier with a vLLM worker, or whose workers have not reported yet, is left to its workers
+        (they accept what they accept); the prefill worker checks the whole request before its prefill."""
+        ups = [up for role in self.cfg.tiers[tier].pools() for up in self.upstreams.pool(tier, role)]
+        reported = [up.load["limits"] for up in ups if isinstance(up.load.get("limits"), dict)]
+        if not reported or any(getattr(up, "engine", engines.PDFLEET) != engines.PDFLEET for up in ups):
+            return body.get("stream") is True
+        req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, body)
+        p.check(req, p.Limits.strictest([p.Limits.from_json(raw) for raw in reported]))
+        return req.stream
+
+    async def _route(self, outcome: Outcome, path: str, body: dict, stream: bool) -> Response:
+        headers = {"x-pdfleet-tier": outcome.tier}
+        if self.cfg.tiers[outcome.tier].disaggregated:
+            return await self._disaggregated(outcome, path, body, stream, headers)
+        return await self._forward(outcome, "both", path, body, stream, headers)
+
     # -- PD: prefill, then decode ---------------------------------------------------------------
-    async def _disaggregated(self, path: str, body: dict, stream: bool, tier: str, headers: dict[str, str],
-                             start: float) -> Response:
-        prefill_body = dict(body, stream=False, n=1, max_tokens=1, kv_transfer_params={DO_REMOTE_DECODE: True})
-        for key in ("stream_options", "max_completion_tokens"):
-            prefill_body.pop(key, None)
-        answer = await self._call(tier, "prefill", path, prefill_body)
-        headers["x-pdfleet-prefill"] = answer.upstream.url
-        if answer.status != 200:  # the request's own fault (400, 404, ...): the client gets it as is
-            return self._relay_answer(answer, tier, headers, start)
+    async def _disaggregated(self, outcome: Outcome, path: str, body: dict, stream: bool,
+                             headers: dict[str, str]) -> Response:
+        # NOTE: the prefill worker gets the client's whole request (it computes one token of one choice
+        # whatever it asks for), so that it refuses, before its prefill, all that the decode worker would.
+        prefill_body = dict(body, kv_transfer_params={DO_REMOTE_DECODE: True})
+        answer = await self._call(outcome.tier, "prefill", path, prefill_body)
+        headers["x-pdfleet-prefill"] = self.worker_id(answer.upstream.url)
+        if answer.status != 200:  # the request's own fault (400, 404, ...): the client gets it
+            return self._relay_answer(answer, headers)
         try:
             params = answer.json()["kv_transfer_params"]
-        except (ValueError, KeyError, TypeError):
+            kv_host = params.get("remote_host")
+        except (ValueError, KeyError, TypeError, AttributeError):
             self.metrics.upstream_error("prefill", "bad_response")
-            raise RequestError(502, f"prefill worker {answer.upstream.url} returned no kv_transfer_params",
+            log.warning("prefill worker %s returned no kv_transfer_params", answer.upstream.url)
+            raise RequestError(502, "the prefill worker returned no kv_transfer_params",
                                type="upstream_error") from None
         decode_body = dict(body, kv_transfer_params=params)
-        return await self._forward(tier, "decode", path, decode_body, stream, headers, start)
+        return await self._forward(outcome, "decode", path, decode_body, stream, headers,
+                                   also_redact=(kv_host,) if isinstance(kv_host, str) else ())
 
     # -- one pool -------------------------------------------------------------------------------
-    async def _forward(self, tier: str, role: str, path: str, body: dict, stream: bool, headers: dict[str, str],
-                       start: float) -> Response:
+    async def _forward(self, outcome: Outcome, role: str, path: str, body: dict, stream: bool,
+                       headers: dict[str, str], also_redact: tuple[str, ...] = ()) -> Response:
         header = "x-pdfleet-decode" if role == "decode" else "x-pdfleet-worker"
         if not stream:
-            answer = await self._call(tier, role, path, body)
-            headers[header] = answer.upstream.url
-            return self._relay_answer(answer, tier, headers, start)
-        up, resp = await self._open_stream(tier, role, path, body)
-        headers[header] = up.url
+            answer = await self._call(outcome.tier, role, path, body)
+            headers[header] = self.worker_id(answer.upstream.url)
+            return self._relay_answer(answer, headers, also_redact)
+        up, resp = await self._open_stream(outcome.tier, role, path, body)
+        headers[header] = self.worker_id(up.url)
         if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await resp.aread()
             finally:
                 await resp.aclose()
                 up.inflight -= 1
-            return self._relay_answer(Answer(up, resp.status_code, dict(resp.headers), content), tier, headers, start)
-        relay = _Relay(self, up, resp, tier, start)
+            return self._relay_answer(Answer(up, resp.status_code, dict(resp.headers), content), headers, also_redact)
+        relay = _Relay(self, up, resp, outcome, also_redact)
         return EventStreamResponse(relay.events(), headers={**SSE_HEADERS, **headers}, on_close=relay.close)
 
-    def _relay_answer(self, answer: Answer, tier: str, headers: dict[str, str], start: float) -> Response:
-        self.metrics.finished(tier, answer.status, start)
+    def _relay_answer(self, answer: Answer, headers: dict[str, str], also_redact: Iterable[str] = ()) -> Response:
         keep = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after",)}
-        return Response(answer.body, status_code=answer.status, headers={**keep, **headers},
-                        media_type=answer.headers.get("content-type", "application/json"))
+        if answer.status == 200:
+            return Response(answer.body, status_code=200, headers={**keep, **headers},
+                            media_type=answer.headers.get("content-type", "application/json"))
+        body = self.relayed_error(answer.body, answer.upstream, answer.status, also_redact)
+        return Response(json.dumps(body), status_code=answer.status, headers={**keep, **headers},
+                        media_type="application/json")
+
+    def relayed_error(self, raw: bytes, up: Upstream, status: int, also_redact: Iterable[str] = ()) -> dict[str, Any]:
+        """A worker's error object as the client may see it: its four fields, addresses redacted."""
+        try:
+            err = json.loads(raw)["error"]
+            fields = {k: err.get(k) for k in ("message", "type", "param", "code")}
+            assert isinstance(fields["message"], str)
+        except (ValueError, KeyError, TypeError, AttributeError, AssertionError):
+            log.warning("%s worker %s answered %d without an error object: %r", up.role, up.url, status, raw[:200])
+            return p.error_body(f"the {up.role} worker answered {status}", "upstream_error")
+        known = [u.url for u in self.upstreams.all.values()] + list(also_redact)
+        clean = {k: v if isinstance(v, (int, type(None))) or k == "message" else redact(str(v), known)
+                 for k, v in fields.items()}
+        clean["message"] = redact(fields["message"], known)
+        if clean["message"] != fields["message"]:
+            log.info("%s worker %s: %s", up.role, up.url, fields["message"])
+        return {"error": clean}
 
     # -- calling workers with retries -------------------------------------------------------------
     async def _call(self, tier: str, role: str, path: str, body: dict) -> Answer:
@@ -196,24 +246,25 @@ class Router:
                 self.metrics.upstream_error(role, "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
                                             else "disconnected")
                 self.upstreams.mark_down(up, f"{type(e).__name__}: {e}")
-                errors.append(f"{up.url}: {type(e).__name__}")
+                errors.append(type(e).__name__)
                 continue
             except httpx.TimeoutException as e:
                 self.metrics.upstream_error(role, "timeout")
-                raise RequestError(504, f"{role} worker {up.url} did not answer within "
-                                        f"{self.cfg.upstream_timeout_s:g}s", type="upstream_error") from e
+                log.warning("%s worker %s did not answer within %gs", role, up.url, self.cfg.upstream_timeout_s)
+                raise RequestError(504, f"the {role} worker did not answer within {self.cfg.upstream_timeout_s:g}s",
+                                   type="upstream_error") from e
             finally:
                 up.inflight -= 1
             if isinstance(result, Answer) and result.status == 503:
                 self.metrics.upstream_error(role, "unavailable")
                 last_503 = result
-                errors.append(f"{up.url}: 503")
+                errors.append("503")
                 continue
             return result
         if last_503 is not None:
             return last_503  # every worker is overloaded or draining: pass their 503 + Retry-After on
         what = f"no healthy {role} worker in tier {tier!r}" if not errors else \
-            f"every {role} worker tried failed ({'; '.join(errors)})"
+            f"every {role} worker tried failed ({len(errors)}: {', '.join(errors)})"
         raise RequestError(503, what, type="service_unavailable", code="no_worker",
                            headers={"Retry-After": str(self.cfg.retry_after_s)})
 
@@ -222,20 +273,35 @@ class Router:
                                          headers={"content-type": "application/json"})
 
 
-def _error_code(event: bytes) -> int:
-    try:
-        code = json.loads(event[len(b"data: "):])["error"].get("code")
-    except (ValueError, KeyError, AttributeError):
-        return 500
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>),;]+")
+_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
+_IPV6 = re.compile(r"\[[0-9A-Fa-f:.]+\](?::\d{1,5})?|(?<![\w:])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:])")
+REDACTED = "<worker>"
+
+
+def redact(text: str, known: Iterable[str] = ()) -> str:
+    """`text` without worker addresses: the URLs and hosts given, any URL, any IPv4 or IPv6 address."""
+    for item in sorted({k for k in known if k}, key=len, reverse=True):
+        text = text.replace(item, REDACTED)
+        host = httpx.URL(item).host if "://" in item else ""
+        if host:
+            text = text.replace(host, REDACTED)
+    return _IPV6.sub(REDACTED, _IPV4.sub(REDACTED, _URL.sub(REDACTED, text)))
+
+
+def _error_code(error: dict) -> int:
+    code = error.get("code")
     return code if isinstance(code, int) and 400 <= code < 600 else 500
 
 
 class _Relay:
-    """Forwards a worker's SSE events whole; a broken worker becomes an error event and leaves
-    rotation. close() settles the bookkeeping once, whether or not events() ever ran."""
+    """Forwards a worker's SSE events whole (error events with addresses redacted); a broken worker
+    becomes an error event and leaves rotation. close() settles the bookkeeping once, whether or not
+    events() ever ran."""
 
-    def __init__(self, router: Router, up: Upstream, resp: httpx.Response, tier: str, start: float):
-        self.router, self.up, self.resp, self.tier, self.start = router, up, resp, tier, start
+    def __init__(self, router: Router, up: Upstream, resp: httpx.Response, outcome: Outcome,
+                 also_redact: tuple[str, ...] = ()):
+        self.router, self.up, self.resp, self.outcome, self.also_redact = router, up, resp, outcome, also_redact
         self.code = 499  # until the stream ends otherwise, the client went away
         self._closed = False
 
@@ -248,14 +314,16 @@ class _Relay:
                 while (i := buf.find(b"\n\n")) >= 0:
                     event, buf = buf[:i + 2], buf[i + 2:]
                     if first:
-                        metrics.first_token(self.tier, self.start)
+                        metrics.first_token(self.outcome.tier, self.outcome.start)
                         first = False
                     if event.startswith(b"data: [DONE]"):
                         # The answer is whole once [DONE] is relayed: a client that closes right after it
                         # was served, not dropped (499 would count a served request as a client abort).
                         done, self.code = True, code
                     elif event.startswith(b'data: {"error"'):
-                        code = _error_code(event)
+                        body = self.router.relayed_error(event[len(b"data: "):].strip(), up, 500, self.also_redact)
+                        code = _error_code(body["error"])
+                        event = sse(body)
                     yield event
             if not done:
                 raise httpx.RemoteProtocolError("the stream ended without [DONE]")
@@ -265,8 +333,8 @@ class _Relay:
             metrics.upstream_error(up.role, "timeout" if isinstance(e, httpx.TimeoutException) else "stream_broken")
             self.router.upstreams.mark_down(up, f"failed mid-stream: {type(e).__name__}: {e}")
             log.warning("%s worker %s failed mid-stream: %s", up.role, up.url, e)
-            yield sse(p.error_body(f"the {up.role} worker {up.url} failed mid-stream ({type(e).__name__}: {e}); "
-                                   f"the response is incomplete", "upstream_error", code=502))
+            yield sse(p.error_body(f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is "
+                                   f"incomplete", "upstream_error", code=502))
         finally:
             await self.resp.aclose()
             self.close()
@@ -279,4 +347,4 @@ class _Relay:
         self.router.active -= 1
         if not self.resp.is_closed:
             asyncio.ensure_future(self.resp.aclose())
-        self.router.metrics.finished(self.tier, self.code, self.start)
+        self.outcome.code = self.code

@@ -1,10 +1,61 @@
-"""The router's Prometheus registry (requests by code and tier, latency, TTFT, upstream errors, retries, workers by health); the proxy records into it."""
+"""The router's Prometheus registry (requests by code and tier, latency, TTFT, upstream errors, retries, workers by health) and the middleware that counts every answer once; the proxy records into them."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from pdfleet_worker import metrics as m
+
+OUTCOME = "pdfleet.outcome"  # the request scope key of its Outcome
+# Probes and scrapes are not client requests: counting them would dilute the error ratio rollbacks read.
+UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/workers"})
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the status line does not say about an answer: its tier (the proxy sets it once known)
+    and a stream's final code (how it ended: 200, an error event's code, 502, or 499 if the client left)."""
+
+    tier: str
+    code: int | None = None
+    start: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class CountResponses:
+    """ASGI middleware: every answer the router gives a client is counted once in
+    pdfleet_router_requests_total{code, tier} -- the proxy's, its own errors and bugs (500), unknown
+    paths (404) and methods (405), /v1/models -- except probes and scrapes (UNCOUNTED_PATHS)."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], "RouterMetrics | None"], default_tier: str):
+        self.app, self.metrics, self.default_tier = app, metrics, default_tier
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        outcome = scope[OUTCOME] = Outcome(self.default_tier)
+        status: int | None = None
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception:
+            status = status or 500  # the app's error handler answers it outside this middleware
+            raise
+        except BaseException:
+            status = status or 499  # cancelled: the server is stopping or the client left
+            raise
+        finally:
+            metrics = self.metrics()
+            if metrics is not None:
+                metrics.finished(outcome.tier, outcome.code or status or 500, outcome.start)
 
 
 class RouterMetrics:

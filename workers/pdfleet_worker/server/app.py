@@ -16,6 +16,7 @@ from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.openai_serving import OpenAIServing, ServerState
 from pdfleet_worker.server.streaming import install_error_handlers
 from pdfleet_worker.server.pd import PD
+from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.protocol import RequestError
 from pdfleet_worker.server.worker_config import WorkerConfig
 from pdfleet_worker.server.worker_metrics import WorkerMetrics
@@ -117,6 +118,8 @@ class Worker:
                                 "inflight": self.state.inflight}
         if self.load_error is not None:
             info["error"] = repr(self.load_error)
+        if self.serving is not None:
+            info["limits"] = self.serving.limits.to_json()  # the router checks requests against them
         if self.loop is not None:
             s = self.loop.stats
             info.update(waiting=s.num_requests_waiting, running=s.num_requests_running,
@@ -185,12 +188,20 @@ def build_app(worker: Worker) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await serving().chat(request)
 
+    def card() -> dict[str, Any]:
+        max_len = worker.loop.engine.max_model_len if worker.loop is not None else None
+        return p.model_card(worker.cfg.served_model_name, int(worker.started_at), root=worker.cfg.engine.model,
+                            max_model_len=max_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        max_len = worker.loop.engine.max_model_len if worker.loop is not None else None
-        return {"object": "list", "data": [{"id": worker.cfg.served_model_name, "object": "model",
-                                            "created": int(worker.started_at), "owned_by": "pdfleet",
-                                            "root": worker.cfg.engine.model, "max_model_len": max_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != worker.cfg.served_model_name:
+            raise p.model_not_found(model_id, [worker.cfg.served_model_name])
+        return card()
 
     @app.get("/health")
     async def health() -> Response:

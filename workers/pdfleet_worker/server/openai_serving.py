@@ -72,6 +72,12 @@ class OpenAIServing:
         self.model_name = cfg.served_model_name
         self.max_model_len = loop.engine.max_model_len
         self.vocab_size = loop.engine.model_config.vocab_size
+        self.limits = p.Limits(max_model_len=self.max_model_len, max_tokens=cfg.max_tokens, max_n=cfg.max_n,
+                               max_logprobs=cfg.max_logprobs, max_prompts=cfg.max_prompts)
+        self.longest_token_chars = _longest_token_chars(self.tokenizer)
+        # NOTE: a lower bound on tokens without tokenizing: no token stands for more characters than the
+        # longest one decodes to; x4 leaves room for normalizers that shrink text before it is split.
+        self.max_prompt_chars = 4 * self.max_model_len * self.longest_token_chars
 
     # -- entry points ---------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -88,7 +94,7 @@ class OpenAIServing:
                                headers={"Retry-After": str(self.cfg.retry_after_s)})
         raw = await read_json(request, self.cfg.max_request_bytes)
         req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, raw)
-        prep = self._prepare(req, chat)
+        prep = await self._prepare(req, chat)
         self.state.inflight += 1
         handed_over = False
         try:
@@ -103,62 +109,34 @@ class OpenAIServing:
                 self.state.inflight -= 1
 
     # -- validation -----------------------------------------------------------------------------
-    def _prepare(self, req: p.CompletionRequest | p.ChatCompletionRequest, chat: bool) -> Prepared:
+    async def _prepare(self, req: p.CompletionRequest | p.ChatCompletionRequest, chat: bool) -> Prepared:
+        """The same checks as the router's (protocol.check), then the ones that need the model. A
+        prefill-only request is the client's whole request: it is refused here exactly when the
+        decode worker would refuse it, before any prefill."""
         if req.model != self.model_name:
-            raise RequestError(404, f"The model `{req.model}` does not exist; this worker serves `{self.model_name}`",
-                               param="model", code="model_not_found")
-        unsupported = [("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
-                       ("logit_bias", bool(req.logit_bias))]
-        if chat:
-            unsupported += [("tools", bool(req.tools)),
-                            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-                            ("response_format", bool(req.response_format) and req.response_format.get("type") != "text")]
-        else:
-            unsupported += [("echo", req.echo), ("suffix", req.suffix is not None),
-                            ("best_of", req.best_of is not None and req.best_of != req.n)]
-        for name, bad in unsupported:
-            if bad:
-                raise RequestError(400, f"{name} is not supported by this server", param=name)
-        if req.n > self.cfg.max_n:
-            raise RequestError(400, f"n is {req.n}; this server allows at most {self.cfg.max_n}", param="n")
-
-        prompts = self._chat_prompt(req) if chat else self._completion_prompts(req.prompt)
-        if chat:
-            max_tokens = req.max_completion_tokens or req.max_tokens
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            if req.top_logprobs is not None and not req.logprobs:
-                raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        else:
-            max_tokens = req.max_tokens
-            logprobs = req.logprobs
-        if logprobs is not None and logprobs > self.cfg.max_logprobs:
-            raise RequestError(400, f"at most {self.cfg.max_logprobs} logprobs may be asked for", param="logprobs")
+            raise p.model_not_found(req.model, [self.model_name])
+        p.check(req, self.limits)
+        prompts = await (self._chat_prompt(req) if chat else self._completion_prompts(req.prompt))
+        max_tokens = p.requested_max_tokens(req)
+        logprobs = p.requested_logprobs(req)
         longest = max(len(t) for t in prompts)
-        if longest >= self.max_model_len:
-            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the "
-                                    f"prompt has {longest} tokens", param="prompt" if not chat else "messages",
-                               code="context_length_exceeded")
+        p.check_context(longest, max_tokens, self.limits, chat)
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
             if self.cfg.max_tokens is not None:
                 max_tokens = min(max_tokens, self.cfg.max_tokens)
-        elif self.cfg.max_tokens is not None and max_tokens > self.cfg.max_tokens:
-            raise RequestError(400, f"max_tokens is {max_tokens}; this server allows at most {self.cfg.max_tokens}",
-                               param="max_tokens")
-        if longest + max_tokens > self.max_model_len:
-            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                    f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} "
-                                    f"for the completion). Reduce the prompt or max_tokens.", param="max_tokens",
-                               code="context_length_exceeded")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        if top_p == 0:  # OpenAI allows it: the smallest set of tokens with mass >= 0, the most likely one
+            top_k, top_p = 1, 1.0
         prefill_only, remote = self._pd_mode(req.kv_transfer_params, len(prompts))
         n = req.n
         if prefill_only:
-            max_tokens, n = 1, 1  # only the prompt's KV matters; the decode worker samples for real
+            max_tokens, n, logprobs = 1, 1, None  # only the prompt's KV matters; the decode worker samples for real
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
-                top_k=top_k, top_p=1.0 if req.top_p is None else float(req.top_p), seed=req.seed, stop=req.stop,
+                top_k=top_k, top_p=top_p, seed=req.seed, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except ValueError as e:
@@ -166,28 +144,20 @@ class OpenAIServing:
         if params.stop and self.tokenizer is None:
             raise RequestError(400, "stop strings need a tokenizer; this model has none", param="stop")
         opts = req.stream_options
-        if opts is not None and not req.stream:
-            raise RequestError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return Prepared(chat=chat, prompts=prompts, params=params, n=n, stream=req.stream,
                         include_usage=bool(opts and opts.include_usage),
                         continuous_usage=bool(opts and opts.continuous_usage_stats),
                         return_token_ids=req.return_token_ids, logprobs=logprobs, prefill_only=prefill_only,
                         remote=remote)
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise RequestError(400, "prompt is empty", param="prompt")
-        if isinstance(prompt[0], int):
-            prompt = [prompt]
+    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         out = []
-        for i, item in enumerate(prompt):
+        for i, item in enumerate(p.prompt_items(prompt)):
             if isinstance(item, str):
                 if self.tokenizer is None:
                     raise RequestError(400, "text prompts need a tokenizer; this model has none; send token ids",
                                        param="prompt")
-                ids = self.tokenizer.encode(item)
+                ids = await self._encode(item, "prompt", add_special_tokens=True)
             else:
                 ids = list(item)
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -199,7 +169,7 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    def _chat_prompt(self, req: p.ChatCompletionRequest) -> list[list[int]]:
+    async def _chat_prompt(self, req: p.ChatCompletionRequest) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError(400, "chat needs a tokenizer with a chat template; this model has none", param="messages")
         messages = []
@@ -208,15 +178,28 @@ class OpenAIServing:
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
             messages.append({"role": msg.role, "content": content or ""})
+        self._refuse_long_text(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # a template error is the request's fault (e.g. roles it refuses)
             raise RequestError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # NOTE: the template writes the special tokens it wants; adding them again would double BOS.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = await self._encode(text, "messages", add_special_tokens=False)
         if not ids:
             raise RequestError(400, "the messages render to an empty prompt", param="messages")
         return [ids]
+
+    async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize off the event loop (4 MB of text take seconds), after refusing text that cannot fit."""
+        self._refuse_long_text(len(text), param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def _refuse_long_text(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
+                                    f"of {chars} characters cannot fit (at most {self.longest_token_chars} "
+                                    f"characters make one token)", param=param, code="context_length_exceeded")
 
     def _pd_mode(self, raw: dict | None, num_prompts: int) -> tuple[bool, KVTransferParams | None]:
         if raw is None:
@@ -364,7 +347,7 @@ class OpenAIServing:
         for ch in choices:
             text = "".join(ch.text)
             if prep.chat:
-                c: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": text},
+                c: dict[str, Any] = {"index": ch.index, "message": p.assistant_message(text),
                                      "logprobs": self._chat_logprobs(ch.logprobs) if prep.logprobs is not None else None,
                                      "finish_reason": ch.finish_reason}
             else:
@@ -409,7 +392,7 @@ class OpenAIServing:
         build = p.chat_chunk if prep.chat else p.completion_chunk
         try:
             if prep.chat:
-                roles = [{"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                roles = [{"index": ch.index, "delta": p.assistant_message(""), "logprobs": None,
                           "finish_reason": None} for ch in choices]
                 yield sse(build(rid, created, self.model_name, roles, self._cont_usage(prep, choices)))
             pending = len(choices)
@@ -477,3 +460,10 @@ class OpenAIServing:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
                             for lp in lps]}
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters of the longest token's text (special tokens included); 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    return max(1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size)))

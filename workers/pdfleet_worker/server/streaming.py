@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -31,7 +32,8 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past `limit` bytes (checked before and while reading), 400 if malformed."""
+    """The body as JSON; 413 past `limit` bytes (checked before and while reading), 400 if malformed
+    or hostile (protocol.decode_json)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise RequestError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
@@ -41,11 +43,7 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise RequestError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return p.decode_json(b"".join(chunks))
 
 
 async def until_disconnect(request: Request, aw: Awaitable[Any]) -> Any:
@@ -140,5 +138,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(p.error_body(f"internal server error: {e!r}", "server_error"), status_code=500)
+        return internal_error_response(request.method, request.url.path, e)
+
+
+def internal_error_response(method: str, path: str, e: BaseException) -> Response:
+    """A bug's 500: the details go to the log only (an exception's text may hold the request, an
+    internal request or an address), the client gets an id to quote."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("unhandled error on %s %s (incident %s)", method, path, incident, exc_info=e)
+    return JSONResponse(p.error_body(f"internal server error (incident {incident})", "server_error"), status_code=500)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from pdfleet_worker.server import device as devices
+from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
 
 ROLES = ("prefill", "decode", "both")
 ON_FAILURE = ("recompute", "fail")
@@ -51,6 +52,7 @@ class WorkerConfig:
     max_tokens: int | None = None   # None: up to the model length
     max_n: int = 16
     max_logprobs: int = 20
+    max_prompts: int = DEFAULT_MAX_PROMPTS  # prompts in one /v1/completions request (each its own sequence and lease)
     retry_after_s: int = 1
     drain_timeout_s: float = 60.0
 
@@ -62,9 +64,11 @@ class WorkerConfig:
         for name in ("kv_transfer_timeout_s", "kv_lease_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_request_bytes", "max_n", "retry_after_s"):
+        for name in ("max_request_bytes", "max_n", "max_prompts", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -121,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tokens-limit", dest="max_tokens", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the model length)")
     s.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for (default 16)")
+    s.add_argument("--max-logprobs", type=int, default=None, help="largest logprobs / top_logprobs (default 20)")
+    s.add_argument("--max-prompts", type=int, default=None,
+                   help=f"most prompts in one /v1/completions request: each is its own sequence, prefill and KV lease "
+                        f"(default {DEFAULT_MAX_PROMPTS}); more get 400")
     s.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503 (default 1)")
     s.add_argument("--drain-timeout", default=None, help="on SIGTERM, abort what is still running after this long (default 60s)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -198,7 +206,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_on_failure=pick("kv_on_failure", "recompute"),
         kv_host=pick("kv_host", None), kv_port=pick("kv_port", 0),
         max_request_bytes=pick("max_request_bytes", 4 << 20), max_tokens=pick("max_tokens", None),
-        max_n=pick("max_n", 16), retry_after_s=pick("retry_after", 1),
+        max_n=pick("max_n", 16), max_logprobs=pick("max_logprobs", 20), max_prompts=pick("max_prompts", DEFAULT_MAX_PROMPTS),
+        retry_after_s=pick("retry_after", 1),
         drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)))
 
 
