@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from tests.operator.cluster import CLASSES_FILE, node  # noqa: E402
+from tests.kube.cluster import CLASSES_FILE, node  # noqa: E402
 from tests.support.components import free_port  # noqa: E402
 from tests.support.k8s_emulator import EmulatorThread, write_kubeconfig  # noqa: E402
 

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "workers")]
 
 from pdfleet_operator.sim import fleet as fleet_file  # noqa: E402
 from pdfleet_operator.sim import report  # noqa: E402
-from pdfleet_operator.sim import trace as tr  # noqa: E402
+from pdfleet_operator import trace as tr  # noqa: E402
 from pdfleet_operator.sim.simulator import Simulator  # noqa: E402
 
 FLEET = ROOT / "examples" / "sim" / "fleet-100.yaml"

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
+from pdfleet_operator import trace as tr
 from pdfleet_operator.local import load
-from pdfleet_operator.sim import trace as tr
 from tests.local.conftest import CHILD_ENV, PDFLEET, ROOT
 from tests.support.components import free_port
 

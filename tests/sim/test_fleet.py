@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import yaml
 import pytest
+import yaml
 
 from pdfleet_operator.decide import inventory
 from pdfleet_operator.sim import fleet
@@ -89,8 +89,8 @@ def test_merge_maps_merge_lists_replace_null_deletes() -> None:
 def test_the_local_fleet_replay_target_simulates_with_a_calibration(tmp_path) -> None:
     import json
 
+    from pdfleet_operator import trace as tr
     from pdfleet_operator.sim import calibration, report, simulator
-    from pdfleet_operator.sim import trace as tr
 
     f = fleet.load(EXAMPLE.parent / "local-tiny.yaml")
     cal = tmp_path / "cal.json"

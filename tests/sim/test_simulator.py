@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pdfleet_operator import trace as tr
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim import report, simulator
-from pdfleet_operator.sim import trace as tr
 from pdfleet_operator.sim.perf_model import Efficiency
 from tests.sim.support import small
 

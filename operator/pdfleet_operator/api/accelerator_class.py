@@ -15,9 +15,9 @@ from pdfleet_operator.api.meta import (
     ENV_NAME_PATTERN,
     RESOURCE_NAME_PATTERN,
     ApiModel,
-    Resource,
     Condition,
     ObjectMeta,
+    Resource,
     Rule,
 )
 

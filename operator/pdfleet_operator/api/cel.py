@@ -12,6 +12,7 @@ from typing import Any
 from pdfleet_operator.api import field_errors as fe
 from pdfleet_operator.api.field_errors import FieldError
 
+
 def _cel_functions() -> dict[str, Any]:
     import celpy.celtypes as ct
 

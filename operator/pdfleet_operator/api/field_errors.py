@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+
 @dataclass(frozen=True)
 class FieldError:
     """One admission error, shaped like a Kubernetes ``StatusCause``."""

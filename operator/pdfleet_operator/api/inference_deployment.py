@@ -14,12 +14,12 @@ from pydantic import Field, field_validator
 
 from pdfleet_operator.api.meta import (
     ApiModel,
-    Resource,
     Condition,
     DnsLabel,
     Duration,
     ObjectMeta,
     Quantity,
+    Resource,
     Rule,
     parse_duration,
 )

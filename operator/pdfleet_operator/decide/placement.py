@@ -14,8 +14,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdfleet_operator.decide import perf
 from pdfleet_operator.api import ROLES, AcceleratorClassSpec, InferenceDeploymentSpec, parse_duration
+from pdfleet_operator.decide import perf
 from pdfleet_operator.decide.inventory import Inventory
 
 # Scores within 2% of each other are ties (then the user's order decides).

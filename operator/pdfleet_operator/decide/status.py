@@ -11,8 +11,7 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdfleet_operator.api import names
-from pdfleet_operator.api import Condition, InferenceDeploymentStatus, PoolStatus, set_condition
+from pdfleet_operator.api import Condition, InferenceDeploymentStatus, PoolStatus, names, set_condition
 from pdfleet_operator.decide.cost import PlanCost
 from pdfleet_operator.decide.placement import FleetPlan
 

@@ -20,8 +20,8 @@ from typing import Any, Union
 import yaml
 
 from pdfleet_operator.api import schema
-from pdfleet_operator.gen import alerts, crds, generated
 from pdfleet_operator.decide import metric_names
+from pdfleet_operator.gen import alerts, crds, generated
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART_DIR = Path("charts/pdfleet")

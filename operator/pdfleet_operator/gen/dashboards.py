@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdfleet_operator.gen import alerts, generated
 from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.gen import alerts, generated
 from pdfleet_worker import metrics as worker_metrics
 
 ROOT = Path(__file__).resolve().parents[3]

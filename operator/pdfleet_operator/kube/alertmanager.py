@@ -19,8 +19,8 @@ from typing import Literal
 import pydantic
 from aiohttp import web
 
-from pdfleet_operator.gen import alerts
 from pdfleet_operator.api.meta import DNS_LABEL_PATTERN
+from pdfleet_operator.gen import alerts
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pydantic
 
+from pdfleet_operator.api import AcceleratorClass
 from pdfleet_operator.decide import inventory
 from pdfleet_operator.kube import client
-from pdfleet_operator.api import AcceleratorClass
 
 logger = logging.getLogger(__name__)
 

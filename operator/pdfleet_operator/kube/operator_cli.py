@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import logging
 
+from pdfleet_operator.decide import metric_names
 from pdfleet_operator.gen import generated
 from pdfleet_operator.kube import handlers
-from pdfleet_operator.decide import metric_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -17,14 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet_operator.decide import metric_names as names
-from pdfleet_operator.decide import rollback
+from pdfleet_operator import runtime
 from pdfleet_operator.api import (
     API_VERSION,
     AcceleratorClassSpec,
     InferenceDeploymentSpec,
 )
-from pdfleet_operator import runtime
 from pdfleet_operator.api.names import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_REVISION_SPEC,
@@ -42,6 +40,8 @@ from pdfleet_operator.api.names import (
     role_service_name,
     router_name,
 )
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
 HTTP_PORT = 8000

@@ -23,11 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdfleet_operator.api import names
-from pdfleet_operator.kube import client, render
 from pdfleet_operator import prometheus
+from pdfleet_operator.api import (
+    Condition,
+    InferenceDeployment,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    names,
+)
 from pdfleet_operator.decide import rollback
-from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus
+from pdfleet_operator.kube import client, render
 
 logger = logging.getLogger("pdfleet.revisions")
 Key = tuple[str, str]
@@ -286,30 +291,28 @@ def health_for(revision: int, now: float, rollback_target: bool, stable: int | N
 
 
 @dataclass
-class Analysis:
-    """Rollback memory per deployment in this process."""
+class RollbackMemory:
+    """What this process knows of one deployment's rollback (part of its `kube.memory.DeploymentMemory`)."""
 
-    health: dict[Key, rollback.RevisionHealth] = field(default_factory=dict)
-    failed: dict[Key, Failed] = field(default_factory=dict)
-    manual: dict[Key, str | None] = field(default_factory=dict)  # resourceVersion whose rollback-to was acted on
-    resumed: set[Key] = field(default_factory=set)  # rebuilt from the cluster in this process (`resume`)
-    held: dict[Key, str] = field(default_factory=dict)  # pools left as they are, with the page's message
+    health: rollback.RevisionHealth | None = None
+    failed: Failed | None = None
+    manual: str | None = None    # resourceVersion whose rollback-to was acted on
+    resumed: bool = False        # rebuilt from the cluster in this process (`resume`)
+    held: str | None = None      # pools left as they are, with the page's message
+
+    def spec_moved_on(self, dep: InferenceDeployment) -> bool:
+        """A rollback ends when the user changes the spec again to another template."""
+        if self.failed is None:
+            return False
+        return moved_on(self.failed, dep.metadata.generation, rollback.fingerprint(rollback.template_spec(dep.spec)))
+
+
+@dataclass
+class AnalysisLog:
+    """What the rollback analysis of this process received and did, across deployments (tests and logs)."""
+
     triggers: list[tuple[float, Any]] = field(default_factory=list)  # (monotonic time, RollbackTrigger) received
     actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
-
-    def forget(self, key: Key) -> None:
-        self.health.pop(key, None)
-        self.failed.pop(key, None)
-        self.manual.pop(key, None)
-        self.resumed.discard(key)
-        self.held.pop(key, None)
-
-    def spec_moved_on(self, key: Key, dep: InferenceDeployment) -> bool:
-        """A rollback ends when the user changes the spec again to another template."""
-        failed = self.failed.get(key)
-        if failed is None:
-            return False
-        return moved_on(failed, dep.metadata.generation, rollback.fingerprint(rollback.template_spec(dep.spec)))
 
 
 async def sample(dep: InferenceDeployment, default_url: str | None, profile: str) -> rollback.RatioSample:

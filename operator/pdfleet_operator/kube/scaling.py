@@ -1,6 +1,6 @@
-"""The autoscaler in the operator: one tick per InferenceDeployment (snapshot -> decide -> reconciler inputs); run by the kopf daemon in `handlers`.
+"""The autoscaler in the operator: one tick per InferenceDeployment (snapshot -> decide -> reconciler inputs); run by each deployment's loop in `kube.reconciler`.
 
-A tick reads the deployment's queues from Prometheus (`metrics`, in a thread: the client blocks),
+A tick reads the deployment's queues from Prometheus (`prometheus`, in a thread: the client blocks),
 runs the pure `autoscaler.decide` against the capacity of the last plan, and hands the outcome to
 the reconciler: desired replicas through `set_desired` (the reconcile path stays the only writer),
 MetricsAvailable / ScalingLimited and lastScalingDecision through `set_status`. Only what changed
@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdfleet_operator.decide import autoscaler
-from pdfleet_operator.kube import exporter, operator_metrics
 from pdfleet_operator import prometheus
 from pdfleet_operator.api import Condition, InferenceDeployment
+from pdfleet_operator.decide import autoscaler, tick
 from pdfleet_operator.decide.autoscaler import ScalerState, ScalingDecision
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
+from pdfleet_operator.decide.placement import FleetPlan
+from pdfleet_operator.kube import exporter, operator_metrics
 
 logger = logging.getLogger("pdfleet.scaling")
 Key = tuple[str, str]
@@ -33,16 +34,14 @@ METRICS = operator_metrics.OperatorMetrics(exporter.REGISTRY)
 
 
 class Inputs(Protocol):
-    """What a tick needs from the reconciler (`handlers.Reconciler`)."""
+    """What a tick needs from the reconciler (`kube.reconciler.Reconciler`)."""
 
     api: Any
 
     def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = ...) -> None: ...
     def set_status(self, key: Key, *, conditions: list[Condition] = ..., why: str = ..., **fields: Any) -> None: ...
     def clear_condition(self, key: Key, type_: str) -> None: ...
-    def capacity(self, key: Key) -> dict[str, int]: ...
-    def current_replicas(self, key: Key) -> dict[str, int]: ...
-    def class_order(self, key: Key) -> dict[str, tuple[tuple[str, int], ...]]: ...
+    def last_plan(self, key: Key) -> FleetPlan | None: ...
 
 
 @dataclass
@@ -74,36 +73,41 @@ class Memory:
 
 
 class Scaler:
-    """Per-deployment autoscaler memory and the tick that uses it (one per Reconciler)."""
+    """One deployment's autoscaler in this process: its memory and the tick that uses it.
+
+    Held by the deployment's `kube.memory.DeploymentMemory`, so it goes when the deployment does.
+    """
 
     def __init__(self) -> None:
-        self.memory: dict[Key, Memory] = {}
+        self.memory: Memory | None = None  # None until the first tick
+
+    @property
+    def started(self) -> bool:
+        return self.memory is not None
 
     def forget(self, key: Key) -> None:
-        self.memory.pop(key, None)
+        self.memory = None
         METRICS.forget(*key)
 
     async def tick(self, inputs: Inputs, key: Key, dep: InferenceDeployment, body: Mapping[str, Any], *,
                    default_url: str | None, profile: str, now: float | None = None) -> dict[str, ScalingDecision]:
         """One interval of one deployment; returns the decisions (tests and logs)."""
         spec = dep.spec
-        current = inputs.current_replicas(key)
-        mem = self.memory.get(key)
+        last = inputs.last_plan(key)
+        mem = self.memory
         if mem is None:
             # NOTE: seeded from what the pools run now, so an operator restart does not reset the sizes.
-            mem = self.memory[key] = Memory(ScalerState.initial(spec, current))
+            current = {} if last is None else {role: last.replicas(role) for role in last.roles()}
+            mem = self.memory = Memory(ScalerState.initial(spec, current))
             mem.seed_from(dep)
         snap = await snapshot(dep, default_url, profile)
         at = time.time() if now is None else now
-        decisions, mem.state = autoscaler.decide(spec, mem.state, snap, at, inputs.capacity(key), current=current or None,
-                                                 order=inputs.class_order(key) or None)
+        step = tick.scale(spec, mem.state, snap, at, last)
+        mem.state, decisions = step.state, dict(step.decisions)
         METRICS.record(key[0], key[1], decisions)
 
-        desired = {role: d.desired for role, d in decisions.items()}
-        changed = [d for d in decisions.values() if d.direction != "hold"]
-        if changed:
-            why = "autoscaler: " + ", ".join(f"{d.role} {d.current}->{d.desired} ({d.reason})" for d in changed)
-            inputs.set_desired(key, desired, why)
+        if step.moved:
+            inputs.set_desired(key, step.desired, "autoscaler: " + step.why())
 
         await self._report(inputs, key, dep, body, decisions, at, mem)
         return decisions

@@ -78,7 +78,7 @@ def _length(rng: random.Random, median: int) -> int:
 def from_trace(path: str | Path, *, duration: float | None = None, speedup: float = 1.0) -> list[Arrival]:
     """A CSV trace (timestamp,prompt_tokens,output_tokens) as the simulator reads it, optionally cut and sped up."""
     try:
-        from pdfleet_operator.sim import trace as tr
+        from pdfleet_operator import trace as tr
     except ImportError as exc:
         raise ValueError(f"--trace needs {exc.name}, which is not installed (pip install 'pdfleet[sim]')") from None
     if not speedup > 0:

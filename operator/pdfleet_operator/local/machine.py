@@ -10,8 +10,8 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdfleet_operator.decide import placement
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+from pdfleet_operator.decide import placement
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.local.spec import UpError
 

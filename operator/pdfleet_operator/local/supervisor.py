@@ -13,13 +13,14 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet_operator.decide import cost, metric_names as names
 from pdfleet_operator import runtime
 from pdfleet_operator.api import WORKER_ROLE
+from pdfleet_operator.decide import cost
+from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.local import machine as mach
 from pdfleet_operator.local.process import Child, describe_exit
 from pdfleet_operator.local.spec import LocalSpec, UpError
-from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_worker.router import workers_file
 
 # A crashed process waits 1 s, then 2, 4, ... up to 30 s before it is started again; once it has

@@ -15,12 +15,14 @@ from typing import Any
 
 from rich.console import Console
 
-from pdfleet_operator.decide import autoscaler, placement
 from pdfleet_operator.api import parse_duration
-from pdfleet_operator.local import load as loadgen, machine as mach, spec as specs
+from pdfleet_operator.decide import autoscaler, placement, tick
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
+from pdfleet_operator.local import load as loadgen
+from pdfleet_operator.local import machine as mach
+from pdfleet_operator.local import spec as specs
 from pdfleet_operator.local.supervisor import Event, Supervisor
 from pdfleet_operator.local.view import Change, Status, View, summary_text
-from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 
 SUPERVISE_EVERY_S = 0.25
 VIEW_EVERY_S = 0.5
@@ -263,17 +265,15 @@ class Up:
                 self.view.line(f"+{sup.elapsed():5.1f}s  metrics     {source.name}: "
                                + ("available" if was_ok else f"unavailable, holding sizes ({self.snapshot.error})"))
             current = sup.replicas()
+            # The room to grow: what this machine could place with the pools as they run now.
             room = placement.plan(spec, self.usable, self.inventory, desired=current)
-            capacity = {role: room.capacity(role) for role in roles}
-            order = {role: room.class_capacity(role) for role in roles}
-            decisions, state = autoscaler.decide(spec, state, self.snapshot, time.time(), capacity, current=current,
-                                                 order=order)
-            self.holds = {r: f"{d.reason}: {d.message}" for r, d in decisions.items() if d.direction == "hold"}
-            moved = [d for d in decisions.values() if d.direction != "hold"]
+            step = tick.scale(spec, state, self.snapshot, time.time(), room, current=current)
+            state = step.state
+            self.holds = {r: f"{d.reason}: {d.message}" for r, d in step.decisions.items() if d.direction == "hold"}
+            moved = step.moved
             if not moved:
                 continue
-            desired = {role: d.desired for role, d in decisions.items()}
-            plan = placement.plan(spec, self.usable, self.inventory, desired=desired)
+            plan = placement.plan(spec, self.usable, self.inventory, desired=step.desired)
             at = round(sup.elapsed(), 1)
             for d in moved:
                 change = Change(at, d.role, d.current, d.desired, d.reason, d.message)

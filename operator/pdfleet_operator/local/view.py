@@ -12,9 +12,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 from pdfleet_operator.local.load import summary_lines
 from pdfleet_operator.local.supervisor import Event, Replica
-from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 
 SHOWN = 7  # decisions and events kept on screen
 

@@ -8,8 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdfleet_operator import trace as tr
 from pdfleet_operator.api import parse_duration
-from pdfleet_operator.sim import calibration, fleet as fleet_file, report, trace as tr
+from pdfleet_operator.sim import calibration, report
+from pdfleet_operator.sim import fleet as fleet_file
 from pdfleet_operator.sim.simulator import Simulator
 
 

@@ -18,11 +18,16 @@ from typing import Any
 
 import yaml
 
+from pdfleet_operator import trace as tr
+from pdfleet_operator.api import (
+    AcceleratorClass,
+    AcceleratorClassSpec,
+    InferenceDeployment,
+    InferenceDeploymentSpec,
+    schema,
+    validation,
+)
 from pdfleet_operator.decide import autoscaler, inventory
-from pdfleet_operator.api import schema
-from pdfleet_operator.api import validation
-from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec, InferenceDeployment, InferenceDeploymentSpec
-from pdfleet_operator.sim import trace as tr
 
 API_VERSION = "sim.pdfleet.io/v1alpha1"
 KIND = "SimulatedFleet"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdfleet_operator.decide import perf
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+from pdfleet_operator.decide import perf
 
 GIB = perf.GIB
 # NOTE: a serving engine on a GPU spends a few ms per step outside the GEMMs (scheduling, sampling,

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from pdfleet_operator.decide import cost as costs
 from pdfleet_operator.api import parse_duration
+from pdfleet_operator.decide import cost as costs
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim.simulator import Simulator
 from pdfleet_operator.sim.stats import Histogram, percentile

@@ -11,9 +11,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pdfleet_worker.router import picker
-
 from pdfleet_operator.sim.engine import Replica
+from pdfleet_worker.router import picker
 
 
 class Router:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdfleet_operator.decide import autoscaler, placement, rollback
 from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
+from pdfleet_operator.decide import autoscaler, placement, rollback, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim import perf_model
@@ -31,7 +31,7 @@ from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
 from pdfleet_operator.sim.perf_model import Efficiency, ReplicaPerf
 from pdfleet_operator.sim.router import Router
 from pdfleet_operator.sim.stats import Histogram
-from pdfleet_operator.sim.trace import Trace
+from pdfleet_operator.trace import Trace
 
 REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP, ENTER = range(8)
 
@@ -274,16 +274,14 @@ class Simulator:
         assert d.fleet_plan is not None
         roles = d.spec.roles()
         snapshot = d.source.snapshot(d.name, d.plan.namespace, roles)
-        capacity = {role: d.fleet_plan.capacity(role) for role in roles}
+        # NOTE: pods still starting count as running: the plan holds only the placed ones.
         current = {role: d.fleet_plan.replicas(role) + sum(v for (r, _), v in d.pending.items() if r == role)
                    for role in roles}
-        order = {role: d.fleet_plan.class_capacity(role) for role in roles}
-        decisions, d.scaler = autoscaler.decide(d.spec, d.scaler, snapshot, t, capacity, current=current,
-                                                policy=self.policy.autoscaler_policy, order=order)
-        desired = {role: dec.desired for role, dec in decisions.items()}
-        for dec in decisions.values():
-            if dec.direction != "hold":
-                self.scale_events.append(ScaleEvent(t, d.name, dec.role, dec.current, dec.desired, dec.reason, dec.message))
+        step = tick.scale(d.spec, d.scaler, snapshot, t, d.fleet_plan, current=current,
+                          policy=self.policy.autoscaler_policy)
+        d.scaler, desired = step.state, step.desired
+        for dec in step.moved:
+            self.scale_events.append(ScaleEvent(t, d.name, dec.role, dec.current, dec.desired, dec.reason, dec.message))
         others = sum(self.changes) - self.changes[d.idx]
         if desired != dict(d.fleet_plan.targets) or d.pending or others != d.last_others:
             self._plan(d, desired, t)

@@ -1,0 +1,25 @@
+"""`pdfleet operator`'s settings, shared by the kopf triggers and the reconciler; set before kopf starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Options:
+    """Set by `pdfleet operator` before kopf starts."""
+
+    resync_interval: float = 300.0  # seconds between full re-reconciles (0: never)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    monitoring_check_interval: float = 300.0
+    autoscaler: bool = True            # run the autoscaler loops (tests of the reconcile alone switch them off)
+    prometheus_url: str | None = None  # the autoscaler's Prometheus when a spec names none
+    metrics_profile: str = "pdfleet"   # metric_names.PROFILES: the PromQL of the engine kind
+    analysis_interval: float = 15.0    # seconds between rollback analyses from Prometheus (0: only on alerts)
+    alertmanager_host: str = "0.0.0.0"
+    alertmanager_port: int | None = None  # the Alertmanager webhook receiver (POST /alerts)
+    class_status_interval: float = 15.0   # seconds between AcceleratorClass status rounds (0: never written)
+
+
+OPTIONS = Options()

@@ -1,0 +1,1 @@
+"""Tests of the pdfleet.io API: models, CRDs, admission (schema + CEL), validation."""

@@ -1,0 +1,1 @@
+"""Tests of the pure decision code (placement, autoscaler, rollback, cost, ...): no cluster, no network."""

@@ -1,0 +1,1 @@
+"""Tests of the generated files: CRDs, chart (Helm's own engine), dashboards, alert rules (promtool)."""

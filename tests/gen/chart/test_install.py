@@ -1,0 +1,130 @@
+"""The chart installed into the API emulator by Helm's SDK, the operator it describes run against it, and its RBAC
+compared with every request that operator makes.
+
+The emulator enforces no RBAC (see tests/support/k8s_emulator.py), so the comparison is done here: each
+request of the operator's log must be allowed by the installed ClusterRole/Roles (a small evaluator of
+RBAC rules below), and every verb those rules grant must have been used. NOTE: a server-side apply that
+creates an object is authorized by the API server as `create` as well as `patch`
+(https://kubernetes.io/docs/reference/using-api/api-concepts/#patch-and-apply); the emulator answers such
+an apply 201, which is how the log shows it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gen.chart import helm
+from tests.gen.chart.operator_process import OperatorProcess, exercise
+from tests.kube.cluster import example_deployments
+from tests.support.k8s_emulator import LoggedRequest
+
+Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+
+
+def required(requests: list[LoggedRequest]) -> dict[tuple[str | None, Grant], int]:
+    """(namespace or None, grant) -> how many of the operator's requests needed it."""
+    out: dict[tuple[str | None, Grant], int] = defaultdict(int)
+    for r in requests:
+        if r.verb is None:  # discovery (/api, /apis/<group>/<version>): allowed to every authenticated user
+            continue
+        resource = f"{r.resource}/{r.subresource}" if r.subresource else r.resource
+        verbs = [r.verb] + (["create"] if r.patch_type == "apply" and r.status == 201 else [])
+        for verb in verbs:
+            out[(r.namespace, (r.group or "", resource, verb))] += 1
+    return out
+
+
+def grants(role: dict[str, Any]) -> set[Grant]:
+    return {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
+    """(requests no rule allows, granted verbs never used), from the RBAC objects installed in the emulator."""
+    name = f"{helm.RELEASE}-operator"
+    cluster = grants(kube.get("clusterroles.rbac.authorization.k8s.io", name))
+    binding = kube.get("clusterrolebindings.rbac.authorization.k8s.io", name)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": helm.NAMESPACE}]
+    roles = {r["metadata"]["namespace"]: grants(r) for r in kube.list("roles.rbac.authorization.k8s.io")
+             if r["metadata"]["name"] == name}
+    need = required(requests)
+    missing = {k: n for k, n in need.items() if k[1] not in cluster | roles.get(k[0] or "", set())}
+    used_cluster = {g for (_, g) in need}
+    unused = {("ClusterRole", g) for g in cluster - used_cluster}
+    unused |= {(f"Role {ns}", g) for ns, granted in roles.items() for g in granted - {g for (n, g) in need if n == ns}}
+    return missing, dict.fromkeys(sorted(unused), 0)
+
+
+@pytest.mark.slow
+def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_granted(kube, tmp_path) -> None:
+    config = helm.install(kube, {}, ["team-a"])
+    installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render({})}
+    for kind, name in installed:
+        resource = {"ClusterRole": "clusterroles.rbac.authorization.k8s.io",
+                    "ClusterRoleBinding": "clusterrolebindings.rbac.authorization.k8s.io"}.get(kind, kind)
+        namespace = None if kind in ("ClusterRole", "ClusterRoleBinding", "AcceleratorClass") else helm.NAMESPACE
+        assert kube.get(resource, name, namespace) is not None, f"{kind}/{name} not installed"
+    assert kube.get("crd", "inferencedeployments.pdfleet.io") is not None
+
+    kube.clear_requests()  # from here on, every logged request is the operator's
+    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE), kube.kubeconfig,
+                               tmp_path / "operator.log")
+    assert "--all-namespaces" in operator.args
+    operator.start()
+    try:
+        for ns in ("default", "team-a"):
+            exercise(kube, ns, monitoring=True)
+        metrics = httpx.get(operator.metrics_url, timeout=5).text
+        assert 'pdfleet_pool_cost_per_hour{accelerator="cpu",deployment="local-tiny",namespace="team-a",role="decode"}' \
+            in metrics
+        assert kube.list("podmonitors.monitoring.coreos.com", "team-a"), "monitoring CRDs exist: per-deployment PodMonitors"
+    finally:
+        operator.stop()
+    assert operator.proc.returncode == 0, operator.log()
+    requests = kube.requests
+    assert {r.user_agent.split("/")[0] for r in requests} <= {"kopf", "Python"}, "only the operator talked"
+
+    missing, unused = compare(kube, requests)
+    assert missing == {}, f"the operator did what the chart's RBAC does not allow: {missing}"
+    assert unused == {}, f"the chart grants verbs the operator never used: {sorted(unused)}"
+    used = sorted({f"{g or 'core'}/{res}:{v}" for (_, (g, res, v)) in required(requests)})
+    print("verbs the operator used:", ", ".join(used))
+
+    # Uninstalling keeps the CRDs (and so every InferenceDeployment); the operator's own objects go.
+    config.uninstall(helm.RELEASE, timeout=60)
+    assert kube.get("crd", "inferencedeployments.pdfleet.io") is not None
+    assert kube.get("infdep", "local-tiny", "team-a") is not None
+    assert kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE) is None
+    assert kube.get("clusterroles.rbac.authorization.k8s.io", f"{helm.RELEASE}-operator") is None
+
+
+@pytest.mark.slow
+def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
+    helm.install(kube, helm.VALUE_SETS["namespaced"], ["team-a", "team-b", "elsewhere"])
+    kube.clear_requests()
+    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE), kube.kubeconfig,
+                               tmp_path / "operator.log")
+    assert [a for a in operator.args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
+    operator.start()
+    try:
+        for ns in ("team-a", "team-b"):
+            exercise(kube, ns, monitoring=True)
+        # Outside its namespaces nothing is managed: a CR there gets no status (checked after a resync-free pause
+        # in which the watched namespaces' CRs above were all reconciled within a second).
+        doc = example_deployments()["local-tiny"]
+        kube.apply({**doc, "metadata": {**doc["metadata"], "namespace": "elsewhere"}})
+        time.sleep(2)
+    finally:
+        operator.stop()
+    assert operator.proc.returncode == 0, operator.log()
+    assert (kube.get("infdep", "local-tiny", "elsewhere").get("status") or {}) == {}
+    requests = kube.requests
+    assert {r.namespace for r in requests if r.namespace} == {"team-a", "team-b"}
+    missing, unused = compare(kube, requests)
+    assert missing == {}, f"the operator did what the chart's RBAC does not allow: {missing}"
+    assert unused == {}, f"the chart grants verbs the operator never used: {sorted(unused)}"

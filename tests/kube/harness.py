@@ -1,0 +1,108 @@
+"""The operator running for real (kopf in this process) against the API emulator, plus helpers to drive it.
+
+`running_operator` applies the CRDs, the example AcceleratorClasses and a fleet of Nodes, starts
+kopf with pdfleet's handlers (a fresh Reconciler per test), and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kopf.testing
+
+from pdfleet_operator.kube import handlers, render
+from tests.kube.cluster import ROOT, class_objects, standard_nodes
+
+CHILD_RESOURCES = ("deployments.apps", "services", "configmaps", "poddisruptionbudgets.policy")
+SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
+
+
+def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
+    kube.apply(ROOT / "crds")
+    kube.apply(class_objects())
+    kube.apply(nodes if nodes is not None else standard_nodes())
+
+
+@contextlib.contextmanager
+def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
+                     prometheus_url: str | None = None, alertmanager_port: int | None = None,
+                     analysis_interval: float = 0.0, class_status_interval: float = 0.0
+                     ) -> Iterator[kopf.testing.KopfRunner]:
+    """kopf with pdfleet's handlers; the autoscaler, rollback-analysis and class-status loops only when asked
+    (`autoscaler`, `analysis_interval` / `class_status_interval` > 0), so tests of the reconcile alone see
+    no metrics- or capacity-driven writes."""
+    handlers.RECONCILER = handlers.Reconciler()
+    handlers.OPTIONS.resync_interval = resync_interval
+    handlers.OPTIONS.autoscaler = autoscaler
+    handlers.OPTIONS.prometheus_url = prometheus_url
+    handlers.OPTIONS.alertmanager_port = alertmanager_port
+    handlers.OPTIONS.analysis_interval = analysis_interval
+    handlers.OPTIONS.metrics_port = None
+    handlers.OPTIONS.class_status_interval = class_status_interval
+    args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.kube.handlers"]
+    with kopf.testing.KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.exception
+
+
+def children(kube: Any, name: str, namespace: str = "default") -> dict[str, dict]:
+    """Every object labelled as this deployment's child, by `Kind/name`."""
+    out = {}
+    for resource in CHILD_RESOURCES:
+        for obj in kube.list(resource, namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={name}"):
+            out[f"{obj['kind']}/{obj['metadata']['name']}"] = obj
+    return out
+
+
+def wait_reconciled(kube: Any, name: str, *, namespace: str = "default", timeout: float = 20.0,
+                    check: Callable[[dict], bool] | None = None) -> dict:
+    """Wait until the CR's status reflects its current generation (and `check` holds); return the CR."""
+    def done() -> dict | None:
+        obj = kube.get("infdep", name, namespace)
+        st = (obj or {}).get("status") or {}
+        if obj and st.get("observedGeneration") == obj["metadata"].get("generation") and (check is None or check(obj)):
+            return obj
+        return None
+    return kube.wait_for(done, timeout=timeout, message=f"{namespace}/{name} reconciled")
+
+
+def settle(kube: Any, quiet: float = 0.6, timeout: float = 20.0) -> None:
+    """Wait until no request has been written for `quiet` seconds (the operator is idle)."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        n = len(kube.writes())
+        if n != last:
+            last, quiet_since = n, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the operator kept writing for {timeout} s")
+
+
+def mark_ready(kube: Any, name: str, namespace: str = "default") -> None:
+    """Play the Deployment controller: every Deployment of `name` reports all replicas ready."""
+    for obj in kube.list("deployments.apps", namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={name}"):
+        n = obj["spec"].get("replicas", 1)
+        kube.patch_status("deployments.apps", obj["metadata"]["name"],
+                          {"replicas": n, "readyReplicas": n, "availableReplicas": n, "updatedReplicas": n,
+                           "observedGeneration": obj["metadata"]["generation"]}, namespace)
+
+
+def events(kube: Any, name: str, namespace: str = "default") -> list[dict]:
+    return [e for e in kube.list("events", namespace) if e["involvedObject"]["name"] == name]
+
+
+def strip_server_fields(obj: dict) -> dict:
+    import copy
+    out = copy.deepcopy(obj)
+    for key in SERVER_FIELDS:
+        out["metadata"].pop(key, None)
+    out.pop("status", None)
+    for ref in out["metadata"].get("ownerReferences", []):
+        ref["uid"] = "<uid>"
+    return out

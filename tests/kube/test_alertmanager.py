@@ -1,0 +1,190 @@
+"""The operator's Alertmanager receiver: payload validation, and the whole chain from real Prometheus + Alertmanager."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import httpx
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from pdfleet_operator.gen import alerts
+from pdfleet_operator.kube import alertmanager
+from tests.support.components import free_port
+
+GOOD = {
+    "version": "4", "status": "firing", "receiver": "pdfleet", "groupKey": "{}:{alertname=\"PdfleetHigh5xxRatio\"}",
+    "commonLabels": {}, "externalURL": "http://am",
+    "alerts": [{
+        "status": "firing",
+        "labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_alert": "rollback", "severity": "critical",
+                   "namespace": "prod", "pdfleet_deployment": "chat"},
+        "annotations": {"summary": "x"}, "startsAt": "2026-11-30T10:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
+        "fingerprint": "abc123", "generatorURL": "http://prom",
+    }],
+}
+
+
+def _with(**changes):
+    payload = json.loads(json.dumps(GOOD))
+    for path, value in changes.items():
+        node = payload
+        *head, leaf = path.split("__")
+        for key in head:
+            node = node[int(key)] if key.isdigit() else node[key]
+        if value is _DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return json.dumps(payload).encode()
+
+
+_DELETE = object()
+
+
+def test_parse_good_payload():
+    [trigger] = alertmanager.parse(json.dumps(GOOD).encode())
+    assert trigger == alertmanager.RollbackTrigger("prod", "chat", True, 1796032800.0, "abc123")
+
+
+@pytest.mark.parametrize("body,words", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "Alertmanager v4"),
+    (_with(version="3"), "version"),
+    (_with(alerts=[]), "alerts"),
+    (_with(alerts__0__startsAt="yesterday"), "startsAt"),
+    (_with(alerts__0__status="maybe"), "status"),
+    (_with(alerts__0__labels__alertname="DiskFull"), "no pdfleet rollback alert"),
+    (_with(alerts__0__labels__pdfleet_alert=_DELETE), "no pdfleet rollback alert"),
+    (_with(alerts__0__labels__pdfleet_deployment=_DELETE), "pdfleet_deployment"),
+    (_with(alerts__0__labels__namespace="Not A Namespace"), "namespace"),
+])
+def test_malformed_or_unknown_payloads_are_rejected(body, words):
+    with pytest.raises(alertmanager.PayloadError, match=words):
+        alertmanager.parse(body)
+
+
+class _Receiver:
+    """The receiver app served from a background thread, recording what it was handed."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.triggers: list[tuple[float, alertmanager.RollbackTrigger]] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        assert self.ready.wait(10), "receiver did not start"
+
+    async def _record(self, trigger):
+        self.triggers.append((time.monotonic(), trigger))
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(alertmanager.make_app(self._record))
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.runner = runner
+        self.ready.set()
+        self.loop.run_forever()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/alerts"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def receiver():
+    r = _Receiver()
+    yield r
+    r.close()
+
+
+def test_receiver_answers_400_and_records_nothing_for_bad_payloads(receiver):
+    for body in (b"{", _with(alerts__0__labels__alertname="DiskFull"), _with(version="3")):
+        resp = httpx.post(receiver.url, content=body, headers={"Content-Type": "application/json"}, timeout=5)
+        assert resp.status_code == 400 and resp.json()["error"]
+    huge = b"[" + b"0," * (alertmanager.MAX_BODY_BYTES // 2) + b"0]"
+    assert httpx.post(receiver.url, content=huge, timeout=10).status_code == 413
+    assert receiver.triggers == []
+    resp = httpx.post(receiver.url, content=json.dumps(GOOD), timeout=5)
+    assert resp.status_code == 200 and resp.json() == {"accepted": 1}
+    assert [t.deployment for _, t in receiver.triggers] == ["chat"]
+
+
+class _Router:
+    """A stand-in router exporting pdfleet_router_requests_total; the test flips it to 5xx."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdfleet_router_requests", "Requests through the router", ["code", "tier"],
+                                registry=self.registry)
+        self.failing = False
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stop = threading.Event()
+        threading.Thread(target=self._traffic, daemon=True).start()
+
+    def _traffic(self) -> None:
+        while not self.stop.wait(0.05):
+            self.requests.labels(code="503" if self.failing else "200", tier="default").inc(5)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+
+
+def test_real_alert_reaches_receiver_after_for(prometheus_factory, alertmanager_factory, receiver, tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="3s", min_requests=5)))
+    router = _Router()
+    try:
+        am = alertmanager_factory(webhook_urls=[receiver.url])
+        prom = prometheus_factory(rule_files=[rules], alertmanagers=[am.address], extra_scrape_configs=[{
+            "job_name": "router",
+            "static_configs": [{"targets": [router.target],
+                                "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}],
+        }])
+        prom.wait_for('pdfleet_router_requests_total{code="200",pdfleet_deployment="chat"}')
+        time.sleep(5)  # a healthy window first: nothing fires
+        assert receiver.triggers == []
+
+        router.failing = True
+        began = time.monotonic()
+        deadline = began + 40
+        while not receiver.triggers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert receiver.triggers, f"no alert reached the receiver; prometheus log:\n{prom.log()}\nam log:\n{am.log()}"
+        at, trigger = receiver.triggers[0]
+        assert (trigger.namespace, trigger.deployment, trigger.firing) == ("prod", "chat", True)
+        delay = at - began
+        # The ratio crosses 1% at the next scrape (1 s), then pends for `for` (3 s), is evaluated (1 s
+        # interval) and grouped (group_wait 1 s): the alert cannot arrive before `for`.
+        assert 3.0 <= delay <= 15.0, delay
+    finally:
+        router.close()

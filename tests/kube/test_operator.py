@@ -1,0 +1,283 @@
+"""The operator running for real (kopf) against the API emulator: golden objects, edits, GC, drift, resync, re-plans."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from pdfleet_operator.kube import handlers
+from tests.kube import golden
+from tests.kube.cluster import EXAMPLES, example_deployments, example_files, node, pod
+from tests.kube.harness import (
+    CHILD_RESOURCES,
+    children,
+    events,
+    mark_ready,
+    prepare_cluster,
+    running_operator,
+    settle,
+    strip_server_fields,
+    wait_reconciled,
+)
+
+LLAMA = EXAMPLES / "llama31-8b-pd-mig.yaml"
+
+
+def test_golden_files_are_current() -> None:
+    assert golden.stale() == [], "run `python -m tests.kube.golden --update` and review the diff"
+
+
+def test_examples_yield_exactly_the_golden_objects_status_and_columns(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        for path in example_files().values():
+            kube.apply(path)
+        for stem in example_files():
+            for want in yaml.safe_load_all(golden.golden_path(stem).read_text()):
+                cr = wait_reconciled(kube, want["name"])
+                got = {k: strip_server_fields(v) for k, v in children(kube, want["name"]).items()}
+                expected = {f"{o['kind']}/{o['metadata']['name']}": o for o in want["objects"]}
+                assert sorted(got) == sorted(expected), want["name"]
+                for key, obj in expected.items():
+                    assert got[key] == obj, key
+                assert golden.normalize_status(cr["status"]) == want["status"], want["name"]
+        settle(kube)
+    table = kube.kubectl("get", "infdep").stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "P:D", "$/H", "READY", "AGE"]
+    row = next(line.split() for line in table[1:] if line.startswith("llama31-8b "))
+    assert row[2:7] == ["1", "2", "1:2", "5.65", "False"]
+
+
+def test_spec_edit_changes_only_what_must(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        kube.apply(LLAMA)
+        wait_reconciled(kube, "llama31-8b")
+        settle(kube)
+        before = {k: v["metadata"]["resourceVersion"] for k, v in children(kube, "llama31-8b").items()}
+
+        kube.clear_requests()
+        kube.patch("infdep", "llama31-8b", {"spec": {"decode": {"minReplicas": 3}}})
+        wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["decodeReplicas"] == 3)
+        settle(kube)
+        writes = [(w.verb, w.resource, w.name, w.subresource) for w in kube.writes()]
+        assert writes == [("patch", "deployments", "llama31-8b-decode-h100-mig-3g-40gb", None),
+                          ("patch", "inferencedeployments", "llama31-8b", "status"),
+                          ("create", "events", None, None)], [(e["reason"], e["message"]) for e in events(kube, "llama31-8b")]
+        ev = events(kube, "llama31-8b")[-1]
+        assert ev["reason"] == "Replanned" and "decode 3xh100-mig-3g-40gb" in ev["message"]
+
+        kube.clear_requests()
+        kube.patch("infdep", "llama31-8b", {"spec": {"engine": {"maxNumSeqs": 64}}})
+        wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["currentRevision"] == 2)
+        settle(kube)
+        changed = sorted(w.name for w in kube.writes() if w.resource != "inferencedeployments" and w.resource != "events")
+        # (plus the superseded revision 1's ControllerRevision, issue 7: revision 2 is on the ConfigMap now)
+        assert changed == ["llama31-8b-decode-h100-mig-3g-40gb", "llama31-8b-engine", "llama31-8b-prefill-h100-80gb",
+                           "llama31-8b-rev-1"]
+        after = {k: v["metadata"]["resourceVersion"] for k, v in children(kube, "llama31-8b").items()}
+        assert {k for k in before if before[k] != after[k]} == {
+            "ConfigMap/llama31-8b-engine", "Deployment/llama31-8b-decode-h100-mig-3g-40gb",
+            "Deployment/llama31-8b-prefill-h100-80gb"}
+        pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
+        assert pool["spec"]["template"]["metadata"]["labels"]["pdfleet.io/revision"] == "2"
+
+        # A pool the plan no longer has keeps serving until its replacement is ready, then is deleted.
+        mark_ready(kube, "llama31-8b")
+        settle(kube)
+        kube.clear_requests()
+        kube.patch("infdep", "llama31-8b", {"spec": {"decode": {"acceleratorClasses": ["h100-80gb"]}}})
+        cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "h100-80gb")
+        settle(kube)
+        assert "Deployment/llama31-8b-decode-h100-80gb" in children(kube, "llama31-8b")
+        assert "Deployment/llama31-8b-decode-h100-mig-3g-40gb" in children(kube, "llama31-8b")
+        assert not [w for w in kube.writes() if w.verb == "delete"]
+        cond = {c["type"]: c for c in kube.get("infdep", "llama31-8b")["status"]["conditions"]}
+        assert "keeping llama31-8b-decode-h100-mig-3g-40gb until the decode pools llama31-8b-decode-h100-80gb " \
+               "are ready (0/3 replicas)" in cond["Progressing"]["message"], cond["Progressing"]
+        assert cond["Ready"]["status"] == "True", cond["Ready"]  # the kept pool serves decode meanwhile
+        replanned = [e for e in events(kube, "llama31-8b") if e["reason"] == "Replanned"][-1]
+        assert "llama31-8b-decode-h100-mig-3g-40gb kept until" in replanned["message"]
+        mark_ready(kube, "llama31-8b")
+        kube.wait_for(lambda: "Deployment/llama31-8b-decode-h100-mig-3g-40gb" not in children(kube, "llama31-8b"),
+                      message="the replaced pool deleted once the new one is ready")
+        settle(kube)
+        assert [w.name for w in kube.writes() if w.verb == "delete"] == ["llama31-8b-decode-h100-mig-3g-40gb"]
+        retired = [e for e in events(kube, "llama31-8b") if e["reason"] == "PoolRetired"]
+        assert len(retired) == 1 and retired[0]["message"].startswith("deleted llama31-8b-decode-h100-mig-3g-40gb")
+
+
+def test_deleting_the_cr_removes_children_by_garbage_collection(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        kube.apply(LLAMA)
+        wait_reconciled(kube, "llama31-8b")
+        settle(kube)
+        assert len(children(kube, "llama31-8b")) == 9
+        kube.clear_requests()
+        kube.delete("infdep", "llama31-8b")
+        kube.wait_for(lambda: not children(kube, "llama31-8b"), message="children collected")
+        settle(kube)
+        # The operator neither deleted children itself nor recreated them.
+        assert [w for w in kube.writes() if w.resource != "events"] == []
+
+
+def test_hand_edits_are_reverted(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        kube.apply(LLAMA)
+        wait_reconciled(kube, "llama31-8b")
+        settle(kube)
+        name = "llama31-8b-prefill-h100-80gb"
+        original = kube.get("deployments.apps", name)
+        kube.patch("deployments.apps", name, {"spec": {"replicas": 7, "template": {"spec": {"containers": [
+            {**original["spec"]["template"]["spec"]["containers"][0], "image": "evil:latest"}]}}}})
+        kube.wait_for(lambda: kube.get("deployments.apps", name)["spec"]["replicas"] == 1, message="replicas reverted")
+        reverted = kube.get("deployments.apps", name)
+        assert reverted["spec"]["template"]["spec"]["containers"][0]["image"] == original["spec"]["template"]["spec"]["containers"][0]["image"]
+        ev = kube.wait_for(lambda: [e for e in events(kube, "llama31-8b") if e["reason"] == "DriftReverted"], message="event")
+        assert f"Deployment/{name}" in ev[0]["message"] and ".spec.replicas" in ev[0]["message"]
+        # A child deleted by hand comes back.
+        kube.delete("services", "llama31-8b")
+        kube.wait_for(lambda: kube.get("services", "llama31-8b"), message="router Service recreated")
+        settle(kube)
+
+
+def test_steady_state_resync_and_restart_make_zero_writes(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        for path in example_files().values():
+            kube.apply(path)
+        for name in example_deployments():
+            wait_reconciled(kube, name)
+        settle(kube)
+        for name in example_deployments():
+            mark_ready(kube, name)
+        for name in example_deployments():
+            cr = wait_reconciled(kube, name, check=lambda cr: any(
+                c["type"] == "Ready" and c["status"] == "True" for c in cr["status"]["conditions"]))
+        settle(kube)
+    kube.clear_requests()
+    with running_operator(kube, resync_interval=0.3):  # a restart (every CR created/resumed again) + resyncs
+        kube.wait_for(lambda: handlers.RECONCILER.reconciles >= 4 * len(example_deployments()), timeout=20,
+                      message="a restart and several resyncs")
+        settle(kube)
+    assert kube.writes() == []
+    assert {r.verb for r in kube.requests} - {None} <= {"get", "list", "watch"}  # None: discovery
+
+
+def test_new_ascend_node_replans_with_an_event(kube) -> None:
+    cost = copy.deepcopy(example_deployments()["chat-cost"])
+    prepare_cluster(kube, nodes=[node("hygon-0", "hygon", 8)])
+    with running_operator(kube):
+        kube.apply(cost)
+        cr = wait_reconciled(kube, "chat-cost")
+        assert [(p["role"], p["acceleratorClass"]) for p in cr["status"]["pools"]] == [
+            ("prefill", "hygon-dcu-k100"), ("decode", "hygon-dcu-k100")]
+        settle(kube)
+        kube.apply(node("ascend-1", "ascend", 8))
+        cr = wait_reconciled(kube, "chat-cost", check=lambda cr: cr["status"]["pools"][0]["acceleratorClass"] == "ascend-910b")
+        settle(kube)
+        ev = [e for e in events(kube, "chat-cost") if e["reason"] == "Replanned"]
+        # (the emulator, like a kubelet, reports a new node's allocatable in a second write: "added" or "changed")
+        assert ev and ev[-1]["message"].startswith("node ascend-1 ") and "(8 huawei.com/Ascend910" in ev[-1]["message"]
+        assert "allocatable): prefill 1xascend-910b, decode 2xhygon-dcu-k100" in ev[-1]["message"]
+        # the Hygon prefill pool serves until the Ascend one is ready
+        assert "Deployment/chat-cost-prefill-hygon-dcu-k100" in children(kube, "chat-cost")
+        mark_ready(kube, "chat-cost")
+        kube.wait_for(lambda: "Deployment/chat-cost-prefill-hygon-dcu-k100" not in children(kube, "chat-cost"),
+                      message="the Hygon prefill pool deleted once the Ascend one is ready")
+        settle(kube)
+        # A node of an unrelated kind re-plans nothing.
+        kube.clear_requests()
+        kube.apply(node("l40s-9", "l40s", 4))
+        settle(kube)
+        assert kube.writes() == []
+
+
+def test_price_change_replans_with_an_event(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        kube.apply(EXAMPLES / "qwen2-7b-mixed-tiers.yaml")
+        wait_reconciled(kube, "chat-cost")
+        wait_reconciled(kube, "chat-latency")
+        settle(kube)
+        kube.clear_requests()
+        kube.patch("acc", "hygon-dcu-k100", {"spec": {"costPerHour": 2.0}})
+        cr = wait_reconciled(kube, "chat-cost", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "ascend-910b")
+        settle(kube)
+        ev = [e for e in events(kube, "chat-cost") if e["reason"] == "Replanned"][-1]
+        assert ev["message"].startswith("AcceleratorClass hygon-dcu-k100 changed: costPerHour 0.9 -> 2.0: ")
+        assert cr["status"]["costPerHour"] == round(2 * 1.20 + 1.20 + 0.10, 4)
+        # chat-latency does not list the class: untouched.
+        assert not [w for w in kube.writes() if "chat-latency" in (w.name or "")]
+
+
+def test_full_cluster_is_scaling_limited_until_capacity_frees(kube) -> None:
+    prepare_cluster(kube, nodes=[node("l40s-0", "l40s", 2)])
+    kube.apply(pod("training", "l40s-0", {"nvidia.com/gpu": "2"}, namespace="default"))
+    with running_operator(kube):
+        kube.apply(EXAMPLES / "qwen2-7b.yaml")
+        cr = wait_reconciled(kube, "qwen2-7b")
+        cond = {c["type"]: c for c in cr["status"]["conditions"]}
+        assert cond["ScalingLimited"]["status"] == "True" and cond["ScalingLimited"]["reason"] == "InsufficientCapacity"
+        assert "missing 1 x nvidia.com/gpu on l40s-48gb" in cond["ScalingLimited"]["message"]
+        assert cond["Degraded"]["reason"] == "RoleUnplaced"
+        assert not any(k.startswith("Deployment/qwen2-7b-colocated") for k in children(kube, "qwen2-7b"))
+        kube.wait_for(lambda: [e for e in events(kube, "qwen2-7b") if e["reason"] == "ScalingLimited"],
+                      message="a ScalingLimited Event (posted after the status)")
+        kube.delete("pods", "training")
+        cr = wait_reconciled(kube, "qwen2-7b", check=lambda cr: cr["status"]["pools"])
+        assert cr["status"]["pools"][0]["desired"] == 1
+        settle(kube)
+
+
+def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> None:
+    prepare_cluster(kube, nodes=[node(f"h100-{i}", "h100", 8) for i in range(4)] + [node("mig-0", "h100-mig", 64)])
+    names = [f"llama-{i}" for i in range(12)]
+    base = yaml.safe_load(LLAMA.read_text())
+    for n in names:
+        doc = copy.deepcopy(base)
+        doc["metadata"]["name"] = n
+        kube.apply(doc)
+    cmd = [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", "0",
+           "--liveness-port", "0", "--resync-interval", "0"]
+    log = open(tmp_path / "operator.log", "w")
+    first = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        kube.wait_for(lambda: len(kube.writes()) >= 40 or first.poll() is not None, timeout=30,
+                      message="the first operator to be mid-way")
+        assert first.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    partial = sum(len(children(kube, n)) for n in names)
+    assert 0 < partial < 9 * len(names), "the kill should land mid-reconcile"
+    second = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for n in names:
+            wait_reconciled(kube, n, timeout=30)
+        settle(kube)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        try:
+            second.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+    for n in names:
+        got = children(kube, n)
+        assert sorted(got) == sorted(
+            ["ConfigMap/" + n + "-engine", "Service/" + n, "Service/" + n + "-prefill", "Service/" + n + "-decode",
+             "PodDisruptionBudget/" + n + "-prefill", "PodDisruptionBudget/" + n + "-decode",
+             "Deployment/" + n + "-prefill-h100-80gb", "Deployment/" + n + "-decode-h100-mig-3g-40gb",
+             "Deployment/" + n + "-router"]), n
+    total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
+        len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
+    assert total == 9 * len(names)

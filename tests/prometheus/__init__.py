@@ -1,0 +1,1 @@
+"""Tests of the one Prometheus reader against real Prometheus and real exporters."""
