@@ -1,4 +1,4 @@
-"""The OpenAI schema fuzzer (schemathesis, with OpenAI's own OpenAPI document) against a router in front of a prefill/decode pair and against a colocated worker; any 5xx, an error not in the OpenAI shape, a worker address in what the router returns, or an answer the router did not count fails.
+"""The OpenAI schema fuzzer (schemathesis, with OpenAI's own OpenAPI document) against a router in front of a prefill/decode pair and against a colocated worker; any 5xx, an error not in the OpenAI shape, a worker address in what the router returns, or an answer the router did not count fails, and so does a non-streamed 2xx body outside OpenAI's response schema.
 
     python3 bench/fuzz.py --install          # once: .venv-fuzz with FUZZ_PINS (about 30 s)
     .venv-fuzz/bin/python bench/fuzz.py [--examples 40] [--seed 0] [--time-limit 300]
@@ -11,10 +11,13 @@ OpenAI's published spec; its version is printed). The fuzzed operations are ever
 schema) and negative (invalid) modes. Most generated `model` values are replaced by the served one, or
 every request would stop at 404; generated `max_tokens` mostly stay (workers allow 16, so most are a
 400; half are folded to 1..16 to generate). Workers, router and model run from the project's
-virtualenv (--python). Ends with one JSON line; exit status 1 on any finding.
+virtualenv (--python). One POST body in five is also sent made hostile in one field (NaN, Infinity, a lone
+surrogate, 40 levels of nesting), which must be a 400 `invalid_json`. Ends with one JSON line; exit status 1
+on any finding.
 """
 from __future__ import annotations
 
+# isort: skip_file  -- _sys_path must stay the first import (see it)
 import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import sys
 
@@ -36,6 +39,7 @@ try:  # from .venv-fuzz; without them only --install runs
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, seed, settings
     from schemathesis.generation import GenerationMode
+    from schemathesis.specs.openapi.checks import response_schema_conformance
 except ImportError:
     schemathesis = None
 
@@ -105,12 +109,20 @@ class Proc:
                 self.proc.wait()
 
 
-def is_openai_error(resp: requests.Response) -> bool:
+def is_openai_error(resp) -> bool:
     try:
         err = resp.json()["error"]
     except (ValueError, KeyError, TypeError):
         return False
     return isinstance(err, dict) and set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
+
+
+def content_type(resp) -> str:
+    """schemathesis' responses keep each header as a list of values."""
+    for name, value in resp.headers.items():
+        if name.lower() == "content-type":
+            return value[0] if isinstance(value, list) else value
+    return ""
 
 
 def router_counted(url: str) -> float:
@@ -166,9 +178,41 @@ class Fuzz:
             problem = "not an OpenAI error object"
         elif target == "router" and any(a in resp.text or a in json.dumps(dict(resp.headers)) for a in self.addresses):
             problem = "a worker address"
+        elif resp.status_code < 300 and not content_type(resp).startswith("text/event-stream"):
+            # NOTE: schemathesis reads an SSE event's schema as that of the event ({data, event}), not of
+            # its JSON data, so streamed chunks are not checked against OpenAI's chunk schema here.
+            try:
+                case.validate_response(resp, checks=[response_schema_conformance])
+            except BaseExceptionGroup as e:  # schemathesis' FailureGroup: what OpenAI's schema says a 2xx must hold
+                problem = "a 2xx body outside OpenAI's response schema: " + "; ".join(
+                    " ".join(str(x).split())[:160] for x in e.exceptions)
         if problem:
             self.findings.append({"what": problem, "case": key, "status": resp.status_code,
                                   "body": json.dumps(case.body, default=str)[:500], "answer": resp.text[:500]})
+        if case.method.upper() == "POST" and isinstance(case.body, dict) and case.body and self.rng.random() < 0.2:
+            self.send_hostile(target, url, case)
+
+    def send_hostile(self, target: str, url: str, case) -> None:
+        """The same body made hostile in one place (JSON that Python's encoder writes and no server should
+        take): a number as NaN or Infinity, a string with a lone surrogate escape, a value 40 levels deep."""
+        body = json.loads(json.dumps(case.body, default=str))
+        key = self.rng.choice(sorted(body))
+        kind = self.rng.choice(["NaN", "Infinity", "surrogate", "deep"])
+        body[key] = {"NaN": float("nan"), "Infinity": float("inf"), "surrogate": f"x\ud800{body[key]!s:.20}",
+                     "deep": json.loads("[" * 40 + "1" + "]" * 40)}[kind]
+        what = f"{target} {case.method.upper()} {case.path} hostile {kind}"
+        try:
+            resp = requests.post(f"{url}/v1{case.path}", data=json.dumps(body).encode(), timeout=60,
+                                 headers={"content-type": "application/json"})
+        except requests.RequestException as e:
+            self.findings.append({"what": "no answer", "case": what, "error": repr(e)[:300]})
+            return
+        self.sent[target] += 1
+        self.statuses[what][resp.status_code] += 1
+        if resp.status_code != 400 or not is_openai_error(resp) or resp.json()["error"]["code"] != "invalid_json":
+            self.findings.append({"what": "5xx" if resp.status_code >= 500 else "hostile JSON not refused as invalid_json",
+                                  "case": what,
+                                  "status": resp.status_code, "key": key, "answer": resp.text[:500]})
 
 
 def run_operations(schema, fuzz: Fuzz, targets: dict[str, str], examples: int, seed_value: int) -> None:

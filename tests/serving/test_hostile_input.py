@@ -131,6 +131,19 @@ def test_what_only_the_decode_worker_refused_costs_no_prefill(pipeline):
     assert sample(pre.metrics_text(), m.PROMPT_TOKENS_TOTAL.name) > prefilled
 
 
+def test_text_no_context_could_hold_is_refused_before_tokenizing(pipeline):
+    """3.5 MB of text took the worker ~3 s of tokenizing (on its event loop) before the context check."""
+    import time
+
+    huge = "hello world " * 300_000
+    for url in (pipeline.router.url, pipeline.prefill.url):
+        for path, body in (("/v1/completions", {**GOOD, "prompt": huge}),
+                           ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]})):
+            t0 = time.monotonic()
+            err = assert_error(httpx.post(f"{url}{path}", json=body, timeout=30), 400)
+            assert err["code"] == "context_length_exceeded" and time.monotonic() - t0 < 1.0, err
+
+
 def test_prompt_lists_are_bounded_by_max_prompts(pipeline):
     assert pipeline.colo.load()["limits"]["max_prompts"] == p.DEFAULT_MAX_PROMPTS
     for url in (pipeline.router.url, pipeline.colo.url, pipeline.prefill.url):
@@ -278,6 +291,19 @@ def test_redact_removes_addresses_and_keeps_the_rest():
         assert leak not in out, (leak, out)
     assert out.startswith("KV transfer from the prefill worker failed (connect): connecting to <worker> refused")
     assert out.endswith("prompt 3 has 12 tokens")
+
+    from types import SimpleNamespace
+
+    cfg = RouterConfig(tiers={"default": TierConfig("default", workers=["http://10.0.0.9:8000"])}, default_tier="default")
+    up = SimpleNamespace(url="http://10.0.0.9:8000", role="decode")
+    router = proxy.Router(cfg, SimpleNamespace(all={("default", "both", up.url): up}), None, None)
+    raw = json.dumps({"error": {"message": "KV pull from kv-0.internal:9100 broke (worker http://10.0.0.9:8000)",
+                                "type": "kv_transfer_error", "param": None, "code": "peer_closed",
+                                "debug": {"kv_transfer_params": {"remote_host": "10.0.0.7"}}}}).encode()
+    assert router.relayed_error(raw, up, 502, ["kv-0.internal"]) == {"error": {
+        "message": "KV pull from <worker>:9100 broke (worker <worker>)", "type": "kv_transfer_error", "param": None,
+        "code": "peer_closed"}}
+    assert router.relayed_error(b"<html>10.0.0.9</html>", up, 502)["error"]["message"] == "the decode worker answered 502"
 
 
 def test_router_counts_every_answer_including_its_own_bugs(monkeypatch):
