@@ -25,6 +25,7 @@ PLUGINS: dict[str, tuple[str, str, str]] = {
     "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
     "up": ("pdfleet_operator.local.cli", "operator", "run an InferenceDeployment on this machine: router + workers + autoscaler"),
     "load": ("pdfleet_operator.local.cli", "operator", "open-loop load on an OpenAI endpoint: TTFT/ITL and tokens/s"),
+    "render": ("pdfleet_operator.kube.render_cli", "operator", "print the objects the operator would create (like helm template)"),
     "chart": ("pdfleet_operator.gen.chart", "dev", "regenerate the Helm chart's generated files"),
     "dashboards": ("pdfleet_operator.gen.dashboards", "dev", "regenerate the Grafana dashboards"),
 }

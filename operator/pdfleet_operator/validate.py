@@ -31,7 +31,8 @@ def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
     """Validate files (directories: their *.yaml / *.yml); returns (objects checked, problems)."""
     crd_by_kind = schema.load_crds()
     checked, problems = 0, []
-    for path in _expand(paths):
+    valid: list[tuple[str, dict[str, Any]]] = []
+    for path in expand(paths):
         try:
             documents = load_documents(path)
         except (OSError, ValueError) as exc:
@@ -48,11 +49,32 @@ def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
                 problems.extend(Problem(source, f"SimulatedFleet/{name}", "", line)
                                 for line in fleet.validate_document(doc, source, path.parent))
                 continue
-            problems.extend(validate_object(doc, source, crd_by_kind))
+            found = validate_object(doc, source, crd_by_kind)
+            problems.extend(found)
+            if not found and isinstance(doc, dict) and doc.get("kind") in ("InferenceDeployment", "AcceleratorClass"):
+                valid.append((source, doc))
+    problems.extend(_runtime_problems(valid))
     return checked, problems
 
 
-def _expand(paths: Iterable[Path]) -> list[Path]:
+def _runtime_problems(docs: list[tuple[str, dict[str, Any]]]) -> list[Problem]:
+    """The rules across objects (`decide.runtimes`): each valid InferenceDeployment against the valid
+    AcceleratorClasses given with it (the classes it lists that are not given are not checked here)."""
+    from pdfleet_operator.api import AcceleratorClass, InferenceDeployment
+    from pdfleet_operator.decide import runtimes
+
+    classes = {d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
+               for _, d in docs if d["kind"] == "AcceleratorClass"}
+    out = []
+    for source, doc in docs:
+        if doc["kind"] == "InferenceDeployment":
+            dep = InferenceDeployment.model_validate(doc)
+            out += [Problem(source, f"InferenceDeployment/{dep.name}", p.field, p.message)
+                    for p in runtimes.check(dep.spec, classes)]
+    return out
+
+
+def expand(paths: Iterable[Path]) -> list[Path]:
     out = []
     for p in paths:
         if p.is_dir():

@@ -103,6 +103,14 @@ CASES: list[Case] = [
     Case("unknown-kv-failure-policy", D, _set("spec.engine.kvTransfer.onFailure", "retry"), "spec.engine.kvTransfer.onFailure"),
     Case("prometheus-url-without-scheme", D, _set("spec.autoscaling.prometheusUrl", "prometheus:9090"), "spec.autoscaling.prometheusUrl"),
     Case("tolerance-one", D, _set("spec.autoscaling.tolerance", 1.0), "spec.autoscaling.tolerance"),
+    Case("unknown-runtime", D, _set("spec.engine.runtime", "tgi"), "spec.engine.runtime"),
+    Case("vllm-settings-on-pdfleet", D, _all(_set("spec.engine.runtime", "pdfleet"),
+                                             _set("spec.engine.vllm", {"extraArgs": ["--enforce-eager"]})),
+         "spec.engine.vllm", "runtime vllm"),
+    Case("int8-kv-on-vllm", D, _all(_set("spec.engine.runtime", "vllm"), _set("spec.engine.kvCacheDtype", "int8")),
+         "spec.engine.kvCacheDtype", "vllm"),
+    Case("kv-connector-not-a-name", D, _set("spec.engine.vllm", {"kvConnector": "nixl connector"}),
+         "spec.engine.vllm.kvConnector"),
     # --- AcceleratorClass ---
     Case("unknown-vendor", A, _set("spec.vendor", "nvidea"), "spec.vendor"),
     Case("resource-name-without-domain", A, _set("spec.resourceName", "gpu"), "spec.resourceName"),
@@ -117,6 +125,10 @@ CASES: list[Case] = [
     Case("env-name-invalid", A, _set("spec.env", [{"name": "1BAD", "value": "x"}]), "spec.env[0].name"),
     Case("cpu-vendor-with-gpu-resource", A, _set("spec.vendor", "cpu"), "spec.resourceName", "cpu"),
     Case("price-date-not-iso", A, _set("spec.costAsOf", "June 2025"), "spec.costAsOf"),
+    Case("default-vllm-without-vllm", A, _set("spec.runtimes", {"default": "vllm"}), "spec.runtimes.default", "vllm"),
+    Case("vllm-runtime-without-image", A, _set("spec.runtimes", {"vllm": {"kvConnector": "NixlConnector"}}),
+         "spec.runtimes.vllm.image", "required"),
+    Case("unknown-torch-device", A, _set("spec.runtimes", {"pdfleet": {"device": "tpu"}}), "spec.runtimes.pdfleet.device"),
 ]
 
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"

@@ -9,7 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from pdfleet_operator import runtime
+from pdfleet_operator import engine_args
 from pdfleet_operator.api import names
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
@@ -78,7 +78,7 @@ def test_every_object_is_valid_and_owned(name: str) -> None:
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "pdfleet-operator"
         assert meta["labels"]["pdfleet.io/deployment"] == name
     kinds = sorted(o["kind"] for o in objs)
-    roles = 1 if name in ("qwen2-7b",) else 2
+    roles = len(spec_of(EXAMPLES[name]).roles())
     assert kinds.count("Service") == roles + 1
     assert kinds.count("PodDisruptionBudget") == roles
     assert kinds.count("ConfigMap") == 1 and kinds.count("PodMonitor") == 1 and kinds.count("PrometheusRule") == 1
@@ -110,9 +110,13 @@ def test_worker_pod_for_a_domestic_class() -> None:
     assert "tolerations" not in pod
     assert pod["securityContext"]["runAsNonRoot"] is True
     (c,) = pod["containers"]
+    # The device the worker must compute on (it exits when it lacks it) and its class, from the class.
     assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
-                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json"]
-    assert c["resources"] == {"requests": {"huawei.com/Ascend910": "1"}, "limits": {"huawei.com/Ascend910": "1"}}
+                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--device", "npu",
+                         "--accelerator", "ascend-910b"]
+    # Host memory: 7.6B bf16 weights (14.2 GiB) + 4 GiB overhead; 2 cores per card; no CPU limit.
+    assert c["resources"] == {"requests": {"cpu": "2", "huawei.com/Ascend910": "1", "memory": "19Gi"},
+                              "limits": {"huawei.com/Ascend910": "1", "memory": "38Gi"}}
     assert {"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0"} in c["env"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -128,7 +132,8 @@ def test_mig_pool_requests_the_slice_and_tolerates_gpu_taint() -> None:
     objs = rendered("llama31-8b")
     dep = next(o for o in objs if o["metadata"]["name"] == "llama31-8b-decode-h100-mig-3g-40gb")
     pod = dep["spec"]["template"]["spec"]
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-3g.40gb": "1"}
+    assert pod["containers"][0]["resources"]["limits"] == {"memory": "38Gi", "nvidia.com/mig-3g.40gb": "1"}
+    assert pod["containers"][0]["args"][-4:] == ["--device", "cuda", "--accelerator", "h100-mig-3g-40gb"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/mig.strategy": "mixed"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert dep["spec"]["replicas"] == 2
@@ -211,7 +216,7 @@ def test_wrong_calls_raise() -> None:
 # Every module of api/ and decide/, and the pure parts of the backends.
 _PKG = Path(__file__).resolve().parents[2] / "operator" / "pdfleet_operator"
 PURE = tuple(sorted(f"{pkg}.{p.stem}" for pkg in ("api", "decide") for p in (_PKG / pkg).glob("*.py")
-                    if p.stem != "__init__")) + ("kube.render", "runtime")
+                    if p.stem != "__init__")) + ("kube.render", "engine_args")
 
 
 def test_decision_modules_import_no_kopf_kubernetes_or_http() -> None:
@@ -227,7 +232,7 @@ def test_engine_config_keys_are_the_worker_engine_config_fields() -> None:
     import dataclasses
     config = pytest.importorskip("pdfleet_worker.config")
     fields = {f.name for f in dataclasses.fields(config.EngineConfig)}
-    rendered = set(runtime.engine_config(spec_of(EXAMPLES["llama31-8b"])))
+    rendered = set(engine_args.engine_config(spec_of(EXAMPLES["llama31-8b"])))
     operator_only = {"served_model_name", "kv_cache_memory_fraction", "kv_transfer"}  # the worker reads these itself
     assert rendered - operator_only <= fields, sorted(rendered - operator_only - fields)
 
@@ -249,7 +254,7 @@ def test_worker_and_router_flags_parse_with_the_worker_cli() -> None:
 def test_the_worker_reads_the_rendered_engine_config(tmp_path) -> None:
     from pdfleet_worker.server import worker_config
     path = tmp_path / "engine.json"
-    path.write_text(runtime.config_text(spec_of(EXAMPLES["llama31-8b"])))
+    path.write_text(engine_args.config_text(spec_of(EXAMPLES["llama31-8b"])))
     loaded = worker_config.load_engine_file(str(path))
     assert loaded["served_model_name"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert loaded["max_num_batched_tokens"] == 4096

@@ -22,6 +22,10 @@ from pdfleet_operator.api.meta import (
 )
 
 Vendor = Literal["nvidia", "amd", "intel", "huawei", "cambricon", "hygon", "kunlunxin", "moorethreads", "cpu"]
+# The engines a pool can run (`spec.runtimes` here, `spec.engine.runtime` on an InferenceDeployment).
+RuntimeName = Literal["pdfleet", "vllm"]
+# The torch device the pdfleet worker computes on (`pdfleet worker --device`).
+TorchDevice = Literal["cpu", "cuda", "npu", "mlu", "xpu"]
 
 
 class Toleration(ApiModel):
@@ -59,6 +63,47 @@ class Partition(ApiModel):
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
 
 
+class PdfleetRuntime(ApiModel):
+    """How the pdfleet worker runs on this class."""
+
+    device: TorchDevice | None = Field(
+        None, description="The torch device the worker computes on (`pdfleet worker --device`). Empty: from the "
+                          "vendor (nvidia and hygon: cuda, the DTK torch is CUDA-compatible; huawei: npu through "
+                          "torch_npu; cambricon: mlu through torch_mlu; intel: xpu; cpu: cpu). A vendor without a "
+                          "PyTorch bridge (kunlunxin, amd, moorethreads) has no default: the pdfleet worker is not "
+                          "offered on it until this is set.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for pdfleet workers on this class.")
+
+
+class VllmRuntime(ApiModel):
+    """How vLLM, or the vendor's build of it (vLLM-Ascend, vllm-kunlun, Cambricon's and Hygon's vLLM), runs on this class."""
+
+    image: str = Field(description="Image with vLLM for this device, e.g. vllm/vllm-openai:v0.11.0 (NVIDIA) or "
+                                   "quay.io/ascend/vllm-ascend:v0.11.0rc0 (Ascend). Its `vllm` command serves the model.",
+                       min_length=1, max_length=512)
+    kv_connector: str = Field(
+        "NixlConnector", description="vLLM KV connector a prefill/decode pool on this class uses (`--kv-transfer-config`), "
+                                     "e.g. NixlConnector (NVIDIA) or MooncakeConnectorV1 (vLLM-Ascend).",
+        pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=64)
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for vLLM pods on this class.")
+
+
+class ClassRuntimes(ApiModel):
+    """The engines a pool on this class can run, and which one it runs when the deployment does not choose."""
+
+    default: RuntimeName = Field(
+        "pdfleet", description="The engine a pool on this class runs when its InferenceDeployment leaves "
+                               "spec.engine.runtime empty.")
+    pdfleet: PdfleetRuntime = Field(default_factory=PdfleetRuntime, description="The pdfleet worker on this class.")
+    vllm: VllmRuntime | None = Field(
+        None, description="vLLM on this class; empty: vLLM is not offered here (a deployment asking for it is refused).")
+
+    cel_rules: ClassVar = (
+        Rule(rule="self.default != 'vllm' || has(self.vllm)",
+             message="default vllm needs vllm (the image that runs it on this class)", field_path=".default"),
+    )
+
+
 class AcceleratorClassSpec(ApiModel):
     """What one accelerator type is, how a pod requests it and what it costs."""
 
@@ -87,8 +132,12 @@ class AcceleratorClassSpec(ApiModel):
         default_factory=list,
         description="Environment for workers on this class, e.g. the device-visibility variable "
                     "(ASCEND_RT_VISIBLE_DEVICES, MLU_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, XPU_VISIBLE_DEVICES).")
-    image: str | None = Field(None, description="Worker image override for this class (vendor runtimes).",
+    image: str | None = Field(None, description="pdfleet worker image for this class (a build with the vendor's "
+                                                "PyTorch bridge); empty: the deployment's spec.engine.image.",
                               min_length=1, max_length=512)
+    runtimes: ClassRuntimes = Field(
+        default_factory=ClassRuntimes,
+        description="The engines pools on this class can run (the pdfleet worker, vLLM) and the default one.")
 
     cel_rules: ClassVar = (
         Rule(rule="!has(self.partition) || self.partition.type != 'mig' || self.vendor == 'nvidia'",

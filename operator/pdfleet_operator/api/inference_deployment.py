@@ -108,10 +108,29 @@ class KvTransferSpec(ApiModel):
         "recompute", description="After a failed pull: recompute the prompt on the decode worker, or fail the request.")
 
 
-class EngineSpec(ApiModel):
-    """Worker engine settings, rendered into `pdfleet worker` flags."""
+class VllmEngineSpec(ApiModel):
+    """Settings only vLLM pools read (spec.engine.runtime vllm, or a class whose default is vllm)."""
 
-    image: str = Field("ghcr.io/pdfleet/pdfleet-worker:0.1.0", description="Worker container image.",
+    image: str | None = Field(None, description="vLLM image for every pool of this deployment; empty: each "
+                                                "AcceleratorClass's spec.runtimes.vllm.image (the vendor's build).",
+                              min_length=1, max_length=512)
+    kv_connector: str | None = Field(
+        None, description="KV connector for prefill/decode pools; empty: the classes' spec.runtimes.vllm.kvConnector.",
+        pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=64)
+    extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to `vllm serve`.",
+                                  max_length=64)
+
+
+class EngineSpec(ApiModel):
+    """The engine every pool runs and its settings: `pdfleet worker` flags, or `vllm serve` flags for vLLM pools."""
+
+    runtime: Literal["pdfleet", "vllm"] | None = Field(
+        None, description="The engine: pdfleet (the pdfleet worker) or vllm (vLLM or the vendor's build of it, "
+                          "from the AcceleratorClass). Empty: each class's spec.runtimes.default. Prefill and "
+                          "decode must run the same engine; vLLM needs every class to offer it (spec.runtimes.vllm); "
+                          "a class with count > 1 needs vLLM (tensor parallelism over the count).")
+    image: str = Field("ghcr.io/pdfleet/pdfleet-worker:0.1.0", description="pdfleet worker image (a class's "
+                                                                          "spec.image overrides it).",
                        min_length=1, max_length=512)
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
     kv_cache_memory_fraction: float = Field(
@@ -125,10 +144,17 @@ class EngineSpec(ApiModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec, description="KV transfer between prefill and decode.")
     shm_size: Quantity = Field("1Gi", description="Size of the /dev/shm volume of worker pods.")
-    extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to the worker command line.",
+    extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to the pdfleet worker command line.",
                                   max_length=64)
+    vllm: VllmEngineSpec | None = Field(None, description="Settings only vLLM pools read.")
 
     cel_rules: ClassVar = (
+        Rule(rule="!has(self.runtime) || self.runtime != 'pdfleet' || !has(self.vllm)",
+             message="vllm settings need runtime vllm (or empty, for classes whose default is vllm)",
+             field_path=".vllm"),
+        Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.kvCacheDtype) || self.kvCacheDtype != 'int8'",
+             message="kvCacheDtype int8 is the pdfleet engine's; vLLM pools take auto",
+             field_path=".kvCacheDtype"),
         Rule(rule=f"{_or('maxNumBatchedTokens', 2048)} >= {_or('maxNumSeqs', 256)}",
              message="maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
              field_path=".maxNumBatchedTokens"),

@@ -20,6 +20,7 @@ LABEL_DEPLOYMENT = "pdfleet.io/deployment"
 LABEL_ROLE = "pdfleet.io/role"
 LABEL_ACCELERATOR = "pdfleet.io/accelerator"
 LABEL_REVISION = "pdfleet.io/revision"
+LABEL_ENGINE = "pdfleet.io/engine"  # on worker pods: pdfleet | vllm (the metrics profile of each pool)
 ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
 ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
 # On the ConfigMap: the served revision's template (`rollback.revision_wire`, JSON). The served revision is

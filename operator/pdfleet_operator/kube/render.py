@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdfleet_operator import runtime
+from pdfleet_operator import engine_args
 from pdfleet_operator.api import (
     API_VERSION,
     AcceleratorClassSpec,
@@ -29,6 +29,7 @@ from pdfleet_operator.api.names import (
     ANNOTATION_TEMPLATE_HASH,
     LABEL_ACCELERATOR,
     LABEL_DEPLOYMENT,
+    LABEL_ENGINE,
     LABEL_REVISION,
     LABEL_ROLE,
     MANAGER,
@@ -40,11 +41,15 @@ from pdfleet_operator.api.names import (
     role_service_name,
     router_name,
 )
+import math
+
 from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide import perf, runtimes
 from pdfleet_operator.decide import rollback
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
 HTTP_PORT = 8000
+NIXL_SIDE_CHANNEL_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/pdfleet"
 CONFIG_KEY = "engine.json"
@@ -94,7 +99,7 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
 
 
 def labels(owner: Owner, component: str, *, role: str | None = None, accelerator: str | None = None,
-           revision: int | None = None) -> dict[str, str]:
+           revision: int | None = None, engine: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "pdfleet-router" if component == ROUTER_ROLE else "pdfleet-worker",
         "app.kubernetes.io/instance": owner.name,
@@ -109,6 +114,8 @@ def labels(owner: Owner, component: str, *, role: str | None = None, accelerator
         out[LABEL_ACCELERATOR] = accelerator
     if revision is not None:
         out[LABEL_REVISION] = str(revision)
+    if engine is not None:
+        out[LABEL_ENGINE] = engine
     return out
 
 
@@ -155,16 +162,33 @@ def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict], list[dict]
     return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
 
 
-def worker_args(spec: InferenceDeploymentSpec, role: str) -> list[str]:
-    """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args)."""
-    return runtime.worker_args(spec, role, model_dir=model_dir(spec), host="0.0.0.0", port=HTTP_PORT,
-                               engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY))
+def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime | None = None,
+                accelerator: str | None = None) -> list[str]:
+    """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args); with a
+    pool's runtime, the device it must compute on and its class (a worker without the device exits, loudly)."""
+    flags = []
+    if runtime is not None and runtime.device is not None:
+        flags += ["--device", runtime.device]
+    if accelerator is not None:
+        flags += ["--accelerator", accelerator]
+    return engine_args.worker_args(spec, role, model_dir=model_dir(spec), host="0.0.0.0", port=HTTP_PORT,
+                                   engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY), flags=flags)
 
 
-def router_args(owner: Owner, roles: list[str]) -> list[str]:
-    """`pdfleet router` flags: each role's headless Service, whose DNS name resolves to every ready worker."""
+def vllm_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime) -> list[str]:
+    """`vllm serve` arguments in a pod: the model directory, then the spec's engine settings."""
+    return [model_dir(spec), *engine_args.vllm_args(spec, role, host="0.0.0.0", port=HTTP_PORT,
+                                                    tensor_parallel=runtime.tensor_parallel,
+                                                    kv_connector=runtime.kv_connector)]
+
+
+def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | None = None) -> list[str]:
+    """`pdfleet router` flags: each role's headless Service, whose DNS name resolves to every ready worker;
+    a role whose pools run vLLM is named `vllm@URL` (the router probes and drives each engine its own way)."""
     def url(role: str) -> str:
-        return f"http://{role_service_name(owner.name, role)}.{owner.namespace}.svc:{HTTP_PORT}"
+        engine = (engines or {}).get(role, runtimes.PDFLEET)
+        prefix = "" if engine == runtimes.PDFLEET else f"{engine}@"
+        return f"{prefix}http://{role_service_name(owner.name, role)}.{owner.namespace}.svc:{HTTP_PORT}"
 
     args = ["router"]
     if "colocated" in roles:
@@ -174,14 +198,15 @@ def router_args(owner: Owner, roles: list[str]) -> list[str]:
     return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
 
 
-def _probes() -> dict[str, Any]:
+def _probes(ready: str = "/ready") -> dict[str, Any]:
+    """The pdfleet worker and router: ready at /ready (after warm-up); vLLM serves only /health."""
     def get(path: str) -> dict[str, Any]:
         return {"path": path, "port": "http"}
 
     return {
         # NOTE: loading weights can take minutes; the startup probe holds liveness off until /health answers.
         "startupProbe": {"httpGet": get("/health"), "periodSeconds": 10, "failureThreshold": 90},
-        "readinessProbe": {"httpGet": get("/ready"), "periodSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": get(ready), "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": get("/health"), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
     }
 
@@ -200,9 +225,38 @@ def _scrape_annotations() -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT), "prometheus.io/path": "/metrics"}
 
 
-def _resources(role_resources: Any, cls: AcceleratorClassSpec | None) -> dict[str, Any]:
-    requests = {k: _quantity(v) for k, v in role_resources.requests.items()}
-    limits = {k: _quantity(v) for k, v in role_resources.limits.items()}
+# Host memory a worker needs beyond its weights on an accelerator: tokenizer, HTTP server, the engine's
+# Python and the staging buffers weights are loaded through.
+HOST_OVERHEAD_GIB = 4
+# CPU cores per accelerator unit a worker requests: tokenization, HTTP and the scheduling loop.
+CORES_PER_UNIT = 2
+
+
+def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """CPU and memory requests and limits of one worker, from the model and the class (the role's own win).
+
+    On an accelerator: memory = weights + HOST_OVERHEAD_GIB (limit twice that), CORES_PER_UNIT cores per
+    unit, no CPU limit (a throttled engine loop stalls every sequence). On the `cpu` class the class's
+    memoryGiB is the replica's memory (weights and KV live there), request = limit: the worker sizes its
+    KV pool from that limit, not from the node's free memory. Without `model.architecture` the weights are
+    unknown and only the overhead (accelerators) or the class's memory (`cpu`) is asked for.
+    """
+    weights = perf.weights_bytes(spec)
+    weights_gib = 0 if weights is None else weights / 2**30
+    if cls.resource_name == "cpu":
+        memory = f"{max(math.ceil(cls.memory_gib), math.ceil(weights_gib + 1))}Gi"
+        return {"memory": memory}, {"memory": memory}
+    request = math.ceil(weights_gib + HOST_OVERHEAD_GIB)
+    return ({"cpu": str(CORES_PER_UNIT * cls.count), "memory": f"{request}Gi"}, {"memory": f"{2 * request}Gi"})
+
+
+def _resources(role_resources: Any, cls: AcceleratorClassSpec | None,
+               derived: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> dict[str, Any]:
+    own_requests, own_limits = role_resources.requests, role_resources.limits
+    requests = {**derived[0], **{k: _quantity(v) for k, v in own_requests.items()}}
+    # A derived limit goes only with a derived request: next to a request of the user's own it could be lower.
+    limits = {**{k: v for k, v in derived[1].items() if k not in own_requests},
+              **{k: _quantity(v) for k, v in own_limits.items()}}
     if cls is not None:
         units = str(cls.count)
         requests[cls.resource_name] = units
@@ -235,25 +289,47 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
                     *, revision: int) -> dict[str, Any]:
     role, acc = pool.role, pool.accelerator_class
     role_spec = spec.roles()[role]
+    runtime = runtimes.for_pool(spec, role, acc, cls)
     name = pool_name(owner.name, role, acc)
     model_vols, model_mounts = _model_volume(spec)
-    container: dict[str, Any] = {
-        "name": "worker",
-        "image": cls.image or spec.engine.image,
-        "command": ["pdfleet"],
-        "args": worker_args(spec, role),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _pod_env(owner, role, acc, [{"name": e.name, "value": e.value} for e in cls.env]),
-        **_probes(),
-        "securityContext": _container_security(),
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "shm", "mountPath": "/dev/shm"},
-            *model_mounts,
-        ],
-    }
-    resources = _resources(role_spec.resources, cls)
+    env = _pod_env(owner, role, acc, [{"name": k, "value": v} for k, v in runtime.env])
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}, *model_mounts]
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
+               *model_vols]
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if runtime.name == runtimes.VLLM:
+        # vLLM writes its compile and model caches under $HOME: a bigger scratch volume, no engine.json.
+        volumes[0] = {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}
+        if runtime.kv_connector == "NixlConnector":
+            # NIXL's side channel (KV metadata between prefill and decode) listens on the pod's IP.
+            ports.append({"name": "kv", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"})
+            env += [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)}]
+        container: dict[str, Any] = {
+            "name": "vllm",
+            "image": runtime.image,
+            "command": ["vllm", "serve"],
+            "args": vllm_args(spec, role, runtime),
+            "ports": ports,
+            "env": env,
+            **_probes(ready="/health"),
+        }
+    else:
+        mounts.insert(0, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
+        volumes.insert(0, {"name": "config", "configMap": {"name": config_name(owner.name)}})
+        container = {
+            "name": "worker",
+            "image": runtime.image,
+            "command": ["pdfleet"],
+            "args": worker_args(spec, role, runtime, acc),
+            "ports": ports,
+            "env": env,
+            **_probes(),
+        }
+    container["securityContext"] = _container_security()
+    container["volumeMounts"] = mounts
+    resources = _resources(role_spec.resources, cls, derived_resources(spec, cls))
     if resources:
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
@@ -262,18 +338,16 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
         "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
         "securityContext": _pod_security(),
         "containers": [container],
-        "volumes": [
-            {"name": "config", "configMap": {"name": config_name(owner.name)}},
-            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
-            *model_vols,
-        ],
+        "volumes": volumes,
     }
     if cls.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(cls.node_selector.items()))
     if cls.tolerations:
         pod_spec["tolerations"] = [t.wire() for t in cls.tolerations]
-    pod_labels = labels(owner, role, role=role, accelerator=acc, revision=revision)
+    pod_labels = labels(owner, role, role=role, accelerator=acc, revision=revision, engine=runtime.name)
+    annotations = _scrape_annotations()
+    if runtime.name == runtimes.PDFLEET:
+        annotations[ANNOTATION_CONFIG_HASH] = _digest(engine_args.config_text(spec))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -287,21 +361,20 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
             # surging onto a spare device that usually does not exist (the pod would stay Pending).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
-                "metadata": {"labels": pod_labels,
-                             "annotations": {**_scrape_annotations(), ANNOTATION_CONFIG_HASH: _digest(runtime.config_text(spec))}},
+                "metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": pod_spec,
             },
         },
     }
 
 
-def router_deployment(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None) -> dict[str, Any]:
     roles = list(spec.roles())
     container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image or spec.engine.image,
         "command": ["pdfleet"],
-        "args": router_args(owner, roles),
+        "args": router_args(owner, roles, engines),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
         **_probes(),
@@ -389,7 +462,7 @@ def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> di
         "kind": "ConfigMap",
         "metadata": _meta(owner, config_name(owner.name), labels(owner, "config", revision=revision),
                           {ANNOTATION_TEMPLATE_HASH: template_hash(spec), ANNOTATION_REVISION_SPEC: revision_spec}),
-        "data": {CONFIG_KEY: runtime.config_text(spec)},
+        "data": {CONFIG_KEY: engine_args.config_text(spec)},
     }
 
 
@@ -456,12 +529,16 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
             raise ValueError(f"plan has a {pool.role} pool but the spec's roles are {roles}")
         if pool.accelerator_class not in classes:
             raise ValueError(f"plan uses AcceleratorClass {pool.accelerator_class!r}, not among {sorted(classes)}")
+    problems = runtimes.check(spec, classes)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    engines = {role: runtimes.role_engine(spec, role, classes) for role in roles}
     out: list[dict[str, Any]] = [config_map(owner, spec, revision)]
     out += [role_service(owner, role) for role in roles]
     out.append(router_service(owner))
     out += [role_pdb(owner, role) for role in roles]
     out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision) for pool in plan.pools]
-    out.append(router_deployment(owner, spec))
+    out.append(router_deployment(owner, spec, engines))
     if monitoring:
         out += [pod_monitor(owner, spec), prometheus_rule(owner)]
     names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from pdfleet_operator import runtime
+from pdfleet_operator import engine_args
 from pdfleet_operator.api import WORKER_ROLE
 from pdfleet_operator.decide import cost
 from pdfleet_operator.decide import metric_names as names
@@ -146,7 +146,7 @@ class Supervisor:
 
     # -- files the router and Prometheus read -----------------------------------------------------------
     def write_files(self) -> None:
-        self.engine_config.write_text(runtime.config_text(self.local.spec))
+        self.engine_config.write_text(engine_args.config_text(self.local.spec))
         self._write_worker_lists()
 
     def _write_worker_lists(self) -> None:
@@ -170,7 +170,7 @@ class Supervisor:
                  "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning"]
         if r.devices:
             flags += ["--device", "cuda"]
-        return PDFLEET + runtime.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
+        return PDFLEET + engine_args.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
                                              host="127.0.0.1", port=r.port, engine_config=str(self.engine_config),
                                              flags=flags)
 

@@ -45,3 +45,33 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, *, model_dir: str, hos
     backend's own `flags` and the spec's `engine.extraArgs` (last, so a user's flag wins)."""
     return ["worker", "--model", model_dir, "--role", WORKER_ROLE[role], "--host", host, "--port", str(port),
             "--engine-config", engine_config, *flags, *spec.engine.extra_args]
+
+
+# --- vLLM (and the vendors' builds of it) -------------------------------------------------------------------
+
+VLLM_PORT = 8000
+
+
+def vllm_args(spec: InferenceDeploymentSpec, role: str, *, host: str, port: int, tensor_parallel: int = 1,
+              kv_connector: str | None = None) -> list[str]:
+    """`vllm serve MODEL` flags (after the model) from the same spec fields the pdfleet worker reads.
+
+    NOTE: vLLM's --gpu-memory-utilization is the share of device memory for weights and KV together, the
+    pdfleet worker's kvCacheMemoryFraction the share of what the weights leave; the one field maps to both
+    (a close, not equal, meaning). maxWaitingRequests has no vLLM flag: vLLM queues without a bound.
+    A prefill/decode pool (`kv_connector`) gets vLLM's own KV transfer with the role both sides play.
+    """
+    e = spec.engine
+    args = ["--served-model-name", spec.model.name, "--host", host, "--port", str(port),
+            "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
+            "--block-size", str(e.block_size), "--gpu-memory-utilization", f"{e.kv_cache_memory_fraction:g}",
+            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--kv-cache-dtype", "auto", "--tensor-parallel-size", str(tensor_parallel)]
+    if kv_connector is not None:
+        assert role in ("prefill", "decode"), f"a KV connector for a {role} pool"
+        # NOTE: NIXL is symmetric (both sides register their KV and pull); the others name the direction.
+        kv_role = "kv_both" if kv_connector == "NixlConnector" else ("kv_producer" if role == "prefill" else "kv_consumer")
+        transfer = {"kv_connector": kv_connector, "kv_role": kv_role}
+        args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"), sort_keys=True)]
+    return args + list(e.vllm.extra_args if e.vllm else ())

@@ -1,0 +1,129 @@
+"""Which engine each pool runs, and whether it can run there at all (pure).
+
+A pool (role x AcceleratorClass) runs `spec.engine.runtime` when the deployment chooses one, else
+its class's `spec.runtimes.default`. What cannot work is refused here, naming the field, before
+anything is rendered or started: prefill and decode on different engines (the KV hand-off is
+engine-specific), vLLM on a class that does not offer it, the pdfleet worker on a device it has no
+PyTorch bridge for, a class with `count > 1` for an engine without tensor parallelism (the pdfleet
+worker), and vLLM prefill/decode pools whose KV connectors differ.
+
+NOTE: these rules read AcceleratorClasses, which kube-apiserver's CEL cannot see from an
+InferenceDeployment; the operator applies them on every reconcile (an invalid combination is a
+permanent error of that deployment), and `pdfleet validate`, `pdfleet render` and `pdfleet up`
+apply them offline with the classes they are given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+
+PDFLEET, VLLM = "pdfleet", "vllm"
+# The pdfleet worker's torch device per vendor when the class names none (`spec.runtimes.pdfleet.device`).
+# NOTE: Hygon's DCUs run the CUDA API through DTK's torch build; vendors missing here have no PyTorch
+# bridge the worker loads (it would compute on the host CPU while holding the card), so no default.
+VENDOR_DEVICE = {"nvidia": "cuda", "hygon": "cuda", "huawei": "npu", "cambricon": "mlu", "intel": "xpu", "cpu": "cpu"}
+TENSOR_PARALLEL = {PDFLEET: False, VLLM: True}
+
+
+@dataclass(frozen=True)
+class PoolRuntime:
+    """What one pool runs: the engine, its image, the device and the environment for it."""
+
+    name: str                               # pdfleet | vllm
+    image: str
+    env: tuple[tuple[str, str], ...] = ()   # the class's env, then the engine's env on the class
+    device: str | None = None               # pdfleet: the torch device (`--device`)
+    tensor_parallel: int = 1                # vllm: the class's count
+    kv_connector: str | None = None         # vllm: the KV connector of a prefill/decode pool
+
+
+class RuntimeProblem(ValueError):
+    """A combination of engine and classes that cannot work; `field` is the Kubernetes field path to fix."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def engine_of(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> str:
+    """The engine a pool of this deployment runs on this class."""
+    return spec.engine.runtime or cls.runtimes.default
+
+
+def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: AcceleratorClassSpec,
+             field: str = "spec.engine.runtime") -> PoolRuntime:
+    """The runtime of pool (role, class_name); RuntimeProblem naming `field` when it cannot run there."""
+    name = engine_of(spec, cls)
+    env = tuple((v.name, v.value) for v in cls.env)
+    where = f"AcceleratorClass {class_name} ({cls.vendor}, {cls.count} x {cls.resource_name})"
+    if name == PDFLEET:
+        if cls.count > 1 and cls.resource_name != "cpu" and not TENSOR_PARALLEL[PDFLEET]:  # cpu: count is cores
+            raise RuntimeProblem(field, f"{where} gives each replica {cls.count} devices; the pdfleet worker has no "
+                                        f"tensor parallelism and would use one: run vllm there, or a count-1 class")
+        device = cls.runtimes.pdfleet.device or VENDOR_DEVICE.get(cls.vendor)
+        if device is None:
+            raise RuntimeProblem(field, f"{where}: the pdfleet worker has no PyTorch bridge for {cls.vendor} "
+                                        f"(set the class's spec.runtimes.pdfleet.device, or run vllm there)")
+        env += tuple((v.name, v.value) for v in cls.runtimes.pdfleet.env)
+        return PoolRuntime(PDFLEET, cls.image or spec.engine.image, env, device=device)
+    assert name == VLLM, name
+    offered = cls.runtimes.vllm
+    wanted = spec.engine.vllm
+    image = (wanted.image if wanted else None) or (offered.image if offered else None)
+    if image is None:
+        raise RuntimeProblem(field, f"{where} offers no vllm (its spec.runtimes.vllm is empty) and "
+                                    f"spec.engine.vllm.image names no image")
+    if offered is not None:
+        env += tuple((v.name, v.value) for v in offered.env)
+    connector = (wanted.kv_connector if wanted else None) or (offered.kv_connector if offered else "NixlConnector")
+    return PoolRuntime(VLLM, image, env, tensor_parallel=cls.count,
+                       kv_connector=connector if role in ("prefill", "decode") else None)
+
+
+def check(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec]) -> list[RuntimeProblem]:
+    """Every reason the deployment's pools cannot run on the classes it lists (known classes only)."""
+    problems: list[RuntimeProblem] = []
+    chosen: dict[str, dict[str, PoolRuntime]] = {}
+    for role, rs in spec.roles().items():
+        for i, name in enumerate(rs.accelerator_classes):
+            cls = classes.get(name)
+            if cls is None:
+                continue  # placement reports a missing class
+            field = "spec.engine.runtime" if spec.engine.runtime else f"spec.{role}.acceleratorClasses[{i}]"
+            try:
+                chosen.setdefault(role, {})[name] = for_pool(spec, role, name, cls, field)
+            except RuntimeProblem as exc:
+                problems.append(exc)
+    for role, pools in chosen.items():
+        if len({rt.name for rt in pools.values()}) > 1:
+            desc = ", ".join(f"{name}: {rt.name}" for name, rt in pools.items())
+            problems.append(RuntimeProblem(f"spec.{role}.acceleratorClasses", f"one role runs one engine (the router "
+                                                                              f"finds a role's workers through one "
+                                                                              f"Service): {desc}; set spec.engine.runtime"))
+    if "prefill" in chosen and "decode" in chosen:
+        pools = [(role, name, rt) for role in ("prefill", "decode") for name, rt in chosen[role].items()]
+        engines = {rt.name for _, _, rt in pools}
+        if len(engines) > 1:
+            desc = ", ".join(f"{role} on {name}: {rt.name}" for role, name, rt in pools)
+            problems.append(RuntimeProblem("spec.engine.runtime", f"prefill and decode must run one engine (the KV "
+                                                                  f"hand-off is the engine's own): {desc}; set it"))
+        connectors = {rt.kv_connector for _, _, rt in pools if rt.name == VLLM}
+        if len(connectors) > 1:
+            desc = ", ".join(f"{role} on {name}: {rt.kv_connector}" for role, name, rt in pools)
+            problems.append(RuntimeProblem("spec.engine.vllm.kvConnector", f"vLLM prefill and decode need one KV "
+                                                                           f"connector: {desc}"))
+    return problems
+
+
+def role_engine(spec: InferenceDeploymentSpec, role: str, classes: Mapping[str, AcceleratorClassSpec]) -> str:
+    """The engine a role's pools run (for a colocated role over classes of different defaults: the first
+    class's; the router and the autoscaler take each pool's own). `spec.engine.runtime` when set."""
+    if spec.engine.runtime:
+        return spec.engine.runtime
+    for name in spec.roles()[role].accelerator_classes:
+        if name in classes:
+            return engine_of(spec, classes[name])
+    return PDFLEET

@@ -1,0 +1,133 @@
+"""Pools rendered per engine: the pdfleet worker with the device its class holds, vLLM with `vllm serve` flags
+that vLLM's own argument parser accepts, and the router told which engine each role runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator.kube import render
+from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
+from tests.support import vllm
+
+CLASSES = classes()
+EXAMPLES = example_deployments()
+
+
+def objects(name: str, cls=CLASSES, spec=None) -> dict[tuple[str, str], dict]:
+    spec = spec or spec_of(EXAMPLES[name])
+    plan = placement.plan(spec, cls, inventory.build(standard_nodes(), []))
+    owner = render.Owner(name, "team-a", "uid")
+    return {(o["kind"], o["metadata"]["name"]): o for o in render.render(owner, spec, plan, cls, revision=1)}
+
+
+def container(objs: dict, pool: str) -> dict:
+    (c,) = objs[("Deployment", pool)]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_a_vllm_pool_runs_vllm_serve_with_the_specs_engine_settings() -> None:
+    objs = objects("qwen2-7b-vllm")
+    c = container(objs, "qwen2-7b-vllm-colocated-h100-80gb")
+    assert (c["name"], c["image"], c["command"]) == ("vllm", "vllm/vllm-openai:v0.32.0", ["vllm", "serve"])
+    args = c["args"]
+    assert args[0] == "/models/Qwen2-7B-Instruct"
+    flags = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--") and not args[i + 1].startswith("--")}
+    assert flags["--served-model-name"] == "qwen2-7b-instruct" and flags["--port"] == "8000"
+    assert flags["--max-model-len"] == "8192" and flags["--block-size"] == "16"
+    assert flags["--gpu-memory-utilization"] == "0.9" and flags["--tensor-parallel-size"] == "1"
+    assert "--enable-prefix-caching" in args and "--kv-transfer-config" not in args  # colocated: no KV hand-off
+    # vLLM serves /health and no /ready; no engine.json for it.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert all(m["name"] != "config" for m in c["volumeMounts"])
+    pod = objs[("Deployment", "qwen2-7b-vllm-colocated-h100-80gb")]["spec"]["template"]
+    assert pod["metadata"]["labels"]["pdfleet.io/engine"] == "vllm"
+    assert "pdfleet.io/config-hash" not in pod["metadata"]["annotations"]
+    router = container(objs, "qwen2-7b-vllm-router")
+    assert router["args"][:3] == ["router", "--workers", "vllm@http://qwen2-7b-vllm-colocated.team-a.svc:8000"]
+
+
+def test_mixed_vendors_vllm_prefill_decode_takes_each_classs_image_and_one_connector() -> None:
+    objs = objects("llama31-8b-mixed")
+    prefill = container(objs, "llama31-8b-mixed-prefill-h100-80gb")
+    decode = container(objs, "llama31-8b-mixed-decode-ascend-910b")
+    assert prefill["image"] == "vllm/vllm-openai:v0.32.0" and decode["image"] == "quay.io/ascend/vllm-ascend:v0.23.0"
+    transfer = {c["name"] + str(i): json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
+                for i, c in enumerate((prefill, decode))}
+    assert transfer == {"vllm0": {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"},
+                        "vllm1": {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer"}}
+    assert {"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0"} in decode["env"]
+    router = container(objs, "llama31-8b-mixed-router")
+    assert router["args"][:5] == ["router", "--prefill", "vllm@http://llama31-8b-mixed-prefill.team-a.svc:8000",
+                                  "--decode", "vllm@http://llama31-8b-mixed-decode.team-a.svc:8000"]
+
+
+def test_nixl_pools_declare_the_side_channel_and_a_multi_device_class_is_tensor_parallel() -> None:
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
+    cls = {**CLASSES, "h100-80gb": CLASSES["h100-80gb"].model_copy(update={"count": 2})}
+    objs = objects("llama31-8b", cls, spec)
+    c = container(objs, "llama31-8b-prefill-h100-80gb")
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1]) == {"kv_connector": "NixlConnector",
+                                                                                 "kv_role": "kv_both"}
+    assert {"name": "kv", "containerPort": render.NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"} in c["ports"]
+    assert {e["name"] for e in c["env"]} >= {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"}
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["cpu"] == "4"
+
+
+def test_what_cannot_run_is_refused_before_anything_is_rendered() -> None:
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    cls = {**CLASSES, "h100-80gb": CLASSES["h100-80gb"].model_copy(update={"count": 2})}
+    with pytest.raises(ValueError, match=r"spec\.prefill\.acceleratorClasses\[0\].*no tensor parallelism"):
+        objects("llama31-8b", cls, spec)
+
+
+def test_cpu_pools_ask_for_the_memory_their_kv_is_sized_from() -> None:
+    objs = objects("local-tiny")
+    c = container(objs, "local-tiny-prefill-cpu")
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "8Gi"
+    assert c["args"][c["args"].index("--device") + 1] == "cpu"
+
+
+def test_a_role_resources_of_the_users_own_win_over_the_derived_ones() -> None:
+    spec = spec_of(EXAMPLES["qwen2-7b"])
+    rs = spec.colocated.model_copy(update={"resources": spec.colocated.resources.model_copy(
+        update={"requests": {"memory": "64Gi"}})})
+    spec = spec.model_copy(update={"colocated": rs})
+    res = container(objects("qwen2-7b", spec=spec), "qwen2-7b-colocated-l40s-48gb")["resources"]
+    assert res["requests"]["memory"] == "64Gi" and "memory" not in res["limits"]  # no derived limit below it
+    assert res["requests"]["cpu"] == "2"
+
+
+@pytest.mark.slow
+def test_rendered_vllm_flags_parse_with_vllms_own_parser() -> None:
+    """Every vLLM container of every example, and the PD/TP variants, through vLLM 0.32's own `serve` parser."""
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
+    cls = {**CLASSES, "h100-80gb": CLASSES["h100-80gb"].model_copy(update={"count": 2})}
+    rendered = [objects(n) for n in ("qwen2-7b-vllm", "llama31-8b-mixed")] + [objects("llama31-8b", cls, spec)]
+    argvs = [["--model", *c["args"]] for objs in rendered for (kind, _), o in objs.items() if kind == "Deployment"
+             for c in o["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    assert len(argvs) == 5
+    code = ("import json, sys\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "out = []\n"
+            "for argv in json.loads(sys.stdin.read()):\n"
+            "    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)\n"
+            "    t = a.kv_transfer_config\n"
+            "    out.append([a.served_model_name, a.max_model_len, a.block_size, a.gpu_memory_utilization,\n"
+            "                a.max_num_seqs, a.max_num_batched_tokens, a.enable_prefix_caching, a.tensor_parallel_size,\n"
+            "                t.kv_connector if t else None, t.kv_role if t else None])\n"
+            "print(json.dumps(out))\n")
+    done = subprocess.run([vllm.vllm_python(), "-c", code], input=json.dumps(argvs), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed[0] == [["qwen2-7b-instruct"], 8192, 16, 0.9, 256, 2048, True, 1, None, None]
+    assert [p[8:] for p in parsed[1:3]] == [["MooncakeConnectorV1", "kv_producer"], ["MooncakeConnectorV1", "kv_consumer"]]
+    assert [p[7:] for p in parsed[3:]] == [[2, "NixlConnector", "kv_both"], [1, "NixlConnector", "kv_both"]]
