@@ -1,5 +1,7 @@
 # pdfleet's two set-up commands (README): `make test` and `make demo`. Both work on a fresh machine:
-# they create .venv, install the pinned dependencies and, when run as root, Debian's Prometheus.
+# they create .venv, install the pinned dependencies and, when run as root, Debian's Prometheus;
+# `make test` also installs what its real-component tests run: the vLLM runtime (`make vllm`), the
+# OpenAI schema fuzzer (`make fuzz`) and an installed-but-unusable torch_npu (`make torch-npu`).
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -24,8 +26,28 @@ system-deps:
 	    prometheus prometheus-alertmanager >/dev/null; \
 	else echo "note: install prometheus and prometheus-alertmanager (Debian) or the tests that need them skip"; fi
 
-test: venv system-deps
+test: venv system-deps vllm fuzz torch-npu
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# schemathesis and OpenAI's own OpenAPI document in their own virtualenv (bench/fuzz.py pins them).
+FUZZ_STAMP := .venv-fuzz/.installed-$(shell grep -A12 '^FUZZ_PINS' bench/fuzz.py | md5sum | cut -c1-12)
+
+.PHONY: fuzz torch-npu
+fuzz: $(FUZZ_STAMP)
+
+$(FUZZ_STAMP): bench/fuzz.py
+	python3 bench/fuzz.py --install
+	rm -f .venv-fuzz/.installed-* && touch $@
+
+# Huawei's torch_npu for the CPU torch, unpacked beside (not into) .venv: tests check that a worker holding
+# it without an Ascend driver still imports torch and exits naming the device (FACTS.md).
+TORCH_NPU := build/torch-npu/.installed-2.13.0
+
+torch-npu: $(TORCH_NPU)
+
+$(TORCH_NPU): | venv
+	$(PY) -m pip install --quiet --no-deps --target build/torch-npu torch-npu==2.13.0
+	touch $@
 
 # Regenerate every generated file (tests fail when a committed one is stale).
 generate: venv
