@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +254,17 @@ def test_validate_cli_bad_yaml_and_missing_file(tmp_path):
 def test_cli_version():
     result = run_pdfleet("--version")
     assert result.returncode == 0 and result.stdout.startswith("pdfleet ")
+
+
+def test_an_engine_choice_alone_is_admitted_and_vllm_settings_are_not_defaulted_into_being():
+    """runtime pdfleet with no vllm block passes admission: the CRD must not default engine.vllm to {},
+    which the rule "vllm settings need runtime vllm" would then refuse."""
+    crd = crd_schema.build_crd("InferenceDeployment")
+    obj = copy.deepcopy(invalid_resources.BASE_DEPLOYMENT)
+    for runtime in ("pdfleet", "vllm"):
+        obj["spec"].setdefault("engine", {})["runtime"] = runtime
+        assert admission.validate(crd, obj) == [], runtime
+        assert "vllm" not in admission.apply_defaults(crd, obj)["spec"]["engine"]
+    engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+    assert "default" not in engine["properties"]["vllm"]
+    assert not any(k.startswith("x-pdfleet") for k in json.dumps(crd).split('"'))

@@ -120,6 +120,10 @@ class VllmEngineSpec(ApiModel):
     extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to `vllm serve`.",
                                   max_length=64)
 
+    # NOTE: absent means "no vLLM settings" (a CEL rule refuses them next to runtime pdfleet): the CRD must not
+    # default it to {} as it does other optional objects whose fields all have defaults.
+    absent_is_unset: ClassVar = True
+
 
 class EngineSpec(ApiModel):
     """The engine every pool runs and its settings: `pdfleet worker` flags, or `vllm serve` flags for vLLM pools."""

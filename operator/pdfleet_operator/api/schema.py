@@ -76,6 +76,10 @@ def _models_by_name(root: type[BaseModel]) -> dict[str, type[ApiModel]]:
     return found
 
 
+# Marks, while converting, an object model with `absent_is_unset = True`: the API server must not create it.
+_NO_DEFAULT = "x-pdfleet-no-default"
+
+
 class _Converter:
     def __init__(self, root: type[ApiModel]):
         self.full = root.model_json_schema(by_alias=True, mode="validation")
@@ -87,6 +91,8 @@ class _Converter:
         if "$ref" in node:
             name = node.pop("$ref").split("/")[-1]
             target = self.convert(self.defs[name], name)
+            if getattr(self.models.get(name), "absent_is_unset", False):
+                target[_NO_DEFAULT] = True  # read (and removed) by _object_defaults of the parent
             # Field-level keys (description, default) win over the model's own.
             target.update({k: v for k, v in node.items() if k in ("description", "default")})
             return target
@@ -129,6 +135,8 @@ class _Converter:
         """Optional nested objects whose fields all have defaults default to {}, so the API server fills them in."""
         required = set(obj.get("required", ()))
         for name, prop in obj["properties"].items():
+            if prop.pop(_NO_DEFAULT, False):
+                continue  # a model whose absence means something (`absent_is_unset`): never defaulted into being
             if prop.get("type") == "object" and "properties" in prop and "default" not in prop \
                     and not prop.get("required") and name not in required:
                 prop["default"] = {}
