@@ -281,3 +281,20 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
     total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
         len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
     assert total == 9 * len(names)
+
+
+def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(kube, tmp_path) -> None:
+    """decide.runtimes' rules read AcceleratorClasses, which CEL cannot: the operator applies them and says why."""
+    prepare_cluster(kube)
+    doc = copy.deepcopy(example_deployments()["chat-cost"])
+    doc["metadata"]["name"] = "on-kunlunxin"
+    doc["spec"]["decode"]["acceleratorClasses"] = ["kunlunxin-r200"]  # the pdfleet worker has no bridge for it
+    path = tmp_path / "cr.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with running_operator(kube):
+        kube.apply(path)
+        ev = kube.wait_for(lambda: [e for e in events(kube, "on-kunlunxin")
+                                    if "spec.decode.acceleratorClasses[0]" in e["message"]], message="an Event naming the field")
+        assert "no PyTorch bridge for kunlunxin" in ev[0]["message"] and ev[0]["type"] != "Normal"
+        settle(kube)
+        assert children(kube, "on-kunlunxin") == {}

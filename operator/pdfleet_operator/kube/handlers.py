@@ -224,12 +224,26 @@ async def _reconcile_from_handler(namespace: str, name: str, body: kopf.Body, wh
     except pydantic.ValidationError as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     except ValueError as exc:
+        # NOTE: what admission cannot see (rules across objects, e.g. `decide.runtimes` reading the classes) is
+        # refused here: said once per change of the CR as a Warning Event, for `kubectl describe` to show.
+        await _say_invalid(body, str(exc))
         raise kopf.PermanentError(str(exc)) from exc
     except client.ApiError as exc:
         if exc.heals:
             raise kopf.TemporaryError(f"API server: {exc}", delay=5) from exc
         raise kopf.PermanentError(f"API server rejected a request: {exc}") from exc
     logger.debug("%s/%s reconciled (%s): %s", namespace, name, why, outcome)
+
+
+async def _say_invalid(body: kopf.Body, message: str) -> None:
+    api = RECONCILER.api
+    if api is None:
+        return
+    involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": dict(body["metadata"])}
+    try:
+        await api.event(involved, "Warning", "InvalidSpec", message)
+    except client.ApiError as exc:
+        logger.warning("could not post the InvalidSpec Event: %s", exc)
 
 
 @kopf.on.create(GROUP, VERSION, "inferencedeployments")
