@@ -197,3 +197,15 @@ def test_batched_generate_mixed_params(llama, make_engine):
     outs = eng.generate(prompts, params)
     for i in (0, 2):
         assert outs[i].new_token_ids == llama.oracle(prompts[i]).tokens
+
+
+def test_warm_up_runs_the_model_and_leaves_no_trace(llama, make_engine):
+    """The server warms the engine before /ready; afterwards it counts, caches and answers like a fresh one."""
+    warm, cold = make_engine(llama.path), make_engine(llama.path)
+    assert warm.warm_up() > 0
+    fresh = cold.stats()
+    assert warm.stats() == fresh
+    assert fresh.prompt_tokens_total == fresh.generation_tokens_total == fresh.prefix_cache_queries_total == 0
+    prompts = random_prompts(3, 20, 40, seed=7)
+    assert [o.new_token_ids for o in warm.generate(prompts, GREEDY)] == [o.new_token_ids for o in cold.generate(prompts, GREEDY)]
+    assert warm.stats() == cold.stats()

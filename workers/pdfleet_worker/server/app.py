@@ -60,6 +60,8 @@ class Worker:
         engine = LLMEngine(self.cfg.engine)
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens, max model length %d", self.cfg.engine.model,
                  time.monotonic() - t0, engine.block_manager.num_blocks, self.cfg.engine.block_size, engine.max_model_len)
+        # NOTE: /ready only after a forward pass: a compiled or CUDA model pays its first-call cost here.
+        log.info("warm-up forward pass in %.2fs", engine.warm_up())
         return engine
 
     def _ready_or_fail(self, engine) -> None:
