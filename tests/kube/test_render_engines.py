@@ -131,3 +131,52 @@ def test_rendered_vllm_flags_parse_with_vllms_own_parser() -> None:
     assert parsed[0] == [["qwen2-7b-instruct"], 8192, 16, 0.9, 256, 2048, True, 1, None, None]
     assert [p[8:] for p in parsed[1:3]] == [["MooncakeConnectorV1", "kv_producer"], ["MooncakeConnectorV1", "kv_consumer"]]
     assert [p[7:] for p in parsed[3:]] == [[2, "NixlConnector", "kv_both"], [1, "NixlConnector", "kv_both"]]
+
+
+# What the example classes offer: (class, engine) -> the image its pool runs, or the refusal's words.
+OFFERED = {
+    ("h100-80gb", "vllm"): "vllm/vllm-openai:v0.32.0", ("ascend-910b", "vllm"): "quay.io/ascend/vllm-ascend:v0.23.0",
+    ("kunlunxin-r200", "pdfleet"): "no PyTorch bridge for kunlunxin",
+    ("cambricon-mlu370", "vllm"): "offers no vllm", ("hygon-dcu-k100", "vllm"): "offers no vllm",
+    ("kunlunxin-r200", "vllm"): "offers no vllm", ("cpu", "vllm"): "offers no vllm",
+}
+
+
+@pytest.mark.parametrize("engine", ["pdfleet", "vllm"])
+@pytest.mark.parametrize("class_name", sorted(CLASSES))
+def test_every_example_class_with_both_engines_renders_valid_objects_or_is_refused(class_name: str, engine: str) -> None:
+    import kubernetes_validate
+
+    # A 1B model, so that it fits every class (the smallest is a 10 GiB MIG slice).
+    model = {**EXAMPLES["qwen2-7b"]["spec"]["model"], "maxModelLen": 2048,
+             "architecture": {"parametersBillions": 1.0, "layers": 16, "kvHeads": 8, "headDim": 64}}
+    doc = {**EXAMPLES["qwen2-7b"], "spec": {**EXAMPLES["qwen2-7b"]["spec"], "engine": {"runtime": engine}, "model": model,
+                                            "colocated": {"acceleratorClasses": [class_name], "minReplicas": 1}}}
+    spec = spec_of(doc)
+    cls = CLASSES[class_name]
+    expected = OFFERED.get((class_name, engine))
+    if expected is None and engine == "vllm":
+        expected = "vllm/vllm-openai:v0.32.0" if cls.vendor == "nvidia" else "offers no vllm"
+    if expected is not None and "/" not in expected:
+        with pytest.raises(ValueError, match=expected):
+            objects("qwen2-7b", spec=spec)
+        return
+    nodes = [{"metadata": {"name": "n", "labels": dict(cls.node_selector)},
+              "status": {"allocatable": {cls.resource_name: str(8 * cls.count), "cpu": "64", "memory": "512Gi"}}}]
+    plan = placement.plan(spec, CLASSES, inventory.build(nodes, []))
+    assert plan.replicas("colocated") == 1, plan.reasons
+    objs = render.render(render.Owner("qwen2-7b", "team-a", "uid"), spec, plan, CLASSES, revision=1, monitoring=False)
+    for o in objs:
+        kubernetes_validate.validate(o, "1.30.0", strict=True)
+    pool = next(o for o in objs if o["metadata"]["name"] == f"qwen2-7b-colocated-{class_name}")
+    (c,) = pool["spec"]["template"]["spec"]["containers"]
+    assert pool["spec"]["template"]["metadata"]["labels"]["pdfleet.io/engine"] == engine
+    assert c["resources"]["requests"][cls.resource_name] == str(cls.count)
+    if engine == "vllm":
+        assert c["image"] == expected and c["command"] == ["vllm", "serve"]
+    else:
+        assert c["image"] == (cls.image or spec.engine.image)
+        assert c["args"][c["args"].index("--device") + 1] == {"nvidia": "cuda", "hygon": "cuda", "huawei": "npu",
+                                                              "cambricon": "mlu", "cpu": "cpu"}[cls.vendor]
+    for var in cls.env:
+        assert {"name": var.name, "value": var.value} in c["env"]
