@@ -109,6 +109,11 @@ CASES: list[Case] = [
          "spec.engine.vllm", "runtime vllm"),
     Case("int8-kv-on-vllm", D, _all(_set("spec.engine.runtime", "vllm"), _set("spec.engine.kvCacheDtype", "int8")),
          "spec.engine.kvCacheDtype", "vllm"),
+    Case("router-peer-with-namespace-and-cidr", D, _set("spec.router", {"allowFrom": [{"namespace": "a", "cidr": "10.0.0.0/8"}]}),
+         "spec.router.allowFrom[0]", "exactly one"),
+    Case("router-peer-pod-labels-without-namespace", D, _set("spec.router", {"allowFrom": [{"cidr": "10.0.0.0/8",
+                                                                                         "podLabels": {"a": "b"}}]}),
+         "spec.router.allowFrom[0]", "podLabels"),
     Case("kv-connector-not-a-name", D, _set("spec.engine.vllm", {"kvConnector": "nixl connector"}),
          "spec.engine.vllm.kvConnector"),
     # --- AcceleratorClass ---

@@ -16,7 +16,8 @@ import kopf.testing
 from pdfleet_operator.kube import handlers, render
 from tests.kube.cluster import ROOT, class_objects, standard_nodes
 
-CHILD_RESOURCES = ("deployments.apps", "services", "configmaps", "poddisruptionbudgets.policy")
+CHILD_RESOURCES = ("deployments.apps", "services", "configmaps", "poddisruptionbudgets.policy",
+                   "networkpolicies.networking.k8s.io")
 SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
 
 

@@ -58,7 +58,7 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
         assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0"
         settle(kube)
-        assert len(children(kube, "llama31-8b")) == 9
+        assert len(children(kube, "llama31-8b")) == 11
     text = exporter.text().decode()
     assert 'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",role="decode"} 4.0' in text
     assert 'pdfleet_pool_cost_per_hour{accelerator="h100-80gb",deployment="llama31-8b",namespace="default",role="prefill"} 5.98' in text

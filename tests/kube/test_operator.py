@@ -120,7 +120,7 @@ def test_deleting_the_cr_removes_children_by_garbage_collection(kube) -> None:
         kube.apply(LLAMA)
         wait_reconciled(kube, "llama31-8b")
         settle(kube)
-        assert len(children(kube, "llama31-8b")) == 9
+        assert len(children(kube, "llama31-8b")) == 11  # 9 + the two NetworkPolicies
         kube.clear_requests()
         kube.delete("infdep", "llama31-8b")
         kube.wait_for(lambda: not children(kube, "llama31-8b"), message="children collected")
@@ -259,7 +259,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     partial = sum(len(children(kube, n)) for n in names)
-    assert 0 < partial < 9 * len(names), "the kill should land mid-reconcile"
+    assert 0 < partial < 11 * len(names), "the kill should land mid-reconcile"
     second = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         for n in names:
@@ -277,10 +277,10 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
             ["ConfigMap/" + n + "-engine", "Service/" + n, "Service/" + n + "-prefill", "Service/" + n + "-decode",
              "PodDisruptionBudget/" + n + "-prefill", "PodDisruptionBudget/" + n + "-decode",
              "Deployment/" + n + "-prefill-h100-80gb", "Deployment/" + n + "-decode-h100-mig-3g-40gb",
-             "Deployment/" + n + "-router"]), n
+             "Deployment/" + n + "-router", "NetworkPolicy/" + n + "-workers", "NetworkPolicy/" + n + "-router"]), n
     total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
         len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
-    assert total == 9 * len(names)
+    assert total == 11 * len(names)
 
 
 def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(kube, tmp_path) -> None:

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 
 from pdfleet_operator import engine_args
+from pdfleet_operator import api
 from pdfleet_operator.api import names
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
@@ -112,8 +113,9 @@ def test_worker_pod_for_a_domestic_class() -> None:
     (c,) = pod["containers"]
     # The device the worker must compute on (it exits when it lacks it) and its class, from the class.
     assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
-                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--device", "npu",
-                         "--accelerator", "ascend-910b"]
+                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--kv-port", "8001",
+                         "--device", "npu", "--accelerator", "ascend-910b"]
+    assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in c["ports"]  # named in the NetworkPolicy
     # Host memory: 7.6B bf16 weights (14.2 GiB) + 4 GiB overhead; 2 cores per card; no CPU limit.
     assert c["resources"] == {"requests": {"cpu": "2", "huawei.com/Ascend910": "1", "memory": "19Gi"},
                               "limits": {"huawei.com/Ascend910": "1", "memory": "38Gi"}}
@@ -258,3 +260,59 @@ def test_the_worker_reads_the_rendered_engine_config(tmp_path) -> None:
     loaded = worker_config.load_engine_file(str(path))
     assert loaded["served_model_name"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert loaded["max_num_batched_tokens"] == 4096
+
+
+def _admits(policy: dict, pod_labels: dict, namespace: str, port: int, source_labels: dict, source_ns: str,
+            policy_ns: str = "team-a") -> bool:
+    """Whether a NetworkPolicy (ingress) lets a pod (source_labels in source_ns) reach port on a pod (pod_labels in
+    namespace), by the NetworkPolicy rules for what this operator renders (matchLabels, In, ipBlock-free peers)."""
+    def matches(sel: dict, labels: dict) -> bool:
+        if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
+            return False
+        return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions") or [] if e["operator"] == "In")
+    spec = policy["spec"]
+    if namespace != policy_ns or not matches(spec["podSelector"], pod_labels):
+        return True  # not selected: this policy says nothing about the pod
+    for rule in spec["ingress"]:
+        if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            ns_ok = (source_ns == policy_ns) if "namespaceSelector" not in peer else \
+                matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_ns})
+            pod_ok = "podSelector" not in peer or matches(peer["podSelector"], source_labels)
+            if "ipBlock" not in peer and ns_ok and pod_ok:
+                return True
+    return False
+
+
+def test_workers_accept_only_their_router_peers_and_scrapers() -> None:
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in rendered("llama31-8b")}
+    workers = objs[("NetworkPolicy", "llama31-8b-workers")]
+    router_policy = objs[("NetworkPolicy", "llama31-8b-router")]
+    prefill = objs[("Deployment", "llama31-8b-prefill-h100-80gb")]["spec"]["template"]["metadata"]["labels"]
+    router = objs[("Deployment", "llama31-8b-router")]["spec"]["template"]["metadata"]["labels"]
+    decode = objs[("Deployment", "llama31-8b-decode-h100-mig-3g-40gb")]["spec"]["template"]["metadata"]["labels"]
+    other = {"pdfleet.io/deployment": "someone-else", "pdfleet.io/role": "decode"}
+    assert _admits(workers, prefill, "team-a", 8000, router, "team-a")       # router -> prefill
+    assert _admits(workers, prefill, "team-a", 8001, decode, "team-a")       # decode pulls KV from prefill
+    assert _admits(workers, prefill, "team-a", 8000, {"app": "prometheus"}, "monitoring")  # scrape
+    assert not _admits(workers, prefill, "team-a", 8001, {"app": "prometheus"}, "monitoring")  # not the KV port
+    # The attacks: another deployment's pod or any pod of another namespace pulling KV or calling a worker.
+    assert not _admits(workers, prefill, "team-a", 8001, other, "team-a")
+    assert not _admits(workers, decode, "team-a", 8000, {"pdfleet.io/deployment": "llama31-8b"}, "team-b")
+    assert not _admits(workers, decode, "team-a", 8000, {}, "team-a")
+    # The router is open to every source by default, and to the listed ones only when spec.router.allowFrom says.
+    assert _admits(router_policy, router, "team-a", 8000, {}, "anywhere")
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    spec = spec.model_copy(update={"router": spec.router.model_copy(update={"allow_from": [
+        api.NetworkPeer(namespace="gateway", pod_labels={"app": "envoy"}), api.NetworkPeer(cidr="10.0.0.0/8")]})})
+    plan = placement.plan(spec, CLASSES, inventory.build(standard_nodes(), []))
+    objs = {(o["kind"], o["metadata"]["name"]): o
+            for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)}
+    limited = objs[("NetworkPolicy", "llama31-8b-router")]
+    assert _admits(limited, router, "team-a", 8000, {"app": "envoy"}, "gateway")
+    assert not _admits(limited, router, "team-a", 8000, {"app": "curl"}, "gateway")
+    assert not _admits(limited, router, "team-a", 8000, {}, "team-a")
+    assert {"ipBlock": {"cidr": "10.0.0.0/8"}} in limited["spec"]["ingress"][0]["from"]

@@ -23,7 +23,7 @@ def test_every_example_renders_to_objects_the_kubernetes_schemas_accept() -> Non
     assert done.returncode == 0, done.stderr
     objs = [o for o in yaml.safe_load_all(done.stdout) if o]
     kinds = {o["kind"] for o in objs}
-    assert kinds == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    assert kinds == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
     for o in objs:
         kubernetes_validate.validate(o, "1.30.0", strict=True)
     engines = {c["name"] for o in objs if o["kind"] == "Deployment"

@@ -7,6 +7,7 @@ from pdfleet_operator.api.inference_deployment import (
     InferenceDeployment,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    NetworkPeer,
     PoolStatus,
     RoleSpec,
     ScalingDecisionStatus,
@@ -23,6 +24,6 @@ KINDS = {"AcceleratorClass": AcceleratorClass, "InferenceDeployment": InferenceD
 __all__ = [
     "API_VERSION", "GROUP", "KINDS", "ROLES", "VERSION", "WORKER_ROLE",
     "AcceleratorClass", "AcceleratorClassSpec", "AcceleratorClassStatus", "Condition",
-    "InferenceDeployment", "InferenceDeploymentSpec", "InferenceDeploymentStatus", "PoolStatus",
+    "InferenceDeployment", "InferenceDeploymentSpec", "InferenceDeploymentStatus", "NetworkPeer", "PoolStatus",
     "RoleSpec", "ScalingDecisionStatus", "parse_duration", "parse_quantity", "set_condition",
 ]

@@ -264,10 +264,30 @@ class RollbackSpec(ApiModel):
         description="Superseded revisions kept as ControllerRevisions (the served one is recorded on the engine ConfigMap).")
 
 
+class NetworkPeer(ApiModel):
+    """A source allowed to reach the router: a namespace (all its pods, or those with podLabels) or an IP range."""
+
+    namespace: DnsLabel | None = Field(None, description="Pods of this namespace (with podLabels: only those).")
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="With namespace: only pods with these labels.")
+    cidr: str | None = Field(None, description="Clients in this IP range, e.g. 10.0.0.0/8.",
+                             pattern=r"^[0-9a-fA-F.:]+/[0-9]{1,3}$", max_length=64)
+
+    cel_rules: ClassVar = (
+        Rule(rule="has(self.namespace) != has(self.cidr)", message="name exactly one of namespace and cidr",
+             field_path=".namespace"),
+        Rule(rule="!has(self.podLabels) || size(self.podLabels) == 0 || has(self.namespace)",
+             message="podLabels needs namespace", field_path=".podLabels"),
+    )
+
+
 class RouterSpec(ApiModel):
     """The router in front of the pools (the deployment's endpoint)."""
 
     replicas: int = Field(1, ge=1, le=100, description="Router replicas.")
+    allow_from: list[NetworkPeer] = Field(
+        default_factory=list, max_length=32,
+        description="Who may reach the router (its NetworkPolicy); empty: any source. Workers accept traffic only "
+                    "from this deployment's router and workers and from the operator's scraper namespaces.")
     image: str | None = Field(None, min_length=1, max_length=512, description="Router image; defaults to engine.image.")
     resources: Resources = Field(default_factory=Resources, description="CPU/memory of each router container.")
 

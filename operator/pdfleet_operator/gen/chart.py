@@ -152,6 +152,11 @@ def values_tree(root: Path = ROOT) -> Group:
             "metricsProfile": Value("pdfleet", "The queue queries of the worker engine: pdfleet, or vllm for "
                                                "vLLM pods.", {"enum": sorted(metric_names.PROFILES)}),
             "autoscaler": _bool(True, "Run the autoscaler (false: pools stay at what the spec and placement give)."),
+            "scraperNamespaces": Value(["monitoring"], "Namespaces whose pods may scrape worker /metrics: each "
+                                                       "deployment's workers' NetworkPolicy lets them in on the HTTP "
+                                                       "port (put your Prometheus' namespace here).",
+                                       {"type": "array", "uniqueItems": True, "minItems": 1,
+                                        "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
             "analysisInterval": Value(15, "Seconds between rollback analyses from Prometheus (0: only on alerts).",
                                       {"type": "number", "minimum": 0}),
             "alertmanagerPort": _int(OPERATOR_ALERTS_PORT, "Port of the Alertmanager webhook receiver (POST /alerts) "

@@ -36,6 +36,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "ControllerRevision": ("/apis/apps/v1", "controllerrevisions"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
     "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
     "Event": ("/api/v1", "events"),
@@ -43,7 +44,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "AcceleratorClass": ("/apis/pdfleet.io/v1alpha1", "acceleratorclasses"),
     "Node": ("/api/v1", "nodes"),
 }
-CHILD_KINDS = ("ConfigMap", "Service", "PodDisruptionBudget", "Deployment")
+CHILD_KINDS = ("ConfigMap", "Service", "PodDisruptionBudget", "NetworkPolicy", "Deployment")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 DELETED = "<deleted>"  # marks our own deletes in Api.written
 

@@ -383,6 +383,11 @@ async def on_configmap_event(body: kopf.Body, event: Mapping[str, Any], **kwargs
     _on_child_event("ConfigMap", body, event, kwargs)
 
 
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
+async def on_networkpolicy_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
+    _on_child_event("NetworkPolicy", body, event, kwargs)
+
+
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 async def on_pdb_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("PodDisruptionBudget", body, event, kwargs)

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--class-status-interval", type=float, default=15.0,
                    help="seconds between updates of AcceleratorClass status (nodes, allocatable, free units; "
                         "0: never; default 15)")
+    p.add_argument("--scraper-namespace", action="append", default=None, metavar="NS",
+                   help="namespace whose pods may scrape worker /metrics through the workers' NetworkPolicy "
+                        "(repeatable; default: monitoring)")
     p.add_argument("--peering", default=None,
                    help="kopf peering object for running several replicas (default: standalone)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.alertmanager_port = args.alertmanager_port or None
     handlers.OPTIONS.analysis_interval = args.analysis_interval
     handlers.OPTIONS.class_status_interval = args.class_status_interval
+    handlers.OPTIONS.scraper_namespaces = tuple(args.scraper_namespace or ("monitoring",))
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

@@ -20,6 +20,7 @@ class Options:
     alertmanager_host: str = "0.0.0.0"
     alertmanager_port: int | None = None  # the Alertmanager webhook receiver (POST /alerts)
     class_status_interval: float = 15.0   # seconds between AcceleratorClass status rounds (0: never written)
+    scraper_namespaces: tuple[str, ...] = ("monitoring",)  # whose pods may scrape workers (their NetworkPolicy)
 
 
 OPTIONS = Options()

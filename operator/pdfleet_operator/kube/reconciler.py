@@ -309,7 +309,8 @@ class Reconciler:
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         m.targets = dict(plan.targets)
         m.plan = plan
-        objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring)
+        objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
+                                scrapers=OPTIONS.scraper_namespaces)
         writes_before = api.writes
         stable = m.extra_status.get("stable_revision") or (
             dep.status.stable_revision if dep.status else None)

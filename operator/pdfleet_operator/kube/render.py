@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from pdfleet_operator.api.names import (
     PART_OF,
     ROUTER_ROLE,
     ROUTER_SERVICE_PORT,
+    child_name,
     config_name,
     pool_name,
     role_service_name,
@@ -49,6 +50,7 @@ from pdfleet_operator.decide import rollback
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
 HTTP_PORT = 8000
+KV_PORT = 8001  # the pdfleet prefill worker's KV endpoint, fixed so that the NetworkPolicy can name it
 NIXL_SIDE_CHANNEL_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/pdfleet"
@@ -62,6 +64,7 @@ KINDS = (
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
 )
@@ -167,6 +170,8 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.Pool
     """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args); with a
     pool's runtime, the device it must compute on and its class (a worker without the device exits, loudly)."""
     flags = []
+    if role == "prefill":
+        flags += ["--kv-port", str(KV_PORT)]
     if runtime is not None and runtime.device is not None:
         flags += ["--device", runtime.device]
     if accelerator is not None:
@@ -316,6 +321,8 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
             **_probes(ready="/health"),
         }
     else:
+        if role == "prefill":
+            ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
         mounts.insert(0, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
         volumes.insert(0, {"name": "config", "configMap": {"name": config_name(owner.name)}})
         container = {
@@ -453,6 +460,48 @@ def role_pdb(owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
+def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequence[str]) -> list[dict[str, Any]]:
+    """Who may talk to this deployment's pods. Workers: only its own router and workers (HTTP, the KV
+    endpoint, NIXL's side channel) and pods of the scraper namespaces (HTTP, for /metrics). The router:
+    `spec.router.allowFrom`, or any source when empty. Enforced by the cluster's CNI, where it enforces any."""
+    roles = sorted(spec.roles())
+    own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}
+    peer_ports = [{"protocol": "TCP", "port": p} for p in (HTTP_PORT, KV_PORT, NIXL_SIDE_CHANNEL_PORT)]
+    ingress: list[dict[str, Any]] = [{"from": [own], "ports": peer_ports}]
+    if scrapers:
+        ingress.append({"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                                 for ns in scrapers],
+                        "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
+    workers = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, child_name(owner.name, "workers"), labels(owner, "network")),
+        "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name},
+                                 "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": roles}]},
+                 "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+    router_rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+    peers = []
+    for p in spec.router.allow_from:
+        if p.cidr is not None:
+            peers.append({"ipBlock": {"cidr": p.cidr}})
+        else:
+            peer: dict[str, Any] = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": p.namespace}}}
+            if p.pod_labels:
+                peer["podSelector"] = {"matchLabels": dict(sorted(p.pod_labels.items()))}
+            peers.append(peer)
+    if peers:
+        router_rule["from"] = peers
+    router = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, router_name(owner.name), labels(owner, "network")),
+        "spec": {"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
+                 "ingress": [router_rule]},
+    }
+    return [workers, router]
+
+
 def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> dict[str, Any]:
     """The engine config, labelled with the revision it belongs to and carrying that revision's template
     (the record the operator turns into a ControllerRevision once the revision is superseded)."""
@@ -515,7 +564,8 @@ def prometheus_rule(owner: Owner) -> dict[str, Any]:
 
 
 def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
-           classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False) -> list[dict[str, Any]]:
+           classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False,
+           scrapers: Sequence[str] = ("monitoring",)) -> list[dict[str, Any]]:
     """Every child object, in apply order (config and discovery before the pods that use them).
 
     `spec` is the revision being served (rollback passes the stable revision's spec); `plan` gives the
@@ -537,6 +587,7 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out += [role_service(owner, role) for role in roles]
     out.append(router_service(owner))
     out += [role_pdb(owner, role) for role in roles]
+    out += network_policies(owner, spec, scrapers)
     out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision) for pool in plan.pools]
     out.append(router_deployment(owner, spec, engines))
     if monitoring:
