@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
@@ -18,10 +19,8 @@ from pdfleet_operator.decide.metrics_snapshot import ClassMetrics, MetricsSnapsh
 
 # Fields a snapshot cannot do without; the others are None when the engine does not export them.
 REQUIRED = ("waiting", "running", "replicas", "sample_time")
-# The worker series ScrapeSource reads (a NaN in any of them makes the snapshot unavailable).
-SCRAPED = (names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_RUNNING, names.PROMPT_TOKENS_WAITING,
-           names.PROMPT_TOKENS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.KV_CACHE_USAGE,
-           names.KV_CACHE_USAGE_LEGACY)
+# The worker series ScrapeSource reads, any engine (a NaN in any of them makes the snapshot unavailable).
+SCRAPED = frozenset(name for fields in names.SCRAPED_SERIES.values() for series in fields.values() for name in series)
 
 
 class MetricsError(Exception):
@@ -43,7 +42,8 @@ def _finite(value: float, what: str) -> float:
 
 
 class PrometheusSource:
-    """Queries Prometheus with the PromQL of an engine profile (`metric_names.PROFILES`)."""
+    """Queries Prometheus with the PromQL of an engine profile (`metric_names.PROFILES`): `profile` for
+    every role, or per role from the engines its pools run (`snapshot(..., engines=)`)."""
 
     def __init__(self, url: str, profile: str | names.QueryProfile = "pdfleet", timeout: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -64,18 +64,28 @@ class PrometheusSource:
     def name(self) -> str:
         return f"prometheus {self.url} ({self.profile.name})"
 
-    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
+    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str],
+                 engines: Mapping[str, Iterable[str]] | None = None) -> MetricsSnapshot:
+        """`engines`: role -> the engines its pools run (`decide.runtimes`); a role it does not name is
+        read with this source's profile. Each distinct profile's queries run once."""
         taken_at = self.clock()
         roles = list(roles)
+        groups: dict[str, tuple[names.QueryProfile, list[str]]] = {}
+        for role in roles:
+            mine = list((engines or {}).get(role, ()))
+            profile = names.profile_for(mine) if mine else self.profile
+            groups.setdefault(profile.name, (profile, []))[1].append(role)
         try:
-            queries = self.profile.queries(deployment, namespace)
-            values = {field: self._by_role(promql) for field, promql in queries.items()
-                      if field not in names.CLASS_FIELDS}
-            by_class = {field.removeprefix("class_"): self._by_role_class(promql) for field, promql in queries.items()
-                        if field in names.CLASS_FIELDS}
-            return MetricsSnapshot(taken_at=taken_at, source=self.name,
-                                   roles={role: self._role(role, values, deployment, namespace, _classes(role, by_class))
-                                          for role in roles})
+            out: dict[str, RoleMetrics] = {}
+            for profile, members in groups.values():
+                queries = profile.queries(deployment, namespace)
+                values = {field: self._by_role(profile, promql) for field, promql in queries.items()
+                          if field not in names.CLASS_FIELDS}
+                by_class = {field.removeprefix("class_"): self._by_role_class(profile, promql)
+                            for field, promql in queries.items() if field in names.CLASS_FIELDS}
+                for role in members:
+                    out[role] = self._role(profile, role, values, deployment, namespace, _classes(role, by_class))
+            return MetricsSnapshot(taken_at=taken_at, source=self.name, roles={role: out[role] for role in roles})
         except MetricsError as exc:
             return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
         except (requests.RequestException, PrometheusApiClientException) as exc:
@@ -100,40 +110,40 @@ class PrometheusSource:
             return None, None, f"no {names.ROUTER_REQUESTS_TOTAL} series for {namespace}/{deployment}"
         return values[0], values[1] if values[1] is not None else 0.0, ""
 
-    def _by_role(self, promql: str) -> dict[str, float]:
+    def _by_role(self, profile: names.QueryProfile, promql: str) -> dict[str, float]:
         """An instant vector by role label; MetricsError on a malformed answer or NaN."""
         try:
             result = self.client.custom_query(promql)
             out: dict[str, float] = {}
             for series in result:
-                role = series["metric"].get(self.profile.role_label)
+                role = series["metric"].get(profile.role_label)
                 if role is None:
-                    raise MetricsError(f"series without {self.profile.role_label} label from {promql}")
+                    raise MetricsError(f"series without {profile.role_label} label from {promql}")
                 out[role] = _finite(float(series["value"][1]), f"{promql} for {role}")
             return out
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
 
-    def _by_role_class(self, promql: str) -> dict[str, dict[str | None, float]]:
+    def _by_role_class(self, profile: names.QueryProfile, promql: str) -> dict[str, dict[str | None, float]]:
         """An instant vector by role and accelerator label (None: a series without the accelerator label)."""
         try:
             out: dict[str, dict[str | None, float]] = {}
             for series in self.client.custom_query(promql):
-                role = series["metric"].get(self.profile.role_label)
+                role = series["metric"].get(profile.role_label)
                 if role is None:
-                    raise MetricsError(f"series without {self.profile.role_label} label from {promql}")
-                cls = series["metric"].get(self.profile.accelerator_label) or None
+                    raise MetricsError(f"series without {profile.role_label} label from {promql}")
+                cls = series["metric"].get(profile.accelerator_label) or None
                 out.setdefault(role, {})[cls] = _finite(float(series["value"][1]), f"{promql} for {role}/{cls}")
             return out
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
 
-    def _role(self, role: str, values: Mapping[str, Mapping[str, float]], deployment: str,
-              namespace: str, classes: Mapping[str, ClassMetrics]) -> RoleMetrics:
+    def _role(self, profile: names.QueryProfile, role: str, values: Mapping[str, Mapping[str, float]],
+              deployment: str, namespace: str, classes: Mapping[str, ClassMetrics]) -> RoleMetrics:
         missing = [f for f in REQUIRED if role not in values[f]]
         if missing:
             raise MetricsError(f"no series for role {role} of {namespace}/{deployment} "
-                               f"({self.profile.render(getattr(self.profile, missing[0]), deployment, namespace)})")
+                               f"({profile.render(getattr(profile, missing[0]), deployment, namespace)})")
 
         def optional(field: str) -> float | None:
             return values.get(field, {}).get(role)
@@ -164,18 +174,34 @@ def _classes(role: str, by_class: Mapping[str, Mapping[str, Mapping[str | None, 
             for cls, n in counts.items() if cls is not None}
 
 
-# role -> worker /metrics URLs, for one deployment
-Targets = Mapping[str, Sequence[str]]
+@dataclass(frozen=True)
+class ScrapeTarget:
+    """One replica's /metrics, the target labels Prometheus would attach to its series
+    (`metric_names.target_labels`), and the engine whose series names it is read with."""
+
+    url: str
+    labels: Mapping[str, str]
+    engine: str = "pdfleet"          # a key of metric_names.SCRAPED_SERIES (and PROFILES)
+
+    def __post_init__(self) -> None:
+        if self.engine not in names.SCRAPED_SERIES:
+            raise ValueError(f"{self.url}: unknown engine {self.engine!r}; known: {', '.join(names.SCRAPED_SERIES)}")
+
+
+Targets = Sequence[ScrapeTarget]
 
 
 class ScrapeSource:
     """Scrapes worker `/metrics` directly (`pdfleet up`, clusters without Prometheus).
 
-    `targets` is role -> URLs, or a function of (deployment, namespace) returning that. Every replica
-    must answer: one unreachable replica makes the snapshot unavailable (its queue is unknown, not zero).
-    Token rates come from the counters' change between two snapshots. A pdfleet worker labels its series
-    with its AcceleratorClass (`pdfleet_accelerator`), which splits each role by class as the Prometheus
-    queries do; a replica without the label (a vLLM pod) leaves its role without the breakdown.
+    `targets` is a list of ScrapeTarget, or a function of (deployment, namespace) returning one. Each
+    target's series are read with its target labels, as Prometheus attaches them: the deployment's
+    replicas are those whose `namespace` and `pdfleet_deployment` labels match, grouped into roles by
+    `pdfleet_role` and split by class by `pdfleet_accelerator` (what the PromQL profiles select on), so
+    one label vocabulary serves both sources and every engine. Each target is read with its engine's
+    series (`metric_names.SCRAPED_SERIES`). Every replica must answer: one unreachable replica makes
+    the snapshot unavailable (its queue is unknown, not zero). Token rates come from the counters'
+    change between two snapshots.
     """
 
     def __init__(self, targets: Targets | Callable[[str, str], Targets], timeout: float = 2.0,
@@ -191,83 +217,80 @@ class ScrapeSource:
     def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
         taken_at = self.clock()
         targets = self.targets(deployment, namespace) if callable(self.targets) else self.targets
+        mine = [t for t in targets if t.labels.get(names.LABEL_NAMESPACE) == namespace
+                and t.labels.get(names.LABEL_DEPLOYMENT) == deployment]
         try:
             return MetricsSnapshot(taken_at=taken_at, source=self.name, roles={
-                role: self._role(namespace, deployment, role, targets.get(role, ()), taken_at) for role in roles})
+                role: self._role(namespace, deployment, role,
+                                 [t for t in mine if t.labels.get(names.LABEL_ROLE) == role], taken_at)
+                for role in roles})
         except MetricsError as exc:
             return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
 
-    def _role(self, namespace: str, deployment: str, role: str, urls: Sequence[str], now: float) -> RoleMetrics:
-        if not urls:
+    def _role(self, namespace: str, deployment: str, role: str, targets: Sequence[ScrapeTarget],
+              now: float) -> RoleMetrics:
+        if not targets:
             raise MetricsError(f"no /metrics targets for role {role} of {namespace}/{deployment}")
-        totals: dict[str, float] = {}
-        kv: list[float] = []
-        per_class: dict[str | None, dict[str, float]] = {}
-        for url in urls:
-            samples, accelerator = self._scrape(url)
-            mine = per_class.setdefault(accelerator, {})
-            mine["replicas"] = mine.get("replicas", 0.0) + 1
-            for field, metric in (("waiting", names.NUM_REQUESTS_WAITING), ("prompt_total", names.PROMPT_TOKENS_TOTAL),
-                                  ("generation_total", names.GENERATION_TOKENS_TOTAL)):
-                mine[field] = mine.get(field, 0.0) + samples.get(metric, math.nan)
-            for field, metric in (("waiting", names.NUM_REQUESTS_WAITING), ("running", names.NUM_REQUESTS_RUNNING)):
-                if metric not in samples:
-                    raise MetricsError(f"{url} does not export {metric}")
-                totals[field] = totals.get(field, 0.0) + samples[metric]
-            for field, metric in (("prompt_tokens_waiting", names.PROMPT_TOKENS_WAITING),
-                                  ("prompt_total", names.PROMPT_TOKENS_TOTAL),
-                                  ("generation_total", names.GENERATION_TOKENS_TOTAL)):
-                if metric in samples:
-                    totals[field] = totals.get(field, 0.0) + samples[metric]
-                else:
-                    totals[field] = math.nan  # one replica without it: the sum is unknown
-            usage = samples.get(names.KV_CACHE_USAGE, samples.get(names.KV_CACHE_USAGE_LEGACY))
-            if usage is not None:
-                kv.append(usage)
+        replicas = [(t, self._scrape(t)) for t in targets]
 
-        def known(field: str, where: Mapping[str, float] = totals) -> float | None:
-            value = where.get(field, math.nan)
-            return value if math.isfinite(value) else None
+        def total(field: str, of: Sequence[tuple[ScrapeTarget, Mapping[str, float]]] = replicas) -> float | None:
+            """The sum over replicas; None when one of them does not export it (the sum is unknown)."""
+            values = [got.get(field) for _, got in of]
+            return None if None in values else math.fsum(v for v in values if v is not None)
+
+        def queue(field: str, of: Sequence[tuple[ScrapeTarget, Mapping[str, float]]] = replicas) -> float:
+            return math.fsum(got[field] for _, got in of)  # `_scrape` made sure every replica has it
 
         classes = {}
-        if None not in per_class:
-            for cls, got in sorted(per_class.items()):
+        by_class: dict[str | None, list[tuple[ScrapeTarget, Mapping[str, float]]]] = {}
+        for t, got in replicas:
+            by_class.setdefault(t.labels.get(names.LABEL_ACCELERATOR) or None, []).append((t, got))
+        if None not in by_class:  # a replica without its class leaves the role without the breakdown
+            for cls, of in sorted(by_class.items()):
                 assert cls is not None
                 classes[cls] = ClassMetrics(
-                    replicas_reporting=int(got["replicas"]), waiting=got["waiting"],
+                    replicas_reporting=len(of), waiting=queue("waiting", of),
                     prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt", cls),
-                                                  known("prompt_total", got), now),
+                                                  total("prompt_tokens_total", of), now),
                     generation_tokens_rate=self._rate((namespace, deployment, role, "generation", cls),
-                                                      known("generation_total", got), now))
+                                                      total("generation_tokens_total", of), now))
+        kv = total("kv_usage")
         return RoleMetrics(
-            waiting=totals["waiting"], running=totals["running"], replicas_reporting=len(urls), sample_time=now,
-            kv_usage=sum(kv) / len(kv) if len(kv) == len(urls) else None,
-            prompt_tokens_waiting=known("prompt_tokens_waiting"),
-            prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt"), known("prompt_total"), now),
+            waiting=queue("waiting"), running=queue("running"), replicas_reporting=len(targets),
+            sample_time=now, kv_usage=None if kv is None else kv / len(targets),
+            prompt_tokens_waiting=total("prompt_tokens_waiting"),
+            prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt"), total("prompt_tokens_total"), now),
             generation_tokens_rate=self._rate((namespace, deployment, role, "generation"),
-                                              known("generation_total"), now),
+                                              total("generation_tokens_total"), now),
             classes=classes)
 
-    def _scrape(self, url: str) -> tuple[dict[str, float], str | None]:
-        """The series pdfleet reads, by sample name, summed over label sets (one replica serves one model),
-        and the replica's AcceleratorClass (its waiting gauge's `pdfleet_accelerator` label; None without)."""
+    def _scrape(self, target: ScrapeTarget) -> dict[str, float]:
+        """Snapshot field -> the replica's value: its engine's first series name it exports, summed over
+        label sets (one replica serves one model). MetricsError without the queue gauges, or on a NaN."""
+        url = target.url
         try:
             resp = self.client.get(url, headers={"Accept": "text/plain; version=0.0.4"})
             resp.raise_for_status()
-            out: dict[str, float] = {}
-            accelerator = None
+            sums: dict[str, float] = {}
             for family in text_string_to_metric_families(resp.text):
                 for sample in family.samples:
                     if sample.name in SCRAPED:
                         value = _finite(float(sample.value), f"{sample.name} at {url}")
-                        out[sample.name] = out.get(sample.name, 0.0) + value
-                    if sample.name == names.NUM_REQUESTS_WAITING:
-                        accelerator = sample.labels.get(names.LABEL_ACCELERATOR) or accelerator
-            return out, accelerator
+                        sums[sample.name] = sums.get(sample.name, 0.0) + value
         except httpx.HTTPError as exc:
             raise MetricsError(f"scraping {url}: {type(exc).__name__}: {exc}") from exc
         except ValueError as exc:
             raise MetricsError(f"parsing {url}: {exc}") from exc
+        out = {}
+        for field, series in names.SCRAPED_SERIES[target.engine].items():
+            found = [sums[s] for s in series if s in sums]
+            if found:
+                out[field] = found[0]
+        for field in ("waiting", "running"):
+            if field not in out:
+                raise MetricsError(f"{url} ({target.engine}) does not export "
+                                   f"{' or '.join(names.SCRAPED_SERIES[target.engine][field])}")
+        return out
 
     def _rate(self, key: tuple[str, ...], total: float | None, now: float) -> float | None:
         """Per-second increase of a counter since the previous snapshot (None on the first or after a reset)."""

@@ -45,7 +45,8 @@ def test_worker_command_and_environment_follow_the_class(tmp_path, model_dir):
     env = sup._env(gpu)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PDFLEET_ACCELERATOR"] == "h100-80gb" and env["OMP_NUM_THREADS"] == "2"
     cpu = sv.Replica("prefill-0", "prefill", "cpu", 9003)
-    assert "--device" not in sup._worker_argv(cpu) and sup._env(cpu)["CUDA_VISIBLE_DEVICES"] == ""
+    cpu_argv = sup._worker_argv(cpu)
+    assert cpu_argv[cpu_argv.index("--device") + 1] == "cpu" and sup._env(cpu)["CUDA_VISIBLE_DEVICES"] == ""
     router = sup._router_argv()
     assert router[router.index("--workers-file") + 1] == str(tmp_path / "run" / "workers.json")
 
@@ -100,7 +101,9 @@ def test_the_router_and_prometheus_files_list_the_pools_a_colocated_spec_has(tmp
         "namespace": "default", "pdfleet_deployment": "local-tiny", "pdfleet_role": "colocated",
         "pdfleet_accelerator": "cpu", "replica": "colocated-0"}}]
     assert json.loads((sup.run_dir / "engine.json").read_text())["max_model_len"] == 1024
-    assert sup.scrape_targets() == {"colocated": ["http://127.0.0.1:9001/metrics"]}
+    (target,) = sup.scrape_targets()  # the direct-scrape source gets the labels Prometheus gets from the file
+    assert (target.url, target.engine, dict(target.labels)) == ("http://127.0.0.1:9001/metrics", "pdfleet",
+                                                                groups[0]["labels"])
 
 
 def test_up_replays_a_csv_trace_as_its_load(tmp_path):

@@ -1,4 +1,4 @@
-"""Fake workers for metrics tests: each serves one replica's vLLM-compatible queue series, set by the test."""
+"""Fake workers for metrics tests: each serves one replica's vLLM-compatible queue series, set by the test, and names the target labels Prometheus (static_config) and the scrape source (ScrapeTarget) attach to them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.prometheus import ScrapeTarget
 from tests.support.components import free_port
 
 
@@ -16,12 +17,12 @@ class WorkerExporter:
 
     def __init__(self, deployment: str, role: str, namespace: str = "default", model: str = "tiny",
                  prompt_tokens_gauge: bool = True, accelerator: str | None = None) -> None:
-        """`accelerator`: the AcceleratorClass a pdfleet worker puts on its series and a PodMonitor on its
-        target (`pdfleet_accelerator`); None for a worker without it (a vLLM pod)."""
+        """`accelerator`: the AcceleratorClass a PodMonitor (or `pdfleet up`) puts on the target as
+        `pdfleet_accelerator`; None for a target without it. The series themselves carry only `model_name`,
+        as vLLM's do: every label the sources select on is a target label."""
         self.deployment, self.role, self.namespace, self.accelerator = deployment, role, namespace, accelerator
         self.registry = CollectorRegistry()
-        labels = [names.LABEL_MODEL] + ([names.LABEL_ACCELERATOR] if accelerator else [])
-        values = [model] + ([accelerator] if accelerator else [])
+        labels, values = [names.LABEL_MODEL], [model]
         self.waiting = Gauge(names.NUM_REQUESTS_WAITING, "waiting", labels, registry=self.registry).labels(*values)
         self.running = Gauge(names.NUM_REQUESTS_RUNNING, "running", labels, registry=self.registry).labels(*values)
         self.kv = Gauge(names.KV_CACHE_USAGE, "kv usage", labels, registry=self.registry).labels(*values)
@@ -67,13 +68,18 @@ class WorkerExporter:
         self.server.shutdown()
         self.server.server_close()
 
+    def target_labels(self) -> dict[str, str]:
+        """The target labels a PodMonitor puts on a worker pod (no accelerator label when it has none)."""
+        labels = names.target_labels(self.namespace, self.deployment, self.role, self.accelerator or "")
+        return {k: v for k, v in labels.items() if v}
+
     def static_config(self) -> dict:
-        """A Prometheus static_config with the target labels a PodMonitor puts on a pdfleet worker pod."""
-        labels = {names.LABEL_DEPLOYMENT: self.deployment, names.LABEL_ROLE: self.role,
-                  names.LABEL_NAMESPACE: self.namespace}
-        if self.accelerator:
-            labels[names.LABEL_ACCELERATOR] = self.accelerator
-        return {"targets": [self.address], "labels": labels}
+        """A Prometheus static_config with those target labels."""
+        return {"targets": [self.address], "labels": self.target_labels()}
+
+    def scrape_target(self, engine: str = "pdfleet") -> ScrapeTarget:
+        """The same replica for the direct-scrape source."""
+        return ScrapeTarget(self.url, self.target_labels(), engine)
 
 
 def scrape_config(exporters: list[WorkerExporter], interval: str = "1s") -> dict:

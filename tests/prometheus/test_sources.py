@@ -10,7 +10,7 @@ import pytest
 from pdfleet_operator.decide import autoscaler
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.kube.operator_metrics import OperatorMetrics, serve
-from pdfleet_operator.prometheus import PrometheusSource, ScrapeSource
+from pdfleet_operator.prometheus import PrometheusSource, ScrapeSource, ScrapeTarget
 from tests.decide.autoscaler_sim import spec
 from tests.prometheus.exporters import WorkerExporter, scrape_config
 from tests.support.components import free_port
@@ -168,7 +168,7 @@ def test_decisions_follow_the_queues_through_prometheus(prometheus_factory, flee
 
 def test_scrape_source_reads_the_workers_directly(fleet):
     play_demo(fleet)
-    targets = {"prefill": [fleet["prefill"].url], "decode": [fleet["decode-a"].url, fleet["decode-b"].url]}
+    targets = [w.scrape_target() for w in fleet.values()]  # the other deployment's replica is left out by its labels
     clock = iter([1000.0, 1010.0, 1020.0])
     source = ScrapeSource(targets, clock=lambda: next(clock))
     snap = source.snapshot("demo", "default", ROLES)
@@ -185,7 +185,7 @@ def test_scrape_source_reads_the_workers_directly(fleet):
     snap = source.snapshot("demo", "default", ROLES)
     assert snap.roles["prefill"].prompt_tokens_rate == 500.0  # 5000 tokens over 10 s
     assert snap.roles["decode"].generation_tokens_rate == 40.0
-    classes = snap.roles["decode"].classes  # the workers' pdfleet_accelerator label splits decode by class
+    classes = snap.roles["decode"].classes  # the targets' pdfleet_accelerator label splits decode by class
     assert {c: (m.replicas_reporting, m.waiting, m.generation_tokens_rate) for c, m in classes.items()} == {
         "h200": (1, 1, 30.0), "ascend-910b-x2": (1, 2, 10.0)}
     assert snap.roles["prefill"].classes == {}
@@ -195,15 +195,50 @@ def test_scrape_source_reads_the_workers_directly(fleet):
     assert not snap.ok and "nan" in snap.error.lower()
 
 
+def test_scrape_source_reads_each_target_with_its_engines_series(fleet):
+    """A vLLM replica exports no prompt-tokens-waiting gauge: its role's sum is unknown, not the pdfleet part."""
+    play_demo(fleet)
+    vllm = WorkerExporter("demo", "prefill", accelerator="h200", prompt_tokens_gauge=False)
+    try:
+        vllm.play(waiting=5, running=1, kv=0.75)
+        both = [fleet["prefill"].scrape_target(), vllm.scrape_target("vllm")]
+        snap = ScrapeSource(both).snapshot("demo", "default", ["prefill"])
+        p = snap.roles["prefill"]
+        assert (p.waiting, p.running, p.replicas_reporting, p.prompt_tokens_waiting) == (12, 3, 2, None)
+        assert p.kv_usage == pytest.approx(0.5)
+        assert p.classes == {}, "the pdfleet replica has no class label: no breakdown"
+        alone = ScrapeSource([fleet["prefill"].scrape_target()]).snapshot("demo", "default", ["prefill"])
+        assert alone.roles["prefill"].prompt_tokens_waiting == 9000
+        with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+            ScrapeTarget(vllm.url, {}, "tgi")
+    finally:
+        vllm.stop()
+
+
 def test_scrape_source_with_a_replica_down_is_unavailable(fleet):
     play_demo(fleet)
     fleet["decode-b"].stop()
-    source = ScrapeSource(lambda deployment, namespace: {
-        "prefill": [fleet["prefill"].url], "decode": [fleet["decode-a"].url, fleet["decode-b"].url]}, timeout=1.0)
+    source = ScrapeSource(lambda deployment, namespace: [fleet[w].scrape_target()
+                                                         for w in ("prefill", "decode-a", "decode-b")], timeout=1.0)
     snap = source.snapshot("demo", "default", ROLES)
     assert not snap.ok and fleet["decode-b"].address in snap.error
-    assert not (snap := ScrapeSource({"prefill": [fleet["prefill"].url]}).snapshot("demo", "default", ROLES)).ok
+    assert not (snap := ScrapeSource([fleet["prefill"].scrape_target()]).snapshot("demo", "default", ROLES)).ok
     assert "no /metrics targets for role decode" in snap.error
+
+
+def test_prometheus_source_reads_each_role_with_its_pools_profile(prometheus_factory, fleet):
+    """engines= per role: a role mixing engines drops what one engine lacks; one named once uses its profile."""
+    play_demo(fleet)
+    prom = ready_prometheus(prometheus_factory, fleet)
+    source = PrometheusSource(prom.url)
+    snap = until(lambda: (s := source.snapshot("demo", "default", ROLES, engines={
+        "prefill": ["pdfleet", "vllm"], "decode": ["vllm"]})).ok and s, what="ok snapshot")
+    p, d = snap.roles["prefill"], snap.roles["decode"]
+    assert (p.waiting, p.running, p.kv_usage, p.prompt_tokens_waiting) == (7, 2, 0.25, None)
+    assert (d.waiting, d.running) == (3, 16) and d.kv_usage == pytest.approx(0.6)
+    assert set(d.classes) == {"h200", "ascend-910b-x2"}
+    plain = source.snapshot("demo", "default", ROLES)
+    assert plain.roles["prefill"].prompt_tokens_waiting == 9000, "without engines=: the source's own profile"
 
 
 def test_prometheus_for_reuses_one_source_per_url_and_rejects_unknown_profiles():
@@ -221,7 +256,7 @@ def test_every_profile_query_parses_with_promtool(tmp_path):
 
     from tests.support.components import binary
     rules = [{"record": f"pdfleet:test_{profile}_{field}", "expr": promql}
-             for profile, p in names.PROFILES.items()
+             for profile, p in [*names.PROFILES.items(), ("mixed", names.profile_for(names.PROFILES))]
              for field, promql in p.queries("demo", 'odd"ns\\').items()]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "autoscaler", "rules": rules}]}))

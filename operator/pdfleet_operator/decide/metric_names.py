@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from string import Template
 
@@ -148,3 +149,53 @@ PROFILES: dict[str, QueryProfile] = {
         **_COMMON,
     ),
 }
+
+
+def target_labels(namespace: str, deployment: str, role: str, accelerator: str) -> dict[str, str]:
+    """The target labels every worker's series carries, whatever its engine: what a PodMonitor relabels
+    from the pod's labels, what `pdfleet up` writes in its file_sd targets, and what the direct-scrape
+    source attaches to each scraped series (vLLM's own series carry only `engine` and `model_name`;
+    the pdfleet worker's own `role`/`accelerator` labels are not part of this vocabulary)."""
+    return {LABEL_NAMESPACE: namespace, LABEL_DEPLOYMENT: deployment, LABEL_ROLE: role, LABEL_ACCELERATOR: accelerator}
+
+
+def profile_for(engines: Iterable[str]) -> QueryProfile:
+    """The profile that reads a role whose pools run these engines (a deployment may mix engines).
+
+    One engine: its profile. Several: a signal every engine queries the same way keeps its query; one
+    that some engine does not export is None (a sum over part of the role's replicas would under-count
+    it); one the engines query differently is read by the first query that answers (PromQL `or`:
+    both are instant vectors by the same labels).
+    """
+    names = sorted(set(engines))
+    unknown = [n for n in names if n not in PROFILES]
+    if not names or unknown:
+        raise ValueError(f"unknown metrics profile {unknown or names!r}; known: {', '.join(PROFILES)}")
+    if len(names) == 1:
+        return PROFILES[names[0]]
+    profiles = [PROFILES[n] for n in names]
+    merged: dict[str, str | None] = {}
+    for f in ROLE_FIELDS + CLASS_FIELDS:
+        templates = [getattr(p, f) for p in profiles]
+        if any(t is None for t in templates):
+            merged[f] = None
+        elif len(set(templates)) == 1:
+            merged[f] = templates[0]
+        else:
+            merged[f] = " or ".join(f"({t})" for t in dict.fromkeys(templates))
+    assert merged["waiting"] and merged["running"] and merged["replicas"] and merged["sample_time"], \
+        f"every profile reads the queue: {merged}"
+    return QueryProfile(name="+".join(names), **merged)  # type: ignore[arg-type]
+
+
+# The series the direct-scrape source reads per engine (snapshot field -> names, the first one a replica
+# exports wins), the scrape-side twin of PROFILES. A field an engine lacks is unknown for its role.
+SCRAPED_SERIES: dict[str, dict[str, tuple[str, ...]]] = {
+    "pdfleet": {"waiting": (NUM_REQUESTS_WAITING,), "running": (NUM_REQUESTS_RUNNING,),
+                "kv_usage": (KV_CACHE_USAGE,), "prompt_tokens_waiting": (PROMPT_TOKENS_WAITING,),
+                "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,), "generation_tokens_total": (GENERATION_TOKENS_TOTAL,)},
+    "vllm": {"waiting": (NUM_REQUESTS_WAITING,), "running": (NUM_REQUESTS_RUNNING,),
+             "kv_usage": (KV_CACHE_USAGE, KV_CACHE_USAGE_LEGACY),
+             "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,), "generation_tokens_total": (GENERATION_TOKENS_TOTAL,)},
+}
+assert set(SCRAPED_SERIES) == set(PROFILES), "a scrape twin for every query profile"

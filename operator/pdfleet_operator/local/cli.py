@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser(
         "up", help="run an InferenceDeployment on this machine: router + workers + the autoscaler",
         description="Plan the spec with the operator's placement, run it as `pdfleet router` and `pdfleet worker` "
-                    "processes on loopback ports, scale them with the operator's autoscaler (worker /metrics scraped "
+                    "(or vLLM, for pools whose runtime is vllm) processes on loopback ports, scale them with the "
+                    "operator's autoscaler (worker /metrics scraped "
                     "directly, or --prometheus) and show it live. Ctrl-C or SIGTERM drains and stops every process.")
     up.add_argument("file", metavar="FILE", help="YAML with one InferenceDeployment (AcceleratorClasses may follow it)")
     up.add_argument("--classes", metavar="FILE", help="AcceleratorClasses (default: the built-in `cpu` class)")
@@ -69,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--report", metavar="FILE.json", help="also write the summary as JSON (the simulator's keys)")
     up.add_argument("--ready-timeout", type=_seconds, default=180.0, help="longest start-up (default 180s)")
     up.add_argument("--seed", type=int, default=0, help="seed of the synthetic load")
+    up.add_argument("--vllm-python", metavar="PATH",
+                    help="the vLLM runtime's interpreter for vLLM pools (default: $PDFLEET_VLLM_PYTHON, else "
+                         ".venv-vllm/bin/python here or in the pdfleet checkout: `make vllm` makes it)")
     up.add_argument("--plain", dest="live", action="store_false", default=None,
                     help="plain log lines instead of the live view (the default when stdout is not a terminal)")
     up.set_defaults(func=_up)
@@ -104,7 +108,7 @@ def _up(args: argparse.Namespace) -> int:
                       load=args.load, rate=args.rate, burst=args.burst, duration=args.duration, settle=args.settle,
                       prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, threads=args.threads,
                       run_dir=args.run_dir, report=args.report, ready_timeout=args.ready_timeout, seed=args.seed,
-                      live=args.live)
+                      live=args.live, vllm_python=args.vllm_python)
     return up.run(opts)
 
 

@@ -1,4 +1,4 @@
-"""What `pdfleet up` runs: the InferenceDeployment of a file, validated as admission validates it, with its AcceleratorClasses and its model directory on this machine."""
+"""What `pdfleet up` runs: the InferenceDeployment of a file, validated as admission validates it (and its engines as the operator checks them, `decide.runtimes`), with its AcceleratorClasses, each pool's runtime and its model directory on this machine."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import yaml
 from pdfleet_operator import validate
 from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec, InferenceDeployment, InferenceDeploymentSpec
 from pdfleet_operator.api.inference_deployment import ModelArchitecture
+from pdfleet_operator.decide import runtimes
 
 # The class a spec runs on when no --classes file is given: the `cpu` entry of
 # examples/acceleratorclasses.yaml (tests/local checks that the two stay equal).
@@ -59,6 +60,19 @@ class LocalSpec:
     classes: dict[str, AcceleratorClassSpec]
     model_dir: Path
     source: Path                          # the spec file
+    # (role, class) -> what that pool runs, for every class a role lists that is defined
+    pools: dict[tuple[str, str], runtimes.PoolRuntime]
+
+    def engine(self, role: str, accelerator_class: str) -> str:
+        return self.pools[(role, accelerator_class)].name
+
+    def engines(self) -> dict[str, list[str]]:
+        """role -> the engines its pools run (what the metrics sources read each role with)."""
+        out: dict[str, list[str]] = {}
+        for (role, _), rt in sorted(self.pools.items()):
+            if rt.name not in out.setdefault(role, []):
+                out[role].append(rt.name)
+        return out
 
 
 def load(path: str | Path, classes_path: str | Path | None = None) -> LocalSpec:
@@ -96,12 +110,19 @@ def load(path: str | Path, classes_path: str | Path | None = None) -> LocalSpec:
             raise UpError(f"{path}: spec.{role}.minReplicas: 0 is not supported by `pdfleet up` "
                           "(a pool at zero has no queue to scale it back up from); use 1 or more")
 
+    wrong = runtimes.check(dep.spec, classes)
+    if wrong:  # as `pdfleet validate` and the operator word them
+        raise SpecInvalid([validate.Problem(str(path), f"InferenceDeployment/{dep.name}", p.field, p.message)
+                           for p in wrong])
+    pools = {(role, name): runtimes.for_pool(dep.spec, role, name, classes[name])
+             for role, rs in dep.spec.roles().items() for name in rs.accelerator_classes if name in classes}
+
     model_dir = model_directory(dep.spec, path)
     spec = dep.spec
     if spec.model.architecture is None:
         model = spec.model.model_copy(update={"architecture": architecture(model_dir)})
         spec = spec.model_copy(update={"model": model})
-    return LocalSpec(dep.name, dep.metadata.namespace or "default", spec, classes, model_dir, path)
+    return LocalSpec(dep.name, dep.metadata.namespace or "default", spec, classes, model_dir, path, pools)
 
 
 def _documents(path: Path) -> list[tuple[str, Any]]:

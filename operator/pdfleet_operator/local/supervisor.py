@@ -1,4 +1,4 @@
-"""The local fleet's processes: the router and worker replicas per pool on free loopback ports, restarted with back-off when they crash, drained when the plan shrinks; `pdfleet up` drives it."""
+"""The local fleet's processes: the router and worker replicas per pool (the pdfleet worker or vLLM, as the pool's runtime says) on free loopback ports, restarted with back-off when they crash, drained when the plan shrinks; `pdfleet up` drives it."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from pathlib import Path
 import httpx
 
 from pdfleet_operator import engine_args
-from pdfleet_operator.api import WORKER_ROLE
-from pdfleet_operator.decide import cost
+from pdfleet_operator.api import WORKER_ROLE, AcceleratorClassSpec
+from pdfleet_operator.decide import cost, runtimes
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.local import machine as mach
+from pdfleet_operator.local import vllm_runtime
 from pdfleet_operator.local.process import Child, describe_exit
 from pdfleet_operator.local.spec import LocalSpec, UpError
+from pdfleet_operator.prometheus import ScrapeTarget
 from pdfleet_worker.router import workers_file
 
 # A crashed process waits 1 s, then 2, 4, ... up to 30 s before it is started again; once it has
@@ -71,6 +73,8 @@ class Replica:
     kill_at: float | None = None              # when a draining replica that has not exited gets SIGKILL
     load: dict = field(default_factory=dict)  # the worker's last /load answer
     host: str = "127.0.0.1"                   # where we reach it
+    engine: str = runtimes.PDFLEET            # what the pool runs: pdfleet or vllm
+    index: int = 0                            # the n of role-n (which cores a vLLM replica binds)
 
     @property
     def url(self) -> str:
@@ -82,9 +86,12 @@ class Supervisor:
     method runs on the event loop of `pdfleet up`'s main thread (children die with that thread)."""
 
     def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
-                 machine: mach.Machine, router_host: str = "127.0.0.1",
+                 machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
                  on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
+        self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
+        self.cores = sorted(os.sched_getaffinity(0))
+        self.memory_bytes = vllm_runtime.available_memory()
         self.router_host = router_host
         self.on_event = on_event or (lambda e: None)
         self.clock = clock
@@ -126,9 +133,15 @@ class Supervisor:
     def ready(self, role: str) -> list[Replica]:
         return [r for r in self.active(role) if r.state == READY]
 
-    def scrape_targets(self) -> dict[str, list[str]]:
-        """role -> /metrics URLs of its ready workers (a starting or crashed one has no queue yet)."""
-        return {role: [f"{r.url}/metrics" for r in self.ready(role)] for role in self.local.spec.roles()}
+    def target_labels(self, r: Replica) -> dict[str, str]:
+        """The labels Prometheus (from the targets file) and the direct-scrape source put on a worker's series."""
+        return {**names.target_labels(self.local.namespace, self.local.name, r.role, r.accelerator_class),
+                "replica": r.name}
+
+    def scrape_targets(self) -> list[ScrapeTarget]:
+        """The ready workers' /metrics, labelled (a starting or crashed one has no queue yet)."""
+        return [ScrapeTarget(f"{r.url}/metrics", self.target_labels(r), r.engine)
+                for role in self.local.spec.roles() for r in self.ready(role)]
 
     def cost_per_hour(self) -> float:
         """$/h of every worker process alive now (starting and draining ones too) plus the router."""
@@ -153,23 +166,27 @@ class Supervisor:
         lists: dict[str, list[str]] = {}
         for role in self.local.spec.roles():
             key = workers_file.KEY_OF_ROLE[WORKER_ROLE[role]]
-            lists[key] = [r.url for r in self.active(role)]
+            lists[key] = [workers_file.entry(r.url, engine=r.engine) for r in self.active(role)]
         workers_file.write(self.workers_path, lists)
-        groups = [{"targets": [f"127.0.0.1:{r.port}"],
-                   "labels": {names.LABEL_NAMESPACE: self.local.namespace,
-                              names.LABEL_DEPLOYMENT: self.local.name, names.LABEL_ROLE: r.role,
-                              names.LABEL_ACCELERATOR: r.accelerator_class, "replica": r.name}}
-                  for r in self.active()]
+        groups = [{"targets": [f"127.0.0.1:{r.port}"], "labels": self.target_labels(r)} for r in self.active()]
         tmp = self.targets_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(groups, indent=1))
         os.replace(tmp, self.targets_path)
 
     # -- commands -------------------------------------------------------------------------------------
+    def _pool(self, r: Replica) -> tuple[runtimes.PoolRuntime, AcceleratorClassSpec]:
+        return self.local.pools[(r.role, r.accelerator_class)], self.classes[r.accelerator_class]
+
     def _worker_argv(self, r: Replica) -> list[str]:
+        rt, cls = self._pool(r)
+        if rt.name == runtimes.VLLM:
+            assert self.vllm is not None, f"{r.name} runs vllm and no vLLM runtime was found"
+            return vllm_runtime.argv(self.vllm, self.local.spec, r.role, rt, cls, model_dir=str(self.local.model_dir),
+                                     port=r.port, drain_s=WORKER_DRAIN_S)
         flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
                  "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning"]
-        if r.devices:
-            flags += ["--device", "cuda"]
+        if rt.device:
+            flags += ["--device", rt.device]
         return PDFLEET + engine_args.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
                                              host="127.0.0.1", port=r.port, engine_config=str(self.engine_config),
                                              flags=flags)
@@ -185,12 +202,24 @@ class Supervisor:
         threads = str(self.threads)
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(str(d) for d in r.devices))
-        if r.accelerator_class:
+        if not r.accelerator_class:
+            return env
+        rt, cls = self._pool(r)
+        if rt.name == runtimes.VLLM:
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # VLLM_CPU_OMP_THREADS_BIND decides its threads
+                env.pop(name, None)
+            env.update(vllm_runtime.env(rt, cls, vllm_runtime.cores(r.index, cls, self.cores), self._kv_gib(cls)))
+        else:
             env["PDFLEET_ACCELERATOR"] = r.accelerator_class
-            for var in self.classes[r.accelerator_class].env:
-                if var.name != "CUDA_VISIBLE_DEVICES":
-                    env[var.name] = var.value
+            env.update(dict(rt.env))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in r.devices)  # ours, whatever the class's env says
         return env
+
+    def _kv_gib(self, cls: AcceleratorClassSpec) -> int:
+        """A vLLM replica's KV space: its share of this machine's memory over every vLLM replica the spec allows."""
+        vllm_pools = {role for (role, _), rt in self.local.pools.items() if rt.name == runtimes.VLLM}
+        most = sum(self.local.spec.roles()[role].max_replicas for role in vllm_pools)
+        return vllm_runtime.kv_cache_gib(self.local.spec, cls, most, self.memory_bytes)
 
     def _spawn(self, r: Replica) -> None:
         if not mach.port_free(r.port, self.router_host if r.role == "router" else "127.0.0.1"):
@@ -255,7 +284,8 @@ class Supervisor:
             for _ in range(want - len(have)):
                 n = self.counters.get(role, 0)
                 self.counters[role] = n + 1
-                r = Replica(f"{role}-{n}", role, cls_name, mach.free_port(avoid=self._ports()), self._gpus_for(cls_name))
+                r = Replica(f"{role}-{n}", role, cls_name, mach.free_port(avoid=self._ports()), self._gpus_for(cls_name),
+                            engine=self.local.engine(role, cls_name), index=n)
                 self.workers.append(r)
                 self._spawn(r)
                 self.event("started", r.name, f"pid {r.child.pid}, :{r.port} on {cls_name}" + (f" ({why})" if why else ""))
@@ -316,14 +346,16 @@ class Supervisor:
 
     async def _probe(self, replicas: list[Replica]) -> None:
         async def one(r: Replica) -> None:
-            path = "/health" if r.role == "router" else "/load"
+            # Readiness: the router's /health, the pdfleet worker's /load {"ready": true}, vLLM's /health
+            # (it serves no /ready; healthy once the engine is up).
+            plain = r.role == "router" or r.engine == runtimes.VLLM
             try:
-                resp = await self.http.get(f"{r.url}{path}")
-                body = resp.json() if r.role != "router" else {}
-                ok = resp.status_code == 200 and (r.role == "router" or body.get("ready") is True)
+                resp = await self.http.get(f"{r.url}{'/health' if plain else '/load'}")
+                body = resp.json() if not plain else {}
+                ok = resp.status_code == 200 and (plain or body.get("ready") is True)
             except (httpx.HTTPError, ValueError):
                 ok, body = False, {}
-            if r.role != "router" and body:
+            if body:
                 r.load = body
             if ok and r.state == STARTING and r.child is not None and r.child.alive():
                 r.state, r.ready_since = READY, self.clock()

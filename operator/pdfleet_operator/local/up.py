@@ -1,4 +1,4 @@
-"""`pdfleet up`: plan an InferenceDeployment on this machine with the operator's placement, run it as router and worker processes, scale them with the operator's autoscaler, show it live, and stop every child on Ctrl-C or SIGTERM."""
+"""`pdfleet up`: plan an InferenceDeployment on this machine with the operator's placement, run it as router and worker processes (the pdfleet worker or vLLM, per pool), scale them with the operator's autoscaler, show it live, and stop every child on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from typing import Any
 from rich.console import Console
 
 from pdfleet_operator.api import parse_duration
-from pdfleet_operator.decide import autoscaler, placement, tick
+from pdfleet_operator.decide import autoscaler, placement, runtimes, tick
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 from pdfleet_operator.local import load as loadgen
 from pdfleet_operator.local import machine as mach
 from pdfleet_operator.local import spec as specs
+from pdfleet_operator.local import vllm_runtime
 from pdfleet_operator.local.supervisor import Event, Supervisor
 from pdfleet_operator.local.view import Change, Status, View, summary_text
 
@@ -48,6 +49,7 @@ class Options:
     ready_timeout: float = 180.0
     seed: int = 0
     live: bool | None = None
+    vllm_python: str | None = None     # the vLLM runtime's interpreter (vllm_runtime.find's order otherwise)
 
 
 class Up:
@@ -65,6 +67,7 @@ class Up:
         self.load_summary: dict[str, Any] | None = None
         self.ready_after: float | None = None
         self.sup: Supervisor | None = None
+        self.vllm: vllm_runtime.VllmPython | None = None
 
     # -- checks that start nothing --------------------------------------------------------------------
     def preflight(self) -> None:
@@ -77,6 +80,12 @@ class Up:
             raise specs.UpError(f"--threads-per-worker {o.threads}: must be at least 1")
         if o.prometheus is not None and not o.prometheus.startswith(("http://", "https://")):
             raise specs.UpError(f"--prometheus {o.prometheus}: expected an http(s) URL")
+        # The pools this machine can run (placement skips the others), and the vLLM runtime when one runs vLLM.
+        here = {k: rt for k, rt in self.local.pools.items() if self.machine.provides(self.local.classes[k[1]])}
+        if any(rt.name == runtimes.VLLM for rt in here.values()):
+            vllm_runtime.check_pools(self.local.spec, here, self.local.classes, o.file)
+            self.vllm = vllm_runtime.find(o.vllm_python)
+            vllm_runtime.check_runtime(here, self.local.classes, self.vllm, o.file)
         self.usable = {n: c for n, c in mach.local_classes(self.local.classes).items() if self.machine.provides(c)}
         self.inventory = mach.inventory(self.local.spec, self.usable, self.machine)
         self.arrivals = self._arrivals()
@@ -104,12 +113,14 @@ class Up:
             loop.add_signal_handler(sig, self._on_signal, sig)
         run_dir = Path(o.run_dir) if o.run_dir else Path(tempfile.mkdtemp(prefix=f"pdfleet-up-{self.local.name}-"))
         self.sup = Supervisor(self.local, run_dir, o.port, threads=o.threads, machine=self.machine,
-                              router_host=o.host, on_event=self._on_event)
+                              router_host=o.host, vllm=self.vllm, on_event=self._on_event)
         self.endpoint = f"http://{o.host}:{o.port}"
         code = 0
         try:
             self.sup.start(self.plan)
             self.view.line(f"pdfleet up {self.local.name}: {self._plan_text()}; logs in {run_dir / 'logs'}")
+            if self.vllm is not None:
+                self.view.line(f"vLLM runtime: {self.vllm.describe()}")
             ready = asyncio.create_task(self.sup.wait_ready(o.ready_timeout))
             stopper = asyncio.create_task(self.stop.wait())
             await asyncio.wait([ready, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -154,7 +165,9 @@ class Up:
         self.view.line(event_line(e))
 
     def _plan_text(self) -> str:
-        return ", ".join(f"{p.replicas} {p.role} on {p.accelerator_class}" for p in self.plan.pools) + \
+        return ", ".join(f"{p.replicas} {p.role} on {p.accelerator_class}"
+                         + (f" ({engine})" if (engine := self.local.engine(p.role, p.accelerator_class)) != runtimes.PDFLEET
+                            else "") for p in self.plan.pools) + \
             f" + router on {self.opts.host}:{self.opts.port}"
 
     def _banner(self) -> None:
@@ -242,11 +255,21 @@ class Up:
 
     # -- autoscaling -----------------------------------------------------------------------------------
     def _source(self):
+        """Prometheus (each role read with its pools' engines' profile), or the workers' /metrics scraped
+        with the target labels the targets file gives Prometheus."""
         from pdfleet_operator import prometheus
 
         if self.opts.prometheus:
-            return prometheus.PrometheusSource(self.opts.prometheus)
-        return prometheus.ScrapeSource({})
+            engines = {e for role in self.local.engines().values() for e in role}
+            return prometheus.PrometheusSource(self.opts.prometheus, profile=names_of(engines))
+        sup = self.sup
+        assert sup is not None, "the source reads the supervisor's workers"
+        return prometheus.ScrapeSource(lambda deployment, namespace: sup.scrape_targets())
+
+    def _snapshot(self, source, roles: list[str]) -> MetricsSnapshot:
+        if self.opts.prometheus:
+            return source.snapshot(self.local.name, self.local.namespace, roles, engines=self.local.engines())
+        return source.snapshot(self.local.name, self.local.namespace, roles)
 
     async def _autoscale(self) -> None:
         spec, sup = self.local.spec, self.sup
@@ -257,9 +280,7 @@ class Up:
         was_ok: bool | None = None
         while True:
             await asyncio.sleep(interval)
-            if not self.opts.prometheus:
-                source.targets = sup.scrape_targets()
-            self.snapshot = await asyncio.to_thread(source.snapshot, self.local.name, self.local.namespace, roles)
+            self.snapshot = await asyncio.to_thread(self._snapshot, source, roles)
             if self.snapshot.ok != was_ok:
                 was_ok = self.snapshot.ok
                 self.view.line(f"+{sup.elapsed():5.1f}s  metrics     {source.name}: "
@@ -327,6 +348,11 @@ class Up:
                            highlight=False, markup=False, soft_wrap=True)
         if not self.opts.run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def names_of(engines: set[str]) -> str:
+    """The source's own profile name: the one engine every pool runs, else pdfleet (each role then takes its own)."""
+    return next(iter(engines)) if len(engines) == 1 else runtimes.PDFLEET
 
 
 def run(opts: Options, console: Console | None = None) -> int:
