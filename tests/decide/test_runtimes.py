@@ -104,3 +104,27 @@ def test_one_role_runs_one_engine() -> None:
     classes = with_class("h200-141gb", runtimes=h200.runtimes.model_copy(update={"default": "vllm"}))
     problems = runtimes.check(s, classes)
     assert "spec.prefill.acceleratorClasses" in fields(problems) and "spec.decode.acceleratorClasses" in fields(problems)
+
+
+# --- hostPath models (decide.guardrails) ------------------------------------------------------------------
+
+def _host_path(path: str):
+    from pdfleet_operator.api.inference_deployment import HostPathSource, ModelSource
+    s = spec_of(EXAMPLES["qwen2-7b"])
+    return s.model_copy(update={"model": s.model.model_copy(update={"source": ModelSource(host_path=HostPathSource(path=path))})})
+
+
+def test_host_path_models_only_where_the_admin_allows() -> None:
+    from pdfleet_operator.decide import guardrails
+    assert guardrails.host_path_problem(spec_of(EXAMPLES["qwen2-7b"]), "team-a", (), ()) is None  # a PVC
+    refused = guardrails.host_path_problem(_host_path("/"), "team-a", (), ())
+    assert refused.startswith("spec.model.source.hostPath.path: '/' is not under a host path the cluster admin allows")
+    allowed = ("/srv/models",)
+    assert guardrails.host_path_problem(_host_path("/srv/models/qwen"), "team-a", allowed, ()) is None
+    assert guardrails.host_path_problem(_host_path("/srv/models"), "team-a", allowed, ()) is None
+    for attack in ("/srv/models2", "/srv/models/../../etc", "/etc", "/srv//models/x", "/srv/models/./x"):
+        assert guardrails.host_path_problem(_host_path(attack), "team-a", allowed, ()) is not None, attack
+    assert guardrails.host_path_problem(_host_path("/etc"), "ml-admin", allowed, ("ml-admin",)) is None
+    assert guardrails.normalize_prefix("/srv/models/") == "/srv/models"
+    with pytest.raises(ValueError, match="absolute"):
+        guardrails.normalize_prefix("models")

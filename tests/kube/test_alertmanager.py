@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import threading
 import time
@@ -72,8 +73,9 @@ def test_malformed_or_unknown_payloads_are_rejected(body, words):
 class _Receiver:
     """The receiver app served from a background thread, recording what it was handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self.port = free_port()
+        self.token = token
         self.triggers: list[tuple[float, alertmanager.RollbackTrigger]] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -85,7 +87,7 @@ class _Receiver:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        runner = web.AppRunner(alertmanager.make_app(self._record))
+        runner = web.AppRunner(alertmanager.make_app(self._record, self.token))
         self.loop.run_until_complete(runner.setup())
         self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
         self.runner = runner
@@ -186,5 +188,60 @@ def test_real_alert_reaches_receiver_after_for(prometheus_factory, alertmanager_
         # The ratio crosses 1% at the next scrape (1 s), then pends for `for` (3 s), is evaluated (1 s
         # interval) and grouped (group_wait 1 s): the alert cannot arrive before `for`.
         assert 3.0 <= delay <= 15.0, delay
+    finally:
+        router.close()
+
+
+TOKEN = "s3cret-token-from-a-secret"
+
+
+@pytest.fixture
+def guarded():
+    r = _Receiver(token=TOKEN)
+    yield r
+    r.close()
+
+
+def test_with_a_token_unauthenticated_or_wrong_alerts_are_401_and_change_nothing(guarded):
+    body = json.dumps(GOOD)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        resp = httpx.post(guarded.url, content=body, headers=headers, timeout=5)
+        assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer", headers
+    assert guarded.triggers == []
+    assert httpx.get(guarded.url.replace("/alerts", "/healthz"), timeout=5).status_code == 200  # probes need no token
+    resp = httpx.post(guarded.url, content=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    assert resp.status_code == 200 and [t.deployment for _, t in guarded.triggers] == ["chat"]
+
+
+def test_a_forged_starts_at_cannot_claim_more_than_a_fresh_alert():
+    now = 1_800_000_000.0
+    back_dated = _with(alerts__0__startsAt="2001-01-01T00:00:00Z")
+    (t,) = alertmanager.parse(back_dated, received_at=now)
+    assert t.starts_at == now - alertmanager.ALERT_CREDIT_S
+    future = _with(alerts__0__startsAt="2100-01-01T00:00:00Z")
+    (t,) = alertmanager.parse(future, received_at=now)
+    assert t.starts_at == now
+    honest = dt.datetime.fromtimestamp(now - 20, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    (t,) = alertmanager.parse(_with(alerts__0__startsAt=honest), received_at=now)
+    assert t.starts_at == now - 20
+
+
+def test_real_alertmanager_with_the_bearer_token_is_accepted(prometheus_factory, alertmanager_factory, guarded, tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="2s", min_requests=5)))
+    router = _Router()
+    try:
+        am = alertmanager_factory(webhook_urls=[guarded.url], bearer_token=TOKEN)
+        prom = prometheus_factory(rule_files=[rules], alertmanagers=[am.address], extra_scrape_configs=[{
+            "job_name": "router",
+            "static_configs": [{"targets": [router.target], "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}],
+        }])
+        prom.wait_for('pdfleet_router_requests_total{code="200",pdfleet_deployment="chat"}')
+        router.failing = True
+        deadline = time.monotonic() + 40
+        while not guarded.triggers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert guarded.triggers, f"no alert reached the guarded receiver; am log:\n{am.log()}"
+        assert guarded.triggers[0][1].deployment == "chat"
     finally:
         router.close()

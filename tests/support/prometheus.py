@@ -140,7 +140,7 @@ class AlertmanagerServer(_Server):
     name = "alertmanager"
 
     def __init__(self, webhook_urls: list[str], group_wait: str = "1s", group_interval: str = "1s",
-                 repeat_interval: str = "1h") -> None:
+                 repeat_interval: str = "1h", bearer_token: str | None = None) -> None:
         super().__init__()
         self.binary = binary("prometheus-alertmanager")
         config = {
@@ -148,7 +148,9 @@ class AlertmanagerServer(_Server):
                       "group_wait": group_wait, "group_interval": group_interval,
                       "repeat_interval": repeat_interval},
             "receivers": [{"name": "hooks", "webhook_configs": [
-                {"url": u, "send_resolved": True} for u in webhook_urls]}],
+                {"url": u, "send_resolved": True,
+                 **({"http_config": {"authorization": {"type": "Bearer", "credentials": bearer_token}}}
+                    if bearer_token else {})} for u in webhook_urls]}],
         }
         self.config_path = self.workdir / "alertmanager.yml"
         self.config_path.write_text(yaml.safe_dump(config))

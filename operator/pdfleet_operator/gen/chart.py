@@ -164,6 +164,26 @@ def values_tree(root: Path = ROOT) -> Group:
                                                            "Point an Alertmanager receiver at "
                                                            "http://<release>-operator.<namespace>.svc:<port>/alerts.",
                                      minimum=0, maximum=65535),
+            "hostPath": Group(
+                "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author otherwise "
+                "could mount the node's root. The operator refuses other hostPath models, and a "
+                "ValidatingAdmissionPolicy refuses them at the API server (Kubernetes 1.30+).", {
+                    "allowedPrefixes": Value([], "Absolute node paths under which hostPath models are allowed, "
+                                                 "e.g. [/srv/models].",
+                                             {"type": "array", "uniqueItems": True,
+                                              "items": {"type": "string", "pattern": "^/[^\\s]*$", "maxLength": 1024}}),
+                    "allowedNamespaces": Value([], "Namespaces where any hostPath model is allowed.",
+                                               {"type": "array", "uniqueItems": True,
+                                                "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
+                    "admissionPolicy": _bool(True, "Install the ValidatingAdmissionPolicy (and its binding) that "
+                                                   "enforces this at admission."),
+                }),
+            "alertmanagerTokenSecret": _string("", "Name of a Secret (key `token`) in the release namespace holding "
+                                                   "the bearer token Alertmanager must send (its receiver's "
+                                                   "http_config.authorization.credentials_file); the receiver then "
+                                                   "answers 401 without it. Empty: unauthenticated (an alert only "
+                                                   "makes the operator analyse Prometheus at once).",
+                                               pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
             "metricsPort": _port(OPERATOR_METRICS_PORT, "Port of the operator's /metrics (pool replicas, $/h, "
                                                         "SLO targets, reconciles)."),
             "livenessPort": _port(OPERATOR_LIVENESS_PORT, "Port of the operator's /healthz (liveness probe)."),

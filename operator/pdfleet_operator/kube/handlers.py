@@ -91,7 +91,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RECONCILER.autoscaling = OPTIONS.autoscaler
     RECONCILER.analysis = OPTIONS.analysis_interval > 0
     if OPTIONS.alertmanager_port is not None:
-        runner = web.AppRunner(alertmanager.make_app(RECONCILER.on_alert), access_log=None)
+        runner = web.AppRunner(alertmanager.make_app(RECONCILER.on_alert, OPTIONS.alertmanager_token), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, OPTIONS.alertmanager_host, OPTIONS.alertmanager_port).start()
         RECONCILER.indexes["_alertmanager_runner"] = runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 from pdfleet_operator.decide import metric_names
 from pdfleet_operator.gen import generated
@@ -31,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="do not run the autoscaler (pools stay at what the spec and placement give)")
     p.add_argument("--alertmanager-port", type=int, default=0,
                    help="serve the Alertmanager webhook receiver (POST /alerts) on this port (default 0: off)")
+    p.add_argument("--alertmanager-token-file", default=None, metavar="FILE",
+                   help="require Authorization: Bearer <the file's content> on POST /alerts (Alertmanager's "
+                        "http_config.authorization; a mounted Secret)")
     p.add_argument("--analysis-interval", type=float, default=15.0,
                    help="seconds between rollback analyses from Prometheus (0: only on alerts; default 15)")
     p.add_argument("--class-status-interval", type=float, default=15.0,
@@ -39,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scraper-namespace", action="append", default=None, metavar="NS",
                    help="namespace whose pods may scrape worker /metrics through the workers' NetworkPolicy "
                         "(repeatable; default: monitoring)")
+    p.add_argument("--allow-host-path", action="append", default=[], metavar="PREFIX",
+                   help="allow model.source.hostPath under this absolute path of the nodes (repeatable; default: "
+                        "hostPath models are refused)")
+    p.add_argument("--allow-host-path-namespace", action="append", default=[], metavar="NS",
+                   help="allow any model.source.hostPath in this namespace (repeatable)")
     p.add_argument("--peering", default=None,
                    help="kopf peering object for running several replicas (default: standalone)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -60,9 +69,20 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.autoscaler = args.autoscaler
     handlers.OPTIONS.alertmanager_host = args.bind
     handlers.OPTIONS.alertmanager_port = args.alertmanager_port or None
+    if args.alertmanager_token_file:
+        token = Path(args.alertmanager_token_file).read_text().strip()
+        if not token:
+            raise SystemExit(f"pdfleet operator: --alertmanager-token-file {args.alertmanager_token_file} is empty")
+        handlers.OPTIONS.alertmanager_token = token
     handlers.OPTIONS.analysis_interval = args.analysis_interval
     handlers.OPTIONS.class_status_interval = args.class_status_interval
     handlers.OPTIONS.scraper_namespaces = tuple(args.scraper_namespace or ("monitoring",))
+    from pdfleet_operator.decide import guardrails
+    try:
+        handlers.OPTIONS.host_path_prefixes = tuple(guardrails.normalize_prefix(p) for p in args.allow_host_path)
+    except ValueError as exc:
+        raise SystemExit(f"pdfleet operator: --allow-host-path: {exc}") from None
+    handlers.OPTIONS.host_path_namespaces = tuple(args.allow_host_path_namespace)
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

@@ -19,8 +19,11 @@ class Options:
     analysis_interval: float = 15.0    # seconds between rollback analyses from Prometheus (0: only on alerts)
     alertmanager_host: str = "0.0.0.0"
     alertmanager_port: int | None = None  # the Alertmanager webhook receiver (POST /alerts)
+    alertmanager_token: str | None = None  # its bearer token (None: unauthenticated; the chart always sets one)
     class_status_interval: float = 15.0   # seconds between AcceleratorClass status rounds (0: never written)
-    scraper_namespaces: tuple[str, ...] = ("monitoring",)  # whose pods may scrape workers (their NetworkPolicy)
+    scraper_namespaces: tuple[str, ...] = ("monitoring",)
+    host_path_prefixes: tuple[str, ...] = ()      # model.source.hostPath allowed under these (decide.guardrails)
+    host_path_namespaces: tuple[str, ...] = ()    # ... or in these namespaces  # whose pods may scrape workers (their NetworkPolicy)
 
 
 OPTIONS = Options()

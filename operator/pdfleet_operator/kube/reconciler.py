@@ -31,7 +31,7 @@ from pdfleet_operator.api import (
     parse_duration,
     set_condition,
 )
-from pdfleet_operator.decide import cost, handover, inventory, placement, rollback, status
+from pdfleet_operator.decide import cost, guardrails, handover, inventory, placement, rollback, status
 from pdfleet_operator.kube import alertmanager, client, exporter, loops, render, revisions
 from pdfleet_operator.kube.memory import DeploymentMemory, Template
 from pdfleet_operator.kube.options import OPTIONS
@@ -277,6 +277,9 @@ class Reconciler:
         if meta.get("deletionTimestamp"):
             return Outcome(skipped="being deleted")
         dep = self.parse(key, body)
+        refused = guardrails.host_path_problem(dep.spec, key[0], OPTIONS.host_path_prefixes, OPTIONS.host_path_namespaces)
+        if refused:
+            raise ValueError(refused)
         await self._await_indexes(api)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         classes = self.classes()

@@ -90,14 +90,16 @@ def test_validation_catches_what_the_api_server_would_refuse(rendered) -> None:
 def test_what_each_value_set_creates(rendered) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in rendered.items()}
     everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodMonitor",
-                  "PrometheusRule", "Service", "ServiceAccount", "ServiceMonitor"]
+                  "PrometheusRule", "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding"]
+    policy = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert kinds["defaults"] == everything
     assert kinds["cluster-wide"] == everything
     assert kinds["namespaced"] == sorted(everything + ["Role", "RoleBinding"])
-    assert kinds["monitoring-off"] == ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                                       "ServiceAccount"]
-    assert kinds["bring-your-own"] == ["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service",
-                                       "ServiceMonitor"]
+    assert kinds["monitoring-off"] == sorted(["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                                              "Service", "ServiceAccount"] + policy)
+    assert kinds["bring-your-own"] == sorted(["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service",
+                                              "ServiceMonitor"] + policy)
     classes = {o["metadata"]["name"]: o["spec"] for o in helm.by_kind(rendered["defaults"], "AcceleratorClass")}
     examples = chart._class_defaults()
     assert classes == examples and len(classes) == 11
@@ -302,3 +304,53 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
                            capture_output=True, text=True, timeout=120)
     assert fixed.returncode == 0 and not (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").exists()
     assert chart.stale_files(root) == []
+
+
+def test_the_alertmanager_token_secret_is_mounted_and_required_by_the_receiver(loaded) -> None:
+    def operator(values):
+        dep = next(o for o in helm.render(values, loaded=loaded) if o["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]
+    plain = operator({})
+    assert not any(a.startswith("--alertmanager-token-file") for a in plain["containers"][0]["args"])
+    pod = operator({"operator": {"alertmanagerTokenSecret": "am-token"}})
+    (c,) = pod["containers"]
+    assert "--alertmanager-token-file=/etc/pdfleet/alertmanager/token" in c["args"]
+    assert {"name": "alertmanager-token", "mountPath": "/etc/pdfleet/alertmanager", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "alertmanager-token", "secret": {"secretName": "am-token", "items": [{"key": "token", "path": "token"}]}} \
+        in pod["volumes"]
+    # The flag the chart passes is one `pdfleet operator` knows.
+    from pdfleet_operator.cli import build_parser
+    args = build_parser(["operator"]).parse_args(["operator", "--alertmanager-token-file=/x"])
+    assert args.alertmanager_token_file == "/x"
+
+
+def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(loaded) -> None:
+    """The chart's ValidatingAdmissionPolicy, valid for Kubernetes 1.30, and its CEL evaluated (cel-python) as
+    the API server would on objects that try the attack (the operator's own check is tests/decide)."""
+    import celpy
+    import kubernetes_validate
+
+    objs = helm.render({"operator": {"hostPath": {"allowedPrefixes": ["/srv/models"], "allowedNamespaces": ["ml-admin"]}}},
+                       loaded=loaded)
+    policy = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy")
+    binding = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding")
+    for o in (policy, binding):
+        kubernetes_validate.validate(o, "1.30.0", strict=True)
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    env = celpy.Environment()
+
+    def admitted(namespace: str, source: dict) -> bool:
+        obj = celpy.json_to_cel({"metadata": {"namespace": namespace}, "spec": {"model": {"source": source}}})
+        (var,) = policy["spec"]["variables"]
+        path = env.program(env.compile(var["expression"])).evaluate({"object": obj})
+        (rule,) = policy["spec"]["validations"]
+        return bool(env.program(env.compile(rule["expression"])).evaluate(
+            {"object": obj, "variables": celpy.celtypes.MapType({celpy.celtypes.StringType("path"): path})}))
+
+    assert admitted("team-a", {"pvc": {"claimName": "models"}})
+    assert admitted("team-a", {"hostPath": {"path": "/srv/models/qwen"}})
+    assert admitted("ml-admin", {"hostPath": {"path": "/etc"}})
+    for attack in ("/", "/etc/kubernetes", "/srv/models2", "/srv/models/../../etc"):
+        assert not admitted("team-a", {"hostPath": {"path": attack}}), attack
+    assert not any(o["kind"] == "ValidatingAdmissionPolicy" for o in
+                   helm.render({"operator": {"hostPath": {"admissionPolicy": False}}}, loaded=loaded))
