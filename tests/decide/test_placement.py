@@ -18,6 +18,16 @@ SMALL_MODEL = {"parametersBillions": 1.2, "layers": 16, "kvHeads": 8, "headDim":
 BIG_MODEL = {"parametersBillions": 70.6, "layers": 80, "kvHeads": 8, "headDim": 128}
 
 
+# chat-cost's decode classes as these cases were written: placement plans capacity whatever engine a class
+# runs (the example no longer lists kunlunxin-r200, which the pdfleet worker cannot run: decide.runtimes).
+DOMESTIC_DECODE = ["ascend-910b", "hygon-dcu-k100", "kunlunxin-r200"]
+
+
+def chat_cost(**changes: Any) -> Any:
+    changes.setdefault("decode__acceleratorClasses", DOMESTIC_DECODE)
+    return deployment("chat-cost", **changes)
+
+
 def deployment(base: str, **changes: Any) -> Any:
     """An example's spec with dotted-path changes (`prefill.acceleratorClasses=[...]`)."""
     doc = copy.deepcopy(EXAMPLES[base])
@@ -71,22 +81,22 @@ CASES = [
          reason_has=("decode: order a100-80gb, h100-80gb (cost tier, by GB/s per $/h)",)),
     Case("l40s-colocated", deployment("qwen2-7b"), [node("l40s-0", "l40s", 4)],
          desired={"colocated": 3}, pools=[("colocated", "l40s-48gb", 3)], capacity={"colocated": 4}),
-    Case("ascend-prefill-hygon-decode", deployment("chat-cost"),
+    Case("ascend-prefill-hygon-decode", chat_cost(),
          [node("ascend-0", "ascend", 8), node("hygon-0", "hygon", 8), node("kunlunxin-0", "kunlunxin", 8)],
          pools=[("prefill", "ascend-910b", 1), ("decode", "hygon-dcu-k100", 2)]),
-    Case("hygon-full-decode-spills-to-ascend-then-kunlunxin", deployment("chat-cost"),
+    Case("hygon-full-decode-spills-to-ascend-then-kunlunxin", chat_cost(),
          [node("ascend-0", "ascend", 2), node("hygon-0", "hygon", 1), node("kunlunxin-0", "kunlunxin", 8)],
          desired={"decode": 4},
          pools=[("prefill", "ascend-910b", 1), ("decode", "hygon-dcu-k100", 1), ("decode", "ascend-910b", 1),
                 ("decode", "kunlunxin-r200", 2)]),
-    Case("cambricon-prefill", deployment("chat-cost", prefill__acceleratorClasses=["cambricon-mlu370"]),
+    Case("cambricon-prefill", chat_cost(prefill__acceleratorClasses=["cambricon-mlu370"]),
          [node("mlu-0", "cambricon", 4), node("hygon-0", "hygon", 4)],
          pools=[("prefill", "cambricon-mlu370", 1), ("decode", "hygon-dcu-k100", 2)]),
-    Case("kunlunxin-only", deployment("chat-cost", prefill__acceleratorClasses=["kunlunxin-r200"],
+    Case("kunlunxin-only", chat_cost(prefill__acceleratorClasses=["kunlunxin-r200"],
                                       decode__acceleratorClasses=["kunlunxin-r200"]),
          [node("xpu-0", "kunlunxin", 2), node("xpu-1", "kunlunxin", 2)],
          pools=[("prefill", "kunlunxin-r200", 1), ("decode", "kunlunxin-r200", 2)], capacity={"prefill": 2, "decode": 3}),
-    Case("mixed-nvidia-and-domestic", deployment("chat-cost", prefill__acceleratorClasses=["h100-80gb", "ascend-910b"],
+    Case("mixed-nvidia-and-domestic", chat_cost(prefill__acceleratorClasses=["h100-80gb", "ascend-910b"],
                                                  decode__acceleratorClasses=["ascend-910b", "l40s-48gb"]),
          [node("h100-0", "h100", 1), node("ascend-0", "ascend", 8), node("l40s-0", "l40s", 4)],
          desired={"prefill": 2, "decode": 3},
@@ -122,20 +132,20 @@ CASES = [
     Case("missing-class", deployment("qwen2-7b", colocated__acceleratorClasses=["tpu-v5"]), [node("l40s-0", "l40s", 4)],
          shortfalls=[("colocated", None, 1, "FitsNowhere")], reason_has=("colocated: AcceleratorClass tpu-v5 does not exist",)),
     Case("slo-unattainable-falls-back-to-fastest",
-         deployment("chat-cost", slo={"ttft": "1ms", "itl": "1ms"}),
+         chat_cost(slo={"ttft": "1ms", "itl": "1ms"}),
          [node("ascend-0", "ascend", 8), node("hygon-0", "hygon", 8), node("kunlunxin-0", "kunlunxin", 8)],
          pools=[("prefill", "ascend-910b", 1), ("decode", "hygon-dcu-k100", 2)],
          reason_has=("decode: no class meets the SLO; using the fastest that fit",
                      "decode: order hygon-dcu-k100, ascend-910b, kunlunxin-r200 (fastest (SLO fallback))")),
-    Case("slo-excludes-slow-class", deployment("chat-cost", slo={"ttft": "3s", "itl": "20ms"}),
+    Case("slo-excludes-slow-class", chat_cost(slo={"ttft": "3s", "itl": "20ms"}),
          [node("ascend-0", "ascend", 8), node("kunlunxin-0", "kunlunxin", 8)],
          pools=[("prefill", "ascend-910b", 1), ("decode", "ascend-910b", 2)],
          reason_has=("decode: kunlunxin-r200 misses the SLO: ITL ~42ms > 20ms",)),
-    Case("taint-not-tolerated", deployment("chat-cost"),
+    Case("taint-not-tolerated", chat_cost(),
          [node("ascend-0", "ascend", 8, taints=[{"key": "dedicated", "value": "training", "effect": "NoSchedule"}]),
           node("hygon-0", "hygon", 8)],
          pools=[("prefill", "hygon-dcu-k100", 1), ("decode", "hygon-dcu-k100", 2)]),
-    Case("prefer-no-schedule-taint-is-fine", deployment("chat-cost"),
+    Case("prefer-no-schedule-taint-is-fine", chat_cost(),
          [node("ascend-0", "ascend", 8, taints=[{"key": "x", "effect": "PreferNoSchedule"}])],
          pools=[("prefill", "ascend-910b", 1), ("decode", "ascend-910b", 2)]),
     Case("cordoned-and-not-ready-nodes-are-skipped", deployment("qwen2-7b"),
@@ -170,7 +180,7 @@ def test_plan(case: Case) -> None:
 
 
 def test_never_plans_beyond_free_units() -> None:
-    spec = deployment("chat-cost", decode__maxReplicas=16)
+    spec = chat_cost(decode__maxReplicas=16)
     nodes = [node("ascend-0", "ascend", 3), node("hygon-0", "hygon", 2), node("kunlunxin-0", "kunlunxin", 1)]
     inv = inventory.build(nodes, [])
     plan = placement.plan(spec, CLASSES, inv, {"prefill": 8, "decode": 16})
@@ -192,7 +202,7 @@ def test_shortfall_message_names_class_and_units() -> None:
 
 def test_count_per_replica_comes_from_one_node() -> None:
     cls = CLASSES["ascend-910b"].model_copy(update={"count": 2})
-    spec = deployment("chat-cost", prefill__acceleratorClasses=["ascend-x2"], decode__acceleratorClasses=["ascend-x2"])
+    spec = chat_cost(prefill__acceleratorClasses=["ascend-x2"], decode__acceleratorClasses=["ascend-x2"])
     nodes = [node("a", "ascend", 3), node("b", "ascend", 3)]  # 6 free cards but only 2 pairs
     plan = placement.plan(spec, {"ascend-x2": cls}, inventory.build(nodes, []), {"prefill": 1, "decode": 3})
     assert [(p.role, p.replicas) for p in plan.pools] == [("prefill", 1), ("decode", 1)]
@@ -221,7 +231,7 @@ def test_pod_requests_and_cpu_units() -> None:
 
 
 def test_plan_is_deterministic_and_pure() -> None:
-    spec = deployment("chat-cost")
+    spec = chat_cost()
     nodes = [node("ascend-0", "ascend", 8), node("hygon-0", "hygon", 8)]
     inv = inventory.build(nodes, [])
     a = placement.plan(spec, CLASSES, inv, {"decode": 4})
