@@ -177,3 +177,14 @@ async def test_periodic_resync_starts_a_round_only_after_the_previous_one_finish
     loop.cancel()
     assert peak == 2  # the two deployments of one round, never two rounds at once
     assert 2 <= rounds <= 0.5 / (interval + reconcile_s) + 1
+
+
+def test_the_autoscaler_reads_each_role_with_the_engines_its_pools_run(kube) -> None:
+    prepare_cluster(kube)
+    with running_operator(kube):
+        kube.apply(EXAMPLES / "qwen2-7b-vllm.yaml")
+        kube.apply(EXAMPLES / "llama31-8b-pd-mig.yaml")
+        wait_reconciled(kube, "qwen2-7b-vllm")
+        wait_reconciled(kube, "llama31-8b")
+        assert handlers.RECONCILER.engines(("default", "qwen2-7b-vllm")) == {"colocated": ["vllm"]}
+        assert handlers.RECONCILER.engines(KEY) == {"prefill": ["pdfleet"], "decode": ["pdfleet"]}

@@ -40,6 +40,9 @@ class FakeInputs:
     def clear_condition(self, key: Any, type_: str) -> None:
         pass
 
+    def engines(self, key: Any) -> dict[str, list[str]]:
+        return {"prefill": ["pdfleet"], "decode": ["pdfleet"]}
+
     def last_plan(self, key: Any) -> FleetPlan:
         """One replica per role on `cpu`, room for 8 (what the reconciler planned last)."""
         return FleetPlan(pools=(PlannedPool("prefill", "cpu", 1), PlannedPool("decode", "cpu", 1)),

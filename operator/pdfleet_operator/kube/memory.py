@@ -45,6 +45,7 @@ class DeploymentMemory:
     # What this process last saw or wrote.
     parsed: tuple[tuple[Any, Any], InferenceDeployment] | None = None  # ((uid, generation), model): CEL once per generation
     plan: FleetPlan | None = None             # the last plan
+    engines: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # role -> engines its planned pools run
     targets: dict[str, int] | None = None     # replicas per role the last plan was made for
     rendered: dict[str, str] = dataclasses.field(default_factory=dict)  # child -> digest: an unchanged rendering re-applied is a revert
     last_status: tuple[dict[str, Any], str | None, str | None] | None = None  # (status, CR version before, after our write)

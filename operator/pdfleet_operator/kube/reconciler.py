@@ -31,7 +31,7 @@ from pdfleet_operator.api import (
     parse_duration,
     set_condition,
 )
-from pdfleet_operator.decide import cost, guardrails, handover, inventory, placement, rollback, status
+from pdfleet_operator.decide import cost, guardrails, handover, inventory, placement, rollback, runtimes, status
 from pdfleet_operator.kube import alertmanager, client, exporter, loops, render, revisions
 from pdfleet_operator.kube.memory import DeploymentMemory, Template
 from pdfleet_operator.kube.options import OPTIONS
@@ -131,6 +131,11 @@ class Reconciler:
         """The deployment's last plan (None before the first): what runs and what is placeable (the autoscaler's tick)."""
         m = self.known(key)
         return None if m is None else m.plan
+
+    def engines(self, key: Key) -> dict[str, list[str]]:
+        """Per role, the engines its planned pools run (the autoscaler reads each with its metric names)."""
+        m = self.known(key)
+        return {} if m is None else dict(m.engines)
 
     def capacity(self, key: Key) -> dict[str, int]:
         """Per role, the most replicas placeable on free capacity as of the last plan."""
@@ -312,6 +317,8 @@ class Reconciler:
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         m.targets = dict(plan.targets)
         m.plan = plan
+        m.engines = {role: sorted({runtimes.engine_of(spec, classes[p.accelerator_class]) for p in plan.pools_for(role)
+                                   if p.accelerator_class in classes}) for role in plan.roles()}
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
                                 scrapers=OPTIONS.scraper_namespaces)
         writes_before = api.writes

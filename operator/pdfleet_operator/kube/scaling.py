@@ -42,6 +42,7 @@ class Inputs(Protocol):
     def set_status(self, key: Key, *, conditions: list[Condition] = ..., why: str = ..., **fields: Any) -> None: ...
     def clear_condition(self, key: Key, type_: str) -> None: ...
     def last_plan(self, key: Key) -> FleetPlan | None: ...
+    def engines(self, key: Key) -> dict[str, list[str]]: ...
 
 
 @dataclass
@@ -100,7 +101,7 @@ class Scaler:
             current = {} if last is None else {role: last.replicas(role) for role in last.roles()}
             mem = self.memory = Memory(ScalerState.initial(spec, current))
             mem.seed_from(dep)
-        snap = await snapshot(dep, default_url, profile)
+        snap = await snapshot(dep, default_url, profile, inputs.engines(key))
         at = time.time() if now is None else now
         step = tick.scale(spec, mem.state, snap, at, last)
         mem.state, decisions = step.state, dict(step.decisions)
@@ -152,11 +153,16 @@ class Scaler:
         mem.available = available
 
 
-async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: str) -> MetricsSnapshot:
-    """The deployment's queue metrics now; an unavailable snapshot (never an exception) when they cannot be read."""
+async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: str,
+                   engines: Mapping[str, list[str]] | None = None) -> MetricsSnapshot:
+    """The deployment's queue metrics now; an unavailable snapshot (never an exception) when they cannot be read.
+
+    Each role is read with the metric names of the engines its pools run (`engines`, from the last plan),
+    `profile` (the operator's --metrics-profile) where the plan says nothing."""
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
         return MetricsSnapshot.unavailable(time.time(), NO_URL)
     source = prometheus.prometheus_for(url, profile)
     assert dep.metadata.name and dep.metadata.namespace, "a stored InferenceDeployment has a name and namespace"
-    return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()))
+    return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()),
+                                   engines or None)
