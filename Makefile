@@ -83,5 +83,5 @@ $(VLLM_STAMP): constraints-vllm.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r constraints-vllm.txt
-	$(VLLM_VENV)/bin/python -c 'import torch, vllm; assert torch.__version__ == "2.13.0+cpu", torch.__version__; print("vllm", vllm.__version__, "on torch", torch.__version__)'
+	$(VLLM_VENV)/bin/python -c 'import torch, vllm, nixl._api; assert torch.__version__ == "2.13.0+cpu", torch.__version__; print("vllm", vllm.__version__, "on torch", torch.__version__, "with", nixl._api.__name__)'
 	rm -f $(VLLM_VENV)/.installed-* && touch $@

@@ -37,11 +37,22 @@ def test_flags_build_per_url_engines():
     assert parse("--workers", "http://p:2").tiers["default"].engine_of("http://p:2") == "pdfleet", "pdfleet stays the default"
 
 
+def test_flags_build_pd_tiers_of_one_engine():
+    cfg = parse("--engine", "vllm", "--prefill", "http://p:1", "fast=pdfleet@http://q:3", "--decode",
+                "vllm@http://d:2", "fast=pdfleet@http://e:4", "--workers", "colo=http://c:5")
+    default, fast = cfg.tiers["default"], cfg.tiers["fast"]
+    assert (default.pd_engine, default.prefill, default.decode) == ("vllm", ["http://p:1"], ["http://d:2"])
+    assert (fast.pd_engine, fast.prefill, fast.decode) == ("pdfleet", ["http://q:3"], ["http://e:4"])
+    assert cfg.tiers["colo"].engine_of("http://c:5") == "vllm"
+    assert parse("--prefill", "http://p:1", "--decode", "http://d:2").tiers["default"].pd_engine == "pdfleet"
+
+
 def test_flags_refuse_what_the_router_cannot_drive():
-    with pytest.raises(ValueError, match=r"vllm@http://v:1 as a prefill/decode worker.*colocated --workers"):
+    with pytest.raises(ValueError, match=r"prefill and decode workers must run one engine .*"
+                                         r"got vllm@http://v:1 and pdfleet@http://d:2"):
         parse("--prefill", "vllm@http://v:1", "--decode", "http://d:2")
-    with pytest.raises(ValueError, match="prefill/decode worker"):
-        parse("--engine", "vllm", "--prefill", "http://p:1", "--decode", "http://d:2")
+    with pytest.raises(ValueError, match="must run one engine"):
+        parse("--engine", "vllm", "--prefill", "http://p:1", "pdfleet@http://p:2", "--decode", "http://d:2")
     with pytest.raises(ValueError, match="listed as both vllm and pdfleet"):
         parse("--workers", "vllm@http://v:1", "http://v:1")
     with pytest.raises(ValueError, match="unknown engine"):
@@ -73,8 +84,13 @@ def test_workers_file_entries_and_sources_per_engine(tmp_path):
     with pytest.raises(OSError, match="unknown engine"):  # a running router keeps its last list
         source("default", "pdfleet")
     workers_file.write(path, {"prefill": ["http://127.0.0.1:1"], "decode": ["vllm@http://127.0.0.1:2"]})
-    with pytest.raises(OSError, match="prefill/decode worker"):
-        workers_file.WorkersFile(str(path), "default", "decode").resolve()
+    with pytest.raises(ValueError, match="must run one engine"):  # at start
+        parse("--workers-file", str(path))
+    with pytest.raises(OSError, match=r"decode: tier 'default'.*run pdfleet .*vllm@http://127.0.0.1:2 cannot join"):
+        workers_file.WorkersFile(str(path), "default", "decode").resolve()  # later: the last list is kept
+    workers_file.write(path, {"prefill": ["vllm@http://127.0.0.1:1"], "decode": ["vllm@http://127.0.0.1:2"]})
+    assert parse("--workers-file", str(path)).tiers["default"].pd_engine == "vllm"
+    assert workers_file.WorkersFile(str(path), "default", "decode", "static", "vllm").resolve() == {"http://127.0.0.1:2"}
 
 
 # What vLLM 0.32's /metrics says (abridged): one engine per data-parallel rank, labels engine and model_name.

@@ -1,6 +1,7 @@
-"""A real vLLM CPU server on loopback for tests (from `make vllm`'s .venv-vllm), stopped by PID; missing runtime: skip locally, fail under CI=true."""
+"""A real vLLM CPU server on loopback for tests (from `make vllm`'s .venv-vllm), alone or as a prefill/decode worker with vLLM's NixlConnector, stopped by PID; missing runtime: skip locally, fail under CI=true."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,24 @@ def vllm_python() -> str:
     return path
 
 
+def require_nixl(python: str) -> None:
+    """NIXL in the vLLM runtime (`make vllm` installs nixl + nixl-cu12, which runs CPU-only over UCX)."""
+    probe = subprocess.run([python, "-c", "from nixl._api import nixl_agent"], capture_output=True, text=True,
+                           timeout=120)
+    if probe.returncode != 0:
+        missing(f"NIXL in the vLLM runtime ({python} cannot import nixl: {probe.stderr.strip()[-300:]}; "
+                "run `make vllm`)")
+
+
+def nixl_worker(side_channel_port: int) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment of a vLLM server whose KV moves through NixlConnector, DRAM to DRAM (this
+    CPU build's only buffer): kv_both, the role each request's kv_transfer_params give it; the NIXL side
+    channel (the handshake a decode worker opens to a prefill worker) on loopback."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
+    return ["--kv-transfer-config", json.dumps(config)], env
+
+
 def cpu_bind() -> str:
     """The cores this process may use, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-1'); vLLM's `auto` keeps
     one core for its scheduler, which on 2 cores computes on one."""
@@ -39,9 +58,13 @@ def cpu_bind() -> str:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 serving one model directory."""
 
-    def __init__(self, model_dir: str, logdir: Path, served_model_name: str, *extra: str):
+    def __init__(self, model_dir: str, logdir: Path, served_model_name: str, *extra: str,
+                 env: dict[str, str] | None = None, cores: str | None = None):
+        """env: added to the server's environment; cores: its VLLM_CPU_OMP_THREADS_BIND (default: every core
+        this process may use)."""
         self.port = free_port()
         self.python = vllm_python()
+        self.env, self.cores = dict(env or {}), cores
         self.args = [self.python, "-m", ENTRYPOINT, "--model", model_dir, "--served-model-name", served_model_name,
                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                      # NOTE: eager mode skips torch.compile, which costs about a minute of startup on 2 cores.
@@ -49,27 +72,39 @@ class VllmServer:
         self.log_path = logdir / f"vllm-{self.port}.log"
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self._began = 0.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = START_TIMEOUT_S) -> "VllmServer":
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> "VllmServer":
+        """Start without waiting (then wait_healthy()), so that several servers load at once."""
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cores or cpu_bind(), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+               **self.env}
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the bind decides vLLM's threads
             env.pop(name, None)
-        began = time.monotonic()
+        self._began = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
-        deadline = began + timeout
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> "VllmServer":
+        """Until /health answers 200 (startup_s: seconds since launch); stops the server and raises if it
+        exits or is not healthy within `timeout` of its launch."""
+        assert self.proc is not None, "launch() first"
+        deadline = self._began + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    self.startup_s = time.monotonic() - began
+                    self.startup_s = time.monotonic() - self._began
                     return self
             except httpx.HTTPError:
                 pass

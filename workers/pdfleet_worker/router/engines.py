@@ -42,10 +42,11 @@ def check(engine: str) -> str:
     return engine
 
 
-def pd_error(tier: str, engine: str, url: str) -> str:
-    # NOTE: vLLM's own disaggregation protocol (kv_transfer_params through its KV connector) is not driven yet.
-    return (f"tier {tier!r}: {engine}@{url} as a prefill/decode worker: the router drives prefill -> decode only "
-            f"between pdfleet workers; give {engine} workers as colocated --workers")
+def mixed_pd_error(tier: str, first: tuple[str, str], other: tuple[str, str]) -> str:
+    """A disaggregated tier whose prefill and decode workers run different engines: the KV moves only through one
+    engine's own connector (router/handoff.py)."""
+    return (f"tier {tier!r}: prefill and decode workers must run one engine (the KV moves through that engine's "
+            f"own connector), got {first[0]}@{first[1]} and {other[0]}@{other[1]}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -16,8 +17,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE
-from pdfleet_worker.router import engines
+from pdfleet_worker.router import engines, handoff
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import OUTCOME, Outcome, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
@@ -134,34 +134,42 @@ class Router:
     # -- PD: prefill, then decode ---------------------------------------------------------------
     async def _disaggregated(self, outcome: Outcome, path: str, body: dict, stream: bool,
                              headers: dict[str, str]) -> Response:
-        # NOTE: the prefill worker gets the client's whole request (it computes one token of one choice
-        # whatever it asks for), so that it refuses, before its prefill, all that the decode worker would.
-        prefill_body = dict(body, kv_transfer_params={DO_REMOTE_DECODE: True})
-        answer = await self._call(outcome.tier, "prefill", path, prefill_body)
+        """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
+        hold the KV, then the client's request to a decode worker with the params the prefill answered."""
+        engine = self.cfg.tiers[outcome.tier].pd_engine
+        # NOTE: one X-Request-Id on both calls, as vLLM's proxy sends: each worker's logs name the same request.
+        ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
+        answer = await self._call(outcome.tier, "prefill", path, handoff.prefill_body(engine, body), ids)
         headers["x-pdfleet-prefill"] = self.worker_id(answer.upstream.url)
         if answer.status != 200:  # the request's own fault (400, 404, ...): the client gets it
             return self._relay_answer(answer, headers)
         try:
-            params = answer.json()["kv_transfer_params"]
-            kv_host = params.get("remote_host")
-        except (ValueError, KeyError, TypeError, AttributeError):
+            hand = handoff.from_prefill(engine, answer.json())
+        except ValueError as e:  # not JSON, or no usable kv_transfer_params
             self.metrics.upstream_error("prefill", "bad_response")
-            log.warning("prefill worker %s returned no kv_transfer_params", answer.upstream.url)
+            log.warning("%s prefill worker %s: %s", engine, answer.upstream.url, e)
             raise RequestError(502, "the prefill worker returned no kv_transfer_params",
                                type="upstream_error") from None
-        decode_body = dict(body, kv_transfer_params=params)
-        return await self._forward(outcome, "decode", path, decode_body, stream, headers,
-                                   also_redact=(kv_host,) if isinstance(kv_host, str) else ())
+        if hand.params is None:
+            # The answer stays right (the decode worker computes the prompt), but PD bought nothing: count it.
+            self.metrics.upstream_error("prefill", "no_kv_transfer_params")
+            log.warning("%s prefill worker %s returned no kv_transfer_params (is its KV connector configured?); "
+                        "the decode worker computes the prompt", engine, answer.upstream.url)
+        return await self._forward(outcome, "decode", path, handoff.decode_body(body, hand), stream, headers,
+                                   also_redact=hand.hosts, extra_headers=ids)
 
     # -- one pool -------------------------------------------------------------------------------
     async def _forward(self, outcome: Outcome, role: str, path: str, body: dict, stream: bool,
-                       headers: dict[str, str], also_redact: tuple[str, ...] = ()) -> Response:
+                       headers: dict[str, str], also_redact: tuple[str, ...] = (),
+                       extra_headers: dict[str, str] | None = None) -> Response:
         header = "x-pdfleet-decode" if role == "decode" else "x-pdfleet-worker"
         if not stream:
-            answer = await self._call(outcome.tier, role, path, body)
+            answer = await self._call(outcome.tier, role, path, body, extra_headers)
             headers[header] = self.worker_id(answer.upstream.url)
+            if role == "decode" and answer.status == 200:
+                answer = _scrubbed(answer)
             return self._relay_answer(answer, headers, also_redact)
-        up, resp = await self._open_stream(outcome.tier, role, path, body)
+        up, resp = await self._open_stream(outcome.tier, role, path, body, extra_headers)
         headers[header] = self.worker_id(up.url)
         if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
             try:
@@ -200,11 +208,12 @@ class Router:
         return {"error": clean}
 
     # -- calling workers with retries -------------------------------------------------------------
-    async def _call(self, tier: str, role: str, path: str, body: dict) -> Answer:
+    async def _call(self, tier: str, role: str, path: str, body: dict,
+                    extra_headers: dict[str, str] | None = None) -> Answer:
         """A complete answer from some worker of the pool; connect failures, broken connections
         and 503s are retried on another worker (nothing reached the client yet)."""
         async def attempt(up: Upstream) -> Answer:
-            resp = await self.client.send(self._request(up, path, body), stream=True)
+            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True)
             try:
                 content = await resp.aread()
             finally:
@@ -213,10 +222,11 @@ class Router:
 
         return await self._with_retries(tier, role, attempt)
 
-    async def _open_stream(self, tier: str, role: str, path: str, body: dict) -> tuple[Upstream, httpx.Response]:
+    async def _open_stream(self, tier: str, role: str, path: str, body: dict,
+                           extra_headers: dict[str, str] | None = None) -> tuple[Upstream, httpx.Response]:
         """An open streaming response (headers read); the caller closes it and decrements inflight."""
         async def attempt(up: Upstream):
-            resp = await self.client.send(self._request(up, path, body), stream=True)
+            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True)
             if resp.status_code == 503:
                 try:
                     content = await resp.aread()
@@ -268,9 +278,22 @@ class Router:
         raise RequestError(503, what, type="service_unavailable", code="no_worker",
                            headers={"Retry-After": str(self.cfg.retry_after_s)})
 
-    def _request(self, up: Upstream, path: str, body: dict) -> httpx.Request:
+    def _request(self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None) -> httpx.Request:
         return self.client.build_request("POST", f"{up.url}{path}", json=body,
-                                         headers={"content-type": "application/json"})
+                                         headers={"content-type": "application/json", **(extra_headers or {})})
+
+
+def _scrubbed(answer: Answer) -> Answer:
+    """A decode worker's 200 without kv_transfer_params of its own (they would name its KV side channel)."""
+    if b'"kv_transfer_params"' not in answer.body:
+        return answer
+    try:
+        body = answer.json()
+    except ValueError:
+        return answer
+    if not handoff.scrub_decode_answer(body):
+        return answer
+    return dataclasses.replace(answer, body=json.dumps(body).encode())
 
 
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>),;]+")

@@ -29,6 +29,12 @@ class TierConfig:
     def disaggregated(self) -> bool:
         return bool(self.prefill)
 
+    @property
+    def pd_engine(self) -> str:
+        """The one engine of a disaggregated tier's prefill and decode workers (checked by RouterConfig)."""
+        assert self.disaggregated, f"tier {self.name!r} is colocated"
+        return self.engine_of(self.prefill[0])
+
     def pools(self) -> dict[str, list[str]]:
         """role -> URLs ('both' for colocated workers)."""
         return {"prefill": self.prefill, "decode": self.decode} if self.disaggregated else {"both": self.workers}
@@ -69,8 +75,11 @@ class RouterConfig:
                     raise ValueError(f"tier {tier.name!r}: {url!r} is not an http(s) URL")
             for url, engine in tier.engines.items():
                 engines.check(engine)
-                if engine != engines.PDFLEET and url in tier.prefill + tier.decode:
-                    raise ValueError(engines.pd_error(tier.name, engine, url))
+            if tier.disaggregated:
+                first = (tier.pd_engine, tier.prefill[0])
+                for url in tier.prefill + tier.decode:
+                    if tier.engine_of(url) != first[0]:
+                        raise ValueError(engines.mixed_pd_error(tier.name, first, (tier.engine_of(url), url)))
         if self.default_tier not in self.tiers:
             raise ValueError(f"default tier {self.default_tier!r} has no workers; tiers: {sorted(self.tiers)}")
         for alias, tier in self.aliases.items():
@@ -84,9 +93,11 @@ class RouterConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", default=[], metavar="[TIER=]URL",
-                   help="prefill worker URLs (a hostname is resolved to every address it has: a headless Service)")
-    p.add_argument("--decode", nargs="+", default=[], metavar="[TIER=]URL", help="decode worker URLs")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="[TIER=][ENGINE@]URL",
+                   help="prefill worker URLs (a hostname is resolved to every address it has: a headless Service); "
+                        "a tier's prefill and decode workers run one engine, e.g. vllm@http://p:8000 (driven with "
+                        "vLLM's own kv_transfer_params: its workers need a KV connector, NixlConnector for one)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="[TIER=][ENGINE@]URL", help="decode worker URLs")
     p.add_argument("--workers", nargs="+", default=[], metavar="[TIER=][ENGINE@]URL",
                    help="colocated (role both) worker URLs; ENGINE (default --engine) is pdfleet or vllm, e.g. "
                         "fast=vllm@http://vllm:8000")

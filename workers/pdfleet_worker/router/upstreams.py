@@ -52,7 +52,7 @@ class Upstreams:
             self.sources = [(tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery, engine,
                                                           cfg.engine))
                             for tier in cfg.tiers.values() for role in tier.pools()
-                            for engine in (engines.ENGINES if role == "both" else (engines.PDFLEET,))]
+                            for engine in (engines.ENGINES if role == "both" else (tier.pd_engine,))]
         self._resolved: dict[int, set[str]] = {}
         self.all: dict[tuple[str, str, str], Upstream] = {}
         self._tasks: list[asyncio.Task] = []

@@ -71,7 +71,8 @@ class WorkersFile(Source):
     `--discovery` says. Entries that name no engine have `default_engine` (the router's --engine).
 
     A file that cannot be read raises OSError, so the router keeps the last set it knew; so does a
-    file that puts a non-pdfleet worker in a prefill or decode pool.
+    file that puts a worker of another engine than the tier's in a prefill or decode pool (`engine` is
+    the tier's prefill/decode engine there, as the file's first read gave it).
     """
 
     def __init__(self, path: str, tier: str, role: str, mode: str = "auto", engine: str = engines.PDFLEET,
@@ -93,8 +94,9 @@ class WorkersFile(Source):
             engine, url = engines.split_engine(rest, self.default_engine)
             if tier != self.tier:
                 continue
-            if engine != engines.PDFLEET and self.key != KEY_OF_ROLE["both"]:
-                raise OSError(f"workers file {self.path}: {self.key}: {engines.pd_error(tier, engine, url)}")
+            if engine != self.engine and self.key != KEY_OF_ROLE["both"]:
+                raise OSError(f"workers file {self.path}: {self.key}: tier {tier!r}'s prefill and decode workers "
+                              f"run {self.engine} (one engine moves the KV); {engine}@{url} cannot join them")
             if engine == self.engine:
                 out |= make_source(url.rstrip("/"), self.mode).resolve()
         return out
