@@ -71,6 +71,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1
     prefills: list[PrefillMeta]
     lone_decode_len: int = 0                 # context length when the step's only decode is one sequence
+    decode_kernel: bool = False              # decodes read the pool through their block tables (cpu_kernels)
     one_slot: tuple[int, int] | None = None  # (block, offset) when the step writes one token
     flex: object | None = None            # FlexMetadata on the flex backend
 
@@ -159,14 +160,21 @@ def _decode_context(cache: KVCache, meta: AttentionMetadata, dtype: torch.dtype)
 
 
 def _cpu(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-    """All decodes in one padded batch (query heads of a KV group ride along the query-length axis,
-    so GQA needs no copies); prefill chunks without a past attend to their own fresh k, v."""
+    """All decodes at once: through the block tables with the C++ kernel (each sequence's context
+    read once, no copy, no padding), else gathered into one padded batch for SDPA (query heads of a
+    KV group ride along the query-length axis, so GQA needs no copies). Prefill chunks without a
+    past attend to their own fresh k, v; with one, to their gathered context."""
     t, hq, d = q.shape
     hkv = cache.k.shape[0]
     g = hq // hkv
     parts = []
     bd = meta.num_decodes
-    if bd:
+    if bd and meta.decode_kernel:
+        o = q.new_empty(bd, hq, d)
+        torch.ops.pdfleet.paged_decode_attention(o, q[:bd], cache.kv, cache.scale, meta.decode_block_tables,
+                                                 meta.decode_context_lens, d ** -0.5)
+        parts.append(o.view(bd, hq * d))
+    elif bd:
         qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
         k, v = _decode_context(cache, meta, q.dtype)  # [Hkv, Bd, L, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [Hkv, Bd, G, D]

@@ -6,7 +6,7 @@ import math
 import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
-from pdfleet_worker.engine import attention
+from pdfleet_worker.engine import attention, cpu_kernels
 from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillMeta
 from pdfleet_worker.engine.sampler import SampledToken, Sampler
 from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -43,6 +43,8 @@ class ModelRunner:
         self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
         self.kv_cache_dtype = engine_cfg.kv_cache_dtype
         self.caches = [self._new_layer_cache(cfg) for _ in range(cfg.num_layers)]
+        # Decodes read the pool in place through their block tables (C++), when it builds here.
+        self.decode_kernel = (self.backend == "cpu" and cfg.head_dim % 16 == 0 and cpu_kernels.load())
         self.sampler = Sampler()
         # Test and debugging hook: called as hook(request_ids, logits [S, V]) every step.
         self.logits_hook = None
@@ -120,6 +122,7 @@ class ModelRunner:
             tables = [c.block_ids[:width] + [0] * (width - len(c.block_ids[:width])) for c in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # [Bd, W]
             meta.decode_context_lens = torch.tensor(ctx, dtype=torch.int64, device=dev)
+            meta.decode_kernel = self.decode_kernel
             if len(decodes) > 1:
                 keys = torch.arange(width * bs, device=dev)
                 meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]
