@@ -35,8 +35,8 @@ def pd(model_dir, logdir):
     whose OpenMP threads share both cores made a 12-token decode take 30-60 s here instead of under 1 s."""
     cores = sorted(os.sched_getaffinity(0))
     servers = []
-    for core in (cores[0], cores[-1]):
-        args, env = nixl_worker(free_port())
+    for role, core in (("prefill", cores[0]), ("decode", cores[-1])):
+        args, env = nixl_worker(role, free_port())
         servers.append(VllmServer(model_dir, logdir, MODEL, "--no-enable-prefix-caching", *args, env=env,
                                   cores=str(core)))
     require_nixl(servers[0].python)

@@ -1,6 +1,7 @@
 """A real vLLM CPU server on loopback for tests (from `make vllm`'s .venv-vllm), alone or as a prefill/decode worker with vLLM's NixlConnector, stopped by PID; missing runtime: skip locally, fail under CI=true."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 300.0
 
 
+@functools.cache
 def vllm_python() -> str:
     """The interpreter of the vLLM runtime: $PDFLEET_VLLM_PYTHON, else .venv-vllm/bin/python."""
     path = os.environ.get("PDFLEET_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
@@ -39,11 +41,15 @@ def require_nixl(python: str) -> None:
                 "run `make vllm`)")
 
 
-def nixl_worker(side_channel_port: int) -> tuple[list[str], dict[str, str]]:
-    """Arguments and environment of a vLLM server whose KV moves through NixlConnector, DRAM to DRAM (this
-    CPU build's only buffer): kv_both, the role each request's kv_transfer_params give it; the NIXL side
-    channel (the handshake a decode worker opens to a prefill worker) on loopback."""
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+def nixl_worker(role: str, side_channel_port: int) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment of a vLLM prefill or decode server whose KV moves through NixlConnector, DRAM
+    to DRAM (this CPU build's only buffer), with the NIXL side channel (the handshake a decode worker opens to a
+    prefill worker) on loopback.
+    NOTE: each server's NIXL progress thread polls without pause (nixl's Python API sets pthrDelay=0): about
+    half a core each here, idle or not."""
+    assert role in ("prefill", "decode"), role
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+              "kv_buffer_device": "cpu"}
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
     return ["--kv-transfer-config", json.dumps(config)], env
 
