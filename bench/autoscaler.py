@@ -1,7 +1,8 @@
 """Bench: the P:D autoscaler vs a per-role HPA-style baseline on scripted traces through a queueing model.
 
-Run: `.venv/bin/python bench/autoscaler.py` (about 12 s at the default 10 arrival seeds). Prints a table,
-then one JSON line.
+Run: `.venv/bin/python bench/autoscaler.py` (about 35 CPU-seconds at the default 10 arrival seeds, in
+`--jobs` processes, 2 by default). Prints a table, the constants and the traces they were tuned on, the
+issue's targets, the held-out trace, then one JSON line.
 
 The queueing model (1 s steps, the same seeded arrivals for both policies):
 - Requests arrive as a Poisson process at the trace's rate, with exponentially distributed prompt
@@ -29,9 +30,17 @@ Measures, per role and summed:
   until it has caught up (the surge's end if never), averaged over the roles that fell short.
 - direction changes: scaling direction flips (up after down, down after up), summed over roles.
 
+Two oracles: `reactive-oracle` sets desired = needed(now) each interval (still waits for the interval
+and the start-up: the cost floor of a policy that only sees the present); `clairvoyant` knows the
+offered load one start-up ahead and asks for the most it needs until the next decision's replicas
+serve (`clairvoyant`): it never under-provisions (noisy-steady's 15 s steps aside), so it is the floor
+for both cost and under-provisioning. Four traces tune the constants (`TUNED`); a fifth, `diurnal`
+(the `conversation` day compressed 12x), is held out and reported on its own.
+
 Every policy is `autoscaler.decide` with the same spec (targets, tolerance, windows, steps, grace
 period, min/max). The baseline is `policy=PER_ROLE`: each role scales on its own queue, like one HPA
-per role. pdfleet (`PDFLEET`) adds five mechanisms, also run one at a time (the rate trend on top of the rate):
+per role. pdfleet (`PDFLEET`) adds seven mechanisms, also run one at a time (the rate trend on top of the
+rate, drain sizing and the fast scale-down each on top of both):
 - look-ahead: decode counts requests queued at prefill beyond its tolerance (`prefill_backlog`), so
   it grows while the wave is still at prefill, not after prefill drained it into decode;
 - trend: in a surge (queue >= 1.5x target), a queue that grew since the last interval is sized for
@@ -43,8 +52,17 @@ per role. pdfleet (`PDFLEET`) adds five mechanisms, also run one at a time (the 
   the same replicas reporting over the last two rate windows, is a surge: the role (and decode, through
   prefill's) is sized for the rate extrapolated over the 1-minute rate's 30 s lag plus 60 s (about a
   start-up and an interval) (`surge_growth`, `arrival_trend`);
+- drain sizing (issue 20): once a throughput is measured it replaces the queue targets: a role is
+  sized for the arrivals expected when new replicas serve, plus a headroom of (1/utilization - 1) x
+  the lowest rate of the scale-down window (not of the burst itself), plus its queued prompt tokens
+  drained within `autoscaling.drainTime` (60 s); decode for what prefill's arrivals and backlog will
+  generate (`tokens_needed(floor=...)`);
+- fast scale-down (issue 20): a role with nothing waiting whose rate has fallen to <= DRAINED_FALL
+  (0.7) of its peak over the scale-down window scales down over `drainedScaleDownStabilization`
+  (30 s) instead of the 300 s window;
 - ratio: the spec's P:D bounds (default 1:8..8:1; they seldom bind on these traces).
-No policy is told the replicas' speeds: the rate mechanism learns them from the scrapes.
+No policy is told the replicas' speeds: the rate mechanism learns them from the scrapes (a first guess
+from two saturated decisions in a row, then from full saturated rate windows).
 """
 
 from __future__ import annotations
@@ -56,6 +74,8 @@ import argparse
 import heapq
 import json
 import math
+import multiprocessing
+import os
 import random
 import sys
 from collections import deque
@@ -65,7 +85,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from pdfleet_operator.decide import autoscaler  # noqa: E402
+from pdfleet_operator.decide import autoscaler, token_rate  # noqa: E402
 from pdfleet_operator.decide.autoscaler import PDFLEET, PER_ROLE, Policy  # noqa: E402
 from pdfleet_operator.api import InferenceDeploymentSpec  # noqa: E402
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics  # noqa: E402
@@ -145,7 +165,51 @@ def _bursts(rng: random.Random, base: float, count: int, first: float) -> tuple[
     return rate, tuple((up, end) for up, _, _, end, _ in shapes)
 
 
-def traces() -> list[Trace]:
+DIURNAL_S = 7200.0   # the held-out trace: a day of the `conversation` preset compressed 12x
+
+
+def diurnal() -> Trace:
+    """The held-out family: `pdfleet simulate`'s `conversation` day (its diurnal shape, trace.PRESETS)
+    compressed from 24 h into DIURNAL_S, starting at 06:00, with six of the preset's bursts (1.5-2.5x,
+    8 minutes on average, 60 s ramps) at real-time length, and the seeds' mix: day-time decode-heavy
+    chat (prompts 800, outputs 350 tokens), night-time prefill-heavy batch (prompts 2,500, outputs 100).
+    Mean 6 req/s. Never used to tune a constant (`TUNED`); reported on its own.
+    """
+    import numpy as np
+
+    from pdfleet_operator import trace as presets
+
+    preset = presets.PRESETS["conversation"]
+    compress = 86400.0 / DIURNAL_S
+    seconds = np.arange(int(DIURNAL_S) + 1, dtype=float)
+    hour = (6.0 + seconds * compress / 3600.0) % 24.0
+    shape = preset.shape(hour * 3600.0)
+    rng = random.Random(11)
+    mult = np.ones_like(shape)
+    surges = []
+    for _ in range(6):
+        start = rng.uniform(300.0, DIURNAL_S - 900.0)
+        length = min(900.0, max(120.0, rng.expovariate(1 / (preset.burst_minutes * 60.0))))
+        height = rng.uniform(*preset.burst_height)
+        t = seconds[int(start):int(start + length)] - start
+        ramp = np.minimum(1.0, np.minimum(t + 1, length - t) / 60.0)
+        mult[int(start):int(start + length)] = np.maximum(mult[int(start):int(start + length)],
+                                                          1.0 + (height - 1.0) * ramp)
+        surges.append((start, start + length))
+    # day: 08:00-22:00, with an hour's (5 minutes compressed) logistic edge at each end
+    day = 1 / (1 + np.exp(-(hour - 8.0) * 2.0)) * 1 / (1 + np.exp((hour - 22.0) * 2.0))
+    rate = (6.0 * shape * mult).tolist()
+    prompt = (2500.0 - 1700.0 * day).tolist()
+    output = (100.0 + 250.0 * day).tolist()
+
+    def at(values: list[float]) -> Callable[[float], float]:
+        return lambda t: values[min(len(values) - 1, max(0, int(t)))]
+
+    return Trace("diurnal", DIURNAL_S, at(rate), at(prompt), at(output), tuple(sorted(surges)))
+
+
+def traces(held_out: bool = False) -> list[Trace]:
+    """The tuning traces; with `held_out`, the held-out diurnal trace after them."""
     bursty_rate, surges = _bursts(random.Random(3), 4.0, 5, 300.0)
     noise = random.Random(7)
     levels = [(15.0 * k, 8.0 * noise.uniform(0.7, 1.3)) for k in range(0, 61)]
@@ -154,7 +218,7 @@ def traces() -> list[Trace]:
         Trace("noisy-steady", 900.0, _steps(levels), lambda t: 1500.0, lambda t: 200.0),
         Trace("long-output", 1500.0, lambda t: 4.0, lambda t: 600.0, _ramp(300.0, 900.0, 200.0, 1000.0)),
         Trace("short-prompt", 1500.0, lambda t: 8.0, _ramp(300.0, 900.0, 2000.0, 200.0), lambda t: 200.0),
-    ]
+    ] + ([diurnal()] if held_out else [])
 
 
 # --- the fleet -------------------------------------------------------------------------------------
@@ -283,19 +347,58 @@ class Result:
         return sum(self.over.values())
 
 
-POLICIES: dict[str, Policy] = {
+_ISSUE6 = Policy(prefill_lookahead=False, queue_trend=False, token_rate=False, ratio_bounds=False,
+                 rate_trend=False, drain_sizing=False, drained_scale_down=False)
+POLICIES: dict[str, Policy | None] = {  # None: an oracle, run by name
     "per-role": PER_ROLE,
-    "+lookahead": Policy(prefill_lookahead=True, queue_trend=False, token_rate=False, ratio_bounds=False),
-    "+trend": Policy(prefill_lookahead=False, queue_trend=True, token_rate=False, ratio_bounds=False),
-    "+rate": Policy(prefill_lookahead=False, queue_trend=False, token_rate=True, ratio_bounds=False, rate_trend=False),
-    "+rate+trend": Policy(prefill_lookahead=False, queue_trend=False, token_rate=True, ratio_bounds=False),
+    "+lookahead": replace(_ISSUE6, prefill_lookahead=True),
+    "+trend": replace(_ISSUE6, queue_trend=True),
+    "+rate": replace(_ISSUE6, token_rate=True),
+    "+rate+trend": replace(_ISSUE6, token_rate=True, rate_trend=True),
+    "+drain": replace(_ISSUE6, token_rate=True, rate_trend=True, drain_sizing=True),
+    "+fast-down": replace(_ISSUE6, token_rate=True, rate_trend=True, drained_scale_down=True),
     "pdfleet": PDFLEET,
-    "oracle": None,  # knows the offered load; still waits for the interval and the start-up
+    "reactive-oracle": None,  # knows the offered load now; still waits for the interval and the start-up
+    "clairvoyant": None,      # knows it one start-up ahead: the floor for cost and under-provisioning
 }
+ORACLES = ("reactive-oracle", "clairvoyant")
 
 
-def run(trace: Trace, policy: Policy | None, seed: int = 1) -> Result:
-    """One trace through the fleet model; `policy=None` is the oracle: desired = needed(now) each interval."""
+def clairvoyant(trace: Trace, now: float, interval: float) -> dict[str, int]:
+    """What the offered load will need by when replicas asked for now serve: the most `needed` over
+    [now, now + STARTUP_S + interval] (one start-up ahead, until the next decision's replicas serve).
+
+    NOTE: the most over the whole span, not `needed(now + STARTUP_S)`: replicas that are ready now keep
+    serving until the next decision, and a scale-down takes effect at once.
+    """
+    horizon = [trace.needed(now + s) for s in range(0, int(STARTUP_S + interval) + 1)]
+    return {role: max(n[role] for n in horizon) for role in ROLES}
+
+
+# Every constant the decision uses, where it lives, and the traces it was tuned on ("-": chosen, not
+# swept). `diurnal` is held out: no value was chosen by looking at it. Values are read where they live.
+_AUTO = bench_spec().autoscaling
+TUNED: tuple[tuple[str, object, str], ...] = (
+    ("autoscaling.targetUtilization", _AUTO.target_utilization, "bursty (0.65-0.8; issue 6: 0.65-0.91)"),
+    ("autoscaling.drainTime", _AUTO.drain_time, "bursty (30/45/60/90 s)"),
+    ("autoscaling.drainedScaleDownStabilization", _AUTO.drained_scale_down_stabilization,
+     "bursty, noisy-steady (15/30/45/60 s)"),
+    ("autoscaler.DRAINED_FALL", autoscaler.DRAINED_FALL, "bursty, noisy-steady (0.6-0.8)"),
+    ("token_rate.SURGE_RISE", token_rate.SURGE_RISE, "long-output, noisy-steady (issue 6)"),
+    ("token_rate.TREND_HORIZON_S", token_rate.TREND_HORIZON_S, "bursty (issue 6)"),
+    ("token_rate.TREND_INTERVALS", token_rate.TREND_INTERVALS, "-"),
+    ("token_rate.THROUGHPUT_WEIGHT", token_rate.THROUGHPUT_WEIGHT, "-"),
+    ("token_rate.SATURATED_WAITING/KV/SEATS",
+     f"{token_rate.SATURATED_WAITING:g}, {token_rate.SATURATED_KV:g}, {token_rate.SATURATED_SEATS:g}",
+     "the simulated fleet (issue 10)"),
+    ("autoscaler.SURGE (queue trend)", autoscaler.SURGE, "-"),
+    ("the bench spec's targets, tolerance, windows, steps", "bench_spec()", "- (the same for every policy)"),
+)
+
+
+def run(trace: Trace, policy: Policy | str | None, seed: int = 1) -> Result:
+    """One trace through the fleet model. `policy` None or "reactive-oracle": desired = needed(now) each
+    interval; "clairvoyant": desired = what the load will need when new replicas serve (`clairvoyant`)."""
     spec = bench_spec()
     start = trace.needed(0.0)
     fleet = Fleet(Pool(start["prefill"], ready=start["prefill"]), Pool(start["decode"], ready=start["decode"]))
@@ -318,7 +421,9 @@ def run(trace: Trace, policy: Policy | None, seed: int = 1) -> Result:
             snapshot = fleet.scrape(t0 + now)
         if now % interval == 0 and now > 0:
             pools = {"prefill": fleet.prefill, "decode": fleet.decode}
-            if policy is None:
+            if policy == "clairvoyant":
+                desired = clairvoyant(trace, now, interval)
+            elif policy is None or policy == "reactive-oracle":
                 desired = trace.needed(now)
             else:
                 decisions, state = autoscaler.decide(spec, state, snapshot, t0 + now, {},
@@ -350,6 +455,25 @@ def run(trace: Trace, policy: Policy | None, seed: int = 1) -> Result:
                   {"prefill": fleet.prefill.desired, "decode": fleet.decode.desired})
 
 
+def _policies(utilization: float) -> dict[str, Policy | str]:
+    """The policies to run, the oracles by name, token-rate ones at `utilization`."""
+    return {name: name if p is None else p if not p.token_rate else replace(p, utilization=utilization)
+            for name, p in POLICIES.items()}
+
+
+_WORKER: dict[str, object] = {}
+
+
+def _start_worker(utilization: float) -> None:
+    _WORKER["traces"] = {t.name: t for t in traces(held_out=True)}
+    _WORKER["policies"] = _policies(utilization)
+
+
+def _job(job: tuple[str, str, int]) -> Result:
+    trace, policy, seed = job
+    return run(_WORKER["traces"][trace], _WORKER["policies"][policy], seed)  # type: ignore[index]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # NOTE: 10, not 3: the bursty trace's 5 surges make one seed's shortfall swing by a third; the
@@ -357,18 +481,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10, help="arrival seeds averaged per trace")
     parser.add_argument("--utilization", type=float, default=autoscaler.TARGET_UTILIZATION,
                         help="the token rate's target utilization for +rate and pdfleet (a sweep knob)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="processes running (trace, policy, seed) in parallel")
     args = parser.parse_args(argv)
     if not 0 < args.utilization <= 1:
         parser.error(f"--utilization must be in (0, 1], got {args.utilization}")
-    policies = {name: p if p is None or not p.token_rate else replace(p, utilization=args.utilization)
-                for name, p in POLICIES.items()}
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    policies = _policies(args.utilization)
 
     rows = []
+    every = traces(held_out=True)
+    jobs = [(trace.name, policy, seed) for trace in every for policy in policies for seed in range(1, args.seeds + 1)]
+    with multiprocessing.get_context("fork").Pool(args.jobs, initializer=_start_worker,
+                                                  initargs=(args.utilization,)) as pool:
+        done = pool.map(_job, jobs, chunksize=1)
     results: dict[tuple[str, str], list[Result]] = {}
-    for trace in traces():
-        for policy, which in policies.items():
-            rs = [run(trace, which, seed) for seed in range(1, args.seeds + 1)]
-            results[(trace.name, policy)] = rs
+    for (trace_name, policy, _), result in zip(jobs, done):
+        results.setdefault((trace_name, policy), []).append(result)
+    for trace in every:
+        for policy in policies:
+            rs = results[(trace.name, policy)]
             n = len(rs)
             rows.append((trace.name, policy,
                          sum(r.under["prefill"] for r in rs) / n, sum(r.under["decode"] for r in rs) / n,
@@ -378,14 +511,38 @@ def main(argv: list[str] | None = None) -> int:
                          sum(r.direction_changes for r in rs) / n))
 
     header = ("trace", "policy", "under P r·s", "under D r·s", "over r·s", "replica-h", "reaction s", "dir changes")
-    print(f"{header[0]:<13} {header[1]:<12}" + "".join(f"{h:>13}" for h in header[2:]))
+    print(f"{header[0]:<13} {header[1]:<16}" + "".join(f"{h:>13}" for h in header[2:]))
     for row in rows:
-        print(f"{row[0]:<13} {row[1]:<12}" + "".join(f"{v:>13.1f}" if not math.isnan(v) else f"{'-':>13}"
+        print(f"{row[0]:<13} {row[1]:<16}" + "".join(f"{v:>13.1f}" if not math.isnan(v) else f"{'-':>13}"
                                                    for v in row[2:]))
 
     def mean(trace: str, policy: str, f: Callable[[Result], float]) -> float:
         rs = results[(trace, policy)]
         return sum(f(r) for r in rs) / len(rs)
+
+    def under_ratio(trace: str) -> float:
+        base = mean(trace, "per-role", lambda r: r.under_total)
+        ours = mean(trace, "pdfleet", lambda r: r.under_total)
+        return ours / base if base else (0.0 if not ours else math.inf)
+
+    def hours_ratio(trace: str) -> float:
+        return mean(trace, "pdfleet", lambda r: r.replica_seconds) / mean(trace, "clairvoyant", lambda r: r.replica_seconds)
+
+    tuning = [t.name for t in traces()]
+    print("\nconstants, and the traces they were tuned on (held out of all tuning: diurnal)")
+    for name, value, where in TUNED:
+        print(f"  {name:<52} {value!s:<14} {where}")
+    print("\ntargets (tuning traces)")
+    print(f"  replica-hours / clairvoyant on bursty: {hours_ratio('bursty'):.2f} (target <= 1.5)")
+    for name in tuning:
+        print(f"  under-provisioned r·s / per-role on {name}: {under_ratio(name):.2f} (target <= 1)")
+    noisy = next(t for t in traces() if t.name == "noisy-steady")
+    per_10min = mean("noisy-steady", "pdfleet", lambda r: r.direction_changes) / (noisy.duration / 600)
+    print(f"  direction changes per 10 minutes on noisy-steady: {per_10min:.2f} (target <= 1)")
+    print("held out: diurnal (the conversation day compressed 12x, day decode-heavy, night prefill-heavy)")
+    print(f"  replica-hours / clairvoyant: {hours_ratio('diurnal'):.2f}; under-provisioned r·s / per-role: "
+          f"{under_ratio('diurnal'):.2f}; replica-hours / per-role: "
+          f"{mean('diurnal', 'pdfleet', lambda r: r.replica_seconds) / mean('diurnal', 'per-role', lambda r: r.replica_seconds):.2f}")
 
     under_base = mean("bursty", "per-role", lambda r: r.under_total)
     under_ours = mean("bursty", "pdfleet", lambda r: r.under_total)
@@ -399,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
         "reaction_s_bursty_baseline": round(mean("bursty", "per-role", lambda r: r.reaction), 1),
         "utilization": args.utilization,
         "seeds": args.seeds,
+        "replica_hours_vs_clairvoyant": round(hours_ratio("bursty"), 4),
+        "underprovisioned_vs_per_role_max": round(max(under_ratio(t) for t in tuning), 4),
+        "direction_changes_noisy_per_10min": round(per_10min, 2),
+        "heldout_trace": "diurnal",
+        "heldout_replica_hours_vs_clairvoyant": round(hours_ratio("diurnal"), 4),
+        "heldout_underprovisioned_vs_per_role": round(under_ratio("diurnal"), 4),
     }
     print(json.dumps(summary))
     return 0

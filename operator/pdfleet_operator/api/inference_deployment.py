@@ -238,6 +238,15 @@ class AutoscalingSpec(ApiModel):
         0.7, gt=0, le=1,
         description="Share of a replica's measured saturated token throughput each role is sized to run at "
                     "(the rest is headroom for a burst while new replicas start).")
+    drain_time: Duration = Field(
+        "60s", description="Once prefill's saturated throughput is measured, the prompt tokens queued at it are sized "
+                           "to drain within this long, on top of the arrivals, for prefill and for what they will make "
+                           "decode generate; prefill's targetQueuePerReplica and targetPromptTokensPerReplica then "
+                           "apply only until a throughput is measured.")
+    drained_scale_down_stabilization: Duration = Field(
+        "30s", description="The scale-down window instead of scaleDownStabilization while a role has nothing waiting "
+                           "and its served token rate has fallen well below its peak of the last "
+                           "scaleDownStabilization (the end of a burst).")
     pd_ratio: RatioBounds = Field(default_factory=RatioBounds, description="Bounds on the prefill:decode ratio.")
 
 
