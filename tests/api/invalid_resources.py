@@ -130,6 +130,7 @@ CASES: list[Case] = [
     Case("env-name-invalid", A, _set("spec.env", [{"name": "1BAD", "value": "x"}]), "spec.env[0].name"),
     Case("cpu-vendor-with-gpu-resource", A, _set("spec.vendor", "cpu"), "spec.resourceName", "cpu"),
     Case("price-date-not-iso", A, _set("spec.costAsOf", "June 2025"), "spec.costAsOf"),
+    Case("vgpu-partition", A, _set("spec.partition", {"type": "vgpu", "profile": "a100-4c"}), "spec.partition.type"),
     Case("default-vllm-without-vllm", A, _set("spec.runtimes", {"default": "vllm"}), "spec.runtimes.default", "vllm"),
     Case("vllm-runtime-without-image", A, _set("spec.runtimes", {"vllm": {"kvConnector": "NixlConnector"}}),
          "spec.runtimes.vllm.image", "required"),

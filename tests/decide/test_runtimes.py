@@ -128,3 +128,13 @@ def test_host_path_models_only_where_the_admin_allows() -> None:
     assert guardrails.normalize_prefix("/srv/models/") == "/srv/models"
     with pytest.raises(ValueError, match="absolute"):
         guardrails.normalize_prefix("models")
+
+
+def test_float16_is_refused_for_the_pdfleet_worker_and_served_by_vllm() -> None:
+    s = spec_of(EXAMPLES["qwen2-7b"])
+    s = s.model_copy(update={"model": s.model.model_copy(update={"dtype": "float16"})})
+    problems = runtimes.check(s, CLASSES)
+    assert [p.field for p in problems] == ["spec.model.dtype"] and "float16 needs vllm" in problems[0].message
+    s = s.model_copy(update={"engine": s.engine.model_copy(update={"runtime": "vllm"}),
+                             "colocated": s.colocated.model_copy(update={"accelerator_classes": ["h100-80gb"]})})
+    assert runtimes.check(s, CLASSES) == []

@@ -55,7 +55,9 @@ class EnvVar(ApiModel):
 class Partition(ApiModel):
     """How this class is a slice of a bigger device (NVIDIA MIG, vGPU, ...)."""
 
-    type: Literal["mig", "vgpu", "shared"] = Field(description="Partitioning technology.")
+    type: Literal["mig"] = Field(description="Partitioning technology: mig (NVIDIA Multi-Instance GPU, a slice with "
+                                             "its own memory). vGPU and time-slicing are not supported: a shared "
+                                             "card's KV cache would be sized from the whole card's memory.")
     profile: str = Field(description="Profile name as the device plugin names it, e.g. 3g.40gb or 1g.10gb.",
                          pattern=r"^[0-9a-z.+-]+$", max_length=63)
     parent_class: str | None = Field(

@@ -67,6 +67,9 @@ def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: Acc
         if device is None:
             raise RuntimeProblem(field, f"{where}: the pdfleet worker has no PyTorch bridge for {cls.vendor} "
                                         f"(set the class's spec.runtimes.pdfleet.device, or run vllm there)")
+        if spec.model.dtype == "float16":
+            raise RuntimeProblem("spec.model.dtype", "the pdfleet worker computes in bfloat16 or float32; float16 "
+                                                     "needs vllm (spec.engine.runtime)")
         env += tuple((v.name, v.value) for v in cls.runtimes.pdfleet.env)
         return PoolRuntime(PDFLEET, cls.image or spec.engine.image, env, device=device)
     assert name == VLLM, name
