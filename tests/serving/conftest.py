@@ -1,7 +1,8 @@
-"""Real worker and router processes on loopback for the serving tests: a tiny model made by `pdfleet model init`, process handles that always stop what they started."""
+"""Real worker and router processes on loopback for the serving tests: a tiny model made by `pdfleet model init`, the deployment token the pipeline's prefill/decode workers and router share, process handles that always stop what they started."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,10 @@ READY_TIMEOUT_S = 90.0
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 _ALL: list["Proc"] = []
+# The pipeline's deployment token (its prefill and decode workers and its router; the colocated worker runs
+# without one, as a worker on its own does): what calling its PD workers directly needs.
+TOKEN = secrets.token_urlsafe(24)
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Proc:
@@ -32,6 +37,7 @@ class Proc:
         self.log_path = logdir / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}  # extra environment (e.g. KUBECONFIG)
+        self.headers: dict[str, str] = {}  # what its guarded endpoints need (the deployment token)
 
     @property
     def url(self) -> str:
@@ -64,7 +70,7 @@ class Proc:
         raise RuntimeError(f"{self.name} not ready after {timeout}s:\n{self.log()}")
 
     def load(self) -> dict:
-        return httpx.get(f"{self.url}/load", timeout=5.0).json()
+        return httpx.get(f"{self.url}/load", headers=self.headers, timeout=5.0).json()
 
     def metrics_text(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5.0).text
@@ -136,7 +142,8 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: s
 
 def worker_urls(router: Proc) -> dict[str, str]:
     """The router's worker ids (what its x-pdfleet-* headers carry: never an address) -> URLs, from /workers."""
-    return {w["id"]: w["url"] for w in httpx.get(f"{router.url}/workers", timeout=5).json()["workers"]}
+    answer = httpx.get(f"{router.url}/workers", headers=router.headers, timeout=5)
+    return {w["id"]: w["url"] for w in answer.json()["workers"]}
 
 
 def pool_whole(w: Proc) -> bool:
@@ -148,6 +155,21 @@ def pool_whole(w: Proc) -> bool:
 @pytest.fixture(scope="session")
 def logdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serving-logs")
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("auth") / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def authenticated(proc: Proc, token_file: str) -> Proc:
+    """The process with the pipeline's token (`--auth-token-file`), its handle sending it."""
+    proc.args += ["--auth-token-file", token_file]
+    proc.headers = dict(AUTH)
+    return proc
 
 
 @pytest.fixture(scope="session")
@@ -171,14 +193,15 @@ class Pipeline:
 
 
 @pytest.fixture(scope="session")
-def pipeline(logdir, model_dir) -> Pipeline:
-    p = worker(logdir, model_dir, "prefill", "--kv-lease", "3s")
-    d = worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout", "3s")
+def pipeline(logdir, model_dir, token_file) -> Pipeline:
+    p = authenticated(worker(logdir, model_dir, "prefill", "--kv-lease", "3s"), token_file)
+    d = authenticated(worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout", "3s",
+                             "--kv-peers", "127.0.0.1"), token_file)
     c = worker(logdir, model_dir, "both", "--max-num-seqs", "4", "--max-waiting-requests", "4",
                "--max-request-bytes", "200000", "--max-n", "4", name="colo")
     start_all(p, d, c)
-    r = router(logdir, "--prefill", p.url, "--decode", d.url, "--workers", f"colo={c.url}",
-               "--model-alias", "tiny-colo=colo")
+    r = authenticated(router(logdir, "--prefill", p.url, "--decode", d.url, "--workers", f"colo={c.url}",
+                             "--model-alias", "tiny-colo=colo"), token_file)
     try:
         start_all(r)
         yield Pipeline(p, d, c, r)

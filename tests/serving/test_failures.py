@@ -12,7 +12,8 @@ import pytest
 
 from pdfleet_worker import metrics as m
 from pdfleet_worker.kv_transfer import connector as c
-from tests.serving.conftest import MODEL, pool_whole, router, start_all, wait_until, worker, worker_urls
+from tests.serving.conftest import (AUTH, MODEL, TOKEN, authenticated, pool_whole, router, start_all, wait_until, worker,
+                                    worker_urls)
 from tests.serving.test_kv_transfer import sample
 
 
@@ -24,15 +25,17 @@ DRAIN = "2s"
 
 
 @pytest.fixture(scope="module")
-def procs(logdir, model_dir, pipeline):
-    victims = [worker(logdir, model_dir, "prefill", "--kv-lease", "20s", name=f"victim{i}") for i in (1, 2)]
-    fail = worker(logdir, model_dir, "decode", "--kv-on-failure", "fail", "--kv-transfer-timeout", "20s",
-                  "--drain-timeout", DRAIN, name="decode-fail")
-    recompute = worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout", "20s",
-                       "--drain-timeout", DRAIN, name="decode-recompute")
+def procs(logdir, model_dir, pipeline, token_file):
+    victims = [authenticated(worker(logdir, model_dir, "prefill", "--kv-lease", "20s", name=f"victim{i}"), token_file)
+               for i in (1, 2)]
+    fail = authenticated(worker(logdir, model_dir, "decode", "--kv-on-failure", "fail", "--kv-transfer-timeout", "20s",
+                                "--drain-timeout", DRAIN, name="decode-fail"), token_file)
+    recompute = authenticated(worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout",
+                                     "20s", "--drain-timeout", DRAIN, name="decode-recompute"), token_file)
     everything = [*victims, fail, recompute]
     start_all(*everything)
-    r = router(logdir, "--prefill", pipeline.prefill.url, "--decode", fail.url, recompute.url, name="router2")
+    r = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", fail.url, recompute.url,
+                             name="router2"), token_file)
     try:
         start_all(r)
         yield {"victims": victims, "fail": fail, "recompute": recompute, "router": r}
@@ -57,14 +60,14 @@ def test_prefill_killed_during_pull_follows_the_policy(procs, pipeline, policy):
     dec = procs[policy]
     prompt = prompt_of(60, seed=21)
     r = httpx.post(f"{victim.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
-                   timeout=30)
+                   headers=AUTH, timeout=30)
     params = r.json()["kv_transfer_params"]
     # Frozen, the prefill worker's kernel still accepts the decode worker's connection: the pull
     # starts and waits for an answer. Then the worker is killed under it.
     victim.signal(signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, f"{dec.url}/v1/completions", json=body(prompt, kv_transfer_params=params),
-                          timeout=60)
+                          headers=AUTH, timeout=60)
         wait_until(lambda: dec.load()["waiting_for_remote_kv"] == 1, what="the pull in progress")
         victim.kill()
         t0 = time.monotonic()
@@ -86,9 +89,10 @@ def test_prefill_killed_during_pull_follows_the_policy(procs, pipeline, policy):
 def test_incompatible_layout_under_fail_policy_is_a_clear_error(procs, pipeline):
     prompt = prompt_of(30, seed=22)
     r = httpx.post(f"{pipeline.prefill.url}/v1/completions",
-                   json=body(prompt, kv_transfer_params={"do_remote_decode": True}), timeout=30)
+                   json=body(prompt, kv_transfer_params={"do_remote_decode": True}), headers=AUTH, timeout=30)
     params = dict(r.json()["kv_transfer_params"], compat_hash="0123456789abcdef")
-    resp = httpx.post(f"{procs['fail'].url}/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=30)
+    resp = httpx.post(f"{procs['fail'].url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH,
+                      timeout=30)
     assert resp.status_code == 502
     err = resp.json()["error"]
     assert err["code"] == c.INCOMPATIBLE and "KV layout mismatch" in err["message"] and "0123456789abcdef" in err["message"]
@@ -118,7 +122,7 @@ def test_decode_killed_mid_stream_gives_api_error_and_the_router_keeps_serving(p
     text = r2.metrics_text()
     assert sample(text, m.ROUTER_UPSTREAM_ERRORS_TOTAL.name, upstream_role="decode", reason="stream_broken") == errors0 + 1
     assert sample(text, m.ROUTER_REQUESTS_TOTAL.name, code="502", tier="default") == 1
-    workers = {w["url"]: w for w in httpx.get(f"{r2.url}/workers").json()["workers"]}
+    workers = {w["url"]: w for w in httpx.get(f"{r2.url}/workers", headers=AUTH).json()["workers"]}
     assert workers[victim.url]["healthy"] is False
     for i in range(4):
         resp = client.completions.with_raw_response.create(model=MODEL, prompt=prompt_of(12, seed=30 + i),
@@ -131,7 +135,7 @@ def test_decode_killed_mid_stream_gives_api_error_and_the_router_keeps_serving(p
 
 def test_sigterm_drains_finishing_short_requests_and_failing_long_ones(procs):
     w = procs.get("survivor") or procs["recompute"]
-    client = openai.OpenAI(base_url=f"{w.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{w.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)  # the SDK's Bearer
 
     def consume(max_tokens: int, chunks: list):
         try:
@@ -155,7 +159,7 @@ def test_sigterm_drains_finishing_short_requests_and_failing_long_ones(procs):
         w.signal(signal.SIGTERM)
         wait_until(lambda: httpx.get(f"{w.url}/ready").status_code == 503, timeout=5, what="/ready 503 while draining")
         assert httpx.get(f"{w.url}/health").status_code == 200
-        refused = httpx.post(f"{w.url}/v1/completions", json=body([1, 2, 3]), timeout=10)
+        refused = httpx.post(f"{w.url}/v1/completions", json=body([1, 2, 3]), headers=AUTH, timeout=10)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "draining"
         chunks, err = short.result(timeout=30)

@@ -16,7 +16,7 @@ from pdfleet_worker.router import proxy
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import RouterConfig, TierConfig
 from pdfleet_worker.server import protocol as p
-from tests.serving.conftest import MODEL, pool_whole, wait_until, worker_urls
+from tests.serving.conftest import AUTH, MODEL, pool_whole, wait_until, worker_urls
 from tests.serving.test_kv_transfer import sample
 from tests.serving.test_limits import assert_error
 
@@ -48,8 +48,9 @@ ENGINE_BREAKERS = {
 }
 
 
-def post_raw(url: str, content: bytes, path: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+def post_raw(url: str, content: bytes, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json", **(headers or {})},
+                      timeout=30)
 
 
 def codes(router_metrics: str) -> dict[str, float]:
@@ -73,7 +74,7 @@ def test_hostile_json_is_a_400_everywhere(pipeline, target):
     proc = getattr(pipeline, target)
     for name, body in HOSTILE.items():
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-        err = assert_error(post_raw(proc.url, body, path), 400)
+        err = assert_error(post_raw(proc.url, body, path, proc.headers), 400)
         assert err["code"] == "invalid_json", (name, err)
         no_address(err["message"], *pipeline.workers)
     assert httpx.get(f"{proc.url}/health").status_code == 200
@@ -140,7 +141,7 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(pipeline):
         for path, body in (("/v1/completions", {**GOOD, "prompt": huge}),
                            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]})):
             t0 = time.monotonic()
-            err = assert_error(httpx.post(f"{url}{path}", json=body, timeout=30), 400)
+            err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=30), 400)
             assert err["code"] == "context_length_exceeded" and time.monotonic() - t0 < 1.0, err
 
 
@@ -149,7 +150,7 @@ def test_prompt_lists_are_bounded_by_max_prompts(pipeline):
     for url in (pipeline.router.url, pipeline.colo.url, pipeline.prefill.url):
         for count in (p.DEFAULT_MAX_PROMPTS + 1, 5000):
             err = assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["hi"] * count},
-                                          timeout=30), 400, "prompt", f"at most {p.DEFAULT_MAX_PROMPTS}")
+                                          headers=AUTH, timeout=30), 400, "prompt", f"at most {p.DEFAULT_MAX_PROMPTS}")
             assert err["code"] == "too_many_prompts"
     full = httpx.post(f"{pipeline.router.url}/v1/completions",
                       json={**GOOD, "prompt": [[5, 6]] * p.DEFAULT_MAX_PROMPTS, "max_tokens": 1}, timeout=60)

@@ -11,7 +11,9 @@ from pdfleet_worker import metrics as m
 from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams
-from tests.serving.conftest import MODEL, pool_whole, wait_until
+from pdfleet_worker.kv_transfer.peers import KVPeers
+from pdfleet_worker.server import auth
+from tests.serving.conftest import AUTH, MODEL, pool_whole, wait_until
 
 BLOCK = 16
 # The tiny preset: 4 layers, 4 KV heads, head dim 32, fp32; k and v.
@@ -39,13 +41,14 @@ def body(prompt, **extra) -> dict:
 
 def prefill(pipeline, prompt) -> dict:
     r = httpx.post(f"{pipeline.prefill.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
-                   timeout=30)
+                   headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
 
 def decode(pipeline, prompt, params) -> httpx.Response:
-    return httpx.post(f"{pipeline.decode.url}/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=30)
+    return httpx.post(f"{pipeline.decode.url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH,
+                      timeout=30)
 
 
 def colocated_tokens(pipeline, prompt) -> list[int]:
@@ -91,13 +94,13 @@ def test_unacked_blocks_are_freed_when_the_lease_expires(pipeline):
     wait_until(lambda: pool_whole(d), what="decode pool whole")
 
 
-def test_incompatible_layout_is_refused_by_the_prefill_kv_endpoint(pipeline):
+def test_incompatible_layout_is_refused_by_the_prefill_kv_endpoint(pipeline, token_file):
     from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 
     prompt = fresh_prompt(33, seed=13)
     raw = prefill(pipeline, prompt)
     params = KVTransferParams.from_json(raw)
-    conn = TcpKVConnector()
+    conn = TcpKVConnector(token=auth.token_file(token_file), peers=KVPeers.from_spec("127.0.0.1"))
     with pytest.raises(c.KVTransferError) as err:
         conn.pull(params, params.prompts[0], 0, [0, 1], "0000000000000000", timeout_s=5)
     assert err.value.reason == c.INCOMPATIBLE
@@ -135,10 +138,11 @@ def test_decode_refuses_kv_it_cannot_use_and_recomputes(pipeline, tamper, reason
 
 def test_malformed_transfer_params_are_a_400(pipeline):
     r = httpx.post(f"{pipeline.decode.url}/v1/completions",
-                   json=body([5, 6, 7], kv_transfer_params={"do_remote_prefill": True, "prompts": "x"}), timeout=10)
+                   json=body([5, 6, 7], kv_transfer_params={"do_remote_prefill": True, "prompts": "x"}), headers=AUTH,
+                   timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
     r = httpx.post(f"{pipeline.decode.url}/v1/completions",
-                   json=body([5, 6, 7], kv_transfer_params={"do_remote_decode": True}), timeout=10)
+                   json=body([5, 6, 7], kv_transfer_params={"do_remote_decode": True}), headers=AUTH, timeout=10)
     assert r.status_code == 400 and "does not hold KV" in r.json()["error"]["message"]
 
 

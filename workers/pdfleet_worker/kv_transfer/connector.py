@@ -9,11 +9,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
+from pdfleet_worker.kv_transfer.peers import KVPeers
 
 # Failure reasons (the `reason` label of pdfleet_kv_transfer_failures_total).
 CONNECT = "connect"            # the prefill worker's KV endpoint did not accept a connection
@@ -24,9 +26,19 @@ UNKNOWN_REQUEST = "unknown_request"  # no lease (expired, released, or never hel
 PROMPT_MISMATCH = "prompt_mismatch"  # the decode worker tokenized the prompt differently
 BAD_RESPONSE = "bad_response"  # the answer does not fit the request (shapes, sizes, protocol)
 UNSUPPORTED = "unsupported"    # a connector this worker does not have
+UNAUTHORIZED = "unauthorized"  # the KV endpoint refused the puller's token (or it sent none)
+UNTRUSTED_PEER = "untrusted_peer"  # the params name a KV endpoint outside --kv-peers: never contacted
 
 # (block ids) -> per layer {"kv": [2, Hkv, n, block_size, D], "scale": [2, Hkv, n]?}; LLMEngine.export_kv.
 ExportFn = Callable[[list[int]], list[dict[str, torch.Tensor]]]
+
+
+class Credential(Protocol):
+    """The deployment token (server/auth.SecretFile): checked on the serving side, sent on the pulling side."""
+
+    def accepts(self, presented: str | None) -> bool: ...
+
+    def for_sending(self) -> list[str]: ...
 
 
 class KVTransferError(Exception):
@@ -47,6 +59,12 @@ class KVConnector(abc.ABC):
     """One transport for KV blocks between engines with equal KVLayout.compat_hash."""
 
     name: str
+    token: Credential | None = None  # None: unauthenticated (a worker without --auth-token-file)
+    peers: KVPeers | None = None      # decode side: the only KV endpoints contacted; None: any
+
+    def trusts(self, host: str, port: int) -> bool:
+        """Whether this worker may contact (and send its token to) the KV endpoint host:port; may resolve names."""
+        return self.peers is None or self.peers.allows(host, port)
 
     # -- prefill side ---------------------------------------------------------------------------
     @abc.abstractmethod

@@ -2,10 +2,14 @@
 
 Wire format: every message is a 4-byte big-endian length and a JSON object; a successful pull
 answer is followed by the raw bytes of its tensors, layer by layer, in the order its header lists.
-  pull    {"op": "pull", "request_id", "compat_hash", "first_block", "num_blocks"}
+  pull    {"op": "pull", "token", "request_id", "compat_hash", "first_block", "num_blocks"}
           -> {"ok": true, "nbytes", "tensors": [{"layer", "name", "dtype", "shape"}...]} + bytes
           |  {"ok": false, "reason", "error"}
-  release {"op": "release", "request_id", "ok"} -> {"ok": true, "released": bool}
+  release {"op": "release", "token", "request_id", "ok"} -> {"ok": true, "released": bool}
+With a deployment token configured, every request frame must carry it in `token` (compared in constant
+time); anything else is answered {"ok": false, "reason": "unauthorized"} and the connection closed. The
+pulling side connects only to KV endpoints its peers allow (--kv-peers), so the token goes nowhere else;
+mid-rotation it retries once, on a new connection, with the token the file held before.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.connector import ExportFn, KVConnector, KVTransferError, PulledKV
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
+from pdfleet_worker.kv_transfer.peers import KVPeers
 
 log = logging.getLogger("pdfleet.kv")
 
@@ -67,11 +72,16 @@ def _recv_msg(sock: socket.socket, deadline: float | None) -> dict:
 class TcpKVConnector(KVConnector):
     name = "tcp"
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, *, on_sent=None, io_timeout_s: float = 30.0):
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, *, on_sent=None, on_refused=None,
+                 io_timeout_s: float = 30.0, token: c.Credential | None = None, peers: KVPeers | None = None):
+        assert token is None or peers is not None, "a token is sent only to --kv-peers: give the peers"
         self.host = host
         self.port = port
         self.on_sent = on_sent  # called with the byte count of each pull answered
+        self.on_refused = on_refused  # called with the reason of each request refused unauthenticated
         self.io_timeout_s = io_timeout_s
+        self.token = token
+        self.peers = peers
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
@@ -130,6 +140,14 @@ class TcpKVConnector(KVConnector):
                 except (ConnectionError, socket.timeout, OSError):
                     return
                 op = msg.get("op")
+                if self.token is not None and not self.token.accepts(_token_of(msg)):
+                    log.warning("KV %s refused: %s token from %s", op if isinstance(op, str) else "request",
+                                "no" if msg.get("token") is None else "a wrong", _peer_name(conn))
+                    if self.on_refused is not None:
+                        self.on_refused(c.UNAUTHORIZED)
+                    _send_msg(conn, {"ok": False, "reason": c.UNAUTHORIZED,
+                                     "error": "the KV endpoint needs the deployment token"})
+                    return
                 if op == "pull":
                     self._answer_pull(conn, msg)
                 elif op == "release":
@@ -185,6 +203,9 @@ class TcpKVConnector(KVConnector):
 
     # -- decode side ----------------------------------------------------------------------------
     def _connect(self, params: KVTransferParams, deadline: float) -> socket.socket:
+        if not self.trusts(params.host, params.port):
+            raise KVTransferError(c.UNTRUSTED_PEER, f"KV endpoint {params.host}:{params.port} is not among this "
+                                                    f"worker's --kv-peers ({self.peers}); not contacted")
         try:
             sock = socket.create_connection((params.host, params.port), timeout=max(deadline - time.monotonic(), 0.001))
         except socket.timeout as e:
@@ -195,16 +216,33 @@ class TcpKVConnector(KVConnector):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
+    def _ask(self, params: KVTransferParams, frame: dict, deadline: float) -> tuple[socket.socket, dict]:
+        """Connect, send `frame` with our token, read the answer's header; the caller closes the socket.
+        Refused as unauthorized while a rotated-out token is still valid: once more with that one."""
+        tokens: list[str | None] = list(self.token.for_sending()) if self.token is not None else []
+        for i, token in enumerate(tokens or [None]):
+            sock = self._connect(params, deadline)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                _send_msg(sock, frame if token is None else {**frame, "token": token})
+                head = _recv_msg(sock, deadline)
+            except BaseException:
+                sock.close()
+                raise
+            if head.get("reason") == c.UNAUTHORIZED and i + 1 < len(tokens):
+                sock.close()
+                continue
+            return sock, head
+        raise AssertionError("unreachable: the last try returns")
+
     def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
              compat_hash: str, timeout_s: float) -> PulledKV:
         deadline = time.monotonic() + timeout_s
         n = len(dest_block_ids)
-        sock = self._connect(params, deadline)
+        sock = None
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            _send_msg(sock, {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
-                             "first_block": first_block, "num_blocks": n})
-            head = _recv_msg(sock, deadline)
+            sock, head = self._ask(params, {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
+                                            "first_block": first_block, "num_blocks": n}, deadline)
             if not head.get("ok"):
                 raise KVTransferError(str(head.get("reason", c.BAD_RESPONSE)), str(head.get("error", head)))
             specs = head.get("tensors")
@@ -225,7 +263,8 @@ class TcpKVConnector(KVConnector):
         except ValueError as e:
             raise KVTransferError(c.BAD_RESPONSE, f"KV pull from {params.host}:{params.port}: {e}") from e
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
 
     @staticmethod
     def _tensors(flat: torch.Tensor, specs: list, num_blocks: int) -> list[dict[str, torch.Tensor]]:
@@ -255,14 +294,30 @@ class TcpKVConnector(KVConnector):
 
     def release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        sock = self._connect(params, deadline)
+        sock = None
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            _send_msg(sock, {"op": "release", "request_id": prompt.request_id, "ok": ok})
-            return bool(_recv_msg(sock, deadline).get("released"))
+            sock, head = self._ask(params, {"op": "release", "request_id": prompt.request_id, "ok": ok}, deadline)
+            if head.get("reason") == c.UNAUTHORIZED:
+                raise KVTransferError(c.UNAUTHORIZED, str(head.get("error", head)))
+            return bool(head.get("released"))
+        except KVTransferError:
+            raise
         except socket.timeout as e:
             raise KVTransferError(c.TIMEOUT, f"KV release to {params.host}:{params.port} timed out") from e
         except (ConnectionError, OSError, ValueError) as e:
             raise KVTransferError(c.PEER_CLOSED, f"KV release to {params.host}:{params.port} failed: {e}") from e
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
+
+
+def _token_of(msg: dict) -> str | None:
+    token = msg.get("token")
+    return token if isinstance(token, str) else None
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        return "%s:%s" % conn.getpeername()[:2]
+    except OSError:
+        return "?"

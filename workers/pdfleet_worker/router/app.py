@@ -1,4 +1,4 @@
-"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, every client answer counted; the router runner serves it."""
+"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, client API keys on /v1/* and the deployment token on /workers, every client answer counted; the router runner serves it."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,7 @@ from pdfleet_worker.router.proxy import Router
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstreams
+from pdfleet_worker.server import auth
 from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.streaming import install_error_handlers
 
@@ -23,7 +24,14 @@ log = logging.getLogger("pdfleet.router")
 
 
 def build_app(cfg: RouterConfig) -> FastAPI:
+    """ValueError when a secret file cannot be used (missing, empty, a token too short)."""
     state: dict[str, Any] = {}
+    token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
+    keys = auth.SecretFile(cfg.api_key_file, "--api-key-file", optional=cfg.api_key_file_optional) \
+        if cfg.api_key_file else None
+    if token is None and any(t.disaggregated and t.pd_engine == "pdfleet" for t in cfg.tiers.values()):
+        log.warning("no --auth-token-file: prefill/decode workers that require the deployment token will refuse "
+                    "this router (401); without one they run unauthenticated")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -31,7 +39,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         # bounds each wait with upstream_timeout instead.
         client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        upstreams = Upstreams(cfg, client)
+        upstreams = Upstreams(cfg, client, token)
         metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()])
         state.update(client=client, upstreams=upstreams, metrics=metrics,
                      router=Router(cfg, upstreams, metrics, client))
@@ -41,6 +49,13 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="pdfleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # NOTE: added before CountResponses, so inside it: a 401 is a counted answer like any other.
+    if keys is not None:
+        app.add_middleware(auth.RequireBearer, secret=keys, protected=lambda path: path.startswith("/v1/"),
+                           what="an API key")
+    if token is not None:
+        app.add_middleware(auth.RequireBearer, secret=token, protected=lambda path: path == "/workers",
+                           what="the deployment token")
     app.add_middleware(CountResponses, metrics=lambda: state.get("metrics"), default_tier=cfg.default_tier)
     started = p.now()
 

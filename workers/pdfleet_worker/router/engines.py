@@ -59,22 +59,25 @@ class Probe:
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-async def probe(client: httpx.AsyncClient, engine: str, url: str, timeout: float) -> Probe:
+async def probe(client: httpx.AsyncClient, engine: str, url: str, timeout: float, auth: httpx.Auth | None = None) -> Probe:
+    """`auth`: the deployment token, for pdfleet workers (their /load needs it once they have one)."""
     try:
         if engine == VLLM:
             return await _probe_vllm(client, url, timeout)
-        return await _probe_pdfleet(client, url, timeout)
+        return await _probe_pdfleet(client, url, timeout, auth)
     except (httpx.HTTPError, ValueError) as e:
         return Probe(False, f"{type(e).__name__}: {e}")
 
 
-async def _probe_pdfleet(client: httpx.AsyncClient, url: str, timeout: float) -> Probe:
-    resp = await client.get(f"{url}/load", timeout=timeout)
+async def _probe_pdfleet(client: httpx.AsyncClient, url: str, timeout: float, auth: httpx.Auth | None) -> Probe:
+    resp = await client.get(f"{url}/load", timeout=timeout, auth=auth)
     body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
     if not isinstance(body, dict):
         raise ValueError(f"/load answered {type(body).__name__}, not an object")
     if resp.status_code == 200 and body.get("ready") is True:
         return Probe(True, load=body)
+    if resp.status_code == 401:
+        return Probe(False, "401: the worker refused this router's deployment token (--auth-token-file)")
     return Probe(False, f"not ready ({resp.status_code}: {body.get('error') or 'loading or draining'})", body)
 
 

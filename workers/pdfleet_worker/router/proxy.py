@@ -213,7 +213,8 @@ class Router:
         """A complete answer from some worker of the pool; connect failures, broken connections
         and 503s are retried on another worker (nothing reached the client yet)."""
         async def attempt(up: Upstream) -> Answer:
-            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True)
+            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True,
+                                          auth=self.upstreams.auth(up))
             try:
                 content = await resp.aread()
             finally:
@@ -226,13 +227,14 @@ class Router:
                            extra_headers: dict[str, str] | None = None) -> tuple[Upstream, httpx.Response]:
         """An open streaming response (headers read); the caller closes it and decrements inflight."""
         async def attempt(up: Upstream):
-            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True)
-            if resp.status_code == 503:
+            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True,
+                                          auth=self.upstreams.auth(up))
+            if resp.status_code in (401, 503):
                 try:
                     content = await resp.aread()
                 finally:
                     await resp.aclose()
-                return Answer(up, 503, dict(resp.headers), content)
+                return Answer(up, resp.status_code, dict(resp.headers), content)
             up.inflight += 1  # held until the relay ends
             return up, resp
 
@@ -265,6 +267,12 @@ class Router:
                                    type="upstream_error") from e
             finally:
                 up.inflight -= 1
+            if isinstance(result, Answer) and result.status == 401:
+                # The worker refused our deployment token: a misconfiguration, never the client's to see as its own.
+                self.metrics.upstream_error(role, "unauthorized")
+                self.upstreams.mark_down(up, "401: the worker refused this router's deployment token")
+                errors.append("401")
+                continue
             if isinstance(result, Answer) and result.status == 503:
                 self.metrics.upstream_error(role, "unavailable")
                 last_503 = result

@@ -60,6 +60,9 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20
     retry_after_s: int = 1
     drain_timeout_s: float = 25.0
+    auth_token_file: str | None = None  # the deployment token, sent to pdfleet workers; guards /workers
+    api_key_file: str | None = None     # client API keys required on /v1/*
+    api_key_file_optional: bool = False  # a missing api_key_file requires no key until it appears
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -90,6 +93,8 @@ class RouterConfig:
             raise ValueError(f"discovery must be one of {DISCOVERY}, got {self.discovery!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.api_key_file_optional and not self.api_key_file:
+            raise ValueError("--api-key-file-optional needs --api-key-file")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,6 +132,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
     p.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds open requests may take to finish (keep under the pod's grace period)")
+    a = p.add_argument_group("authentication")
+    a.add_argument("--auth-token-file", metavar="FILE",
+                   help="the deployment token its pdfleet workers require (the first line is sent; re-read when the "
+                        "file changes); also required on /workers, which lists worker addresses")
+    a.add_argument("--api-key-file", metavar="FILE",
+                   help="client API keys, one per line (re-read when the file changes): /v1/* needs "
+                        "`Authorization: Bearer KEY` (401 invalid_api_key otherwise, counted); /health, /ready and "
+                        "/metrics stay open")
+    a.add_argument("--api-key-file-optional", action="store_true",
+                   help="a missing --api-key-file requires no key until it appears (a Kubernetes Secret volume "
+                        "marked optional); without this flag a missing file is an error")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -160,4 +176,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                         max_retries=args.max_retries, connect_timeout_s=args.connect_timeout,
                         upstream_timeout_s=args.upstream_timeout,
                         tier_header=args.tier_header.lower(), aliases=aliases, max_request_bytes=args.max_request_bytes,
-                        retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout)
+                        retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout,
+                        auth_token_file=getattr(args, "auth_token_file", None),
+                        api_key_file=getattr(args, "api_key_file", None),
+                        api_key_file_optional=getattr(args, "api_key_file_optional", False))

@@ -72,7 +72,7 @@ class RouterMetrics:
         # appears only with the first error makes increase() miss that error and leaves the
         # ratio empty (not 0) while all is well.
         for tier in tiers:
-            for code in ("200", "400", "500", "502", "503", "504"):
+            for code in ("200", "400", "401", "500", "502", "503", "504"):
                 self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
 

@@ -13,6 +13,7 @@ from pdfleet_worker.router import engines, picker
 from pdfleet_worker.router.discovery import Source, make_source
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.workers_file import WorkersFile
+from pdfleet_worker.server.auth import SecretFile
 
 log = logging.getLogger("pdfleet.router")
 
@@ -40,10 +41,27 @@ class Upstream:
                 "inflight": self.inflight, "last_error": self.last_error, "load": self.load}
 
 
+class TokenAuth(httpx.Auth):
+    """`Authorization: Bearer <deployment token>`; refused (401) mid-rotation, once more with the token the
+    file held before (a worker whose Secret volume has not caught up yet)."""
+
+    def __init__(self, token: SecretFile):
+        self.token = token
+
+    def auth_flow(self, request: httpx.Request):
+        tokens = self.token.for_sending()
+        for i, value in enumerate(tokens):
+            request.headers["Authorization"] = f"Bearer {value}"
+            response = yield request
+            if response.status_code != 401 or i + 1 == len(tokens):
+                return
+
+
 class Upstreams:
-    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
+    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient, token: SecretFile | None = None):
         self.cfg = cfg
         self.client = client
+        self._auth = TokenAuth(token) if token is not None else None
         self.sources: list[tuple[str, str, Source]] = [
             (tier.name, role, make_source(url, cfg.discovery, cfg.namespace, tier.engine_of(url)))
             for tier in cfg.tiers.values() for role, urls in tier.pools().items() for url in urls]
@@ -104,7 +122,7 @@ class Upstreams:
 
     async def probe(self, up: Upstream) -> None:
         timeout = max(0.5, min(2.0, 2 * self.cfg.health_interval_s))
-        result = await engines.probe(self.client, up.engine, up.url, timeout)
+        result = await engines.probe(self.client, up.engine, up.url, timeout, self.auth(up))
         if result.ok != up.healthy:
             log.info("%s worker %s@%s is %s", up.role, up.engine, up.url,
                      "healthy" if result.ok else f"out of rotation: {result.error}")
@@ -119,6 +137,10 @@ class Upstreams:
         up.healthy, up.last_error = False, error
 
     # -- queries --------------------------------------------------------------------------------
+    def auth(self, up: Upstream) -> httpx.Auth | None:
+        """The deployment token for a pdfleet worker; none for vLLM (it has no use for it: least privilege)."""
+        return self._auth if up.engine == engines.PDFLEET else None
+
     def pool(self, tier: str, role: str) -> list[Upstream]:
         return [up for (t, r, _), up in self.all.items() if t == tier and r == role]
 

@@ -1,4 +1,4 @@
-"""The worker's FastAPI app: OpenAI routes, /health, /ready, /load, /metrics, error objects, background model load and drain; the runner serves it."""
+"""The worker's FastAPI app: OpenAI routes, /health, /ready, /load, /metrics, error objects, the deployment token on everything but the probes, background model load and drain; the runner serves it."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from pdfleet_worker import metrics as m
+from pdfleet_worker.server import auth
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.openai_serving import OpenAIServing, ServerState
 from pdfleet_worker.server.streaming import install_error_handlers
@@ -22,6 +23,10 @@ from pdfleet_worker.server.worker_config import WorkerConfig
 from pdfleet_worker.server.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("pdfleet.worker")
+
+# Open with a token configured: kubelet's probes and Prometheus carry no token (the NetworkPolicy limits who
+# reaches them); /ready then answers readiness only, not /load's body.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 class Worker:
@@ -39,6 +44,12 @@ class Worker:
         self._engine = engine          # tests may hand in a built engine
         self._connector = connector
         self._loaded = asyncio.Event()
+        # ValueError (missing, empty or short file) before anything starts
+        self.token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
+        if self.token is None and cfg.role != "both":
+            log.warning("no --auth-token-file: this %s worker's OpenAI endpoints, /load and KV endpoint are "
+                        "unauthenticated (anyone who reaches it may send kv_transfer_params or pull and release "
+                        "KV leases)", cfg.role)
 
     # -- startup --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -72,6 +83,7 @@ class Worker:
             self.load_error = e
 
     def _ready(self, engine) -> None:
+        from pdfleet_worker.kv_transfer.peers import KVPeers
         from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 
         loop = EngineLoop(engine)
@@ -83,8 +95,10 @@ class Worker:
                                 lambda: loop.stats, lease_counts)
         if self.cfg.serves_kv or self.cfg.pulls_kv:
             connector = self._connector or TcpKVConnector(
-                "127.0.0.1" if self.cfg.host == "localhost" else self.cfg.host, self.cfg.kv_port)
+                "127.0.0.1" if self.cfg.host == "localhost" else self.cfg.host, self.cfg.kv_port,
+                token=self.token, peers=KVPeers.from_spec(self.cfg.kv_peers))
             connector.on_sent = metrics.kv_sent
+            connector.on_refused = metrics.kv_failure
             self.pd = PD(self.cfg, loop, connector, metrics)
             self.pd.start()
         loop.on_step = metrics.observe
@@ -173,6 +187,9 @@ def build_app(worker: Worker) -> FastAPI:
 
     app = FastAPI(title="pdfleet worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
+    if worker.token is not None:
+        app.add_middleware(auth.RequireBearer, secret=worker.token, protected=lambda path: path not in OPEN_PATHS,
+                           what="the deployment token")
 
     def serving() -> OpenAIServing:
         if worker.load_error is not None:
@@ -215,6 +232,8 @@ def build_app(worker: Worker) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         info = worker.load_info()
+        if worker.token is not None:  # open to probes: readiness only (the rest is /load's, behind the token)
+            info = {k: info[k] for k in ("ready", "alive", "loaded", "draining")}
         return JSONResponse(info, status_code=200 if info["ready"] else 503)
 
     @app.get("/load")

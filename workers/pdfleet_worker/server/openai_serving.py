@@ -233,6 +233,15 @@ class OpenAIServing:
         remote_tokens: list[int] = [0] * len(prep.prompts)
         if prep.remote is not None:
             assert self.pd is not None
+            refused = await self.pd.untrusted(prep.remote)
+            if refused is not None:  # nothing to ack there either: its leases expire on their own
+                self.metrics.kv_failure(refused.reason)
+                if self.cfg.kv_on_failure == "fail":
+                    raise RequestError(502, str(refused), type="kv_transfer_error", code=refused.reason)
+                log.warning("%s; recomputing the prompt here", refused)
+                prep.remote = None
+        if prep.remote is not None:
+            assert self.pd is not None
             for i, tokens in enumerate(prep.prompts):
                 try:
                     remote_tokens[i] = self.pd.remote_tokens(prep.remote, i, tokens)

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation in the worker: leases and KV transfer parameters on the prefill side, pulls, acks and the failure policy on the decode side; the OpenAI handlers call it."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -105,6 +106,15 @@ class PD:
             self.leases.release(request_id, counted="dropped")
 
     # -- decode side ----------------------------------------------------------------------------
+    async def untrusted(self, params: KVTransferParams) -> TransferRefused | None:
+        """Refused when the params name a KV endpoint outside --kv-peers: it is never contacted (no pull, no ack,
+        no token sent there), whoever wrote the params. Resolving a peer's name happens off the event loop."""
+        if await asyncio.to_thread(self.connector.trusts, params.host, params.port):
+            return None
+        return TransferRefused(c.UNTRUSTED_PEER,
+                               f"KV endpoint {params.host}:{params.port} of prefill engine {params.engine_id} is not "
+                               f"among this worker's --kv-peers ({self.connector.peers}); not contacted")
+
     def remote_tokens(self, params: KVTransferParams, index: int, token_ids: list[int]) -> int:
         """How many leading tokens of this prompt to take from the prefill worker; raises TransferRefused."""
         prompt = params.prompts[index]

@@ -12,7 +12,10 @@ from pdfleet_worker.server.draining_server import DrainingServer
 from pdfleet_worker.server.worker_config import WorkerConfig, from_args
 
 def serve(cfg: WorkerConfig, log_level: str = "info") -> int:
-    worker = Worker(cfg)
+    try:
+        worker = Worker(cfg)
+    except ValueError as e:  # an unusable --auth-token-file
+        raise SystemExit(f"pdfleet worker: {e}")
     app = build_app(worker)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=5, lifespan="on", timeout_keep_alive=30)

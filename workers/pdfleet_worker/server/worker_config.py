@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
 from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
 
@@ -47,6 +48,9 @@ class WorkerConfig:
     kv_on_failure: str = "recompute"
     kv_host: str | None = None      # address advertised to decode workers
     kv_port: int = 0                # 0: any free port
+    kv_peers: str = kvpeers.LOOPBACK  # decode: the prefill KV endpoints it may pull from (HOST[:PORT],...)
+    # authentication: the deployment token's file (None: unauthenticated, as a worker on its own)
+    auth_token_file: str | None = None
     # request limits
     max_request_bytes: int = 4 << 20
     max_tokens: int | None = None   # None: up to the model length
@@ -71,6 +75,7 @@ class WorkerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        kvpeers.parse(self.kv_peers)  # ValueError names the bad entry
 
     @property
     def serves_kv(self) -> bool:
@@ -120,6 +125,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-host", default=None, help="prefill: address decode workers reach the KV endpoint at "
                                                   "(default $POD_IP, else --host, else 127.0.0.1)")
     k.add_argument("--kv-port", type=int, default=None, help="prefill: KV endpoint port (default: any free port)")
+    k.add_argument("--kv-peers", default=None, metavar="HOST[:PORT],...",
+                   help="decode: the only prefill KV endpoints this worker pulls from and sends its token to: IPs, "
+                        "CIDRs or DNS names (a headless Service: every ready pod), each with an optional port; "
+                        "kv_transfer_params naming another endpoint are refused, counted as "
+                        f"reason=untrusted_peer (default {kvpeers.LOOPBACK}: this machine only)")
+    a = p.add_argument_group("authentication")
+    a.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="the deployment token (one per line: the first is sent, all are accepted), re-read when the "
+                        "file changes: required on the OpenAI endpoints, /v1/models and /load (Authorization: Bearer) "
+                        "and by the KV endpoint, sent with KV pulls and acks. /health, /ready and /metrics stay open. "
+                        "Without it the worker is unauthenticated (a warning says so)")
     s = p.add_argument_group("serving")
     s.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)")
     s.add_argument("--max-tokens-limit", dest="max_tokens", type=int, default=None,
@@ -205,6 +221,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_lease_s=parse_duration(pick("kv_lease", 30.0)),
         kv_on_failure=pick("kv_on_failure", "recompute"),
         kv_host=pick("kv_host", None), kv_port=pick("kv_port", 0),
+        kv_peers=pick("kv_peers", kvpeers.LOOPBACK), auth_token_file=pick("auth_token_file", None),
         max_request_bytes=pick("max_request_bytes", 4 << 20), max_tokens=pick("max_tokens", None),
         max_n=pick("max_n", 16), max_logprobs=pick("max_logprobs", 20), max_prompts=pick("max_prompts", DEFAULT_MAX_PROMPTS),
         retry_after_s=pick("retry_after", 1),

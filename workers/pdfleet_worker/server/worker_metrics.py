@@ -27,7 +27,7 @@ class WorkerMetrics:
         for direction in ("sent", "received"):
             self._kv_bytes.labels(**self.base, direction=direction)
         for reason in (c.CONNECT, c.TIMEOUT, c.PEER_CLOSED, c.INCOMPATIBLE, c.UNKNOWN_REQUEST, c.PROMPT_MISMATCH,
-                       c.BAD_RESPONSE, c.UNSUPPORTED):
+                       c.BAD_RESPONSE, c.UNSUPPORTED, c.UNAUTHORIZED, c.UNTRUSTED_PEER):
             self._kv_failures.labels(**self.base, reason=reason)
         for reason in ("queue_full", "draining"):
             self._rejections.labels(**self.base, reason=reason)
