@@ -64,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prompt-tokens", type=int, default=64, help="median prompt length of steady/bursty load")
     up.add_argument("--output-tokens", type=int, default=128, help="median output length of steady/bursty load")
     up.add_argument("--threads-per-worker", dest="threads", type=int, default=1,
-                    help="torch threads of each worker (default 1: workers share the machine's cores)")
+                    help="torch threads of each pdfleet worker (default 1: workers share the machine's cores); "
+                         "a vLLM replica binds its threads to its class's cores (VLLM_CPU_OMP_THREADS_BIND)")
     up.add_argument("--run-dir", metavar="DIR", help="where engine config, workers file and logs go (kept); default: "
                                                     "a temporary directory removed after a clean run")
     up.add_argument("--report", metavar="FILE.json", help="also write the summary as JSON (the simulator's keys)")

@@ -337,7 +337,10 @@ class Supervisor:
             return
         tail = r.child.log_tail(3) if r.child else ""
         if self.startup:
-            raise UpError(f"{r.name} {how} while the fleet was starting" + (f": {tail.splitlines()[-1]}" if tail else "")
+            why = tail.splitlines()[-1] if tail else ""
+            if r.engine == runtimes.VLLM and r.child is not None:
+                why = vllm_runtime.root_cause(r.child.log_tail(400)) or why
+            raise UpError(f"{r.name} {how} while the fleet was starting" + (f": {why}" if why else "")
                           + f" (log: {r.child.log_path if r.child else '-'})")
         served = r.ready_since is not None and now - r.ready_since >= BACKOFF_RESET_S
         r.backoff_s = BACKOFF_FIRST_S if served or r.backoff_s == 0 else min(BACKOFF_MAX_S, r.backoff_s * 2)
