@@ -138,3 +138,12 @@ def test_float16_is_refused_for_the_pdfleet_worker_and_served_by_vllm() -> None:
     s = s.model_copy(update={"engine": s.engine.model_copy(update={"runtime": "vllm"}),
                              "colocated": s.colocated.model_copy(update={"accelerator_classes": ["h100-80gb"]})})
     assert runtimes.check(s, CLASSES) == []
+
+
+def test_vllm_on_the_cpu_class_takes_its_block_size_and_no_tensor_parallelism() -> None:
+    s = spec_of(EXAMPLES["local-vllm"])
+    rt = runtimes.for_pool(s, "colocated", "cpu", CLASSES["cpu"])
+    assert (rt.name, rt.tensor_parallel) == ("vllm", 1)  # the cpu class's count of 2 is cores
+    s = s.model_copy(update={"engine": s.engine.model_copy(update={"block_size": 16})})
+    problems = runtimes.check(s, CLASSES)
+    assert [p.field for p in problems] == ["spec.engine.blockSize"] and "multiple of 32" in problems[0].message

@@ -73,7 +73,7 @@ def test_what_no_vllm_runtime_can_serve_here_is_refused_in_one_line(tmp_path, mo
                    prefill={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1},
                    decode={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1})
     refused(up(str(pd), "--port", str(free_port()), cwd=tmp_path), "spec.disaggregation: the decode pool on cpu runs vllm",
-            "run vLLM colocated")
+            "runs vLLM colocated only")
     small = vllm_spec(tmp_path, model_dir, **{"engine.blockSize": 16})
     refused(up(str(small), "--port", str(free_port()), cwd=tmp_path), "spec.engine.blockSize: 16",
             "multiple of 32")

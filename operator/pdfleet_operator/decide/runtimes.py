@@ -26,6 +26,8 @@ PDFLEET, VLLM = "pdfleet", "vllm"
 # bridge the worker loads (it would compute on the host CPU while holding the card), so no default.
 VENDOR_DEVICE = {"nvidia": "cuda", "hygon": "cuda", "huawei": "npu", "cambricon": "mlu", "intel": "xpu", "cpu": "cpu"}
 TENSOR_PARALLEL = {PDFLEET: False, VLLM: True}
+# vLLM's CPU attention (0.32) takes KV blocks of a multiple of this many tokens ("No common block size for 16").
+VLLM_CPU_BLOCK_MULTIPLE = 32
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,13 @@ def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: Acc
                                     f"spec.engine.vllm.image names no image")
     if offered is not None:
         env += tuple((v.name, v.value) for v in offered.env)
+    on_cpu = cls.resource_name == "cpu"  # count is cores there, not devices to split the model over
+    if on_cpu and spec.engine.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+        raise RuntimeProblem("spec.engine.blockSize", f"{spec.engine.block_size}: vLLM's CPU attention takes KV blocks "
+                                                      f"of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens ({where}); "
+                                                      f"use 32 or 128")
     connector = (wanted.kv_connector if wanted else None) or (offered.kv_connector if offered else "NixlConnector")
-    return PoolRuntime(VLLM, image, env, tensor_parallel=cls.count,
+    return PoolRuntime(VLLM, image, env, tensor_parallel=1 if on_cpu else cls.count,
                        kv_connector=connector if role in ("prefill", "decode") else None)
 
 

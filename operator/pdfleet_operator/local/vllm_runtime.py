@@ -104,11 +104,12 @@ def check_pools(spec: InferenceDeploymentSpec, pools: Mapping[tuple[str, str], r
         if rt.name != runtimes.VLLM:
             continue
         if role in ("prefill", "decode"):
-            # NOTE: the router refuses vLLM workers in prefill/decode lists until it drives vLLM's own
-            # disaggregation (kv_transfer_params); refused here so nothing starts that could not serve.
-            raise UpError(f"{source}: spec.disaggregation: the {role} pool on {cls_name} runs vllm, and pdfleet's "
-                          "router drives prefill -> decode only between pdfleet workers; run vLLM colocated "
-                          "(spec.disaggregation: false) or the pdfleet engine")
+            # NOTE: the router drives vLLM's own prefill -> decode (tests/serving/test_vllm_pd.py, NIXL on
+            # loopback), but `pdfleet up` does not yet give each replica the KV connector and its own side
+            # channel port; refused here so nothing starts that could not serve.
+            raise UpError(f"{source}: spec.disaggregation: the {role} pool on {cls_name} runs vllm, and `pdfleet up` "
+                          "runs vLLM colocated only (a cluster runs vLLM prefill/decode); use "
+                          "spec.disaggregation: false, or the pdfleet engine")
         if classes[cls_name].resource_name == "cpu" and spec.engine.block_size % CPU_BLOCK_MULTIPLE:
             raise UpError(f"{source}: spec.engine.blockSize: {spec.engine.block_size}: vLLM's CPU attention takes KV "
                           f"blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens (AcceleratorClass {cls_name}); "
