@@ -75,8 +75,12 @@ def test_what_no_vllm_runtime_can_serve_here_is_refused_in_one_line(tmp_path, mo
     refused(up(str(pd), "--port", str(free_port()), cwd=tmp_path), "spec.disaggregation: the decode pool on cpu runs vllm",
             "runs vLLM colocated only")
     small = vllm_spec(tmp_path, model_dir, **{"engine.blockSize": 16})
-    refused(up(str(small), "--port", str(free_port()), cwd=tmp_path), "spec.engine.blockSize: 16",
-            "multiple of 32")
+    # A rule of decide.runtimes: reported as admission reports (the problem, then the count), nothing started.
+    result = up(str(small), "--port", str(free_port()), cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == "", (result.stdout, result.stderr)
+    problem, summary = result.stderr.strip().splitlines()
+    assert "spec.engine.blockSize: 16" in problem and "multiple of 32" in problem
+    assert summary.startswith("pdfleet up: 1 error(s)") and summary.endswith("nothing started")
 
 
 def test_a_missing_or_broken_vllm_runtime_names_make_vllm(tmp_path, model_dir):
