@@ -49,6 +49,12 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     assert runner.exception is None, runner.exception
 
 
+def changing_writes(kube: Any) -> list:
+    """Writes that change something: all but the check that the deployment token's Secret exists (a create the
+    API server answers 409, made once per deployment by a newly started operator)."""
+    return [w for w in kube.writes() if not (w.resource == "secrets" and w.verb == "create" and w.status == 409)]
+
+
 def children(kube: Any, name: str, namespace: str = "default") -> dict[str, dict]:
     """Every object labelled as this deployment's child, by `Kind/name`."""
     out = {}

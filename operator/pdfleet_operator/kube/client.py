@@ -1,4 +1,5 @@
-"""The only module that writes to the Kubernetes API: children by server-side apply, status, Events.
+"""The only module that writes to the Kubernetes API: children by server-side apply, status, Events, and the
+deployment token's Secret by create-if-missing.
 
 Called by the reconcile path in `handlers`. Reads what exists (by label), writes only what differs
 (`drift.contains`), deletes children the render no longer has, never touches objects another owner
@@ -32,6 +33,7 @@ logger = logging.getLogger("pdfleet.kube")
 # kind -> (API prefix, plural); every kind this module reads or writes.
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),  # created only (create_if_missing): never read, listed, patched or deleted
     "Service": ("/api/v1", "services"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "ControllerRevision": ("/apis/apps/v1", "controllerrevisions"),
@@ -154,11 +156,11 @@ class Api:
             await self._session.close()
 
     async def request(self, method: str, path: str, *, params: dict[str, str] | None = None, body: Any = None,
-                      content_type: str = "application/json") -> Any:
+                      content_type: str = "application/json", counted: bool = True) -> Any:
         session = await self._client()
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        if method in WRITE_METHODS:
+        if method in WRITE_METHODS and counted:
             self.writes += 1
         else:
             self.reads += 1
@@ -221,6 +223,20 @@ class Api:
         result.setdefault("kind", obj["kind"])
         self._remember(result)
         return result
+
+    async def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        """POST `obj`: True if created, False if one of that name exists (409 AlreadyExists), which is left as it is.
+        NOTE: what the deployment token's Secret needs: `create` is the only verb on Secrets the operator holds
+        (it can read no Secret), and no reconcile ever replaces the token the pods were given."""
+        meta = obj["metadata"]
+        try:
+            await self.request("POST", _path(obj["kind"], meta.get("namespace")), body=obj, counted=False)
+        except ApiError as exc:
+            if exc.code == 409:
+                return False
+            raise
+        self.writes += 1
+        return True
 
     async def delete(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -331,6 +347,11 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             await api.delete(obj)
             result.deleted.append(key)
     return result
+
+
+async def ensure_auth_secret(api: Api, owner: render.Owner) -> bool:
+    """The deployment token's Secret, created with a fresh token when missing (True), else left alone (False)."""
+    return await api.create_if_missing(render.auth_secret(owner, secrets.token_urlsafe(32)))
 
 
 async def list_revisions(api: Api, owner: render.Owner) -> list[dict[str, Any]]:

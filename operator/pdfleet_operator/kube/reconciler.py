@@ -40,6 +40,9 @@ GROUP, VERSION = "pdfleet.io", "v1alpha1"
 logger = logging.getLogger("pdfleet.operator")
 # How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
 INDEX_SYNC_TIMEOUT_S = 10.0
+# The deployment token's Secret is created when missing at most this often per deployment (a POST that finds it
+# answers 409): so a Secret deleted to rotate the token comes back with the next reconcile after that.
+AUTH_SECRET_CHECK_S = 60.0
 Key = tuple[str, str]  # (namespace, name)
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -79,6 +82,7 @@ class Reconciler:
         self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
         self.analysis = False  # start rollback-analysis loops (set at kopf startup from OPTIONS.analysis_interval)
         self.rollbacks = revisions.AnalysisLog()
+        self._auth_checked: dict[Key, tuple[str, float]] = {}  # key -> (uid, monotonic time of the last create POST)
 
     # --- the memory of each deployment --------------------------------------------------------------------
     def memory(self, key: Key) -> DeploymentMemory:
@@ -94,6 +98,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         """The deployment is gone: stop its loops and drop everything this process kept about it."""
+        self._auth_checked.pop(key, None)
         m = self.deployments.pop(key, None)
         if m is not None:
             m.stop()
@@ -330,6 +335,7 @@ class Reconciler:
         for k in await revisions.record(api, revisions.superseded(config, owner, revision, stored), stored,
                                         dep.spec.rollback.revision_history_limit, keep):
             exporter.API_WRITES.labels(k.split("/")[0]).inc()
+        await self._ensure_auth_secret(api, key, owner)  # before the pods that mount it
         result = await client.apply_children(api, owner, objects, children)
         rendered = {client.key_of(o): _digest(o) for o in objects}
         last_rendered = m.rendered
@@ -373,6 +379,16 @@ class Reconciler:
                                               for p in plan.pools),
                            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
+
+    async def _ensure_auth_secret(self, api: client.Api, key: Key, owner: render.Owner) -> None:
+        last = self._auth_checked.get(key)
+        now = asyncio.get_running_loop().time()
+        if last is not None and last[0] == owner.uid and now - last[1] < AUTH_SECRET_CHECK_S:
+            return
+        if await client.ensure_auth_secret(api, owner):
+            logger.info("created the deployment token Secret %s/%s", key[0], render.auth_secret_name(owner.name))
+            exporter.API_WRITES.labels("Secret").inc()
+        self._auth_checked[key] = (owner.uid, now)
 
     def _resume(self, key: Key, dep: InferenceDeployment, stored: list[dict[str, Any]],
                 serving: dict[str, Any] | None) -> None:

@@ -6,10 +6,17 @@ role a headless Service (worker discovery) and a PodDisruptionBudget; a router D
 Service (the endpoint); a ConfigMap with the engine config; a PodMonitor and a PrometheusRule when
 the monitoring.coreos.com CRDs exist. Names derive from the deployment name only, so a restarted
 operator finds what it created instead of creating twins.
+
+The deployment token (`auth_secret`) is not among them: it is created once, when missing, and never
+applied over (kube.client.create_if_missing), so no reconcile replaces a token the pods hold. Router
+and pdfleet worker pods mount it (`--auth-token-file`); the router also mounts the optional Secret of
+client API keys an admin may create (`--api-key-file`), and decode workers pull KV only from the
+prefill role's Service (`--kv-peers`).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import posixpath
@@ -58,6 +65,13 @@ CONFIG_KEY = "engine.json"
 RUN_AS = 10001  # the image's user (Dockerfile: useradd --uid 10001)
 WORKER_GRACE_SECONDS = 90  # a draining worker finishes in-flight requests and releases KV leases
 ROUTER_GRACE_SECONDS = 30
+# The deployment token: a Secret per InferenceDeployment (created by the operator when missing) in every router
+# and pdfleet worker pod; the client API keys: an optional Secret the admin creates, in the router pod only.
+AUTH_MOUNT = "/var/run/pdfleet/auth"
+AUTH_TOKEN_KEY = "token"
+API_KEYS_MOUNT = "/var/run/pdfleet/api-keys"
+API_KEYS_KEY = "api-keys"
+SECRET_MODE = 0o440  # root:fsGroup (the pod's group), read-only, nobody else
 # (apiVersion, kind) of everything render() may produce; kube.py maps them to API paths.
 KINDS = (
     ("v1", "ConfigMap"),
@@ -165,11 +179,54 @@ def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict], list[dict]
     return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
 
 
+def auth_secret_name(deployment: str) -> str:
+    return child_name(deployment, "auth")
+
+
+def api_keys_secret_name(deployment: str) -> str:
+    return child_name(deployment, "api-keys")
+
+
+def auth_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The deployment token between its router, workers and KV endpoints. Created only when missing (a 409 keeps the
+    one that exists); rotated by deleting it (the next reconcile creates a new one, pods re-read the file)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, auth_secret_name(owner.name), labels(owner, "auth")),
+        "type": "Opaque",
+        "data": {AUTH_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def _secret_volume(name: str, secret: str, key: str, *, optional: bool = False) -> dict[str, Any]:
+    source: dict[str, Any] = {"secretName": secret, "defaultMode": SECRET_MODE, "items": [{"key": key, "path": key}]}
+    if optional:
+        source["optional"] = True
+    return {"name": name, "secret": source}
+
+
+def _auth_volume(owner: Owner) -> tuple[dict[str, Any], dict[str, Any]]:
+    # NOTE: no subPath: kubelet updates a Secret volume in place only without one (the rotation needs that).
+    return (_secret_volume("auth", auth_secret_name(owner.name), AUTH_TOKEN_KEY),
+            {"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+
+
+def kv_peers(owner: Owner) -> str:
+    """What a decode worker may pull KV from: the prefill role's headless Service (every ready prefill pod), KV port."""
+    return f"{role_service_name(owner.name, 'prefill')}.{owner.namespace}.svc:{KV_PORT}"
+
+
 def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime | None = None,
-                accelerator: str | None = None) -> list[str]:
+                accelerator: str | None = None, owner: Owner | None = None) -> list[str]:
     """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args); with a
-    pool's runtime, the device it must compute on and its class (a worker without the device exits, loudly)."""
+    pool's runtime, the device it must compute on and its class (a worker without the device exits, loudly);
+    with its owner, the deployment token and (decode) the prefill peers it may pull from."""
     flags = []
+    if owner is not None:
+        flags += ["--auth-token-file", posixpath.join(AUTH_MOUNT, AUTH_TOKEN_KEY)]
+        if role == "decode":
+            flags += ["--kv-peers", kv_peers(owner)]
     if role == "prefill":
         flags += ["--kv-port", str(KV_PORT)]
     if runtime is not None and runtime.device is not None:
@@ -200,7 +257,9 @@ def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | Non
         args += ["--workers", url("colocated")]
     else:
         args += ["--prefill", url("prefill"), "--decode", url("decode")]
-    return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT),
+                   "--auth-token-file", posixpath.join(AUTH_MOUNT, AUTH_TOKEN_KEY),
+                   "--api-key-file", posixpath.join(API_KEYS_MOUNT, API_KEYS_KEY), "--api-key-file-optional"]
 
 
 def _probes(ready: str = "/ready") -> dict[str, Any]:
@@ -323,13 +382,14 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     else:
         if role == "prefill":
             ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
-        mounts.insert(0, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
-        volumes.insert(0, {"name": "config", "configMap": {"name": config_name(owner.name)}})
+        auth_volume, auth_mount = _auth_volume(owner)
+        mounts[:0] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}, auth_mount]
+        volumes[:0] = [{"name": "config", "configMap": {"name": config_name(owner.name)}}, auth_volume]
         container = {
             "name": "worker",
             "image": runtime.image,
             "command": ["pdfleet"],
-            "args": worker_args(spec, role, runtime, acc),
+            "args": worker_args(spec, role, runtime, acc, owner),
             "ports": ports,
             "env": env,
             **_probes(),
@@ -386,7 +446,8 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
         **_probes(),
         "securityContext": _container_security(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, _auth_volume(owner)[1],
+                         {"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}],
     }
     resources = _resources(spec.router.resources, None)
     if resources:
@@ -411,7 +472,10 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
                     "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
                     "securityContext": _pod_security(),
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, _auth_volume(owner)[0],
+                                # absent until an admin creates it: then /v1/* needs a key (no restart)
+                                _secret_volume("api-keys", api_keys_secret_name(owner.name), API_KEYS_KEY,
+                                               optional=True)],
                 },
             },
         },
