@@ -66,7 +66,105 @@ def speed(a: argparse.Namespace) -> int:
     return 0
 
 
+VLLM_CHILD = r"""
+import json, statistics, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+a = json.loads(sys.argv[1])
+llm = LLM(model=a["model"], dtype=a["dtype"], max_model_len=1024, max_num_batched_tokens=a["budget"], max_num_seqs=64,
+          enable_prefix_caching=False, seed=0, enforce_eager=a["eager"])
+vocab = a["vocab"]
+def run(ids, max_tokens, copies=1):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=[(x + c) % (vocab - 8) + 8 for x in ids]) for c in range(copies)]
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    return time.perf_counter() - t
+stat = min if a["stat"] == "min" else statistics.median
+prompt = lambda n, k: [(7 * i + n + k) % (vocab - 8) + 8 for i in range(n)]
+for n in a["lengths"]:
+    run(prompt(n, 0), 1, a["copies"])
+# NOTE: `copies` prompts per call: one LLM.generate call costs tens of ms of its own (input processing,
+# outputs) that a served request pays outside the engine step; per prompt that is amortized away.
+prefill = {n: stat([run(prompt(n, k + 1), 1, a["copies"]) for k in range(a["reps"])]) / a["copies"]
+           for n in a["lengths"]}
+steps = 64
+short = stat([run(prompt(4, k), 1) for k in range(a["reps"])])
+long = stat([run(prompt(4, k), 1 + steps) for k in range(a["reps"])])
+print(json.dumps({"prefill_s": prefill, "decode_step_s": (long - short) / steps}))
+"""
+
+
+def calibrate_vllm(a: argparse.Namespace, model: str, cfg, cpu) -> int:  # noqa: ANN001
+    """The same measurement with vLLM's CPU build (in .venv-vllm, `make vllm`): prefill requests of several
+    lengths (linear fit: overhead and MFU) and batch-1 decode steps (MBU), through vLLM's offline `LLM`."""
+    import subprocess
+
+    py = os.environ.get("PDFLEET_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not os.path.isfile(py):
+        raise SystemExit(f"calibrate --engine vllm: no vLLM runtime at {py} (make vllm)")
+    lengths = [16, 64, 128, 256, a.budget]
+    args = {"model": model, "dtype": a.dtype, "budget": a.budget, "lengths": lengths, "reps": a.reps,
+            "stat": a.stat, "vocab": cfg.vocab_size, "eager": a.vllm_eager, "copies": 4}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{a.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([py, "-c", VLLM_CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"calibrate --engine vllm failed: {done.stderr[-3000:]}")
+    got = json.loads(lines[-1])
+    times = {int(n): t for n, t in got["prefill_s"].items()}
+    overhead = None
+    if a.overhead_from:
+        # NOTE: vLLM's per-step overhead cannot be told apart from its weight read at batch 1 (both are
+        # the whole step); the pdfleet engine's, measured in-process, stands in for it (an assumption)
+        overhead = json.loads(Path(a.overhead_from).read_text().strip().splitlines()[-1])["step_overhead_s"]
+    return _write(a, cfg, cpu, times, got["decode_step_s"], None, engine="vllm", overhead=overhead)
+
+
+def _write(a: argparse.Namespace, cfg, cpu, times: dict[int, float], decode1: float, decode8: float | None,  # noqa: ANN001
+           hop: float | None = None, engine: str = "pdfleet", overhead: float | None = None) -> int:
+    xs, ys = list(times), [times[n] for n in times]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    overhead = max(0.0, my - slope * mx) if overhead is None else overhead
+    dtype_bytes = {"float32": 4, "bfloat16": 2}[a.dtype]
+    weights = cfg.num_params * dtype_bytes
+    peak = cpu.peak_tflops * 1e12 * cpu.count
+    bandwidth = cpu.memory_bandwidth_gbps * 1e9 * cpu.count
+    mfu = min(1.0, 2 * cfg.num_params / (peak * slope))
+    read = decode1 - overhead
+    mbu = min(1.0, weights / (bandwidth * read)) if read > 0 else 1.0
+    out = {"kind": "pdfleet-sim-calibration", "class": "cpu", "engine": engine,
+           "model": f"{a.preset} ({cfg.num_params / 1e6:.1f}M params, {a.dtype})",
+           "prefill_mfu": round(mfu, 4), "decode_mbu": round(mbu, 4), "step_overhead_s": round(overhead, 6),
+           **({} if hop is None else {"http_hop_s": round(hop, 6)}),
+           "prefill_s": {str(n): round(t, 6) for n, t in times.items()},
+           "decode_step_s": {"1": round(decode1, 6), **({} if decode8 is None else {"8": round(decode8, 6)})},
+           "threads": a.threads, "stat": a.stat}
+    print(f"{engine} prefill step: {overhead * 1000:.2f} ms + {slope * 1e6:.1f} us/token  -> MFU {mfu:.3f} of "
+          f"{peak / 1e12:.2f} TFLOP/s")
+    print(f"{engine} decode bs1 step: {decode1 * 1000:.2f} ms -> MBU {mbu:.3f} of {bandwidth / 1e9:.0f} GB/s")
+    if hop is not None:
+        print(f"HTTP hop (client -> worker, first byte, beyond the engine's prefill): {hop * 1000:.2f} ms")
+    line = json.dumps(out)
+    print(line)
+    if a.out:
+        Path(a.out).write_text(line + "\n")
+    return 0
+
+
 def calibrate(a: argparse.Namespace) -> int:
+    if a.engine == "vllm":
+        from pdfleet_worker import model_init
+        from pdfleet_worker.config import ModelConfig
+
+        cpu = fleet_file.load(ROOT / "examples" / "sim" / "local-tiny.yaml").classes["cpu"]
+        model = a.model or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdfleet-bench-{a.preset}")
+        if not os.path.isfile(os.path.join(model, "model.safetensors")):
+            model_init.init_model(model, a.preset, seed=0)
+        return calibrate_vllm(a, model, ModelConfig.from_dir(model), cpu)
     import torch
 
     from pdfleet_worker import model_init
@@ -81,7 +179,6 @@ def calibrate(a: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(model, "model.safetensors")):
         model_init.init_model(model, a.preset, seed=0)
     cfg = ModelConfig.from_dir(model)
-    dtype_bytes = {"float32": 4, "bfloat16": 2}[a.dtype]
     engine = LLMEngine(EngineConfig(model=model, dtype=a.dtype, max_num_seqs=64, max_num_batched_tokens=a.budget,
                                     kv_cache_memory_bytes=1 << 30, num_threads=a.threads, enable_prefix_caching=False),
                        load_tokenizer=False)
@@ -114,33 +211,10 @@ def calibrate(a: argparse.Namespace) -> int:
     # started now would find it (what a replay on the same, shared machine is compared against)
     stat = min if a.stat == "min" else statistics.median
     times = {n: stat([prefill(n) for _ in range(a.reps)]) for n in lengths}
-    xs, ys = list(times), [times[n] for n in times]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    overhead = max(0.0, my - slope * mx)
     decode1 = decode_step(1)
     decode8 = decode_step(8)
-    weights = cfg.num_params * dtype_bytes
-    peak = cpu.peak_tflops * 1e12 * cpu.count
-    bandwidth = cpu.memory_bandwidth_gbps * 1e9 * cpu.count
-    mfu = min(1.0, 2 * cfg.num_params / (peak * slope))
-    read = decode1 - overhead
-    mbu = min(1.0, weights / (bandwidth * read)) if read > 0 else 1.0
     hop = None if a.no_http else http_hop(a, model, times[16])
-    out = {"kind": "pdfleet-sim-calibration", "class": "cpu", "model": f"{a.preset} ({cfg.num_params / 1e6:.1f}M params, {a.dtype})",
-           "prefill_mfu": round(mfu, 4), "decode_mbu": round(mbu, 4), "step_overhead_s": round(overhead, 6),
-           **({} if hop is None else {"http_hop_s": round(hop, 6)}),
-           "prefill_s": {str(n): round(t, 6) for n, t in times.items()}, "decode_step_s": {"1": round(decode1, 6), "8": round(decode8, 6)},
-           "threads": a.threads, "stat": a.stat}
-    print(f"prefill step: {overhead * 1000:.2f} ms + {slope * 1e6:.1f} us/token  -> MFU {mfu:.3f} of {peak / 1e12:.2f} TFLOP/s")
-    print(f"decode bs1 step: {decode1 * 1000:.2f} ms, bs8 {decode8 * 1000:.2f} ms -> MBU {mbu:.3f} of {bandwidth / 1e9:.0f} GB/s")
-    if hop is not None:
-        print(f"HTTP hop (client -> worker, first byte, beyond the engine's prefill): {hop * 1000:.2f} ms")
-    line = json.dumps(out)
-    print(line)
-    if a.out:
-        Path(a.out).write_text(line + "\n")
-    return 0
+    return _write(a, cfg, cpu, times, decode1, decode8, hop, engine="pdfleet")
 
 
 def http_hop(a: argparse.Namespace, model: str, prefill16_s: float) -> float:
@@ -214,6 +288,11 @@ def main() -> int:
     c.add_argument("--http-reps", type=int, default=20, help="requests timed for the HTTP hop (default 20)")
     c.add_argument("--no-http", action="store_true", help="skip the HTTP hop (no worker process)")
     c.add_argument("--out", help="also write the JSON line here")
+    c.add_argument("--engine", choices=("pdfleet", "vllm"), default="pdfleet",
+                   help="the engine measured: the pdfleet engine in-process, or vLLM's CPU build (.venv-vllm)")
+    c.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (starts sooner, runs slower)")
+    c.add_argument("--overhead-from", metavar="FILE",
+                   help="with --engine vllm: take the per-step overhead from this pdfleet calibration (see calibrate_vllm)")
     a = p.parse_args()
     return calibrate(a) if a.cmd == "calibrate" else speed(a)
 

@@ -37,7 +37,17 @@ def test_compare_writes_report_json_and_plots(tmp_path, capsys) -> None:
     for png in ("replicas.png", "queues.png", "cost.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert "per policy" in printed and "calibration" in printed
+    assert "per policy" in printed and "efficiency per (engine, AcceleratorClass)" in printed
+    # cost at equal SLO attainment (the fleet file's equalSlo sweep): every policy says its cheapest run that
+    # reaches the target's attainment, or None
+    eq = doc["equal_slo"]
+    assert eq["target"] == "static-nvidia" and eq["target_attainment"] == doc["policies"]["static-nvidia"]["slo_attainment"]
+    for name, entry in doc["policies"].items():
+        assert "equal_slo_cost_per_1m_tokens" in entry and "equal_slo_attainment" in entry
+        if entry["equal_slo_cost_per_1m_tokens"] is not None:
+            assert entry["equal_slo_attainment"] >= eq["target_attainment"]
+        assert eq["policies"][name]["runs"][0]["variant"] == "as configured"
+    assert "equal_slo_saving" in doc["comparison"]
     assert "cheaper" in printed or "more expensive" in printed
     # The replay path: the same requests from the CSV give the same keys (what `pdfleet up` will be compared on).
     replay = tmp_path / "replay"
@@ -45,7 +55,7 @@ def test_compare_writes_report_json_and_plots(tmp_path, capsys) -> None:
                      "--warmup", "2m", "--out", str(replay), "--no-plots", "--quiet"]) == 0
     again = json.loads((replay / "report.json").read_text())["policies"]["static-nvidia"]
     first = doc["policies"]["static-nvidia"]
-    assert set(again) == set(first)
+    assert set(again) == set(first) - {"equal_slo_cost_per_1m_tokens", "equal_slo_attainment", "equal_slo_variant"}
     # A CSV trace starts at its first request, so the warm-up boundary moves by that first gap.
     assert abs(again["requests"] - first["requests"]) <= 0.01 * first["requests"] + 2
     assert abs(again["cost_per_1m_tokens"] - first["cost_per_1m_tokens"]) < 0.02 * first["cost_per_1m_tokens"]

@@ -164,13 +164,14 @@ def test_http_hops_delay_the_first_token_and_pd_ttft_includes_the_hand_off(polic
     trace = tr.Trace("sparse", np.arange(n) * 10.0, np.full(n, 500), np.full(n, 50), n * 10.0)
     f = small()
     hop = 0.05
-    base = report.summarize(run(policy, trace, f))
-    effs = {c: Efficiency(http_hop_s=hop) for c in f.classes}
+    plain = {(engine, c): Efficiency() for c in f.classes for engine in ("pdfleet", "vllm")}
+    base = report.summarize(run(policy, trace, f, efficiencies=plain))
+    effs = {key: Efficiency(http_hop_s=hop) for key in plain}
     slow = report.summarize(run(policy, trace, f, efficiencies=effs))
     assert slow["completed"] == base["completed"] == n
     assert slow["ttft_p50_s"] - base["ttft_p50_s"] == pytest.approx(hops * hop, abs=2e-3)
     assert slow["itl_p99_s"] == pytest.approx(base["itl_p99_s"], rel=0.05)  # hops are not inter-token gaps
-    sim = run(policy, trace, f)
+    sim = run(policy, trace, f, efficiencies=plain)
     first = np.asarray(sim.reqs.t_first) - np.asarray(sim.reqs.arrival)
     if policy == "static":  # the hand-off (KV pull, one decode step) comes after the prefill's token
         assert base["ttft_p50_s"] > float(np.median(first))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 from pdfleet_operator import trace as tr
 from pdfleet_operator.api import parse_duration
+from pdfleet_operator.decide import runtimes
 from pdfleet_operator.sim import calibration, report
 from pdfleet_operator.sim import fleet as fleet_file
 from pdfleet_operator.sim.simulator import Simulator
@@ -37,7 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="benchmark JSON (bench/sim.py calibrate, bench/engine.py, bench/pd.py) to calibrate classes")
     p.add_argument("--save-trace", metavar="FILE.csv", help="also write the trace as CSV (to replay it elsewhere)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes running policies (and the equal-SLO sweep) side by side (default: the cores)")
+    p.add_argument("--no-equal-slo", action="store_true",
+                   help="with --compare, skip the fleet file's equalSlo sweep (its fields are then absent)")
     p.set_defaults(func=run)
 
 
@@ -86,64 +92,121 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.save_trace:
         tr.write_csv(trace, args.save_trace)
-    used = sorted({c for p in policies for d in p.deployments for rs in d.spec.roles().values()
-                   for c in rs.accelerator_classes})
+    sweep = fl.equal_slo if args.compare and fl.equal_slo and not args.no_equal_slo else None
+    variants = [v for p in policies for v in (sweep.variants.get(p.name, ()) if sweep else ())]
+    runs = [(p, "") for p in policies] + [(v, v.variant) for v in variants]
+    pools = sorted({(runtimes.engine_of(d.spec, fl.classes[c]), c) for p, _ in runs for d in p.deployments
+                    for rs in d.spec.roles().values() for c in rs.accelerator_classes})
     console.print(f"fleet {fl.name}: {len(fl.nodes)} nodes, {fl.devices} accelerators; trace {trace.name}: "
                   f"{len(trace):,} requests over {trace.duration / 3600:.2f} h (mean {trace.mean_rate:.2f}/s), "
-                  f"the first {warmup / 60:.0f} min a warm-up", 
-                  highlight=False)
-    calibration.print_table(used, effs, console)
+                  f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s) in {min(args.jobs, len(runs))} "
+                  f"process(es)", highlight=False)
+    calibration.print_table(pools, effs, fl.classes, console)
 
-    sims: list[Simulator] = []
+    started = time.perf_counter()
+    done = _run_all(fl, runs, trace, warmup, effs, args, console)
+    total_wall = round(time.perf_counter() - started, 2)
     entries: dict[str, dict[str, Any]] = {}
+    swept: dict[str, list[dict[str, Any]]] = {}
     walls: dict[str, float] = {}
-    for policy in policies:
-        started = time.perf_counter()
-        sim = _run_one(fl, policy, trace, warmup, effs, args, console)
-        walls[policy.name] = round(time.perf_counter() - started, 2)
-        sims.append(sim)
-        entries[policy.name] = report.summarize(sim)
-        console.print(f"  {policy.name}: simulated in {walls[policy.name]:.1f} s", highlight=False)
+    plots = []
+    for (policy, variant), (summary, data, wall) in zip(runs, done):
+        if variant:
+            swept.setdefault(policy.name, []).append({**summary, "variant": variant})
+            walls[f"{policy.name} [{variant}]"] = wall
+        else:
+            entries[policy.name] = summary
+            walls[policy.name] = wall
+            plots.append(data)
+    day_wall = max(walls[p.name] for p in policies)
 
     report.print_tables(entries, console)
+    equal = None
+    if sweep is not None and sweep.target in entries:
+        equal = report.equal_slo(entries, swept, sweep.target)
+        for name, e in entries.items():
+            got = equal["policies"][name]
+            e["equal_slo_cost_per_1m_tokens"] = got["cost_per_1m_tokens"]
+            e["equal_slo_attainment"] = got["attainment"]
+            e["equal_slo_variant"] = got["variant"]
+        report.print_equal_slo(equal, console)
     comparison = None
     pair = fl.headline if fl.headline and all(n in entries for n in fl.headline) else None
     if pair is None and len(entries) > 1:
         pair = (names[0], names[-1])
     if pair:
-        comparison = report.compare(entries, *pair)
+        comparison = report.compare(entries, *pair, goal=equal["target_attainment"] if equal else None)
         comparison["conditions"] = conditions(fl, policies, trace, warmup, args)
         comparison["text"] = report.comparison_text(comparison, comparison["conditions"])
         console.print(comparison["text"], highlight=False)
+    console.print(f"wall: {total_wall:.1f} s for {len(runs)} run(s); the policies as configured ran in "
+                  f"{day_wall:.1f} s each at most", highlight=False)
     doc = {
         "fleet": fl.name, "fleet_file": str(args.fleet), "nodes": len(fl.nodes), "devices": fl.devices,
         "trace": {"name": trace.name, "source": args.trace, "requests": len(trace), "duration_s": trace.duration,
                   "warmup_s": warmup, "mean_rate": round(trace.mean_rate, 4), "seed": args.seed},
-        "calibration": {row[0]: dict(zip(("prefill_mfu", "decode_mbu", "step_overhead", "http_hop", "kv_link", "source"), row[1:]))
-                        for row in calibration.rows(used, effs)},
+        "calibration": {f"{row[1]}@{row[0]}": dict(zip(calibration.COLUMNS[2:], row[2:]))
+                        for row in calibration.rows(pools, effs, fl.classes)},
         "policies": entries,
+        "equal_slo": equal,
         "comparison": comparison,
         "wall_s": walls,
+        "total_wall_s": total_wall,
     }
     report.write_json(out / "report.json", doc)
     written = [out / "report.json"]
     if not args.no_plots:
-        written += report.plot(sims, out)
+        written += report.plot(plots, out)
     console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
     return 0
 
 
-def _run_one(fl: fleet_file.Fleet, policy: fleet_file.Policy, trace: tr.Trace, warmup: float, effs: dict,
-             args: argparse.Namespace, console: Any) -> Simulator:
-    if args.quiet or not console.is_terminal:
-        return Simulator(fl, policy, trace, efficiencies=effs, seed=args.seed, warmup_s=warmup).run()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+# What forked workers inherit (set just before the pool starts): the fleet, trace and calibration.
+_WORK: dict[str, Any] = {}
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}% of simulated time"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(policy.name, total=trace.duration)
-        return Simulator(fl, policy, trace, efficiencies=effs, seed=args.seed, warmup_s=warmup,
-                         progress=lambda t: bar.update(task, completed=t)).run()
+
+def _run_one(job: tuple[fleet_file.Policy, str]) -> tuple[dict[str, Any], Any, float]:
+    """One run in a worker: its summary, its plot data (None for a sweep variant) and its wall time."""
+    policy, variant = job
+    w = _WORK
+    started = time.perf_counter()
+    sim = Simulator(w["fleet"], policy, w["trace"], efficiencies=w["effs"], seed=w["seed"], warmup_s=w["warmup"]).run()
+    summary = report.summarize(sim)
+    data = None if variant or w["no_plots"] else report.plot_data(sim)
+    return summary, data, round(time.perf_counter() - started, 2)
+
+
+def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]], trace: tr.Trace, warmup: float,
+             effs: dict, args: argparse.Namespace, console: Any) -> list[tuple[dict[str, Any], Any, float]]:
+    """Every run, side by side in `--jobs` processes (forked: they share the parsed fleet and trace)."""
+    _WORK.update(fleet=fl, trace=trace, effs=effs, seed=args.seed, warmup=warmup, no_plots=args.no_plots)
+    jobs = min(args.jobs, len(runs))
+    if jobs <= 1:
+        out = []
+        for run in runs:
+            out.append(_run_one(run))
+            if not args.quiet:
+                console.print(f"  {_label(run)}: simulated in {out[-1][2]:.1f} s", highlight=False, markup=False)
+        return out
+    import multiprocessing
+
+    results: list[Any] = [None] * len(runs)
+    # NOTE: the policies as configured first (the day's table), then the sweep; longest first within each
+    # would balance better, but a run's length is not known before it runs.
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        for i, got in pool.imap_unordered(_indexed, list(enumerate(runs))):
+            results[i] = got
+            if not args.quiet:
+                console.print(f"  {_label(runs[i])}: simulated in {got[2]:.1f} s", highlight=False, markup=False)
+    return results
+
+
+def _indexed(item: tuple[int, tuple[fleet_file.Policy, str]]) -> tuple[int, tuple[dict[str, Any], Any, float]]:
+    return item[0], _run_one(item[1])
+
+
+def _label(run: tuple[fleet_file.Policy, str]) -> str:
+    return run[0].name + (f" [{run[1]}]" if run[1] else "")
 
 
 def conditions(fl: fleet_file.Fleet, policies: list[fleet_file.Policy], trace: tr.Trace, warmup: float,

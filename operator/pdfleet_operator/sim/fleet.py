@@ -27,13 +27,13 @@ from pdfleet_operator.api import (
     schema,
     validation,
 )
-from pdfleet_operator.decide import autoscaler, inventory
+from pdfleet_operator.decide import autoscaler, inventory, runtimes
 
 API_VERSION = "sim.pdfleet.io/v1alpha1"
 KIND = "SimulatedFleet"
 AUTOSCALER_POLICIES = {"pdfleet": autoscaler.PDFLEET, "per-role": autoscaler.PER_ROLE}
 TOP_LEVEL = {"apiVersion", "kind", "metadata", "acceleratorClassFiles", "acceleratorClasses", "nodes",
-             "simulation", "trace", "deployment", "policies", "compare", "headline"}
+             "simulation", "trace", "deployment", "policies", "compare", "headline", "equalSlo"}
 
 
 class FleetError(ValueError):
@@ -71,6 +71,16 @@ class Policy:
     description: str
     deployments: tuple[DeploymentPlan, ...]
     autoscaler_policy: autoscaler.Policy
+    variant: str = ""   # a sweep variant of the policy (`equalSlo.sweep`): what it changes, e.g. "targetUtilization 0.6"
+
+
+@dataclass(frozen=True)
+class EqualSlo:
+    """The equal-SLO comparison: each policy's variants are run too, and the cheapest of a policy's runs
+    (itself included) whose SLO attainment reaches the target policy's is that policy's equal-SLO cost."""
+
+    target: str                                         # the policy whose attainment the others must reach
+    variants: Mapping[str, tuple[Policy, ...]]          # policy -> its sweep variants (not itself)
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,7 @@ class Fleet:
     policies: Mapping[str, Policy]
     compare: tuple[str, ...]
     headline: tuple[str, str] | None           # (baseline, candidate) for the one-line comparison
+    equal_slo: EqualSlo | None = None
 
     def inventory(self) -> inventory.Inventory:
         return inventory.build(self.nodes, [])
@@ -145,7 +156,8 @@ def parse(doc: Any, *, source: str = "<fleet>", base_dir: Path = Path(".")) -> F
             if h[key] not in policies:
                 raise FleetError(f"{source}: headline.{key} {h[key]!r} is not a policy of this fleet")
         headline = (h["baseline"], h["candidate"])
-    return Fleet(name, source, classes, nodes, devices, settings, defaults, policies, compare, headline)
+    equal = _equal_slo(doc, policies, classes, source)
+    return Fleet(name, source, classes, nodes, devices, settings, defaults, policies, compare, headline, equal)
 
 
 # --- parts ------------------------------------------------------------------------------------------
@@ -311,6 +323,13 @@ def _deployment(obj: dict[str, Any], where: str, classes: Mapping[str, Accelerat
         for cname in rs.accelerator_classes:
             if cname not in classes:
                 raise FleetError(f"{where}: spec.{role}.acceleratorClasses lists unknown class {cname!r}")
+    # NOTE: only what the runtimes can run is simulated: a class with count > 1 is one tensor-parallel
+    # replica for vLLM and refused for the pdfleet worker, prefill and decode run one engine, and so on
+    # (`decide.runtimes`, the operator's own check). Before this, the example's decode ran on
+    # `count: 2` domestic classes that the pdfleet worker (no tensor parallelism) cannot serve.
+    problems = runtimes.check(dep.spec, classes)
+    if problems:
+        raise FleetError("\n".join(f"{where}: {p}" for p in problems))
     return dep
 
 
@@ -326,36 +345,78 @@ def _policies(doc: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], 
         where = f"{source}: policies[{i}]"
         if not isinstance(p, dict) or not isinstance(p.get("name"), str):
             raise FleetError(f"{where}: needs a name")
-        extra = sorted(set(p) - {"name", "description", "spec", "deployments", "autoscalerPolicy"})
-        if extra:
-            raise FleetError(f"{where}: unknown field(s) {', '.join(extra)}")
         if p["name"] in out:
             raise FleetError(f"{where}: policy {p['name']!r} defined twice")
-        if "spec" in p and "deployments" in p:
-            raise FleetError(f"{where}: give spec (one deployment) or deployments (traffic tiers), not both")
-        how = p.get("autoscalerPolicy", "pdfleet")
-        if how not in AUTOSCALER_POLICIES:
-            raise FleetError(f"{where}.autoscalerPolicy: {how!r} is not one of {', '.join(AUTOSCALER_POLICIES)}")
-        tiers = p.get("deployments") or [{"share": 1.0, "spec": p.get("spec") or {}}]
-        deps: list[DeploymentPlan] = []
-        for j, tier in enumerate(tiers):
-            twhere = f"{where}.deployments[{j}]" if "deployments" in p else where
-            if not isinstance(tier, dict):
-                raise FleetError(f"{twhere}: expected {{name, share, spec}}")
-            share = tier.get("share", 1.0 if len(tiers) == 1 else None)
-            if not isinstance(share, (int, float)) or share <= 0:
-                raise FleetError(f"{twhere}.share: the fraction of requests this deployment serves, > 0")
-            meta = merge(base.get("metadata") or {}, {"name": tier["name"]} if tier.get("name") else {})
-            obj = {"metadata": meta, "spec": merge(base["spec"], tier.get("spec") or {})}
-            dep = _deployment(obj, twhere, classes)
-            deps.append(DeploymentPlan(dep.name, dep.metadata.namespace or "default", dep.spec, float(share)))
-        total = sum(d.share for d in deps)
-        if abs(total - 1.0) > 1e-6:
-            raise FleetError(f"{where}: deployment shares sum to {total:g}, not 1")
-        if len({d.name for d in deps}) != len(deps):
-            raise FleetError(f"{where}: deployment names must differ")
-        out[p["name"]] = Policy(p["name"], str(p.get("description", "")).strip(), tuple(deps), AUTOSCALER_POLICIES[how])
+        out[p["name"]] = _policy(p, base, classes, where)
     return out
+
+
+def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], where: str,
+            variant: str = "") -> Policy:
+    """One policy: the base deployment with the policy's spec (or each tier's) merged over it."""
+    extra = sorted(set(p) - {"name", "description", "spec", "deployments", "autoscalerPolicy"})
+    if extra:
+        raise FleetError(f"{where}: unknown field(s) {', '.join(extra)}")
+    if "spec" in p and "deployments" in p:
+        raise FleetError(f"{where}: give spec (one deployment) or deployments (traffic tiers), not both")
+    how = p.get("autoscalerPolicy", "pdfleet")
+    if how not in AUTOSCALER_POLICIES:
+        raise FleetError(f"{where}.autoscalerPolicy: {how!r} is not one of {', '.join(AUTOSCALER_POLICIES)}")
+    tiers = p.get("deployments") or [{"share": 1.0, "spec": p.get("spec") or {}}]
+    deps: list[DeploymentPlan] = []
+    for j, tier in enumerate(tiers):
+        twhere = f"{where}.deployments[{j}]" if "deployments" in p else where
+        if not isinstance(tier, dict):
+            raise FleetError(f"{twhere}: expected {{name, share, spec}}")
+        share = tier.get("share", 1.0 if len(tiers) == 1 else None)
+        if not isinstance(share, (int, float)) or share <= 0:
+            raise FleetError(f"{twhere}.share: the fraction of requests this deployment serves, > 0")
+        meta = merge(base.get("metadata") or {}, {"name": tier["name"]} if tier.get("name") else {})
+        obj = {"metadata": meta, "spec": merge(base["spec"], tier.get("spec") or {})}
+        dep = _deployment(obj, twhere, classes)
+        deps.append(DeploymentPlan(dep.name, dep.metadata.namespace or "default", dep.spec, float(share)))
+    total = sum(d.share for d in deps)
+    if abs(total - 1.0) > 1e-6:
+        raise FleetError(f"{where}: deployment shares sum to {total:g}, not 1")
+    if len({d.name for d in deps}) != len(deps):
+        raise FleetError(f"{where}: deployment names must differ")
+    return Policy(p["name"], str(p.get("description", "")).strip(), tuple(deps), AUTOSCALER_POLICIES[how], variant)
+
+
+def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Mapping[str, AcceleratorClassSpec],
+               source: str) -> EqualSlo | None:
+    """`equalSlo: {target: POLICY, sweep: {POLICY: [{name, spec}, ...]}}`: each variant's spec is merged over
+    its policy's (over the base deployment's), validated like a policy."""
+    raw = doc.get("equalSlo")
+    if raw is None:
+        return None
+    where = f"{source}: equalSlo"
+    if not isinstance(raw, dict) or set(raw) - {"target", "sweep"} or "target" not in raw:
+        raise FleetError(f"{where}: expected {{target: POLICY, sweep: {{POLICY: [{{name, spec}}, ...]}}}}")
+    if raw["target"] not in policies:
+        raise FleetError(f"{where}.target: {raw['target']!r} is not a policy of this fleet")
+    sweep = raw.get("sweep") or {}
+    if not isinstance(sweep, dict):
+        raise FleetError(f"{where}.sweep: expected {{POLICY: [{{name, spec}}, ...]}}")
+    raw_policies = {p["name"]: p for p in doc["policies"]}
+    variants: dict[str, tuple[Policy, ...]] = {}
+    for name, items in sweep.items():
+        if name not in policies:
+            raise FleetError(f"{where}.sweep: {name!r} is not a policy of this fleet")
+        if not isinstance(items, list) or not items:
+            raise FleetError(f"{where}.sweep.{name}: a non-empty list of {{name, spec}}")
+        orig = raw_policies[name]
+        if "deployments" in orig:
+            raise FleetError(f"{where}.sweep.{name}: a policy of traffic tiers cannot be swept")
+        out = []
+        for j, item in enumerate(items):
+            vwhere = f"{where}.sweep.{name}[{j}]"
+            if not isinstance(item, dict) or set(item) - {"name", "spec"} or not isinstance(item.get("name"), str):
+                raise FleetError(f"{vwhere}: expected {{name, spec}}")
+            patched = {**orig, "spec": merge(orig.get("spec") or {}, item.get("spec") or {})}
+            out.append(_policy(patched, doc["deployment"], classes, vwhere, variant=item["name"]))
+        variants[name] = tuple(out)
+    return EqualSlo(raw["target"], variants)
 
 
 def validate_document(doc: Any, source: str, base_dir: Path) -> list[str]:

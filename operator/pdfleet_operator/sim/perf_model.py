@@ -42,6 +42,7 @@ class Efficiency:
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     kv_transfer_gbps: float | None = None   # measured KV link; None: the class's networkGBps
     http_hop_s: float = 0.0                  # one HTTP round trip to first byte on this class's host (measured)
+    tensor_parallel_scaling: float = 1.0     # a replica over `count` devices reaches this share of count x one
     source: str = "default (pdfleet_operator.decide.perf)"
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class Efficiency:
             raise ValueError(f"Efficiency.step_overhead_s must be in [0, 10) seconds, got {self.step_overhead_s}")
         if not 0 <= self.http_hop_s < 10:
             raise ValueError(f"Efficiency.http_hop_s must be in [0, 10) seconds, got {self.http_hop_s}")
+        if not 0 < self.tensor_parallel_scaling <= 1:
+            raise ValueError(f"Efficiency.tensor_parallel_scaling must be in (0, 1], got {self.tensor_parallel_scaling}")
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,9 @@ def replica_perf(spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClass
         raise ValueError(f"model {spec.model.name} does not fit {name}: {fit.message}")
     block = spec.engine.block_size
     capacity = int(fit.kv_gib_available * GIB / per_token) // block * block
-    peak = cls.peak_tflops * 1e12 * cls.count
-    bandwidth = cls.memory_bandwidth_gbps * 1e9 * cls.count
+    scaling = eff.tensor_parallel_scaling if cls.count > 1 else 1.0
+    peak = cls.peak_tflops * 1e12 * cls.count * scaling
+    bandwidth = cls.memory_bandwidth_gbps * 1e9 * cls.count * scaling
     return ReplicaPerf(
         accelerator_class=name,
         flop_s_per_token=2 * arch.parameters_billions * 1e9 / (peak * eff.prefill_mfu),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,19 +181,57 @@ def cost_series(sim: Simulator) -> tuple[np.ndarray, np.ndarray]:
 
 # --- comparison ----------------------------------------------------------------------------------------
 
-def compare(entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: str) -> dict[str, Any]:
-    """How much cheaper per 1M generated tokens `candidate` is than `baseline`, and at what SLO attainment."""
+def compare(entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: str,
+            goal: float | None = None) -> dict[str, Any]:
+    """How much cheaper per 1M generated tokens `candidate` is than `baseline`, and at what SLO attainment;
+    with the equal-SLO fields (`equal_slo`, whose target attainment is `goal`), how much at equal attainment."""
     b, c = entries[baseline], entries[candidate]
     saving = None
     if b["cost_per_1m_tokens"] and c["cost_per_1m_tokens"] is not None:
         saving = 1.0 - c["cost_per_1m_tokens"] / b["cost_per_1m_tokens"]
-    return {
+    out = {
         "baseline": baseline, "candidate": candidate,
         "baseline_cost_per_1m_tokens": b["cost_per_1m_tokens"], "candidate_cost_per_1m_tokens": c["cost_per_1m_tokens"],
         "saving": _round(saving, 4),
         "baseline_slo_attainment": b["slo_attainment"], "candidate_slo_attainment": c["slo_attainment"],
         "slo_attainment_gap": _round((c["slo_attainment"] or 0) - (b["slo_attainment"] or 0), 4),
     }
+    if "equal_slo_cost_per_1m_tokens" in b and "equal_slo_cost_per_1m_tokens" in c:
+        be, ce = b["equal_slo_cost_per_1m_tokens"], c["equal_slo_cost_per_1m_tokens"]
+        out.update(baseline_equal_slo_cost_per_1m_tokens=be, candidate_equal_slo_cost_per_1m_tokens=ce,
+                   equal_slo_attainment=goal,
+                   equal_slo_saving=_round(1.0 - ce / be, 4) if be and ce is not None else None)
+    return out
+
+
+def equal_slo(entries: Mapping[str, Mapping[str, Any]], variants: Mapping[str, Sequence[Mapping[str, Any]]],
+              target: str) -> dict[str, Any]:
+    """Each policy's cheapest run (itself or one of its sweep `variants`) whose SLO attainment reaches
+    `target`'s: {"target", "target_attainment", "policies": {name: {cost, attainment, variant, runs}}}.
+
+    NOTE: "reaches" is >= the target's attainment rounded to 4 decimals (0.01 points), as report.json
+    rounds it. A policy none of whose runs reaches it gets cost None and says how close it came.
+    """
+    goal = entries[target]["slo_attainment"]
+    out: dict[str, Any] = {"target": target, "target_attainment": goal, "policies": {}}
+    for name, e in entries.items():
+        runs = [{"variant": "as configured", "cost_per_1m_tokens": e["cost_per_1m_tokens"],
+                 "slo_attainment": e["slo_attainment"]}]
+        runs += [{"variant": v["variant"], "cost_per_1m_tokens": v["cost_per_1m_tokens"],
+                  "slo_attainment": v["slo_attainment"]} for v in variants.get(name, ())]
+        ok = [r for r in runs if goal is not None and r["slo_attainment"] is not None
+              and r["cost_per_1m_tokens"] is not None and r["slo_attainment"] >= goal]
+        best = min(ok, key=lambda r: r["cost_per_1m_tokens"]) if ok else None
+        closest = max((r for r in runs if r["slo_attainment"] is not None), key=lambda r: r["slo_attainment"],
+                      default=None)
+        out["policies"][name] = {
+            "cost_per_1m_tokens": best["cost_per_1m_tokens"] if best else None,
+            "attainment": best["slo_attainment"] if best else None,
+            "variant": best["variant"] if best else None,
+            "best_attainment": closest["slo_attainment"] if closest else None,
+            "runs": runs,
+        }
+    return out
 
 
 def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
@@ -200,16 +239,40 @@ def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
     if saving is None:
         return f"{cmp['candidate']} vs {cmp['baseline']}: no tokens served, no comparison.\n"
     word = "cheaper" if saving >= 0 else "more expensive"
-    return (f"{cmp['candidate']} costs ${cmp['candidate_cost_per_1m_tokens']:.4f} per 1M generated tokens against "
+    text = (f"{cmp['candidate']} costs ${cmp['candidate_cost_per_1m_tokens']:.4f} per 1M generated tokens against "
             f"${cmp['baseline_cost_per_1m_tokens']:.4f} for {cmp['baseline']}: {abs(saving):.1%} {word}, at SLO "
-            f"attainment {cmp['candidate_slo_attainment']:.2%} vs {cmp['baseline_slo_attainment']:.2%}. "
-            f"Conditions: {conditions}\n")
+            f"attainment {cmp['candidate_slo_attainment']:.2%} vs {cmp['baseline_slo_attainment']:.2%}. ")
+    eq = cmp.get("equal_slo_saving")
+    if "equal_slo_saving" in cmp:
+        text += (f"At equal SLO attainment (>= {cmp['equal_slo_attainment']:.2%}): "
+                 + (f"{abs(eq):.1%} {'cheaper' if eq >= 0 else 'more expensive'} "
+                    f"(${cmp['candidate_equal_slo_cost_per_1m_tokens']:.4f} against "
+                    f"${cmp['baseline_equal_slo_cost_per_1m_tokens']:.4f}). " if eq is not None
+                    else "no configuration swept reaches it for one of the two. "))
+    return text + f"Conditions: {conditions}\n"
 
 
 # --- output ----------------------------------------------------------------------------------------------
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def print_equal_slo(eq: Mapping[str, Any], console: Any = None) -> None:
+    """Every run of the equal-SLO sweep and each policy's cheapest that reaches the target's attainment."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"equal SLO attainment: the cheapest run reaching {eq['target']}'s "
+                    f"{_fmt(eq['target_attainment'], '{:.2%}')}")
+    for col in ("policy", "variant", "$/1M tok", "SLO att.", "chosen"):
+        t.add_column(col)
+    for name, p in eq["policies"].items():
+        for r in p["runs"]:
+            t.add_row(name, r["variant"], _fmt(r["cost_per_1m_tokens"], "${:.4f}"), _fmt(r["slo_attainment"], "{:.2%}"),
+                      "<-" if p["variant"] == r["variant"] else "")
+    console.print(t)
 
 
 def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
@@ -245,23 +308,50 @@ def _fmt(x: float | None, pattern: str, scale: float = 1.0) -> str:
     return "-" if x is None else pattern.format(x * scale)
 
 
-def plot(sims: Sequence[Simulator], out: Path) -> list[Path]:
+@dataclass(frozen=True)
+class PlotData:
+    """What the plots need of one run, small enough to come back from a worker process."""
+
+    name: str
+    hours: np.ndarray                       # sample times, hours since the measured start
+    replicas: dict[str, np.ndarray]         # "deployment/role/class" -> pods at each sample
+    waiting: dict[str, np.ndarray]          # "deployment/role" -> requests waiting at each sample
+    cost_per_hour: np.ndarray
+    cumulative_hours: np.ndarray
+    cumulative_cost: np.ndarray
+    trace_hours: np.ndarray                 # the trace's request rate (the same for every policy)
+    trace_rate: np.ndarray
+
+
+def plot_data(sim: Simulator) -> PlotData:
+    t = (np.array([s.t for s in sim.samples]) - sim.warmup) / 3600.0
+    keys = sorted({k for s in sim.samples for k in s.replicas})
+    queues = sorted({k for s in sim.samples for k in s.waiting})
+    ct, cum = cost_series(sim)
+    tt, rate = sim.trace.rate_series(max(60.0, sim.trace.duration / 400))
+    keep = tt >= sim.warmup
+    return PlotData(sim.policy.name, t,
+                    {k: np.array([s.replicas.get(k, 0) for s in sim.samples], dtype=float) for k in keys},
+                    {k: np.array([s.waiting.get(k, 0.0) for s in sim.samples]) for k in queues},
+                    np.array([s.cost_per_hour for s in sim.samples]), (ct - sim.warmup) / 3600.0, cum,
+                    (tt[keep] - sim.warmup) / 3600.0, rate[keep])
+
+
+def plot(runs: Sequence[Simulator | PlotData], out: Path) -> list[Path]:
     """replicas.png, queues.png and cost.png with one row per policy; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    data = [r if isinstance(r, PlotData) else plot_data(r) for r in runs]
     paths = []
-    n = len(sims)
+    n = len(data)
     fig, axes = plt.subplots(n, 1, figsize=(11, 2.8 * n + 0.6), sharex=True, squeeze=False)
-    for ax, sim in zip(axes[:, 0], sims):
-        t = (np.array([s.t for s in sim.samples]) - sim.warmup) / 3600.0
-        keys = sorted({k for s in sim.samples for k in s.replicas})
-        if keys:
-            ys = np.array([[s.replicas.get(k, 0) for s in sim.samples] for k in keys], dtype=float)
-            ax.stackplot(t, ys, labels=keys, step="post", alpha=0.85)
-        ax.set_title(f"{sim.policy.name}: pods per pool (deployment/role/class)", fontsize=9)
+    for ax, d in zip(axes[:, 0], data):
+        if d.replicas:
+            ax.stackplot(d.hours, np.array(list(d.replicas.values())), labels=list(d.replicas), step="post", alpha=0.85)
+        ax.set_title(f"{d.name}: pods per pool (deployment/role/class)", fontsize=9)
         ax.set_ylabel("replicas")
         ax.legend(loc="upper left", fontsize=7, ncol=2)
     axes[-1, 0].set_xlabel("hours since the measured start")
@@ -269,11 +359,10 @@ def plot(sims: Sequence[Simulator], out: Path) -> list[Path]:
     paths.append(_save(fig, out / "replicas.png"))
 
     fig, axes = plt.subplots(n, 1, figsize=(11, 2.6 * n + 0.6), sharex=True, squeeze=False)
-    for ax, sim in zip(axes[:, 0], sims):
-        t = (np.array([s.t for s in sim.samples]) - sim.warmup) / 3600.0
-        for k in sorted({k for s in sim.samples for k in s.waiting}):
-            ax.plot(t, [s.waiting.get(k, 0) for s in sim.samples], label=f"{k} waiting", lw=1)
-        ax.set_title(f"{sim.policy.name}: requests waiting per role", fontsize=9)
+    for ax, d in zip(axes[:, 0], data):
+        for k, ys in d.waiting.items():
+            ax.plot(d.hours, ys, label=f"{k} waiting", lw=1)
+        ax.set_title(f"{d.name}: requests waiting per role", fontsize=9)
         ax.set_ylabel("requests")
         ax.legend(loc="upper left", fontsize=7)
     axes[-1, 0].set_xlabel("hours since the measured start")
@@ -281,21 +370,17 @@ def plot(sims: Sequence[Simulator], out: Path) -> list[Path]:
     paths.append(_save(fig, out / "queues.png"))
 
     fig, (rate_ax, cum_ax) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
-    for sim in sims:
-        t = (np.array([s.t for s in sim.samples]) - sim.warmup) / 3600.0
-        rate_ax.step(t, [s.cost_per_hour for s in sim.samples], where="post", label=sim.policy.name, lw=1.2)
-        ct, cum = cost_series(sim)
-        cum_ax.plot((ct - sim.warmup) / 3600.0, cum, label=sim.policy.name, lw=1.2)
+    for d in data:
+        rate_ax.step(d.hours, d.cost_per_hour, where="post", label=d.name, lw=1.2)
+        cum_ax.plot(d.cumulative_hours, d.cumulative_cost, label=d.name, lw=1.2)
     rate_ax.set_ylabel("$/h (pods holding accelerators)")
     rate_ax.legend(fontsize=8)
     rate_ax.set_title("cost over time", fontsize=9)
     cum_ax.set_ylabel("cumulative $")
     cum_ax.set_xlabel("hours")
-    if sims:
-        tt, rate = sims[0].trace.rate_series(max(60.0, sims[0].trace.duration / 400))
-        keep = tt >= sims[0].warmup
+    if data:
         twin = rate_ax.twinx()
-        twin.plot((tt[keep] - sims[0].warmup) / 3600.0, rate[keep], color="grey", lw=0.6, alpha=0.6)
+        twin.plot(data[0].trace_hours, data[0].trace_rate, color="grey", lw=0.6, alpha=0.6)
         twin.set_ylabel("requests/s (trace)", color="grey")
     fig.tight_layout()
     paths.append(_save(fig, out / "cost.png"))

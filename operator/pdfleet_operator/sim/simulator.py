@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
-from pdfleet_operator.decide import autoscaler, placement, rollback, tick
+from pdfleet_operator.decide import autoscaler, placement, rollback, runtimes, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
+from pdfleet_operator.sim import efficiency, perf_model
 from pdfleet_operator.sim import engine as eng
-from pdfleet_operator.sim import perf_model
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy
 from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
 from pdfleet_operator.sim.perf_model import Efficiency, ReplicaPerf
@@ -102,7 +102,8 @@ class Simulator:
     """One policy on one trace; `run()` returns itself with results filled in (read by `sim.report`)."""
 
     def __init__(self, fleet: Fleet, policy: Policy, trace: Trace, *,
-                 efficiencies: Mapping[str, Efficiency] | None = None, seed: int = 0, warmup_s: float = 0.0,
+                 efficiencies: Mapping[tuple[str, str], Efficiency] | None = None, seed: int = 0,
+                 warmup_s: float = 0.0,
                  progress: Callable[[float], None] | None = None) -> None:
         """`warmup_s`: the trace's first seconds bring the fleet to a steady state and are not measured
         (requests arriving then, cost, samples and scale events before it are left out of the report)."""
@@ -144,8 +145,10 @@ class Simulator:
                 if cname in perfs:
                     continue
                 cls = self.classes[cname]
+                # the engine the pool runs there (`decide.runtimes`; the fleet file refused what cannot run)
+                eff = efficiency.for_pool(runtimes.engine_of(d.spec, cls), cname, cls, self.efficiencies)
                 try:
-                    perfs[cname] = perf_model.replica_perf(d.spec, cname, cls, self.efficiencies.get(cname))
+                    perfs[cname] = perf_model.replica_perf(d.spec, cname, cls, eff)
                 except ValueError:
                     continue  # placement skips a class the model does not fit, with the reason in its plan
         state = DeploymentState(
