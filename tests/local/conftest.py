@@ -47,6 +47,11 @@ def write_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
     return path
 
 
+def run_token(run_dir: Path) -> dict[str, str]:
+    """The header a fleet's /workers (and its pdfleet workers) need: the token `pdfleet up` wrote for this run."""
+    return {"Authorization": f"Bearer {(run_dir / 'auth-token').read_text().strip()}"}
+
+
 def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

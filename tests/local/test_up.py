@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.local.conftest import UpProcess, pid_alive, port_free, write_spec
+from tests.local.conftest import UpProcess, pid_alive, port_free, run_token, write_spec
 from tests.support.components import free_port
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,9 @@ def decode_urls(run_dir) -> list[str]:
         return []
 
 
-def healthy(port: int, role: str) -> list[str]:
-    """The workers of a role the router has in rotation (its /workers)."""
-    workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=5).json()["workers"]
+def healthy(port: int, role: str, run_dir) -> list[str]:
+    """The workers of a role the router has in rotation (its /workers, behind the run's token)."""
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers", headers=run_token(run_dir), timeout=5).json()["workers"]
     return [w["url"] for w in workers if w["role"] == role and w["healthy"]]
 
 
@@ -74,12 +74,12 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
             wait_for(lambda: len(decode_urls(run_dir)) >= 2, 10, "a second decode worker in the router's list", up)
             assert [f.result(timeout=180) for f in futures] == [300] * 24, "every surge stream finished"
         up.wait_line(r"decode-1\s+ready", timeout=60)
-        wait_for(lambda: len(healthy(port, "decode")) >= 2, 10, "the router routing to the new decode worker", up)
+        wait_for(lambda: len(healthy(port, "decode", run_dir)) >= 2, 10, "the router routing to the new decode worker", up)
         # Quiet again: after the stabilization window the pool drains back to minReplicas.
         mark = len(up.lines)
         up.wait_line(r"scale\s+decode \d -> \d \(QueueBelowTarget", timeout=60, after=mark)
         wait_for(lambda: len(decode_urls(run_dir)) == 1, 60, "decode back to one worker", up)
-        wait_for(lambda: healthy(port, "decode") == decode_urls(run_dir), 10, "the router dropping drained workers", up)
+        wait_for(lambda: healthy(port, "decode", run_dir) == decode_urls(run_dir), 10, "the router dropping drained workers", up)
         up.wait_line(r"decode-\d+\s+stopped: drained and exited", timeout=60, after=mark)
         lines = [line for line in up.lines if re.search(r"scale\s+decode", line)]
         assert len(lines) >= 2, lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--vllm-python", metavar="PATH",
                     help="the vLLM runtime's interpreter for vLLM pools (default: $PDFLEET_VLLM_PYTHON, else "
                          ".venv-vllm/bin/python here or in the pdfleet checkout: `make vllm` makes it)")
+    up.add_argument("--auth", action="store_true",
+                    help="require a client API key on the router: one is generated, printed with the lines to try "
+                         "and written to RUN_DIR/api-key (the token between the router and its workers is generated "
+                         "every run, auth or not)")
     up.add_argument("--plain", dest="live", action="store_false", default=None,
                     help="plain log lines instead of the live view (the default when stdout is not a terminal)")
     up.set_defaults(func=_up)
@@ -94,6 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-tokens", type=int, default=64, help="median prompt length (default 64)")
     load.add_argument("--output-tokens", type=int, default=128, help="median output length (default 128)")
     load.add_argument("--model", help="the model name to send (default: the first of /v1/models)")
+    load.add_argument("--api-key", default=os.environ.get("PDFLEET_API_KEY"),
+                      help="sent as `Authorization: Bearer KEY` (a router with client API keys; default $PDFLEET_API_KEY)")
     load.add_argument("--max-concurrency", type=int, default=256, help="open requests beyond this are dropped (counted)")
     load.add_argument("--slo-ttft", type=_seconds, metavar="S", help="with --slo-itl: report SLO attainment")
     load.add_argument("--slo-itl", type=_seconds, metavar="S", help="time per output token target")
@@ -109,7 +116,7 @@ def _up(args: argparse.Namespace) -> int:
                       load=args.load, rate=args.rate, burst=args.burst, duration=args.duration, settle=args.settle,
                       prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, threads=args.threads,
                       run_dir=args.run_dir, report=args.report, ready_timeout=args.ready_timeout, seed=args.seed,
-                      live=args.live, vllm_python=args.vllm_python)
+                      live=args.live, vllm_python=args.vllm_python, auth=args.auth)
     return up.run(opts)
 
 
@@ -121,7 +128,8 @@ def _load(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdfleet load: {exc}", file=sys.stderr)
         return 2
-    gen = load.LoadGenerator(args.url, arrivals, model=args.model, max_concurrency=args.max_concurrency)
+    gen = load.LoadGenerator(args.url, arrivals, model=args.model, max_concurrency=args.max_concurrency,
+                             api_key=args.api_key)
     print(f"pdfleet load: {len(arrivals)} requests over {arrivals[-1].t:.0f}s to {load.base_url(args.url)}",
           file=sys.stderr)
     try:

@@ -125,8 +125,9 @@ class LoadGenerator:
     """
 
     def __init__(self, url: str, arrivals: Sequence[Arrival], *, model: str | None = None, max_concurrency: int = 256,
-                 timeout: float = 300.0, on_result: Callable[[Result], None] | None = None):
+                 timeout: float = 300.0, on_result: Callable[[Result], None] | None = None, api_key: str | None = None):
         self.base = base_url(url)
+        self.api_key = api_key  # sent as `Authorization: Bearer` (a router with --api-key-file needs one)
         self.arrivals = list(arrivals)
         self.model = model
         self.max_concurrency = max_concurrency
@@ -150,7 +151,9 @@ class LoadGenerator:
         """Send the whole schedule (or until `stop` is set), wait for the answers, return every result."""
         stop = stop or asyncio.Event()
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0), limits=limits) as client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0), limits=limits,
+                                     headers=headers) as client:
             if self.model is None:
                 self.model = await self.discover_model(client)
             tasks: set[asyncio.Task] = set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -87,7 +88,8 @@ class Supervisor:
 
     def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
                  machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
-                 on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 api_key: str | None = None):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
         self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
@@ -110,6 +112,12 @@ class Supervisor:
         self.engine_config = run_dir / "engine.json"
         self.workers_path = run_dir / "workers.json"
         self.targets_path = run_dir / "prometheus-targets.json"
+        # The deployment token between the router and the pdfleet workers, new every run (0600 in the run directory);
+        # the client API key, when the router requires one.
+        self.token = secrets.token_urlsafe(32)
+        self.token_path = run_dir / "auth-token"
+        self.api_key = api_key
+        self.api_key_path = run_dir / "api-key"
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
 
     # -- events -----------------------------------------------------------------------------------
@@ -183,8 +191,10 @@ class Supervisor:
             assert self.vllm is not None, f"{r.name} runs vllm and no vLLM runtime was found"
             return vllm_runtime.argv(self.vllm, self.local.spec, r.role, rt, cls, model_dir=str(self.local.model_dir),
                                      port=r.port, drain_s=WORKER_DRAIN_S)
+        # (--kv-peers: the default, loopback: every prefill worker of this fleet advertises 127.0.0.1)
         flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
-                 "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning"]
+                 "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning",
+                 "--auth-token-file", str(self.token_path)]
         if rt.device:
             flags += ["--device", rt.device]
         return PDFLEET + engine_args.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
@@ -195,7 +205,9 @@ class Supervisor:
         return PDFLEET + ["router", "--workers-file", str(self.workers_path), "--discovery", "static",
                           "--host", self.router_host, "--port", str(self.router.port),
                           "--discovery-interval", f"{ROUTER_DISCOVERY_S:g}", "--health-interval", f"{ROUTER_HEALTH_S:g}",
-                          "--drain-timeout", f"{ROUTER_DRAIN_S:g}", "--log-level", "warning"]
+                          "--drain-timeout", f"{ROUTER_DRAIN_S:g}", "--log-level", "warning",
+                          "--auth-token-file", str(self.token_path)] + \
+            (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else [])
 
     def _env(self, r: Replica) -> dict[str, str]:
         env = dict(os.environ)
@@ -248,6 +260,9 @@ class Supervisor:
     def start(self, plan: FleetPlan) -> None:
         """Write the files, start every worker of the plan and the router (readiness: `wait_ready`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_secret(self.token_path, self.token)  # before any child reads it
+        if self.api_key is not None:
+            _write_secret(self.api_key_path, self.api_key)
         self.scale_to(plan, why="initial plan")
         self.write_files()
         self._spawn(self.router)
@@ -353,7 +368,8 @@ class Supervisor:
             # (it serves no /ready; healthy once the engine is up).
             plain = r.role == "router" or r.engine == runtimes.VLLM
             try:
-                resp = await self.http.get(f"{r.url}{'/health' if plain else '/load'}")
+                resp = await self.http.get(f"{r.url}{'/health' if plain else '/load'}",
+                                           headers={} if plain else {"Authorization": f"Bearer {self.token}"})
                 body = resp.json() if not plain else {}
                 ok = resp.status_code == 200 and (plain or body.get("ready") is True)
             except (httpx.HTTPError, ValueError):
@@ -395,3 +411,9 @@ class Supervisor:
     def pids(self) -> list[int]:
         return [r.child.pid for r in [self.router, *self.workers] if r.child is not None and r.child.alive()]
 
+
+def _write_secret(path: Path, value: str) -> None:
+    """A file only this user can read, created so (never world-readable for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import shutil
 import signal
 import sys
@@ -50,6 +51,7 @@ class Options:
     seed: int = 0
     live: bool | None = None
     vllm_python: str | None = None     # the vLLM runtime's interpreter (vllm_runtime.find's order otherwise)
+    auth: bool = False                 # the router requires a client API key (generated, printed, RUN_DIR/api-key)
 
 
 class Up:
@@ -68,6 +70,7 @@ class Up:
         self.ready_after: float | None = None
         self.sup: Supervisor | None = None
         self.vllm: vllm_runtime.VllmPython | None = None
+        self.api_key = f"sk-pdfleet-{secrets.token_urlsafe(24)}" if opts.auth else None
 
     # -- checks that start nothing --------------------------------------------------------------------
     def preflight(self) -> None:
@@ -113,7 +116,7 @@ class Up:
             loop.add_signal_handler(sig, self._on_signal, sig)
         run_dir = Path(o.run_dir) if o.run_dir else Path(tempfile.mkdtemp(prefix=f"pdfleet-up-{self.local.name}-"))
         self.sup = Supervisor(self.local, run_dir, o.port, threads=o.threads, machine=self.machine,
-                              router_host=o.host, vllm=self.vllm, on_event=self._on_event)
+                              router_host=o.host, vllm=self.vllm, on_event=self._on_event, api_key=self.api_key)
         self.endpoint = f"http://{o.host}:{o.port}"
         code = 0
         try:
@@ -171,14 +174,17 @@ class Up:
             f" + router on {self.opts.host}:{self.opts.port}"
 
     def _banner(self) -> None:
-        url, model = self.endpoint, self.local.spec.model.name
-        lines = [f"fleet ready after {self.ready_after:.1f}s: {self._plan_text()}",
-                 "try it:",
-                 f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-                 f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-                 f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='-'); "
-                 f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
-                 f"  pdfleet load --url {url} --rate 3 --duration 40 --burst 5"]
+        url, model, key = self.endpoint, self.local.spec.model.name, self.api_key
+        lines = [f"fleet ready after {self.ready_after:.1f}s: {self._plan_text()}"]
+        if key is not None:
+            lines.append(f"client API key: {key} (in {self.sup.api_key_path}; requests without it get 401)")
+        lines += ["try it:",
+                  f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+                  + (f"-H 'Authorization: Bearer {key}' " if key else "")
+                  + f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                  f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key or '-'}'); "
+                  f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
+                  f"  {f'PDFLEET_API_KEY={key} ' if key else ''}pdfleet load --url {url} --rate 3 --duration 40 --burst 5"]
         if self.opts.prometheus is None:
             lines.append(f"Prometheus can scrape the workers from {self.sup.targets_path} (file_sd_configs)")
         for line in lines:
@@ -217,7 +223,8 @@ class Up:
             await asyncio.sleep(VIEW_EVERY_S)
 
     async def _drive_load(self) -> None:
-        gen = self.generator = loadgen.LoadGenerator(self.endpoint, self.arrivals, model=self.local.spec.model.name)
+        gen = self.generator = loadgen.LoadGenerator(self.endpoint, self.arrivals, model=self.local.spec.model.name,
+                                                     api_key=self.api_key)
         self.view.line(f"+{self.sup.elapsed():5.1f}s  load        {len(self.arrivals)} requests over "
                        f"{self.arrivals[-1].t if self.arrivals else 0:.0f}s ({self.opts.load})")
         await gen.run(self.stop)
