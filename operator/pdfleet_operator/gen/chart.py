@@ -204,7 +204,8 @@ def values_tree(root: Path = ROOT) -> Group:
             "name": _string("", "Its name; empty means the release's full name.", pattern=f"^({DNS_SUBDOMAIN[1:-1]})?$"),
             "annotations": _labels("Annotations, e.g. for workload identity."),
         }),
-        "rbac": Group("What the operator may do: exactly the verbs it uses (a test compares them), no Secrets.", {
+        "rbac": Group("What the operator may do: exactly the verbs it uses (a test compares them); on Secrets "
+                      "only create (each deployment's data-plane token, SECURITY.md).", {
             "create": _bool(True, "Create the ClusterRole/Roles and their bindings."),
         }),
         "acceleratorClasses": Group(
