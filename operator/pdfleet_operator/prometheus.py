@@ -46,7 +46,8 @@ class PrometheusSource:
     every role, or per role from the engines its pools run (`snapshot(..., engines=)`)."""
 
     def __init__(self, url: str, profile: str | names.QueryProfile = "pdfleet", timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, verify: bool | str = True) -> None:
+        """`verify`: TLS verification of an https URL: True (the system's CAs), a CA bundle file, or False."""
         if isinstance(profile, str):
             if profile not in names.PROFILES:
                 raise ValueError(f"unknown metrics profile {profile!r}; known: {', '.join(names.PROFILES)}")
@@ -58,7 +59,10 @@ class PrometheusSource:
         # NOTE: one quick retry, not the client's default backoff: the autoscaler asks again next interval,
         # and a Prometheus outage must turn into a held size within that interval.
         retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504), allowed_methods=("GET",))
-        self.client = PrometheusConnect(url=self.url, disable_ssl=True, retry=retry, timeout=timeout)
+        session = requests.Session()
+        session.verify = verify
+        self.client = PrometheusConnect(url=self.url, disable_ssl=verify is False, retry=retry, timeout=timeout,
+                                        session=session)
 
     @property
     def name(self) -> str:
@@ -307,9 +311,9 @@ class ScrapeSource:
 _SOURCES: dict[tuple[str, str], PrometheusSource] = {}
 
 
-def prometheus_for(url: str, profile: str = "pdfleet") -> PrometheusSource:
+def prometheus_for(url: str, profile: str = "pdfleet", verify: bool | str = True) -> PrometheusSource:
     """The PrometheusSource for a URL and profile, made once per process (it holds an HTTP session)."""
-    key = (url.rstrip("/"), profile)
+    key = (url.rstrip("/"), profile, verify)
     if key not in _SOURCES:
-        _SOURCES[key] = PrometheusSource(url, profile=profile)
+        _SOURCES[key] = PrometheusSource(url, profile=profile, verify=verify)
     return _SOURCES[key]

@@ -39,6 +39,7 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler
     handlers.OPTIONS.prometheus_url = prometheus_url
+    handlers.OPTIONS.prometheus_allowed = ("http://127.0.0.1",)  # the tests' Prometheus servers, on loopback
     handlers.OPTIONS.alertmanager_port = alertmanager_port
     handlers.OPTIONS.analysis_interval = analysis_interval
     handlers.OPTIONS.metrics_port = None

@@ -164,6 +164,15 @@ def values_tree(root: Path = ROOT) -> Group:
                                                            "Point an Alertmanager receiver at "
                                                            "http://<release>-operator.<namespace>.svc:<port>/alerts.",
                                      minimum=0, maximum=65535),
+            "allowedPrometheusUrls": Value([], "URL prefixes an InferenceDeployment's spec.autoscaling.prometheusUrl "
+                                               "may name (whole path segments; a bare host covers its ports). Others "
+                                               "are not fetched: the deployment holds its size and says why. "
+                                               "operator.prometheusUrl is always allowed.",
+                                           {"type": "array", "uniqueItems": True,
+                                            "items": {"type": "string", "pattern": "^https?://[^\\s]+$", "maxLength": 2048}}),
+            "prometheusCaSecret": _string("", "Secret (key ca.crt) with the CA that verifies https Prometheus "
+                                              "certificates; empty: the image's system CAs. Verification is always on.",
+                                          pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
             "hostPath": Group(
                 "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author otherwise "
                 "could mount the node's root. The operator refuses other hostPath models, and a "

@@ -43,6 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scraper-namespace", action="append", default=None, metavar="NS",
                    help="namespace whose pods may scrape worker /metrics through the workers' NetworkPolicy "
                         "(repeatable; default: monitoring)")
+    p.add_argument("--allow-prometheus-url", action="append", default=[], metavar="PREFIX",
+                   help="a spec.autoscaling.prometheusUrl the operator may read: under this URL prefix (repeatable; "
+                        "default: only --prometheus-url; others are not fetched and say so in status)")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--prometheus-ca", metavar="FILE", help="CA bundle verifying https Prometheus (default: the system's)")
+    tls.add_argument("--prometheus-insecure", action="store_true", help="do not verify https Prometheus certificates")
     p.add_argument("--allow-host-path", action="append", default=[], metavar="PREFIX",
                    help="allow model.source.hostPath under this absolute path of the nodes (repeatable; default: "
                         "hostPath models are refused)")
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"pdfleet operator: --allow-host-path: {exc}") from None
     handlers.OPTIONS.host_path_namespaces = tuple(args.allow_host_path_namespace)
+    handlers.OPTIONS.prometheus_allowed = tuple(args.allow_prometheus_url)
+    handlers.OPTIONS.prometheus_verify = False if args.prometheus_insecure else (args.prometheus_ca or True)
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
     asyncio.run(kopf.operator(

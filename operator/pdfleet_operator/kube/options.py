@@ -22,6 +22,8 @@ class Options:
     alertmanager_token: str | None = None  # its bearer token (None: unauthenticated; the chart always sets one)
     class_status_interval: float = 15.0   # seconds between AcceleratorClass status rounds (0: never written)
     scraper_namespaces: tuple[str, ...] = ("monitoring",)
+    prometheus_allowed: tuple[str, ...] = ()      # URL prefixes a CR's prometheusUrl may name (decide.guardrails)
+    prometheus_verify: bool | str = True          # TLS verification of https Prometheus: True, a CA file, or False
     host_path_prefixes: tuple[str, ...] = ()      # model.source.hostPath allowed under these (decide.guardrails)
     host_path_namespaces: tuple[str, ...] = ()    # ... or in these namespaces  # whose pods may scrape workers (their NetworkPolicy)
 

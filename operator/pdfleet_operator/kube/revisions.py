@@ -31,8 +31,9 @@ from pdfleet_operator.api import (
     InferenceDeploymentStatus,
     names,
 )
-from pdfleet_operator.decide import rollback
+from pdfleet_operator.decide import guardrails, rollback
 from pdfleet_operator.kube import client, render
+from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.revisions")
 Key = tuple[str, str]
@@ -321,7 +322,10 @@ async def sample(dep: InferenceDeployment, default_url: str | None, profile: str
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
         return rollback.RatioSample(now, None, None, "no Prometheus URL (spec.autoscaling.prometheusUrl / --prometheus-url)")
-    source = prometheus.prometheus_for(url, profile)
+    refused = guardrails.prometheus_url_problem(url, default_url, OPTIONS.prometheus_allowed)
+    if refused:
+        return rollback.RatioSample(now, None, None, refused)
+    source = prometheus.prometheus_for(url, profile, OPTIONS.prometheus_verify)
     assert dep.metadata.name and dep.metadata.namespace
     requests, errors, why = await asyncio.to_thread(source.router_requests, dep.metadata.name, dep.metadata.namespace,
                                                     dep.spec.rollback.window)

@@ -18,11 +18,12 @@ from typing import Any, Protocol
 
 from pdfleet_operator import prometheus
 from pdfleet_operator.api import Condition, InferenceDeployment
-from pdfleet_operator.decide import autoscaler, tick
+from pdfleet_operator.decide import autoscaler, guardrails, tick
 from pdfleet_operator.decide.autoscaler import ScalerState, ScalingDecision
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.kube import exporter, operator_metrics
+from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.scaling")
 Key = tuple[str, str]
@@ -162,7 +163,10 @@ async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: s
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
         return MetricsSnapshot.unavailable(time.time(), NO_URL)
-    source = prometheus.prometheus_for(url, profile)
+    refused = guardrails.prometheus_url_problem(url, default_url, OPTIONS.prometheus_allowed)
+    if refused:
+        return MetricsSnapshot.unavailable(time.time(), refused)
+    source = prometheus.prometheus_for(url, profile, OPTIONS.prometheus_verify)
     assert dep.metadata.name and dep.metadata.namespace, "a stored InferenceDeployment has a name and namespace"
     return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()),
                                    engines or None)

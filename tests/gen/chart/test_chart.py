@@ -356,3 +356,15 @@ def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(lo
         assert not admitted("team-a", {"hostPath": {"path": attack}}), attack
     assert not any(o["kind"] == "ValidatingAdmissionPolicy" for o in
                    helm.render({"operator": {"hostPath": {"admissionPolicy": False}}}, loaded=loaded))
+
+
+def test_allowed_prometheus_urls_and_its_ca_reach_the_operator(loaded) -> None:
+    dep = next(o for o in helm.render({"operator": {"allowedPrometheusUrls": ["http://prom.monitoring.svc:9090"],
+                                                    "prometheusCaSecret": "prom-ca"}}, loaded=loaded)
+               if o["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--allow-prometheus-url=http://prom.monitoring.svc:9090" in c["args"]
+    assert "--prometheus-ca=/etc/pdfleet/prometheus-ca/ca.crt" in c["args"]
+    from pdfleet_operator.cli import build_parser
+    args = build_parser(["operator"]).parse_args(["operator", *c["args"][1:]])
+    assert args.allow_prometheus_url == ["http://prom.monitoring.svc:9090"] and args.prometheus_ca.endswith("ca.crt")
