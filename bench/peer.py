@@ -326,6 +326,9 @@ def run_dtype(a, dtype: str, work, bs1_prompt, prefixes, weight_bytes, eb, cfg) 
                     else:
                         r = peer.call(op="ttft", prompt=prefix + tail)
                         s["v_ttft_cold" if j == 0 else "v_ttft"].append(r["ttft_s"])
+            progress(f"{dtype}: mixed {s['mixed'][-1]:.0f} vs {s['v_mixed'][-1]:.0f} tok/s, bs1 "
+                     f"{s['dec'][-1] * 1e3:.2f} vs {s['v_dec'][-1] * 1e3:.2f} ms/tok, shared-prefix TTFT "
+                     f"{s['ttft'][-1] * 1e3:.1f} vs {s['v_ttft'][-1] * 1e3:.1f} ms (pdfleet vs vLLM)")
         assert eng.is_idle_and_whole(), "pdfleet engine ends idle with every block free"
         stats = eng.stats()
         s["prefix_hits"] = stats.prefix_cache_hits_total

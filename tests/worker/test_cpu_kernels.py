@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from pdfleet_worker.engine import cpu_kernels
 from pdfleet_worker.engine.attention import KVCache, gather_kv, write_kv
+from pdfleet_worker.engine.sampling_params import SamplingParams
 from tests.worker.conftest import MAX_NEW, compare, random_prompts, run_and_capture
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels")
 
 
 def _reference(q: torch.Tensor, cache: KVCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,7 @@ def _pool(hkv: int, nb: int, bs: int, d: int, dtype: torch.dtype, seed: int) -> 
     return KVCache(torch.randn(2, hkv, nb, bs, d, generator=g).to(dtype))
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.int8, 2e-5)])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (4, 1, 32, 4), (8, 8, 128, 7), (6, 2, 48, 1), (2, 1, 288, 3)])
 def test_paged_decode_matches_gather_and_sdpa(dtype, atol, hq, hkv, d, bs):
@@ -54,6 +56,7 @@ def test_paged_decode_matches_gather_and_sdpa(dtype, atol, hq, hkv, d, bs):
     assert torch.allclose(out.float(), want, atol=atol, rtol=0), float((out.float() - want).abs().max())
 
 
+@needs_kernels
 def test_paged_decode_ignores_what_lies_past_each_context():
     """Blocks past a context and slots past its length hold garbage (here inf): never read."""
     cache = _pool(2, 8, 4, 32, torch.float32, seed=3)
@@ -66,6 +69,7 @@ def test_paged_decode_ignores_what_lies_past_each_context():
     assert torch.allclose(out, want, atol=2e-6)
 
 
+@needs_kernels
 @pytest.mark.parametrize("lens,error", [([0], "context length 0"), ([13], "context length 13")])
 def test_paged_decode_refuses_lengths_its_table_cannot_hold(lens, error):
     cache = _pool(1, 4, 4, 16, torch.float32, seed=0)
@@ -74,6 +78,7 @@ def test_paged_decode_refuses_lengths_its_table_cannot_hold(lens, error):
                                                  torch.tensor([[0, 1, 2]]), torch.tensor(lens), 0.25)
 
 
+@needs_kernels
 def test_pin_threads_binds_each_compute_thread_and_unbinds():
     allowed = sorted(os.sched_getaffinity(0))
     try:
@@ -84,6 +89,7 @@ def test_pin_threads_binds_each_compute_thread_and_unbinds():
     assert os.sched_getaffinity(0) == set(allowed)
 
 
+@needs_kernels
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_engine_decodes_the_same_with_and_without_the_kernel(tiny, make_engine, kv_cache_dtype):
     """Many sequences decoding together (scattered blocks, block size 4): through the kernel the
@@ -104,8 +110,64 @@ def test_engine_decodes_the_same_with_and_without_the_kernel(tiny, make_engine, 
         assert worst < 1e-3 * max(1.0, max(float(r.abs().max()) for rows in got[False][1] for r in rows)), worst
 
 
+@needs_kernels
 def test_kernel_library_is_cached_by_key(tmp_path, monkeypatch):
     built = cpu_kernels.build()  # loaded already: returns the cached file, compiles nothing
     assert built == cpu_kernels.library_path() and built.exists()
     monkeypatch.setenv("PDFLEET_KERNEL_CACHE", str(tmp_path))
     assert cpu_kernels.library_path() == tmp_path / built.name  # the key does not depend on the folder
+
+
+@pytest.mark.parametrize("setting,threads,allowed,want", [
+    ("auto", 2, {0, 1}, [0, 1]),          # a machine (or cpuset) of its own: bind
+    ("auto", 2, {0, 1, 2, 3}, []),        # cores shared with others: leave placement to the kernel
+    ("off", 2, {0, 1}, []),
+    ("2-3", 2, {0, 1, 2, 3}, [2, 3]),
+    ("1,3", 2, {0, 1, 2, 3}, [1, 3]),
+])
+def test_cores_to_bind(setting, threads, allowed, want):
+    assert cpu_kernels.cores_to_bind(setting, threads, allowed) == want
+
+
+@pytest.mark.parametrize("setting,error", [("0-5", "cores \\[2, 3, 4, 5\\] are not allowed"), ("a-b", "not a core list"),
+                                           ("3-1", "not a core list")])
+def test_cores_to_bind_refuses(setting, error):
+    with pytest.raises(ValueError, match=error):
+        cpu_kernels.cores_to_bind(setting, 2, {0, 1})
+
+
+@needs_kernels
+def test_bound_steps_leave_the_callers_affinity_as_it_was(llama, make_engine, monkeypatch):
+    """Compute threads are bound while a step runs; between steps the calling thread has the
+    process's cores again, so what it starts (a subprocess) is not confined to one core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PDFLEET_CPU_BIND", ",".join(map(str, allowed)))
+    eng = make_engine(llama.path)
+    assert eng.model_runner.bind_cores == allowed
+    seen = []
+    eng.model_runner.model.register_forward_hook(lambda *_: seen.append(os.sched_getaffinity(0)))
+    try:
+        eng.generate(random_prompts(2, 3, 9, seed=2), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert seen and all(a == {allowed[0]} for a in seen)  # inside the step: compute thread 0's core
+        assert os.sched_getaffinity(0) == set(allowed)
+    finally:
+        cpu_kernels.pin_threads(allowed, exclusive=False)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_compiled_decode_matches_transformers(llama, make_engine, monkeypatch):
+    """PDFLEET_COMPILE=1: decode-only steps run torch.compile'd (KV write + paged attention one
+    opaque op per layer); warm_up compiles both graphs, and the tokens stay exact."""
+    monkeypatch.setenv("PDFLEET_COMPILE", "1")
+    eng = make_engine(llama.path, block_size=4, max_num_batched_tokens=16)
+    assert eng.model_runner.compiled is not None
+    eng.warm_up()
+    compiled, calls = eng.model_runner.compiled, []
+    eng.model_runner.compiled = lambda *args: calls.append(args[0].numel()) or compiled(*args)
+    prompts = random_prompts(6, 1, 30, seed=41)
+    tokens, logits, _ = run_and_capture(eng, prompts)
+    assert compare(llama, prompts, tokens, logits, MAX_NEW).near_ties <= 1
+    assert max(calls) == len(prompts)  # the batched graph ran
+    (alone,) = eng.generate(prompts[:1], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    assert 1 in calls and alone.new_token_ids == tokens[0]  # and the lone-decode one

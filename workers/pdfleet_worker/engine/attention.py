@@ -1,4 +1,4 @@
-"""Paged attention over the KV block pool (reference, CPU and FlexAttention paths) and KV writes; the model's attention layers call it."""
+"""Paged attention over the KV block pool (reference, CPU, Triton and FlexAttention paths) and KV writes; the model's attention layers call it."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +6,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from pdfleet_worker.engine import triton_attention
 
 INT8_MAX = 127.0
 
@@ -63,7 +65,7 @@ class AttentionMetadata:
     multi-token prefill chunks, in that order.
     """
 
-    backend: str                          # reference | cpu | flex
+    backend: str                          # reference | cpu | paged (CUDA, Triton) | flex
     slot_mapping: torch.Tensor            # [T] int64: block_id * block_size + offset of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor     # [Bd, max_blocks] int64 (padded with block 0)
@@ -72,6 +74,7 @@ class AttentionMetadata:
     prefills: list[PrefillMeta]
     lone_decode_len: int = 0                 # context length when the step's only decode is one sequence
     decode_kernel: bool = False              # decodes read the pool through their block tables (cpu_kernels)
+    fused_decode: bool = False               # a decode-only step for the compiled model: one opaque op per layer
     one_slot: tuple[int, int] | None = None  # (block, offset) when the step writes one token
     flex: object | None = None            # FlexMetadata on the flex backend
 
@@ -121,6 +124,9 @@ def gather_kv(cache: KVCache, block_table: torch.Tensor, dtype: torch.dtype) -> 
 
 def forward(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
     """q: [T, Hq, D]; kv: [T, 2, Hkv, D] for the new tokens -> out [T, Hq * D]."""
+    if meta.fused_decode:
+        return decode_step(q, kv, cache.kv, cache.scale, meta.slot_mapping, meta.decode_block_tables,
+                           meta.decode_context_lens)
     if meta.one_slot is not None and not cache.quantized:
         block, offset = meta.one_slot
         cache.kv.select(3, offset).select(2, block).copy_(kv[0])  # [2, Hkv, D]
@@ -130,7 +136,7 @@ def forward(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, cache: K
         return _reference(q, meta, cache)
     if meta.backend == "flex":
         return _flex(q, meta, cache)
-    return _cpu(q, kv, meta, cache)
+    return _batched(q, kv, meta, cache)
 
 
 def _reference(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
@@ -159,11 +165,12 @@ def _decode_context(cache: KVCache, meta: AttentionMetadata, dtype: torch.dtype)
     return k, v
 
 
-def _cpu(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-    """All decodes at once: through the block tables with the C++ kernel (each sequence's context
-    read once, no copy, no padding), else gathered into one padded batch for SDPA (query heads of a
-    KV group ride along the query-length axis, so GQA needs no copies). Prefill chunks without a
-    past attend to their own fresh k, v; with one, to their gathered context."""
+def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    """The cpu and paged backends. All decodes at once: through the block tables (each sequence's
+    context read once, no copy, no padding) with the C++ kernel on CPU or the Triton kernel on CUDA,
+    else gathered into one padded batch for SDPA (query heads of a KV group ride along the
+    query-length axis, so GQA needs no copies). Prefill chunks without a past attend to their own
+    fresh k, v; with one, to their gathered context."""
     t, hq, d = q.shape
     hkv = cache.k.shape[0]
     g = hq // hkv
@@ -173,6 +180,11 @@ def _cpu(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: 
         o = q.new_empty(bd, hq, d)
         torch.ops.pdfleet.paged_decode_attention(o, q[:bd], cache.kv, cache.scale, meta.decode_block_tables,
                                                  meta.decode_context_lens, d ** -0.5)
+        parts.append(o.view(bd, hq * d))
+    elif bd and meta.backend == "paged" and not cache.quantized:
+        o = q.new_empty(bd, hq, d)
+        triton_attention.paged_decode(o, q[:bd], cache.kv, meta.decode_block_tables, meta.decode_context_lens,
+                                      d ** -0.5)
         parts.append(o.view(bd, hq * d))
     elif bd:
         qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
@@ -191,6 +203,28 @@ def _cpu(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cache: 
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
         parts.append(o[0].transpose(0, 1).reshape(p.num_tokens, hq * d))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# -- the compiled model's attention --------------------------------------------------------------
+# NOTE: one custom op per layer (KV write, then paged decode attention) keeps the KV pool out of
+# the compiled graph: torch.compile sees an opaque call that mutates the pool in place, as vLLM's
+# attention ops are, and fuses everything around it. Traced as-is, the in-place write into a
+# graph input would be functionalized, which risks copying the whole pool.
+@torch.library.custom_op("pdfleet::decode_step", mutates_args=("pool", "scale"))
+def decode_step(q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, scale: torch.Tensor | None,
+                slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Decodes only: q [B, Hq, D], kv [B, 2, Hkv, D] -> out [B, Hq * D]; pool and scale as in KVCache."""
+    cache = KVCache(pool, scale)
+    write_kv(cache, kv, slots)
+    b, hq, d = q.shape
+    out = q.new_empty(b, hq, d)
+    torch.ops.pdfleet.paged_decode_attention(out, q, pool, scale, tables, lens, d ** -0.5)
+    return out.view(b, hq * d)
+
+
+@decode_step.register_fake
+def _(q, kv, pool, scale, slots, tables, lens):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 # -- FlexAttention (the CUDA path) -----------------------------------------------------------------

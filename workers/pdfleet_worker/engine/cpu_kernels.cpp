@@ -246,12 +246,174 @@ int64_t pin_threads(const std::vector<int64_t>& cores, bool exclusive) {
   return pinned;
 }
 
+
+// -- small fused ops of a decode step ---------------------------------------------------------
+// At batch 1 a decode step is bandwidth-bound on the weights and every extra kernel costs several
+// microseconds; these replace 2-4 PyTorch kernels each. Rows run in parallel only when there are
+// enough of them (a lone decode's row runs on the calling thread, with no OpenMP barrier).
+constexpr int64_t ROWS_PER_TASK = 8;
+
+template <typename T>
+inline float ld(const T* p) { return static_cast<float>(*p); }
+
+// y = weight * norm(x + delta) with h = x + delta stored back into x (the residual stream), as
+// Hugging Face computes it: the sum in the stream's dtype, the norm in fp32, cast back, then weight.
+template <typename T>
+void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t n, int64_t sx, int64_t sd,
+                       int64_t sy, float eps) {
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * sx;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = ld(xr + i);
+        if (delta) {
+          const T h = static_cast<T>(v + ld(delta + r * sd + i));  // rounded to the stream's dtype
+          xr[i] = h;
+          v = static_cast<float>(h);
+        }
+        buf[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* yr = y + r * sy;
+      for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<T>(ld(w + i) * static_cast<float>(static_cast<T>(buf[i] * inv)));
+    }
+  });
+}
+
+// Returns norm(x) (delta undefined) or norm(x + delta) after x += delta in place. x, delta: [T, N]
+// rows with a contiguous last dim; weight: [N].
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "x must be [T, N] with a contiguous last dim and weight [N]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  if (delta) TORCH_CHECK(delta->sizes() == x.sizes() && delta->stride(1) == 1 && delta->scalar_type() == x.scalar_type(),
+                         "delta must be like x");
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rows = x.size(0), n = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_rows<float>(x.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr, weight.data_ptr<float>(),
+                             y.data_ptr<float>(), rows, n, x.stride(0), delta ? delta->stride(0) : 0, y.stride(0),
+                             static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+    using B = c10::BFloat16;
+    add_rms_norm_rows<B>(x.data_ptr<B>(), delta ? delta->data_ptr<B>() : nullptr, weight.data_ptr<B>(), y.data_ptr<B>(),
+                         rows, n, x.stride(0), delta ? delta->stride(0) : 0, y.stride(0), static_cast<float>(eps));
+  }
+  return y;
+}
+
+// silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I].
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t sg) {
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < inter; ++i) {
+        g[i] = ld(gu + r * sg + i);
+        u[i] = ld(gu + r * sg + inter + i);
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = g[i];
+        const float e = exp_nonpositive(-std::fabs(x));  // sigmoid without overflow either side
+        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        g[i] = x * sig;
+      }
+      // silu(gate) rounded to T before the product, as the two PyTorch kernels it replaces do
+      for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = static_cast<T>(static_cast<float>(static_cast<T>(g[i])) * u[i]);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I] with a contiguous last dim");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gate_up.stride(0));
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gate_up must be float32 or bfloat16");
+    using B = c10::BFloat16;
+    silu_mul_rows<B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter, gate_up.stride(0));
+  }
+  return out;
+}
+
+// Rotate heads[:, :n] in place: x * cos + roll(x, D/2) * signed_sin, the product in fp32 and
+// rounded once, as torch.addcmul does. heads: [T, H, D] (head and last dims contiguous within a
+// row); cos, sin: [T, D] contiguous.
+template <typename T>
+void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t d, int64_t sx) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xr = x + r * sx + h * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float rolled = ld(xr + (i + half) % d);
+          tmp[i] = static_cast<float>(static_cast<T>(ld(xr + i) * ld(c + i))) + rolled * ld(s + i);
+        }
+        for (int64_t i = 0; i < d; ++i) xr[i] = static_cast<T>(tmp[i]);
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1 && heads.stride(1) == heads.size(2), "heads must be [T, H, D], rows of whole heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == heads.size(0) &&
+                  cos.size(1) == heads.size(2) && sin.sizes() == cos.sizes(), "cos and sin must be contiguous [T, D]");
+  TORCH_CHECK(n >= 0 && n <= heads.size(1) && heads.size(2) % 2 == 0, "bad head count or odd head_dim");
+  TORCH_CHECK(cos.scalar_type() == heads.scalar_type() && sin.scalar_type() == heads.scalar_type(), "dtypes differ");
+  if (heads.scalar_type() == at::kFloat) {
+    rope_rows<float>(heads.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), heads.size(0), n,
+                     heads.size(2), heads.stride(0));
+  } else {
+    TORCH_CHECK(heads.scalar_type() == at::kBFloat16, "heads must be float32 or bfloat16");
+    using B = c10::BFloat16;
+    rope_rows<B>(heads.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), heads.size(0), n, heads.size(2),
+                 heads.stride(0));
+  }
+}
+
+// mkldnn::_linear_pointwise(x, packed, bias) with no post-op, under a name torch.compile treats as
+// an opaque call (its own lowering of that op accepts only weights it packed itself).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
+}
+
 }  // namespace
 
-TORCH_LIBRARY(pdfleet, m) {
+TORCH_LIBRARY_FRAGMENT(pdfleet, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv, Tensor? scale, Tensor tables, Tensor lens, "
         "float softmax_scale) -> ()");
   m.def("pin_threads(int[] cores, bool exclusive=True) -> int", &pin_threads);
+  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) heads, int n, Tensor cos, Tensor sin) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pdfleet, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pdfleet, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("onednn_linear", &onednn_linear);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}
+
+// The packed weight is an MKLDNN tensor, which dispatches on its own key.
+TORCH_LIBRARY_IMPL(pdfleet, MkldnnCPU, m) { m.impl("onednn_linear", &onednn_linear); }

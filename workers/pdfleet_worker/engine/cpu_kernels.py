@@ -103,6 +103,10 @@ def load() -> bool:
     @torch.library.register_fake("pdfleet::paged_decode_attention")
     def _(out, q, kv, scale, tables, lens, softmax_scale):  # mutates out only: nothing to compute when tracing
         return None
+
+    @torch.library.register_fake("pdfleet::onednn_linear")
+    def _(x, packed, bias):  # packed keeps the weight's logical shape [out, in]
+        return x.new_empty(*x.shape[:-1], packed.shape[0])
     return True
 
 
@@ -113,6 +117,33 @@ def pin_threads(cores: list[int], exclusive: bool = True) -> int:
     if not load() or not cores:
         return 0
     return int(torch.ops.pdfleet.pin_threads(list(cores), exclusive))
+
+
+def parse_cores(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]."""
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"PDFLEET_CPU_BIND: {text!r} is not a core list like 0-3 or 0,2")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
+def cores_to_bind(setting: str, threads: int, allowed: set[int]) -> list[int]:
+    """The cores compute threads are bound to, [] for none. setting (PDFLEET_CPU_BIND): 'off';
+    'auto' binds only when this process may use exactly as many cores as it has threads (a
+    cpuset or a small machine of its own: binding to cores others may be bound to as well would
+    only make collisions permanent); else a core list, which must lie inside the allowed cores."""
+    if setting == "off":
+        return []
+    if setting == "auto":
+        return sorted(allowed) if len(allowed) == threads else []
+    cores = parse_cores(setting)
+    if not set(cores) <= allowed:
+        raise ValueError(f"PDFLEET_CPU_BIND={setting}: cores {sorted(set(cores) - allowed)} are not allowed "
+                         f"to this process (allowed: {sorted(allowed)})")
+    return cores
 
 
 if __name__ == "__main__":  # python -m pdfleet_worker.engine.cpu_kernels: build and report

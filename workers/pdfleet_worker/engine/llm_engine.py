@@ -303,13 +303,18 @@ class LLMEngine:
 
     # -- start-up --------------------------------------------------------------------------
     def warm_up(self) -> float:
-        """One short greedy request through a prefill and a decode step, before the server says ready: the
+        """Short greedy requests (one, then two at once) through prefill and decode steps, before the server says ready: the
         first call's costs (allocations, kernel selection, any compilation around the model) are paid here,
         not by the first client. Leaves no trace: counters as new, every block free, nothing in the prefix
         cache (the request is shorter than one block). Returns the seconds it took."""
         assert self.is_idle_and_whole(), "warm-up of an engine that already serves"
         t0 = time.monotonic()
-        self.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        # NOTE: one sequence, then two: a compiled model has one graph for a lone decode and one for
+        # any larger batch (torch.compile specializes size 1), and both are compiled here.
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.generate([[0]], greedy)
+        self.generate([[0], [0]], greedy)
+        self.model_runner.capture_graphs()  # CUDA (paged backend) only
         self._prompt_tokens_total = self._generation_tokens_total = 0
         self._success = {r.value: 0 for r in FinishReason}
         self.scheduler.num_preemptions = 0

@@ -1,17 +1,20 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV pool and samples; the only place lists become tensors. LLMEngine calls it."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import threading
 
 import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
-from pdfleet_worker.engine import attention, cpu_kernels
+from pdfleet_worker.engine import attention, cpu_kernels, cuda_graphs, triton_attention
 from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillMeta
 from pdfleet_worker.engine.sampler import SampledToken, Sampler
 from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdfleet_worker.model import packed_linear
-from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin
+from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin, use_cpu_kernels
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,9 +45,29 @@ class ModelRunner:
         cos, sin = rope_cos_sin(cfg, max_model_len)
         self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
         self.kv_cache_dtype = engine_cfg.kv_cache_dtype
-        self.caches = [self._new_layer_cache(cfg) for _ in range(cfg.num_layers)]
+        # CUDA graphs of decode steps (paged backend): padding rows need a block of their own, past
+        # the ones the block manager hands out.
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.use_graphs = (self.backend == "paged" and self.kv_cache_dtype == "auto"
+                           and os.environ.get("PDFLEET_CUDA_GRAPHS", "1") != "0")
+        pool_blocks = num_blocks + (1 if self.use_graphs else 0)
+        self.caches = [self._new_layer_cache(cfg, pool_blocks) for _ in range(cfg.num_layers)]
+        self.max_num_seqs, self.max_blocks = engine_cfg.max_num_seqs, math.ceil(max_model_len / self.block_size)
         # Decodes read the pool in place through their block tables (C++), when it builds here.
         self.decode_kernel = (self.backend == "cpu" and cfg.head_dim % 16 == 0 and cpu_kernels.load())
+        self.fused_ops = self.device.type == "cpu" and cpu_kernels.load()
+        if self.fused_ops:
+            use_cpu_kernels(model)
+        # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see ENGINE.md); the first
+        # calls compile, which LLMEngine.warm_up pays before the server says ready.
+        self.compiled = None
+        if self.decode_kernel and os.environ.get("PDFLEET_COMPILE", "0") == "1":
+            self.compiled = torch.compile(self.model.forward, dynamic=True, fullgraph=True)
+        self.bind_cores: list[int] = []
+        self._pinned_for: int | None = None  # the thread whose OpenMP team is bound
+        if self.device.type == "cpu":
+            self.bind_cores = cpu_kernels.cores_to_bind(os.environ.get("PDFLEET_CPU_BIND", "auto"),
+                                                        torch.get_num_threads(), os.sched_getaffinity(0))
         self.sampler = Sampler()
         # Test and debugging hook: called as hook(request_ids, logits [S, V]) every step.
         self.logits_hook = None
@@ -52,10 +75,12 @@ class ModelRunner:
     def _pick_backend(self, requested: str) -> str:
         if requested != "auto":
             return requested
-        return "cpu" if self.device.type == "cpu" else "flex"
+        if self.device.type == "cpu":
+            return "cpu"
+        return "paged" if self.device.type == "cuda" and triton_attention.available() else "flex"
 
-    def _new_layer_cache(self, cfg: ModelConfig) -> KVCache:
-        shape = (2, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+    def _new_layer_cache(self, cfg: ModelConfig, num_blocks: int) -> KVCache:
+        shape = (2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         if self.kv_cache_dtype == "int8":
             return KVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
                            torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
@@ -70,15 +95,52 @@ class ModelRunner:
             return {}
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) > 1)  # decodes first, stable
         input_ids, positions, meta, logits_rows, samplers = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.rope, meta, self.caches)  # [T, hidden]
-        if not samplers:
-            return {}
-        logits = self.model.compute_logits(hidden[logits_rows])  # [S, V]
+        model = self.compiled if meta.fused_decode else self.model
+        with self._bound():
+            if self.graphs is not None and not meta.prefills and self.graphs.fits(meta.num_decodes,
+                                                                                 meta.decode_block_tables.shape[1]):
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = model(input_ids, positions, self.rope, meta, self.caches)  # [T, hidden]
+            if not samplers:
+                return {}
+            logits = self.model.compute_logits(hidden[logits_rows])  # [S, V]
         ids = [c.request_id for c in samplers]
         if self.logits_hook is not None:
             self.logits_hook(ids, logits)
         sampled = self.sampler(logits, ids, [c.params for c in samplers])
         return dict(zip(ids, sampled))
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture the decode CUDA graphs (LLMEngine.warm_up calls this); returns how many."""
+        if not self.use_graphs or self.graphs is not None:
+            return 0
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.rope, self.caches, max_batch=self.max_num_seqs,
+                                          max_blocks=self.max_blocks, block_size=self.block_size,
+                                          scratch_block=self.num_blocks, device=self.device)
+        graphs.capture()
+        self.graphs = graphs
+        return len(graphs.graphs)
+
+    @contextlib.contextmanager
+    def _bound(self):
+        """Compute threads bound to bind_cores while the model runs. NOTE: the calling thread is
+        compute thread 0; its own affinity is restored afterwards, so what it starts between steps
+        (a subprocess, a thread) inherits the process's cores, not one."""
+        if not self.bind_cores:
+            yield
+            return
+        mine = os.sched_getaffinity(0)
+        if self._pinned_for != threading.get_ident():  # each calling thread has its own OpenMP team
+            cpu_kernels.pin_threads(self.bind_cores)
+            self._pinned_for = threading.get_ident()
+        else:  # the team's other threads stay bound; only the caller's own binding was undone
+            os.sched_setaffinity(0, self.bind_cores[:1])
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, mine)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs, dev = self.block_size, self.device
@@ -123,6 +185,12 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # [Bd, W]
             meta.decode_context_lens = torch.tensor(ctx, dtype=torch.int64, device=dev)
             meta.decode_kernel = self.decode_kernel
+            if self.compiled is not None and not prefills:
+                # NOTE: tables at least 2 wide: torch.compile specializes sizes 0 and 1, and a
+                # width-1 graph would recompile on the first context longer than one block.
+                meta.fused_decode = True
+                if width < 2:
+                    meta.decode_block_tables = torch.nn.functional.pad(meta.decode_block_tables, (0, 2 - width))
             if len(decodes) > 1:
                 keys = torch.arange(width * bs, device=dev)
                 meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]

@@ -17,19 +17,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self._doubled_weight: torch.Tensor | None = None  # [weight, weight], for the fp32 path
-        self._doubled_ptr = 0
+        self.cpu_kernels = False  # set by use_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x) -> [T, dim]; with delta, x += delta first, in place (x is the residual stream)."""
+        if self.cpu_kernels and not torch.compiler.is_compiling():
+            return torch.ops.pdfleet.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         if x.dtype == torch.float32:
             # NOTE: [x, -x] has mean 0 and variance mean(x^2), so LayerNorm over it is RMSNorm of
             # x (same eps) in one fused kernel; torch's rms_norm runs ~8 small kernels on CPU,
             # which is most of a batch-1 decode step's norm time.
-            # Built on first use (weights are fixed once loaded; a reloaded weight has a new address).
-            if self._doubled_ptr != self.weight.data_ptr():
-                self._doubled_weight = torch.cat((self.weight, self.weight)).detach()
-                self._doubled_ptr = self.weight.data_ptr()
+            # Built on first use: the loader fills weights in place before any forward (whoever
+            # changes `weight` later must reset _doubled_weight).
+            w = self._doubled_weight
+            if w is None:
+                w = self._doubled_weight = torch.cat((self.weight, self.weight)).detach()
             d = x.shape[-1]
-            y = nn.functional.layer_norm(torch.cat((x, -x), -1), (2 * d,), self._doubled_weight, None, self.eps)
+            y = nn.functional.layer_norm(torch.cat((x, -x), -1), (2 * d,), w, None, self.eps)
             return y[..., :d]
         # NOTE: computed in fp32 and cast back before the weight, as Hugging Face does.
         dtype = x.dtype
@@ -75,6 +81,9 @@ def rope_cos_sin(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Te
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """Rotate x in place. x: [T, H, D] (may be a strided view); cos, signed_sin: [T, 1, D].
     rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]."""
+    if torch.compiler.is_compiling():  # NOTE: Dynamo refuses a strided out=; Inductor fuses this copy away
+        x.copy_(torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin))
+        return
     torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
 
 
@@ -88,6 +97,7 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matmul; the loader concatenates the HF weights.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.cpu_kernels = False  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
@@ -96,7 +106,10 @@ class Attention(nn.Module):
         heads = self.qkv_proj.forward(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]: q, k, v heads
         # NOTE: q and k heads are adjacent, so they rotate together, in place; k and v then sit
         # side by side in the same buffer and the KV write is one copy.
-        apply_rope_(heads[:, :hq + hkv], cos, sin)
+        if self.cpu_kernels and not torch.compiler.is_compiling():
+            torch.ops.pdfleet.rope_(heads, hq + hkv, cos.squeeze(1), sin.squeeze(1))
+        else:
+            apply_rope_(heads[:, :hq + hkv], cos, sin)
         q = heads[:, :hq]                                 # [T, Hq, D]
         kv = heads[:, hq:].unflatten(1, (2, hkv))         # [T, 2, Hkv, D]
         out = attention.forward(q, kv, meta, cache)       # [T, Hq * D]
@@ -109,9 +122,13 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.cpu_kernels = False  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]: gate, then up
+        if self.cpu_kernels and not torch.compiler.is_compiling():
+            return self.down_proj.forward(torch.ops.pdfleet.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(nn.functional.silu(gate) * up)
 
 
@@ -123,10 +140,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, meta, cache)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream [T, hidden], still owed delta (the last layer's MLP output, or
+        None) -> (h, this layer's MLP output). Each residual add happens inside the next norm."""
+        x = self.input_layernorm.forward(h, delta)                # h += delta
+        a = self.self_attn.forward(x, cos, sin, meta, cache)
+        x = self.post_attention_layernorm.forward(h, a)           # h += a
+        return h, self.mlp.forward(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,11 +173,19 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] (all scheduled tokens of all sequences, flattened) -> hidden [T, hidden]
         cos = rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = rope[1][positions].unsqueeze(1)
-        h = self.embed_tokens(input_ids)
+        h, delta = self.embed_tokens(input_ids), None  # h: a fresh tensor, updated in place from here on
         for layer, cache in zip(self.layers, caches):
-            h = layer.forward(h, cos, sin, meta, cache)
-        return self.norm.forward(h)
+            h, delta = layer.forward(h, delta, cos, sin, meta, cache)
+        return self.norm.forward(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (one row per sequence that samples) -> logits [S, vocab] in fp32
         return self.lm_head(hidden).float()
+
+
+def use_cpu_kernels(model: LlamaForCausalLM) -> None:
+    """Route RMSNorm (with its residual add), RoPE and SiLU-and-multiply to engine/cpu_kernels.cpp;
+    ModelRunner calls this after loading, once the kernels have built."""
+    for m in model.modules():
+        if hasattr(m, "cpu_kernels"):
+            m.cpu_kernels = True

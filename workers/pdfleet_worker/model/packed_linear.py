@@ -42,6 +42,10 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # NOTE: the same call under another name (engine/cpu_kernels.cpp): Inductor's lowering of
+            # mkldnn._linear_pointwise accepts only weights it packed itself, so it must stay opaque.
+            return torch.ops.pdfleet.onednn_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
