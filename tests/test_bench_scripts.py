@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +24,30 @@ def test_bench_script_starts(script):
                             timeout=120, cwd=BENCH.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage" in result.stdout.lower()
+
+
+PEER_KEYS = {"mixed_vs_vllm_fp32", "mixed_vs_vllm_bf16", "bs1_vs_vllm_fp32", "bs1_vs_vllm_bf16", "bs1_mbu",
+             "prefix_ttft_vs_vllm", "token_disagreements", "vllm_version"}
+
+
+def test_peer_bench_names_the_install_command_without_the_vllm_runtime(tmp_path):
+    env = {**os.environ, "PDFLEET_VLLM_PYTHON": str(tmp_path / "no-such-python")}
+    result = subprocess.run([sys.executable, str(BENCH / "peer.py"), "--smoke"], capture_output=True, text=True,
+                            timeout=120, cwd=BENCH.parent, env=env)
+    assert result.returncode != 0
+    assert "vLLM runtime is not installed" in result.stderr and "make vllm" in result.stderr
+
+
+@pytest.mark.slow
+def test_peer_bench_smoke_run(tmp_path):
+    """bench/peer.py --smoke end to end against the real vLLM runtime (tiny model, both dtypes, vLLM
+    eager: ~3 minutes): one JSON line with the keys other checks read. Times nothing."""
+    from tests.support.vllm import vllm_python
+
+    env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(BENCH / "peer.py"), "--smoke"], capture_output=True, text=True,
+                            timeout=900, cwd=BENCH.parent, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert PEER_KEYS <= set(out), sorted(PEER_KEYS - set(out))
+    assert out["tokens_compared"] > 0 and 0 <= out["token_disagreements"] <= out["tokens_compared"]

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from pdfleet_worker.engine import triton_attention
 
 INT8_MAX = 127.0
+# Prefill chunks with a past up to this many tokens attend through the decode kernel (each row
+# re-reads the context, which stays in cache; beyond this SDPA's matrix products win).
+SHORT_CHUNK = 32
 
 
 @dataclasses.dataclass
@@ -192,6 +195,16 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [Hkv, Bd, G, D]
         parts.append(o.transpose(0, 1).reshape(bd, hq * d))
     for p in meta.prefills:
+        if p.mask is not None and meta.decode_kernel and p.num_tokens <= SHORT_CHUNK:
+            # A short chunk with a past (a prefix-cache hit's own tokens, a chunked prompt's tail):
+            # each query row is a decode of its own length, read through the same block table.
+            n, o = p.num_tokens, q.new_empty(p.num_tokens, hq, d)
+            lens = torch.arange(p.context_len - n + 1, p.context_len + 1, device=q.device)
+            tables = p.block_table.expand(n, -1).contiguous()
+            torch.ops.pdfleet.paged_decode_attention(o, q[p.start:p.start + n], cache.kv, cache.scale, tables, lens,
+                                                     d ** -0.5)
+            parts.append(o.view(n, hq * d))
+            continue
         qp = q[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.mask is None:
             k = kv_new[p.start:p.start + p.num_tokens, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]

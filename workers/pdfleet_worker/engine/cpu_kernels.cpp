@@ -159,7 +159,12 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, cons
   const Out* q_ptr = q.data_ptr<Out>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(softmax_scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // A small step (a lone decode over a short context) stays on the calling thread: an OpenMP
+  // region costs more than it saves there, and far more when another process holds a core.
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += len_ptr[b];
+  const int64_t grain = work * Hkv < 8192 ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<v16f> qv(G * DV), acc(G * DV);
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
