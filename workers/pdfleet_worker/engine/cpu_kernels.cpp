@@ -254,7 +254,8 @@ int64_t pin_threads(const std::vector<int64_t>& cores, bool exclusive) {
 
 // -- small fused ops of a decode step ---------------------------------------------------------
 // At batch 1 a decode step is bandwidth-bound on the weights and every extra kernel costs several
-// microseconds; these replace 2-4 PyTorch kernels each. Rows run in parallel only when there are
+// microseconds; these replace 2-4 PyTorch kernels each. (A SiLU-and-multiply was tried and
+// dropped: GCC left its exp scalar, 10x slower than PyTorch's vectorized one at 64 rows.) Rows run in parallel only when there are
 // enough of them (a lone decode's row runs on the calling thread, with no OpenMP barrier).
 constexpr int64_t ROWS_PER_TASK = 8;
 
@@ -311,44 +312,6 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, co
   return y;
 }
 
-// silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I].
-template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t sg) {
-  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(inter), u(inter);
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < inter; ++i) {
-        g[i] = ld(gu + r * sg + i);
-        u[i] = ld(gu + r * sg + inter + i);
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = g[i];
-        const float e = exp_nonpositive(-std::fabs(x));  // sigmoid without overflow either side
-        const float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        g[i] = x * sig;
-      }
-      // silu(gate) rounded to T before the product, as the two PyTorch kernels it replaces do
-      for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = static_cast<T>(static_cast<float>(static_cast<T>(g[i])) * u[i]);
-    }
-  });
-}
-
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "gate_up must be [T, 2I] with a contiguous last dim");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gate_up.stride(0));
-  } else {
-    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gate_up must be float32 or bfloat16");
-    using B = c10::BFloat16;
-    silu_mul_rows<B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter, gate_up.stride(0));
-  }
-  return out;
-}
-
 // Rotate heads[:, :n] in place: x * cos + roll(x, D/2) * signed_sin, the product in fp32 and
 // rounded once, as torch.addcmul does. heads: [T, H, D] (head and last dims contiguous within a
 // row); cos, sin: [T, D] contiguous.
@@ -362,10 +325,10 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, in
       const T* s = sin + r * d;
       for (int64_t h = 0; h < heads; ++h) {
         T* xr = x + r * sx + h * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const float rolled = ld(xr + (i + half) % d);
-          tmp[i] = static_cast<float>(static_cast<T>(ld(xr + i) * ld(c + i))) + rolled * ld(s + i);
-        }
+        for (int64_t i = 0; i < half; ++i)  // roll(x, D/2): the two halves swap
+          tmp[i] = static_cast<float>(static_cast<T>(ld(xr + i) * ld(c + i))) + ld(xr + i + half) * ld(s + i);
+        for (int64_t i = half; i < d; ++i)
+          tmp[i] = static_cast<float>(static_cast<T>(ld(xr + i) * ld(c + i))) + ld(xr + i - half) * ld(s + i);
         for (int64_t i = 0; i < d; ++i) xr[i] = static_cast<T>(tmp[i]);
       }
     }
@@ -408,7 +371,6 @@ TORCH_LIBRARY_FRAGMENT(pdfleet, m) {
   m.def("pin_threads(int[] cores, bool exclusive=True) -> int", &pin_threads);
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) heads, int n, Tensor cos, Tensor sin) -> ()");
 }
 
@@ -416,7 +378,6 @@ TORCH_LIBRARY_IMPL(pdfleet, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("onednn_linear", &onednn_linear);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
 }
 

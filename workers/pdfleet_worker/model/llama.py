@@ -122,13 +122,9 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.cpu_kernels = False  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]: gate, then up
-        if self.cpu_kernels and not torch.compiler.is_compiling():
-            return self.down_proj.forward(torch.ops.pdfleet.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(nn.functional.silu(gate) * up)
 
 
@@ -184,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_cpu_kernels(model: LlamaForCausalLM) -> None:
-    """Route RMSNorm (with its residual add), RoPE and SiLU-and-multiply to engine/cpu_kernels.cpp;
+    """Route RMSNorm (with its residual add) and RoPE to engine/cpu_kernels.cpp;
     ModelRunner calls this after loading, once the kernels have built."""
     for m in model.modules():
         if hasattr(m, "cpu_kernels"):
