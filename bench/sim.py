@@ -2,6 +2,7 @@
 
 python bench/sim.py [--policy static-nvidia ...] [--duration 1d]   # speed: prints a table and one JSON line
 python bench/sim.py calibrate [--preset tiny] [--stat min|median] [--out cal.json]  # needs torch: engine + one HTTP hop
+python bench/sim.py calibrate --engine vllm --preset small [--overhead-from cal.json]  # vLLM's CPU build (.venv-vllm)
 
 The speed run is the CLI's own path (fleet file -> synthetic conversation trace -> Simulator ->
 summary) timed per policy. `calibrate` times real engine steps of a `pdfleet model init` model:
@@ -10,7 +11,9 @@ per token, hence the prefill MFU against the `cpu` class's peak) and batch-1 dec
 weight read beyond the overhead, hence the decode MBU against the class's bandwidth); then it starts one
 real `pdfleet worker` and times HTTP requests to their first byte (the `http_hop_s` every hop of the
 serving path costs: client -> router, router -> prefill, router -> decode). It writes the
-JSON line that `pdfleet simulate --calibration FILE` reads.
+JSON line that `pdfleet simulate --calibration FILE` reads. `--engine vllm` measures vLLM's CPU build the
+same way through its offline `LLM` (in its own virtualenv; no HTTP hop): `sim/efficiency.py` holds the
+numbers it gave.
 """
 
 from __future__ import annotations
