@@ -26,15 +26,36 @@ into something kopf, the ``kubernetes`` Python client and ``kubectl`` can run ag
   Ignore → pruned), schema defaults, and Table responses from ``additionalPrinterColumns``;
 * discovery (``/api``, ``/apis``, ``/api/v1``, ``/apis/<g>/<v>``), ``/version``, an empty
   ``/openapi/v2`` (kubectl then skips client-side validation), ``/healthz``/``/readyz``;
-* a request log (:class:`LoggedRequest`) to count writes and list the verbs a client used.
+* a request log (:class:`LoggedRequest`) to count writes and list the verbs a client used, who sent each
+  request, and which objects each list answered and each watch streamed (``objects``), so a test can show
+  that a server-side ``labelSelector`` kept unlabelled objects from ever reaching a client;
+* RBAC, opt-in per token: a bearer token registered in ``users`` (``service_account(ns, name)`` makes one
+  for a ServiceAccount) is authorized by the Roles, ClusterRoles, RoleBindings and ClusterRoleBindings
+  stored in the emulator (apiGroups/resources/subresources/verbs/resourceNames, ``*`` wildcards,
+  ServiceAccount/User/Group subjects, ``system:masters``); a request no rule allows gets kube-apiserver's
+  403 Forbidden Status; a server-side apply that creates needs ``create`` too; and the
+  OwnerReferencesPermissionEnforcement admission plugin: changing an existing object's ownerReferences
+  needs ``delete`` on it, ``blockOwnerDeletion: true`` needs ``update`` on the owner's ``finalizers``.
 
 What a real kube-apiserver does that this does NOT:
 
-* no authentication, authorization or RBAC (every request is allowed), no admission webhooks,
-  no ValidatingAdmissionPolicy, no quota/LimitRange, no validation of built-in kinds beyond the
-  object name (a Deployment with a bad spec is stored as sent);
-* no controllers: Deployments never get ReplicaSets or Pods, nothing becomes ready, Services get
-  no endpoints or cluster IPs, Jobs never run, no scheduler/kubelet — patch ``status`` in tests;
+* no authentication: a token not registered in ``users`` (the tests' own kubeconfig) may do anything;
+  RBAC knows no aggregated ClusterRoles (``aggregationRule``), no built-in roles or bindings
+  (non-resource URLs such as discovery are allowed to everyone instead), no escalation/bind checks on
+  writes of RBAC objects, no impersonation, no SubjectAccessReviews; no admission webhooks, no
+  ValidatingAdmissionPolicy, no quota/LimitRange, no validation of built-in kinds beyond the object
+  name (a Deployment with a bad spec is stored as sent);
+* controllers only when a test turns them on (:meth:`KubernetesApiEmulator.enable_workloads`, see
+  :mod:`tests.support.k8s_workloads`): Deployments then get Pods (directly: no ReplicaSets, a changed
+  template replaces every old pod at once, no maxSurge/maxUnavailable pacing, no progress deadline),
+  a scheduler binds them to Nodes by their requests (nodeSelector, required node affinity on labels,
+  taints, free allocatable of every resource: nvidia.com/gpu, MIG and other extended resources, cpu,
+  memory, pods) and leaves the rest ``Pending`` with ``PodScheduled=False``/``Unschedulable`` until
+  capacity frees; bound pods turn Running and Ready at once. Not emulated even then: preemption and
+  priorities, pod (anti-)affinity and topology spread, preferred affinity and scoring beyond
+  "fullest node first", node-affinity on fields, taint-based eviction, resource quotas, device
+  plugins (allocatable is what the Node says), probes, restarts, image pulls, Services' endpoints,
+  Jobs. Off (the default), nothing makes Pods or readiness — patch ``status`` in tests;
 * garbage collection is synchronous and approximate (Foreground deletion deletes dependents first
   instead of using the ``foregroundDeletion`` finalizer; Orphan removes the owner references at
   once); deleting a CRD deletes its objects without waiting for their finalizers;
@@ -58,6 +79,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import copy
 import datetime
 import functools
@@ -82,9 +104,11 @@ from kmock._internal import apps as _kmock_apps
 from kmock._internal import rendering as _kmock_rendering
 
 from pdfleet_operator.api import admission
+from tests.support import k8s_workloads
 
 __all__ = [
     "ApiError",
+    "Requester",
     "ApiResource",
     "LoggedRequest",
     "KubernetesApiEmulator",
@@ -619,6 +643,70 @@ def _delete_path(obj: dict, path: tuple) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# RBAC (opt-in per emulator: only requests with a token registered in ``users`` are authorized)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Requester:
+    """Who sent a request: the user name and groups its token stands for (``KubernetesApiEmulator.users``)."""
+
+    user: str
+    groups: tuple[str, ...] = ()
+
+
+# The requester of the request being served (a context variable: each request is its own aiohttp task).
+_REQUESTER: contextvars.ContextVar[Requester | None] = contextvars.ContextVar("emulator_requester", default=None)
+RBAC_GROUP = "rbac.authorization.k8s.io"
+
+
+def service_account_user(namespace: str, name: str) -> Requester:
+    """What a ServiceAccount token authenticates as on a real cluster."""
+    return Requester(f"system:serviceaccount:{namespace}:{name}",
+                     ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"))
+
+
+def rule_allows(rule: dict, group: str, resource: str, subresource: str | None, verb: str, name: str | None) -> bool:
+    """One PolicyRule against one request, as kube-apiserver's RBAC authorizer matches them."""
+    groups = rule.get("apiGroups") or []
+    if "*" not in groups and group not in groups:
+        return False
+    resources = rule.get("resources") or []
+    full = f"{resource}/{subresource}" if subresource else resource
+    if "*" not in resources and full not in resources and not (subresource and f"*/{subresource}" in resources):
+        return False
+    verbs = rule.get("verbs") or []
+    if "*" not in verbs and verb not in verbs:
+        return False
+    names = rule.get("resourceNames") or []
+    return not names or (name is not None and name in names)
+
+
+def _subject_matches(subject: dict, who: Requester) -> bool:
+    kind = subject.get("kind")
+    if kind == "ServiceAccount":
+        return who.user == f"system:serviceaccount:{subject.get('namespace')}:{subject.get('name')}"
+    if kind == "User":
+        return who.user == subject.get("name")
+    if kind == "Group":
+        return subject.get("name") in who.groups
+    return False
+
+
+def _forbidden(who: Requester, verb: str, group: str, resource: str, subresource: str | None, namespace: str | None,
+               name: str | None, prefix: str = "") -> ApiError:
+    """kube-apiserver's 403 Status for a request no rule allows."""
+    full = f"{resource}/{subresource}" if subresource else resource
+    group_resource = f"{resource}.{group}" if group else resource
+    what = f'{group_resource} "{name}"' if name else group_resource
+    where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+    details: dict[str, Any] = {"group": group, "kind": resource}
+    if name:
+        details["name"] = name
+    return ApiError(403, "Forbidden", f'{what} is forbidden: {prefix}User "{who.user}" cannot {verb} resource '
+                                      f'"{full}" in API group "{group}" {where}', details)
+
+
+# ---------------------------------------------------------------------------------------------
 # The request log
 # ---------------------------------------------------------------------------------------------
 
@@ -640,6 +728,8 @@ class LoggedRequest:
     user_agent: str | None = None
     status: int | None = None  # the response status, when known
     body: Any = None  # the decoded request body for writes
+    user: str | None = None  # who sent it, when the emulator knows the token (`users=`); None: the tests' admin
+    objects: list[str] = field(default_factory=list)  # `namespace/name` of each object a list answered or a watch sent
 
     @property
     def is_write(self) -> bool:
@@ -652,6 +742,11 @@ class LoggedRequest:
         return {"application/merge-patch+json": "merge", "application/json-patch+json": "json",
                 "application/strategic-merge-patch+json": "strategic",
                 "application/apply-patch+yaml": "apply"}.get(self.content_type, self.content_type)
+
+
+def _object_ref(obj: dict) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or ''}/{meta.get('name')}"
 
 
 @dataclass
@@ -683,6 +778,9 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
     """
 
     auto_create_namespaces: bool = False
+    # bearer token -> who it authenticates as; requests with one of these tokens are authorized by the RBAC objects
+    # stored in the emulator (403 Forbidden as on a cluster), any other request is the tests' administrator.
+    users: dict[str, Requester] = attrs.field(factory=dict)
 
     _api: dict[tuple[str, str, str], ApiResource] = attrs.field(factory=dict, init=False)
     _store: dict[tuple[str, str, str, str], dict] = attrs.field(factory=dict, init=False)
@@ -693,6 +791,9 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
     _compacted_rv: int = attrs.field(default=0, init=False)
     _watchers: set[asyncio.Queue] = attrs.field(factory=set, init=False)
     log: list[LoggedRequest] = attrs.field(factory=list, init=False)
+    # The opt-in controllers (`enable_workloads`): None while off.
+    workloads: k8s_workloads.Workloads | None = attrs.field(default=None, init=False)
+    _workloads_state: list[bool] = attrs.field(factory=lambda: [False, False], init=False)  # [due, running]
 
     def __attrs_post_init__(self) -> None:
         # Deliberately not calling kmock's post-init: its stateless fallbacks are replaced by _serve().
@@ -772,6 +873,41 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
                 obj = self._store[key]
                 self._remove(key, obj)
 
+    # ---- controllers (opt-in: tests.support.k8s_workloads) -----------------------------------
+
+    def enable_workloads(self) -> k8s_workloads.Workloads:
+        """Turn on the Deployment controller, scheduler and kubelet of `k8s_workloads`; returns them."""
+        if self.workloads is None:
+            self.workloads = k8s_workloads.Workloads(self)
+        self.run_workloads()
+        return self.workloads
+
+    def _workloads_due(self) -> None:
+        state = self._workloads_state
+        if state[0]:
+            return
+        state[0] = True
+        if state[1]:
+            return  # the running pass goes round once more
+        try:
+            asyncio.get_running_loop().call_soon(self.run_workloads)
+        except RuntimeError:  # no loop (construction): the next enable/run does it
+            state[0] = False
+
+    def run_workloads(self) -> None:
+        """Run the controllers until nothing changes (after the write that triggered them has finished)."""
+        state = self._workloads_state
+        if self.workloads is None or state[1]:
+            return
+        state[1] = True
+        try:
+            for _ in range(k8s_workloads.MAX_PASSES):
+                state[0] = False
+                if not self.workloads.run() and not state[0]:
+                    break
+        finally:
+            state[0] = state[1] = False
+
     # ---- state primitives --------------------------------------------------------------------
 
     def _next_rv(self) -> int:
@@ -792,6 +928,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         self._events.append(event)
         for queue in list(self._watchers):
             queue.put_nowait(event)
+        if self.workloads is not None and key[:2] in k8s_workloads.WATCHED:
+            self._workloads_due()
 
     def _put(self, key: tuple[str, str, str, str], obj: dict, type_: str, old: dict | None) -> dict:
         obj["metadata"]["resourceVersion"] = str(self._next_rv())
@@ -914,6 +1052,7 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
     def _admit(self, res: ApiResource, obj: dict, old: dict | None, field_validation: str,
                warnings: list[str]) -> dict:
         """Validate/prune/default a would-be stored object; returns the object to store."""
+        self._check_owner_references(res, obj, old)
         name = obj["metadata"].get("name") or obj["metadata"].get("generateName") or ""
         if res.crd is not None:
             crd = res.crd
@@ -1259,6 +1398,96 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
     def resource_version(self) -> int:
         return self._rv
 
+    # ---- RBAC --------------------------------------------------------------------------------
+
+    def service_account(self, namespace: str, name: str) -> str:
+        """Register (or find) a token for ServiceAccount ``namespace/name``; its requests are then authorized by RBAC."""
+        who = service_account_user(namespace, name)
+        for token, known in self.users.items():
+            if known == who:
+                return token
+        token = f"sa-{namespace}-{name}-{secrets.token_hex(8)}"
+        self.users[token] = who
+        return token
+
+    def _requester(self, raw: aiohttp.web.BaseRequest) -> Requester | None:
+        scheme, _, token = (raw.headers.get("Authorization") or "").partition(" ")
+        return self.users.get(token.strip()) if scheme.lower() == "bearer" else None
+
+    def _rules_for(self, who: Requester, namespace: str | None) -> Iterable[dict]:
+        """Every PolicyRule granted to `who` that applies in `namespace` (None: cluster scope only)."""
+        def role_rules(kind: str, role_ns: str, name: str) -> list[dict]:
+            plural = "clusterroles" if kind == "ClusterRole" else "roles"
+            role = self._store.get((RBAC_GROUP, plural, role_ns if kind == "Role" else "", name))
+            return list((role or {}).get("rules") or [])
+
+        for (group, plural, _, _), binding in self._store.items():
+            if group != RBAC_GROUP or plural != "clusterrolebindings":
+                continue
+            if any(_subject_matches(s, who) for s in binding.get("subjects") or []):
+                yield from role_rules("ClusterRole", "", binding["roleRef"]["name"])
+        if namespace:
+            for (group, plural, ns, _), binding in self._store.items():
+                if group != RBAC_GROUP or plural != "rolebindings" or ns != namespace:
+                    continue
+                if any(_subject_matches(s, who) for s in binding.get("subjects") or []):
+                    yield from role_rules(binding["roleRef"]["kind"], namespace, binding["roleRef"]["name"])
+
+    def allowed(self, who: Requester, verb: str, group: str, resource: str, subresource: str | None = None,
+                namespace: str | None = None, name: str | None = None) -> bool:
+        """Whether the stored Roles/ClusterRoles and their bindings let `who` do this (system:masters may do anything)."""
+        if "system:masters" in who.groups:
+            return True
+        return any(rule_allows(r, group, resource, subresource, verb, name) for r in self._rules_for(who, namespace))
+
+    def _authorize(self, who: Requester, entry: LoggedRequest) -> None:
+        """RBAC for one request; non-resource URLs (discovery, /version, /healthz) are allowed to everyone, as the
+        system:discovery and system:public-info-viewer ClusterRoles do on a cluster."""
+        if entry.verb is None or entry.resource is None:
+            return
+        group = entry.group or ""
+        verbs = [entry.verb]
+        if entry.patch_type == "apply" and entry.subresource is None:
+            res = self._api.get((group, entry.version or "", entry.resource))
+            if res is not None and self._key(res, entry.namespace, entry.name or "") not in self._store:
+                verbs.append("create")  # an apply that creates is authorized as create as well
+        for verb in verbs:
+            if not self.allowed(who, verb, group, entry.resource, entry.subresource, entry.namespace, entry.name):
+                raise _forbidden(who, verb, group, entry.resource, entry.subresource, entry.namespace, entry.name)
+
+    def _check_owner_references(self, res: ApiResource, obj: dict, old: dict | None) -> None:
+        """The OwnerReferencesPermissionEnforcement admission plugin, for requests authorized by RBAC: changing
+        an existing object's ownerReferences needs `delete` on it, and setting `blockOwnerDeletion: true` on a
+        reference needs `update` on the owner's `finalizers` subresource."""
+        who = _REQUESTER.get()
+        if who is None:
+            return
+        refs = list((obj.get("metadata") or {}).get("ownerReferences") or [])
+        before = list(((old or {}).get("metadata") or {}).get("ownerReferences") or [])
+        if refs == before:
+            return
+        meta = obj.get("metadata") or {}
+        namespace, name = meta.get("namespace"), meta.get("name")
+        if old is not None and not self.allowed(who, "delete", res.group, res.plural, None, namespace, name):
+            raise _forbidden(who, "delete", res.group, res.plural, None, namespace, name,
+                             prefix="cannot set an ownerRef on a resource you can't delete: ")
+        blocking_before = {r.get("uid") for r in before if r.get("blockOwnerDeletion")}
+        for ref in refs:
+            if not ref.get("blockOwnerDeletion") or ref.get("uid") in blocking_before:
+                continue
+            group, _, version = str(ref.get("apiVersion") or "").rpartition("/")
+            owners = [r for r in self._api.values() if r.group == group and r.version == version and r.kind == ref.get("kind")]
+            if not owners:
+                raise ApiError(403, "Forbidden", f'{res.group_resource} "{name}" is forbidden: cannot set '
+                               f'blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion '
+                               f'{ref.get("apiVersion")} Kind {ref.get("kind")}')
+            for owner in owners:
+                owner_ns = namespace if owner.namespaced else None
+                if not self.allowed(who, "update", owner.group, owner.plural, "finalizers", owner_ns, ref.get("name")):
+                    raise _forbidden(who, "update", owner.group, owner.plural, "finalizers", owner_ns, ref.get("name"),
+                                     prefix="cannot set blockOwnerDeletion if an ownerReference refers to a resource "
+                                            "you can't set finalizers on: ")
+
     # ---- HTTP --------------------------------------------------------------------------------
 
     _ACTIONS = {"get": kmock.action.FETCH, "list": kmock.action.LIST, "watch": kmock.action.WATCH,
@@ -1304,6 +1533,15 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         assert raw is not None
         entry = self._log_entry(request)
         self.log.append(entry)
+        who = self._requester(raw)
+        _REQUESTER.set(who)  # (always: aiohttp serves a keep-alive connection's requests in one task)
+        if who is not None:
+            entry.user = who.user
+            try:
+                self._authorize(who, entry)
+            except ApiError as exc:
+                entry.status = exc.code
+                return self._json(exc.status(), status=exc.code)
         if self._payloads:  # user-defined kmock reactions take precedence (e.g. to inject failures)
             try:
                 response = await _kmock_apps.RawHandler._handle(self, request)
@@ -1428,6 +1666,7 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
             return await self._serve_watch(raw, res, namespace, query, table, entry)
         if entry.verb == "list":
             items = self.list_objects(res, namespace, query.get("labelSelector"), query.get("fieldSelector"))
+            entry.objects = [_object_ref(o) for o in items]
             if table:
                 return self._json(self._table(res, items, query.get("includeObject")))
             return self._json({"apiVersion": res.api_version, "kind": f"{res.kind}List",
@@ -1693,6 +1932,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
                 payload = obj
             else:
                 payload = self._as_version(res, obj)
+            if entry is not None and type_ not in ("BOOKMARK", "ERROR"):
+                entry.objects.append(_object_ref(obj))
             await response.write(json.dumps({"type": type_, "object": payload}).encode() + b"\n")
 
         try:
@@ -1845,12 +2086,13 @@ class EmulatorThread:
         self.stop()
 
 
-def write_kubeconfig(path: Any, server_url: str, *, namespace: str = "default") -> Any:
-    """Write a kubeconfig for the emulator (a token user: kopf and clients need some credentials)."""
+def write_kubeconfig(path: Any, server_url: str, *, namespace: str = "default", token: str = "emulator-token") -> Any:
+    """Write a kubeconfig for the emulator (a token user: kopf and clients need some credentials; the default
+    token is the tests' administrator, one from ``KubernetesApiEmulator.service_account`` is authorized by RBAC)."""
     config = {
         "apiVersion": "v1", "kind": "Config", "preferences": {},
         "clusters": [{"name": "emulator", "cluster": {"server": server_url}}],
-        "users": [{"name": "emulator", "user": {"token": "emulator-token"}}],
+        "users": [{"name": "emulator", "user": {"token": token}}],
         "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}],
         "current-context": "emulator",
     }
