@@ -587,3 +587,76 @@ def test_kopf_runner_in_process(widgets: Kube):
     assert runner.exit_code == 0, runner.output[-8000:]
     assert runner.exception is None
     assert "Traceback" not in runner.output, runner.output[-8000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# RBAC, opt-in per token
+# ----------------------------------------------------------------------------------------------
+
+def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, http: httpx.Client):
+    rbac = "rbac.authorization.k8s.io/v1"
+    widgets.apply([
+        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "r", "namespace": "default"}, "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "patch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": ["mine"]}]},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "r", "namespace": "default"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "r"},
+         "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]},
+        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "w"}, "rules": [
+            {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]}]},
+        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": "w"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "w"},
+         "subjects": [{"kind": "Group", "name": "system:serviceaccounts:ops"}]},
+        cm("mine"), cm("other"), widget("owner")])
+    token = widgets.call(widgets.emulator.service_account, "ops", "op")
+    auth = {"Authorization": f"Bearer {token}"}
+    base = "/api/v1/namespaces/default/configmaps"
+    assert http.get(base, headers=auth).status_code == 200
+    assert http.get(f"{base}/mine", headers=auth).status_code == 200
+    denied = http.get(f"{base}/other", headers=auth)
+    assert denied.status_code == 403 and denied.json()["reason"] == "Forbidden"
+    assert denied.json()["message"] == ('configmaps "other" is forbidden: User "system:serviceaccount:ops:op" cannot get '
+                                        'resource "configmaps" in API group "" in the namespace "default"')
+    assert http.get("/api/v1/namespaces/kube-system/configmaps", headers=auth).status_code == 403  # a Role is one namespace
+    assert http.get("/api/v1/configmaps", headers=auth).status_code == 403  # ... not the cluster scope
+    assert http.get("/apis/emulator.pdfleet.io/v1/widgets", headers=auth).status_code == 200  # the group's ClusterRole
+    assert http.get("/apis", headers=auth).status_code == 200  # discovery: everyone
+    assert http.get(base).status_code == 200  # no registered token: the tests' administrator
+    # A server-side apply that would create needs create as well as patch.
+    apply = {"Authorization": f"Bearer {token}", "Content-Type": "application/apply-patch+yaml"}
+    created = http.patch(f"{base}/new", params={"fieldManager": "t"}, headers=apply, content=json.dumps(cm("new")))
+    assert created.status_code == 403 and "cannot create resource" in created.json()["message"]
+    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply,
+                      content=json.dumps(cm("mine"))).status_code == 200
+    # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on the owner's finalizers; changing the
+    # references of an existing object needs delete on it.
+    uid = widgets.get("widgets.emulator.pdfleet.io", "owner")["metadata"]["uid"]
+    ref = {"apiVersion": "emulator.pdfleet.io/v1", "kind": "Widget", "name": "owner", "uid": uid, "controller": True}
+    owned = cm("mine", ownerReferences=[{**ref, "blockOwnerDeletion": True}])
+    refused = http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned))
+    assert refused.status_code == 403 and "cannot set an ownerRef on a resource you can't delete" in refused.json()["message"]
+    widgets.apply({"apiVersion": rbac, "kind": "Role", "metadata": {"name": "r", "namespace": "default"}, "rules": [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "patch", "delete"]}]})
+    refused = http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned))
+    assert refused.status_code == 403 and refused.json()["message"].endswith(
+        'cannot set blockOwnerDeletion if an ownerReference refers to a resource you can\'t set finalizers on: User '
+        '"system:serviceaccount:ops:op" cannot update resource "widgets/finalizers" in API group "emulator.pdfleet.io" '
+        'in the namespace "default"')
+    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply,
+                      content=json.dumps(cm("mine", ownerReferences=[ref]))).status_code == 200  # not blocking: fine
+    widgets.apply({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "w"}, "rules": [
+        {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]},
+        {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets/finalizers"], "verbs": ["update"]}]})
+    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned)).status_code == 200
+    assert [(r.verb, r.status, r.user) for r in widgets.requests if r.user][:2] == [
+        ("list", 200, "system:serviceaccount:ops:op"), ("get", 200, "system:serviceaccount:ops:op")]
+
+
+def test_request_log_names_what_a_label_selected_watch_sent(kube: Kube, http: httpx.Client):
+    kube.apply([cm("a", labels={"app": "x"}), cm("b")])
+    events = watch_events(http, "/api/v1/namespaces/default/configmaps", labelSelector="app=x")
+    assert [name for _, name, _ in events] == ["a"]
+    (entry,) = kube.requests_for(verb="watch")
+    assert entry.objects == ["default/a"] and entry.query["labelSelector"] == "app=x"
+    http.get("/api/v1/namespaces/default/configmaps")
+    assert kube.requests_for(verb="list")[-1].objects == ["default/a", "default/b"]

