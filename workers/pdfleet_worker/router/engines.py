@@ -57,6 +57,7 @@ class Probe:
     ok: bool
     error: str | None = None
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timed_out: bool = False    # no answer in time: a busy worker, not (yet) a dead one (Upstreams.probe)
 
 
 async def probe(client: httpx.AsyncClient, engine: str, url: str, timeout: float, auth: httpx.Auth | None = None) -> Probe:
@@ -65,6 +66,8 @@ async def probe(client: httpx.AsyncClient, engine: str, url: str, timeout: float
         if engine == VLLM:
             return await _probe_vllm(client, url, timeout)
         return await _probe_pdfleet(client, url, timeout, auth)
+    except httpx.TimeoutException as e:
+        return Probe(False, f"{type(e).__name__}: no answer within {timeout:g}s", timed_out=True)
     except (httpx.HTTPError, ValueError) as e:
         return Probe(False, f"{type(e).__name__}: {e}")
 

@@ -17,6 +17,10 @@ from pdfleet_worker.server.auth import SecretFile
 
 log = logging.getLogger("pdfleet.router")
 
+# Consecutive probe timeouts before a worker in rotation is taken out. One late answer (a loaded machine, a long
+# batch step) is not an outage; three in a row (3 health intervals) is. Request failures still eject at once.
+PROBE_TIMEOUTS_TO_EJECT = 3
+
 
 @dataclasses.dataclass
 class Upstream:
@@ -29,6 +33,7 @@ class Upstream:
     inflight: int = 0
     last_error: str | None = None
     checked_at: float = 0.0
+    probe_timeouts: int = 0    # consecutive probes that got no answer in time
 
     def candidate(self) -> picker.Candidate:
         ld = self.load
@@ -123,6 +128,12 @@ class Upstreams:
     async def probe(self, up: Upstream) -> None:
         timeout = max(0.5, min(2.0, 2 * self.cfg.health_interval_s))
         result = await engines.probe(self.client, up.engine, up.url, timeout, self.auth(up))
+        up.probe_timeouts = up.probe_timeouts + 1 if result.timed_out else 0
+        if up.healthy and result.timed_out and up.probe_timeouts < PROBE_TIMEOUTS_TO_EJECT:
+            # A worker busy on a long step (a CPU vLLM server computing a batch) answers its probe late; it is
+            # still serving. Refused connections and error answers take it out at once; silence, after a few.
+            up.last_error, up.checked_at = result.error, time.monotonic()
+            return
         if result.ok != up.healthy:
             log.info("%s worker %s@%s is %s", up.role, up.engine, up.url,
                      "healthy" if result.ok else f"out of rotation: {result.error}")
