@@ -1,7 +1,8 @@
 # pdfleet's two set-up commands (README): `make test` and `make demo`. Both work on a fresh machine:
 # they create .venv, install the pinned dependencies and, when run as root, Debian's Prometheus;
 # `make test` also installs what its real-component tests run: the vLLM runtime (`make vllm`), the
-# OpenAI schema fuzzer (`make fuzz`) and an installed-but-unusable torch_npu (`make torch-npu`).
+# OpenAI schema fuzzer (`make fuzz`), an installed-but-unusable torch_npu (`make torch-npu`) and Triton for its
+# CPU interpreter (`make triton`).
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -26,13 +27,13 @@ system-deps:
 	    prometheus prometheus-alertmanager >/dev/null; \
 	else echo "note: install prometheus and prometheus-alertmanager (Debian) or the tests that need them skip"; fi
 
-test: venv system-deps vllm fuzz torch-npu
+test: venv system-deps vllm fuzz torch-npu triton
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # schemathesis and OpenAI's own OpenAPI document in their own virtualenv (bench/fuzz.py pins them).
 FUZZ_STAMP := .venv-fuzz/.installed-$(shell grep -A12 '^FUZZ_PINS' bench/fuzz.py | md5sum | cut -c1-12)
 
-.PHONY: fuzz torch-npu
+.PHONY: fuzz torch-npu triton
 fuzz: $(FUZZ_STAMP)
 
 $(FUZZ_STAMP): bench/fuzz.py
@@ -47,6 +48,16 @@ torch-npu: $(TORCH_NPU)
 
 $(TORCH_NPU): | venv
 	$(PY) -m pip install --quiet --no-deps --target build/torch-npu torch-npu==2.13.0
+	touch $@
+
+# Triton (what torch's CUDA wheels bring) unpacked beside .venv: its interpreter (TRITON_INTERPRET=1) runs the
+# CUDA path's paged-decode kernel on CPU tensors in tests/worker/test_triton_attention.py.
+TRITON := build/triton/.installed-3.9.0
+
+triton: $(TRITON)
+
+$(TRITON): | venv
+	$(PY) -m pip install --quiet --no-deps --target build/triton triton==3.9.0
 	touch $@
 
 # Regenerate every generated file (tests fail when a committed one is stale).
