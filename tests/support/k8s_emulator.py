@@ -648,10 +648,13 @@ def _delete_path(obj: dict, path: tuple) -> None:
 
 @dataclass(frozen=True)
 class Requester:
-    """Who sent a request: the user name and groups its token stands for (``KubernetesApiEmulator.users``)."""
+    """Who sent a request: the user name and groups its token stands for (``KubernetesApiEmulator.users``), and
+    the pod a bound ServiceAccount token names (the ``authentication.kubernetes.io/pod-name`` extra; not used by
+    RBAC, only logged, which tells replicas of one ServiceAccount apart)."""
 
     user: str
     groups: tuple[str, ...] = ()
+    pod: str | None = None
 
 
 # The requester of the request being served (a context variable: each request is its own aiohttp task).
@@ -659,10 +662,10 @@ _REQUESTER: contextvars.ContextVar[Requester | None] = contextvars.ContextVar("e
 RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
-def service_account_user(namespace: str, name: str) -> Requester:
-    """What a ServiceAccount token authenticates as on a real cluster."""
+def service_account_user(namespace: str, name: str, pod: str | None = None) -> Requester:
+    """What a ServiceAccount token (bound to `pod`, when given) authenticates as on a real cluster."""
     return Requester(f"system:serviceaccount:{namespace}:{name}",
-                     ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"))
+                     ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"), pod)
 
 
 def rule_allows(rule: dict, group: str, resource: str, subresource: str | None, verb: str, name: str | None) -> bool:
@@ -729,6 +732,7 @@ class LoggedRequest:
     status: int | None = None  # the response status, when known
     body: Any = None  # the decoded request body for writes
     user: str | None = None  # who sent it, when the emulator knows the token (`users=`); None: the tests' admin
+    pod: str | None = None  # the pod its ServiceAccount token is bound to, if any
     objects: list[str] = field(default_factory=list)  # `namespace/name` of each object a list answered or a watch sent
 
     @property
@@ -781,6 +785,7 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
     # bearer token -> who it authenticates as; requests with one of these tokens are authorized by the RBAC objects
     # stored in the emulator (403 Forbidden as on a cluster), any other request is the tests' administrator.
     users: dict[str, Requester] = attrs.field(factory=dict)
+    _rbac_rules: dict[tuple[Requester, str | None], list[dict]] = attrs.field(factory=dict, init=False)  # cache
 
     _api: dict[tuple[str, str, str], ApiResource] = attrs.field(factory=dict, init=False)
     _store: dict[tuple[str, str, str, str], dict] = attrs.field(factory=dict, init=False)
@@ -928,6 +933,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         self._events.append(event)
         for queue in list(self._watchers):
             queue.put_nowait(event)
+        if key[0] == RBAC_GROUP:
+            self._rbac_rules.clear()
         if self.workloads is not None and key[:2] in k8s_workloads.WATCHED:
             self._workloads_due()
 
@@ -1400,9 +1407,10 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
 
     # ---- RBAC --------------------------------------------------------------------------------
 
-    def service_account(self, namespace: str, name: str) -> str:
-        """Register (or find) a token for ServiceAccount ``namespace/name``; its requests are then authorized by RBAC."""
-        who = service_account_user(namespace, name)
+    def service_account(self, namespace: str, name: str, pod: str | None = None) -> str:
+        """Register (or find) a token for ServiceAccount ``namespace/name`` (bound to `pod`); its requests are then
+        authorized by RBAC."""
+        who = service_account_user(namespace, name, pod)
         for token, known in self.users.items():
             if known == who:
                 return token
@@ -1414,8 +1422,15 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         scheme, _, token = (raw.headers.get("Authorization") or "").partition(" ")
         return self.users.get(token.strip()) if scheme.lower() == "bearer" else None
 
-    def _rules_for(self, who: Requester, namespace: str | None) -> Iterable[dict]:
-        """Every PolicyRule granted to `who` that applies in `namespace` (None: cluster scope only)."""
+    def _rules_for(self, who: Requester, namespace: str | None) -> list[dict]:
+        """Every PolicyRule granted to `who` that applies in `namespace` (None: cluster scope only); cached until
+        an RBAC object changes."""
+        cached = self._rbac_rules.get((who, namespace))
+        if cached is None:
+            cached = self._rbac_rules[(who, namespace)] = list(self._find_rules(who, namespace))
+        return cached
+
+    def _find_rules(self, who: Requester, namespace: str | None) -> Iterable[dict]:
         def role_rules(kind: str, role_ns: str, name: str) -> list[dict]:
             plural = "clusterroles" if kind == "ClusterRole" else "roles"
             role = self._store.get((RBAC_GROUP, plural, role_ns if kind == "Role" else "", name))
@@ -1536,7 +1551,7 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         who = self._requester(raw)
         _REQUESTER.set(who)  # (always: aiohttp serves a keep-alive connection's requests in one task)
         if who is not None:
-            entry.user = who.user
+            entry.user, entry.pod = who.user, who.pod
             try:
                 self._authorize(who, entry)
             except ApiError as exc:

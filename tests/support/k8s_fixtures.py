@@ -91,11 +91,12 @@ class Kube:
         """Run a function on the emulator's event loop (where its state lives)."""
         return self.server.call(fn, *args, **kwargs)
 
-    def service_account_kubeconfig(self, namespace: str, name: str) -> pathlib.Path:
-        """A kubeconfig whose token is ServiceAccount `namespace/name`'s: the emulator authorizes its requests by the
-        RBAC objects it stores (403 Forbidden otherwise), as a cluster authorizes a pod's."""
-        token = self.call(self.emulator.service_account, namespace, name)
-        return write_kubeconfig(self.tmp_path / f"kubeconfig-{namespace}-{name}", self.url, token=token)
+    def service_account_kubeconfig(self, namespace: str, name: str, pod: str | None = None) -> pathlib.Path:
+        """A kubeconfig whose token is ServiceAccount `namespace/name`'s (bound to `pod`: the request log's `pod`):
+        the emulator authorizes its requests by the RBAC objects it stores (403 Forbidden otherwise), as a cluster
+        authorizes a pod's."""
+        token = self.call(self.emulator.service_account, namespace, name, pod)
+        return write_kubeconfig(self.tmp_path / f"kubeconfig-{namespace}-{name}-{pod or ''}", self.url, token=token)
 
     def env_with(self, kubeconfig: pathlib.Path) -> dict[str, str]:
         """`env` with another kubeconfig (e.g. a ServiceAccount's)."""

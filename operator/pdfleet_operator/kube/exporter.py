@@ -27,6 +27,8 @@ SLO_ITL = prometheus_client.Gauge("pdfleet_slo_itl_seconds", "Each deployment's 
                                   registry=REGISTRY)
 RECONCILES = prometheus_client.Counter("pdfleet_operator_reconciles_total", "Reconciles of InferenceDeployments by result.",
                                        ["result"], registry=REGISTRY)
+LEADER = prometheus_client.Gauge("pdfleet_operator_leader", "1 while this replica acts (it holds the leader Lease, or "
+                                 "runs without leader election), 0 while it is a standby.", registry=REGISTRY)
 API_WRITES = prometheus_client.Counter("pdfleet_operator_api_writes_total", "Writes the operator sent to the API server.",
                                        ["kind"], registry=REGISTRY)
 

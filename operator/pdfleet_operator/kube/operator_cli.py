@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from pdfleet_operator.decide import metric_names
 from pdfleet_operator.gen import generated
-from pdfleet_operator.kube import handlers
+from pdfleet_operator.kube import exporter, handlers, leader
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,8 +57,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "hostPath models are refused)")
     p.add_argument("--allow-host-path-namespace", action="append", default=[], metavar="NS",
                    help="allow any model.source.hostPath in this namespace (repeatable)")
-    p.add_argument("--peering", default=None,
-                   help="kopf peering object for running several replicas (default: standalone)")
+    ha = p.add_argument_group("leader election (several replicas: one acts, the others stand by)")
+    ha.add_argument("--leader-elect", action="store_true",
+                    help="act only while holding a coordination.k8s.io Lease; wait as a standby otherwise")
+    ha.add_argument("--leader-election-namespace", default=None, metavar="NS",
+                    help="namespace of the Lease (default: the pod's own, POD_NAMESPACE or the service account's)")
+    ha.add_argument("--leader-election-name", default="pdfleet-operator", metavar="NAME",
+                    help="name of the Lease (default pdfleet-operator)")
+    ha.add_argument("--leader-election-lease-duration", type=float, default=15.0, metavar="S",
+                    help="a standby takes over after seeing the Lease unrenewed this long (default 15)")
+    ha.add_argument("--leader-election-renew-deadline", type=float, default=10.0, metavar="S",
+                    help="the leader exits when it could not renew for this long (default 10)")
+    ha.add_argument("--leader-election-retry-period", type=float, default=2.0, metavar="S",
+                    help="seconds between attempts on the Lease (default 2)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=run)
 
@@ -93,14 +107,67 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.prometheus_verify = False if args.prometheus_insecure else (args.prometheus_ca or True)
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     clusterwide = not args.namespace
-    asyncio.run(kopf.operator(
-        clusterwide=clusterwide,
-        namespaces=args.namespace,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        liveness_endpoint=liveness,
-    ))
+    election = None
+    if args.leader_elect:
+        namespace = args.leader_election_namespace or leader.default_namespace()
+        if not namespace:
+            raise SystemExit("pdfleet operator: --leader-elect needs --leader-election-namespace outside a pod")
+        try:
+            election = leader.LeaseConfig(namespace, args.leader_election_name, leader.default_identity(),
+                                          args.leader_election_lease_duration, args.leader_election_renew_deadline,
+                                          args.leader_election_retry_period)
+        except ValueError as exc:
+            raise SystemExit(f"pdfleet operator: {exc}") from None
+    # NOTE: standalone: kopf's peering would freeze replicas of equal priority; the Lease decides who acts.
+    operate = kopf.operator(clusterwide=clusterwide, namespaces=args.namespace, standalone=True,
+                            liveness_endpoint=liveness)
+    if election is None:
+        exporter.LEADER.set(1)
+        asyncio.run(operate)
+    else:
+        asyncio.run(_operate_when_leading(operate, election, args.bind, args.liveness_port or None,
+                                          args.metrics_port or None))
     return 0
+
+
+async def _operate_when_leading(operate: Coroutine[Any, Any, Any], election: leader.LeaseConfig, bind: str,
+                                liveness_port: int | None, metrics_port: int | None) -> None:
+    """Stand by until this replica holds the Lease, then run kopf while renewing it; release it on the way out."""
+    import kopf
+
+    from pdfleet_operator.kube import client
+
+    info = kopf.login_with_service_account(settings=kopf.OperatorSettings()) or \
+        kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    if info is None:
+        raise SystemExit("pdfleet operator: no credentials (neither a service account nor a kubeconfig)")
+    api = client.Api.from_connection(info)
+    elector = leader.LeaderElector(api, election)
+    exporter.LEADER.set(0)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    standby = await leader.serve_standby(bind, liveness_port, metrics_port)
+    try:
+        leading = await elector.acquire(stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        for runner in standby:
+            await runner.cleanup()
+    if not leading:
+        operate.close()
+        await api.close()
+        return
+    exporter.LEADER.set(1)
+    renewing = asyncio.create_task(elector.keep(leader.exit_lost))
+    try:
+        await operate
+    finally:
+        renewing.cancel()
+        await elector.release()
+        await api.close()
 
 
 def main(argv: list[str] | None = None) -> int:
