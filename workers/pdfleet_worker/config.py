@@ -11,6 +11,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8")
+# Weight quantization at load (model/quantized_linear.py); int4 is refused: see ENGINE.md.
+QUANTIZATIONS = ("none", "int8")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +148,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # none | int8 (weight-only, per output channel, quantized at load)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -154,12 +158,23 @@ class EngineConfig:
     prefix_hash_seed: str = "pdfleet-v1"
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | reference | cpu | flex
+    # Tiered KV offload (ENGINE.md): bytes of host RAM / of a memory-mapped file in kv_offload_disk_dir that
+    # evicted prefix-cache blocks move to; 0 turns a tier off.
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_bytes: int = 0
+    kv_offload_disk_dir: str | None = None  # default: $TMPDIR
+    # Preemption: recompute, or swap the victim's KV to swap_space_bytes of host RAM and back.
+    preemption: str = "recompute"
+    swap_space_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            hint = " (int4 is not offered: see workers/pdfleet_worker/ENGINE.md)" if self.quantization == "int4" else ""
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}{hint}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -170,6 +185,13 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes", "swap_space_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.preemption == "swap" and self.swap_space_bytes < 1:
+            raise ValueError("preemption swap needs swap_space_bytes >= 1")
         if self.attention_backend not in ("auto", "reference", "cpu", "flex"):
             raise ValueError(f"attention_backend must be auto|reference|cpu|flex, got {self.attention_backend!r}")
 

@@ -25,9 +25,10 @@ LABEL_FINISHED_REASON = "finished_reason"
 LABEL_REASON = "reason"
 LABEL_DIRECTION = "direction"     # sent | received
 LABEL_CODE = "code"
-LABEL_TIER = "tier"
+LABEL_TIER = "tier"               # router: the deployment's tier; worker KV offload: host | disk
 LABEL_UPSTREAM_ROLE = "upstream_role"  # prefill | decode | both (the router's view of a worker)
 LABEL_STATE = "state"             # healthy | unhealthy
+LABEL_ROUTE = "route"             # small | default (query routing: router/routing.py)
 
 # vLLM's buckets, so its dashboards' histogram_quantile panels read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -107,13 +108,39 @@ KV_TRANSFER_FAILURES_TOTAL = _w("pdfleet_kv_transfer_failures_total", "counter",
 ADMISSION_REJECTIONS_TOTAL = _w("pdfleet_admission_rejections_total", "counter",
                                 "Requests refused at admission (503), by reason.", (LABEL_REASON,))
 
+# --- worker: tiered KV offload and swap preemption (pdfleet only; zero when off) -----------------------
+KV_OFFLOAD_HITS_TOTAL = _w("pdfleet_kv_offload_hits_total", "counter",
+                           "Prefix-cache blocks loaded back into the device KV pool from an offload tier.", (LABEL_TIER,))
+KV_OFFLOAD_RECOMPUTED_TOTAL = _w("pdfleet_kv_offload_recomputed_total", "counter",
+                                 "Prefix-cache blocks found in an offload tier but recomputed (loading would cost more).",
+                                 (LABEL_TIER,))
+KV_OFFLOAD_EVICTIONS_TOTAL = _w("pdfleet_kv_offload_evictions_total", "counter",
+                                "Blocks an offload tier pushed out when full (host: to disk; disk: dropped).", (LABEL_TIER,))
+KV_OFFLOAD_BYTES_TOTAL = _w("pdfleet_kv_offload_bytes_total", "counter",
+                            "KV bytes written into (stored) or read back from (loaded) an offload tier.",
+                            (LABEL_TIER, LABEL_DIRECTION))
+KV_OFFLOAD_USAGE = _w("pdfleet_kv_offload_usage_perc", "gauge", "Fraction of an offload tier's blocks holding KV (1 = full).",
+                      (LABEL_TIER,))
+KV_OFFLOAD_CAPACITY_BYTES = _w("pdfleet_kv_offload_capacity_bytes", "gauge", "Size of an offload tier (0: off).", (LABEL_TIER,))
+PREEMPTIONS_SWAPPED_TOTAL = _w("pdfleet_preemptions_swapped_total", "counter",
+                               "Preemptions whose KV went to swap space (preemption swap).")
+PREEMPTION_SWAP_FALLBACKS_TOTAL = _w("pdfleet_preemption_swap_fallbacks_total", "counter",
+                                     "Preemptions that wanted swap but found the swap space full: recomputed instead.")
+SWAP_BYTES_TOTAL = _w("pdfleet_swap_bytes_total", "counter", "KV bytes swapped out of (sent) and back into (received) the device.",
+                      (LABEL_DIRECTION,))
+SWAP_SPACE_USAGE = _w("pdfleet_swap_space_usage_perc", "gauge", "Fraction of the swap space in use (1 = full).")
+NUM_REQUESTS_SWAPPED = _w("pdfleet_num_requests_swapped", "gauge", "Preempted requests waiting in swap space.")
+OFFLOAD_METRICS = (KV_OFFLOAD_HITS_TOTAL, KV_OFFLOAD_RECOMPUTED_TOTAL, KV_OFFLOAD_EVICTIONS_TOTAL, KV_OFFLOAD_BYTES_TOTAL,
+                   KV_OFFLOAD_USAGE, KV_OFFLOAD_CAPACITY_BYTES, PREEMPTIONS_SWAPPED_TOTAL, PREEMPTION_SWAP_FALLBACKS_TOTAL,
+                   SWAP_BYTES_TOTAL, SWAP_SPACE_USAGE, NUM_REQUESTS_SWAPPED)
+
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE, PROMPT_TOKENS_TOTAL, GENERATION_TOKENS_TOTAL,
     NUM_PREEMPTIONS_TOTAL, REQUEST_SUCCESS_TOTAL, PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL,
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PROMPT_TOKENS,
     REQUEST_GENERATION_TOKENS, PROMPT_TOKENS_WAITING, NUM_REQUESTS_WAITING_FOR_REMOTE_KV, KV_BLOCKS_HELD,
     KV_LEASES_ACTIVE, KV_LEASES_EXPIRED_TOTAL, KV_LEASES_RELEASED_TOTAL, KV_TRANSFER_SECONDS,
-    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, ADMISSION_REJECTIONS_TOTAL)
+    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, ADMISSION_REJECTIONS_TOTAL) + OFFLOAD_METRICS
 
 # --- router --------------------------------------------------------------------------------------
 ROUTER_REQUESTS_TOTAL = MetricSpec("pdfleet_router_requests_total", "counter",
@@ -133,9 +160,14 @@ ROUTER_RETRIES_TOTAL = MetricSpec("pdfleet_router_retries_total", "counter",
                                   (LABEL_UPSTREAM_ROLE,))
 ROUTER_WORKERS = MetricSpec("pdfleet_router_workers", "gauge", "Workers the router knows, by tier, role and health.",
                             (LABEL_TIER, LABEL_UPSTREAM_ROLE, LABEL_STATE))
+ROUTER_ROUTED_REQUESTS_TOTAL = MetricSpec("pdfleet_router_routed_requests_total", "counter",
+                                          "Requests judged by query routing: route small (sent to the smaller "
+                                          "model's router) or default (served here), by the reason that decided.",
+                                          (LABEL_ROUTE, LABEL_REASON))
 
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS_TOTAL, ROUTER_REQUEST_DURATION, ROUTER_TIME_TO_FIRST_TOKEN,
-                                          ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS)
+                                          ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS,
+                                          ROUTER_ROUTED_REQUESTS_TOTAL)
 
 ALL_METRICS: dict[str, MetricSpec] = {m.name: m for m in WORKER_METRICS + ROUTER_METRICS}
 assert len(ALL_METRICS) == len(WORKER_METRICS) + len(ROUTER_METRICS), "metric names must be unique"

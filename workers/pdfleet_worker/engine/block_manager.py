@@ -1,4 +1,5 @@
-"""Paged KV block accounting (free list, ref counts, chained prefix hashes, LRU eviction); only the Scheduler calls it. No torch."""
+"""Paged KV block accounting (free list, ref counts, chained prefix hashes, LRU eviction, and the offload tiers an
+evicted hashed block moves to); only the Scheduler calls it. No torch."""
 from __future__ import annotations
 
 import array
@@ -7,6 +8,7 @@ import dataclasses
 import hashlib
 import math
 
+from pdfleet_worker.engine.kv_offload import OffloadIndex
 from pdfleet_worker.engine.sequence import Sequence
 
 BlockHash = bytes
@@ -32,10 +34,14 @@ class PrefixCacheStats:
 
 class BlockManager:
     """Owns block ids 0..num_blocks-1. A block is in use (ref_cnt > 0), or free; a free block may
-    still hold a cached prefix (it keeps its hash) until it is evicted, least recently used first."""
+    still hold a cached prefix (it keeps its hash) until it is evicted, least recently used first.
+
+    With an OffloadIndex (tiered KV offload) an evicted hashed block's KV moves to the host or disk tier, and
+    a prefix lookup continues there: such a hit is an entry of type bytes (its hash) among the block ids
+    find_cached_prefix returns, and allocate copies it back into a free block."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_seed: str = "pdfleet-v1"):
+                 hash_seed: str = "pdfleet-v1", offload: OffloadIndex | None = None):
         assert num_blocks >= 1 and block_size >= 1, f"bad pool {num_blocks}x{block_size}"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -47,6 +53,7 @@ class BlockManager:
         self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.stats = PrefixCacheStats()
+        self.offload = offload
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -76,15 +83,35 @@ class BlockManager:
             hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], self.hash_seed))
         return hashes[:num_full_blocks]
 
-    def find_cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Block ids of the longest cached run of full blocks within the first `max_tokens` tokens."""
-        hits: list[int] = []
-        if self.enable_prefix_caching:
-            for h in self.block_hashes(seq, max_tokens // self.block_size):
-                block_id = self.cached.get(h)
-                if block_id is None:
-                    break
+    def find_cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int | BlockHash]:
+        """The longest cached run of full blocks within the first `max_tokens` tokens: device block ids, and
+        with offload tiers the hashes of blocks found in one. A tier whose hits would take longer to load than
+        to recompute (the OffloadIndex's cost model) ends the run at its first hit; those blocks are counted
+        as recomputed when the sequence is admitted (seq.offload_skipped)."""
+        hits: list[int | BlockHash] = []
+        seq.offload_skipped = {}
+        if not self.enable_prefix_caching:
+            return hits
+        off = self.offload
+        tiers: list[str] = []
+        for h in self.block_hashes(seq, max_tokens // self.block_size):
+            block_id = self.cached.get(h)
+            if block_id is not None:
                 hits.append(block_id)
+                tiers.append("")
+                continue
+            tier = off.locate(h) if off is not None else None
+            if tier is None:
+                break
+            hits.append(h)
+            tiers.append(tier)
+        for tier in dict.fromkeys(t for t in tiers if t):
+            if not off.worth_loading(tier, tiers.count(tier), self.block_size):
+                cut = tiers.index(tier)
+                for t in tiers[cut:]:
+                    if t:
+                        seq.offload_skipped[t] = seq.offload_skipped.get(t, 0) + 1
+                del hits[cut:], tiers[cut:]
         return hits
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -95,21 +122,42 @@ class BlockManager:
             self.stats.hits += num_hit_tokens
 
     # -- allocation ------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int | BlockHash] = ()) -> bool:
         """Make the sequence's block table cover `num_tokens` tokens, starting with `cached_block_ids`
-        (a prefix hit; only for a sequence that holds no blocks yet). Returns False and changes
-        nothing when the pool cannot supply the blocks."""
+        (a prefix hit from find_cached_prefix; only for a sequence that holds no blocks yet; a hash is a
+        tier hit, loaded into a free block). Returns False and changes nothing when the pool cannot supply
+        the blocks."""
         if cached_block_ids:
             assert not seq.block_ids, f"{seq}: prefix hits are taken only at admission"
         need = self.blocks_needed(num_tokens) - len(seq.block_ids) - len(cached_block_ids)
-        reviving = sum(1 for b in cached_block_ids if self.ref_cnt[b] == 0)
-        if max(need, 0) + reviving > len(self.free_queue):
+        device = [b for b in cached_block_ids if isinstance(b, int)]
+        offloaded = [h for h in cached_block_ids if isinstance(h, bytes)]
+        reviving = sum(1 for b in device if self.ref_cnt[b] == 0)
+        if max(need, 0) + reviving + len(offloaded) > len(self.free_queue):
             return False
-        for b in cached_block_ids:
+        for b in device:  # first, so that finding blocks for the loads cannot evict them
             if self.ref_cnt[b] == 0:
                 del self.free_queue[b]
             self.ref_cnt[b] += 1
-            seq.block_ids.append(b)
+        if offloaded:
+            slots = iter(self.offload.reserve(offloaded))
+            for entry in cached_block_ids:
+                if isinstance(entry, int):
+                    seq.block_ids.append(entry)
+                    continue
+                b = self._pop_free()
+                tier, slot = next(slots)
+                self.offload.load_reserved(tier, slot, b, self.block_size)
+                self.cached[entry] = b
+                self.block_hash[b] = entry
+                seq.block_ids.append(b)
+            self.offload.end_admission()
+        else:
+            seq.block_ids += device
+        if seq.offload_skipped:  # admitted: tier hits the cost model chose to recompute
+            for tier, n in seq.offload_skipped.items():
+                self.offload.record_recomputed(tier, n)
+            seq.offload_skipped = {}
         seq.num_published_blocks = max(seq.num_published_blocks, len(cached_block_ids))
         for _ in range(need):
             seq.block_ids.append(self._pop_free())
@@ -122,6 +170,8 @@ class BlockManager:
         if h is not None:  # evict the cached prefix this block held
             if self.cached.get(h) == block_id:
                 del self.cached[h]
+                if self.offload is not None:
+                    self.offload.evicted(h, block_id)
             self.block_hash[block_id] = None
         self.ref_cnt[block_id] = 1
         return block_id

@@ -11,6 +11,7 @@ import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
 from pdfleet_worker.engine.block_manager import BlockManager
+from pdfleet_worker.engine.kv_offload import DISK, HOST, TIERS, CostModel, OffloadIndex, SwapStats, TierStats
 from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
 from pdfleet_worker.engine.sampler import TokenLogprobs
 from pdfleet_worker.engine.sampling_params import SamplingParams
@@ -93,6 +94,14 @@ class EngineStats:
     prefix_cache_hits_total: int     # tokens
     request_success_total: dict[str, int]
     num_prompt_tokens_waiting: int = 0  # prompt tokens of requests not yet admitted
+    # Tiered KV offload and swap preemption (empty/zero when off).
+    kv_offload: dict[str, TierStats] = dataclasses.field(default_factory=dict)   # tier -> cumulative counters
+    kv_offload_usage: dict[str, float] = dataclasses.field(default_factory=dict)  # tier -> 0..1
+    kv_offload_blocks: dict[str, int] = dataclasses.field(default_factory=dict)   # tier -> capacity in blocks
+    kv_block_bytes: int = 0
+    swap: SwapStats = dataclasses.field(default_factory=SwapStats)
+    swap_space_usage: float = 0.0
+    num_requests_swapped: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,17 +147,35 @@ class LLMEngine:
         # NOTE: not capped by the pool: a request that cannot fit in the pool is refused at
         # add_request (ValueError) rather than silently cut short.
         self.max_model_len = limit
+        self.kv_block_bytes = per_block
+        tier_blocks = {HOST: config.kv_offload_host_bytes // per_block, DISK: config.kv_offload_disk_bytes // per_block}
+        for tier, field in ((HOST, "kv_offload_host_bytes"), (DISK, "kv_offload_disk_bytes")):
+            if getattr(config, field) and not tier_blocks[tier]:
+                raise ValueError(f"{field}={getattr(config, field)} holds no KV block of {per_block} bytes")
+        if any(tier_blocks.values()) and not config.enable_prefix_caching:
+            raise ValueError("kv offload keeps evicted prefix-cache blocks: it needs enable_prefix_caching")
+        swap_blocks = config.swap_space_bytes // per_block if config.preemption == "swap" else 0
+        if config.preemption == "swap" and not swap_blocks:
+            raise ValueError(f"swap_space_bytes={config.swap_space_bytes} holds no KV block of {per_block} bytes")
+        offload = None
+        if any(tier_blocks.values()) or swap_blocks:
+            offload = OffloadIndex(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
+                                   swap_blocks=swap_blocks, block_bytes=per_block, cost=CostModel())
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
-                                          hash_seed=config.prefix_hash_seed)
+                                          hash_seed=config.prefix_hash_seed, offload=offload)
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=tuple(sorted(eos)))
-        model = load_model(config.model, dtype, config.device)
+                                   max_model_len=self.max_model_len, eos_token_ids=tuple(sorted(eos)),
+                                   preemption=config.preemption)
+        model = load_model(config.model, dtype, config.device, quantization=config.quantization)
         self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len)
+        if offload is not None:
+            self.model_runner.init_offload(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
+                                           swap_blocks=swap_blocks, disk_dir=config.kv_offload_disk_dir)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, str] = {}      # full output text so far (stop strings need it)
         self._emitted: dict[str, int] = {}   # characters of it already streamed
@@ -224,7 +251,17 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         it.num_preemptions = len(sched.preempted_ids)
         it.num_scheduled_tokens = sched.num_batched_tokens
+        offload = self.block_manager.offload
+        if sched.copies:
+            for kind, tier, n, seconds in self.model_runner.apply_copies(sched.copies):
+                if kind == "load":
+                    offload.cost.observe_copy(tier, n * self.kv_block_bytes, seconds)
+        t0 = time.perf_counter()
         sampled = self.model_runner.execute(sched)
+        if offload is not None and sched.chunks:
+            prompt = sum(len(c.token_ids) for c in sched.chunks if len(c.token_ids) > 1)
+            if prompt * 2 >= sched.num_batched_tokens:  # mostly prefill: a sample of its cost per token
+                offload.cost.observe_prefill(sched.num_batched_tokens, time.perf_counter() - t0)
         for chunk in sched.chunks:
             if chunk.start_pos < self.scheduler.requests[chunk.request_id].num_prompt_tokens:
                 it.num_prompt_tokens += min(len(chunk.token_ids),
@@ -319,6 +356,11 @@ class LLMEngine:
         self._success = {r.value: 0 for r in FinishReason}
         self.scheduler.num_preemptions = 0
         self.block_manager.stats = type(self.block_manager.stats)()
+        if self.block_manager.offload is not None:
+            off = self.block_manager.offload
+            off.swap_stats = SwapStats()
+            for t in off.tiers.values():
+                t.stats = TierStats()
         self._pending_stats = IterationStats()
         self.last_iteration_stats = IterationStats()
         assert self.is_idle_and_whole(), "warm-up left a request or a block behind"
@@ -358,12 +400,27 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions, prefix_cache_queries_total=bm.stats.queries,
             prefix_cache_hits_total=bm.stats.hits, request_success_total=dict(self._success),
-            num_prompt_tokens_waiting=sum(q.num_prompt_tokens for q in s.waiting))
+            num_prompt_tokens_waiting=sum(q.num_prompt_tokens for q in s.waiting),
+            **self._offload_stats())
+
+    def _offload_stats(self) -> dict:
+        off = self.block_manager.offload
+        if off is None:
+            return {}
+        return dict(kv_offload={t: dataclasses.replace(off.tiers[t].stats) for t in TIERS},
+                    kv_offload_usage={t: off.usage(t) for t in TIERS},
+                    kv_offload_blocks={t: off.tiers[t].capacity for t in TIERS}, kv_block_bytes=self.kv_block_bytes,
+                    swap=dataclasses.replace(off.swap_stats), swap_space_usage=off.swap_usage,
+                    num_requests_swapped=len(self.scheduler.swapped))
 
     def is_idle_and_whole(self) -> bool:
         """No request anywhere and every block free: what tests assert after each case."""
         s = self.scheduler
-        return not (s.waiting or s.running or s.waiting_for_kv or s.held or s.requests) and self.block_manager.is_whole()
+        whole = self.block_manager.is_whole()
+        off = self.block_manager.offload
+        if off is not None:
+            whole = whole and len(off.swap_free) == off.swap_capacity
+        return not (s.waiting or s.running or s.waiting_for_kv or s.held or s.swapped or s.requests) and whole
 
     # -- prefill/decode disaggregation -----------------------------------------------------
     def kv_layout(self) -> KVLayout:

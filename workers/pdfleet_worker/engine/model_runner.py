@@ -4,13 +4,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 import threading
+import time
 
 import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
 from pdfleet_worker.engine import attention, cpu_kernels, cuda_graphs, triton_attention
 from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillMeta
+from pdfleet_worker.engine.kv_offload import DISK, HOST, Copy
 from pdfleet_worker.engine.sampler import SampledToken, Sampler
 from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdfleet_worker.model import packed_linear
@@ -69,6 +72,8 @@ class ModelRunner:
             self.bind_cores = cpu_kernels.cores_to_bind(os.environ.get("PDFLEET_CPU_BIND", "auto"),
                                                         torch.get_num_threads(), os.sched_getaffinity(0))
         self.sampler = Sampler()
+        # Off-device KV (init_offload): tier or "swap" -> per layer a KVCache of slots, same layout as the pool.
+        self.stores: dict[str, list[KVCache]] = {}
         # Test and debugging hook: called as hook(request_ids, logits [S, V]) every step.
         self.logits_hook = None
 
@@ -85,6 +90,100 @@ class ModelRunner:
             return KVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
                            torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    # -- off-device KV: offload tiers and swap space ---------------------------------------
+    def init_offload(self, *, host_blocks: int = 0, disk_blocks: int = 0, swap_blocks: int = 0,
+                     disk_dir: str | None = None) -> None:
+        """Slots for the host tier and swap space (RAM; pinned when the pool is on an accelerator) and for
+        the disk tier: one memory-mapped file in disk_dir (an emptyDir in a pod), unlinked once mapped so
+        nothing is left behind when the process ends."""
+        cfg = self.model_config
+        pin = self.device.type == "cuda"
+        for name, n in ((HOST, host_blocks), ("swap", swap_blocks)):
+            if n:
+                self.stores[name] = [self._slots(cfg, n, pin=pin) for _ in range(cfg.num_layers)]
+        if disk_blocks:
+            directory = disk_dir or tempfile.gettempdir()
+            os.makedirs(directory, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix="pdfleet-kv-", suffix=".bin", dir=directory)
+            os.close(fd)
+            try:
+                self.stores[DISK] = self._mapped_slots(cfg, disk_blocks, path)
+            finally:
+                os.unlink(path)
+
+    def _slots(self, cfg: ModelConfig, n: int, *, pin: bool) -> KVCache:
+        shape = (2, cfg.num_kv_heads, n, self.block_size, cfg.head_dim)
+        if self.kv_cache_dtype == "int8":
+            return KVCache(torch.empty(shape, dtype=torch.int8, pin_memory=pin),
+                           torch.empty(shape[:3], dtype=torch.float32, pin_memory=pin))
+        return KVCache(torch.empty(shape, dtype=self.dtype, pin_memory=pin))
+
+    def _mapped_slots(self, cfg: ModelConfig, n: int, path: str) -> list[KVCache]:
+        """Every layer's slots as views of one shared mapping of `path` (kv of all layers, then scales)."""
+        kv_dtype = torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, n, self.block_size, cfg.head_dim)
+        kv_numel = math.prod(shape)
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        scale_numel = cfg.num_layers * 2 * cfg.num_kv_heads * n if self.kv_cache_dtype == "int8" else 0
+        nbytes = kv_numel * elem + scale_numel * 4
+        with open(path, "r+b") as f:
+            f.truncate(nbytes)
+        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        kv = raw[:kv_numel * elem].view(kv_dtype).view(shape)
+        if not scale_numel:
+            return [KVCache(kv[i]) for i in range(cfg.num_layers)]
+        scale = raw[kv_numel * elem:].view(torch.float32).view(cfg.num_layers, 2, cfg.num_kv_heads, n)
+        return [KVCache(kv[i], scale[i]) for i in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def apply_copies(self, copies: list[Copy]) -> list[tuple[str, str, int, float]]:
+        """Run the scheduler's block copies in order, batching runs of one kind (a run ends where a copy
+        would read or write a slot an earlier copy of the run writes). Returns (kind, tier, blocks,
+        seconds) per run, for the cost model's bandwidth measurements."""
+        done = []
+        i = 0
+        while i < len(copies):
+            kind, tier = copies[i].kind, copies[i].tier
+            src, dst = [], []
+            while (i < len(copies) and copies[i].kind == kind and copies[i].tier == tier
+                   and copies[i].dst not in dst and copies[i].src not in dst):
+                src.append(copies[i].src)
+                dst.append(copies[i].dst)
+                i += 1
+            t0 = time.perf_counter()
+            self._copy_blocks(*self._ends(kind, tier), src, dst)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            done.append((kind, tier, len(src), time.perf_counter() - t0))
+        return done
+
+    def _ends(self, kind: str, tier: str) -> tuple[list[KVCache], list[KVCache]]:
+        pool = self.caches
+        if kind == "save":
+            return pool, self.stores[tier]
+        if kind == "demote":
+            return self.stores[HOST], self.stores[DISK]
+        if kind == "load":
+            return self.stores[tier], pool
+        if kind == "swap_out":
+            return pool, self.stores["swap"]
+        assert kind == "swap_in", f"unknown copy {kind}"
+        return self.stores["swap"], pool
+
+    @staticmethod
+    def _copy_blocks(src_layers: list[KVCache], dst_layers: list[KVCache], src: list[int], dst: list[int]) -> None:
+        s_idx = d_idx = None
+        for s, d in zip(src_layers, dst_layers):
+            if s_idx is None:
+                s_idx = torch.tensor(src, dtype=torch.int64, device=s.kv.device)
+                d_idx = torch.tensor(dst, dtype=torch.int64, device=d.kv.device)
+            if len(src) == 1 and s.kv.device == d.kv.device:
+                d.kv[:, :, dst[0]].copy_(s.kv[:, :, src[0]])
+            else:
+                d.kv.index_copy_(2, d_idx, s.kv.index_select(2, s_idx).to(d.kv.device, non_blocking=True))
+            if s.quantized:
+                d.scale.index_copy_(2, d_idx, s.scale.index_select(2, s_idx).to(d.scale.device, non_blocking=True))
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()

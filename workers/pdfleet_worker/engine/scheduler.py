@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from pdfleet_worker.engine.block_manager import BlockManager
+from pdfleet_worker.engine.kv_offload import Copy
 from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -42,6 +43,8 @@ class SchedulerOutput:
     preempted_ids: list[str]
     finished_ids: list[str]   # finished or aborted since the previous step: drop per-request state
     kv_loads: list[KVLoad]
+    # Block copies (offload tiers, swap space) to run before this step's forward pass, in order.
+    copies: list[Copy] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -53,11 +56,20 @@ class Scheduler:
 
     Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are
     admitted FCFS while budget, sequence slots and blocks last. When a running sequence needs a
-    block and none is free, the newest running sequence is preempted by recompute.
+    block and none is free, the newest running sequence is preempted: by recompute (its blocks are
+    freed, it waits again at the front), or with preemption "swap" by copying its computed blocks to
+    the block manager's swap space (OffloadIndex) and back when it is rescheduled, before any waiting
+    request is admitted. A victim whose blocks do not fit in the swap space left is recomputed
+    (counted in OffloadIndex.swap_stats.fallbacks).
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), preemption: str = "recompute"):
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption must be recompute or swap, got {preemption!r}")
+        if preemption == "swap" and (block_manager.offload is None or not block_manager.offload.swap_capacity):
+            raise ValueError("preemption swap needs swap space (an OffloadIndex with swap_blocks > 0)")
+        self.preemption = preemption
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,6 +77,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.swapped: collections.deque[Sequence] = collections.deque()  # preempted to swap space, oldest first
         self.waiting_for_kv: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV transfer
         self.requests: dict[str, Sequence] = {}  # every unfinished or held request
@@ -80,7 +93,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.swapped)
 
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -105,7 +118,21 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while (self.waiting and budget > 0 and not preempted
+        while (self.swapped and budget > 0 and not preempted
+               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.swapped.popleft()
+            self.bm.offload.swap_in(seq.swap_slots, seq.block_ids[:len(seq.swap_slots)])
+            seq.swap_slots = []
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+        while (self.waiting and not self.swapped and budget > 0 and not preempted
                and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
             seq = self.waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_ids, f"{seq} waits with KV"
@@ -132,9 +159,10 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
+        copies = self.bm.offload.take_copies() if self.bm.offload is not None else []
         return SchedulerOutput(chunks=chunks, num_batched_tokens=self.max_num_batched_tokens - budget,
                                preempted_ids=[s.request_id for s in preempted], finished_ids=finished,
-                               kv_loads=kv_loads)
+                               kv_loads=kv_loads, copies=copies)
 
     def _admitted(self, seq: Sequence, num_cached: int) -> None:
         self.waiting.popleft()
@@ -151,12 +179,24 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute later: give back every block and requeue at the front."""
+        """Swap out (preemption swap, while the swap space has room), else recompute later: give back
+        every block and requeue at the front."""
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.preemption == "swap":
+            off = self.bm.offload
+            n = self.bm.blocks_needed(seq.num_computed_tokens)
+            if n and off.can_swap(n):
+                seq.swap_slots = off.swap_out(seq.block_ids[:n])
+                self.bm.free(seq)
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.appendleft(seq)
+                return
+            if n:
+                off.swap_stats.fallbacks += 1
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # -- after the model ran ---------------------------------------------------------------
@@ -204,6 +244,10 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[seq.request_id]
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.bm.offload.drop_swap(seq.swap_slots)
+            seq.swap_slots = []
         else:
             raise AssertionError(f"{seq} finished twice")
         seq.status = SequenceStatus.FINISHED

@@ -10,6 +10,7 @@ from pdfleet_worker.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    SWAPPED = "swapped"  # preempted with its KV in swap space (engine.preemption swap)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -46,6 +47,8 @@ class Sequence:
         self.remote_kv_tokens = remote_kv_tokens
         self.hold_kv = hold_kv
         self.num_preemptions = 0
+        self.swap_slots: list[int] = []  # swap-space slots of its KV while SWAPPED, in block order
+        self.offload_skipped: dict[str, int] = {}  # tier -> blocks found there but recomputed (cost model)
         # Lifecycle timestamps (time.monotonic) for metrics.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

@@ -89,8 +89,40 @@ class WorkerMetrics:
         one(m.KV_LEASES_ACTIVE, active)
         one(m.KV_LEASES_EXPIRED_TOTAL, expired)
         one(m.KV_LEASES_RELEASED_TOTAL, released)
+        self._offload_families(s, labels, values, out)
         fam = m.family(m.REQUEST_SUCCESS_TOTAL)
         for reason, count in sorted(s.request_success_total.items()):
             fam.add_metric(values + [reason], count)
         out.append(fam)
         return out
+
+    @staticmethod
+    def _offload_families(s, labels: list[str], values: list[str], out: list) -> None:
+        """Tiered KV offload and swap series, every tier always (zeros when off)."""
+        def per_tier(spec: m.MetricSpec, value) -> None:
+            fam = m.family(spec, labels + [m.LABEL_TIER])
+            for tier in ("host", "disk"):
+                st = s.kv_offload.get(tier)
+                fam.add_metric(values + [tier], value(tier, st))
+            out.append(fam)
+
+        per_tier(m.KV_OFFLOAD_HITS_TOTAL, lambda t, st: st.hits if st else 0)
+        per_tier(m.KV_OFFLOAD_RECOMPUTED_TOTAL, lambda t, st: st.recomputed if st else 0)
+        per_tier(m.KV_OFFLOAD_EVICTIONS_TOTAL, lambda t, st: st.evictions if st else 0)
+        per_tier(m.KV_OFFLOAD_USAGE, lambda t, st: s.kv_offload_usage.get(t, 0.0))
+        per_tier(m.KV_OFFLOAD_CAPACITY_BYTES, lambda t, st: s.kv_offload_blocks.get(t, 0) * s.kv_block_bytes)
+        fam = m.family(m.KV_OFFLOAD_BYTES_TOTAL, labels + [m.LABEL_TIER, m.LABEL_DIRECTION])
+        for tier in ("host", "disk"):
+            st = s.kv_offload.get(tier)
+            fam.add_metric(values + [tier, "stored"], st.bytes_in if st else 0)
+            fam.add_metric(values + [tier, "loaded"], st.bytes_out if st else 0)
+        out.append(fam)
+        for spec, value in ((m.PREEMPTIONS_SWAPPED_TOTAL, s.swap.swapped_out), (m.PREEMPTION_SWAP_FALLBACKS_TOTAL, s.swap.fallbacks),
+                            (m.SWAP_SPACE_USAGE, s.swap_space_usage), (m.NUM_REQUESTS_SWAPPED, s.num_requests_swapped)):
+            fam = m.family(spec, labels)
+            fam.add_metric(values, value)
+            out.append(fam)
+        fam = m.family(m.SWAP_BYTES_TOTAL, labels + [m.LABEL_DIRECTION])
+        fam.add_metric(values + ["sent"], s.swap.blocks_out * s.kv_block_bytes)
+        fam.add_metric(values + ["received"], s.swap.blocks_in * s.kv_block_bytes)
+        out.append(fam)
