@@ -97,3 +97,18 @@ def test_status_keeps_conditions_owned_by_others() -> None:
     assert cs["MetricsAvailable"] == ("False", "PrometheusDown")
     assert cs["Degraded"] == ("True", "RolledBack")
     assert st.pd_ratio == "-" and st.prefill_replicas is None and st.decode_replicas == 1
+
+
+def test_the_applied_hash_makes_a_dropped_map_key_a_difference() -> None:
+    from pdfleet_operator.api.names import ANNOTATION_APPLIED_HASH
+    before = {"metadata": {"name": "d"}, "spec": {"nodeSelector": {"a": "1", "b": "2"}}}
+    after = {"metadata": {"name": "d"}, "spec": {"nodeSelector": {"a": "1"}}}
+    live = drift.with_applied_hash(before)
+    assert drift.contains(live, drift.with_applied_hash(before)), "unchanged render: nothing to write"
+    assert drift.contains(live, after), "containment alone sees no difference"
+    stamped = drift.with_applied_hash(after)
+    assert not drift.contains(live, stamped) and drift.pruned_only(live, stamped)
+    assert stamped["metadata"]["annotations"][ANNOTATION_APPLIED_HASH] == drift.applied_hash(stamped), "stable"
+    assert "annotations" not in after["metadata"], "the render is not modified"
+    edited = {**live, "spec": {"nodeSelector": {"a": "9", "b": "2"}}}
+    assert not drift.pruned_only(edited, stamped), "a hand edit is drift, not a prune"

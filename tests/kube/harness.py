@@ -13,6 +13,7 @@ from typing import Any
 
 import kopf.testing
 
+from pdfleet_operator.api.names import ANNOTATION_APPLIED_HASH
 from pdfleet_operator.kube import handlers, render
 from tests.kube.cluster import ROOT, class_objects, standard_nodes
 
@@ -110,6 +111,10 @@ def strip_server_fields(obj: dict) -> dict:
     out = copy.deepcopy(obj)
     for key in SERVER_FIELDS:
         out["metadata"].pop(key, None)
+    annotations = out["metadata"].get("annotations") or {}
+    annotations.pop(ANNOTATION_APPLIED_HASH, None)  # the operator's bookkeeping (decide/drift.py), not rendered
+    if "annotations" in out["metadata"] and not annotations:
+        del out["metadata"]["annotations"]
     out.pop("status", None)
     for ref in out["metadata"].get("ownerReferences", []):
         ref["uid"] = "<uid>"

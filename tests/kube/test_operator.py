@@ -301,3 +301,45 @@ def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_no
         assert "no PyTorch bridge for kunlunxin" in ev[0]["message"] and ev[0]["type"] != "Normal"
         settle(kube)
         assert children(kube, "on-kunlunxin") == {}
+
+
+def test_fields_dropped_from_a_class_leave_the_live_pods(kube) -> None:
+    """A toleration, a nodeSelector key and an env var added to a class reach the pool; removed, they leave it
+    (containment alone saw nothing to do: the live object still held everything rendered)."""
+    prepare_cluster(kube)
+    name = "llama31-8b-prefill-h100-80gb"
+
+    def pod_spec() -> dict:
+        return kube.get("deployments.apps", name)["spec"]["template"]["spec"]
+
+    with running_operator(kube):
+        kube.apply(LLAMA)
+        wait_reconciled(kube, "llama31-8b")
+        settle(kube)
+        cls = kube.get("acceleratorclasses", "h100-80gb")
+        original = copy.deepcopy(cls["spec"])
+        for n in kube.list("nodes"):  # the selector key added below must still match the H100 nodes
+            if n["metadata"].get("labels", {}).get("nvidia.com/gpu.product") == original["nodeSelector"]["nvidia.com/gpu.product"]:
+                kube.patch("nodes", n["metadata"]["name"], {"metadata": {"labels": {"pool": "inference"}}})
+        extra = {"tolerations": original["tolerations"] + [{"key": "team", "operator": "Equal", "value": "ml",
+                                                            "effect": "NoSchedule"}],
+                 "nodeSelector": {**original["nodeSelector"], "pool": "inference"},
+                 "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}
+        kube.patch("acceleratorclasses", "h100-80gb", {"spec": extra})
+        kube.wait_for(lambda: pod_spec()["nodeSelector"].get("pool") == "inference", message="class fields applied")
+        assert {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod_spec()["tolerations"]
+        assert {"name": "NCCL_DEBUG", "value": "INFO"} in pod_spec()["containers"][0]["env"]
+        settle(kube)
+
+        # A map key alone (lists are compared whole, so a shorter list was always re-applied).
+        kube.patch("acceleratorclasses", "h100-80gb", {"spec": {"nodeSelector": {"pool": None}}})
+        kube.wait_for(lambda: "pool" not in pod_spec()["nodeSelector"], message="the nodeSelector key pruned")
+        settle(kube)
+        kube.patch("acceleratorclasses", "h100-80gb", {"spec": {"tolerations": original["tolerations"], "env": None}})
+        kube.wait_for(lambda: pod_spec()["tolerations"] == original["tolerations"], message="the toleration pruned")
+        spec = pod_spec()
+        assert spec["tolerations"] == original["tolerations"], spec["tolerations"]
+        assert all(e["name"] != "NCCL_DEBUG" for e in spec["containers"][0].get("env", []))
+        settle(kube)
+        kinds = {e["reason"] for e in events(kube, "llama31-8b")}
+        assert "DriftReverted" not in kinds, "a removal in the render is not a hand edit"

@@ -23,6 +23,10 @@ LABEL_REVISION = "pdfleet.io/revision"
 LABEL_ENGINE = "pdfleet.io/engine"  # on worker pods: pdfleet | vllm (the metrics profile of each pool)
 ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
 ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
+# On every child: a digest of what the operator last applied to it. A field the render stops producing (a
+# toleration or env var dropped from a class) leaves the digest changed, so the child is applied again and
+# server-side apply prunes the field this manager no longer sends (containment alone cannot see a removal).
+ANNOTATION_APPLIED_HASH = "pdfleet.io/applied-hash"
 # On the ConfigMap: the served revision's template (`rollback.revision_wire`, JSON). The served revision is
 # not a ControllerRevision yet; the operator stores it from here when another revision supersedes it.
 ANNOTATION_REVISION_SPEC = "pdfleet.io/revision-spec"

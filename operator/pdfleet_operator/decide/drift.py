@@ -4,13 +4,23 @@ A live object carries more than was applied (server defaults, other managers' fi
 question is containment, not equality: every field we render must be present with our value; lists
 must match element by element (we own whole lists, as server-side apply replaces them). Quantities
 compare by value, because the API server canonicalises them ("1024Mi" is stored as "1Gi").
+
+Containment cannot see a field the operator stopped rendering (a toleration dropped from a class stays on the
+live object, which still contains everything rendered now). `with_applied_hash` stamps each child with a digest
+of what was rendered: when the render loses a field the digest differs, the child is applied again, and
+server-side apply removes the fields this field manager applied before and no longer sends. (A shorter list
+was always seen: lists compare whole. A dropped map key, label or annotation was not.)
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from typing import Any
 
 from pdfleet_operator.api import parse_quantity
+from pdfleet_operator.api.names import ANNOTATION_APPLIED_HASH
 
 # Map keys whose values are Kubernetes quantities.
 QUANTITY_PARENTS = frozenset({"requests", "limits"})
@@ -58,3 +68,28 @@ def differences(actual: Any, desired: Any, path: str = "") -> list[str]:
             out += differences(actual.get(key), value, f"{path}.{key}")
         return out or [path or "."]
     return [path or "."]
+
+
+def applied_hash(obj: dict[str, Any]) -> str:
+    """Digest of a rendered object, its own applied-hash annotation left out."""
+    bare = copy.deepcopy(obj)
+    annotations = bare.get("metadata", {}).get("annotations")
+    if annotations is not None:
+        annotations.pop(ANNOTATION_APPLIED_HASH, None)
+        if not annotations:
+            del bare["metadata"]["annotations"]
+    return hashlib.sha256(json.dumps(bare, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `obj` carrying `pdfleet.io/applied-hash` (what `contains` compares, so removals are seen)."""
+    out = copy.deepcopy(obj)
+    out.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = applied_hash(obj)
+    return out
+
+
+def pruned_only(actual: Any, desired: dict[str, Any]) -> bool:
+    """True when `actual` differs from `desired` (stamped) only by the applied hash: the render lost fields."""
+    bare = copy.deepcopy(desired)
+    bare.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_APPLIED_HASH, None)  # an empty map is contained
+    return contains(actual, bare) and not contains(actual, desired)

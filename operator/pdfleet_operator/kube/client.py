@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import kopf
 
+from pdfleet_operator.api import names
 from pdfleet_operator.decide import drift, handover
 from pdfleet_operator.kube import render
 
@@ -73,6 +74,7 @@ class ApplyResult:
     deleted: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     drifted: dict[str, list[str]] = field(default_factory=dict)  # existing child -> fields that differed
+    pruned: list[str] = field(default_factory=list)  # applied again only to drop fields no longer rendered
     retained: dict[str, str] = field(default_factory=dict)  # pools no longer planned, kept until their role's new pools serve
 
     @property
@@ -122,8 +124,8 @@ class Api:
     def from_connection(cls, info: kopf.ConnectionInfo) -> Api:
         """An Api with the credentials kopf's login produced (kubeconfig or in-cluster service account)."""
         headers: dict[str, str] = {}
-        if info.scheme and info.token:
-            headers["Authorization"] = f"{info.scheme} {info.token}"
+        if info.token:  # NOTE: kopf's kubeconfig login leaves the scheme empty for a token; kopf itself sends Bearer
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
         elif info.username and info.password:
             import base64
             headers["Authorization"] = "Basic " + base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
@@ -317,7 +319,7 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
     """
     result = ApplyResult()
     current = {key_of(o): o for o in existing}
-    for obj in desired:
+    for obj in (drift.with_applied_hash(o) for o in desired):
         key = key_of(obj)
         cur = current.get(key)
         if cur is None:
@@ -337,9 +339,13 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             continue
         if cur is None:
             result.created.append(key)
+        elif drift.pruned_only(cur, obj):
+            result.applied.append(key)
+            result.pruned.append(key)  # a field the render no longer produces, or a child applied before the stamp
         else:
             result.applied.append(key)
-            result.drifted[key] = drift.differences(cur, obj)
+            result.drifted[key] = [d for d in drift.differences(cur, obj)
+                                   if not d.endswith(f".annotations.{names.ANNOTATION_APPLIED_HASH}")] or ["."]
     wanted = {key_of(o) for o in desired}
     result.retained = handover.retained(desired, existing)
     for key, obj in sorted(current.items()):
