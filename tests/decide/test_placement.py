@@ -225,9 +225,13 @@ def test_pod_requests_and_cpu_units() -> None:
                   "initContainers": [{"resources": {"requests": {"cpu": "3"}}}], "overhead": {"cpu": "250m"}}}
     assert inventory.pod_requests(p) == {"cpu": 3.25, "huawei.com/Ascend910": 2.0}
     n = node("cpu-0", "cpu", "7500m")
-    inv = inventory.build([n], [pod("x", "cpu-0", {"cpu": "1500m"}), pod("pending", None, {"cpu": "4"})])
+    inv = inventory.build([n], [pod("x", "cpu-0", {"cpu": "1500m"})])
     assert inv.nodes[0].free["cpu"] == 6
     assert inv.slots(CLASSES["cpu"]) == 3
+    # A Pending pod takes its cores as soon as the scheduler binds it: they are not free for a plan.
+    inv = inventory.build([n], [pod("x", "cpu-0", {"cpu": "1500m"}), pod("pending", None, {"cpu": "4"})])
+    assert inv.nodes[0].free["cpu"] == 2
+    assert inv.slots(CLASSES["cpu"]) == 1
 
 
 def test_plan_is_deterministic_and_pure() -> None:

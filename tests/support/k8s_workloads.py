@@ -125,6 +125,15 @@ class Workloads:
         self.kube = emulator
         self.bound = 0          # pods bound so far (for tests and benches)
         self.unschedulable = 0  # times a pod was marked Unschedulable
+        self.unschedulable_pods: set[str] = set()  # `namespace/name` of every pod ever marked Unschedulable
+        # False: the scheduler is held (pods stay unbound, as while kube-scheduler lags behind); `hold(False)` resumes.
+        self.scheduling = True
+
+    def hold(self, held: bool = True) -> None:
+        """Hold the scheduler (pods are created but not bound) or resume it (and bind what fits now)."""
+        self.scheduling = not held
+        if not held:
+            self.kube.run_workloads()
 
     # --- state access -------------------------------------------------------------------------
     def _objects(self, group_plural: tuple[str, str]) -> list[tuple[tuple[str, str, str, str], dict]]:
@@ -141,7 +150,8 @@ class Workloads:
         """One round of every controller; True when it changed something."""
         changed = self._deployments()
         changed = self._kubelet() or changed
-        changed = self._schedule() or changed
+        if self.scheduling:
+            changed = self._schedule() or changed
         changed = self._deployment_status() or changed
         return changed
 
@@ -324,4 +334,5 @@ class Workloads:
         new["status"] = status
         self._write(key, new)
         self.unschedulable += 1
+        self.unschedulable_pods.add(f"{key[2]}/{key[3]}")
         return True

@@ -3,6 +3,13 @@
 Pure: takes the JSON of Nodes and Pods (as the API server returns them) and answers "how many units
 of resource R are free on which nodes that a class can use". A replica's `count` units must come from
 one node (a pod cannot span nodes), so the inventory keeps nodes apart instead of summing them.
+
+Free means free for a new plan: allocatable minus what bound pods request, minus what pods that are
+not bound yet will take as soon as the scheduler gets to them (Pending pods, and replicas another
+InferenceDeployment's plan holds whose pods do not exist yet: `Reservation`). Those claims are placed
+the way the scheduler would (selector, required node affinity, taints, every requested resource, the
+fullest fitting node first); a claim that fits nowhere holds nothing now and is noted. Without them
+two plans made before either's pods bind would both count the same free GPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 # Pods in these phases hold no resources.
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 DEPLOYMENT_LABEL = "pdfleet.io/deployment"
+ROLE_LABEL = "pdfleet.io/role"
+ACCELERATOR_LABEL = "pdfleet.io/accelerator"
+# Resources every node has plenty of names for: left out of the notes on what claims hold.
+COMMON_RESOURCES = frozenset({"cpu", "memory", "pods", "ephemeral-storage"})
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,41 @@ class Taint:
     key: str
     value: str = ""
     effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """One toleration, from a class (`api.Toleration`) or a pod's spec."""
+
+    key: str | None = None
+    operator: str = "Equal"
+    value: str | None = None
+    effect: str | None = None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Replicas an InferenceDeployment's last plan holds on a class (the operator's own memory of its plans)."""
+
+    namespace: str
+    deployment: str
+    role: str
+    accelerator_class: str
+    cls: AcceleratorClassSpec
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Resources that a pod not bound yet takes as soon as the scheduler binds it."""
+
+    what: str  # for the notes: "pod ns/name (Pending)" or "ns/deployment: 2 planned colocated replicas on l40s-48gb"
+    requests: Mapping[str, float]
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Tolerance, ...] = ()
+    # Required node affinity: any term matches when all its (key, operator, values) expressions hold.
+    affinity: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = ()
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -38,9 +84,15 @@ class NodeInventory:
 
     def admits(self, cls: AcceleratorClassSpec) -> bool:
         """Whether a pod of this class may land here: selector matches and every blocking taint is tolerated."""
-        if any(self.labels.get(k) != v for k, v in cls.node_selector.items()):
+        return self.admits_pod(cls.node_selector, _class_tolerances(cls))
+
+    def admits_pod(self, node_selector: Mapping[str, str], tolerations: tuple[Tolerance, ...],
+                   affinity: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = ()) -> bool:
+        if any(self.labels.get(k) != v for k, v in node_selector.items()):
             return False
-        return all(_tolerated(t, cls) for t in self.taints if t.effect in BLOCKING_EFFECTS)
+        if affinity and not any(all(_expression_holds(e, self.labels) for e in term) for term in affinity):
+            return False
+        return all(_tolerated(t, tolerations) for t in self.taints if t.effect in BLOCKING_EFFECTS)
 
 
 @dataclass(frozen=True)
@@ -88,17 +140,40 @@ class Inventory:
         return Inventory(nodes, self.notes), placed
 
 
-def _tolerated(taint: Taint, cls: AcceleratorClassSpec) -> bool:
-    for tol in cls.tolerations:
-        if tol.effect is not None and tol.effect != taint.effect:
+def _class_tolerances(cls: AcceleratorClassSpec) -> tuple[Tolerance, ...]:
+    return tuple(Tolerance(t.key, t.operator, t.value, t.effect) for t in cls.tolerations)
+
+
+def _tolerated(taint: Taint, tolerations: tuple[Tolerance, ...]) -> bool:
+    for tol in tolerations:
+        if tol.effect and tol.effect != taint.effect:
             continue
-        if tol.key is None and tol.operator == "Exists":
+        if not tol.key and tol.operator == "Exists":
             return True
         if tol.key != taint.key:
             continue
         if tol.operator == "Exists" or (tol.value or "") == taint.value:
             return True
     return False
+
+
+def _expression_holds(expr: tuple[str, str, tuple[str, ...]], labels: Mapping[str, str]) -> bool:
+    key, op, values = expr
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt"):
+        try:
+            have, want = int(labels[key]), int(values[0])
+        except (KeyError, IndexError, ValueError):
+            return False
+        return have > want if op == "Gt" else have < want
+    return False  # NOTE: an operator the scheduler would refuse: the claim is taken to fit nowhere
 
 
 def _units(resource: str, quantity: object) -> float:
@@ -145,12 +220,66 @@ def taints_of(node: dict) -> tuple[Taint, ...]:
                  for t in (node.get("spec") or {}).get("taints") or [])
 
 
-def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tuple[str, str] | None = None) -> Inventory:
-    """The free capacity: allocatable of Ready, schedulable nodes minus what bound, running pods request.
+def pod_claim(pod: dict) -> Claim:
+    """What a pod that is not bound yet will take, and where it may land."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    tolerations = tuple(Tolerance(t.get("key") or None, t.get("operator") or "Equal", t.get("value"), t.get("effect") or None)
+                        for t in spec.get("tolerations") or [])
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    affinity = tuple(tuple((str(e.get("key")), str(e.get("operator")), tuple(str(v) for v in e.get("values") or []))
+                           for e in term.get("matchExpressions") or [])
+                     for term in required.get("nodeSelectorTerms") or [])
+    return Claim(f"pod {meta.get('namespace')}/{meta.get('name')} (Pending)", pod_requests(pod),
+                 dict(spec.get("nodeSelector") or {}), tolerations, affinity)
 
-    `exclude_deployment=(namespace, name)` leaves out that InferenceDeployment's own pods, so that
-    re-planning a deployment counts the units it already holds as available to it.
+
+def _pool_of(pod: dict) -> tuple[str | None, str | None, str | None, str | None]:
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    return meta.get("namespace"), labels.get(DEPLOYMENT_LABEL), labels.get(ROLE_LABEL), labels.get(ACCELERATOR_LABEL)
+
+
+def claims(pods: Iterable[dict], reserved: Iterable[Reservation] = (), *,
+           exclude_deployment: tuple[str, str] | None = None) -> list[Claim]:
+    """Claims on capacity not bound yet: every Pending pod, oldest first, then the replicas of `reserved` plans
+    whose pods do not exist yet (a plan's replicas minus its pool's pods, bound or not); never the excluded
+    deployment's."""
+    pods = [p for p in pods if (p.get("status") or {}).get("phase") not in FINISHED_PHASES]
+    out: list[Claim] = []
+    existing: dict[tuple, int] = {}
+    unbound = []
+    for pod in pods:
+        ns, dep, role, acc = _pool_of(pod)
+        if not (pod.get("metadata") or {}).get("deletionTimestamp"):  # (a terminating pod's replacement is due)
+            existing[(ns, dep, role, acc)] = existing.get((ns, dep, role, acc), 0) + 1
+        if exclude_deployment is not None and (ns, dep) == exclude_deployment:
+            continue
+        if not (pod.get("spec") or {}).get("nodeName") and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            unbound.append(pod)
+    unbound.sort(key=lambda p: (str((p.get("metadata") or {}).get("creationTimestamp") or ""),
+                                str((p.get("metadata") or {}).get("name") or "")))
+    out += [pod_claim(p) for p in unbound]
+    for r in reserved:
+        if exclude_deployment is not None and (r.namespace, r.deployment) == exclude_deployment:
+            continue
+        unborn = r.replicas - existing.get((r.namespace, r.deployment, r.role, r.accelerator_class), 0)
+        if unborn > 0:
+            out.append(Claim(f"{r.namespace}/{r.deployment}: {unborn} planned {r.role} replicas on {r.accelerator_class}",
+                             {r.cls.resource_name: float(r.cls.count)}, dict(r.cls.node_selector),
+                             _class_tolerances(r.cls), replicas=unborn))
+    return out
+
+
+def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tuple[str, str] | None = None,
+          reserved: Iterable[Reservation] = ()) -> Inventory:
+    """The free capacity: allocatable of Ready, schedulable nodes minus what bound pods request, minus the
+    claims of pods not bound yet (Pending pods, `reserved` replicas whose pods do not exist yet).
+
+    `exclude_deployment=(namespace, name)` leaves out that InferenceDeployment's own pods and reservation, so
+    that re-planning a deployment counts the units it already holds as available to it.
     """
+    pods = list(pods)
     used: dict[str, dict[str, float]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -185,4 +314,47 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
             # NOTE: 1e-9 absorbs float error of milli-CPU sums before rounding down to whole units.
             free[resource] = max(0, math.floor(left + 1e-9))
         out.append(NodeInventory(name, dict((node.get("metadata") or {}).get("labels") or {}), taints_of(node), free))
-    return Inventory(tuple(out), tuple(notes))
+    nodes_out, held = _place_claims(out, claims(pods, reserved, exclude_deployment=exclude_deployment))
+    return Inventory(tuple(nodes_out), tuple(notes) + held)
+
+
+def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[list[NodeInventory], tuple[str, ...]]:
+    """Take each claim from the node the scheduler would bind it to (every request fits, fullest node first)."""
+    if not pending:
+        return nodes, ()
+    free: dict[str, dict[str, float]] = {n.name: {k: float(v) for k, v in n.free.items()} for n in nodes}
+    held: dict[str, float] = {}
+    holders: list[str] = []
+    nowhere: list[str] = []
+    for claim in pending:
+        scarce = sorted(k for k in claim.requests if k not in COMMON_RESOURCES) or sorted(claim.requests)
+        placed = 0
+        for _ in range(claim.replicas):
+            fitting = [n for n in nodes if n.admits_pod(claim.node_selector, claim.tolerations, claim.affinity)
+                       and all(v <= 0 or free[n.name].get(k, 0) + 1e-9 >= v for k, v in claim.requests.items())]
+            if not fitting:
+                break
+            best = min(fitting, key=lambda n: (tuple(free[n.name].get(k, 0) for k in scarce), n.name))
+            for k, v in claim.requests.items():
+                if k in free[best.name]:
+                    free[best.name][k] -= v
+            placed += 1
+        took = {k: v * placed for k, v in claim.requests.items() if k not in COMMON_RESOURCES and v > 0}
+        if placed and took:
+            for k, v in took.items():
+                held[k] = held.get(k, 0.0) + v
+            holders.append(claim.what)
+        if placed < claim.replicas and any(k not in COMMON_RESOURCES for k in claim.requests):
+            nowhere.append(claim.what if claim.replicas == 1 else f"{claim.what} ({claim.replicas - placed} fit nowhere now)")
+    out = []
+    for n in nodes:
+        left = {k: max(0, math.floor(v + 1e-9)) for k, v in free[n.name].items()}
+        out.append(n if left == dict(n.free) else NodeInventory(n.name, n.labels, n.taints, left))
+    notes: list[str] = []
+    if held:
+        notes.append("held by pods not bound yet: " + ", ".join(f"{v:g} x {k}" for k, v in sorted(held.items()))
+                     + " (" + "; ".join(holders[:5]) + (f"; {len(holders) - 5} more" if len(holders) > 5 else "") + ")")
+    if nowhere:
+        notes.append("waiting for capacity that is not free now: " + "; ".join(nowhere[:5])
+                     + (f"; {len(nowhere) - 5} more" if len(nowhere) > 5 else ""))
+    return out, tuple(notes)

@@ -2,7 +2,7 @@
 
 What `kubectl get acc -o wide` shows in its Free column, computed from the same inventory placement
 plans with (`inventory.build`: Ready, schedulable nodes whose labels and taints admit the class,
-minus what bound, running pods request). `compute` is pure; `ClassStatusWriter.sync` lists the
+minus what bound pods request and what Pending pods will take). `compute` is pure; `ClassStatusWriter.sync` lists the
 classes once per round (spec, generation and the status last written, so a restarted operator
 writes nothing that is already there) and patches only the classes whose numbers changed.
 """

@@ -186,19 +186,37 @@ def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]
     return {name: _node_view(body)}
 
 
+# Pods not bound to a node yet are indexed under this key (what they will take is not free: decide.inventory).
+UNBOUND = ""
+POOL_LABELS = (inventory.DEPLOYMENT_LABEL, inventory.ROLE_LABEL, inventory.ACCELERATOR_LABEL)
+
+
 @kopf.index("", "v1", "pods")
 def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
+    return pod_view(body)
+
+
+def pod_view(body: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """{node name or UNBOUND: what the inventory reads of a pod}; None for finished pods (they hold nothing)."""
     spec = body.get("spec") or {}
     node_name = spec.get("nodeName")
-    if not node_name or (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES:
+    if (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES:
         return None
     meta = body.get("metadata") or {}
-    view = {"metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
-                         "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k == inventory.DEPLOYMENT_LABEL}},
-            "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
-                     "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
-                     **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
-    return {node_name: view}
+    view: dict[str, Any] = {
+        "metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
+                     "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k in POOL_LABELS}},
+        "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
+                 "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
+                 **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
+    if not node_name:  # where the scheduler may bind it, and in which order
+        view["metadata"].update({k: meta[k] for k in ("creationTimestamp", "deletionTimestamp") if meta.get(k)})
+        node_affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+        required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+        view["spec"].update({k: spec[k] for k in ("nodeSelector", "tolerations") if spec.get(k)})
+        if required:
+            view["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    return {node_name or UNBOUND: view}
 
 
 @kopf.index(GROUP, VERSION, "inferencedeployments")
@@ -344,13 +362,14 @@ def _classes_on(view: dict[str, Any]) -> dict[str, AcceleratorClassSpec]:
 
 @kopf.on.event("", "v1", "pods")
 async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
-    """A finished or deleted pod frees its accelerators: re-plan the deployments that were short of them."""
+    """A finished or deleted pod (bound or Pending) frees its accelerators: re-plan the deployments that were short."""
     _keep_indexes(kwargs)
     limited = RECONCILER.limited()
     if event.get("type") is None or not limited:
         return
+    # (a Pending pod that goes frees what the inventory counted it for, as a bound one does)
     gone = event.get("type") == "DELETED" or (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES
-    if not gone or not (body.get("spec") or {}).get("nodeName"):
+    if not gone:
         return
     freed = {k for k in inventory.pod_requests(dict(body)) if k not in ("memory", "pods", "ephemeral-storage")}
     classes = RECONCILER.classes()

@@ -103,6 +103,7 @@ class Reconciler:
         if m is not None:
             m.stop()
             m.scaler.forget(key)
+            self._release(key, m.plan, None, "deleted")
         exporter.forget(*key)
 
     def limited(self) -> list[Key]:
@@ -209,9 +210,56 @@ class Reconciler:
         return {name: next(iter(store)) for name, store in index.items()}
 
     def _inventory(self, key: Key) -> inventory.Inventory:
+        """Free capacity for re-planning `key`: nodes minus bound pods, Pending pods and the replicas other
+        deployments' last plans hold whose pods do not exist yet (`reservations`)."""
         nodes = [next(iter(s)) for s in (self.indexes.get("node_index") or {}).values()]
         pods = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s]
-        return inventory.build(nodes, pods, exclude_deployment=key)
+        return inventory.build(nodes, pods, exclude_deployment=key, reserved=self.reservations(exclude=key))
+
+    def reservations(self, exclude: Key | None = None) -> list[inventory.Reservation]:
+        """What this process's last plan of every other known deployment holds, pool by pool.
+
+        NOTE: a plan is made and remembered in one step of the event loop (no await between
+        `_inventory` and `m.plan = plan`), so two reconciles running at once never plan onto the
+        same units: the second sees the first one's plan before either's pods exist.
+        """
+        classes = self.classes()
+        known = self.bodies()
+        out = []
+        for k, m in sorted(self.deployments.items()):
+            if k == exclude or m.plan is None or k not in known:
+                continue
+            for p in m.plan.pools:
+                if p.accelerator_class in classes:
+                    out.append(inventory.Reservation(k[0], k[1], p.role, p.accelerator_class, classes[p.accelerator_class],
+                                                     p.replicas))
+        return out
+
+    def _release(self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str) -> None:
+        """Re-plan the deployments short of capacity when `key`'s plan gave up units of a resource they use."""
+        if before is None:
+            return
+        classes = self.classes()
+
+        def units(plan: placement.FleetPlan | None) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for p in (plan.pools if plan is not None else ()):
+                cls = classes.get(p.accelerator_class)
+                if cls is not None:
+                    out[cls.resource_name] = out.get(cls.resource_name, 0) + p.replicas * cls.count
+            return out
+
+        was, now = units(before), units(after)
+        freed = sorted(r for r, n in was.items() if n > now.get(r, 0))
+        if not freed:
+            return
+        for other in self.limited():
+            if other == key:
+                continue
+            spec = (self.bodies().get(other) or {}).get("spec") or {}
+            listed = {c for r in ("prefill", "decode", "colocated") for c in (spec.get(r) or {}).get("acceleratorClasses", [])}
+            if any(classes[c].resource_name in freed for c in listed if c in classes):
+                self.request(other, f"{key[0]}/{key[1]} {why}: its plan freed {', '.join(freed)}")
 
     async def _monitoring_enabled(self) -> bool:
         assert self.api is not None
@@ -321,7 +369,8 @@ class Reconciler:
         desired = self._desired_for(key, dep.spec, spec, children)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         m.targets = dict(plan.targets)
-        m.plan = plan
+        before, m.plan = m.plan, plan
+        self._release(key, before, plan, "re-planned")
         m.engines = {role: sorted({runtimes.engine_of(spec, classes[p.accelerator_class]) for p in plan.pools_for(role)
                                    if p.accelerator_class in classes}) for role in plan.roles()}
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
