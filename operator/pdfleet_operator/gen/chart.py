@@ -135,7 +135,24 @@ def values_tree(root: Path = ROOT) -> Group:
                                   "(`[{name: regcred}]`).",
                                   {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}},
                                    "additionalProperties": False}),
-        "operator": Group("The operator process (`pdfleet operator`): one replica, kopf in standalone mode.", {
+        "operator": Group("The operator process (`pdfleet operator`): `replicas` pods, of which the one holding the "
+                          "leader Lease acts and the others stand by.", {
+            "replicas": _int(2, "Operator pods. With leader election (below) one acts and the others stand by, taking "
+                                "over within the lease duration when it dies; more than 1 needs leader election.",
+                             minimum=1, maximum=5),
+            "leaderElection": Group(
+                "A coordination.k8s.io Lease in the release namespace (named like the operator) decides which replica "
+                "acts (client-go's semantics). A leader that cannot renew for renewDeadline exits; a standby takes "
+                "over after seeing the Lease unrenewed for leaseDuration, or at once when the leader released it on "
+                "shutdown (so a rolling update hands over within retryPeriod).", {
+                    "enabled": _bool(True, "Elect a leader (false: one replica only, replaced with Recreate)."),
+                    "leaseDuration": Value(15, "Seconds a standby waits, after the Lease's last renewal it saw, "
+                                               "before taking over.", {"type": "number", "exclusiveMinimum": 0}),
+                    "renewDeadline": Value(10, "Seconds the leader keeps trying to renew before it exits (less than "
+                                               "leaseDuration).", {"type": "number", "exclusiveMinimum": 0}),
+                    "retryPeriod": Value(2, "Seconds between attempts on the Lease (less than renewDeadline).",
+                                         {"type": "number", "exclusiveMinimum": 0}),
+                }),
             "watchNamespaces": Value([], "Namespaces whose InferenceDeployments the operator manages. Empty: every "
                                          "namespace, with a ClusterRole. Names: only those, with a Role in each "
                                          "(plus a ClusterRole to read Nodes and AcceleratorClasses, which are "

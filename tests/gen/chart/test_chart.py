@@ -90,14 +90,14 @@ def test_validation_catches_what_the_api_server_would_refuse(rendered) -> None:
 def test_what_each_value_set_creates(rendered) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in rendered.items()}
     everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodMonitor",
-                  "PrometheusRule", "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
-                  "ValidatingAdmissionPolicyBinding"]
+                  "PrometheusRule", "Role", "RoleBinding", "Service", "ServiceAccount", "ServiceMonitor",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]  # (Role: the leader Lease)
     policy = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert kinds["defaults"] == everything
     assert kinds["cluster-wide"] == everything
-    assert kinds["namespaced"] == sorted(everything + ["Role", "RoleBinding"])
+    assert kinds["namespaced"] == everything
     assert kinds["monitoring-off"] == sorted(["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                              "Service", "ServiceAccount"] + policy)
+                                              "Role", "RoleBinding", "Service", "ServiceAccount"] + policy)
     assert kinds["bring-your-own"] == sorted(["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service",
                                               "ServiceMonitor"] + policy)
     classes = {o["metadata"]["name"]: o["spec"] for o in helm.by_kind(rendered["defaults"], "AcceleratorClass")}
@@ -127,7 +127,13 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                       "capabilities": {"drop": ["ALL"]}}
         assert container["command"] == ["pdfleet"] and container["args"][0] == "operator"
-        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+        # Two replicas by default, one acting (the leader Lease's holder); a new pod of a rolling update stands by
+        # until the old leader releases the Lease.
+        assert dep["spec"]["replicas"] == 2
+        assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        assert {"--leader-elect", f"--leader-election-namespace={helm.NAMESPACE}",
+                f"--leader-election-name={helm.RELEASE}-operator"} <= set(container["args"])
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
         # The ports the Dockerfile exposes (9090 metrics, 8080 liveness) are the ones passed as flags.
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert f"--metrics-port={ports['metrics']}" in container["args"]
@@ -158,15 +164,23 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
 def test_watch_scope_matches_rbac_scope(rendered) -> None:
     args = helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
-    assert helm.by_kind(rendered["defaults"], "Role") == []
+    lease_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                  "metadata": {"name": f"{helm.RELEASE}-operator-leader-election", "namespace": helm.NAMESPACE},
+                  "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+                            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                             "resourceNames": [f"{helm.RELEASE}-operator"], "verbs": ["get", "update"]}]}
+    (role,) = helm.by_kind(rendered["defaults"], "Role")  # only the leader Lease's, in the release namespace
+    assert {**role, "metadata": {k: role["metadata"][k] for k in ("name", "namespace")}} == lease_role
     namespaced = rendered["namespaced"]
     args = helm.the(namespaced, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
-    assert sorted(r["metadata"]["namespace"] for r in helm.by_kind(namespaced, "Role")) == ["team-a", "team-b"]
+    assert sorted(r["metadata"]["namespace"] for r in helm.by_kind(namespaced, "Role")) == [
+        helm.NAMESPACE, "team-a", "team-b"]
     cluster_role = helm.the(namespaced, "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "acceleratorclasses", "acceleratorclasses/status", "customresourcedefinitions", "namespaces"}, \
-        "namespaced mode reads only cluster-scoped kinds (and writes the AcceleratorClass status)"
+        "nodes", "acceleratorclasses", "acceleratorclasses/status", "customresourcedefinitions", "namespaces", "pods"}, \
+        "namespaced mode reads only cluster-scoped kinds and lists pods everywhere (capacity), writes the class status"
+    assert [rule["verbs"] for rule in cluster_role["rules"] if "pods" in rule["resources"]] == [["list"]]
     writes = {(r, v) for rule in cluster_role["rules"] for r in rule["resources"] for v in rule["verbs"]
               if v not in ("get", "list", "watch")}
     assert writes == {("acceleratorclasses/status", "patch")}
@@ -368,3 +382,21 @@ def test_allowed_prometheus_urls_and_its_ca_reach_the_operator(loaded) -> None:
     from pdfleet_operator.cli import build_parser
     args = build_parser(["operator"]).parse_args(["operator", *c["args"][1:]])
     assert args.allow_prometheus_url == ["http://prom.monitoring.svc:9090"] and args.prometheus_ca.endswith("ca.crt")
+
+
+def test_several_replicas_need_leader_election_and_spread_over_nodes() -> None:
+    with pytest.raises(Exception, match="operator.replicas > 1 needs operator.leaderElection.enabled"):
+        helm.render({"operator": {"replicas": 2, "leaderElection": {"enabled": False}}})
+    with pytest.raises(Exception, match="retryPeriod < renewDeadline < leaseDuration"):
+        helm.render({"operator": {"leaderElection": {"renewDeadline": 15}}})
+    single = helm.render({"operator": {"replicas": 1, "leaderElection": {"enabled": False}}})
+    dep = helm.the(single, "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any("leader" in a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "affinity" not in dep["spec"]["template"]["spec"] and helm.by_kind(single, "Role") == []
+    spread = helm.the(helm.render({}), "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    own = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}}
+    assert helm.the(helm.render({"operator": own}), "Deployment")["spec"]["template"]["spec"]["affinity"] == own["affinity"]

@@ -1,12 +1,15 @@
 """The chart installed into the API emulator by Helm's SDK, the operator it describes run against it, and its RBAC
 compared with every request that operator makes.
 
-The emulator enforces no RBAC (see tests/support/k8s_emulator.py), so the comparison is done here: each
-request of the operator's log must be allowed by the installed ClusterRole/Roles (a small evaluator of
-RBAC rules below), and every verb those rules grant must have been used. NOTE: a server-side apply that
-creates an object is authorized by the API server as `create` as well as `patch`
+The operator runs with a token of the chart's ServiceAccount, so the emulator authorizes each of its requests
+by the installed ClusterRole/Roles (403 Forbidden otherwise, as a cluster would: a missing verb fails the
+run), including the OwnerReferencesPermissionEnforcement plugin's check. The comparison here adds the other
+direction: every verb those rules grant must have been used. NOTE: a server-side apply that creates an object
+is authorized by the API server as `create` as well as `patch`
 (https://kubernetes.io/docs/reference/using-api/api-concepts/#patch-and-apply); the emulator answers such
-an apply 201, which is how the log shows it.
+an apply 201, which is how the log shows it. A child created with an ownerReference that sets
+`blockOwnerDeletion: true` needs `update` on its owner's `finalizers` subresource (the admission plugin's
+check; no request goes there).
 """
 
 from __future__ import annotations
@@ -24,10 +27,17 @@ from tests.kube.cluster import example_deployments
 from tests.support.k8s_emulator import LoggedRequest
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+OPERATOR_USER = f"system:serviceaccount:{helm.NAMESPACE}:{helm.RELEASE}-operator"
 
 
-def required(requests: list[LoggedRequest]) -> dict[tuple[str | None, Grant], int]:
-    """(namespace or None, grant) -> how many of the operator's requests needed it."""
+def service_account_kubeconfig(kube: Any) -> Any:
+    """The operator pod's credentials: a token of the chart's ServiceAccount, authorized by the installed RBAC."""
+    return kube.service_account_kubeconfig(helm.NAMESPACE, f"{helm.RELEASE}-operator", pod=f"{helm.RELEASE}-operator-0")
+
+
+def required(requests: list[LoggedRequest], kube: Any = None) -> dict[tuple[str | None, Grant], int]:
+    """(namespace or None, grant) -> how many of the operator's requests needed it (`kube` resolves the owner kinds
+    of blocking ownerReferences)."""
     out: dict[tuple[str | None, Grant], int] = defaultdict(int)
     for r in requests:
         if r.verb is None:  # discovery (/api, /apis/<group>/<version>): allowed to every authenticated user
@@ -36,6 +46,12 @@ def required(requests: list[LoggedRequest]) -> dict[tuple[str | None, Grant], in
         verbs = [r.verb] + (["create"] if r.patch_type == "apply" and r.status == 201 else [])
         for verb in verbs:
             out[(r.namespace, (r.group or "", resource, verb))] += 1
+        if r.status == 201 and kube is not None and isinstance(r.body, dict):
+            for ref in (r.body.get("metadata") or {}).get("ownerReferences") or []:
+                if ref.get("blockOwnerDeletion"):
+                    group = ref["apiVersion"].rpartition("/")[0]
+                    owner = kube.resource(f"{ref['kind']}.{group}" if group else ref["kind"])
+                    out[(r.namespace, (group, f"{owner.plural}/finalizers", "update"))] += 1
     return out
 
 
@@ -50,9 +66,14 @@ def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
     cluster = grants(kube.get("clusterroles.rbac.authorization.k8s.io", name))
     binding = kube.get("clusterrolebindings.rbac.authorization.k8s.io", name)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": helm.NAMESPACE}]
-    roles = {r["metadata"]["namespace"]: grants(r) for r in kube.list("roles.rbac.authorization.k8s.io")
-             if r["metadata"]["name"] == name}
-    need = required(requests)
+    roles: dict[str, set[Grant]] = defaultdict(set)
+    for r in kube.list("roles.rbac.authorization.k8s.io"):
+        if r["metadata"]["name"] in (name, f"{name}-leader-election"):
+            roles[r["metadata"]["namespace"]] |= grants(r)
+    for b in kube.list("rolebindings.rbac.authorization.k8s.io"):
+        if b["metadata"]["name"] in (name, f"{name}-leader-election"):
+            assert b["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": helm.NAMESPACE}]
+    need = required(requests, kube)
     missing = {k: n for k, n in need.items() if k[1] not in cluster | roles.get(k[0] or "", set())}
     used_cluster = {g for (_, g) in need}
     unused = {("ClusterRole", g) for g in cluster - used_cluster}
@@ -72,9 +93,9 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
     assert kube.get("crd", "inferencedeployments.pdfleet.io") is not None
 
     kube.clear_requests()  # from here on, every logged request is the operator's
-    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE), kube.kubeconfig,
-                               tmp_path / "operator.log")
-    assert "--all-namespaces" in operator.args
+    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+                               service_account_kubeconfig(kube), tmp_path / "operator.log")
+    assert "--all-namespaces" in operator.args and "--leader-elect" in operator.args
     operator.start()
     try:
         for ns in ("default", "team-a"):
@@ -88,6 +109,9 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
     assert operator.proc.returncode == 0, operator.log()
     requests = kube.requests
     assert {r.user_agent.split("/")[0] for r in requests} <= {"kopf", "Python"}, "only the operator talked"
+    assert {r.user for r in requests if r.verb} == {OPERATOR_USER}, "every request was authorized by the chart's RBAC"
+    assert [r for r in requests if r.status == 403] == []
+    assert kube.get("leases.coordination.k8s.io", f"{helm.RELEASE}-operator", helm.NAMESPACE) is not None
 
     missing, unused = compare(kube, requests)
     assert missing == {}, f"the operator did what the chart's RBAC does not allow: {missing}"
@@ -107,8 +131,8 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
 def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
     helm.install(kube, helm.VALUE_SETS["namespaced"], ["team-a", "team-b", "elsewhere"])
     kube.clear_requests()
-    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE), kube.kubeconfig,
-                               tmp_path / "operator.log")
+    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+                               service_account_kubeconfig(kube), tmp_path / "operator.log")
     assert [a for a in operator.args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     operator.start()
     try:
@@ -124,7 +148,9 @@ def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube,
     assert operator.proc.returncode == 0, operator.log()
     assert (kube.get("infdep", "local-tiny", "elsewhere").get("status") or {}) == {}
     requests = kube.requests
-    assert {r.namespace for r in requests if r.namespace} == {"team-a", "team-b"}
+    assert {r.namespace for r in requests if r.namespace} == {"team-a", "team-b", helm.NAMESPACE}
+    assert {r.resource for r in requests if r.namespace == helm.NAMESPACE} == {"leases"}  # the leader Lease only
+    assert [r for r in requests if r.status == 403] == [] and {r.user for r in requests if r.verb} == {OPERATOR_USER}
     missing, unused = compare(kube, requests)
     assert missing == {}, f"the operator did what the chart's RBAC does not allow: {missing}"
     assert unused == {}, f"the chart grants verbs the operator never used: {sorted(unused)}"
