@@ -44,7 +44,42 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, *, model_dir: str, hos
     """`pdfleet worker` arguments: the model, the role, where to listen, the engine config file, then the
     backend's own `flags` and the spec's `engine.extraArgs` (last, so a user's flag wins)."""
     return ["worker", "--model", model_dir, "--role", WORKER_ROLE[role], "--host", host, "--port", str(port),
-            "--engine-config", engine_config, *flags, *spec.engine.extra_args]
+            "--engine-config", engine_config,
+            "--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}s",
+            *flags, *spec.engine.extra_args]
+
+
+def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
+                tokenizer_dir: str | None = None) -> list[str]:
+    """The `pdfleet router` flags the spec decides: the heartbeat interval and, with `spec.routing`, the rules and
+    `route_to`, the URL of the target deployment's router (each backend knows where that runs); `tokenizer_dir`:
+    where the router reads the model's tokenizer, needed by `rules.maxPromptTokens`."""
+    out = ["--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}"]
+    routing = spec.routing
+    if routing is None:
+        return out
+    if route_to is None:
+        raise ValueError("spec.routing is set: the router needs the target's URL")
+    out += ["--route-to", route_to]
+    rules = routing.rules
+    for flag, value in (("--route-max-prompt-tokens", rules.max_prompt_tokens),
+                        ("--route-max-prompt-chars", rules.max_prompt_chars),
+                        ("--route-max-tokens", rules.max_tokens)):
+        if value is not None:
+            out += [flag, str(value)]
+    for pattern in rules.patterns:
+        out += ["--route-pattern", pattern]
+    for pattern in rules.exclude_patterns:
+        out += ["--route-exclude-pattern", pattern]
+    if routing.classifier is not None:
+        out += ["--route-classifier", routing.classifier.entry_point,
+                "--route-classifier-timeout", f"{parse_duration(routing.classifier.timeout):g}",
+                "--route-confidence-floor", f"{routing.confidence_floor:g}"]
+    if rules.max_prompt_tokens is not None:
+        if tokenizer_dir is None:
+            raise ValueError("spec.routing.rules.maxPromptTokens: the router needs the model's tokenizer directory")
+        out += ["--route-tokenizer", tokenizer_dir]
+    return out
 
 
 # --- vLLM (and the vendors' builds of it) -------------------------------------------------------------------

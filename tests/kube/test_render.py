@@ -113,7 +113,7 @@ def test_worker_pod_for_a_domestic_class() -> None:
     (c,) = pod["containers"]
     # The device the worker must compute on (it exits when it lacks it) and its class, from the class.
     assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
-                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json",
+                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--heartbeat-interval", "10s",
                          "--auth-token-file", "/var/run/pdfleet/auth/token", "--kv-port", "8001",
                          "--device", "npu", "--accelerator", "ascend-910b"]
     assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in c["ports"]  # named in the NetworkPolicy
@@ -149,7 +149,7 @@ def test_router_services_and_config() -> None:
         "router", "--prefill", "http://llama31-8b-prefill.team-a.svc:8000",
         "--decode", "http://llama31-8b-decode.team-a.svc:8000", "--host", "0.0.0.0", "--port", "8000",
         "--auth-token-file", "/var/run/pdfleet/auth/token", "--api-key-file", "/var/run/pdfleet/api-keys/api-keys",
-        "--api-key-file-optional"]
+        "--api-key-file-optional", "--heartbeat-interval", "10"]
     assert objs[("Service", "llama31-8b-prefill")]["spec"]["clusterIP"] == "None"
     assert objs[("Service", "llama31-8b")]["spec"]["ports"][0]["port"] == 80
     assert objs[("PodDisruptionBudget", "llama31-8b-decode")]["spec"]["maxUnavailable"] == 1

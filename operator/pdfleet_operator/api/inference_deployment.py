@@ -8,6 +8,7 @@ and `pdfleet simulate` plans it against a simulated cluster.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -361,6 +362,73 @@ class ScalingDecisionStatus(ApiModel):
     time: dt.datetime = Field(description="When it was decided.", json_schema_extra={"format": "date-time"})
     role: Role = Field(description="The role it applies to.")
     from_replicas: int = Field(ge=0, description="Replicas before.")
+    heartbeat_interval: Duration = Field(
+        "10s", description="A streaming request that waits this long for its next event (queued, prefilling, KV in "
+                           "flight, a prefill hand-off) gets an SSE comment `: keep-alive`, and again each interval, "
+                           "so proxies with idle timeouts keep long-TTFT streams open; OpenAI clients skip comments. "
+                           "Router and pdfleet workers both send them; 0s: never. A stream's status code waits for "
+                           "its first token up to one interval, so a fast error keeps its code.")
+
+
+class RoutingRules(ApiModel):
+    """What makes a request simple: every rule that is set must hold."""
+
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="At most this many prompt tokens (the model's tokenizer, in the router; a chat "
+                                "request: its messages' text, without the chat template).")
+    max_prompt_chars: int | None = Field(None, ge=1, description="At most this many prompt characters.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="The request sets max_tokens (or max_completion_tokens) to at most this; a request "
+                                "that sets neither is not simple.")
+    patterns: list[str] = Field(
+        default_factory=list, max_length=32,
+        description="The prompt matches at least one of these regular expressions (Python `re`, searched anywhere).",
+        json_schema_extra={"items": {"type": "string", "maxLength": 1024}})
+    exclude_patterns: list[str] = Field(
+        default_factory=list, max_length=32, description="The prompt matches none of these regular expressions.",
+        json_schema_extra={"items": {"type": "string", "maxLength": 1024}})
+
+    @field_validator("patterns", "exclude_patterns")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for i, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"Invalid value: [{i}] {pattern!r} is not a valid regular expression: {e}") from None
+        return patterns
+
+
+class RoutingClassifier(ApiModel):
+    """A function the router calls for requests that passed the rules: `f(RouteRequest) -> float`, the confidence in
+    [0, 1] that the request is simple (workers/pdfleet_worker/SERVING.md, "Query routing")."""
+
+    entry_point: str = Field(
+        description="module:function importable in the router's image, e.g. "
+                    "pdfleet_worker.router.classifiers:short_question.",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$", max_length=256)
+    timeout: Duration = Field("1s", description="Longest a call may take; a slower one sends the request to this "
+                                                "deployment.")
+
+
+class RoutingSpec(ApiModel):
+    """Query routing: requests judged simple go to a cheaper InferenceDeployment's router (its answer, its model);
+    everything else, and whatever the target refuses or cannot take, is served by this deployment's pools."""
+
+    target: DnsLabel = Field(description="The InferenceDeployment (same namespace) that serves simple requests.")
+    rules: RoutingRules = Field(default_factory=RoutingRules, description="What makes a request simple.")
+    classifier: RoutingClassifier | None = Field(None, description="Asked after the rules hold.")
+    confidence_floor: float = Field(
+        0.5, ge=0, le=1, description="A classifier confidence below this is served by this deployment.")
+
+    cel_rules: ClassVar = (
+        Rule(rule="has(self.classifier) || (has(self.rules) && (has(self.rules.maxPromptTokens) || "
+                  "has(self.rules.maxPromptChars) || has(self.rules.maxTokens) || "
+                  "(has(self.rules.patterns) && size(self.rules.patterns) > 0) || "
+                  "(has(self.rules.excludePatterns) && size(self.rules.excludePatterns) > 0)))",
+             message="set at least one rule or a classifier: without either every request would go to the target",
+             field_path=".rules"),
+    )
     to_replicas: int = Field(ge=0, description="Replicas after.")
     reason: str = Field(description="Machine-readable reason, e.g. QueueAboveTarget, RatioBound, MetricsUnavailable.")
     message: str = Field("", description="Human-readable detail.")
@@ -378,6 +446,8 @@ class InferenceDeploymentStatus(ApiModel):
     prefill_replicas: int | None = Field(None, ge=0, description="Desired prefill replicas over all classes.")
     decode_replicas: int | None = Field(None, ge=0, description="Desired decode (or colocated) replicas over all classes.")
     pd_ratio: str | None = Field(None, description="Prefill:decode replicas, e.g. '1:2' ('-' when colocated).")
+    routing: RoutingSpec | None = Field(
+        None, description="Send requests judged simple to a smaller model's InferenceDeployment (query routing).")
     cost_per_hour: float | None = Field(None, ge=0, description="All pools and the router, USD per hour.")
     endpoint: str | None = Field(None, description="URL of the router Service (OpenAI API base).")
     last_scaling_decision: ScalingDecisionStatus | None = Field(None, description="The autoscaler's last decision.")
@@ -402,3 +472,8 @@ class InferenceDeployment(Resource):
     def name(self) -> str:
         assert self.metadata.name, "InferenceDeployment without metadata.name"
         return self.metadata.name
+    cel_rules: ClassVar = (
+        Rule(rule="!has(self.spec.routing) || self.spec.routing.target != self.metadata.name",
+             message="a deployment cannot route to itself: name another InferenceDeployment",
+             field_path=".spec.routing.target"),
+    )

@@ -154,6 +154,8 @@ class _Converter:
             "description": f"The object's name: {model.name_rule_why}."}}}
         props.get("status", {}).pop("default", None)
         schema["required"] = ["spec"]
+        if model.cel_rules:  # rules over the whole object (they may read metadata.name, as Kubernetes allows)
+            schema["x-kubernetes-validations"] = [r.as_crd() for r in model.cel_rules]
         return schema
 
 

@@ -397,26 +397,28 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+# NOTE: no kopf `labels=` filter on these (the server-side selector in `configure` sends only our objects): a child
+# whose managed-by label is removed by hand arrives as DELETED without the label, and must still re-plan its owner.
+@kopf.on.event("apps", "v1", "deployments")
 async def on_deployment_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("Deployment", body, event, kwargs)
 
 
-@kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("", "v1", "services")
 async def on_service_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("Service", body, event, kwargs)
 
 
-@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
+@kopf.on.event("", "v1", "configmaps")
 async def on_configmap_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("ConfigMap", body, event, kwargs)
 
 
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies")
 async def on_networkpolicy_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("NetworkPolicy", body, event, kwargs)
 
 
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets")
 async def on_pdb_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("PodDisruptionBudget", body, event, kwargs)

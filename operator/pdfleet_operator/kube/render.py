@@ -435,19 +435,30 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     }
 
 
+def routing_target_url(owner: Owner, spec: InferenceDeploymentSpec) -> str | None:
+    """The router Service of `spec.routing.target` (same namespace), where simple requests go."""
+    if spec.routing is None:
+        return None
+    return f"http://{spec.routing.target}.{owner.namespace}.svc:{ROUTER_SERVICE_PORT}"
+
+
 def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None) -> dict[str, Any]:
     roles = list(spec.roles())
     container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image or spec.engine.image,
         "command": ["pdfleet"],
-        "args": router_args(owner, roles, engines),
+        "args": router_args(owner, roles, engines) + engine_args.router_args(
+            spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+    # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
+    tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
+    model_volumes, model_mounts = _model_volume(spec) if tokenizer else ([], [])
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
         **_probes(),
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, _auth_volume(owner)[1],
-                         {"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}],
+                         {"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}, *model_mounts],
     }
     resources = _resources(spec.router.resources, None)
     if resources:
@@ -475,7 +486,7 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, _auth_volume(owner)[0],
                                 # absent until an admin creates it: then /v1/* needs a key (no restart)
                                 _secret_volume("api-keys", api_keys_secret_name(owner.name), API_KEYS_KEY,
-                                               optional=True)],
+                                               optional=True), *model_volumes],
                 },
             },
         },
@@ -563,7 +574,20 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
         "spec": {"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
                  "ingress": [router_rule]},
     }
-    return [workers, router]
+    if spec.routing is None:
+        return [workers, router]
+    # NOTE: owned by this deployment, selecting the target's router pods: policies add up, so the target's own
+    # allowFrom stays whatever it is and this deployment's routers may reach it too (query routing).
+    target = Owner(spec.routing.target, owner.namespace, "")
+    routing = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, child_name(owner.name, "routing"), labels(owner, "network")),
+        "spec": {"podSelector": {"matchLabels": selector(target, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}}],
+                              "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]},
+    }
+    return [workers, router, routing]
 
 
 def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> dict[str, Any]:

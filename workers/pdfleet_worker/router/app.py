@@ -12,7 +12,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from pdfleet_worker import metrics as m
+from pdfleet_worker.router import routing
 from pdfleet_worker.router.proxy import Router
+from pdfleet_worker.router.route_target import RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstreams
@@ -29,6 +31,12 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
     keys = auth.SecretFile(cfg.api_key_file, "--api-key-file", optional=cfg.api_key_file_optional) \
         if cfg.api_key_file else None
+    rules = None
+    if cfg.route_to is not None:  # ValueError: a classifier that does not load, a tokenizer that cannot be read
+        rules = routing.Routing(cfg.route_rules,
+                                routing.load_classifier(cfg.route_classifier) if cfg.route_classifier else None,
+                                cfg.route_confidence_floor,
+                                routing.tokenizer_counter(cfg.route_tokenizer) if cfg.route_tokenizer else None)
     if token is None and any(t.disaggregated and t.pd_engine == "pdfleet" for t in cfg.tiers.values()):
         log.warning("no --auth-token-file: prefill/decode workers that require the deployment token will refuse "
                     "this router (401); without one they run unauthenticated")
@@ -41,10 +49,16 @@ def build_app(cfg: RouterConfig) -> FastAPI:
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         upstreams = Upstreams(cfg, client, token)
         metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()])
+        target = RouteTarget(cfg.route_to, client, cfg.health_interval_s, cfg.heartbeat_interval_s) \
+            if cfg.route_to is not None else None
         state.update(client=client, upstreams=upstreams, metrics=metrics,
-                     router=Router(cfg, upstreams, metrics, client))
+                     router=Router(cfg, upstreams, metrics, client, rules, target))
         await upstreams.start()
+        if target is not None:
+            await target.start()
         yield
+        if target is not None:
+            await target.stop()
         await upstreams.stop()
         await client.aclose()
 
@@ -101,7 +115,10 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         ups: Upstreams = state["upstreams"]
         tiers = {name: ups.servable(name) for name in cfg.tiers}
         ok = tiers[cfg.default_tier] and not state.get("draining", False)
-        return JSONResponse({"ready": ok, "tiers": tiers}, status_code=200 if ok else 503)
+        # models: what the default tier serves (a routing router reads it: /v1/models may need a client key)
+        served = ups.served_model(cfg.default_tier)
+        return JSONResponse({"ready": ok, "tiers": tiers, "models": [served] if served else []},
+                            status_code=200 if ok else 503)
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:

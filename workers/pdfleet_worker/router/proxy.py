@@ -17,10 +17,12 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdfleet_worker.router import engines, handoff
+from pdfleet_worker.router import engines, handoff, routing
+from pdfleet_worker.router.route_target import ROUTE_HEADER, RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import OUTCOME, Outcome, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
+from pdfleet_worker.server import heartbeat
 from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.protocol import RequestError
 from pdfleet_worker.server.streaming import (SSE_HEADERS, ClientGone, EventStreamResponse, internal_error_response,
@@ -46,8 +48,10 @@ class Answer:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, upstreams: Upstreams, metrics: RouterMetrics, client: httpx.AsyncClient):
+    def __init__(self, cfg: RouterConfig, upstreams: Upstreams, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 rules: routing.Routing | None = None, target: RouteTarget | None = None):
         self.cfg = cfg
+        self.rules, self.target = rules, target  # query routing (both or neither)
         self.upstreams = upstreams
         self.metrics = metrics
         self.client = client
@@ -78,7 +82,10 @@ class Router:
             # NOTE: the body is read, so the next receive() is the disconnect: a client that leaves while a
             # worker computes (prefill, queue, a whole non-streamed answer) cancels that call, and the worker,
             # seeing its connection close, aborts the request.
-            response = await until_disconnect(request, self._route(outcome, path, body, stream))
+            answer = self._answer(request, outcome, path, body, stream)
+            if stream and self.cfg.heartbeat_interval_s > 0:
+                answer = self._beating(outcome, answer)
+            response = await until_disconnect(request, answer)
             streaming = isinstance(response, EventStreamResponse)
             return response
         except RequestError as e:
@@ -124,6 +131,107 @@ class Router:
         req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, body)
         p.check(req, p.Limits.strictest([p.Limits.from_json(raw) for raw in reported]))
         return req.stream
+
+    # -- query routing and heartbeats -------------------------------------------------------------
+    async def _answer(self, request: Request, outcome: Outcome, path: str, body: dict, stream: bool) -> Response:
+        """The smaller model's answer when query routing judges the request simple, else this deployment's."""
+        if self.rules is not None and self.target is not None:
+            decision = await self._judge(request, path, body)
+            if decision.route == routing.SMALL:
+                def ended(code: int) -> None:
+                    outcome.code = code
+                    if stream:
+                        self.active -= 1  # the routed stream is over (handle() leaves streams to their close)
+                answer = await self.target.forward(path, body, stream, request.headers.get("authorization"), ended)
+                if answer is not None:
+                    self.metrics.routed(routing.SMALL, decision.reason)
+                    return answer
+                decision = routing.Decision(routing.DEFAULT, "target_refused")
+            self.metrics.routed(routing.DEFAULT, decision.reason)
+            response = await self._route(outcome, path, body, stream)
+            response.headers[ROUTE_HEADER] = routing.DEFAULT
+            return response
+        return await self._route(outcome, path, body, stream)
+
+    async def _judge(self, request: Request, path: str, body: dict) -> routing.Decision:
+        assert self.rules is not None and self.target is not None
+        if request.headers.get(routing.ROUTED_HEADER):
+            return routing.Decision(routing.DEFAULT, "already_routed")  # another router routed it here
+        judged = self.rules.request(path, body)
+        if isinstance(judged, routing.Decision):
+            return judged
+        if not self.target.healthy:
+            return routing.Decision(routing.DEFAULT, "target_unavailable")
+        if self.rules.classifier is None:
+            return routing.Decision(routing.SMALL, "rules")
+        try:
+            # NOTE: on a thread: a classifier may run a model; the event loop keeps serving meanwhile.
+            answer = await asyncio.wait_for(asyncio.to_thread(self.rules.classifier, judged),
+                                            self.cfg.route_classifier_timeout_s)
+        except Exception as e:  # its bug or its timeout: the big model serves
+            log.warning("routing classifier %s failed: %s: %s", self.cfg.route_classifier, type(e).__name__, e)
+            return routing.Decision(routing.DEFAULT, "classifier_error")
+        return self.rules.judge(answer)
+
+    async def _beating(self, outcome: Outcome, answer) -> Response:
+        """A stream's answer if it comes within one heartbeat interval (its real status code); else a 200 stream
+        of `: keep-alive` comments until it comes, then its events (an error answer becomes an error event)."""
+        interval = self.cfg.heartbeat_interval_s
+        fut, came = await heartbeat.wait_or_beat(answer, interval)
+        if came:
+            return fut.result()
+        state = {"inner": None, "settled": False}
+
+        def settle() -> None:  # once, however the stream ends: the inner stream's close, else our own count
+            if state["settled"]:
+                return
+            state["settled"] = True
+            if not fut.done():
+                fut.cancel()
+            inner = state["inner"]
+            if inner is None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                inner = fut.result()
+            if isinstance(inner, EventStreamResponse) and inner.on_close is not None:
+                inner.on_close()
+            else:
+                self.active -= 1
+                if outcome.code is None:
+                    outcome.code = 499
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for beat in heartbeat.beat_until(fut, interval):
+                    yield beat
+                try:
+                    resp = fut.result()
+                except RequestError as e:
+                    outcome.code = e.status
+                    yield sse(e.body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                except Exception as e:  # a bug: the details go to the log only, as for any 500
+                    incident = uuid.uuid4().hex[:12]
+                    log.error("unhandled error while a stream waited (incident %s)", incident, exc_info=e)
+                    outcome.code = 500
+                    yield sse(p.error_body(f"internal server error (incident {incident})", "server_error", code=500))
+                    yield b"data: [DONE]\n\n"
+                    return
+                if isinstance(resp, EventStreamResponse):
+                    state["inner"] = resp
+                    try:
+                        async for event in resp.events:
+                            yield event
+                    finally:
+                        await resp.events.aclose()
+                    return
+                # a complete answer after the wait: its error object (or a 200 body) as one event
+                outcome.code = resp.status_code
+                yield b"data: " + resp.body + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                settle()
+
+        return EventStreamResponse(events(), headers={**SSE_HEADERS, "x-pdfleet-tier": outcome.tier}, on_close=settle)
 
     async def _route(self, outcome: Outcome, path: str, body: dict, stream: bool) -> Response:
         headers = {"x-pdfleet-tier": outcome.tier}
@@ -179,7 +287,8 @@ class Router:
                 up.inflight -= 1
             return self._relay_answer(Answer(up, resp.status_code, dict(resp.headers), content), headers, also_redact)
         relay = _Relay(self, up, resp, outcome, also_redact)
-        return EventStreamResponse(relay.events(), headers={**SSE_HEADERS, **headers}, on_close=relay.close)
+        return EventStreamResponse(heartbeat.with_heartbeats(relay.events(), self.cfg.heartbeat_interval_s),
+                                   headers={**SSE_HEADERS, **headers}, on_close=relay.close)
 
     def _relay_answer(self, answer: Answer, headers: dict[str, str], also_redact: Iterable[str] = ()) -> Response:
         keep = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after",)}
@@ -344,7 +453,7 @@ class _Relay:
                 buf += chunk
                 while (i := buf.find(b"\n\n")) >= 0:
                     event, buf = buf[:i + 2], buf[i + 2:]
-                    if first:
+                    if first and not heartbeat.is_comment(event):
                         metrics.first_token(self.outcome.tier, self.outcome.start)
                         first = False
                     if event.startswith(b"data: [DONE]"):

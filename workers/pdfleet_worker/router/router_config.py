@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 from urllib.parse import urlsplit
 
-from pdfleet_worker.router import engines
+from pdfleet_worker.router import engines, routing
 from pdfleet_worker.router import workers_file as wf
 from pdfleet_worker.router.tiers import DEFAULT_TIER, split_tier
 
@@ -63,6 +63,14 @@ class RouterConfig:
     auth_token_file: str | None = None  # the deployment token, sent to pdfleet workers; guards /workers
     api_key_file: str | None = None     # client API keys required on /v1/*
     api_key_file_optional: bool = False  # a missing api_key_file requires no key until it appears
+    heartbeat_interval_s: float = 10.0   # SSE `: keep-alive` while a stream waits this long; 0: none
+    # query routing to a smaller model's router (router/routing.py): None: every request stays here
+    route_to: str | None = None
+    route_rules: routing.Rules = dataclasses.field(default_factory=routing.Rules)
+    route_classifier: str | None = None  # module:function
+    route_confidence_floor: float = 0.5
+    route_classifier_timeout_s: float = 1.0
+    route_tokenizer: str | None = None   # a model directory whose tokenizer.json counts prompt tokens
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -95,6 +103,25 @@ class RouterConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.api_key_file_optional and not self.api_key_file:
             raise ValueError("--api-key-file-optional needs --api-key-file")
+        if self.heartbeat_interval_s < 0:
+            raise ValueError(f"--heartbeat-interval must be >= 0 (0: no heartbeats), got {self.heartbeat_interval_s:g}")
+        if self.route_to is None:
+            if not self.route_rules.empty or self.route_classifier or self.route_tokenizer:
+                raise ValueError("the --route-* rules need --route-to URL (the router of the deployment they send to)")
+        else:
+            parts = urlsplit(self.route_to)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"--route-to {self.route_to!r} is not an http(s) URL")
+            if self.route_rules.empty and not self.route_classifier:
+                raise ValueError("--route-to needs a rule (--route-max-prompt-tokens, --route-max-prompt-chars, "
+                                 "--route-max-tokens, --route-pattern, --route-exclude-pattern) or --route-classifier")
+            if not 0.0 <= self.route_confidence_floor <= 1.0:
+                raise ValueError(f"--route-confidence-floor must be in [0, 1], got {self.route_confidence_floor:g}")
+            if self.route_classifier_timeout_s <= 0:
+                raise ValueError("--route-classifier-timeout must be > 0")
+            if self.route_rules.max_prompt_tokens is not None and not self.route_tokenizer:
+                raise ValueError("--route-max-prompt-tokens needs --route-tokenizer DIR (the model directory whose "
+                                 "tokenizer.json counts the prompt)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -143,6 +170,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--api-key-file-optional", action="store_true",
                    help="a missing --api-key-file requires no key until it appears (a Kubernetes Secret volume "
                         "marked optional); without this flag a missing file is an error")
+    p.add_argument("--heartbeat-interval", type=float, default=10.0,
+                   help="seconds a stream may wait for its next event (a worker, a prefill, a queue) before the client "
+                        "gets an SSE comment `: keep-alive`, repeated each interval (0: never); the first token's "
+                        "status waits up to one interval, so a fast error still gets its real code")
+    r = p.add_argument_group("query routing (to a smaller model's router)")
+    r.add_argument("--route-to", metavar="URL",
+                   help="the router of the deployment that serves requests judged simple (every rule given holds, "
+                        "and the classifier, if any, is confident enough); it answers them, and what it refuses "
+                        "before a byte reached the client is served here")
+    r.add_argument("--route-max-prompt-tokens", type=int, metavar="N", help="simple: a prompt of at most N tokens")
+    r.add_argument("--route-max-prompt-chars", type=int, metavar="N", help="simple: a prompt of at most N characters")
+    r.add_argument("--route-max-tokens", type=int, metavar="N",
+                   help="simple: max_tokens (or max_completion_tokens) set and at most N")
+    r.add_argument("--route-pattern", action="append", default=[], metavar="REGEX",
+                   help="simple: the prompt matches one of these (Python re.search; repeat the flag)")
+    r.add_argument("--route-exclude-pattern", action="append", default=[], metavar="REGEX",
+                   help="never simple: the prompt matches one of these")
+    r.add_argument("--route-classifier", metavar="MODULE:FUNCTION",
+                   help="called with a routing.RouteRequest for requests that pass the rules; returns the confidence "
+                        "in [0, 1] that the request is simple")
+    r.add_argument("--route-confidence-floor", type=float, default=0.5,
+                   help="a classifier confidence below this is served here (default 0.5)")
+    r.add_argument("--route-classifier-timeout", type=float, default=1.0, help="seconds the classifier may take")
+    r.add_argument("--route-tokenizer", metavar="DIR", help="model directory whose tokenizer.json counts prompt tokens")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -179,4 +230,15 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                         retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout,
                         auth_token_file=getattr(args, "auth_token_file", None),
                         api_key_file=getattr(args, "api_key_file", None),
-                        api_key_file_optional=getattr(args, "api_key_file_optional", False))
+                        api_key_file_optional=getattr(args, "api_key_file_optional", False),
+                        heartbeat_interval_s=getattr(args, "heartbeat_interval", 10.0),
+                        route_to=getattr(args, "route_to", None), route_rules=routing.Rules(
+                            max_prompt_tokens=getattr(args, "route_max_prompt_tokens", None),
+                            max_prompt_chars=getattr(args, "route_max_prompt_chars", None),
+                            max_tokens=getattr(args, "route_max_tokens", None),
+                            patterns=tuple(getattr(args, "route_pattern", None) or ()),
+                            exclude_patterns=tuple(getattr(args, "route_exclude_pattern", None) or ())),
+                        route_classifier=getattr(args, "route_classifier", None),
+                        route_confidence_floor=getattr(args, "route_confidence_floor", 0.5),
+                        route_classifier_timeout_s=getattr(args, "route_classifier_timeout", 1.0),
+                        route_tokenizer=getattr(args, "route_tokenizer", None))

@@ -67,6 +67,7 @@ class RouterMetrics:
         self._ttft = m.make(m.ROUTER_TIME_TO_FIRST_TOKEN, self.registry)
         self._upstream_errors = m.make(m.ROUTER_UPSTREAM_ERRORS_TOTAL, self.registry)
         self._retries = m.make(m.ROUTER_RETRIES_TOTAL, self.registry)
+        self._routed = m.make(m.ROUTER_ROUTED_REQUESTS_TOTAL, self.registry)
         self._workers = workers
         # NOTE: the codes the rollback ratio reads exist at 0 from the start: a 5xx series that
         # appears only with the first error makes increase() miss that error and leaves the
@@ -88,6 +89,9 @@ class RouterMetrics:
 
     def retry(self, role: str) -> None:
         self._retries.labels(upstream_role=role).inc()
+
+    def routed(self, route: str, reason: str) -> None:
+        self._routed.labels(route=route, reason=reason).inc()
 
     def exposition(self) -> bytes:
         return m.exposition(self.registry)

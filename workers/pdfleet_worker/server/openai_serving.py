@@ -14,6 +14,7 @@ from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
 from pdfleet_worker.engine.sampler import TokenLogprobs
 from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
+from pdfleet_worker.server import heartbeat
 from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.pd import PD, TransferRefused
@@ -375,10 +376,14 @@ class OpenAIServing:
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
         """Headers go out with the first token, so that an error before it (overload, a failed KV
-        pull) still gets a real status code and the router may retry elsewhere."""
+        pull) still gets a real status code and the router may retry elsewhere; a first token that takes
+        longer than the heartbeat interval sends them at that interval, with `: keep-alive` comments until it
+        comes (an error after that is an error event)."""
         by_id = {ch.request_id: ch for ch in choices}
+        interval = self.cfg.heartbeat_interval_s
         try:
-            first = await until_disconnect(request, self._next(queue, by_id))
+            fut, came = await until_disconnect(request, heartbeat.wait_or_beat(self._next(queue, by_id), interval))
+            first: tuple[Choice, RequestOutput] | asyncio.Future = fut.result() if came else fut
         except BaseException:
             self.state.inflight -= 1
             self._end(prep, choices)
@@ -389,17 +394,28 @@ class OpenAIServing:
             nonlocal closed
             if not closed:
                 closed = True
+                if isinstance(first, asyncio.Future):
+                    first.cancel()  # a stream closed before it began: nothing else awaits the first output
                 self.state.inflight -= 1
                 self._end(prep, choices)
-        return EventStreamResponse(self._events(prep, choices, by_id, queue, first, close), headers=SSE_HEADERS,
-                                   on_close=close)
+        events = heartbeat.with_heartbeats(self._events(prep, choices, by_id, queue, first, close), interval)
+        return EventStreamResponse(events, headers=SSE_HEADERS, on_close=close)
 
     async def _events(self, prep: Prepared, choices: list[Choice], by_id: dict[str, Choice], queue: asyncio.Queue,
-                      first: tuple[Choice, RequestOutput], close) -> AsyncIterator[bytes]:
+                      first: tuple[Choice, RequestOutput] | asyncio.Future, close) -> AsyncIterator[bytes]:
+        """first: the first output, or the future of it (heartbeats run while it is awaited here)."""
         rid = p.new_id("chatcmpl" if prep.chat else "cmpl")
         created = p.now()
         build = p.chat_chunk if prep.chat else p.completion_chunk
+        first_future = first if isinstance(first, asyncio.Future) else None
         try:
+            if first_future is not None:
+                try:
+                    first = await first_future
+                except RequestError as e:
+                    yield sse(p.error_body(e.message, e.type, e.param, e.status))
+                    yield b"data: [DONE]\n\n"
+                    return
             if prep.chat:
                 roles = [{"index": ch.index, "delta": p.assistant_message(""), "logprobs": None,
                           "finish_reason": None} for ch in choices]
@@ -426,6 +442,8 @@ class OpenAIServing:
                 yield sse(build(rid, created, self.model_name, [], self._usage(prep, choices)))
             yield b"data: [DONE]\n\n"
         finally:
+            if first_future is not None and not first_future.done():
+                first_future.cancel()
             close()
 
     def _cont_usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any] | None:

@@ -72,6 +72,7 @@ class WorkerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
+    heartbeat_interval_s: float = 10.0  # SSE `: keep-alive` while a stream waits for its next event; 0: none
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -84,6 +85,8 @@ class WorkerConfig:
     @property
     def pulls_kv(self) -> bool:
         return self.role in ("decode", "both")
+        if self.heartbeat_interval_s < 0:
+            raise ValueError(f"heartbeat_interval_s must be >= 0 (0: no heartbeats), got {self.heartbeat_interval_s}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,6 +179,10 @@ def load_engine_file(path: str) -> dict[str, Any]:
 
 def from_args(args: argparse.Namespace) -> WorkerConfig:
     file = load_engine_file(args.engine_config) if args.engine_config else {}
+    s.add_argument("--heartbeat-interval", default=None,
+                   help="a stream that waits this long for its next event (queued, prefilling, KV in flight) gets an "
+                        "SSE comment `: keep-alive`, and again each interval (default 10s; 0: never). Until the first "
+                        "token the status waits for it, as without heartbeats, for up to one interval")
 
     def pick(name: str, default: Any) -> Any:
         value = getattr(args, name, None)
@@ -225,7 +232,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         max_request_bytes=pick("max_request_bytes", 4 << 20), max_tokens=pick("max_tokens", None),
         max_n=pick("max_n", 16), max_logprobs=pick("max_logprobs", 20), max_prompts=pick("max_prompts", DEFAULT_MAX_PROMPTS),
         retry_after_s=pick("retry_after", 1),
-        drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)))
+        drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)),
+        heartbeat_interval_s=parse_duration(pick("heartbeat_interval", 10.0)))
 
 
 def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
