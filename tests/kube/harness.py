@@ -31,11 +31,11 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 @contextlib.contextmanager
 def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
                      prometheus_url: str | None = None, alertmanager_port: int | None = None,
-                     analysis_interval: float = 0.0, class_status_interval: float = 0.0
-                     ) -> Iterator[kopf.testing.KopfRunner]:
+                     analysis_interval: float = 0.0, class_status_interval: float = 0.0,
+                     namespaces: tuple[str, ...] = ()) -> Iterator[kopf.testing.KopfRunner]:
     """kopf with pdfleet's handlers; the autoscaler, rollback-analysis and class-status loops only when asked
     (`autoscaler`, `analysis_interval` / `class_status_interval` > 0), so tests of the reconcile alone see
-    no metrics- or capacity-driven writes."""
+    no metrics- or capacity-driven writes. `namespaces`: serve only these (as `pdfleet operator -n`), else all."""
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler
@@ -45,7 +45,9 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     handlers.OPTIONS.analysis_interval = analysis_interval
     handlers.OPTIONS.metrics_port = None
     handlers.OPTIONS.class_status_interval = class_status_interval
-    args = ["run", "--standalone", "--all-namespaces", "-m", "pdfleet_operator.kube.handlers"]
+    handlers.OPTIONS.namespaces = tuple(namespaces)
+    scope = [a for ns in namespaces for a in ("--namespace", ns)] or ["--all-namespaces"]
+    args = ["run", "--standalone", *scope, "-m", "pdfleet_operator.kube.handlers"]
     with kopf.testing.KopfRunner(args, timeout=60) as runner:
         yield runner
     assert runner.exception is None, runner.exception

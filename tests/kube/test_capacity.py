@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import copy
 
+import kmock
 import yaml
 
-from tests.kube.cluster import EXAMPLES, node
+from tests.kube.cluster import EXAMPLES, node, pod
 from tests.kube.harness import prepare_cluster, running_operator, settle, wait_reconciled
 
 QWEN = yaml.safe_load((EXAMPLES / "qwen2-7b.yaml").read_text())
@@ -115,3 +116,42 @@ def test_a_scale_up_and_a_new_deployment_share_the_last_units_then_a_new_node(ku
         assert pending(kube, ["alpha", "gamma"]) == []
         assert sum(len(workers(kube, n)) for n in ("alpha", "gamma")) == 5
         assert unschedulable_workers(wl) == []
+
+
+def test_a_namespaced_operator_counts_other_namespaces_pods_or_says_it_cannot(kube) -> None:
+    prepare_cluster(kube, nodes=cluster(3))
+    kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in ("team-a", "training")])
+    kube.call(kube.emulator.enable_workloads)
+    # Another team's job holds 2 of the 3 GPUs, in a namespace the operator does not serve.
+    job = pod("trainer", None, {GPU: "2"}, namespace="training")
+    job["spec"]["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    kube.apply(job)
+    kube.wait_for(lambda: kube.get("pods", "trainer", "training")["spec"].get("nodeName"), message="the job bound")
+    with running_operator(kube, namespaces=("team-a",)):
+        doc = fleet("alpha", 2)
+        doc["metadata"]["namespace"] = "team-a"
+        kube.apply(doc)
+        cr = wait_reconciled(kube, "alpha", namespace="team-a")
+        cond = {c["type"]: c for c in cr["status"]["conditions"]}
+        assert cond["CapacityVisible"]["status"] == "True", cond["CapacityVisible"]
+        assert cond["ScalingLimited"]["status"] == "True" and f"missing 1 x {GPU} on l40s-48gb" in cond["ScalingLimited"]["message"]
+        settle(kube)
+        assert kube.list("pods", "team-a", label_selector="pdfleet.io/role=colocated")[0]["spec"].get("nodeName")
+        assert not [p for p in kube.list("pods", "team-a") if not p["spec"].get("nodeName")]
+
+
+def test_a_namespaced_operator_that_may_not_list_pods_elsewhere_says_so(kube) -> None:
+    prepare_cluster(kube, nodes=cluster(3))
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+    kube.emulator["get", kmock.path("/api/v1/pods")] << 403 << {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                             "reason": "Forbidden", "code": 403,
+                                                             "message": 'pods is forbidden: User "op" cannot list resource "pods"'}
+    with running_operator(kube, namespaces=("team-a",)):
+        doc = fleet("alpha", 1)
+        doc["metadata"]["namespace"] = "team-a"
+        kube.apply(doc)
+        cr = wait_reconciled(kube, "alpha", namespace="team-a")
+        cond = {c["type"]: c for c in cr["status"]["conditions"]}["CapacityVisible"]
+        assert (cond["status"], cond["reason"]) == ("False", "PodsForbidden")
+        assert cond["message"].startswith("cannot list pods outside the watched namespaces (403 Forbidden")
+        assert "count as free" in cond["message"]

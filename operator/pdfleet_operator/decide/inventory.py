@@ -220,6 +220,33 @@ def taints_of(node: dict) -> tuple[Taint, ...]:
                  for t in (node.get("spec") or {}).get("taints") or [])
 
 
+# Pods not bound to a node yet are indexed under this key (what they will take is not free).
+UNBOUND = ""
+POOL_LABELS = (DEPLOYMENT_LABEL, ROLE_LABEL, ACCELERATOR_LABEL)
+
+
+def pod_view(pod: Mapping) -> dict | None:
+    """What the inventory reads of a pod (the operator keeps only this in memory); None for finished pods."""
+    spec = pod.get("spec") or {}
+    node_name = spec.get("nodeName")
+    if (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
+        return None
+    meta = pod.get("metadata") or {}
+    view: dict = {
+        "metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
+                     "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k in POOL_LABELS}},
+        "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
+                 "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
+                 **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
+    if not node_name:  # where the scheduler may bind it, and in which order
+        view["metadata"].update({k: meta[k] for k in ("creationTimestamp", "deletionTimestamp") if meta.get(k)})
+        view["spec"].update({k: spec[k] for k in ("nodeSelector", "tolerations") if spec.get(k)})
+        required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+        if required:
+            view["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    return view
+
+
 def pod_claim(pod: dict) -> Claim:
     """What a pod that is not bound yet will take, and where it may land."""
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
@@ -319,33 +346,58 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
 
 
 def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[list[NodeInventory], tuple[str, ...]]:
-    """Take each claim from the node the scheduler would bind it to (every request fits, fullest node first)."""
+    """Take each claim from the node the scheduler would bind it to (every request fits, fullest node first).
+
+    NOTE: claims alike (same requests and constraints: the replicas of one class, however many plans hold
+    them) are placed together, as many per node as fit at once, so a fleet of hundreds of plans costs
+    a pass per node and kind of claim, not per replica.
+    """
     if not pending:
         return nodes, ()
     free: dict[str, dict[str, float]] = {n.name: {k: float(v) for k, v in n.free.items()} for n in nodes}
+    groups: dict[tuple, list[Claim]] = {}
+    for claim in pending:
+        sig = (tuple(sorted(claim.requests.items())), tuple(sorted(claim.node_selector.items())), claim.tolerations,
+               claim.affinity)
+        groups.setdefault(sig, []).append(claim)
     held: dict[str, float] = {}
     holders: list[str] = []
     nowhere: list[str] = []
-    for claim in pending:
-        scarce = sorted(k for k in claim.requests if k not in COMMON_RESOURCES) or sorted(claim.requests)
+    for alike in groups.values():
+        first = alike[0]
+        requests = {k: v for k, v in first.requests.items() if v > 0}
+        scarce = sorted(k for k in requests if k not in COMMON_RESOURCES) or sorted(requests)
+        admitting = [n for n in nodes if n.admits_pod(first.node_selector, first.tolerations, first.affinity)]
+        want = sum(c.replicas for c in alike)
+
+        def room(n: NodeInventory) -> int:
+            if not requests:
+                return want
+            return min(math.floor(free[n.name].get(k, 0.0) / v + 1e-9) for k, v in requests.items())
+
         placed = 0
-        for _ in range(claim.replicas):
-            fitting = [n for n in nodes if n.admits_pod(claim.node_selector, claim.tolerations, claim.affinity)
-                       and all(v <= 0 or free[n.name].get(k, 0) + 1e-9 >= v for k, v in claim.requests.items())]
+        while placed < want:
+            fitting = [n for n in admitting if room(n) > 0]
             if not fitting:
                 break
-            best = min(fitting, key=lambda n: (tuple(free[n.name].get(k, 0) for k in scarce), n.name))
-            for k, v in claim.requests.items():
+            best = min(fitting, key=lambda n: (tuple(free[n.name].get(k, 0.0) for k in scarce), n.name))
+            step = min(room(best), want - placed)
+            for k, v in requests.items():
                 if k in free[best.name]:
-                    free[best.name][k] -= v
-            placed += 1
-        took = {k: v * placed for k, v in claim.requests.items() if k not in COMMON_RESOURCES and v > 0}
-        if placed and took:
-            for k, v in took.items():
-                held[k] = held.get(k, 0.0) + v
-            holders.append(claim.what)
-        if placed < claim.replicas and any(k not in COMMON_RESOURCES for k in claim.requests):
-            nowhere.append(claim.what if claim.replicas == 1 else f"{claim.what} ({claim.replicas - placed} fit nowhere now)")
+                    free[best.name][k] -= v * step
+            placed += step
+        # The claims of the group in their order: the first ones got the units.
+        left = placed
+        for claim in alike:
+            got = min(claim.replicas, left)
+            left -= got
+            if got and any(k not in COMMON_RESOURCES for k in requests):
+                for k, v in requests.items():
+                    if k not in COMMON_RESOURCES:
+                        held[k] = held.get(k, 0.0) + v * got
+                holders.append(claim.what)
+            if got < claim.replicas and any(k not in COMMON_RESOURCES for k in requests):
+                nowhere.append(claim.what if claim.replicas == 1 else f"{claim.what} ({claim.replicas - got} fit nowhere now)")
     out = []
     for n in nodes:
         left = {k: max(0, math.floor(v + 1e-9)) for k, v in free[n.name].items()}

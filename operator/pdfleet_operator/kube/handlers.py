@@ -148,7 +148,7 @@ async def _class_status_loop() -> None:
             try:
                 await RECONCILER._await_indexes(api)
                 nodes = [next(iter(s)) for s in (RECONCILER.indexes.get("node_index") or {}).values()]
-                pods = [p for s in (RECONCILER.indexes.get("pod_index") or {}).values() for p in s]
+                pods = [p for s in (RECONCILER.indexes.get("pod_index") or {}).values() for p in s] + RECONCILER.foreign_pods()
                 for _ in await writer.sync(api, nodes, pods):
                     exporter.API_WRITES.labels("AcceleratorClass/status").inc()
             except client.ApiError as exc:
@@ -186,37 +186,10 @@ def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]
     return {name: _node_view(body)}
 
 
-# Pods not bound to a node yet are indexed under this key (what they will take is not free: decide.inventory).
-UNBOUND = ""
-POOL_LABELS = (inventory.DEPLOYMENT_LABEL, inventory.ROLE_LABEL, inventory.ACCELERATOR_LABEL)
-
-
 @kopf.index("", "v1", "pods")
 def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
-    return pod_view(body)
-
-
-def pod_view(body: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """{node name or UNBOUND: what the inventory reads of a pod}; None for finished pods (they hold nothing)."""
-    spec = body.get("spec") or {}
-    node_name = spec.get("nodeName")
-    if (body.get("status") or {}).get("phase") in inventory.FINISHED_PHASES:
-        return None
-    meta = body.get("metadata") or {}
-    view: dict[str, Any] = {
-        "metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
-                     "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k in POOL_LABELS}},
-        "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
-                 "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
-                 **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
-    if not node_name:  # where the scheduler may bind it, and in which order
-        view["metadata"].update({k: meta[k] for k in ("creationTimestamp", "deletionTimestamp") if meta.get(k)})
-        node_affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
-        required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
-        view["spec"].update({k: spec[k] for k in ("nodeSelector", "tolerations") if spec.get(k)})
-        if required:
-            view["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
-    return {node_name or UNBOUND: view}
+    view = inventory.pod_view(body)
+    return None if view is None else {view["spec"].get("nodeName") or inventory.UNBOUND: view}
 
 
 @kopf.index(GROUP, VERSION, "inferencedeployments")

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.analysis_interval = args.analysis_interval
     handlers.OPTIONS.class_status_interval = args.class_status_interval
     handlers.OPTIONS.scraper_namespaces = tuple(args.scraper_namespace or ("monitoring",))
+    handlers.OPTIONS.namespaces = tuple(args.namespace)
     from pdfleet_operator.decide import guardrails
     try:
         handlers.OPTIONS.host_path_prefixes = tuple(guardrails.normalize_prefix(p) for p in args.allow_host_path)

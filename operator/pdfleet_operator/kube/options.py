@@ -26,6 +26,10 @@ class Options:
     prometheus_verify: bool | str = True          # TLS verification of https Prometheus: True, a CA file, or False
     host_path_prefixes: tuple[str, ...] = ()      # model.source.hostPath allowed under these (decide.guardrails)
     host_path_namespaces: tuple[str, ...] = ()    # ... or in these namespaces  # whose pods may scrape workers (their NetworkPolicy)
+    # The namespaces (globs) kopf watches; empty: every namespace. When set, the pods of the other namespaces
+    # (which hold accelerators too) are listed cluster-wide at most every `foreign_pods_interval` seconds.
+    namespaces: tuple[str, ...] = ()
+    foreign_pods_interval: float = 10.0
 
 
 OPTIONS = Options()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import fnmatch
 import hashlib
 import json
 import logging
@@ -83,6 +84,10 @@ class Reconciler:
         self.analysis = False  # start rollback-analysis loops (set at kopf startup from OPTIONS.analysis_interval)
         self.rollbacks = revisions.AnalysisLog()
         self._auth_checked: dict[Key, tuple[str, float]] = {}  # key -> (uid, monotonic time of the last create POST)
+        # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
+        # (monotonic time, pod views, why they could not be listed or None); see `_foreign_pods`.
+        self._foreign: tuple[float, list[dict[str, Any]], str | None] | None = None
+        self._foreign_task: asyncio.Task | None = None
 
     # --- the memory of each deployment --------------------------------------------------------------------
     def memory(self, key: Key) -> DeploymentMemory:
@@ -213,8 +218,57 @@ class Reconciler:
         """Free capacity for re-planning `key`: nodes minus bound pods, Pending pods and the replicas other
         deployments' last plans hold whose pods do not exist yet (`reservations`)."""
         nodes = [next(iter(s)) for s in (self.indexes.get("node_index") or {}).values()]
-        pods = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s]
+        pods = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s] + self.foreign_pods()
         return inventory.build(nodes, pods, exclude_deployment=key, reserved=self.reservations(exclude=key))
+
+    def foreign_pods(self) -> list[dict[str, Any]]:
+        """Namespaced mode: the pods of the other namespaces as last listed (empty cluster-wide, or when forbidden)."""
+        return list(self._foreign[1]) if self._foreign is not None else []
+
+    async def _foreign_pods(self, api: client.Api) -> str | None:
+        """Namespaced mode: refresh the other namespaces' pods (at most every --foreign-pods-interval s); returns
+        why they cannot be seen (RBAC forbids listing pods cluster-wide) or None.
+
+        NOTE: kopf watches pods only in the namespaces it serves, but GPUs are shared by every namespace:
+        without this a namespaced operator plans onto accelerators other teams' pods hold.
+        """
+        if not OPTIONS.namespaces:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._foreign is None or loop.time() - self._foreign[0] >= OPTIONS.foreign_pods_interval:
+            if self._foreign_task is None or self._foreign_task.done():
+                self._foreign_task = loop.create_task(self._list_foreign_pods(api))
+            await asyncio.shield(self._foreign_task)
+        assert self._foreign is not None
+        return self._foreign[2]
+
+    async def _list_foreign_pods(self, api: client.Api) -> None:
+        now = asyncio.get_running_loop().time()
+        try:
+            listed = await api.request("GET", "/api/v1/pods",
+                                       params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
+        except client.ApiError as exc:
+            if exc.code not in (401, 403):
+                raise  # the reconcile retries; the last list (if any) stays in use meanwhile
+            self._foreign = (now, [], f"cannot list pods outside the watched namespaces ({exc.code} {exc.reason}: "
+                                      f"{exc.message}): accelerators that other namespaces' pods hold count as free; "
+                                      f"grant list on pods cluster-wide (the chart's ClusterRole does)")
+            logger.warning("capacity: %s", self._foreign[2])
+            return
+        views = [v for p in (listed or {}).get("items") or []
+                 if not _watched((p.get("metadata") or {}).get("namespace") or "", OPTIONS.namespaces)
+                 and (v := inventory.pod_view(p)) is not None]
+        self._foreign = (now, views, None)
+
+    def _capacity_condition(self, blind: str | None, generation: int | None) -> Condition:
+        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+        if blind is not None:
+            return Condition(type="CapacityVisible", status="False", reason="PodsForbidden", message=blind,
+                             last_transition_time=now, observed_generation=generation)
+        return Condition(type="CapacityVisible", status="True", reason="AllNamespaces",
+                         message=f"pods outside {', '.join(OPTIONS.namespaces)} are counted too (listed at most every "
+                                 f"{OPTIONS.foreign_pods_interval:g} s)",
+                         last_transition_time=now, observed_generation=generation)
 
     def reservations(self, exclude: Key | None = None) -> list[inventory.Reservation]:
         """What this process's last plan of every other known deployment holds, pool by pool.
@@ -367,6 +421,9 @@ class Reconciler:
         spec = template.spec if template else dep.spec
         revision = template.revision if template else spec_revision
         desired = self._desired_for(key, dep.spec, spec, children)
+        if OPTIONS.namespaces:
+            m.extra_conditions["CapacityVisible"] = self._capacity_condition(await self._foreign_pods(api),
+                                                                             dep.metadata.generation)
         plan = placement.plan(spec, classes, self._inventory(key), desired)
         m.targets = dict(plan.targets)
         before, m.plan = m.plan, plan
@@ -593,6 +650,14 @@ class Reconciler:
             await api.event(involved, "Warning", "ScalingLimited", limited_now.message)
         if result.problems:
             await api.event(involved, "Warning", "ApplyFailed", "; ".join(result.problems))
+
+
+def _watched(namespace: str, patterns: tuple[str, ...]) -> bool:
+    """Whether kopf serves `namespace` given its --namespace globs (`!glob` excludes, as in kopf)."""
+    positive = [p for p in patterns if not p.startswith("!")]
+    if any(fnmatch.fnmatchcase(namespace, p[1:]) for p in patterns if p.startswith("!")):
+        return False
+    return any(fnmatch.fnmatchcase(namespace, p) for p in positive)
 
 
 def _retained(result: client.ApplyResult, children: list[dict[str, Any]]) -> tuple[tuple[str, str, int, str], ...]:

@@ -98,12 +98,21 @@ def the(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def _renamed(node: dict[str, Any], name: str) -> dict[str, Any]:
+    node["metadata"]["name"] = name
+    node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+    return node
+
+
 def install(kube: Any, values: dict[str, Any], namespaces: list[str]) -> helm_python.Config:
     """Namespaces, the monitoring CRDs and a fleet of Nodes into the emulator, then `helm install` of the chart."""
     for ns in namespaces:
         kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     kube.apply(monitoring_crds())  # as if the Prometheus Operator were installed
-    kube.apply(standard_nodes())
+    # One fleet of Nodes per namespace the tests fill (and one for `default`): capacity is shared by every
+    # namespace, so each namespace's examples need their own room to all become Ready.
+    for i in range(len(namespaces) + 1):
+        kube.apply(standard_nodes() if i == 0 else [_renamed(n, f"{n['metadata']['name']}-{i}") for n in standard_nodes()])
     config = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=NAMESPACE, storage_driver="memory")
     release = config.install(CHART, RELEASE, values, namespace=NAMESPACE, create_namespace=True,
                              timeout=60)
