@@ -165,9 +165,15 @@ ROUTER_ROUTED_REQUESTS_TOTAL = MetricSpec("pdfleet_router_routed_requests_total"
                                           "model's router) or default (served here), by the reason that decided.",
                                           (LABEL_ROUTE, LABEL_REASON))
 
+ROUTER_LOCAL_PREFILLS_TOTAL = MetricSpec(
+    "pdfleet_router_local_prefills_total", "counter",
+    "PD requests sent straight to a decode worker, which computed the prompt itself, because no prefill worker "
+    "was in rotation (a rollout or rollback replacing the prefill pool): served, not failed, without PD's "
+    "benefit.", (LABEL_TIER,))
+
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS_TOTAL, ROUTER_REQUEST_DURATION, ROUTER_TIME_TO_FIRST_TOKEN,
                                           ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS,
-                                          ROUTER_ROUTED_REQUESTS_TOTAL)
+                                          ROUTER_ROUTED_REQUESTS_TOTAL, ROUTER_LOCAL_PREFILLS_TOTAL)
 
 ALL_METRICS: dict[str, MetricSpec] = {m.name: m for m in WORKER_METRICS + ROUTER_METRICS}
 assert len(ALL_METRICS) == len(WORKER_METRICS) + len(ROUTER_METRICS), "metric names must be unique"

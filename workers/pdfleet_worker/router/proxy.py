@@ -245,6 +245,13 @@ class Router:
         """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
         hold the KV, then the client's request to a decode worker with the params the prefill answered."""
         engine = self.cfg.tiers[outcome.tier].pd_engine
+        if not self.upstreams.has_healthy(outcome.tier, "prefill") and self.upstreams.has_healthy(outcome.tier, "decode"):
+            # Decoders as temporary prefillers: with no prefill worker in rotation (its pool replaced by a rollout
+            # or a rollback, every replica loading the model) the decode worker computes the prompt itself, as a
+            # colocated worker would: slower first tokens, not 503s. Counted.
+            self.metrics.local_prefill(outcome.tier)
+            headers["x-pdfleet-prefill"] = "local"
+            return await self._forward(outcome, "decode", path, body, stream, headers)
         # NOTE: one X-Request-Id on both calls, as vLLM's proxy sends: each worker's logs name the same request.
         ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
         answer = await self._call(outcome.tier, "prefill", path, handoff.prefill_body(engine, body), ids)

@@ -68,11 +68,13 @@ class RouterMetrics:
         self._upstream_errors = m.make(m.ROUTER_UPSTREAM_ERRORS_TOTAL, self.registry)
         self._retries = m.make(m.ROUTER_RETRIES_TOTAL, self.registry)
         self._routed = m.make(m.ROUTER_ROUTED_REQUESTS_TOTAL, self.registry)
+        self._local_prefills = m.make(m.ROUTER_LOCAL_PREFILLS_TOTAL, self.registry)
         self._workers = workers
         # NOTE: the codes the rollback ratio reads exist at 0 from the start: a 5xx series that
         # appears only with the first error makes increase() miss that error and leaves the
         # ratio empty (not 0) while all is well.
         for tier in tiers:
+            self._local_prefills.labels(tier=tier)
             for code in ("200", "400", "401", "500", "502", "503", "504"):
                 self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
@@ -89,6 +91,9 @@ class RouterMetrics:
 
     def retry(self, role: str) -> None:
         self._retries.labels(upstream_role=role).inc()
+
+    def local_prefill(self, tier: str) -> None:
+        self._local_prefills.labels(tier=tier).inc()
 
     def routed(self, route: str, reason: str) -> None:
         self._routed.labels(route=route, reason=reason).inc()

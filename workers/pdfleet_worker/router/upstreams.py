@@ -181,4 +181,9 @@ class Upstreams:
         return out
 
     def servable(self, tier: str) -> bool:
-        return all(any(up.healthy for up in self.pool(tier, role)) for role in self.cfg.tiers[tier].pools())
+        """A request can be served: every role has a healthy worker, or (PD) decode workers can prefill locally."""
+        healthy = {role for role in self.cfg.tiers[tier].pools() if self.has_healthy(tier, role)}
+        return healthy == set(self.cfg.tiers[tier].pools()) or "decode" in healthy
+
+    def has_healthy(self, tier: str, role: str) -> bool:
+        return any(up.healthy for up in self.pool(tier, role))
