@@ -16,6 +16,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--tie-word-embeddings", action="store_true")
+    train = init.add_argument_group("training (optional: without these flags the weights stay random)")
+    train.add_argument("--train-minutes", type=float, default=None,
+                       help="then train it this many minutes on the standard library's sources (next-token "
+                            "prediction; every 10th file held out) and print the held-out perplexity")
+    train.add_argument("--train-steps", type=int, default=None,
+                       help="train at most this many steps (with --train-minutes: whichever ends first)")
+    train.add_argument("--train-seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
+    train.add_argument("--train-batch", type=int, default=8, help="sequences per step (default 8)")
+    train.add_argument("--train-lr", type=float, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
     init.set_defaults(func=_model_init)
 
     from pdfleet_worker.router import router_config
@@ -43,6 +52,14 @@ def _model_init(args: argparse.Namespace) -> int:
                                    tie_word_embeddings=args.tie_word_embeddings)
     print(f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
           f"vocab {result.vocab_size}")
+    if args.train_minutes is not None or args.train_steps is not None:
+        from pdfleet_worker import model_train
+
+        trained = model_train.train(args.dir, minutes=args.train_minutes, steps=args.train_steps,
+                                    seq_len=args.train_seq_len, batch=args.train_batch, lr=args.train_lr, seed=args.seed,
+                                    progress=lambda msg: print(msg, flush=True))
+        print(f"trained {result.path}: {trained.steps} steps, {trained.tokens} tokens in {trained.seconds:.0f} s; "
+              f"held-out perplexity {trained.held_out_ppl_before:.1f} -> {trained.held_out_ppl:.2f}")
     return 0
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig
 from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
 from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", "--max-num-waiting", dest="max_num_waiting", type=int, default=None,
                    help="waiting requests before new ones get 503 + Retry-After (default 1024)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weights: none (the checkpoint's, in --dtype) or int8 (weight-only, per output channel, "
+                        "quantized from the float checkpoint at load; default none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument("--attention-backend", choices=("auto", "reference", "cpu", "flex"), default=None)
@@ -155,7 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # Engine config file keys (operator/pdfleet_operator/kube/render.py engine_config) -> our field names.
 _FILE_KEYS = {"served_model_name", "dtype", "max_model_len", "block_size", "kv_cache_memory_fraction", "num_kv_blocks",
-              "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "enable_prefix_caching",
+              "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "enable_prefix_caching",
               "kv_transfer", "device", "num_threads"}
 
 
@@ -205,16 +208,21 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     max_num_seqs = pick("max_num_seqs", 64)
     max_model_len = pick("max_model_len", None)
     kv_dtype = pick("kv_cache_dtype", "auto")
+    quantization = pick("quantization", "none")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     kv_bytes = 1 << 30
     if num_kv_blocks is None:
         if not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
         kv_bytes = kv_cache_bytes(model, model_cfg, fraction=fraction, device=device, dtype=dtype, kv_dtype=kv_dtype,
+                                  quantization=quantization,
                                   block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len or model_cfg.max_position_embeddings)
     engine = EngineConfig(
         model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-        kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_dtype, max_num_seqs=max_num_seqs,
+        kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_dtype, quantization=quantization,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=pick("max_num_batched_tokens", 512), max_model_len=max_model_len,
         max_num_waiting=pick("max_num_waiting", 1024), enable_prefix_caching=pick("enable_prefix_caching", True),
         num_threads=pick("num_threads", None), attention_backend=pick("attention_backend", "auto"))
@@ -236,8 +244,19 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval_s=parse_duration(pick("heartbeat_interval", 10.0)))
 
 
+def int8_weight_bytes(cfg: ModelConfig, elem: int) -> int:
+    """Loaded bytes of an int8 model: every linear weight (the LM head included, its own copy when tied)
+    at 1 byte plus a scale per row, the embedding table and the norms at `elem` bytes."""
+    emb = cfg.vocab_size * cfg.hidden_size
+    linear = cfg.num_params - emb * (1 if cfg.tie_word_embeddings else 2) - (2 * cfg.num_layers + 1) * cfg.hidden_size
+    linear += emb  # the LM head
+    h, d = cfg.hidden_size, cfg.head_dim
+    rows = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h) + cfg.vocab_size
+    return linear + rows * elem + (emb + (2 * cfg.num_layers + 1) * h) * elem
+
+
 def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
-                   block_size: int, max_num_seqs: int, max_model_len: int,
+                   block_size: int, max_num_seqs: int, max_model_len: int, quantization: str = "none",
                    cgroup_dirs: Sequence[Path] | None = None) -> int:
     """KV pool bytes: `fraction` of the memory left after the weights (the device's; on the CPU the headroom
     under the pod's cgroup limit, see device.free_memory), but no more than max_num_seqs sequences of
@@ -246,6 +265,8 @@ def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device:
     # NOTE: the files' size, not the loaded size: an fp32 checkpoint served in bf16 leaves more
     # room than this counts, which errs on the safe side.
     weights = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if quantization == "int8":
+        weights = int8_weight_bytes(cfg, elem)
     memory = devices.free_memory(device, cgroup_dirs)
     free = memory.bytes
     budget = int((free - weights) * fraction)
