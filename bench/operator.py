@@ -1,9 +1,10 @@
-"""Operator scale benchmark: reconcile N InferenceDeployments (4 pools each) against the API emulator.
+"""Operator scale benchmark: reconcile N InferenceDeployments (2 pools each) against the API emulator.
 
 Runs the real operator (`pdfleet operator`, a subprocess) against the test API emulator (a thread of
 this process), creates N CRs, plays the Deployment controller (marks every Deployment ready), then
 restarts the operator with a short resync interval. Reports wall times, API calls and writes per CR,
-writes on resync and the operator's peak RSS; ends with one JSON line.
+writes on resync and the operator's peak RSS. Then a race for the last GPUs on an emulator that schedules
+pods (`race_scenario`: the Pending pods no ScalingLimited explains, want 0). Ends with one JSON line.
 
     python bench/operator.py --crs 500
 """
@@ -35,10 +36,14 @@ from tests.support.components import free_port  # noqa: E402
 from tests.support.k8s_emulator import EmulatorThread, write_kubeconfig  # noqa: E402
 
 NAMESPACE = "default"
-# Every CR asks for 2 prefill + 2 decode replicas; the preferred class of each role has room for
-# one replica only, so each role spills onto its second class: 4 pools per CR. (The emulator has no
-# pods, so every CR sees the same free capacity.)
-NODES = [node("h100-0", "h100", 1), node("h200-0", "h200", 64), node("mig-0", "h100-mig", 1), node("a100-0", "a100", 64)]
+# Every CR asks for 2 prefill + 2 decode replicas. The preferred class of each role (h100, MIG) has no
+# free node, so each role lands on its second class: 2 pools per CR. Capacity is shared: every CR's plan
+# holds its units (issue 17), so the nodes have room for all N CRs (and the HA phase's 3 decode replicas).
+def nodes(n: int) -> list[dict]:
+    return [node("h200-0", "h200", 4 * n), node("a100-0", "a100", 4 * n)]
+
+
+POOLS_PER_CR = 2
 SPEC = {
     "model": {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "models", "path": "llama"}}, "maxModelLen": 8192,
               "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128}},
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.call(b.emu.apply_object, doc)
         for doc in yaml.safe_load_all(CLASSES_FILE.read_text()):
             b.call(b.emu.apply_object, doc)
-        for doc in NODES:
+        for doc in nodes(n):
             b.call(b.emu.apply_object, doc)
 
         b.start_operator(resync=0)
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         b.quiet(0.5)
         b.call(b.emu.log.clear)
 
-        # Phase 1: create N CRs; wait until each has a status with its 4 pools.
+        # Phase 1: create N CRs; wait until each has a status with its pools.
         t0 = time.monotonic()
         for i in range(n):
             b.call(b.emu.apply_object, cr(i))
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def reconciled() -> bool:
             items = b.list("infdep")
-            return len(items) == n and all(len((o.get("status") or {}).get("pools") or []) == 4 for o in items)
+            return len(items) == n and all(len((o.get("status") or {}).get("pools") or []) == POOLS_PER_CR for o in items)
         b.wait(reconciled, args.timeout, "every CR reconciled")
         t_reconciled = time.monotonic() - t0
         b.quiet(1.0)
@@ -243,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         peak_rss = max(peak_rss, b.peak_rss_mb())
         b.stop_operator()
 
+    race = race_scenario(workdir, args.timeout)
     rows = [
         ("CRs", f"{n}"),
         ("create N CRs (s)", f"{t_created:.1f}"),
-        ("all reconciled, 4 pools each (s)", f"{t_reconciled:.1f}"),
+        (f"all reconciled, {POOLS_PER_CR} pools each (s)", f"{t_reconciled:.1f}"),
         ("(emulated controller marking Deployments ready (s))", f"{t_controller:.1f}"),
         ("all Ready after Deployments ready (s)", f"{ready_seconds:.1f}"),
         ("API requests per new CR", f"{len(creation) / n:.1f}"),
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ("writes per CR on becoming Ready (status, autoscaler)", f"{ready_writes / n:.2f}"),
         ("restart + full resync: writes / requests / s", f"{resync_writes} / {resync_reads} / {resync_seconds:.1f}"),
         ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
+        (f"race: {race['crs']} CRs x 2 GPUs for {race['gpus']}: placed / Pending without ScalingLimited / ever "
+         "Unschedulable", f"{race['placed']} / {race['pending_pileup']} / {race['unschedulable']}"),
         ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -269,8 +277,58 @@ def main(argv: list[str] | None = None) -> int:
         "reconciled_seconds": round(t_reconciled, 1),
         "ready_seconds": round(ready_seconds, 1),
         "peak_rss_mb": round(peak_rss, 1),
+        "pending_pileup": race["pending_pileup"],
     }))
     return 0
+
+
+def race_scenario(workdir: pathlib.Path, timeout: float, crs: int = 8, gpus: int = 10) -> dict:
+    """`crs` InferenceDeployments of 2 colocated workers (1 GPU each) created at once for `gpus` GPUs, on an
+    emulator whose scheduler lags behind (held while they plan, as kube-scheduler does under load). Right
+    after it binds what fits, `pending_pileup` counts the worker pods left Pending whose CR does not say
+    ScalingLimited=True (the double-booking of issue 17); `unschedulable` counts the worker pods the scheduler
+    ever had to leave Pending, by the end (after the operator reacted)."""
+    from tests.kube.cluster import EXAMPLES
+    from tests.support.k8s_emulator import KubernetesApiEmulator
+
+    base = yaml.safe_load((EXAMPLES / "qwen2-7b.yaml").read_text())
+    with EmulatorThread(KubernetesApiEmulator()) as server:
+        b = Bench(server, write_kubeconfig(workdir / "kubeconfig-race", server.url), workdir)
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                b.call(b.emu.apply_object, doc)
+        for doc in [*yaml.safe_load_all(CLASSES_FILE.read_text()), node("l40s-0", "l40s", gpus), node("cpu-0", "cpu", 64)]:
+            if doc:
+                b.call(b.emu.apply_object, doc)
+        wl = b.call(b.emu.enable_workloads)
+        b.call(wl.hold)
+        b.start_operator(resync=0)
+        b.wait(lambda: b.metrics_port and _up(b), 60, "the race operator to start", 0.2)
+        for i in range(crs):
+            doc = copy.deepcopy(base)
+            doc["metadata"]["name"] = f"race-{i}"
+            doc["spec"]["colocated"].update(minReplicas=2, maxReplicas=2)
+            doc["spec"]["autoscaling"] = {"enabled": False}
+            b.call(b.emu.apply_object, doc)
+        b.wait(lambda: all((o.get("status") or {}).get("observedGeneration") == o["metadata"]["generation"]
+                           for o in b.list("infdep")) and len(b.list("infdep")) == crs, timeout, "every race CR planned")
+        b.quiet(1.0)
+        pods_res, crs_res = b.res("pods"), b.res("infdep")
+
+        def bind_and_count() -> tuple[int, int]:  # on the emulator's loop: before the operator can react
+            wl.hold(False)
+            limited = {o["metadata"]["name"] for o in b.emu.list_objects(crs_res, NAMESPACE, None, None)
+                       if any(c["type"] == "ScalingLimited" and c["status"] == "True"
+                              for c in (o.get("status") or {}).get("conditions") or [])}
+            workers = b.emu.list_objects(pods_res, NAMESPACE, "pdfleet.io/role=colocated", None)
+            waiting = [p for p in workers if not p["spec"].get("nodeName")]
+            pileup = [p for p in waiting if p["metadata"]["labels"]["pdfleet.io/deployment"] not in limited]
+            return len(pileup), len(workers) - len(waiting)
+        pileup, placed = b.call(bind_and_count)
+        b.quiet(2.0)
+        unschedulable = len([p for p in wl.unschedulable_pods if "-router-" not in p])
+        b.stop_operator()
+    return {"crs": crs, "gpus": gpus, "pending_pileup": pileup, "placed": placed, "unschedulable": unschedulable}
 
 
 def _by_kind(writes: list) -> str:
