@@ -23,6 +23,7 @@ def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
         "block_size": e.block_size,
         "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
         "kv_cache_dtype": e.kv_cache_dtype,
+        **({"quantization": e.quantization} if e.quantization != "none" else {}),  # absent: today's file
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens,
         "max_num_waiting": e.max_waiting_requests,

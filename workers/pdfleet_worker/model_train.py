@@ -208,8 +208,10 @@ def train(model_dir: str, *, minutes: float | None = None, steps: int | None = N
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     with open(cfg_path) as f:
         tok_cfg = json.load(f)
-    tok_cfg.setdefault("pdfleet_init", {})["trained"] = {
-        "steps": step, "tokens": step * batch * seq_len, "seq_len": seq_len, "batch": batch, "lr": lr, "seed": seed,
+    before = tok_cfg.setdefault("pdfleet_init", {}).get("trained") or {}  # a second run continues the first
+    tok_cfg["pdfleet_init"]["trained"] = {
+        "steps": before.get("steps", 0) + step, "tokens": before.get("tokens", 0) + step * batch * seq_len,
+        "runs": before.get("runs", 0) + 1, "seq_len": seq_len, "batch": batch, "lr": lr, "seed": seed,
         "held_out_every": HELD_OUT_EVERY, "held_out_ppl": round(ppl, 4)}
     with open(cfg_path, "w") as f:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)

@@ -146,6 +146,13 @@ class EngineSpec(ApiModel):
     max_waiting_requests: int = Field(1024, ge=1, le=1048576,
                                       description="Admission limit: more waiting requests are answered 503 with Retry-After.")
     kv_cache_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache element type; int8 halves KV memory with per-block scales.")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="Weights: none (the checkpoint's, in model.dtype) or int8: weight-only INT8 per output "
+                            "channel, quantized from the normal (float) checkpoint when the worker loads it; the "
+                            "linear layers and the LM head take 1 byte per parameter (more room for KV, faster "
+                            "memory-bound decode), embeddings, norms, activations and KV stay in model.dtype. "
+                            "pdfleet engine only: vLLM has no weight-only INT8 for an unquantized checkpoint "
+                            "(serve a pre-quantized checkpoint through vllm.extraArgs instead).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec, description="KV transfer between prefill and decode.")
     shm_size: Quantity = Field("1Gi", description="Size of the /dev/shm volume of worker pods.")
@@ -160,6 +167,9 @@ class EngineSpec(ApiModel):
         Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.kvCacheDtype) || self.kvCacheDtype != 'int8'",
              message="kvCacheDtype int8 is the pdfleet engine's; vLLM pools take auto",
              field_path=".kvCacheDtype"),
+        Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.quantization) || self.quantization == 'none'",
+             message="quantization int8 is the pdfleet engine's (quantized at load); vLLM pools take none",
+             field_path=".quantization"),
         Rule(rule=f"{_or('maxNumBatchedTokens', 2048)} >= {_or('maxNumSeqs', 256)}",
              message="maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
              field_path=".maxNumBatchedTokens"),

@@ -41,8 +41,18 @@ def replica_memory_gib(cls: AcceleratorClassSpec) -> float:
 
 
 def weights_bytes(spec: InferenceDeploymentSpec) -> float | None:
+    """Bytes of one replica's weights. engine.quantization int8: one byte per parameter.
+
+    NOTE: int8 keeps the embedding table and the norms in model.dtype and adds a scale per output row; the
+    architecture gives no vocabulary size, so every parameter counts one byte (an 8B Llama-3 in bf16: about
+    6% fewer bytes than it loads). Decode time follows the bytes (a bandwidth roofline): this assumes int8
+    kernels read at the share of bandwidth float ones do, which torch's CPU int8 GEMV does not reach
+    (bench/levers.py measures what it does reach)."""
     arch = spec.model.architecture
-    return None if arch is None else arch.parameters_billions * 1e9 * DTYPE_BYTES[spec.model.dtype]
+    if arch is None:
+        return None
+    per_param = 1 if spec.engine.quantization == "int8" else DTYPE_BYTES[spec.model.dtype]
+    return arch.parameters_billions * 1e9 * per_param
 
 
 def kv_bytes_per_token(spec: InferenceDeploymentSpec) -> float | None:

@@ -88,6 +88,11 @@ def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: Acc
         raise RuntimeProblem("spec.engine.blockSize", f"{spec.engine.block_size}: vLLM's CPU attention takes KV blocks "
                                                       f"of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens ({where}); "
                                                       f"use 32 or 128")
+    if spec.engine.quantization != "none":
+        raise RuntimeProblem("spec.engine.quantization", f"{spec.engine.quantization} is the pdfleet engine's (weights "
+                                                         f"quantized at load); {where} runs vllm, which has no "
+                                                         f"weight-only INT8 of an unquantized checkpoint: set none "
+                                                         f"(or serve a pre-quantized checkpoint via vllm.extraArgs)")
     connector = (wanted.kv_connector if wanted else None) or (offered.kv_connector if offered else "NixlConnector")
     return PoolRuntime(VLLM, image, env, tensor_parallel=1 if on_cpu else cls.count,
                        kv_connector=connector if role in ("prefill", "decode") else None)
