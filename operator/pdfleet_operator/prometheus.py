@@ -95,12 +95,29 @@ class PrometheusSource:
         except (requests.RequestException, PrometheusApiClientException) as exc:
             return MetricsSnapshot.unavailable(taken_at, f"{type(exc).__name__}: {exc}", source=self.name)
 
-    def router_requests(self, deployment: str, namespace: str, window: str) -> tuple[float | None, float | None, str]:
+    def router_requests(self, deployment: str, namespace: str, window: str, revision: int | None = None
+                        ) -> tuple[float | None, float | None, str]:
         """(requests, 5xx responses) through the deployment's router over `window`, for rollback analysis;
-        (None, None, why) when unknown (no series, NaN, Prometheus down). No 5xx series means no 5xx."""
+        (None, None, why) when unknown (no series, NaN, Prometheus down). No 5xx series means no 5xx.
+
+        With `revision`: the answers of that revision's workers and of none (no worker answered: an outage while
+        it serves is its own until shown otherwise), without the router's load shedding (503s every busy worker
+        gave: a traffic burst, not a fault). A router that exports no per-revision series is read whole.
+        """
         sel = self.profile.selector(deployment, namespace)
-        total = f"sum(increase({names.ROUTER_REQUESTS_TOTAL}{{{sel}}}[{window}]))"
-        errors = f'sum(increase({names.ROUTER_REQUESTS_TOTAL}{{{sel},{names.LABEL_CODE}=~"5.."}}[{window}]))'
+        if revision is not None:
+            own = f'{sel},revision=~"{int(revision)}|{names.NO_REVISION}",shed!="true"'
+            got = self._requests_and_errors(names.ROUTER_REVISION_REQUESTS_TOTAL, own, window)
+            if got[0] is not None or not got[2].startswith("no series"):
+                return got
+        got = self._requests_and_errors(names.ROUTER_REQUESTS_TOTAL, sel, window)
+        if got[0] is None and got[2].startswith("no series"):
+            return None, None, f"no {names.ROUTER_REQUESTS_TOTAL} series for {namespace}/{deployment}"
+        return got
+
+    def _requests_and_errors(self, metric: str, sel: str, window: str) -> tuple[float | None, float | None, str]:
+        total = f"sum(increase({metric}{{{sel}}}[{window}]))"
+        errors = f'sum(increase({metric}{{{sel},{names.LABEL_CODE}=~"5.."}}[{window}]))'
         try:
             values = []
             for promql in (total, errors):
@@ -111,7 +128,7 @@ class PrometheusSource:
         except (requests.RequestException, PrometheusApiClientException) as exc:
             return None, None, f"Prometheus {self.url}: {type(exc).__name__}: {exc}"
         if values[0] is None:
-            return None, None, f"no {names.ROUTER_REQUESTS_TOTAL} series for {namespace}/{deployment}"
+            return None, None, f"no series of {metric}"
         return values[0], values[1] if values[1] is not None else 0.0, ""
 
     def _by_role(self, profile: names.QueryProfile, promql: str) -> dict[str, float]:

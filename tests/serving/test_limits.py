@@ -156,3 +156,23 @@ def _health(p) -> bool:
     except httpx.HTTPError:
         return False
 
+
+
+def test_overload_through_the_router_is_counted_as_shedding_apart_from_failures(pipeline):
+    """Every worker of the tier answering 503 + Retry-After is the router's designed load shedding: counted with
+    shed="true" in the per-revision series rollback analysis reads without it."""
+    r = pipeline.router
+    name = m.ROUTER_REVISION_REQUESTS_TOTAL.name
+    shed0 = sample(r.metrics_text(), name, revision="none", code="503", shed="true")
+    failed0 = sample(r.metrics_text(), name, revision="none", code="503", shed="false")
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "tiny-colo", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(f"{r.url}/v1/completions", json=body) for _ in range(16)))
+    codes = sorted(x.status_code for x in asyncio.run(burst()))
+    assert codes.count(503) >= 1 and set(codes) <= {200, 503}, codes
+    text = r.metrics_text()
+    assert sample(text, name, revision="none", code="503", shed="true") == shed0 + codes.count(503)
+    assert sample(text, name, revision="none", code="503", shed="false") == failed0
+    wait_until(lambda: pool_whole(pipeline.colo), what="pool whole after the burst")

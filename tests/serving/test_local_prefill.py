@@ -45,3 +45,25 @@ def test_with_a_prefill_worker_in_rotation_nothing_is_prefilled_locally(pipeline
                                                       temperature=0)
     assert raw.headers["x-pdfleet-prefill"] != "local"
     assert sample(pipeline.router.metrics_text(), m.ROUTER_LOCAL_PREFILLS_TOTAL.name, tier="default") == before
+
+
+def test_answers_carry_the_revision_of_the_worker_that_gave_them(logdir, model_dir):
+    """A worker started from a pod template of revision 7 ($PDFLEET_REVISION, from the pod's label) says so in
+    /load; the router counts its answers under revision 7 (rollback analysis reads that revision alone)."""
+    from tests.serving.conftest import worker
+    w = worker(logdir, model_dir, "both", name="rev7")
+    w.env["PDFLEET_REVISION"] = "7"
+    r = router(logdir, "--workers", w.url, name="router-rev7")
+    try:
+        start_all(w)
+        assert w.load()["revision"] == "7"
+        start_all(r)
+        client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="-", max_retries=0, timeout=60)
+        client.completions.create(model=MODEL, prompt=fresh_prompt(8, seed=73), max_tokens=2, temperature=0)
+        text = httpx.get(f"{r.url}/metrics", timeout=10).text
+        name = m.ROUTER_REVISION_REQUESTS_TOTAL.name
+        assert sample(text, name, revision="7", code="200", shed="false") == 1
+        assert sample(text, name, revision="none", code="200", shed="false") == 0
+    finally:
+        r.stop()
+        w.stop()

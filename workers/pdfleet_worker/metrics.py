@@ -29,6 +29,8 @@ LABEL_TIER = "tier"               # router: the deployment's tier; worker KV off
 LABEL_UPSTREAM_ROLE = "upstream_role"  # prefill | decode | both (the router's view of a worker)
 LABEL_STATE = "state"             # healthy | unhealthy
 LABEL_ROUTE = "route"             # small | default (query routing: router/routing.py)
+LABEL_REVISION = "revision"       # router: the pod template revision of the worker that answered
+LABEL_SHED = "shed"               # router: true for the designed 503 + Retry-After load shedding
 
 # vLLM's buckets, so its dashboards' histogram_quantile panels read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -171,9 +173,17 @@ ROUTER_LOCAL_PREFILLS_TOTAL = MetricSpec(
     "was in rotation (a rollout or rollback replacing the prefill pool): served, not failed, without PD's "
     "benefit.", (LABEL_TIER,))
 
+ROUTER_REVISION_REQUESTS_TOTAL = MetricSpec(
+    "pdfleet_router_revision_requests_total", "counter",
+    "Client requests by the pod template revision of the worker that answered (none: no worker did: none in "
+    "rotation, a timeout, the router's own refusals), HTTP code, and shed (true: every worker tried answered 503 "
+    "busy or draining, the router's designed load shedding). Rollback analysis reads the 5xx of the revision "
+    "under test (and none) without shedding.", (LABEL_REVISION, LABEL_CODE, LABEL_SHED))
+
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS_TOTAL, ROUTER_REQUEST_DURATION, ROUTER_TIME_TO_FIRST_TOKEN,
                                           ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS,
-                                          ROUTER_ROUTED_REQUESTS_TOTAL, ROUTER_LOCAL_PREFILLS_TOTAL)
+                                          ROUTER_ROUTED_REQUESTS_TOTAL, ROUTER_LOCAL_PREFILLS_TOTAL,
+                                          ROUTER_REVISION_REQUESTS_TOTAL)
 
 ALL_METRICS: dict[str, MetricSpec] = {m.name: m for m in WORKER_METRICS + ROUTER_METRICS}
 assert len(ALL_METRICS) == len(WORKER_METRICS) + len(ROUTER_METRICS), "metric names must be unique"

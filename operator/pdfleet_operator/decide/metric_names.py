@@ -40,6 +40,10 @@ E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"      # histogram
 # --- worker and router metrics only pdfleet exports ------------------------------------------------
 PROMPT_TOKENS_WAITING = "pdfleet_prompt_tokens_waiting"       # gauge: prompt tokens of waiting requests
 ROUTER_REQUESTS_TOTAL = "pdfleet_router_requests_total"       # counter {code, tier}
+# counter {revision, code, shed}: by the pod template revision of the worker that answered ("none": no worker
+# did), shed="true" for the designed 503 + Retry-After load shedding. Rollback analysis reads this one.
+ROUTER_REVISION_REQUESTS_TOTAL = "pdfleet_router_revision_requests_total"
+NO_REVISION = "none"
 
 # --- the operator's own metrics --------------------------------------------------------------------
 POOL_REPLICAS = "pdfleet_pool_replicas"                       # gauge {deployment, role, accelerator}

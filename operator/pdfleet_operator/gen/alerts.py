@@ -17,6 +17,7 @@ from pdfleet_operator.decide import metric_names as names
 # Labels every pdfleet pod's series carries: set as target labels by the PodMonitor / scrape config.
 DEPLOYMENT_LABELS = (names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT)
 ROUTER_REQUESTS = names.ROUTER_REQUESTS_TOTAL
+ROUTER_REVISION_REQUESTS = names.ROUTER_REVISION_REQUESTS_TOTAL
 TTFT = names.TIME_TO_FIRST_TOKEN
 ITL = names.INTER_TOKEN_LATENCY
 # Exported by the operator per deployment (labels namespace, pdfleet_deployment) so one rule serves
@@ -44,8 +45,12 @@ def _by() -> str:
 
 def rollback_rules(rule: RollbackRule = RollbackRule()) -> dict[str, Any]:
     """Rule group: the 5xx ratio per deployment and the alert that triggers rollback analysis."""
-    requests = f"{_by()} (increase({ROUTER_REQUESTS}[{rule.window}]))"
-    errors = f'{_by()} (increase({ROUTER_REQUESTS}{{code=~"5.."}}[{rule.window}]))'
+    # Without the router's load shedding (shed="true": every busy worker answered 503 + Retry-After, a traffic
+    # burst, not a fault); routers that export no per-revision series are read whole (`or`).
+    requests = (f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{shed!="true"}}[{rule.window}])) or '
+                f"{_by()} (increase({ROUTER_REQUESTS}[{rule.window}])))")
+    errors = (f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{code=~"5..",shed!="true"}}[{rule.window}])) or '
+              f'{_by()} (increase({ROUTER_REQUESTS}{{code=~"5.."}}[{rule.window}])))')
     ratio_record = f"pdfleet:router_5xx_ratio:{rule.window}"
     return {
         "name": "pdfleet-rollback",

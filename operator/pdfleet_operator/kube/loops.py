@@ -136,7 +136,7 @@ async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager
     if trigger is not None and trigger.firing:
         health = rollback.health_from_alert(health, trigger.starts_at, dep.spec.rollback)
     m.rollback.health = health
-    sample = await revisions.sample(dep, OPTIONS.prometheus_url, OPTIONS.metrics_profile)
+    sample = await revisions.sample(dep, OPTIONS.prometheus_url, OPTIONS.metrics_profile, served)
     # NOTE: a window that began before this revision served mixes in the previous one's responses (right
     # after a rollback: the failed revision's 5xx); only a window inside the revision's lifetime counts.
     if sample.time - health.started_at < parse_duration(dep.spec.rollback.window):

@@ -316,8 +316,10 @@ class AnalysisLog:
     actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
 
 
-async def sample(dep: InferenceDeployment, default_url: str | None, profile: str) -> rollback.RatioSample:
-    """The 5xx ratio of the deployment's router over the rollback window (missing -> held, never healthy)."""
+async def sample(dep: InferenceDeployment, default_url: str | None, profile: str, revision: int | None = None
+                 ) -> rollback.RatioSample:
+    """The 5xx ratio of the deployment's router over the rollback window (missing -> held, never healthy):
+    of `revision` (its workers' answers and those no worker gave, shedding excluded) where the router says."""
     now = time.time()
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
@@ -328,7 +330,7 @@ async def sample(dep: InferenceDeployment, default_url: str | None, profile: str
     source = prometheus.prometheus_for(url, profile, OPTIONS.prometheus_verify)
     assert dep.metadata.name and dep.metadata.namespace
     requests, errors, why = await asyncio.to_thread(source.router_requests, dep.metadata.name, dep.metadata.namespace,
-                                                    dep.spec.rollback.window)
+                                                    dep.spec.rollback.window, revision)
     return rollback.RatioSample(now, requests, errors, why)
 
 

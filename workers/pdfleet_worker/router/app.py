@@ -48,7 +48,8 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         upstreams = Upstreams(cfg, client, token)
-        metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()])
+        metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()],
+                                lambda: {str(u.load["revision"]) for u in upstreams.all.values() if u.load.get("revision")})
         target = RouteTarget(cfg.route_to, client, cfg.health_interval_s, cfg.heartbeat_interval_s) \
             if cfg.route_to is not None else None
         state.update(client=client, upstreams=upstreams, metrics=metrics,

@@ -256,7 +256,8 @@ class Router:
         ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
         answer = await self._call(outcome.tier, "prefill", path, handoff.prefill_body(engine, body), ids)
         headers["x-pdfleet-prefill"] = self.worker_id(answer.upstream.url)
-        if answer.status != 200:  # the request's own fault (400, 404, ...): the client gets it
+        if answer.status != 200:  # the request's own fault (400, 404, ...), or every prefill worker busy: the client gets it
+            outcome.served_by(answer.upstream.load.get("revision"), shed=answer.status == 503)
             return self._relay_answer(answer, headers)
         try:
             hand = handoff.from_prefill(engine, answer.json())
@@ -281,11 +282,13 @@ class Router:
         if not stream:
             answer = await self._call(outcome.tier, role, path, body, extra_headers)
             headers[header] = self.worker_id(answer.upstream.url)
+            outcome.served_by(answer.upstream.load.get("revision"), shed=answer.status == 503)
             if role == "decode" and answer.status == 200:
                 answer = _scrubbed(answer)
             return self._relay_answer(answer, headers, also_redact)
         up, resp = await self._open_stream(outcome.tier, role, path, body, extra_headers)
         headers[header] = self.worker_id(up.url)
+        outcome.served_by(up.load.get("revision"), shed=resp.status_code == 503)
         if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await resp.aread()

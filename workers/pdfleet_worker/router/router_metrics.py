@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdfleet_worker import metrics as m
 
 OUTCOME = "pdfleet.outcome"  # the request scope key of its Outcome
+NO_REVISION = "none"  # answers no worker gave (no worker in rotation, a timeout, the router's own refusals)
 # Probes and scrapes are not client requests: counting them would dilute the error ratio rollbacks read.
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/workers"})
 
@@ -22,6 +23,11 @@ class Outcome:
     tier: str
     code: int | None = None
     start: float = dataclasses.field(default_factory=time.monotonic)
+    revision: str = NO_REVISION  # of the worker whose answer the client got; none: no worker answered
+    shed: bool = False           # every worker tried answered 503 (busy or draining): load shedding, by design
+
+    def served_by(self, revision: str | None, *, shed: bool = False) -> None:
+        self.revision, self.shed = str(revision) if revision else NO_REVISION, shed
 
 
 class CountResponses:
@@ -55,12 +61,16 @@ class CountResponses:
         finally:
             metrics = self.metrics()
             if metrics is not None:
-                metrics.finished(outcome.tier, outcome.code or status or 500, outcome.start)
+                metrics.finished(outcome.tier, outcome.code or status or 500, outcome.start, outcome.revision,
+                                 outcome.shed)
 
 
 class RouterMetrics:
-    def __init__(self, tiers: list[str], workers: Callable[[], list[tuple[str, str, bool]]]):
-        """workers: (tier, role, healthy) of every known worker, read at scrape time."""
+    def __init__(self, tiers: list[str], workers: Callable[[], list[tuple[str, str, bool]]],
+                 revisions: Callable[[], Iterable[str]] = lambda: ()):
+        """workers: (tier, role, healthy) of every known worker, read at scrape time; revisions: those the
+        workers report (their series are created at 0 as soon as a scrape sees them)."""
+        self._worker_revisions = revisions
         self.registry = m.new_registry()
         self._requests = m.make(m.ROUTER_REQUESTS_TOTAL, self.registry)
         self._duration = m.make(m.ROUTER_REQUEST_DURATION, self.registry)
@@ -69,6 +79,9 @@ class RouterMetrics:
         self._retries = m.make(m.ROUTER_RETRIES_TOTAL, self.registry)
         self._routed = m.make(m.ROUTER_ROUTED_REQUESTS_TOTAL, self.registry)
         self._local_prefills = m.make(m.ROUTER_LOCAL_PREFILLS_TOTAL, self.registry)
+        self._by_revision = m.make(m.ROUTER_REVISION_REQUESTS_TOTAL, self.registry)
+        self._revisions: set[str] = set()
+        self.known_revision(NO_REVISION)
         self._workers = workers
         # NOTE: the codes the rollback ratio reads exist at 0 from the start: a 5xx series that
         # appears only with the first error makes increase() miss that error and leaves the
@@ -79,8 +92,10 @@ class RouterMetrics:
                 self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
 
-    def finished(self, tier: str, code: int, start: float) -> None:
+    def finished(self, tier: str, code: int, start: float, revision: str = NO_REVISION, shed: bool = False) -> None:
         self._requests.labels(code=str(code), tier=tier).inc()
+        self.known_revision(revision)
+        self._by_revision.labels(revision=revision, code=str(code), shed="true" if shed else "false").inc()
         self._duration.labels(tier=tier).observe(time.monotonic() - start)
 
     def first_token(self, tier: str, start: float) -> None:
@@ -92,6 +107,16 @@ class RouterMetrics:
     def retry(self, role: str) -> None:
         self._retries.labels(upstream_role=role).inc()
 
+    def known_revision(self, revision: str) -> None:
+        """Create a revision's series at 0 (when the router first sees a worker of it): a series born with its
+        first error would hide that error from increase()."""
+        if revision in self._revisions:
+            return
+        self._revisions.add(revision)
+        for code in ("200", "400", "500", "502", "503", "504"):
+            self._by_revision.labels(revision=revision, code=code, shed="false")
+        self._by_revision.labels(revision=revision, code="503", shed="true")
+
     def local_prefill(self, tier: str) -> None:
         self._local_prefills.labels(tier=tier).inc()
 
@@ -99,6 +124,8 @@ class RouterMetrics:
         self._routed.labels(route=route, reason=reason).inc()
 
     def exposition(self) -> bytes:
+        for revision in self._worker_revisions():
+            self.known_revision(revision)
         return m.exposition(self.registry)
 
     def _snapshot(self) -> list:

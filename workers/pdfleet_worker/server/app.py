@@ -132,6 +132,8 @@ class Worker:
                                 "draining": self.state.draining, "role": self.cfg.role,
                                 "model": self.cfg.served_model_name, "accelerator": self.cfg.accelerator,
                                 "inflight": self.state.inflight}
+        if self.cfg.revision is not None:
+            info["revision"] = self.cfg.revision
         if self.load_error is not None:
             info["error"] = repr(self.load_error)
         if self.serving is not None:

@@ -11,24 +11,43 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig
+from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig, ModelConfig
 from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
 from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
 
 ROLES = ("prefill", "decode", "both")
 ON_FAILURE = ("recompute", "fail")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+# A plain number of seconds, or Go-style parts as the CRD writes them ("500ms", "10s", "1m30s", "1h"): the same
+# grammar as the operator's api.meta.parse_duration, so a spec value means the same on both sides.
+_SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")
+_DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?(?:ms|s|m|h))+\s*$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?\s*$")
+_SIZE_UNITS = {None: 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+               "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def parse_size(value: str | int, name: str) -> int:
+    """Bytes from 1073741824, "512Mi", "4Gi" or "2G" (Kubernetes quantity suffixes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"{name}: not a size: {value!r} (use bytes or a number with Ki, Mi, Gi, Ti, k, M, G or T)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
 
 
 def parse_duration(value: str | float | int) -> float:
-    """Seconds from 2.5, "2.5", "500ms", "10s", "2m" or "1h"."""
+    """Seconds from 2.5, "2.5", "500ms", "10s", "2m", "1h" or "1m30s"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    m = _DURATION.match(str(value))
-    if not m:
-        raise ValueError(f"not a duration: {value!r} (use seconds or a number with ms, s, m or h)")
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+    text = str(value)
+    if m := _SECONDS.match(text):
+        return float(m.group(1))
+    if not _DURATION.match(text):
+        raise ValueError(f"not a duration: {value!r} (use seconds, or numbers with ms, s, m or h, e.g. 1m30s)")
+    return sum(float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[u] for n, u in _DURATION_PART.findall(text))
 
 
 @dataclasses.dataclass
@@ -41,6 +60,9 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     accelerator: str = "cpu"
+    # The pod template revision this worker runs ($PDFLEET_REVISION, from its pod's pdfleet.io/revision label):
+    # in /load, so the router labels each answer with the revision that served it (rollback analysis).
+    revision: str | None = None
     kv_cache_memory_fraction: float | None = None  # informational once engine.kv_cache_memory_bytes is set
     # PD transfer
     kv_transfer_timeout_s: float = 10.0
@@ -59,6 +81,7 @@ class WorkerConfig:
     max_prompts: int = DEFAULT_MAX_PROMPTS  # prompts in one /v1/completions request (each its own sequence and lease)
     retry_after_s: int = 1
     drain_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 10.0  # SSE `: keep-alive` while a stream waits for its next event; 0: none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -71,8 +94,9 @@ class WorkerConfig:
         for name in ("max_request_bytes", "max_n", "max_prompts", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.heartbeat_interval_s < 0:
+            raise ValueError(f"heartbeat_interval_s must be >= 0 (0: no heartbeats), got {self.heartbeat_interval_s}")
         if self.max_logprobs < 0:
-    heartbeat_interval_s: float = 10.0  # SSE `: keep-alive` while a stream waits for its next event; 0: none
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -85,8 +109,6 @@ class WorkerConfig:
     @property
     def pulls_kv(self) -> bool:
         return self.role in ("decode", "both")
-        if self.heartbeat_interval_s < 0:
-            raise ValueError(f"heartbeat_interval_s must be >= 0 (0: no heartbeats), got {self.heartbeat_interval_s}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +145,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument("--attention-backend", choices=("auto", "reference", "cpu", "flex"), default=None)
+    o = p.add_argument_group("KV offload tiers and preemption")
+    o.add_argument("--kv-offload-host-memory", default=None, metavar="SIZE",
+                   help="host RAM for prefix-cache blocks evicted from the device pool (e.g. 8Gi; default 0: off); "
+                        "a prefix hit there is copied back instead of recomputed")
+    o.add_argument("--kv-offload-disk", default=None, metavar="SIZE",
+                   help="a memory-mapped file for blocks the host tier evicts (e.g. 32Gi; default 0: off)")
+    o.add_argument("--kv-offload-disk-path", default=None, metavar="DIR",
+                   help="directory of the disk tier's file (an emptyDir in a pod; default $TMPDIR)")
+    o.add_argument("--preemption", choices=PREEMPTION_MODES, default=None,
+                   help="a sequence preempted for want of KV blocks: recompute it later, or swap its blocks to host "
+                        "RAM and back (default recompute)")
+    o.add_argument("--swap-space", default=None, metavar="SIZE",
+                   help="host RAM for swapped-out sequences (default 1Gi); when full, preemption recomputes")
     k = p.add_argument_group("KV transfer (prefill/decode disaggregation)")
     k.add_argument("--kv-transfer-timeout", default=None, help="give up on one pull after this long (default 10s)")
     k.add_argument("--kv-lease", default=None, help="prefill: free held KV not acked within this long (default 30s)")
@@ -153,13 +188,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_PROMPTS}); more get 400")
     s.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503 (default 1)")
     s.add_argument("--drain-timeout", default=None, help="on SIGTERM, abort what is still running after this long (default 60s)")
+    s.add_argument("--heartbeat-interval", default=None,
+                   help="a stream that waits this long for its next event (queued, prefilling, KV in flight) gets an "
+                        "SSE comment `: keep-alive`, and again each interval (default 10s; 0: never). Until the first "
+                        "token the status waits for it, as without heartbeats, for up to one interval")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
 # Engine config file keys (operator/pdfleet_operator/kube/render.py engine_config) -> our field names.
 _FILE_KEYS = {"served_model_name", "dtype", "max_model_len", "block_size", "kv_cache_memory_fraction", "num_kv_blocks",
               "kv_cache_dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "enable_prefix_caching",
-              "kv_transfer", "device", "num_threads"}
+              "kv_transfer", "device", "num_threads", "kv_offload", "preemption", "swap_space_bytes"}
 
 
 def load_engine_file(path: str) -> dict[str, Any]:
@@ -170,7 +209,19 @@ def load_engine_file(path: str) -> dict[str, Any]:
     unknown = sorted(set(raw) - _FILE_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown engine config keys {unknown}; known: {sorted(_FILE_KEYS)}")
-    out = {k: v for k, v in raw.items() if k != "kv_transfer"}
+    out = {k: v for k, v in raw.items() if k not in ("kv_transfer", "kv_offload", "swap_space_bytes")}
+    off = raw.get("kv_offload") or {}
+    if not isinstance(off, dict):
+        raise ValueError(f"{path}: kv_offload must be an object")
+    unknown = sorted(set(off) - {"host_memory_bytes", "disk_bytes", "disk_path"})
+    if unknown:
+        raise ValueError(f"{path}: unknown kv_offload keys {unknown}; known: disk_bytes, disk_path, host_memory_bytes")
+    for key, field in (("host_memory_bytes", "kv_offload_host_memory"), ("disk_bytes", "kv_offload_disk"),
+                       ("disk_path", "kv_offload_disk_path")):
+        if key in off:
+            out[field] = off[key]
+    if "swap_space_bytes" in raw:
+        out["swap_space"] = raw["swap_space_bytes"]
     kv = raw.get("kv_transfer") or {}
     if not isinstance(kv, dict):
         raise ValueError(f"{path}: kv_transfer must be an object")
@@ -182,10 +233,6 @@ def load_engine_file(path: str) -> dict[str, Any]:
 
 def from_args(args: argparse.Namespace) -> WorkerConfig:
     file = load_engine_file(args.engine_config) if args.engine_config else {}
-    s.add_argument("--heartbeat-interval", default=None,
-                   help="a stream that waits this long for its next event (queued, prefilling, KV in flight) gets an "
-                        "SSE comment `: keep-alive`, and again each interval (default 10s; 0: never). Until the first "
-                        "token the status waits for it, as without heartbeats, for up to one interval")
 
     def pick(name: str, default: Any) -> Any:
         value = getattr(args, name, None)
@@ -212,25 +259,31 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     kv_bytes = 1 << 30
+    offload_host = parse_size(pick("kv_offload_host_memory", 0), "kv_offload_host_memory")
+    preemption = pick("preemption", "recompute")
+    swap_space = parse_size(pick("swap_space", 1 << 30), "swap_space")
     if num_kv_blocks is None:
         if not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
         kv_bytes = kv_cache_bytes(model, model_cfg, fraction=fraction, device=device, dtype=dtype, kv_dtype=kv_dtype,
                                   quantization=quantization,
                                   block_size=block_size, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len or model_cfg.max_position_embeddings)
+                                  max_model_len=max_model_len or model_cfg.max_position_embeddings,
+                                  host_reserved=offload_host + (swap_space if preemption == "swap" else 0))
     engine = EngineConfig(
         model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
         kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_dtype, quantization=quantization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=pick("max_num_batched_tokens", 512), max_model_len=max_model_len,
         max_num_waiting=pick("max_num_waiting", 1024), enable_prefix_caching=pick("enable_prefix_caching", True),
-        num_threads=pick("num_threads", None), attention_backend=pick("attention_backend", "auto"))
+        num_threads=pick("num_threads", None), attention_backend=pick("attention_backend", "auto"),
+        kv_offload_host_bytes=offload_host, kv_offload_disk_bytes=parse_size(pick("kv_offload_disk", 0), "kv_offload_disk"),
+        kv_offload_disk_dir=pick("kv_offload_disk_path", None), preemption=preemption, swap_space_bytes=swap_space)
     return WorkerConfig(
         engine=engine,
         served_model_name=pick("served_model_name", None) or os.path.basename(os.path.normpath(model)),
         role=pick("role", "both"), host=pick("host", "127.0.0.1"), port=pick("port", 8000),
-        accelerator=accelerator_class or "cpu",
+        accelerator=accelerator_class or "cpu", revision=os.environ.get("PDFLEET_REVISION") or None,
         kv_cache_memory_fraction=None if num_kv_blocks is not None else fraction,
         kv_transfer_timeout_s=parse_duration(pick("kv_transfer_timeout", 10.0)),
         kv_lease_s=parse_duration(pick("kv_lease", 30.0)),
@@ -257,7 +310,7 @@ def int8_weight_bytes(cfg: ModelConfig, elem: int) -> int:
 
 def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device: str, dtype: str, kv_dtype: str,
                    block_size: int, max_num_seqs: int, max_model_len: int, quantization: str = "none",
-                   cgroup_dirs: Sequence[Path] | None = None) -> int:
+                   cgroup_dirs: Sequence[Path] | None = None, host_reserved: int = 0) -> int:
     """KV pool bytes: `fraction` of the memory left after the weights (the device's; on the CPU the headroom
     under the pod's cgroup limit, see device.free_memory), but no more than max_num_seqs sequences of
     max_model_len tokens can use (a CPU has far more memory than that)."""
@@ -269,6 +322,8 @@ def kv_cache_bytes(model_dir: str, cfg: ModelConfig, *, fraction: float, device:
         weights = int8_weight_bytes(cfg, elem)
     memory = devices.free_memory(device, cgroup_dirs)
     free = memory.bytes
+    if device == "cpu":  # the host offload tier and swap space live in the same memory as the pool
+        free -= host_reserved
     budget = int((free - weights) * fraction)
     kv_elem = 1 if kv_dtype == "int8" else elem
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
