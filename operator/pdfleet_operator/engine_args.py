@@ -10,13 +10,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pdfleet_operator.api import WORKER_ROLE, InferenceDeploymentSpec, parse_duration
+from pdfleet_operator.api import WORKER_ROLE, InferenceDeploymentSpec, parse_duration, parse_quantity
 
 
 def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     """The worker's engine settings (keys as pdfleet_worker.config.EngineConfig names them)."""
     e = spec.engine
     return {
+        **_offload_config(spec),
         "served_model_name": spec.model.name,
         "dtype": spec.model.dtype,
         "max_model_len": spec.model.max_model_len,
@@ -34,6 +35,26 @@ def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
             "on_failure": e.kv_transfer.on_failure,
         },
     }
+
+
+def _offload_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """engine.kvOffload and engine.preemption swap, only when set (an engine file without them is today's)."""
+    e, out = spec.engine, {}
+    if e.kv_offload is not None:
+        off = e.kv_offload
+        out["kv_offload"] = {"host_memory_bytes": int(parse_quantity(off.host_memory or 0)),
+                             "disk_bytes": int(parse_quantity(off.disk or 0)), "disk_path": off.disk_path}
+    if e.preemption == "swap":
+        out["preemption"] = "swap"
+        out["swap_space_bytes"] = int(parse_quantity(e.swap_space))
+    return out
+
+
+def host_memory_bytes(spec: InferenceDeploymentSpec) -> int:
+    """Host RAM a pdfleet worker takes beyond its weights and KV pool: the host offload tier and swap space."""
+    e = spec.engine
+    host = int(parse_quantity(e.kv_offload.host_memory or 0)) if e.kv_offload is not None else 0
+    return host + (int(parse_quantity(e.swap_space)) if e.preemption == "swap" else 0)
 
 
 def config_text(spec: InferenceDeploymentSpec) -> str:
@@ -110,4 +131,9 @@ def vllm_args(spec: InferenceDeploymentSpec, role: str, *, host: str, port: int,
         kv_role = "kv_both" if kv_connector == "NixlConnector" else ("kv_producer" if role == "prefill" else "kv_consumer")
         transfer = {"kv_connector": kv_connector, "kv_role": kv_role}
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"), sort_keys=True)]
+    if e.kv_offload is not None and e.kv_offload.host_memory is not None:
+        # NOTE: vLLM's native CPU offload (CacheConfig.kv_offloading_size, GiB, the sum over TP ranks); runtimes
+        # refuses it where vLLM cannot run it (CPU classes, next to a PD KV connector).
+        args += ["--kv-offloading-size", f"{parse_quantity(e.kv_offload.host_memory) / 2**30:g}",
+                 "--kv-offloading-backend", "native"]
     return args + list(e.vllm.extra_args if e.vllm else ())

@@ -109,6 +109,39 @@ class KvTransferSpec(ApiModel):
         "recompute", description="After a failed pull: recompute the prompt on the decode worker, or fail the request.")
 
 
+class KvOffloadSpec(ApiModel):
+    """Tiered KV offload (pdfleet engine): prefix-cache blocks the device pool evicts move to host RAM, blocks the
+    host tier evicts to a memory-mapped file on an emptyDir; least recently used first in each tier. A later
+    prefix hit copies them back instead of recomputing them, unless the engine's cost model says recomputing
+    is cheaper (workers/pdfleet_worker/ENGINE.md, "Tiered KV offload")."""
+
+    host_memory: Quantity | None = Field(
+        None, description="Host RAM per worker for evicted blocks, e.g. 8Gi; added to the worker's memory request "
+                          "(and limit). Empty: no host tier. vLLM pools on a GPU class get --kv-offloading-size "
+                          "(its native CPU offload); vLLM has it on CUDA/XPU only and not next to a PD KV connector.")
+    disk: Quantity | None = Field(
+        None, description="Size of the disk tier, e.g. 32Gi: a file in an emptyDir of this sizeLimit mounted at "
+                          "diskPath. Its pages are the node's page cache, charged to the pod like any file it "
+                          "writes. Empty: no disk tier. pdfleet engine only.")
+    disk_path: str = Field("/var/cache/pdfleet/kv", pattern=r"^/[A-Za-z0-9._/-]+$", max_length=256,
+                           description="Where the disk tier's emptyDir is mounted in the worker container.")
+
+    @field_validator("disk_path")
+    @classmethod
+    def _own_mount(cls, path: str) -> str:
+        norm = "/" + "/".join(p for p in path.split("/") if p)
+        if norm in ("/", "/tmp", "/dev", "/dev/shm", "/etc", "/models") or ".." in path.split("/"):
+            raise ValueError(f"Invalid value: {path!r} is used by the pod itself; pick a directory of its own")
+        return path
+
+    cel_rules: ClassVar = (
+        Rule(rule="has(self.hostMemory) || has(self.disk)", message="kvOffload needs hostMemory, disk or both",
+             field_path=".hostMemory"),
+    )
+    # NOTE: absent means no offload; the CRD must not default it into an empty (refused) object.
+    absent_is_unset: ClassVar = True
+
+
 class VllmEngineSpec(ApiModel):
     """Settings only vLLM pools read (spec.engine.runtime vllm, or a class whose default is vllm)."""
 
@@ -155,6 +188,16 @@ class EngineSpec(ApiModel):
                             "(serve a pre-quantized checkpoint through vllm.extraArgs instead).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec, description="KV transfer between prefill and decode.")
+    kv_offload: KvOffloadSpec | None = Field(
+        None, description="Tiered KV offload of evicted prefix-cache blocks to host RAM and disk. Empty: evicted "
+                          "blocks are dropped. Needs enablePrefixCaching.")
+    preemption: Literal["recompute", "swap"] = Field(
+        "recompute", description="A running sequence preempted for want of KV blocks: recompute its KV when it is "
+                                 "rescheduled, or swap its blocks to host RAM (swapSpace) and back; when the swap "
+                                 "space is full it is recomputed (counted in pdfleet_preemption_swap_fallbacks_total). "
+                                 "swap: pdfleet engine only (vLLM V1 always recomputes).")
+    swap_space: Quantity = Field("1Gi", description="Host RAM per worker for swapped-out sequences (preemption swap); "
+                                                    "added to the worker's memory request then.")
     shm_size: Quantity = Field("1Gi", description="Size of the /dev/shm volume of worker pods.")
     extra_args: list[str] = Field(default_factory=list, description="Extra flags appended to the pdfleet worker command line.",
                                   max_length=64)
@@ -170,6 +213,14 @@ class EngineSpec(ApiModel):
         Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.quantization) || self.quantization == 'none'",
              message="quantization int8 is the pdfleet engine's (quantized at load); vLLM pools take none",
              field_path=".quantization"),
+        Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.preemption) || self.preemption != 'swap'",
+             message="preemption swap is the pdfleet engine's; vLLM (V1) always recomputes", field_path=".preemption"),
+        Rule(rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.kvOffload) || !has(self.kvOffload.disk)",
+             message="the disk tier is the pdfleet engine's; vLLM offloads to host memory only (hostMemory)",
+             field_path=".kvOffload.disk"),
+        Rule(rule="!has(self.kvOffload) || !has(self.enablePrefixCaching) || self.enablePrefixCaching",
+             message="kvOffload keeps evicted prefix-cache blocks: it needs enablePrefixCaching",
+             field_path=".kvOffload"),
         Rule(rule=f"{_or('maxNumBatchedTokens', 2048)} >= {_or('maxNumSeqs', 256)}",
              message="maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
              field_path=".maxNumBatchedTokens"),

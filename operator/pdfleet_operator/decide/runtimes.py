@@ -93,9 +93,30 @@ def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: Acc
                                                          f"quantized at load); {where} runs vllm, which has no "
                                                          f"weight-only INT8 of an unquantized checkpoint: set none "
                                                          f"(or serve a pre-quantized checkpoint via vllm.extraArgs)")
+    _check_vllm_offload(spec, role, where, on_cpu)
     connector = (wanted.kv_connector if wanted else None) or (offered.kv_connector if offered else "NixlConnector")
     return PoolRuntime(VLLM, image, env, tensor_parallel=1 if on_cpu else cls.count,
                        kv_connector=connector if role in ("prefill", "decode") else None)
+
+
+def _check_vllm_offload(spec: InferenceDeploymentSpec, role: str, where: str, on_cpu: bool) -> None:
+    """What of engine.preemption / engine.kvOffload vLLM 0.x can run: its native CPU offload (--kv-offloading-size)
+    on CUDA/XPU, as the pool's only KV connector; no swap preemption (V1 recomputes), no disk tier."""
+    e = spec.engine
+    if e.preemption == "swap":
+        raise RuntimeProblem("spec.engine.preemption", f"swap is the pdfleet engine's; vLLM (V1) always recomputes "
+                                                       f"a preempted sequence ({where} runs vllm)")
+    if e.kv_offload is None:
+        return
+    if e.kv_offload.disk is not None:
+        raise RuntimeProblem("spec.engine.kvOffload.disk", f"the disk tier is the pdfleet engine's; vLLM offloads to "
+                                                           f"host memory only ({where} runs vllm)")
+    if e.kv_offload.host_memory is not None and on_cpu:
+        raise RuntimeProblem("spec.engine.kvOffload.hostMemory", f"vLLM's KV offload (--kv-offloading-size) runs on "
+                                                                 f"CUDA and XPU only, not on {where}")
+    if e.kv_offload.host_memory is not None and role in ("prefill", "decode"):
+        raise RuntimeProblem("spec.engine.kvOffload.hostMemory", f"vLLM's KV offload is a KV connector of its own and "
+                                                                 f"cannot join a {role} pool's PD connector ({where})")
 
 
 def check(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec]) -> list[RuntimeProblem]:

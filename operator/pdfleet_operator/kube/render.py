@@ -303,14 +303,17 @@ def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) 
     unit, no CPU limit (a throttled engine loop stalls every sequence). On the `cpu` class the class's
     memoryGiB is the replica's memory (weights and KV live there), request = limit: the worker sizes its
     KV pool from that limit, not from the node's free memory. Without `model.architecture` the weights are
-    unknown and only the overhead (accelerators) or the class's memory (`cpu`) is asked for.
+    unknown and only the overhead (accelerators) or the class's memory (`cpu`) is asked for. A pdfleet
+    worker's host KV offload tier and swap space (engine.kvOffload.hostMemory, engine.swapSpace with
+    preemption swap) come on top, in both cases.
     """
     weights = perf.weights_bytes(spec)
     weights_gib = 0 if weights is None else weights / 2**30
+    extra_gib = (engine_args.host_memory_bytes(spec) if runtimes.engine_of(spec, cls) == runtimes.PDFLEET else 0) / 2**30
     if cls.resource_name == "cpu":
-        memory = f"{max(math.ceil(cls.memory_gib), math.ceil(weights_gib + 1))}Gi"
+        memory = f"{math.ceil(max(cls.memory_gib, weights_gib + 1) + extra_gib)}Gi"
         return {"memory": memory}, {"memory": memory}
-    request = math.ceil(weights_gib + HOST_OVERHEAD_GIB)
+    request = math.ceil(weights_gib + HOST_OVERHEAD_GIB + extra_gib)
     return ({"cpu": str(CORES_PER_UNIT * cls.count), "memory": f"{request}Gi"}, {"memory": f"{2 * request}Gi"})
 
 
@@ -385,6 +388,10 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
         auth_volume, auth_mount = _auth_volume(owner)
         mounts[:0] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}, auth_mount]
         volumes[:0] = [{"name": "config", "configMap": {"name": config_name(owner.name)}}, auth_volume]
+        offload = spec.engine.kv_offload
+        if offload is not None and offload.disk is not None:  # the disk tier's memory-mapped file
+            mounts.append({"name": "kv-offload", "mountPath": offload.disk_path})
+            volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": _quantity(offload.disk)}})
         container = {
             "name": "worker",
             "image": runtime.image,

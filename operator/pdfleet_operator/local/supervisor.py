@@ -197,6 +197,9 @@ class Supervisor:
                  "--auth-token-file", str(self.token_path)]
         if rt.device:
             flags += ["--device", rt.device]
+        offload = self.local.spec.engine.kv_offload
+        if offload is not None and offload.disk is not None:  # the disk tier's file under the run directory
+            flags += ["--kv-offload-disk-path", str(self.engine_config.parent / "kv-offload")]
         return PDFLEET + engine_args.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
                                              host="127.0.0.1", port=r.port, engine_config=str(self.engine_config),
                                              flags=flags)

@@ -4,7 +4,10 @@ The scheduler rules are the engine's (`pdfleet_worker.engine.scheduler`, vLLM v1
 first gives each running sequence its one decode token, then spends what is left of the token budget
 on prompt chunks in FIFO order (chunked prefill), admitting a waiting request only when a sequence
 slot and KV for its context are free; when the KV of the running batch no longer fits, the newest
-sequence is preempted and recomputed later.
+sequence is preempted and recomputed later, or with engine.preemption swap parked in the swap space
+(bounded: a victim that does not fit is recomputed, as the engine does) and rejoins without recomputing
+(the copy back is not timed: a memcpy of its KV, small next to a step). No prefix cache is modelled, so
+engine.kvOffload (which keeps evicted prefix-cache blocks) changes nothing here.
 
 Time advances two ways, so that a day of traffic costs events per request, not per token:
 - while prompt tokens are to be computed the replica runs discrete steps (one event per step);
@@ -71,7 +74,7 @@ class Replica:
                  "on_done", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
                  "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
                  "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight", "url",
-                 "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0")
+                 "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0", "swapped", "swapped_tokens", "swap_fallbacks")
 
     def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
                  reqs: Requests, push: Callable[[float, "Replica", int], None], itl: "Histogram",
@@ -106,6 +109,9 @@ class Replica:
         self.prompt_tokens = 0              # counters, as the worker's /metrics has them
         self.gen_tokens = 0
         self.preempted = 0
+        self.swapped: dict[int, int] = {}  # preempted to swap space: request id -> KV tokens parked
+        self.swapped_tokens = 0
+        self.swap_fallbacks = 0
         self.busy_s = 0.0
 
     # --- what the router and the metrics see ------------------------------------------------------
@@ -228,6 +234,14 @@ class Replica:
         self.preempted += 1
         reqs.ctx[rid] = reqs.prompt[rid] + reqs.gen[rid]
         reqs.need[rid] = reqs.ctx[rid]
+        swap = self.perf.swap_space_tokens
+        if swap:
+            if self.swapped_tokens + reqs.ctx[rid] <= swap:  # its KV waits in swap space: nothing to recompute
+                self.swapped[rid] = reqs.ctx[rid]
+                self.swapped_tokens += reqs.ctx[rid]
+                reqs.need[rid] = 0
+            else:
+                self.swap_fallbacks += 1
         self.waiting.appendleft(rid)
         self.need_waiting += reqs.need[rid]
         if self.B == 0:
@@ -238,6 +252,7 @@ class Replica:
         reqs = self.reqs
         left = reqs.output[rid] - reqs.gen[rid]
         assert left > 0, f"request {rid} joins decoding with nothing left to generate"
+        self.swapped_tokens -= self.swapped.pop(rid, 0)
         reqs.v0[rid] = self.V
         reqs.c0[rid] = reqs.ctx[rid]
         self.S0 += reqs.ctx[rid] - self.V

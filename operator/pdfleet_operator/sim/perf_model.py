@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec, parse_quantity
 from pdfleet_operator.decide import perf
 
 GIB = perf.GIB
@@ -74,6 +74,7 @@ class ReplicaPerf:
     max_num_seqs: int
     block_size: int
     http_hop_s: float = 0.0        # one HTTP round trip to a worker of this class (first byte)
+    swap_space_tokens: int = 0     # engine.preemption swap: KV tokens the swap space holds (0: recompute)
 
     def step_time(self, tokens: float, context: float) -> float:
         """One engine step computing `tokens` tokens over a batch whose KV holds `context` tokens."""
@@ -124,6 +125,8 @@ def replica_perf(spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClass
         max_num_seqs=spec.engine.max_num_seqs,
         block_size=block,
         http_hop_s=eff.http_hop_s,
+        swap_space_tokens=(int(parse_quantity(spec.engine.swap_space) / per_token)
+                           if spec.engine.preemption == "swap" else 0),
     )
 
 
