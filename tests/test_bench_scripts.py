@@ -51,3 +51,32 @@ def test_peer_bench_smoke_run(tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert PEER_KEYS <= set(out), sorted(PEER_KEYS - set(out))
     assert out["tokens_compared"] > 0 and 0 <= out["token_disagreements"] <= out["tokens_compared"]
+
+
+LEVERS_INT8_KEYS = {"int8_bs1_vs_fp32", "int8_bs1_vs_bf16", "int8_ppl_increase"}
+
+
+@pytest.mark.slow
+def test_levers_bench_quick_int8_section_ends_with_the_keys(tmp_path):
+    """bench/levers.py --quick --only int8 end to end (tiny preset created and trained 6 steps in TMPDIR, 1
+    repetition): one JSON line with the keys other checks read, the perplexities finite. Times nothing."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(BENCH / "levers.py"), "--quick", "--only", "int8"], capture_output=True,
+                            text=True, timeout=600, cwd=BENCH.parent, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert LEVERS_INT8_KEYS <= set(out), sorted(LEVERS_INT8_KEYS - set(out))
+    assert out["int8_bs1_vs_fp32"] > 0 and out["int8_bs1_vs_bf16"] > 0
+    assert 1 < out["ppl_int8"] < 1e5 and abs(out["int8_ppl_increase"]) < 0.5
+    assert out["trained_tokens"] > 0 and "repetition 1/1" in result.stderr
+
+
+def test_levers_bench_offload_section_fails_loudly_without_its_module(tmp_path):
+    """Without bench/levers_offload.py the offload section exits non-zero naming it, and prints no JSON."""
+    for name in ("levers.py", "_sys_path.py", "engine.py"):
+        (tmp_path / name).write_text((BENCH / name).read_text())
+    result = subprocess.run([sys.executable, str(tmp_path / "levers.py"), "--only", "offload"], capture_output=True,
+                            text=True, timeout=120, cwd=BENCH.parent)
+    assert result.returncode != 0
+    assert "bench/levers_offload.py" in result.stderr and "missing" in result.stderr
+    assert not result.stdout.strip()
