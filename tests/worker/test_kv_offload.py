@@ -271,3 +271,43 @@ def test_offload_and_swap_metrics_are_exported(llama, make_engine, tmp_path):
     loaded = 'accelerator="cpu",direction="loaded",model_name="m",role="both",tier="host"'
     assert f'pdfleet_kv_offload_bytes_total{{{loaded}}} {6.0 * per}' in text
     assert "pdfleet_kv_offload_usage_perc{" in text and "pdfleet_preemption_swap_fallbacks_total{" in text
+
+
+def test_batched_copies_have_the_effect_of_running_them_one_by_one(llama, make_engine, tmp_path):
+    """apply_copies merges copies into runs; any order of saves, demotions, loads and swaps (slots reused
+    within one batch) ends with every pool block and slot as the copies run one at a time leave them."""
+    import random
+
+    import torch
+
+    from pdfleet_worker.engine.kv_offload import Copy
+
+    per = _block_bytes(llama.path, 4)
+    eng = make_engine(llama.path, block_size=4, num_kv_blocks=6, kv_offload_host_bytes=3 * per,
+                      kv_offload_disk_bytes=3 * per, kv_offload_disk_dir=str(tmp_path), preemption="swap",
+                      swap_space_bytes=3 * per)
+    mr = eng.model_runner
+    tensors = [c.kv for c in mr.caches] + [c.kv for store in mr.stores.values() for c in store]
+    rng = random.Random(0)
+    kinds = [("save", "host"), ("save", "disk"), ("demote", "disk"), ("load", "host"), ("load", "disk"),
+             ("swap_out", "swap"), ("swap_in", "swap")]
+    for trial in range(20):
+        copies = []
+        for _ in range(rng.randint(1, 12)):
+            kind, tier = rng.choice(kinds)
+            src_n = 6 if kind in ("save", "swap_out") else 3
+            dst_n = 6 if kind in ("load", "swap_in") else 3
+            copies.append(Copy(kind, rng.randrange(src_n), rng.randrange(dst_n), tier))
+        torch.manual_seed(trial)
+        start = [torch.randn_like(t) for t in tensors]
+        for t, s in zip(tensors, start):
+            t.copy_(s)
+        mr.apply_copies(copies)
+        batched = [t.clone() for t in tensors]
+        for t, s in zip(tensors, start):
+            t.copy_(s)
+        for c in copies:
+            mr.apply_copies([c])
+        assert all(torch.equal(a, b) for a, b in zip(batched, tensors)), copies
+    for t in tensors:
+        t.zero_()

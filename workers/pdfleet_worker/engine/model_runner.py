@@ -31,6 +31,13 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, d
     return cfg.num_layers * per_layer
 
 
+# Copy kind -> (source store, destination store) given the copy's tier; "pool" is the device KV pool.
+_COPY_STORES = {
+    "save": lambda tier: ("pool", tier), "demote": lambda tier: (HOST, DISK), "load": lambda tier: (tier, "pool"),
+    "swap_out": lambda tier: ("pool", "swap"), "swap_in": lambda tier: ("swap", "pool"),
+}
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, engine_cfg: EngineConfig, num_blocks: int, max_model_len: int):
         cfg = model.config
@@ -139,19 +146,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_copies(self, copies: list[Copy]) -> list[tuple[str, str, int, float]]:
-        """Run the scheduler's block copies in order, batching runs of one kind (a run ends where a copy
-        would read or write a slot an earlier copy of the run writes). Returns (kind, tier, blocks,
-        seconds) per run, for the cost model's bandwidth measurements."""
+        """Run the scheduler's block copies with the effect of running them in order, batched: a copy joins the
+        latest earlier run of its kind that no run in between conflicts with (writes what it reads, or reads or
+        writes what it writes), so a prefix hit's evictions and loads, interleaved one block at a time by the
+        block manager, become one save run and one load run. Returns (kind, tier, blocks, seconds) per run,
+        for the cost model's bandwidth measurements."""
+        runs: list[tuple[str, str, list[int], list[int], set, set]] = []  # kind, tier, src, dst, reads, writes
+        for c in copies:
+            src_store, dst_store = _COPY_STORES[c.kind](c.tier)
+            read, write = (src_store, c.src), (dst_store, c.dst)
+            target = None
+            for run in reversed(runs):
+                if run[0] == c.kind and run[1] == c.tier and write not in run[5] and read not in run[5]:
+                    target = run
+                    break  # NOTE: inside a run every read happens before every write
+                if read in run[5] or write in run[5] or write in run[4]:
+                    break
+            if target is None:
+                target = (c.kind, c.tier, [], [], set(), set())
+                runs.append(target)
+            target[2].append(c.src)
+            target[3].append(c.dst)
+            target[4].add(read)
+            target[5].add(write)
         done = []
-        i = 0
-        while i < len(copies):
-            kind, tier = copies[i].kind, copies[i].tier
-            src, dst = [], []
-            while (i < len(copies) and copies[i].kind == kind and copies[i].tier == tier
-                   and copies[i].dst not in dst and copies[i].src not in dst):
-                src.append(copies[i].src)
-                dst.append(copies[i].dst)
-                i += 1
+        for kind, tier, src, dst, _, _ in runs:
             t0 = time.perf_counter()
             self._copy_blocks(*self._ends(kind, tier), src, dst)
             if self.device.type == "cuda":
