@@ -57,6 +57,7 @@ def _model_init(args: argparse.Namespace) -> int:
 
         trained = model_train.train(args.dir, minutes=args.train_minutes, steps=args.train_steps,
                                     seq_len=args.train_seq_len, batch=args.train_batch, lr=args.train_lr, seed=args.seed,
+                                    max_corpus_bytes=12_000_000 if args.preset == "small" else 1_000_000,
                                     progress=lambda msg: print(msg, flush=True))
         print(f"trained {result.path}: {trained.steps} steps, {trained.tokens} tokens in {trained.seconds:.0f} s; "
               f"held-out perplexity {trained.held_out_ppl_before:.1f} -> {trained.held_out_ppl:.2f}")
