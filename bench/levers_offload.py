@@ -14,9 +14,10 @@ disk tier (a memory-mapped file in $TMPDIR); before the disk request the mapping
 of RAM (madvise MADV_PAGEOUT), so the loads read the file (`disk_page_cache` says whether that worked;
 without it the figure is the page cache's). `device` is the same request with P still in the device pool.
 
-Preemption: 16 requests (256-token prompts, 128 greedy tokens) on a pool that holds about a third of them,
-once with preemption recompute and once with swap (ample swap space); tokens/s of the whole run, the
-preemption counts, and whether both produced the same tokens (they must: greedy and exact).
+Preemption: 12 requests (384-token prompts, 96 greedy tokens) on a pool that admits a third of the prompts,
+whose growth then preempts; under preemption recompute and swap (ample swap space), with the prefix cache
+on (the default) and off; tokens/s of the whole run, the preemption counts, the prompt tokens computed, and
+whether every run produced the same tokens (they must: greedy and exact).
 """
 from __future__ import annotations
 
@@ -141,34 +142,43 @@ def offload_ttft(model_dir: str, vocab: int, prefix_len: int, reps: int, threads
 
 
 def preemption(model_dir: str, vocab: int, quick: bool, threads: int | None) -> dict:
+    """The same preempting workload under recompute and swap, with the prefix cache on (the default: a recomputed
+    victim finds what is left of its own freed blocks) and off (every preemption recomputes its whole context)."""
     from pdfleet_worker.engine.sampling_params import SamplingParams
 
-    n, prompt_len, out_len = (8, 64, 32) if quick else (16, 256, 128)
+    n, prompt_len, out_len = (6, 64, 24) if quick else (12, 384, 96)
     bs = 16
-    per_seq = -(-(prompt_len + out_len) // bs)
-    pool = max(per_seq * n // 3, per_seq + 1)
+    blocks = -(-prompt_len // bs)
+    pool = blocks * (n // 3) + 4          # admits n/3 prompts; their growth then preempts
     rng = random.Random(7)
     prompts = [[rng.randrange(8, vocab) for _ in range(prompt_len)] for _ in range(n)]
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     res = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "pool_blocks": pool}
     tokens = {}
-    for policy in ("recompute", "swap"):
-        eng = _engine(model_dir, block_size=bs, num_kv_blocks=pool, max_num_seqs=n, max_num_batched_tokens=2048,
-                      preemption=policy, swap_space_bytes=2 * n * per_seq * eng_block_bytes(model_dir, bs),
-                      num_threads=threads)
-        t0 = time.perf_counter()
-        outs = eng.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        s = eng.stats()
-        tokens[policy] = [o.new_token_ids for o in outs]
-        res[policy] = {"tokens_per_s": n * out_len / wall, "wall_s": wall, "preemptions": s.num_preemptions_total,
-                       "swapped": s.swap.swapped_out, "swap_fallbacks": s.swap.fallbacks,
-                       "prompt_tokens_computed": s.prompt_tokens_total}
-        progress(f"preemption {policy}: {res[policy]['tokens_per_s']:.1f} tok/s, {s.num_preemptions_total} preemptions, "
-                 f"{s.prompt_tokens_total} prompt tokens computed")
-        del eng
-    res["swap_vs_recompute_tokens_per_s"] = res["swap"]["tokens_per_s"] / res["recompute"]["tokens_per_s"]
-    res["outputs_equal"] = tokens["recompute"] == tokens["swap"]
+    per_seq = -(-(prompt_len + out_len) // bs)
+    for caching in (True, False):
+        key = "prefix_cache_on" if caching else "prefix_cache_off"
+        res[key] = {}
+        order = ("recompute", "swap") if caching else ("swap", "recompute")   # alternate which runs first
+        for policy in order:
+            eng = _engine(model_dir, block_size=bs, num_kv_blocks=pool, max_num_seqs=n, max_num_batched_tokens=2048,
+                          enable_prefix_caching=caching, preemption=policy,
+                          swap_space_bytes=2 * n * per_seq * eng_block_bytes(model_dir, bs), num_threads=threads)
+            t0 = time.perf_counter()
+            outs = eng.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            s = eng.stats()
+            tokens[(key, policy)] = [o.new_token_ids for o in outs]
+            res[key][policy] = {"tokens_per_s": n * out_len / wall, "wall_s": wall,
+                                "preemptions": s.num_preemptions_total, "swapped": s.swap.swapped_out,
+                                "swap_fallbacks": s.swap.fallbacks, "prompt_tokens_computed": s.prompt_tokens_total}
+            progress(f"preemption {policy} ({key}): {n * out_len / wall:.1f} tok/s, {s.num_preemptions_total} "
+                     f"preemptions, {s.prompt_tokens_total} prompt tokens computed")
+            del eng
+        res[key]["swap_vs_recompute"] = res[key]["swap"]["tokens_per_s"] / res[key]["recompute"]["tokens_per_s"]
+    res["swap_vs_recompute_tokens_per_s"] = res["prefix_cache_on"]["swap_vs_recompute"]
+    res["swap_vs_recompute_no_prefix_cache"] = res["prefix_cache_off"]["swap_vs_recompute"]
+    res["outputs_equal"] = len({tuple(map(tuple, t)) for t in tokens.values()}) == 1
     return res
 
 
@@ -208,8 +218,9 @@ def run(model_dir: str, args: argparse.Namespace) -> dict:
         "offload_disk_page_cache": off["disk_page_cache"],
         "offload_prefix_tokens": prefix,
         "swap_vs_recompute_tokens_per_s": round(pre["swap_vs_recompute_tokens_per_s"], 4),
-        "preemption_recompute_tokens_per_s": round(pre["recompute"]["tokens_per_s"], 2),
-        "preemption_swap_tokens_per_s": round(pre["swap"]["tokens_per_s"], 2),
+        "swap_vs_recompute_no_prefix_cache": round(pre["swap_vs_recompute_no_prefix_cache"], 4),
+        "preemption_recompute_tokens_per_s": round(pre["prefix_cache_on"]["recompute"]["tokens_per_s"], 2),
+        "preemption_swap_tokens_per_s": round(pre["prefix_cache_on"]["swap"]["tokens_per_s"], 2),
         "preemption_outputs_equal": pre["outputs_equal"],
         "offload": off, "preemption": pre, "offload_bench_s": round(time.perf_counter() - began, 1),
     }
@@ -227,10 +238,13 @@ def main(argv: list[str] | None = None) -> int:
               f"cold {t['cold_ttft_s'] * 1e3:.0f} ms, {tier} hit {t['hit_ttft_s'] * 1e3:.0f} ms "
               f"(x{t['ratio']:.3f}), device hit {t['device_hit_ttft_s'] * 1e3:.0f} ms (x{t['device_ratio']:.3f})",
               file=sys.stderr)
-    print(f"preemption: recompute {pre['recompute']['tokens_per_s']:.1f} tok/s ({pre['recompute']['preemptions']} "
-          f"preemptions), swap {pre['swap']['tokens_per_s']:.1f} tok/s ({pre['swap']['swapped']} swapped, "
-          f"{pre['swap']['swap_fallbacks']} fallbacks): x{pre['swap_vs_recompute_tokens_per_s']:.3f}, "
-          f"outputs equal {pre['outputs_equal']}", file=sys.stderr)
+    for key in ("prefix_cache_on", "prefix_cache_off"):
+        r, w = pre[key]["recompute"], pre[key]["swap"]
+        print(f"preemption ({key}): recompute {r['tokens_per_s']:.1f} tok/s ({r['preemptions']} preemptions, "
+              f"{r['prompt_tokens_computed']} prompt tokens computed), swap {w['tokens_per_s']:.1f} tok/s "
+              f"({w['swapped']} swapped, {w['swap_fallbacks']} fallbacks, {w['prompt_tokens_computed']} prompt tokens): "
+              f"x{pre[key]['swap_vs_recompute']:.3f}", file=sys.stderr)
+    print(f"outputs equal under every policy: {pre['outputs_equal']}", file=sys.stderr)
     print(json.dumps(out, sort_keys=True))
     return 0
 

@@ -80,3 +80,24 @@ def test_levers_bench_offload_section_fails_loudly_without_its_module(tmp_path):
     assert result.returncode != 0
     assert "bench/levers_offload.py" in result.stderr and "missing" in result.stderr
     assert not result.stdout.strip()
+
+
+LEVERS_OFFLOAD_KEYS = {"offload_host_ttft_ratio", "offload_disk_ttft_ratio", "swap_vs_recompute_tokens_per_s",
+                       "swap_vs_recompute_no_prefix_cache", "preemption_outputs_equal", "offload_disk_page_cache"}
+
+
+@pytest.mark.slow
+def test_levers_offload_bench_quick_run_ends_with_the_keys(tmp_path):
+    """bench/levers_offload.py --quick alone (the repo's tiny model, a 256-token prefix, 1 repetition): one JSON
+    line with the keys bench/levers.py reads; every prefix block came back from each tier (the script asserts it)
+    and every preemption policy produced the same tokens. Times nothing."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(BENCH / "levers_offload.py"), "--quick"], capture_output=True,
+                            text=True, timeout=600, cwd=BENCH.parent, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert LEVERS_OFFLOAD_KEYS <= set(out), sorted(LEVERS_OFFLOAD_KEYS - set(out))
+    assert out["offload_host_ttft_ratio"] > 0 and out["offload_disk_ttft_ratio"] > 0
+    assert out["preemption_outputs_equal"] is True
+    assert out["preemption"]["prefix_cache_off"]["swap"]["swapped"] > 0
+    assert out["preemption"]["prefix_cache_off"]["recompute"]["swapped"] == 0
