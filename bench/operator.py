@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         peak_rss = max(peak_rss, b.peak_rss_mb())
         b.stop_operator()
 
+        # Phase 4: two replicas with leader election (the chart's RBAC enforced); kill the leader mid-run.
+        ha = ha_scenario(b, n, args.timeout)
+
     race = race_scenario(workdir, args.timeout)
     rows = [
         ("CRs", f"{n}"),
@@ -263,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
         (f"race: {race['crs']} CRs x 2 GPUs for {race['gpus']}: placed / Pending without ScalingLimited / ever "
          "Unschedulable", f"{race['placed']} / {race['pending_pileup']} / {race['unschedulable']}"),
+        ("HA: writes by a replica not holding the Lease + rewrites on takeover", f"{ha['duplicate_writes']}"),
+        ("HA: leader killed -> standby holds the Lease (s; lease 4 s)", f"{ha['takeover_seconds']:.1f}"),
         ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -278,8 +283,87 @@ def main(argv: list[str] | None = None) -> int:
         "ready_seconds": round(ready_seconds, 1),
         "peak_rss_mb": round(peak_rss, 1),
         "pending_pileup": race["pending_pileup"],
+        "ha_duplicate_writes": ha["duplicate_writes"],
     }))
     return 0
+
+
+def ha_scenario(b: Bench, n: int, timeout: float) -> dict:
+    """Two replicas (`--leader-elect`, lease 4 s) as the chart's ServiceAccount, each with its own pod-bound token:
+    an edit of every CR while both run, the leader SIGKILLed, the standby takes over, a second edit. Duplicate
+    writes: every write a replica sent while it did not hold the Lease, plus every write on takeover (the new
+    leader re-reconciling what is already applied must change nothing)."""
+    from tests.gen.chart import helm
+    from tests.kube.ha import LEASE, RBAC_KINDS, SERVICE_ACCOUNT, Replica, writes_outside_lease
+    from tests.kube.ha import NAMESPACE as RELEASE_NAMESPACE
+
+    b.call(b.emu.apply_object, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NAMESPACE}})
+    for doc in helm.render({}):
+        if doc["kind"] in RBAC_KINDS:
+            b.call(b.emu.apply_object, doc)
+    leases = b.res("leases.coordination.k8s.io")
+
+    def holder() -> str | None:
+        try:
+            spec = b.call(b.emu.get_object, leases, RELEASE_NAMESPACE, LEASE).get("spec") or {}
+        except Exception:  # not created yet
+            return None
+        return spec["holderIdentity"].rsplit("_", 1)[0] if spec.get("holderIdentity") else None
+
+    def replica(pod: str) -> Replica:
+        token = b.call(b.emu.service_account, RELEASE_NAMESPACE, SERVICE_ACCOUNT, pod)
+        kubeconfig = write_kubeconfig(b.workdir / f"kubeconfig-{pod}", b.server.url, token=token)
+        return Replica(None, pod, b.workdir, kubeconfig=kubeconfig, lease_duration=4.0, renew_deadline=3.0,
+                       retry_period=0.5)
+
+    def edit(decode: int) -> None:
+        for i in range(n):
+            b.call(b.emu.patch_object, b.res("infdep"), f"bench-{i:04d}", {"spec": {"decode": {"minReplicas": decode}}},
+                   NAMESPACE)
+        b.wait(lambda: all((o.get("status") or {}).get("decodeReplicas") == decode and
+                           o["status"].get("observedGeneration") == o["metadata"]["generation"] for o in b.list("infdep")),
+               timeout, f"every CR at {decode} decode replicas")
+        quiet_objects()
+
+    def quiet_objects(seconds: float = 2.0) -> None:
+        last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            count = sum(1 for r in b.requests() if r.is_write and r.resource != "leases")
+            if count != last:
+                last, since = count, time.monotonic()
+            elif time.monotonic() - since >= seconds:
+                return
+            time.sleep(0.2)
+
+    b.proc = None  # (b.wait watches the single-replica operator's process; that one is stopped)
+    b.call(b.emu.log.clear)
+    a, s = replica("operator-a"), replica("operator-b")
+    try:
+        a.start()
+        b.wait(lambda: holder() == a.pod, 60, "replica a to lead")
+        b.wait(lambda: a.leader_gauge() == 1, 60, "replica a running")
+        s.start()
+        quiet_objects()
+        edit(3)
+        a.kill()
+        killed = time.monotonic()
+        b.wait(lambda: holder() == s.pod, timeout, "replica b to take over", 0.05)
+        takeover = time.monotonic() - killed
+        mark = len(b.requests())
+        b.wait(lambda: s.leader_gauge() == 1, 60, "replica b running")
+        quiet_objects(3.0)
+        rewrites = [r for r in b.requests()[mark:] if r.is_write and r.resource != "leases" and r.status != 409]
+        edit(4)  # (up: without Prometheus the autoscaler holds a pool's size rather than shrink it)
+        duplicates = writes_outside_lease(b.requests()) + rewrites
+        if duplicates:
+            print("HA duplicate writes: " + _by_kind(duplicates), file=sys.stderr)
+        forbidden = [r for r in b.requests() if r.status == 403]
+        if forbidden:
+            raise SystemExit("the chart's RBAC refused the operator: " + _by_kind(forbidden))
+    finally:
+        a.kill()
+        s.stop()
+    return {"duplicate_writes": len(duplicates), "takeover_seconds": takeover}
 
 
 def race_scenario(workdir: pathlib.Path, timeout: float, crs: int = 8, gpus: int = 10) -> dict:
