@@ -9,6 +9,8 @@ the Lease (want 0: two replicas never act at once).
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -28,10 +30,18 @@ LEASE = f"{helm.RELEASE}-operator"
 RBAC_KINDS = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 
+@functools.lru_cache(maxsize=8)
+def _rendered_rbac(values_json: str) -> str:
+    return json.dumps([o for o in helm.render(json.loads(values_json)) if o["kind"] in RBAC_KINDS])
+
+
 def install_chart_rbac(kube: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The chart's RBAC objects for these values, rendered by Helm and applied (with the release namespace)."""
-    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-    objects = [o for o in helm.render(values or {}) if o["kind"] in RBAC_KINDS]
+    """The chart's RBAC objects for these values, rendered by Helm (once per values) and applied, with the release
+    namespace and the namespaces of the Roles."""
+    objects = json.loads(_rendered_rbac(json.dumps(values or {}, sort_keys=True)))
+    for ns in sorted({NAMESPACE} | {o["metadata"]["namespace"] for o in objects if o["metadata"].get("namespace")}):
+        if kube.get("namespaces", ns) is None:
+            kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     kube.apply(objects)
     return objects
 

@@ -72,7 +72,8 @@ What a real kube-apiserver does that this does NOT:
   per kind); no ``/scale``, ``/log``, ``/exec``, ``/eviction``, ``/token`` or ``/proxy``
   subresources; CRD conversion webhooks are not called (versions differ only in ``apiVersion``);
 * graceful deletion periods are ignored (objects without finalizers go at once), ``Event``
-  aggregation, TTLs, ``generateName`` retries and leader-election semantics are not emulated.
+  aggregation, TTLs and ``generateName`` retries are not emulated (Leases are stored objects like any
+  other: leader election is the clients' protocol over them, which works as on a cluster).
 """
 
 from __future__ import annotations
@@ -895,7 +896,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         if state[1]:
             return  # the running pass goes round once more
         try:
-            asyncio.get_running_loop().call_soon(self.run_workloads)
+            # (in a fresh context: the controllers act as themselves, not as the requester RBAC authorized)
+            asyncio.get_running_loop().call_soon(self.run_workloads, context=contextvars.Context())
         except RuntimeError:  # no loop (construction): the next enable/run does it
             state[0] = False
 
