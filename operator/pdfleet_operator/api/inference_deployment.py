@@ -361,68 +361,6 @@ class RouterSpec(ApiModel):
                     "from this deployment's router and workers and from the operator's scraper namespaces.")
     image: str | None = Field(None, min_length=1, max_length=512, description="Router image; defaults to engine.image.")
     resources: Resources = Field(default_factory=Resources, description="CPU/memory of each router container.")
-
-
-class InferenceDeploymentSpec(ApiModel):
-    """A served model, its pools, and the policies that size and guard them."""
-
-    model: ModelSpec = Field(description="The model to serve.")
-    engine: EngineSpec = Field(default_factory=EngineSpec, description="Worker engine settings.")
-    disaggregation: bool = Field(True, description="Separate prefill and decode pools (true) or one colocated pool (false).")
-    prefill: RoleSpec | None = Field(None, description="The prefill pool (disaggregation: true).")
-    decode: RoleSpec | None = Field(None, description="The decode pool (disaggregation: true).")
-    colocated: RoleSpec | None = Field(None, description="The single pool doing both phases (disaggregation: false).")
-    tier: Literal["latency", "cost"] = Field(
-        "cost", description="latency: the fastest accelerators that meet the SLO; cost: the cheapest that still meet it.")
-    slo: SloSpec = Field(default_factory=SloSpec, description="Latency targets.")
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica autoscaling from queue metrics.")
-    rollback: RollbackSpec = Field(default_factory=RollbackSpec, description="Automated rollback on 5xx.")
-    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the pools.")
-
-    cel_rules: ClassVar = (
-        Rule(rule=f"{_or('disaggregation', 'true')} ? (has(self.prefill) && has(self.decode) && !has(self.colocated))"
-                  " : (has(self.colocated) && !has(self.prefill) && !has(self.decode))",
-             message="with disaggregation true set prefill and decode (not colocated); with false set colocated only"),
-        Rule(rule="(!has(self.decode) || !has(self.decode.targetPromptTokensPerReplica)) && "
-                  "(!has(self.colocated) || !has(self.colocated.targetPromptTokensPerReplica))",
-             message="targetPromptTokensPerReplica applies to the prefill role only"),
-    )
-
-    def roles(self) -> dict[str, RoleSpec]:
-        """The pools this spec asks for, by role."""
-        if self.disaggregation:
-            assert self.prefill and self.decode, "validated spec without prefill/decode"
-            return {"prefill": self.prefill, "decode": self.decode}
-        assert self.colocated, "validated spec without colocated"
-        return {"colocated": self.colocated}
-
-    def target_queue(self, role: str) -> float:
-        spec = self.roles()[role]
-        return spec.target_queue_per_replica or DEFAULT_TARGET_QUEUE[role]
-
-    def interval_seconds(self) -> float:
-        return parse_duration(self.autoscaling.interval)
-
-
-# --- status ----------------------------------------------------------------------------------------
-
-class PoolStatus(ApiModel):
-    """One pool: a role on one AcceleratorClass."""
-
-    name: str = Field(description="Name of the pool's Deployment.")
-    role: Role = Field(description="prefill, decode or colocated.")
-    accelerator_class: str = Field(description="The AcceleratorClass the pool runs on.")
-    desired: int = Field(ge=0, description="Replicas the operator asks for.")
-    ready: int = Field(0, ge=0, description="Replicas ready to serve.")
-    cost_per_hour: float = Field(0.0, ge=0, description="desired x class price, USD per hour.")
-
-
-class ScalingDecisionStatus(ApiModel):
-    """The autoscaler's last change (or hold) and why."""
-
-    time: dt.datetime = Field(description="When it was decided.", json_schema_extra={"format": "date-time"})
-    role: Role = Field(description="The role it applies to.")
-    from_replicas: int = Field(ge=0, description="Replicas before.")
     heartbeat_interval: Duration = Field(
         "10s", description="A streaming request that waits this long for its next event (queued, prefilling, KV in "
                            "flight, a prefill hand-off) gets an SSE comment `: keep-alive`, and again each interval, "
@@ -490,6 +428,70 @@ class RoutingSpec(ApiModel):
              message="set at least one rule or a classifier: without either every request would go to the target",
              field_path=".rules"),
     )
+
+
+class InferenceDeploymentSpec(ApiModel):
+    """A served model, its pools, and the policies that size and guard them."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Worker engine settings.")
+    disaggregation: bool = Field(True, description="Separate prefill and decode pools (true) or one colocated pool (false).")
+    prefill: RoleSpec | None = Field(None, description="The prefill pool (disaggregation: true).")
+    decode: RoleSpec | None = Field(None, description="The decode pool (disaggregation: true).")
+    colocated: RoleSpec | None = Field(None, description="The single pool doing both phases (disaggregation: false).")
+    tier: Literal["latency", "cost"] = Field(
+        "cost", description="latency: the fastest accelerators that meet the SLO; cost: the cheapest that still meet it.")
+    slo: SloSpec = Field(default_factory=SloSpec, description="Latency targets.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica autoscaling from queue metrics.")
+    rollback: RollbackSpec = Field(default_factory=RollbackSpec, description="Automated rollback on 5xx.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the pools.")
+    routing: RoutingSpec | None = Field(
+        None, description="Send requests judged simple to a smaller model's InferenceDeployment (query routing).")
+
+    cel_rules: ClassVar = (
+        Rule(rule=f"{_or('disaggregation', 'true')} ? (has(self.prefill) && has(self.decode) && !has(self.colocated))"
+                  " : (has(self.colocated) && !has(self.prefill) && !has(self.decode))",
+             message="with disaggregation true set prefill and decode (not colocated); with false set colocated only"),
+        Rule(rule="(!has(self.decode) || !has(self.decode.targetPromptTokensPerReplica)) && "
+                  "(!has(self.colocated) || !has(self.colocated.targetPromptTokensPerReplica))",
+             message="targetPromptTokensPerReplica applies to the prefill role only"),
+    )
+
+    def roles(self) -> dict[str, RoleSpec]:
+        """The pools this spec asks for, by role."""
+        if self.disaggregation:
+            assert self.prefill and self.decode, "validated spec without prefill/decode"
+            return {"prefill": self.prefill, "decode": self.decode}
+        assert self.colocated, "validated spec without colocated"
+        return {"colocated": self.colocated}
+
+    def target_queue(self, role: str) -> float:
+        spec = self.roles()[role]
+        return spec.target_queue_per_replica or DEFAULT_TARGET_QUEUE[role]
+
+    def interval_seconds(self) -> float:
+        return parse_duration(self.autoscaling.interval)
+
+
+# --- status ----------------------------------------------------------------------------------------
+
+class PoolStatus(ApiModel):
+    """One pool: a role on one AcceleratorClass."""
+
+    name: str = Field(description="Name of the pool's Deployment.")
+    role: Role = Field(description="prefill, decode or colocated.")
+    accelerator_class: str = Field(description="The AcceleratorClass the pool runs on.")
+    desired: int = Field(ge=0, description="Replicas the operator asks for.")
+    ready: int = Field(0, ge=0, description="Replicas ready to serve.")
+    cost_per_hour: float = Field(0.0, ge=0, description="desired x class price, USD per hour.")
+
+
+class ScalingDecisionStatus(ApiModel):
+    """The autoscaler's last change (or hold) and why."""
+
+    time: dt.datetime = Field(description="When it was decided.", json_schema_extra={"format": "date-time"})
+    role: Role = Field(description="The role it applies to.")
+    from_replicas: int = Field(ge=0, description="Replicas before.")
     to_replicas: int = Field(ge=0, description="Replicas after.")
     reason: str = Field(description="Machine-readable reason, e.g. QueueAboveTarget, RatioBound, MetricsUnavailable.")
     message: str = Field("", description="Human-readable detail.")
@@ -507,8 +509,6 @@ class InferenceDeploymentStatus(ApiModel):
     prefill_replicas: int | None = Field(None, ge=0, description="Desired prefill replicas over all classes.")
     decode_replicas: int | None = Field(None, ge=0, description="Desired decode (or colocated) replicas over all classes.")
     pd_ratio: str | None = Field(None, description="Prefill:decode replicas, e.g. '1:2' ('-' when colocated).")
-    routing: RoutingSpec | None = Field(
-        None, description="Send requests judged simple to a smaller model's InferenceDeployment (query routing).")
     cost_per_hour: float | None = Field(None, ge=0, description="All pools and the router, USD per hour.")
     endpoint: str | None = Field(None, description="URL of the router Service (OpenAI API base).")
     last_scaling_decision: ScalingDecisionStatus | None = Field(None, description="The autoscaler's last decision.")
@@ -527,14 +527,14 @@ class InferenceDeployment(Resource):
     status: InferenceDeploymentStatus | None = None
 
     name_rule: ClassVar = (40, r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    cel_rules: ClassVar = (
+        Rule(rule="!has(self.spec.routing) || self.spec.routing.target != self.metadata.name",
+             message="a deployment cannot route to itself: name another InferenceDeployment",
+             field_path=".spec.routing.target"),
+    )
     name_rule_why: ClassVar = "a DNS label starting with a letter, short enough to prefix its pools' names"
 
     @property
     def name(self) -> str:
         assert self.metadata.name, "InferenceDeployment without metadata.name"
         return self.metadata.name
-    cel_rules: ClassVar = (
-        Rule(rule="!has(self.spec.routing) || self.spec.routing.target != self.metadata.name",
-             message="a deployment cannot route to itself: name another InferenceDeployment",
-             field_path=".spec.routing.target"),
-    )

@@ -451,6 +451,9 @@ def routing_target_url(owner: Owner, spec: InferenceDeploymentSpec) -> str | Non
 
 def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None) -> dict[str, Any]:
     roles = list(spec.roles())
+    # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
+    tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
+    model_volumes, model_mounts = _model_volume(spec) if tokenizer else ([], [])
     container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image or spec.engine.image,
@@ -458,9 +461,6 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
         "args": router_args(owner, roles, engines) + engine_args.router_args(
             spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-    # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
-    tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
-    model_volumes, model_mounts = _model_volume(spec) if tokenizer else ([], [])
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
         **_probes(),
         "securityContext": _container_security(),
