@@ -47,6 +47,11 @@ class Preset:
     bursts_per_day: float                          # Poisson number of bursts per day
     burst_minutes: float                           # mean burst length (exponential)
     burst_height: tuple[float, float]              # burst multiplier, uniform in [lo, hi]
+    # A second population of requests ("simple": short questions, short answers) and its share of all requests;
+    # the rest follow prompt/output. Query routing sends the simple ones to a smaller model.
+    simple_share: float = 0.0
+    simple_prompt: LengthDist | None = None
+    simple_output: LengthDist | None = None
 
     def shape(self, t: np.ndarray) -> np.ndarray:
         """Relative rate at times `t` (seconds from midnight), normalised to a mean of 1 over a day."""
@@ -89,6 +94,23 @@ PRESETS: dict[str, Preset] = {
         bursts_per_day=30.0,
         burst_minutes=3.0,
         burst_height=(1.5, 3.0),
+    ),
+    "assistant": Preset(
+        name="assistant",
+        description="a general assistant, 40% simple / 60% complex requests: simple ones have a short prompt and no "
+                    "history (median 150 tokens) and a medium answer (median 200: an email, a definition, a list); "
+                    "complex ones carry long context (median 1,500 prompt tokens) and longer answers (median 350); "
+                    "the conversation preset's day. Simple requests generate about a third of the output tokens",
+        prompt=LengthDist(median=1500, sigma=0.7, lo=8, hi=7168),
+        output=LengthDist(median=350, sigma=0.6, lo=1, hi=2048),
+        peaks=((11.0, 1.0, 2.5), (20.0, 1.4, 3.0)),
+        floor=0.45,
+        bursts_per_day=12.0,
+        burst_minutes=8.0,
+        burst_height=(1.5, 2.5),
+        simple_share=0.4,
+        simple_prompt=LengthDist(median=150, sigma=0.6, lo=4, hi=500),
+        simple_output=LengthDist(median=200, sigma=0.5, lo=1, hi=500),
     ),
 }
 
@@ -147,7 +169,13 @@ def synthetic(preset: str | Preset, *, mean_rate: float, duration: float, seed: 
     arrival = np.repeat(bins, counts) + rng.random(n)
     arrival.sort()
     arrival = np.minimum(arrival, np.nextafter(duration, 0.0))
-    return Trace(p.name, arrival, p.prompt.draw(rng, n), p.output.draw(rng, n), float(duration))
+    prompt, output = p.prompt.draw(rng, n), p.output.draw(rng, n)
+    if p.simple_share > 0:
+        assert p.simple_prompt is not None and p.simple_output is not None, f"preset {p.name}: simple lengths missing"
+        simple = rng.random(n) < p.simple_share
+        k = int(simple.sum())
+        prompt[simple], output[simple] = p.simple_prompt.draw(rng, k), p.simple_output.draw(rng, k)
+    return Trace(p.name, arrival, prompt, output, float(duration))
 
 
 def _bursts(p: Preset, rng: np.random.Generator, duration: float) -> np.ndarray:

@@ -79,6 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="require a client API key on the router: one is generated, printed with the lines to try "
                          "and written to RUN_DIR/api-key (the token between the router and its workers is generated "
                          "every run, auth or not)")
+    up.add_argument("--routing-target", metavar="URL",
+                    help="with spec.routing: the router of the deployment its target names, e.g. the "
+                         "http://127.0.0.1:8001 of another `pdfleet up TARGET.yaml --port 8001` (one `pdfleet up` runs "
+                         "one deployment); requests the rules judge simple go there")
     up.add_argument("--plain", dest="live", action="store_false", default=None,
                     help="plain log lines instead of the live view (the default when stdout is not a terminal)")
     up.set_defaults(func=_up)
@@ -116,7 +120,8 @@ def _up(args: argparse.Namespace) -> int:
                       load=args.load, rate=args.rate, burst=args.burst, duration=args.duration, settle=args.settle,
                       prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, threads=args.threads,
                       run_dir=args.run_dir, report=args.report, ready_timeout=args.ready_timeout, seed=args.seed,
-                      live=args.live, vllm_python=args.vllm_python, auth=args.auth)
+                      live=args.live, vllm_python=args.vllm_python, auth=args.auth,
+                      routing_target=args.routing_target)
     return up.run(opts)
 
 

@@ -89,8 +89,9 @@ class Supervisor:
     def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
                  machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
                  on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 api_key: str | None = None):
+                 api_key: str | None = None, route_to: str | None = None):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
+        self.route_to = route_to  # spec.routing: the target deployment's router
         self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
         self.memory_bytes = vllm_runtime.available_memory()
@@ -210,7 +211,8 @@ class Supervisor:
                           "--discovery-interval", f"{ROUTER_DISCOVERY_S:g}", "--health-interval", f"{ROUTER_HEALTH_S:g}",
                           "--drain-timeout", f"{ROUTER_DRAIN_S:g}", "--log-level", "warning",
                           "--auth-token-file", str(self.token_path)] + \
-            (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else [])
+            (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else []) + \
+            engine_args.router_args(self.local.spec, route_to=self.route_to, tokenizer_dir=str(self.local.model_dir))
 
     def _env(self, r: Replica) -> dict[str, str]:
         env = dict(os.environ)

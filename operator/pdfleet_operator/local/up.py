@@ -52,6 +52,7 @@ class Options:
     live: bool | None = None
     vllm_python: str | None = None     # the vLLM runtime's interpreter (vllm_runtime.find's order otherwise)
     auth: bool = False                 # the router requires a client API key (generated, printed, RUN_DIR/api-key)
+    routing_target: str | None = None  # spec.routing: the URL of the target deployment's router
 
 
 class Up:
@@ -83,6 +84,16 @@ class Up:
             raise specs.UpError(f"--threads-per-worker {o.threads}: must be at least 1")
         if o.prometheus is not None and not o.prometheus.startswith(("http://", "https://")):
             raise specs.UpError(f"--prometheus {o.prometheus}: expected an http(s) URL")
+        routing = self.local.spec.routing
+        if routing is not None and o.routing_target is None:
+            raise specs.UpError(f"{o.file}: spec.routing.target is {routing.target!r}: `pdfleet up` runs one deployment; "
+                                f"start {routing.target} with its own `pdfleet up` (another --port) and pass its router "
+                                "as --routing-target http://127.0.0.1:PORT")
+        if o.routing_target is not None:
+            if routing is None:
+                raise specs.UpError(f"--routing-target {o.routing_target}: {o.file} has no spec.routing to use it")
+            if not o.routing_target.startswith(("http://", "https://")):
+                raise specs.UpError(f"--routing-target {o.routing_target}: expected an http(s) URL")
         # The pools this machine can run (placement skips the others), and the vLLM runtime when one runs vLLM.
         here = {k: rt for k, rt in self.local.pools.items() if self.machine.provides(self.local.classes[k[1]])}
         if any(rt.name == runtimes.VLLM for rt in here.values()):
@@ -116,7 +127,8 @@ class Up:
             loop.add_signal_handler(sig, self._on_signal, sig)
         run_dir = Path(o.run_dir) if o.run_dir else Path(tempfile.mkdtemp(prefix=f"pdfleet-up-{self.local.name}-"))
         self.sup = Supervisor(self.local, run_dir, o.port, threads=o.threads, machine=self.machine,
-                              router_host=o.host, vllm=self.vllm, on_event=self._on_event, api_key=self.api_key)
+                              router_host=o.host, vllm=self.vllm, on_event=self._on_event, api_key=self.api_key,
+                              route_to=o.routing_target)
         self.endpoint = f"http://{o.host}:{o.port}"
         code = 0
         try:

@@ -364,14 +364,26 @@ def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, Accel
         raise FleetError(f"{where}.autoscalerPolicy: {how!r} is not one of {', '.join(AUTOSCALER_POLICIES)}")
     tiers = p.get("deployments") or [{"share": 1.0, "spec": p.get("spec") or {}}]
     deps: list[DeploymentPlan] = []
+    targets = _routing_targets(tiers, base)
+    names = [(t.get("name") if isinstance(t, dict) else None) or (base.get("metadata") or {}).get("name") for t in tiers]
+    for target in sorted(targets - set(names)):
+        raise FleetError(f"{where}: spec.routing.target: {target!r} is not a deployment of this policy "
+                         f"({', '.join(str(n) for n in names)})")
     for j, tier in enumerate(tiers):
         twhere = f"{where}.deployments[{j}]" if "deployments" in p else where
         if not isinstance(tier, dict):
             raise FleetError(f"{twhere}: expected {{name, share, spec}}")
-        share = tier.get("share", 1.0 if len(tiers) == 1 else None)
-        if not isinstance(share, (int, float)) or share <= 0:
-            raise FleetError(f"{twhere}.share: the fraction of requests this deployment serves, > 0")
         meta = merge(base.get("metadata") or {}, {"name": tier["name"]} if tier.get("name") else {})
+        if meta.get("name") in targets:
+            # a routing target gets what its router sends it, no share of the trace of its own
+            if "share" in tier:
+                raise FleetError(f"{twhere}.share: {meta['name']!r} is a spec.routing.target: it serves the "
+                                 "requests routed to it, not a share of the trace")
+            share = 0.0
+        else:
+            share = tier.get("share", 1.0 if len(tiers) - len(targets) == 1 else None)
+            if not isinstance(share, (int, float)) or share <= 0:
+                raise FleetError(f"{twhere}.share: the fraction of requests this deployment serves, > 0")
         obj = {"metadata": meta, "spec": merge(base["spec"], tier.get("spec") or {})}
         dep = _deployment(obj, twhere, classes)
         deps.append(DeploymentPlan(dep.name, dep.metadata.namespace or "default", dep.spec, float(share)))
@@ -380,7 +392,43 @@ def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, Accel
         raise FleetError(f"{where}: deployment shares sum to {total:g}, not 1")
     if len({d.name for d in deps}) != len(deps):
         raise FleetError(f"{where}: deployment names must differ")
+    for j, d in enumerate(deps):
+        _check_routing(d, deps, f"{where}.deployments[{j}]" if "deployments" in p else where)
     return Policy(p["name"], str(p.get("description", "")).strip(), tuple(deps), AUTOSCALER_POLICIES[how], variant)
+
+
+def _routing_targets(tiers: Any, base: dict[str, Any]) -> set[str]:
+    """Names of the deployments a policy's deployments route to (spec.routing.target, base spec merged)."""
+    out = set()
+    for tier in tiers if isinstance(tiers, list) else ():
+        spec = merge(base.get("spec") or {}, tier.get("spec") or {}) if isinstance(tier, dict) else {}
+        target = (spec.get("routing") or {}).get("target") if isinstance(spec, dict) else None
+        if isinstance(target, str):
+            out.add(target)
+    return out
+
+
+def _check_routing(d: DeploymentPlan, deps: list[DeploymentPlan], where: str) -> None:
+    """What the simulator can route: length rules to a deployment of the same policy, no routing twice."""
+    routing = d.spec.routing
+    if routing is None:
+        return
+    names = {x.name: x for x in deps}
+    if routing.target not in names:
+        raise FleetError(f"{where}: spec.routing.target: {routing.target!r} is not a deployment of this policy "
+                         f"({', '.join(sorted(names))})")
+    if names[routing.target].spec.routing is not None:
+        raise FleetError(f"{where}: spec.routing.target: {routing.target!r} routes further; the router sends a "
+                         "routed request on no further, so the simulator does not either")
+    rules = routing.rules
+    # NOTE: a trace has token counts, not text: what reads text (characters, patterns, a classifier) is refused,
+    # not ignored, since ignoring it would route more requests than the real router does.
+    for field, set_ in (("rules.maxPromptChars", rules.max_prompt_chars is not None),
+                        ("rules.patterns", bool(rules.patterns)), ("rules.excludePatterns", bool(rules.exclude_patterns)),
+                        ("classifier", routing.classifier is not None)):
+        if set_:
+            raise FleetError(f"{where}: spec.routing.{field}: the simulator's requests are token counts, not text; "
+                             "simulate with rules.maxPromptTokens and rules.maxTokens")
 
 
 def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Mapping[str, AcceleratorClassSpec],

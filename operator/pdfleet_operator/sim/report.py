@@ -127,6 +127,7 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         "tpot_p99_s": _round(percentile(tpot[done & (output > 1)], 99)),
         "slo_attainment": _round(float(met.sum()) / counted if counted else None),
         "requests": int(measured.sum()),
+        "routed_share": _round(float(sim.routed[measured].mean()) if measured.any() else None),  # to a routing target
         "completed": int(done.sum()),
         "rejected": int(((status == eng.REJECTED) & measured).sum()),
         "too_long": int(((status == eng.TOO_LONG) & measured).sum()),
@@ -193,6 +194,7 @@ def compare(entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: 
         "baseline": baseline, "candidate": candidate,
         "baseline_cost_per_1m_tokens": b["cost_per_1m_tokens"], "candidate_cost_per_1m_tokens": c["cost_per_1m_tokens"],
         "saving": _round(saving, 4),
+        "cost_ratio": _round(1.0 - saving, 4) if saving is not None else None,
         "baseline_slo_attainment": b["slo_attainment"], "candidate_slo_attainment": c["slo_attainment"],
         "slo_attainment_gap": _round((c["slo_attainment"] or 0) - (b["slo_attainment"] or 0), 4),
     }
@@ -240,7 +242,8 @@ def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
         return f"{cmp['candidate']} vs {cmp['baseline']}: no tokens served, no comparison.\n"
     word = "cheaper" if saving >= 0 else "more expensive"
     text = (f"{cmp['candidate']} costs ${cmp['candidate_cost_per_1m_tokens']:.4f} per 1M generated tokens against "
-            f"${cmp['baseline_cost_per_1m_tokens']:.4f} for {cmp['baseline']}: {abs(saving):.1%} {word}, at SLO "
+            f"${cmp['baseline_cost_per_1m_tokens']:.4f} for {cmp['baseline']} ({1 - saving:.3f}x): {abs(saving):.1%} "
+            f"{word}, at SLO "
             f"attainment {cmp['candidate_slo_attainment']:.2%} vs {cmp['baseline_slo_attainment']:.2%}. ")
     eq = cmp.get("equal_slo_saving")
     if "equal_slo_saving" in cmp:

@@ -25,6 +25,7 @@ from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
 from pdfleet_operator.decide import autoscaler, placement, rollback, runtimes, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import efficiency, perf_model
+from pdfleet_operator.sim import routing as sim_routing
 from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy
 from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
@@ -127,6 +128,14 @@ class Simulator:
         shares = np.array([d.share for d in policy.deployments])
         assign = (rng.choice(len(shares), size=len(trace), p=shares / shares.sum()) if len(shares) > 1
                   else np.zeros(len(trace), dtype=np.int64))
+        # query routing: what a deployment's router judges simple goes to its target (the router's own rules)
+        self.routed = np.zeros(len(trace), dtype=bool)
+        index = {d.name: i for i, d in enumerate(policy.deployments)}
+        for i, d in enumerate(policy.deployments):
+            if d.spec.routing is not None:
+                small = sim_routing.simple(d.spec.routing, trace.prompt, trace.output) & (assign == i)
+                assign[small] = index[d.spec.routing.target]
+                self.routed |= small
         self.reqs = eng.Requests(trace.arrival.tolist(), trace.prompt.tolist(), trace.output.tolist(), assign.tolist())
         self.all_replicas: list[eng.Replica] = []
         self.samples: list[Sample] = []
