@@ -615,8 +615,9 @@ def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, ht
     assert http.get(f"{base}/mine", headers=auth).status_code == 200
     denied = http.get(f"{base}/other", headers=auth)
     assert denied.status_code == 403 and denied.json()["reason"] == "Forbidden"
-    assert denied.json()["message"] == ('configmaps "other" is forbidden: User "system:serviceaccount:ops:op" cannot get '
-                                        'resource "configmaps" in API group "" in the namespace "default"')
+    denied_message = ('configmaps "other" is forbidden: User "system:serviceaccount:ops:op" cannot get '
+                      'resource "configmaps" in API group "" in the namespace "default"')
+    assert denied.json()["message"] == denied_message
     assert http.get("/api/v1/namespaces/kube-system/configmaps", headers=auth).status_code == 403  # a Role is one namespace
     assert http.get("/api/v1/configmaps", headers=auth).status_code == 403  # ... not the cluster scope
     assert http.get("/apis/emulator.pdfleet.io/v1/widgets", headers=auth).status_code == 200  # the group's ClusterRole
@@ -650,6 +651,8 @@ def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, ht
     assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned)).status_code == 200
     assert [(r.verb, r.status, r.user) for r in widgets.requests if r.user][:2] == [
         ("list", 200, "system:serviceaccount:ops:op"), ("get", 200, "system:serviceaccount:ops:op")]
+    denied = [r.denied for r in widgets.requests if r.denied]  # what the RBAC refused, not other 403s
+    assert denied[0] == denied_message and len(denied) == 6
 
 
 def test_request_log_names_what_a_label_selected_watch_sent(kube: Kube, http: httpx.Client):

@@ -32,10 +32,35 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
                      prometheus_url: str | None = None, alertmanager_port: int | None = None,
                      analysis_interval: float = 0.0, class_status_interval: float = 0.0,
-                     namespaces: tuple[str, ...] = ()) -> Iterator[kopf.testing.KopfRunner]:
+                     namespaces: tuple[str, ...] = (), rbac: bool = True) -> Iterator[kopf.testing.KopfRunner]:
     """kopf with pdfleet's handlers; the autoscaler, rollback-analysis and class-status loops only when asked
     (`autoscaler`, `analysis_interval` / `class_status_interval` > 0), so tests of the reconcile alone see
-    no metrics- or capacity-driven writes. `namespaces`: serve only these (as `pdfleet operator -n`), else all."""
+    no metrics- or capacity-driven writes. `namespaces`: serve only these (as `pdfleet operator -n`), else all.
+    `rbac` (the default): run as the chart's ServiceAccount, authorized by the emulator from the chart's own
+    ClusterRole/Roles (Helm-rendered for the same namespaces): a request the chart does not allow is a 403 and
+    fails the test, as it would fail on a cluster."""
+    import os
+
+    previous = os.environ.get("KUBECONFIG")
+    if rbac:
+        from tests.kube import ha
+        ha.install_chart_rbac(kube, {"operator": {"watchNamespaces": list(namespaces)}} if namespaces else None)
+        os.environ["KUBECONFIG"] = str(kube.service_account_kubeconfig(ha.NAMESPACE, ha.SERVICE_ACCOUNT, pod="in-process"))
+    try:
+        with _kopf_runner(resync_interval, autoscaler, prometheus_url, alertmanager_port, analysis_interval,
+                          class_status_interval, namespaces) as runner:
+            yield runner
+    finally:
+        if previous is not None:
+            os.environ["KUBECONFIG"] = previous
+    forbidden = sorted({r.denied for r in kube.requests if r.denied})  # (not a 403 a test injected itself)
+    assert not forbidden, f"the chart's RBAC refused the operator: {forbidden}"
+
+
+@contextlib.contextmanager
+def _kopf_runner(resync_interval: float, autoscaler: bool, prometheus_url: str | None, alertmanager_port: int | None,
+                 analysis_interval: float, class_status_interval: float,
+                 namespaces: tuple[str, ...]) -> Iterator[kopf.testing.KopfRunner]:
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler

@@ -109,6 +109,7 @@ from tests.support import k8s_workloads
 
 __all__ = [
     "ApiError",
+    "Forbidden",
     "Requester",
     "ApiResource",
     "LoggedRequest",
@@ -696,6 +697,10 @@ def _subject_matches(subject: dict, who: Requester) -> bool:
     return False
 
 
+class Forbidden(ApiError):
+    """403 from the emulator's RBAC or its OwnerReferencesPermissionEnforcement (``LoggedRequest.denied``)."""
+
+
 def _forbidden(who: Requester, verb: str, group: str, resource: str, subresource: str | None, namespace: str | None,
                name: str | None, prefix: str = "") -> ApiError:
     """kube-apiserver's 403 Status for a request no rule allows."""
@@ -706,7 +711,7 @@ def _forbidden(who: Requester, verb: str, group: str, resource: str, subresource
     details: dict[str, Any] = {"group": group, "kind": resource}
     if name:
         details["name"] = name
-    return ApiError(403, "Forbidden", f'{what} is forbidden: {prefix}User "{who.user}" cannot {verb} resource '
+    return Forbidden(403, "Forbidden", f'{what} is forbidden: {prefix}User "{who.user}" cannot {verb} resource '
                                       f'"{full}" in API group "{group}" {where}', details)
 
 
@@ -734,6 +739,7 @@ class LoggedRequest:
     body: Any = None  # the decoded request body for writes
     user: str | None = None  # who sent it, when the emulator knows the token (`users=`); None: the tests' admin
     pod: str | None = None  # the pod its ServiceAccount token is bound to, if any
+    denied: str | None = None  # the message when the emulator's RBAC (or the ownerReference check) refused it
     objects: list[str] = field(default_factory=list)  # `namespace/name` of each object a list answered or a watch sent
 
     @property
@@ -1495,9 +1501,9 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
             group, _, version = str(ref.get("apiVersion") or "").rpartition("/")
             owners = [r for r in self._api.values() if r.group == group and r.version == version and r.kind == ref.get("kind")]
             if not owners:
-                raise ApiError(403, "Forbidden", f'{res.group_resource} "{name}" is forbidden: cannot set '
-                               f'blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion '
-                               f'{ref.get("apiVersion")} Kind {ref.get("kind")}')
+                raise Forbidden(403, "Forbidden", f'{res.group_resource} "{name}" is forbidden: cannot set '
+                                f'blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion '
+                                f'{ref.get("apiVersion")} Kind {ref.get("kind")}')
             for owner in owners:
                 owner_ns = namespace if owner.namespaced else None
                 if not self.allowed(who, "update", owner.group, owner.plural, "finalizers", owner_ns, ref.get("name")):
@@ -1556,8 +1562,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
             entry.user, entry.pod = who.user, who.pod
             try:
                 self._authorize(who, entry)
-            except ApiError as exc:
-                entry.status = exc.code
+            except Forbidden as exc:
+                entry.status, entry.denied = exc.code, exc.message
                 return self._json(exc.status(), status=exc.code)
         if self._payloads:  # user-defined kmock reactions take precedence (e.g. to inject failures)
             try:
@@ -1569,6 +1575,8 @@ class KubernetesApiEmulator(kmock.KubernetesEmulator):
         try:
             response = await self._dispatch(request, entry)
         except ApiError as exc:
+            if isinstance(exc, Forbidden):
+                entry.denied = exc.message
             response = self._json(exc.status(), status=exc.code)
         except Exception as exc:  # a bug in the emulator: say so loudly, as an InternalError Status
             response = self._json(ApiError(500, "InternalError", f"emulator error: {exc!r}",
