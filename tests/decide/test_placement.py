@@ -242,3 +242,19 @@ def test_plan_is_deterministic_and_pure() -> None:
     b = placement.plan(spec, CLASSES, inv, {"decode": 4})
     assert a == b
     assert inv.free_units(CLASSES["hygon-dcu-k100"]) == 8  # planning did not consume the caller's inventory
+
+
+def test_surge_room_goes_to_pools_that_can_start_one_more_replica() -> None:
+    spec = deployment("llama31-8b")  # prefill 1 x h100-80gb, decode 2 x h100-mig-3g-40gb
+    roomy = inventory.build([node("g1", "h100", 8), node("m1", "h100-mig", 4)], [])
+    plan = placement.plan(spec, CLASSES, roomy)
+    assert placement.surge_room(plan, CLASSES, roomy) == {("prefill", "h100-80gb"), ("decode", "h100-mig-3g-40gb")}
+    # Exactly the plan's size free: every pool must take a pod down to roll (a surge pod would stay Pending).
+    tight = inventory.build([node("g1", "h100", 1), node("m1", "h100-mig", 2)], [])
+    plan = placement.plan(spec, CLASSES, tight)
+    assert [(p.role, p.replicas) for p in plan.pools] == [("prefill", 1), ("decode", 2)]
+    assert placement.surge_room(plan, CLASSES, tight) == frozenset()
+    # One spare slice: it goes to one pool only.
+    one_spare = inventory.build([node("g1", "h100", 1), node("m1", "h100-mig", 3)], [])
+    plan = placement.plan(spec, CLASSES, one_spare)
+    assert placement.surge_room(plan, CLASSES, one_spare) == {("decode", "h100-mig-3g-40gb")}

@@ -37,9 +37,10 @@ def expected(doc: dict[str, Any]) -> dict[str, Any]:
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
     spec = spec_of(doc)
     cls = classes()
-    plan = placement.plan(spec, cls, inventory.build(standard_nodes(), []))
+    free = inventory.build(standard_nodes(), [])
+    plan = placement.plan(spec, cls, free)
     owner = render.Owner(name, namespace, UID)
-    objects = render.render(owner, spec, plan, cls, revision=1)
+    objects = render.render(owner, spec, plan, cls, revision=1, surge=placement.surge_room(plan, cls, free))
     plan_cost = cost.plan_cost(plan, cls, router_replicas=spec.router.replicas,
                                router_cpu=cost.router_cores(spec.router.resources.requests))
     st = status.compute(name=name, namespace=namespace, plan=plan, cost=plan_cost, observed=status.Observed(),

@@ -343,3 +343,25 @@ def test_fields_dropped_from_a_class_leave_the_live_pods(kube) -> None:
         settle(kube)
         kinds = {e["reason"] for e in events(kube, "llama31-8b")}
         assert "DriftReverted" not in kinds, "a removal in the render is not a hand edit"
+
+
+def test_the_worker_image_defaults_in_the_operator_not_in_the_crd(kube) -> None:
+    """A CRD upgrade must not roll fleets: the schema defaults no image; the operator's --worker-image does,
+    and the status says which image that was."""
+    prepare_cluster(kube)
+    image = "registry.example.com/team/pdfleet-worker:dev"
+    saved = handlers.OPTIONS.worker_image
+    handlers.OPTIONS.worker_image = image
+    try:
+        with running_operator(kube):
+            kube.apply(LLAMA)
+            assert "image" not in kube.get("infdep", "llama31-8b")["spec"]["engine"], "the CRD defaults no image"
+            cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == image)
+            pools = [o for k, o in children(kube, "llama31-8b").items() if k.startswith("Deployment/")]
+            assert {o["spec"]["template"]["spec"]["containers"][0]["image"] for o in pools} == {image}, "workers and router"
+            kube.patch("infdep", "llama31-8b", {"spec": {"engine": {"image": "registry.example.com/w:1"}}})
+            wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == "registry.example.com/w:1")
+            settle(kube)
+            assert cr["status"]["currentRevision"] == 1
+    finally:
+        handlers.OPTIONS.worker_image = saved

@@ -203,6 +203,9 @@ def test_template_hash_changes_with_what_pods_run_only() -> None:
     assert changed(["autoscaling", "interval"], "30s") == h
     assert changed(["rollback", "for"], "5m") == h
     assert changed(["router", "replicas"], 3) == h
+    assert changed(["tier"], "latency") == h, "a tier change restarts no pod (it may re-plan classes, which does)"
+    from pdfleet_operator.decide import rollback
+    assert h == rollback.fingerprint(rollback.template_spec(spec_of(base))), "one identity: pods, revisions, rollback"
     assert changed(["engine", "image"], "ghcr.io/pdfleet/pdfleet-worker:0.2.0") != h
     assert changed(["engine", "maxNumSeqs"], 64) != h
     assert changed(["decode", "acceleratorClasses"], ["a100-80gb"]) != h
@@ -319,3 +322,16 @@ def test_workers_accept_only_their_router_peers_and_scrapers() -> None:
     assert not _admits(limited, router, "team-a", 8000, {"app": "curl"}, "gateway")
     assert not _admits(limited, router, "team-a", 8000, {}, "team-a")
     assert {"ipBlock": {"cidr": "10.0.0.0/8"}} in limited["spec"]["ingress"][0]["from"]
+
+
+def test_pools_with_room_roll_without_shrinking_and_the_others_one_pod_at_a_time() -> None:
+    from pdfleet_operator.decide import inventory, placement
+    from tests.kube.cluster import node
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    free = inventory.build([node("g1", "h100", 8), node("m1", "h100-mig", 2)], [])
+    plan = placement.plan(spec, CLASSES, free)
+    objs = render.render(OWNER, spec, plan, CLASSES, revision=1, surge=placement.surge_room(plan, CLASSES, free))
+    strategy = {o["metadata"]["name"]: o["spec"]["strategy"]["rollingUpdate"] for o in objs
+                if o["kind"] == "Deployment" and o["metadata"]["labels"].get(render.LABEL_ROLE) in ("prefill", "decode")}
+    assert strategy == {"llama31-8b-prefill-h100-80gb": {"maxSurge": 1, "maxUnavailable": 0},
+                        "llama31-8b-decode-h100-mig-3g-40gb": {"maxSurge": 0, "maxUnavailable": 1}}

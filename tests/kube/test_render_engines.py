@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from pdfleet_operator.api import names
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
@@ -175,7 +176,7 @@ def test_every_example_class_with_both_engines_renders_valid_objects_or_is_refus
     if engine == "vllm":
         assert c["image"] == expected and c["command"] == ["vllm", "serve"]
     else:
-        assert c["image"] == (cls.image or spec.engine.image)
+        assert c["image"] == (cls.image or spec.engine.image or names.DEFAULT_WORKER_IMAGE)
         assert c["args"][c["args"].index("--device") + 1] == {"nvidia": "cuda", "hygon": "cuda", "huawei": "npu",
                                                               "cambricon": "mlu", "cpu": "cpu"}[cls.vendor]
     for var in cls.env:

@@ -53,6 +53,11 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The default pdfleet worker image (the operator's --worker-image). */}}
+{{- define "pdfleet.workerImage" -}}
+{{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) }}
+{{- end }}
+
 {{/* True ("true") when the operator watches every namespace. */}}
 {{- define "pdfleet.clusterWide" -}}
 {{- if not .Values.operator.watchNamespaces }}true{{ end }}

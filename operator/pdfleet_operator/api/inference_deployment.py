@@ -167,9 +167,10 @@ class EngineSpec(ApiModel):
                           "from the AcceleratorClass). Empty: each class's spec.runtimes.default. Prefill and "
                           "decode must run the same engine; vLLM needs every class to offer it (spec.runtimes.vllm); "
                           "a class with count > 1 needs vLLM (tensor parallelism over the count).")
-    image: str = Field("ghcr.io/pdfleet/pdfleet-worker:0.1.0", description="pdfleet worker image (a class's "
-                                                                          "spec.image overrides it).",
-                       min_length=1, max_length=512)
+    image: str | None = Field(
+        None, description="pdfleet worker image (a class's spec.image overrides it); empty: the operator's default "
+                          "(its --worker-image, the chart's workerImage), recorded in status.workerImage.",
+        min_length=1, max_length=512)
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
     kv_cache_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="Fraction of device memory left after weights that the KV cache may use.")
@@ -515,6 +516,9 @@ class InferenceDeploymentStatus(ApiModel):
     current_revision: int | None = Field(None, ge=0, description="Revision of the pod template being served.")
     stable_revision: int | None = Field(None, ge=0, description="Last revision that passed its soak.")
     failed_revision: int | None = Field(None, ge=0, description="Revision rolled back and not re-applied until the spec changes.")
+    worker_image: str | None = Field(
+        None, description="The pdfleet worker (and router) image of the served revision's pools whose class names "
+                          "none: spec.engine.image, else the operator's default (--worker-image).")
 
 
 class InferenceDeployment(Resource):

@@ -1,16 +1,21 @@
 """What a plan costs: $/h per pool and per deployment, and $ per 1M tokens (pure).
 
-The reconcile path puts these numbers in status and in the operator's metrics
-(`pdfleet_pool_cost_per_hour`); dashboards divide them by token rates. The router runs on plain CPU
+The reconcile path puts the plan's numbers in status (and its Events), and what runs (`running_cost`: the
+pods bound to nodes) in the operator's metrics (`pdfleet_pool_cost_per_hour`), which dashboards divide by
+token rates: a Pending pod holds no accelerator and costs nothing; an old pool kept serving during a
+hand-over, or a surge pod during a rollout, holds one and is billed. The router runs on plain CPU
 and is priced per core at the cheapest `vendor: cpu` AcceleratorClass, or at zero without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pdfleet_operator.api import AcceleratorClassSpec, parse_quantity
+from pdfleet_operator.api.names import ROUTER_ROLE
+from pdfleet_operator.decide.inventory import ACCELERATOR_LABEL, DEPLOYMENT_LABEL, ROLE_LABEL
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 
 # CPU cores a router replica is priced at when its resources do not request cpu.
@@ -69,6 +74,29 @@ def plan_cost(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], *, r
                              f"(known: {sorted(classes)})")
         pools.append(PoolCost(pool.role, pool.accelerator_class, pool.replicas, pool_cost(pool, cls)))
     return PlanCost(tuple(pools), router_replicas * router_cpu * cpu_core_price(classes))
+
+
+def running_cost(pods: Iterable[Mapping[str, Any]], namespace: str, deployment: str,
+                 classes: Mapping[str, AcceleratorClassSpec], *, router_cpu: float = DEFAULT_ROUTER_CORES) -> PlanCost:
+    """$/h of what runs: this deployment's pods bound to a node (inventory.pod_view shapes), per (role, class),
+    and its router pods. A pod of a class no longer defined is counted at $0."""
+    counts: dict[tuple[str, str], int] = {}
+    routers = 0
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if meta.get("namespace") != namespace or labels.get(DEPLOYMENT_LABEL) != deployment:
+            continue
+        if not (pod.get("spec") or {}).get("nodeName"):
+            continue  # Pending: holds nothing yet
+        role, acc = labels.get(ROLE_LABEL), labels.get(ACCELERATOR_LABEL)
+        if role == ROUTER_ROLE:
+            routers += 1
+        elif role and acc:
+            counts[(role, acc)] = counts.get((role, acc), 0) + 1
+    pools = tuple(PoolCost(role, acc, n, n * classes[acc].count * classes[acc].cost_per_hour if acc in classes else 0.0)
+                  for (role, acc), n in sorted(counts.items()))
+    return PlanCost(pools, routers * router_cpu * cpu_core_price(classes))
 
 
 def per_million_tokens(cost_per_hour: float, tokens_per_second: float) -> float | None:

@@ -228,3 +228,28 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
                           if have else ""))
     return FleetPlan(tuple(pools), tuple(shortfalls), tuple(reasons) + inventory.notes, targets, capacities,
                      {r: tuple(c.name for c in ranking[r]) for r in ranking}, by_class)
+
+
+def surge_room(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], inventory: Inventory
+               ) -> frozenset[tuple[str, str]]:
+    """The pools (role, class) that may roll with one surge replica: after every pool of `plan` has its
+    replicas on `inventory` (free capacity for this deployment), one more replica of the pool still fits.
+
+    A pool with room replaces its pods one at a time without ever dropping below its size (maxSurge 1,
+    maxUnavailable 0): an image change or a rollback keeps every replica serving. A pool without room takes
+    one down first (maxSurge 0, maxUnavailable 1): a surge pod would sit Pending and the rollout would stall.
+    Each spare replica's room is given to one pool only, in plan order.
+    """
+    inv = inventory
+    for pool in plan.pools:
+        if pool.accelerator_class in classes:
+            inv, _ = inv.take(classes[pool.accelerator_class], pool.replicas)
+    out = set()
+    for pool in plan.pools:
+        cls = classes.get(pool.accelerator_class)
+        if cls is None or pool.replicas < 1:
+            continue
+        inv, placed = inv.take(cls, 1)
+        if placed:
+            out.add((pool.role, pool.accelerator_class))
+    return frozenset(out)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
 
 PDFLEET, VLLM = "pdfleet", "vllm"
 # The pdfleet worker's torch device per vendor when the class names none (`spec.runtimes.pdfleet.device`).
@@ -56,8 +57,9 @@ def engine_of(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> str:
 
 
 def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: AcceleratorClassSpec,
-             field: str = "spec.engine.runtime") -> PoolRuntime:
-    """The runtime of pool (role, class_name); RuntimeProblem naming `field` when it cannot run there."""
+             field: str = "spec.engine.runtime", *, default_image: str = DEFAULT_WORKER_IMAGE) -> PoolRuntime:
+    """The runtime of pool (role, class_name); RuntimeProblem naming `field` when it cannot run there.
+    `default_image`: the pdfleet worker image when neither the class nor the spec names one."""
     name = engine_of(spec, cls)
     env = tuple((v.name, v.value) for v in cls.env)
     where = f"AcceleratorClass {class_name} ({cls.vendor}, {cls.count} x {cls.resource_name})"
@@ -73,7 +75,7 @@ def for_pool(spec: InferenceDeploymentSpec, role: str, class_name: str, cls: Acc
             raise RuntimeProblem("spec.model.dtype", "the pdfleet worker computes in bfloat16 or float32; float16 "
                                                      "needs vllm (spec.engine.runtime)")
         env += tuple((v.name, v.value) for v in cls.runtimes.pdfleet.env)
-        return PoolRuntime(PDFLEET, cls.image or spec.engine.image, env, device=device)
+        return PoolRuntime(PDFLEET, cls.image or spec.engine.image or default_image, env, device=device)
     assert name == VLLM, name
     offered = cls.runtimes.vllm
     wanted = spec.engine.vllm

@@ -120,9 +120,9 @@ def values_tree(root: Path = ROOT) -> Group:
                                     "after `helm upgrade` to a new pdfleet run "
                                     "`kubectl apply --server-side -f charts/pdfleet/charts/crds/crds/`. Set false "
                                     "when the CRDs are managed elsewhere (`helm install --skip-crds` does the same).")}),
-        "image": Group("The operator image (`docker build --target operator -t pdfleet-operator:<version> .`; "
-                       "it has no torch). Workers use the image each InferenceDeployment names in "
-                       "`spec.engine.image`.", {
+        "image": Group("The operator image (`make images REGISTRY=<your registry>` builds and pushes it with the "
+                       "worker image; it has no torch). Nobody publishes the default repository: point it at your "
+                       "build.", {
                            "repository": _string("ghcr.io/pdfleet/pdfleet-operator", "Image repository (or the "
                                                  "registry you pushed your build to).", minLength=1),
                            "tag": _string("", "Image tag; empty means the chart's appVersion."),
@@ -130,6 +130,14 @@ def values_tree(root: Path = ROOT) -> Group:
                                              pattern="^(sha256:[a-f0-9]{64})?$"),
                            "pullPolicy": Value("IfNotPresent", "When the kubelet pulls the image.",
                                                {"enum": ["Always", "IfNotPresent", "Never"]}),
+                       }),
+        "workerImage": Group("The pdfleet worker (and router) image of every pool whose InferenceDeployment "
+                             "(`spec.engine.image`) and AcceleratorClass (`spec.image`) name none: the operator's "
+                             "`--worker-image`, recorded in each `status.workerImage`. Built by `make images` (the "
+                             "Dockerfile's worker target). vLLM pools use their class's `spec.runtimes.vllm.image`.", {
+                           "repository": _string("ghcr.io/pdfleet/pdfleet-worker", "Image repository (or the "
+                                                 "registry you pushed your build to).", minLength=1),
+                           "tag": _string("", "Image tag; empty means the chart's appVersion."),
                        }),
         "imagePullSecrets": _list("Secrets for pulling the operator image from a private registry "
                                   "(`[{name: regcred}]`).",
@@ -256,9 +264,10 @@ def values_tree(root: Path = ROOT) -> Group:
             }),
         "monitoring": Group(
             "Prometheus Operator objects (monitoring.coreos.com/v1). Turn off where its CRDs are not installed. "
-            "NOTE: the operator also creates one PodMonitor per InferenceDeployment (without the labels below) when "
-            "those CRDs exist; if your Prometheus selects every PodMonitor, disable the chart's podMonitor so "
-            "workers are not scraped twice.", {
+            "One PodMonitor scrapes the workers: the chart's (below) while it is enabled, and then the operator "
+            "runs with --no-pod-monitors; with podMonitor disabled the operator creates one PodMonitor per "
+            "InferenceDeployment instead (when the CRDs exist). Never both: every queue would count twice and "
+            "$ per 1M tokens would halve.", {
                 "enabled": _bool(True, "Create the ServiceMonitor, PodMonitor and PrometheusRule below."),
                 "serviceMonitor": _monitor("ServiceMonitor", "Scrapes the operator's /metrics (honorLabels: its "
                                                              "series carry each deployment's namespace).", "30s"),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
 from pdfleet_operator.decide import metric_names
 from pdfleet_operator.gen import generated
 from pdfleet_operator.kube import exporter, handlers, leader
@@ -57,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "hostPath models are refused)")
     p.add_argument("--allow-host-path-namespace", action="append", default=[], metavar="NS",
                    help="allow any model.source.hostPath in this namespace (repeatable)")
+    p.add_argument("--worker-image", default=os.environ.get("PDFLEET_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE,
+                   metavar="IMAGE", help="the pdfleet worker image of pools whose InferenceDeployment (spec.engine.image) "
+                                         f"and AcceleratorClass (spec.image) name none (default $PDFLEET_WORKER_IMAGE "
+                                         f"or {DEFAULT_WORKER_IMAGE}); recorded in each status.workerImage")
+    p.add_argument("--no-pod-monitors", dest="pod_monitors", action="store_false",
+                   help="render no PodMonitor per InferenceDeployment (the chart passes it while its own PodMonitor, "
+                        "monitoring.podMonitor, scrapes every deployment's pods: both would double every series)")
     ha = p.add_argument_group("leader election (several replicas: one acts, the others stand by)")
     ha.add_argument("--leader-elect", action="store_true",
                     help="act only while holding a coordination.k8s.io Lease; wait as a standby otherwise")
@@ -104,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"pdfleet operator: --allow-host-path: {exc}") from None
     handlers.OPTIONS.host_path_namespaces = tuple(args.allow_host_path_namespace)
+    handlers.OPTIONS.worker_image = args.worker_image
+    handlers.OPTIONS.pod_monitors = args.pod_monitors
     handlers.OPTIONS.prometheus_allowed = tuple(args.allow_prometheus_url)
     handlers.OPTIONS.prometheus_verify = False if args.prometheus_insecure else (args.prometheus_ca or True)
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None

@@ -424,14 +424,16 @@ class Reconciler:
         if OPTIONS.namespaces:
             m.extra_conditions["CapacityVisible"] = self._capacity_condition(await self._foreign_pods(api),
                                                                              dep.metadata.generation)
-        plan = placement.plan(spec, classes, self._inventory(key), desired)
+        free = self._inventory(key)
+        plan = placement.plan(spec, classes, free, desired)
         m.targets = dict(plan.targets)
         before, m.plan = m.plan, plan
         self._release(key, before, plan, "re-planned")
         m.engines = {role: sorted({runtimes.engine_of(spec, classes[p.accelerator_class]) for p in plan.pools_for(role)
                                    if p.accelerator_class in classes}) for role in plan.roles()}
         objects = render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
-                                scrapers=OPTIONS.scraper_namespaces)
+                                scrapers=OPTIONS.scraper_namespaces, worker_image=OPTIONS.worker_image,
+                                own_pod_monitor=OPTIONS.pod_monitors, surge=placement.surge_room(plan, classes, free))
         writes_before = api.writes
         stable = m.extra_status.get("stable_revision") or (
             dep.status.stable_revision if dep.status else None)
@@ -467,6 +469,7 @@ class Reconciler:
                              extra_conditions=list(m.extra_conditions.values()))
         if m.extra_status:
             new = new.model_copy(update=m.extra_status)
+        new = new.model_copy(update={"worker_image": spec.engine.image or OPTIONS.worker_image})
         new_wire = new.wire()
         old_wire = previous.wire() if previous else {}
         written = False
@@ -481,9 +484,16 @@ class Reconciler:
             m.limited = True
         else:
             m.limited = False
-        exporter.set_pools(key[0], dep.name, ((p.role, p.accelerator_class, p.replicas, plan_cost.of(p.role, p.accelerator_class))
-                                              for p in plan.pools),
-                           parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
+        # Bill what runs: bound pods (a retained pool during a hand-over, a surge pod), not the plan (whose
+        # Pending replicas hold nothing); the planned replicas stay the replicas gauge.
+        pods = [p for views in (self.indexes.get("pod_index") or {}).values() for p in views]
+        running = cost.running_cost(pods, key[0], dep.name, classes, router_cpu=router_cpu)
+        planned = {(p.role, p.accelerator_class): p.replicas for p in plan.pools}
+        pools = sorted(set(planned) | {(p.role, p.accelerator_class) for p in running.pools})
+        exporter.set_pools(key[0], dep.name, ((role, acc, planned.get((role, acc), next(
+            (p.replicas for p in running.pools if (p.role, p.accelerator_class) == (role, acc)), 0)),
+            running.of(role, acc)) for role, acc in pools),
+            parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
         return Outcome(writes=api.writes - writes_before, plan=plan, result=result, status_written=written)
 
     async def _ensure_auth_secret(self, api: client.Api, key: Key, owner: render.Owner) -> None:

@@ -20,7 +20,7 @@ import base64
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from pdfleet_operator.api.names import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_REVISION_SPEC,
     ANNOTATION_TEMPLATE_HASH,
+    DEFAULT_WORKER_IMAGE,
     LABEL_ACCELERATOR,
     LABEL_DEPLOYMENT,
     LABEL_ENGINE,
@@ -103,16 +104,13 @@ def _digest(value: Any) -> str:
 
 
 def template_hash(spec: InferenceDeploymentSpec) -> str:
-    """Hash of what the pods run: model, engine, router, roles' classes and resources; not sizes or policies.
+    """Identity of what the pods run: the rollback fingerprint of the spec's template (`rollback.template_spec`:
+    model, engine, disaggregation, the roles' classes and resources, the router's image and resources).
 
-    A change of it is a new revision (issue 7); replica counts, autoscaling, rollback and SLO edits are not.
+    One definition for the pods' annotation, revision numbering and rollback: a change of it is a new revision
+    (issue 7); replica counts, autoscaling, rollback, SLO and tier edits are not, and restart nothing.
     """
-    roles = {role: {"classes": rs.accelerator_classes, "resources": rs.resources.wire()}
-             for role, rs in spec.roles().items()}
-    router = spec.router.wire()
-    router.pop("replicas", None)
-    return _digest({"model": spec.model.wire(), "engine": spec.engine.wire(), "roles": roles,
-                    "tier": spec.tier, "router": router})
+    return rollback.fingerprint(rollback.template_spec(spec))
 
 
 def labels(owner: Owner, component: str, *, role: str | None = None, accelerator: str | None = None,
@@ -344,6 +342,10 @@ def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[
     ]
     if accelerator is not None:
         env.append({"name": "PDFLEET_ACCELERATOR", "value": accelerator})
+    if role != ROUTER_ROLE:
+        # The revision the pod runs (its template's label): the worker reports it in /load and the router labels
+        # each answer with the revision that served it, which rollback analysis reads.
+        env.append({"name": "PDFLEET_REVISION", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_REVISION}']"}}})
     env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -353,10 +355,10 @@ def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[
 
 
 def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPool, cls: AcceleratorClassSpec,
-                    *, revision: int) -> dict[str, Any]:
+                    *, revision: int, worker_image: str = DEFAULT_WORKER_IMAGE, surge: bool = False) -> dict[str, Any]:
     role, acc = pool.role, pool.accelerator_class
     role_spec = spec.roles()[role]
-    runtime = runtimes.for_pool(spec, role, acc, cls)
+    runtime = runtimes.for_pool(spec, role, acc, cls, default_image=worker_image)
     name = pool_name(owner.name, role, acc)
     model_vols, model_mounts = _model_volume(spec)
     env = _pod_env(owner, role, acc, [{"name": k, "value": v} for k, v in runtime.env])
@@ -431,9 +433,11 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
             "replicas": pool.replicas,
             "revisionHistoryLimit": 2,
             "selector": {"matchLabels": selector(owner, role, acc)},
-            # NOTE: accelerators are scarce: a rolling update replaces one pod at a time instead of
-            # surging onto a spare device that usually does not exist (the pod would stay Pending).
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            # NOTE: accelerators are scarce: with a spare replica's room (`surge`, placement.surge_room) a rolling
+            # update starts the new pod before stopping an old one, so the pool never shrinks; without it one
+            # pod goes first (a surge pod would sit Pending and stall the rollout).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0} if surge
+                         else {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": pod_spec,
@@ -449,14 +453,15 @@ def routing_target_url(owner: Owner, spec: InferenceDeploymentSpec) -> str | Non
     return f"http://{spec.routing.target}.{owner.namespace}.svc:{ROUTER_SERVICE_PORT}"
 
 
-def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None) -> dict[str, Any]:
+def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None,
+                      worker_image: str = DEFAULT_WORKER_IMAGE) -> dict[str, Any]:
     roles = list(spec.roles())
     # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
     tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
     model_volumes, model_mounts = _model_volume(spec) if tokenizer else ([], [])
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.router.image or spec.engine.image,
+        "image": spec.router.image or spec.engine.image or worker_image,
         "command": ["pdfleet"],
         "args": router_args(owner, roles, engines) + engine_args.router_args(
             spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None),
@@ -660,8 +665,13 @@ def prometheus_rule(owner: Owner) -> dict[str, Any]:
 
 def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
            classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False,
-           scrapers: Sequence[str] = ("monitoring",)) -> list[dict[str, Any]]:
+           scrapers: Sequence[str] = ("monitoring",), worker_image: str = DEFAULT_WORKER_IMAGE,
+           own_pod_monitor: bool = True, surge: Collection[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """Every child object, in apply order (config and discovery before the pods that use them).
+    `worker_image`: the operator's default pdfleet worker image (spec.engine.image and a class's spec.image win).
+    `monitoring`: the monitoring CRDs exist; then the PrometheusRule, and this deployment's own PodMonitor unless
+    `surge`: the pools (role, class) with room for one more replica: they roll without shrinking.
+    `own_pod_monitor` is off (the chart's one PodMonitor scrapes every deployment's pods: two would double each series).
 
     `spec` is the revision being served (rollback passes the stable revision's spec); `plan` gives the
     replicas. Pools with a class missing from `classes` are a wrong call: ValueError.
@@ -683,10 +693,12 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out.append(router_service(owner))
     out += [role_pdb(owner, role) for role in roles]
     out += network_policies(owner, spec, scrapers)
-    out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision) for pool in plan.pools]
-    out.append(router_deployment(owner, spec, engines))
+    out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision,
+                            worker_image=worker_image, surge=(pool.role, pool.accelerator_class) in surge)
+            for pool in plan.pools]
+    out.append(router_deployment(owner, spec, engines, worker_image))
     if monitoring:
-        out += [pod_monitor(owner, spec), prometheus_rule(owner)]
+        out += ([pod_monitor(owner, spec)] if own_pod_monitor else []) + [prometheus_rule(owner)]
     names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]
     assert len(set(names_seen)) == len(names_seen), f"rendered two objects with one name: {names_seen}"
     return out

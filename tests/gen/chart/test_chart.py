@@ -257,6 +257,25 @@ def test_notes_say_where_things_are() -> None:
     assert "team-a, team-b" in text
 
 
+def test_unpublished_default_images_are_named_at_install_and_the_worker_image_reaches_the_operator() -> None:
+    text = helm.notes()
+    assert "WARNING: image.repository=ghcr.io/pdfleet/pdfleet-operator" in text and "ImagePullBackOff" in text
+    assert "make images REGISTRY=" in text
+    own = {"image": {"repository": "reg.example.com/t/pdfleet-operator"},
+           "workerImage": {"repository": "reg.example.com/t/pdfleet-worker", "tag": "dev"}}
+    assert "WARNING: image.repository" not in helm.notes(own)
+    assert "ImagePullBackOff" in helm.notes({"image": own["image"]}), "one unpublished default is enough to warn"
+    def operator_args(values: dict) -> list[str]:
+        deployment = next(o for o in helm.render(values) if o["kind"] == "Deployment")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    args = operator_args(own)
+    assert "--worker-image=reg.example.com/t/pdfleet-worker:dev" in args
+    default = operator_args({})
+    from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
+    assert f"--worker-image={DEFAULT_WORKER_IMAGE}" in default, "the chart's default is the operator's"
+
+
 @pytest.mark.parametrize("values, field", [
     ({"operator": {"watchNamespace": ["a"]}}, "watchNamespace"),
     ({"operator": {"resyncInterval": "often"}}, "resyncInterval"),
@@ -400,3 +419,41 @@ def test_several_replicas_need_leader_election_and_spread_over_nodes() -> None:
     own = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}}
     assert helm.the(helm.render({"operator": own}), "Deployment")["spec"]["template"]["spec"]["affinity"] == own["affinity"]
+
+
+@pytest.mark.parametrize("chart_pod_monitor", [True, False])
+def test_exactly_one_pod_monitor_scrapes_each_worker(chart_pod_monitor) -> None:
+    """The chart's PodMonitor and a per-deployment one would both scrape every worker (queues double, $/1M tokens
+    halves where Prometheus takes both): the operator the chart installs renders its own only without the chart's."""
+    import argparse
+
+    from pdfleet_operator.decide import inventory, placement
+    from pdfleet_operator.kube import operator_cli, render
+    from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
+
+    values = {"monitoring": {"podMonitor": {"enabled": chart_pod_monitor}}}
+    chart_objects = helm.render(values)
+    operator = next(o for o in chart_objects if o["kind"] == "Deployment")
+    parser = argparse.ArgumentParser()
+    operator_cli.register(parser.add_subparsers(dest="command"))
+    argv = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = parser.parse_args(argv if argv[:1] == ["operator"] else ["operator", *argv])
+
+    spec, cls = spec_of(example_deployments()["llama31-8b"]), classes()
+    plan = placement.plan(spec, cls, inventory.build(standard_nodes(), []))
+    objects = render.render(render.Owner("llama31-8b", "team-a", "uid"), spec, plan, cls, revision=1,
+                            monitoring=True, own_pod_monitor=args.pod_monitors)
+    worker = next(o for o in objects if o["kind"] == "Deployment" and "prefill" in o["metadata"]["name"])
+    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
+
+    def scrapes(monitor: dict) -> bool:
+        sel, ns = monitor["spec"]["selector"], monitor["spec"].get("namespaceSelector", {})
+        if monitor["metadata"].get("namespace") not in (None, "team-a") and not ns:
+            return False  # a PodMonitor without a namespaceSelector scrapes its own namespace only
+        if ns and not (ns.get("any") or "team-a" in ns.get("matchNames", [])):
+            return False
+        exprs_ok = all((e["operator"] == "Exists") == (e["key"] in pod_labels) for e in sel.get("matchExpressions", []))
+        return exprs_ok and all(pod_labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+
+    monitors = [o for o in chart_objects + objects if o["kind"] == "PodMonitor"]
+    assert len([m for m in monitors if scrapes(m)]) == 1, [m["metadata"]["name"] for m in monitors if scrapes(m)]

@@ -103,7 +103,9 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
         metrics = httpx.get(operator.metrics_url, timeout=5).text
         assert 'pdfleet_pool_cost_per_hour{accelerator="cpu",deployment="local-tiny",namespace="team-a",role="decode"}' \
             in metrics
-        assert kube.list("podmonitors.monitoring.coreos.com", "team-a"), "monitoring CRDs exist: per-deployment PodMonitors"
+        assert not kube.list("podmonitors.monitoring.coreos.com", "team-a"), \
+            "the chart's PodMonitor scrapes every deployment: no per-deployment one (--no-pod-monitors)"
+        assert kube.list("prometheusrules.monitoring.coreos.com", "team-a"), "monitoring CRDs exist: per-deployment rules"
     finally:
         operator.stop()
     assert operator.proc.returncode == 0, operator.log()

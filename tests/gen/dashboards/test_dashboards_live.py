@@ -35,7 +35,7 @@ from tests.gen.chart import helm
 from tests.gen.chart.operator_process import OperatorProcess, free_ports
 from tests.gen.dashboards import grafana
 from tests.kube import harness
-from tests.kube.cluster import EXAMPLES, classes, standard_nodes
+from tests.kube.cluster import EXAMPLES, classes, pod, standard_nodes
 from tests.support.components import free_port
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -178,6 +178,10 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         for role in ("prefill", "decode"):
             doc["spec"][role]["maxReplicas"] = 1
         kube.apply(doc)
+        # The pools' pods, bound to a node before the operator starts (the workers above play them): the operator
+        # bills what runs (bound pods), so the pool $/h is the hand computation's from the first scrape on.
+        for role in ("prefill", "decode"):
+            kube.apply(pod(f"{NAME}-{role}-0", "cpu-0", {"cpu": "2"}, namespace=NAMESPACE, labels=pods[role]))
         operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
                                    kube.kubeconfig, tmp_path / "operator.log", ports=ports)
         assert f"--prometheus-url={prom.url}" in operator.args
