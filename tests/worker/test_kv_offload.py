@@ -311,3 +311,32 @@ def test_batched_copies_have_the_effect_of_running_them_one_by_one(llama, make_e
         assert all(torch.equal(a, b) for a, b in zip(batched, tensors)), copies
     for t in tensors:
         t.zero_()
+
+
+# -- CUDA (opt-in: never run where this was written, which has no GPU) ---------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_cuda_reload_and_swap_match_transformers(tiny, make_engine, tmp_path, where):
+    """The pool on the GPU, the host tier and swap space pinned RAM, the disk tier an mmap'd file: the copies
+    cross devices; greedy tokens after a reload and under swap preemption equal transformers."""
+    bs = 16
+    per = _block_bytes(tiny.path, bs)
+    host, disk = (64, 0) if where == "host" else (0, 64)
+    eng = make_engine(tiny.path, device="cuda", block_size=bs, num_kv_blocks=8, max_num_batched_tokens=64,
+                      kv_offload_host_bytes=host * per, kv_offload_disk_bytes=disk * per,
+                      kv_offload_disk_dir=str(tmp_path), preemption="swap", swap_space_bytes=64 * per)
+    _fixed_cost(eng, prefill_s_per_token=1.0)
+    shared = random_prompts(1, 50, 50, seed=51)[0]
+    prompts = [shared + [1], shared + [2]]
+    first, first_logits, _ = run_and_capture(eng, prompts[:1])
+    run_and_capture(eng, random_prompts(2, 60, 60, seed=52), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    second, second_logits, _ = run_and_capture(eng, prompts[1:])
+    assert eng.stats().kv_offload[where].hits == 3
+    logits = [[r.cpu() for r in rows] for rows in first_logits + second_logits]
+    compare(tiny, prompts, first + second, logits)
+    many = random_prompts(4, 20, 40, seed=53)
+    tokens, logits, _ = run_and_capture(eng, many)
+    assert eng.stats().swap.swapped_out > 0
+    assert compare(tiny, many, tokens, [[r.cpu() for r in rows] for rows in logits]).near_ties <= 1
