@@ -52,6 +52,10 @@ class Router:
                  rules: routing.Routing | None = None, target: RouteTarget | None = None):
         self.cfg = cfg
         self.rules, self.target = rules, target  # query routing (both or neither)
+        if rules is not None:  # every route's series from the start (rate() over a series that appears later misses it)
+            for route, reasons in routing.REASONS.items():
+                for reason in reasons:
+                    metrics.routed(route, reason, 0)
         self.upstreams = upstreams
         self.metrics = metrics
         self.client = client

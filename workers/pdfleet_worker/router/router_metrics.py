@@ -120,8 +120,8 @@ class RouterMetrics:
     def local_prefill(self, tier: str) -> None:
         self._local_prefills.labels(tier=tier).inc()
 
-    def routed(self, route: str, reason: str) -> None:
-        self._routed.labels(route=route, reason=reason).inc()
+    def routed(self, route: str, reason: str, n: int = 1) -> None:
+        self._routed.labels(route=route, reason=reason).inc(n)
 
     def exposition(self) -> bytes:
         for revision in self._worker_revisions():
