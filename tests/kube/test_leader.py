@@ -91,3 +91,20 @@ def test_timings_are_checked() -> None:
         leader.LeaseConfig("ns", "n", "me", lease_duration=10, renew_deadline=10, retry_period=2)
     with pytest.raises(ValueError, match="namespace"):
         leader.LeaseConfig("", "n", "me")
+
+
+def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_on_stop(kube) -> None:
+    config = leader.LeaseConfig("kube-system", "pdfleet-operator", "t", lease_duration=1.0, renew_deadline=0.6,
+                                retry_period=0.1)
+    lost: list[str] = []
+    thread = leader.LeaseThread(lambda: client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}),
+                                config, lost.append)
+    thread.start()
+    assert thread.acquired.wait(10)
+    lease = "leases.coordination.k8s.io"
+    first = kube.get(lease, "pdfleet-operator", "kube-system")["spec"]["renewTime"]
+    time.sleep(1.5)  # this thread busy (as a loop taking in 500 objects): the Lease thread still renews
+    assert kube.get(lease, "pdfleet-operator", "kube-system")["spec"]["renewTime"] > first and lost == []
+    thread.stop()
+    assert thread.done.is_set()
+    assert "holderIdentity" not in kube.get(lease, "pdfleet-operator", "kube-system")["spec"]

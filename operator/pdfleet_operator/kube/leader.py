@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -200,6 +201,54 @@ class LeaderElector:
         except client.ApiError as exc:
             logger.warning("leader election: releasing Lease %s/%s failed (a standby takes over after %g s): %s",
                            self.config.namespace, self.config.name, self.config.lease_duration, exc)
+
+
+class LeaseThread(threading.Thread):
+    """The elector on its own thread and event loop, with its own API session: a renewal never waits behind the
+    operator's own work (kopf taking in 500 objects at start keeps its loop busy for seconds, longer than a
+    renew deadline). `acquired` is set once this replica leads; `stop()` releases the Lease and ends the thread."""
+
+    def __init__(self, make_api: Callable[[], client.Api], config: LeaseConfig,
+                 on_lost: Callable[[str], None] = lambda reason: exit_lost(reason)) -> None:
+        super().__init__(name="leader-election", daemon=True)
+        self.make_api, self.config, self.on_lost = make_api, config, on_lost
+        self.acquired = threading.Event()
+        self.done = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stopping = False
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.done.set()
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._stopping:
+            return
+        api = self.make_api()
+        elector = LeaderElector(api, self.config)
+        try:
+            if not await elector.acquire(self._stop):
+                return
+            self.acquired.set()
+            keeping = asyncio.create_task(elector.keep(self.on_lost))
+            stopped = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({keeping, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            keeping.cancel()
+            stopped.cancel()
+            await elector.release()
+        finally:
+            await api.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Release the Lease (if held) and wait for the thread to end."""
+        self._stopping = True
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self.done.wait(timeout)
 
 
 async def serve_standby(host: str, liveness_port: int | None, metrics_port: int | None) -> list[web.AppRunner]:

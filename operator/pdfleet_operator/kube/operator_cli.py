@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _operate_when_leading(operate: Coroutine[Any, Any, Any], election: leader.LeaseConfig, bind: str,
                                 liveness_port: int | None, metrics_port: int | None) -> None:
-    """Stand by until this replica holds the Lease, then run kopf while renewing it; release it on the way out."""
+    """Stand by until this replica holds the Lease, then run kopf while a thread of its own renews it (its own event
+    loop and API session: a busy operator loop never delays a renewal); release it on the way out."""
     import kopf
 
     from pdfleet_operator.kube import client
@@ -153,33 +154,34 @@ async def _operate_when_leading(operate: Coroutine[Any, Any, Any], election: lea
         kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
     if info is None:
         raise SystemExit("pdfleet operator: no credentials (neither a service account nor a kubeconfig)")
-    api = client.Api.from_connection(info)
-    elector = leader.LeaderElector(api, election)
+    lease = leader.LeaseThread(lambda: client.Api.from_connection(info), election)
     exporter.LEADER.set(0)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     standby = await leader.serve_standby(bind, liveness_port, metrics_port)
+    lease.start()
     try:
-        leading = await elector.acquire(stop)
+        while not lease.acquired.is_set() and not stop.is_set() and not lease.done.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         for runner in standby:
             await runner.cleanup()
-    if not leading:
+    if not lease.acquired.is_set():
         operate.close()
-        await api.close()
+        await asyncio.to_thread(lease.stop)
         return
     exporter.LEADER.set(1)
-    renewing = asyncio.create_task(elector.keep(leader.exit_lost))
     try:
         await operate
     finally:
-        renewing.cancel()
-        await elector.release()
-        await api.close()
+        await asyncio.to_thread(lease.stop)
 
 
 def main(argv: list[str] | None = None) -> int:
