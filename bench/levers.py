@@ -101,14 +101,17 @@ def ensure_model(a: argparse.Namespace) -> dict:
     return trained
 
 
-def decode_s_per_token(engine, prompt: list[int], n: int) -> float:
+def decode_s_per_token(engine, prompt: list[int], n: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per token of one request at batch 1, first token to last. CPU: this process's time
+    on every core (the compute threads'), the figure that a machine shared with other jobs distorts least."""
     from pdfleet_worker.engine.sampling_params import SamplingParams
     engine.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
-    stamps = []
+    stamps, cpu = [], []
     while engine.has_unfinished_requests():
         if engine.step():
             stamps.append(time.perf_counter())
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            cpu.append(time.process_time())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
 
 def mixed_tok_s(engine, work) -> float:
@@ -176,6 +179,7 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
     work = [([rng.randrange(8, cfg.vocab_size) for _ in range(rng.randint(32, 128))], 32) for _ in range(a.requests)]
     eb = load_engine_bench()
     dec = {k: [] for k in engines}
+    dec_cpu = {k: [] for k in engines}
     mixed = {k: [] for k in engines}
     bw = []
     keys = list(engines)
@@ -183,12 +187,15 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
         order = keys[rep % len(keys):] + keys[:rep % len(keys)]
         bw.append(eb.read_bandwidth_gbs())
         for k in order:
-            dec[k].append(decode_s_per_token(engines[k], prompt, a.bs1_tokens))
+            wall, cpu = decode_s_per_token(engines[k], prompt, a.bs1_tokens)
+            dec[k].append(wall)
+            dec_cpu[k].append(cpu)
         for k in order:
             mixed[k].append(mixed_tok_s(engines[k], work))
         progress(f"repetition {rep + 1}/{a.reps}: batch-1 ms/token " +
                  ", ".join(f"{SHORT[d]}{'+int8' if q == 'int8' else ''} {dec[(d, q)][-1] * 1e3:.2f}" for d, q in keys) +
-                 f"; read bandwidth {bw[-1]:.1f} GB/s")
+                 f" (CPU ms/token " + ", ".join(f"{dec_cpu[k][-1] * 1e3:.2f}" for k in keys) +
+                 f"); read bandwidth {bw[-1]:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
     for eng in engines.values():
         assert eng.is_idle_and_whole(), "every engine ends idle with every block free"
 
@@ -207,8 +214,8 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
 
     med = statistics.median
 
-    def ratio(num, den):  # speed of num over den from per-repetition times
-        return [d / n for n, d in zip(dec[num], dec[den])]
+    def ratio(num, den, times=dec):  # speed of num over den from per-repetition times
+        return [d / n for n, d in zip(times[num], times[den])]
 
     def fmt(xs, scale=1.0, digits=2):
         return "[" + ", ".join(f"{x * scale:.{digits}f}" for x in xs) + "]"
@@ -216,6 +223,7 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
     f32, b16, i8f, i8b = keys
     r_f32, r_b16, r_cross = ratio(i8f, f32), ratio(i8b, b16), ratio(i8b, f32)
     r_i8f_b16 = ratio(i8f, b16)
+    c_f32, c_b16 = ratio(i8f, f32, dec_cpu), ratio(i8b, b16, dec_cpu)
     m_f32 = [x / y for x, y in zip(mixed[i8f], mixed[f32])]
     m_b16 = [x / y for x, y in zip(mixed[i8b], mixed[b16])]
 
@@ -230,6 +238,8 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
         "int8_bf16_ppl_increase": round(ppl[i8b] / ppl[b16] - 1, 5),
         "int8_bf16_bs1_vs_fp32": round(med(r_cross), 3),
         "int8_fp32_bs1_vs_bf16": round(med(r_i8f_b16), 3),
+        "int8_bs1_cpu_vs_fp32": round(med(c_f32), 3),
+        "int8_bs1_cpu_vs_bf16": round(med(c_b16), 3),
         "int8_mixed_vs_fp32": round(med(m_f32), 3),
         "int8_mixed_vs_bf16": round(med(m_b16), 3),
         "ppl_fp32": round(ppl[f32], 4), "ppl_int8": round(ppl[i8f], 4),
@@ -238,6 +248,8 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
         "weights_mb": {f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(weights[(d, q)] / 1e6, 1) for d, q in keys},
         "int8_read_gbs": round(read[i8f] / med(dec[i8f]) / 1e9, 1),
         "read_gbs": round(med(bw), 1),
+        "bs1_cpu_ms": {f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(med(dec_cpu[(d, q)]) * 1e3, 2) for d, q in keys},
+        "load_average": round(os.getloadavg()[0], 1),
         "int8_linear_share": round(linear_share(profiles[i8f]), 3),
         "trained_tokens": trained.get("tokens"), "eval_tokens": int(windows[:, 1:].numel()),
     }
@@ -247,6 +259,8 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
     rows += [
         ("int8 / fp32 bs1 decode speed", f"{med(r_f32):.2f}", f"target >= 1.6 {fmt(r_f32)}"),
         ("int8 / bf16 bs1 decode speed", f"{med(r_b16):.2f}", f"target >= 1.1 (int8 engine in bf16) {fmt(r_b16)}"),
+        ("int8 / fp32 bs1, CPU time per token", f"{med(c_f32):.2f}", fmt(c_f32)),
+        ("int8 / bf16 bs1, CPU time per token", f"{med(c_b16):.2f}", fmt(c_b16)),
         ("int8 (bf16) / fp32 bs1 decode speed", f"{med(r_cross):.2f}", fmt(r_cross)),
         ("int8 (fp32) / bf16 bs1 decode speed", f"{med(r_i8f_b16):.2f}", fmt(r_i8f_b16)),
         ("int8 / fp32 mixed tok/s", f"{med(m_f32):.2f}", f"{a.requests} requests {fmt(m_f32)}"),
