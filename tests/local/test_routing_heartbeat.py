@@ -9,7 +9,8 @@ import openai
 import pytest
 import yaml
 
-from tests.local.conftest import UpProcess, write_spec
+from tests.local.conftest import UpProcess, run_token, write_spec
+from tests.serving.conftest import wait_until
 from tests.support.components import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,8 +42,9 @@ def test_routing_and_heartbeats_through_pdfleet_up(tmp_path, model_dir):
     big = None
     try:
         small.wait_line(r"fleet ready after", timeout=120)
-        big = UpProcess([str(big_spec), "--port", str(big_port), "--routing-target", f"http://127.0.0.1:{small_port}"],
-                        cwd=big_dir)
+        run_dir = big_dir / "run"
+        big = UpProcess([str(big_spec), "--port", str(big_port), "--routing-target", f"http://127.0.0.1:{small_port}",
+                         "--run-dir", str(run_dir)], cwd=big_dir)
         big.wait_line(r"fleet ready after", timeout=120)
         url = f"http://127.0.0.1:{big_port}"
         simple = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
@@ -52,9 +54,15 @@ def test_routing_and_heartbeats_through_pdfleet_up(tmp_path, model_dir):
         assert complex_.json()["model"] == "tiny" and complex_.headers["x-pdfleet-route"] == "default"
 
         # a long generation holds the only decode slot; the stream behind it waits longer than 20 ms
-        long = {"model": "tiny", "prompt": "x " * 20, "max_tokens": 300, "ignore_eos": True}
+        long = {"model": "tiny", "prompt": "x " * 20, "max_tokens": 900, "ignore_eos": True}
+
+        def decoding() -> bool:
+            workers = httpx.get(f"{url}/workers", headers=run_token(run_dir), timeout=10).json()["workers"]
+            return any(w["role"] == "decode" and w["load"].get("running") == 1 for w in workers)
+
         hold = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=long, timeout=120))
         hold.start()
+        wait_until(decoding, timeout=60, what="the long request decoding")
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 12, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
             lines = [line for line in resp.iter_lines() if line]
@@ -65,6 +73,7 @@ def test_routing_and_heartbeats_through_pdfleet_up(tmp_path, model_dir):
 
         hold = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=long, timeout=120))
         hold.start()
+        wait_until(decoding, timeout=60, what="the long request decoding")
         with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
             chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=12, stream=True,
                                                     stream_options={"include_usage": True}))
