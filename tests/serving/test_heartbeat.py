@@ -54,6 +54,9 @@ class _Fake(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if body["messages"][0]["content"] == "slow bad":
+            time.sleep(self.delay)
+            body["messages"][0]["content"] = "bad"
         if body["messages"][0]["content"] == "bad":
             self._json(400, {"error": {"message": "bad prompt", "type": "invalid_request_error", "param": None,
                                        "code": None}})
@@ -112,6 +115,21 @@ def test_the_openai_sdk_ignores_the_router_heartbeats(slow_pd):
 def test_a_fast_error_keeps_its_status_code(slow_pd):
     status, lines = raw_stream(slow_pd.url, {**PROMPT, "messages": [{"role": "user", "content": "bad"}]})
     assert status == 400 and "bad prompt" in lines[0]
+
+
+def test_an_error_after_the_first_heartbeat_is_an_error_event_counted_with_its_code(slow_pd):
+    def count_400() -> float:
+        text = httpx.get(f"{slow_pd.url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdfleet_router_requests_total{") and 'code="400"' in line)
+    before = count_400()
+    status, lines = raw_stream(slow_pd.url, {**PROMPT, "messages": [{"role": "user", "content": "slow bad"}]})
+    assert status == 200  # committed at the first heartbeat
+    early = before_first_data(lines)
+    assert early and set(early) == {": keep-alive"}
+    event = json.loads(lines[len(early)][len("data: "):])
+    assert event["error"]["message"] == "bad prompt" and lines[-1] == "data: [DONE]"
+    wait_until(lambda: count_400() == before + 1, what="the stream counted as a 400")
 
 
 def test_heartbeats_are_counted_as_no_first_token(slow_pd):
