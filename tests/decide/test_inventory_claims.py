@@ -62,7 +62,7 @@ def test_another_plan_reserves_its_replicas_until_their_pods_exist() -> None:
     mine = inventory.Reservation("default", "alpha", "colocated", "l40s-48gb", L40S, 2)
     inv = inventory.build(nodes, [], reserved=[mine], exclude_deployment=("default", "beta"))
     assert inv.free_units(L40S) == 1
-    assert any("default/alpha: 2 planned colocated replicas on l40s-48gb" in n for n in inv.notes)
+    assert any("2 planned replicas on l40s-48gb of 1 other deployment (default/alpha 2 colocated)" in n for n in inv.notes)
     # Its own reservation never counts against the deployment being re-planned.
     assert inventory.build(nodes, [], reserved=[mine], exclude_deployment=("default", "alpha")).free_units(L40S) == 3
 

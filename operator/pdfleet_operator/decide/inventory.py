@@ -64,7 +64,7 @@ class Reservation:
 class Claim:
     """Resources that a pod not bound yet takes as soon as the scheduler binds it."""
 
-    what: str  # for the notes: "pod ns/name (Pending)" or "ns/deployment: 2 planned colocated replicas on l40s-48gb"
+    what: str  # for the notes: "pod ns/name (Pending)" or "3 planned replicas on l40s-48gb of 2 other deployments (...)"
     requests: Mapping[str, float]
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Tolerance, ...] = ()
@@ -287,14 +287,22 @@ def claims(pods: Iterable[dict], reserved: Iterable[Reservation] = (), *,
     unbound.sort(key=lambda p: (str((p.get("metadata") or {}).get("creationTimestamp") or ""),
                                 str((p.get("metadata") or {}).get("name") or "")))
     out += [pod_claim(p) for p in unbound]
+    # The unborn replicas of one class are one claim, however many plans hold them (they are alike).
+    by_class: dict[str, tuple[AcceleratorClassSpec, list[tuple[str, int]]]] = {}
     for r in reserved:
         if exclude_deployment is not None and (r.namespace, r.deployment) == exclude_deployment:
             continue
         unborn = r.replicas - existing.get((r.namespace, r.deployment, r.role, r.accelerator_class), 0)
         if unborn > 0:
-            out.append(Claim(f"{r.namespace}/{r.deployment}: {unborn} planned {r.role} replicas on {r.accelerator_class}",
-                             {r.cls.resource_name: float(r.cls.count)}, dict(r.cls.node_selector),
-                             _class_tolerances(r.cls), replicas=unborn))
+            by_class.setdefault(r.accelerator_class, (r.cls, []))[1].append(
+                (f"{r.namespace}/{r.deployment} {unborn} {r.role}", unborn))
+    for name, (cls, holders) in by_class.items():
+        total = sum(n for _, n in holders)
+        shown = "; ".join(h for h, _ in holders[:3]) + (f"; {len(holders) - 3} more" if len(holders) > 3 else "")
+        out.append(Claim(f"{total} planned replicas on {name} of {len(holders)} other deployment"
+                         f"{'s' if len(holders) > 1 else ''} ({shown})",
+                         {cls.resource_name: float(cls.count)}, dict(cls.node_selector), _class_tolerances(cls),
+                         replicas=total))
     return out
 
 
@@ -375,12 +383,13 @@ def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[lis
                 return want
             return min(math.floor(free[n.name].get(k, 0.0) / v + 1e-9) for k, v in requests.items())
 
+        # Fullest fitting node first, as many as fit there; a node filled so is full for this kind, so one
+        # pass over the nodes in that order places the group.
         placed = 0
-        while placed < want:
-            fitting = [n for n in admitting if room(n) > 0]
-            if not fitting:
+        for best in sorted((n for n in admitting if room(n) > 0),
+                           key=lambda n: (tuple(free[n.name].get(k, 0.0) for k in scarce), n.name)):
+            if placed >= want:
                 break
-            best = min(fitting, key=lambda n: (tuple(free[n.name].get(k, 0.0) for k in scarce), n.name))
             step = min(room(best), want - placed)
             for k, v in requests.items():
                 if k in free[best.name]:
