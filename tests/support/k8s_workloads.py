@@ -18,6 +18,9 @@ capacity bugs show up as they would on a cluster:
   ``PodScheduled=False``, reason ``Unschedulable`` and kube-scheduler's "0/N nodes are available: ..."
   message; it is retried on every change of pods, nodes or Deployments, so it binds when capacity frees.
 * kubelet: a bound pod becomes ``Running`` with ``Ready=True`` at once (no images, no probes).
+
+``Workloads.hold()`` keeps new pods unbound (kube-scheduler lagging behind a burst of pods) until
+``hold(False)``; ``unschedulable_pods`` names every pod ever left Pending, for "no pile-up" assertions.
 """
 
 from __future__ import annotations
