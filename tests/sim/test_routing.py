@@ -65,7 +65,7 @@ def test_routing_shows_in_the_cost_of_the_pair(tmp_path, capsys) -> None:
     doc = json.loads((out / "report.json").read_text())
     alone, routed = doc["policies"]["big-alone"], doc["policies"]["routed"]
     assert alone["routed_share"] == 0 and 0.35 < routed["routed_share"] < 0.5
-    assert "qwen2-0-5b/colocated/l40s-48gb" in routed["pools"]
+    assert "qwen2-0-5b/colocated/h100-mig-1g-10gb" in routed["pools"]
     assert routed["generated_tokens"] == pytest.approx(alone["generated_tokens"], rel=0.01)
     cmp = doc["comparison"]
     assert cmp["cost_ratio"] == pytest.approx(routed["cost_per_1m_tokens"] / alone["cost_per_1m_tokens"], abs=1e-3)
