@@ -108,3 +108,17 @@ def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_
     thread.stop()
     assert thread.done.is_set()
     assert "holderIdentity" not in kube.get(lease, "pdfleet-operator", "kube-system")["spec"]
+
+
+def test_a_holder_that_finds_another_holder_stops_at_once(kube) -> None:
+    async def scenario() -> list[str]:
+        a = elector(kube, "a", time.monotonic, lease_duration=1.0, renew_deadline=0.6, retry_period=0.05)
+        assert await a.acquire()
+        lease = kube.get("leases.coordination.k8s.io", "pdfleet-operator", "kube-system")
+        kube.patch("leases.coordination.k8s.io", "pdfleet-operator", {"spec": {"holderIdentity": "b"}}, "kube-system")
+        assert lease["spec"]["holderIdentity"] == "a"
+        lost: list[str] = []
+        await asyncio.wait_for(a.keep(lost.append), 10)
+        await a.api.close()
+        return lost
+    assert run(scenario()) == ["Lease kube-system/pdfleet-operator is held by b"]

@@ -178,6 +178,9 @@ class LeaderElector:
                                                  max(0.1, self.config.renew_deadline - (self.clock() - self._last_renew)))
             except asyncio.TimeoutError:
                 renewed = False
+            if not renewed and not self.holding:  # another replica holds it now (we were cut off): stop at once
+                on_lost(f"Lease {self.config.namespace}/{self.config.name} is held by {self._observed[0] if self._observed else '?'}")
+                return
             if not renewed and self.clock() - self._last_renew >= self.config.renew_deadline:
                 self.holding = False
                 on_lost(f"could not renew Lease {self.config.namespace}/{self.config.name} for "
