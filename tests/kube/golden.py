@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
 from pdfleet_operator.decide import cost, inventory, placement, status
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_files, spec_of, standard_nodes
@@ -45,7 +46,8 @@ def expected(doc: dict[str, Any]) -> dict[str, Any]:
                                router_cpu=cost.router_cores(spec.router.resources.requests))
     st = status.compute(name=name, namespace=namespace, plan=plan, cost=plan_cost, observed=status.Observed(),
                         previous=None, generation=1, revision=1, router_replicas=spec.router.replicas,
-                        now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc))
+                        now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
+                        worker_image=spec.engine.image or DEFAULT_WORKER_IMAGE)
     return {"name": name, "objects": objects, "status": normalize_status(st.wire())}
 
 

@@ -44,7 +44,8 @@ def _cond(type_: str, ok: bool, reason: str, message: str, now: dt.datetime, gen
 def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, observed: Observed,
             previous: InferenceDeploymentStatus | None, generation: int | None, revision: int,
             router_replicas: int, now: dt.datetime,
-            extra_conditions: Sequence[Condition] = ()) -> InferenceDeploymentStatus:
+            extra_conditions: Sequence[Condition] = (), worker_image: str | None = None) -> InferenceDeploymentStatus:
+    """`worker_image`: the pdfleet worker image of the served revision's pools whose class names none."""
     prev = previous or InferenceDeploymentStatus()
     pools = [PoolStatus(name=names.pool_name(name, p.role, p.accelerator_class), role=p.role,
                         accelerator_class=p.accelerator_class, desired=p.replicas,
@@ -122,6 +123,7 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
         "cost_per_hour": round(cost.total_per_hour, 4),
         "endpoint": names.endpoint(name, namespace),
         "current_revision": revision,
+        "worker_image": worker_image,
     })
 
 

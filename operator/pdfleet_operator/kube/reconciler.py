@@ -466,10 +466,10 @@ class Reconciler:
         new = status.compute(name=dep.name, namespace=key[0], plan=plan, cost=plan_cost, observed=observed,
                              previous=previous, generation=dep.metadata.generation, revision=revision,
                              router_replicas=spec.router.replicas, now=dt.datetime.now(dt.timezone.utc).replace(microsecond=0),
-                             extra_conditions=list(m.extra_conditions.values()))
+                             extra_conditions=list(m.extra_conditions.values()),
+                             worker_image=spec.engine.image or OPTIONS.worker_image)
         if m.extra_status:
             new = new.model_copy(update=m.extra_status)
-        new = new.model_copy(update={"worker_image": spec.engine.image or OPTIONS.worker_image})
         new_wire = new.wire()
         old_wire = previous.wire() if previous else {}
         written = False
