@@ -35,6 +35,11 @@ ROUTER_TTFT = worker_metrics.ROUTER_TIME_TO_FIRST_TOKEN.name
 KV_TRANSFER_SECONDS = worker_metrics.KV_TRANSFER_SECONDS.name
 KV_TRANSFER_FAILURES = worker_metrics.KV_TRANSFER_FAILURES_TOTAL.name
 KV_TRANSFER_BYTES = worker_metrics.KV_TRANSFER_BYTES_TOTAL.name
+KV_OFFLOAD_HITS = worker_metrics.KV_OFFLOAD_HITS_TOTAL.name
+KV_OFFLOAD_RECOMPUTED = worker_metrics.KV_OFFLOAD_RECOMPUTED_TOTAL.name
+KV_OFFLOAD_USAGE = worker_metrics.KV_OFFLOAD_USAGE.name
+PREEMPTIONS_SWAPPED = worker_metrics.PREEMPTIONS_SWAPPED_TOTAL.name
+SWAP_FALLBACKS = worker_metrics.PREEMPTION_SWAP_FALLBACKS_TOTAL.name
 # The operator's own series (pdfleet_operator.kube.exporter, which needs aiohttp; tests check the names match).
 RECONCILES = "pdfleet_operator_reconciles_total"
 API_WRITES = "pdfleet_operator_api_writes_total"
@@ -262,6 +267,21 @@ def deployment() -> Board:
                 Panel("KV bytes/s", "Received by decode workers.",
                       (Query(f'sum(rate({KV_TRANSFER_BYTES}{{{WORKERS}, direction="received"}}[$__rate_interval]))',
                              "received"),), unit="Bps", width=24),
+            )),
+            ("KV offload tiers and swap preemption", (
+                Panel("Offload hits per tier", "Prefix-cache blocks loaded back from host RAM or disk per interval, "
+                      "and those found there but recomputed (loading would have cost more).",
+                      (Query(f"sum by (tier) (increase({KV_OFFLOAD_HITS}{{{WORKERS}}}[$__rate_interval]))",
+                             "loaded from {{tier}}"),
+                       Query(f"sum by (tier) (increase({KV_OFFLOAD_RECOMPUTED}{{{WORKERS}}}[$__rate_interval]))",
+                             "recomputed, in {{tier}}"))),
+                Panel("Offload tier usage", "Mean fraction of each tier's blocks holding KV.",
+                      (Query(f"avg by (tier) ({KV_OFFLOAD_USAGE}{{{WORKERS}}})", "{{tier}}"),), unit="percentunit"),
+                Panel("Swap preemptions", "Preemptions whose KV went to swap space, and those that found it full and "
+                      "recomputed instead, per interval.",
+                      (Query(f"sum(increase({PREEMPTIONS_SWAPPED}{{{WORKERS}}}[$__rate_interval]))", "swapped"),
+                       Query(f"sum(increase({SWAP_FALLBACKS}{{{WORKERS}}}[$__rate_interval]))", "swap full: recomputed")),
+                      width=24),
             )),
             ("Errors and rollback", (
                 Panel("5xx ratio at the router", "Share of client requests answered 5xx (rollback acts on this; "
