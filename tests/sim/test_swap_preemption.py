@@ -36,3 +36,19 @@ def test_recompute_never_touches_swap_space() -> None:
     assert sum(r.preempted for r in sim.all_replicas) > 0
     assert all(r.swap_fallbacks == 0 and not r.swapped for r in sim.all_replicas)
     assert all(r.perf.swap_space_tokens == 0 for r in sim.all_replicas)
+
+
+def test_simulate_says_kv_offload_is_not_modelled(tmp_path, capsys) -> None:
+    import yaml
+
+    from pdfleet_operator.sim import cli
+    from tests.sim.support import doc
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(doc(deployment={"spec": {"engine": {"kvOffload": {"hostMemory": "8Gi"}}}})))
+    code = cli.main(["simulate", "--fleet", str(fleet), "--trace", "conversation", "--policy", "static",
+                     "--duration", "3m", "--warmup", "1m", "--rate", "1", "--out", str(tmp_path / "out"), "--no-plots",
+                     "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "note: static/llama-8b: spec.engine.kvOffload is not modelled" in printed

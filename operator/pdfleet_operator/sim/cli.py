@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
                   f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s) in {min(args.jobs, len(runs))} "
                   f"process(es)", highlight=False)
     calibration.print_table(pools, effs, fl.classes, console)
+    for name in sorted({f"{p.name}/{d.spec.model.name}" for p, _ in runs for d in p.deployments
+                        if d.spec.engine.kv_offload is not None}):
+        # NOTE: said, not silently dropped: the engine model has no prefix cache for the tiers to keep.
+        console.print(f"note: {name}: spec.engine.kvOffload is not modelled (the simulator has no prefix cache); "
+                      f"preemption swap is", highlight=False)
 
     started = time.perf_counter()
     done = _run_all(fl, runs, trace, warmup, effs, args, console)
