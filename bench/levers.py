@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="trained HF model directory (default $TMPDIR/pdfleet-levers-small, --quick: "
                         "$TMPDIR/pdfleet-levers-tiny); created and trained if missing")
-    p.add_argument("--only", choices=("int8", "offload"), default=None, help="run one section (default: both)")
+    p.add_argument("--only", choices=("int8", "offload", "kernels"), default=None,
+                   help="run one section (default: int8, kernels and offload); kernels: the linears alone per kernel")
     p.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     p.add_argument("--reps", type=int, default=5, help="repetitions of every speed measurement (medians reported)")
     p.add_argument("--bs1-tokens", type=int, default=64, help="tokens decoded at batch 1 (32-token prompt)")
@@ -147,6 +148,72 @@ def load_engine_bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_kernels(a: argparse.Namespace, rows: list) -> dict:
+    """Where an int8 decode step's time goes: the model's linear layers at batch 1, every layer's own weights
+    (out of cache, as in a decode step), through each kernel: fp32 / bf16 oneDNN (the float engines),
+    torch's int8 GEMV with bf16 and with fp32 activations, and torch's int4 GEMV (groups of 128), which the
+    engine does not offer. Milliseconds per token, median of 7 interleaved passes."""
+    import torch
+
+    from pdfleet_worker.config import ModelConfig
+    from pdfleet_worker.model import quantized_linear
+
+    torch.set_num_threads(a.threads)
+    ensure_model(a)
+    cfg = ModelConfig.from_dir(a.model)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d), (2 * i, h), (h, i)]
+    shapes = shapes * cfg.num_layers + [(cfg.vocab_size, h)]
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
+    xs = {k: torch.randn(1, k, generator=g) for _, k in shapes}
+    qs = [quantized_linear.quantize_rows(w) for w in ws]
+    ones = {n: torch.ones(n, dtype=torch.bfloat16) for n, _ in shapes}
+    group = 128
+
+    def int4(w):
+        n, k = w.shape
+        wg = w.view(n, k // group, group)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        zero = lo + scale * 8
+        return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
+                torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
+
+    kernels = {
+        "fp32_onednn": ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
+                        lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
+        "bf16_onednn": ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws],
+                        lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), p, None, "none", [], "")),
+        "int8_bf16_act": ([(q, s.bfloat16()) for q, s in qs],
+                          lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), p[0], p[1])),
+        "int8_fp32_act": (qs, lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x, p[0], p[1])),
+    }
+    try:
+        kernels["int4_g128_bf16_act"] = ([int4(w) for w in ws], lambda p, x, n: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), p[0], group, p[1]))
+    except (RuntimeError, AttributeError) as e:
+        progress(f"int4 kernel unavailable: {e}")
+    def once(name: str) -> float:
+        packed, call = kernels[name]
+        t = time.perf_counter()
+        for (n, k), p in zip(shapes, packed):
+            call(p, xs[k], n)
+        return time.perf_counter() - t
+
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for name in kernels:
+        once(name)  # warm-up
+    for rep in range(7):  # every kernel once per pass, so a change in the machine's load hits them alike
+        for name in kernels:
+            times[name].append(once(name))
+    out = {name: round(statistics.median(t) * 1e3, 2) for name, t in times.items()}
+    progress("linears per token (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    rows.append(("linears at batch 1 (ms/token)", "", ", ".join(f"{k} {v:.2f}" for k, v in out.items())))
+    return {"kernel_ms": out}
 
 
 def run_int8(a: argparse.Namespace, rows: list) -> dict:
@@ -281,15 +348,17 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    sections = [a.only] if a.only else ["int8", "offload"]
+    sections = [a.only] if a.only else ["int8", "kernels", "offload"]
     run_offload = load_offload() if "offload" in sections else None  # fails before anything is measured
     began = time.perf_counter()
     result: dict = {}
     rows: list = []
     if "int8" in sections:
         result.update(run_int8(a, rows))
+    if "kernels" in sections:
+        result.update(run_kernels(a, rows))
     if run_offload is not None:
-        if "int8" not in sections:
+        if "int8" not in sections and "kernels" not in sections:
             ensure_model(a)
         progress("offload section: bench/levers_offload.py")
         off = run_offload(a.model, a)
