@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pdfleet_operator.kube import handlers
-from tests.kube import golden
+from tests.kube import golden, ha
 from tests.kube.cluster import EXAMPLES, example_deployments, example_files, node, pod
 from tests.kube.harness import (
     CHILD_RESOURCES,
@@ -252,8 +252,10 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
         kube.apply(doc)
     cmd = [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", "0",
            "--liveness-port", "0", "--resync-interval", "0"]
+    ha.install_chart_rbac(kube)  # the processes run as the chart's ServiceAccount, its RBAC enforced
+    env = kube.env_with(kube.service_account_kubeconfig(ha.NAMESPACE, ha.SERVICE_ACCOUNT, pod="operator-0"))
     log = open(tmp_path / "operator.log", "w")
-    first = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         kube.wait_for(lambda: len(kube.writes()) >= 40 or first.poll() is not None, timeout=30,
                       message="the first operator to be mid-way")
@@ -263,7 +265,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
         first.wait()
     partial = sum(len(children(kube, n)) for n in names)
     assert 0 < partial < 11 * len(names), "the kill should land mid-reconcile"
-    second = subprocess.Popen(cmd, env=kube.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    second = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         for n in names:
             wait_reconciled(kube, n, timeout=30)
@@ -284,6 +286,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
     total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
         len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
     assert total == 11 * len(names)
+    assert [r.denied for r in kube.requests if r.denied] == []
 
 
 def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(kube, tmp_path) -> None:
