@@ -286,7 +286,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
     total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
         len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
     assert total == 11 * len(names)
-    assert [r.denied for r in kube.requests if r.denied] == []
+    assert [r.denied for r in kube.requests if r.denied] == [] and {r.pod for r in kube.requests} == {"operator-0"}
 
 
 def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(kube, tmp_path) -> None:
