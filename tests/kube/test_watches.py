@@ -49,3 +49,4 @@ def test_unmanaged_objects_never_reach_the_operator(kube) -> None:
     sent = [ref for r in reads for ref in r.objects]
     assert sent and all(ref.startswith("default/llama31-8b") for ref in sent), sorted(set(sent))
     assert not any("other-" in ref for r in kube.requests for ref in r.objects)
+    assert {r.pod for r in kube.requests} == {"in-process"}  # as the chart's ServiceAccount, its RBAC enforced
