@@ -54,18 +54,19 @@ def test_peer_bench_smoke_run(tmp_path):
 
 
 LEVERS_INT8_KEYS = {"int8_bs1_vs_fp32", "int8_bs1_vs_bf16", "int8_ppl_increase"}
+LEVERS_KEYS = LEVERS_INT8_KEYS | {"offload_host_ttft_ratio", "offload_disk_ttft_ratio", "kernel_ms"}
 
 
 @pytest.mark.slow
-def test_levers_bench_quick_int8_section_ends_with_the_keys(tmp_path):
-    """bench/levers.py --quick --only int8 end to end (tiny preset created and trained 6 steps in TMPDIR, 1
+def test_levers_bench_quick_ends_with_every_levers_key(tmp_path):
+    """bench/levers.py --quick end to end, every section (tiny preset created and trained 6 steps in TMPDIR, 1
     repetition): one JSON line with the keys other checks read, the perplexities finite. Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(BENCH / "levers.py"), "--quick", "--only", "int8"], capture_output=True,
+    result = subprocess.run([sys.executable, str(BENCH / "levers.py"), "--quick"], capture_output=True,
                             text=True, timeout=600, cwd=BENCH.parent, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert LEVERS_INT8_KEYS <= set(out), sorted(LEVERS_INT8_KEYS - set(out))
+    assert LEVERS_KEYS <= set(out), sorted(LEVERS_KEYS - set(out))
     assert out["int8_bs1_vs_fp32"] > 0 and out["int8_bs1_vs_bf16"] > 0
     assert 1 < out["ppl_int8"] < 1e5 and abs(out["int8_ppl_increase"]) < 0.5
     assert out["trained_tokens"] > 0 and "repetition 1/1" in result.stderr
