@@ -64,10 +64,9 @@ def test_the_worker_reads_the_rendered_file_into_its_engine_config(tmp_path) -> 
     path.write_text(engine_args.config_text(spec))
     p = argparse.ArgumentParser()
     worker_config.add_arguments(p)
-    model = str(tmp_path.parent / "model")
-    import shutil
-    from pathlib import Path
-    shutil.copytree(Path(__file__).resolve().parents[2] / "models" / "tiny", model)
+    from pdfleet_worker.model_init import init_model
+    model = str(tmp_path / "model")  # its own (a fresh clone has no models/tiny: `make demo` makes that one)
+    init_model(model, "tiny")
     args = p.parse_args(["--model", model, "--engine-config", str(path), "--num-kv-blocks", "64",
                          "--kv-offload-disk-path", str(tmp_path / "kv")])
     cfg = worker_config.from_args(args).engine
