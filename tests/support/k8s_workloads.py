@@ -93,6 +93,8 @@ def _tolerates(tolerations: list[dict], taint: dict) -> bool:
     return False
 
 
+# NOTE: the node-affinity and request arithmetic below mirror decide/inventory.py on purpose: this is the test
+# cluster's scheduler, the oracle the operator's inventory is checked against, so it must not import it.
 def _expression_holds(expr: dict, labels: dict[str, str]) -> bool:
     key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
     if op == "In":
