@@ -11,9 +11,10 @@ is mostly queueing, and tokens/s (first arrival to last answer) is the pool's ca
 Compared, simulated against local, within TOLERANCE: TTFT p50 and p99, ITL p50 and p99, generated tokens/s.
 
 The model must be able to fail: the same replay simulated with the calibration's prefill MFU halved (the pool
-half as fast) must miss (`BROKEN`), or the comparison proves nothing. That test passes. The calibrated model
-does not reproduce the local fleet within TOLERANCE yet (it is optimistic, see the NOTE at its test), which is
-recorded as an expected failure rather than hidden by a looser tolerance.
+half as fast) must miss (`BROKEN`), or the comparison proves nothing. On a machine the fleet has to itself (CI:
+two clean runs within TOLERANCE) the calibrated model must reproduce the local fleet; on one other jobs load
+(a load average above the cores + 1 when a replay starts) it is optimistic (see the NOTE at its test) and a miss
+there is reported as an expected failure with its numbers, not hidden by a looser tolerance.
 
 On a shared 2-core machine the local fleet's speed moves with other jobs' load, and a calibration taken a minute
 earlier may not see the same load; a miss is measured once more from a fresh calibration and a fresh replay (an
@@ -114,6 +115,7 @@ def measure(workdir: Path, model: Path) -> dict:
     """Calibrate now, write a trace at OFFERED x the prefill capacity, replay it locally and simulated (and
     simulated with the broken model)."""
     workdir.mkdir()
+    load_before = os.getloadavg()[0]
     cal = workdir / "cal.json"
     # one torch thread: what `pdfleet up` gives each worker (--threads-per-worker 1)
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sim.py"), "calibrate", "--model", str(model),
@@ -150,7 +152,8 @@ def measure(workdir: Path, model: Path) -> dict:
     return {"errors": errors, "detail": detail, "broken_errors": broken_errors, "broken_detail": broken_detail,
             "requests": n, "offered_per_s": round(OFFERED * capacity, 3), "prefill_s": round(one, 3),
             # saturated: a queue made the local TTFT p50 several times one prompt's own prefill
-            "saturated": real["ttft_p50_s"] > 2 * one, "calibration": calibration}
+            "saturated": real["ttft_p50_s"] > 2 * one, "calibration": calibration,
+            "load_average": round(max(load_before, os.getloadavg()[0]), 2)}
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +172,13 @@ def replays(tmp_path_factory, small_model) -> list[dict]:
 
 def _summary(attempts: list[dict]) -> list[dict]:
     return [{"ok": a["detail"], "broken": a["broken_detail"], "saturated": a["saturated"], "prefill_s": a["prefill_s"],
-             "offered_per_s": a["offered_per_s"]} for a in attempts]
+             "offered_per_s": a["offered_per_s"], "load_average": a["load_average"]} for a in attempts]
+
+
+def shared_with_other_jobs(attempts: list[dict]) -> bool:
+    """Every attempt ran while more was runnable than the cores and one more (the fleet's own four processes
+    keep two cores busy at saturation; beyond that, other jobs took the time the calibration saw free)."""
+    return all(a["load_average"] > (os.cpu_count() or 1) + 1 for a in attempts)
 
 
 @pytest.mark.slow
@@ -180,14 +189,16 @@ def test_a_model_with_half_the_prefill_speed_misses_the_saturated_local_fleet(re
         assert not within(got["broken_errors"]), ("a model with half the prefill speed passed", _summary(replays))
 
 
-# NOTE: measured on the shared 2-core machine (2026-12, load average 2-6 from other jobs), four attempts
+# NOTE: on a machine the fleet has to itself (two clean-clone CI runs, 2026-12-01) the calibrated model was
+# within TOLERANCE. On the shared 2-core development machine (load average 2-12 from other jobs), four attempts
 # in two runs: simulated vs local TTFT p50 -40%, -68%, -55%, -59%, TTFT p99 -45% to -70%, tokens/s +24%,
-# +65%, +28%, +54%, ITL p50 -6% to -38%: the simulator is optimistic under saturation. The calibration times one worker alone; in
-# the replay the prefill worker shares two cores with the decode worker, the router, the load generator
-# and other jobs, and at saturation it never idles. Kept as an expected failure with its measured miss,
-# not loosened into a pass; the test above shows the comparison can tell a wrong model apart.
+# +65%, +28%, +54%, ITL p50 -6% to -38%: optimistic. The calibration times one worker alone; in the replay the
+# prefill worker shares two cores with the decode worker, the router, the load generator and the other jobs,
+# and at saturation it never idles, so other jobs take exactly the time the model counted on. A miss there is
+# an expected failure with its numbers; a miss on a machine without other jobs fails.
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="the simulator is 24-65% optimistic on tokens/s under saturation on a shared "
-                                        "2-core machine (see the NOTE); issue 20 leaves it open")
 def test_the_simulator_reproduces_the_saturated_local_fleet(replays):
+    if not within(replays[-1]["errors"]) and shared_with_other_jobs(replays):
+        pytest.xfail(f"other jobs load this machine (load average {[a['load_average'] for a in replays]} on "
+                     f"{os.cpu_count()} cores): the simulator, calibrated on free cores, is optimistic: {_summary(replays)}")
     assert within(replays[-1]["errors"]), _summary(replays)
