@@ -141,7 +141,10 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             # NOTE: no bound on `took` (the machine's speed); what it checks is that no tick held a queue it read.
             # Before the move every tick held at 1 as before the surge (Prometheus had not scraped the queue yet),
             # and the move went 1 -> 3 in one decision (no stabilization, no step limit on the way up).
-            after = [d["prefill"] for d in ticks.decisions[first:]]
+            def moves() -> list[ScalingDecision] | None:  # (the tick is recorded once it returns, maybe after the patch)
+                after = [d["prefill"] for d in ticks.decisions[first:]]
+                return after if any(d.direction != "hold" for d in after) else None
+            after = kube.wait_for(moves, timeout=10, message="the autoscaler tick that moved prefill")
             moved = next(i for i, d in enumerate(after) if d.direction != "hold")
             assert all((d.current, d.desired) == (1, 1) and d.reason in idle for d in after[:moved]), after[:moved]
             assert (after[moved].current, after[moved].desired, after[moved].direction) == (1, 3, "up"), after[moved]
