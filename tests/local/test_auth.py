@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.local.conftest import PDFLEET, UpProcess, run_token, write_spec
+from tests.serving.conftest import wait_until
 from tests.support.components import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,8 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
     up = UpProcess([str(spec), "--port", str(port), "--run-dir", str(run_dir), "--auth"], cwd=tmp_path)
     try:
         up.wait_line(r"fleet ready after", timeout=120)
-        key = up.wait_line(r"client API key: (sk-pdfleet-\S+) \(in (\S+);", timeout=1)
+        # the banner's lines follow the ready line, read by UpProcess's thread a moment later
+        key = up.wait_line(r"client API key: (sk-pdfleet-\S+) \(in (\S+);", timeout=10)
         assert key.group(2) == str(run_dir / "api-key")
         key = key.group(1)
         for name in ("api-key", "auth-token"):
@@ -36,12 +38,12 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
         with openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120) as client:
             assert [m.id for m in client.models.list().data] == ["tiny"]
             assert client.completions.create(model="tiny", prompt="Hello", max_tokens=4).usage.completion_tokens == 4
-        curl = next(line.strip() for line in up.lines if line.strip().startswith("curl "))
+        curl = up.wait_line(r"^\s*(curl .*)$", timeout=10).group(1)
         assert f"Authorization: Bearer {key}" in curl
         done = subprocess.run(shlex.split(curl) + ["-s", "-w", "\n%{http_code}"], capture_output=True, text=True,
                               timeout=60)
         assert done.stdout.rstrip().endswith("200"), done.stdout
-        python = next(line.strip() for line in up.lines if line.strip().startswith("python -c"))
+        python = up.wait_line(r"^\s*(python -c .*)$", timeout=10).group(1)
         assert f"api_key='{key}'" in python
 
         # No key, a wrong key, the SDK's placeholder: 401 invalid_api_key, before any work.
@@ -54,7 +56,9 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
         assert bare.status_code == 401 and bare.json()["error"] == {
             "message": bare.json()["error"]["message"], "type": "invalid_request_error", "code": "invalid_api_key",
             "param": None}
-        assert 'pdfleet_router_requests_total{code="401",tier="default"} 3.0' in httpx.get(f"{base}/metrics").text
+        # counted once each answer is sent (the counting middleware's finally), so read until it shows
+        wait_until(lambda: 'pdfleet_router_requests_total{code="401",tier="default"} 3.0'
+                   in httpx.get(f"{base}/metrics").text, timeout=10, what="the three 401s counted")
 
         # The client key is not the deployment token: the workers and /workers want the run's own token.
         workers = httpx.get(f"{base}/workers", headers=run_token(run_dir)).json()["workers"]
@@ -84,8 +88,10 @@ def test_without_auth_the_fleet_serves_without_a_key_and_prints_the_readme_lines
     try:
         up.wait_line(r"fleet ready after", timeout=120)
         url = f"http://127.0.0.1:{port}"
-        assert f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": \"tiny\", " \
-               f"\"prompt\": \"Hello\", \"max_tokens\": 16}}'" in up.lines
+        # the banner's lines follow the ready line, read by UpProcess's thread a moment later
+        up.wait_line("^" + re.escape(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
+                                     f"'{{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'") + "$",
+                     timeout=10)
         assert not any("client API key" in line for line in up.lines) and not (run_dir / "api-key").exists()
         with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
             assert client.completions.create(model="tiny", prompt="Hello", max_tokens=4).usage.completion_tokens == 4
