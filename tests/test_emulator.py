@@ -73,6 +73,14 @@ def widget(name: str, size: int = 1, **spec) -> dict:
             "spec": {"size": size, **spec}}
 
 
+def watching(kube: Kube, resource: str, since: int, timeout: float = 20.0) -> None:
+    """Wait until a watch on `resource` opened after the first `since` ones streams: the emulator sets a watch's
+    status to 200 once it is registered for events (and its headers are out), so nothing done from now on is missed.
+    NOTE: a client that is still connecting misses a change made now (or sees it only as the state it lists)."""
+    kube.wait_for(lambda: any(r.status == 200 for r in kube.requests_for(verb="watch", resource=resource)[since:]),
+                  timeout=timeout, message=f"a new watch on {resource} to be streaming")
+
+
 def _need(module: str):
     """Import a client the test needs: skip locally when it is missing, fail under CI=true."""
     import importlib
@@ -224,8 +232,8 @@ def test_watch_streams_live_events(widgets: Kube, http: httpx.Client):
     seen: list[tuple[str, str]] = []
 
     def consume() -> None:
-        with httpx.Client(base_url=widgets.url, timeout=10) as client:
-            with client.stream("GET", WIDGETS, params={"watch": "true", "timeoutSeconds": "3"}) as response:
+        with httpx.Client(base_url=widgets.url, timeout=30) as client:
+            with client.stream("GET", WIDGETS, params={"watch": "true", "timeoutSeconds": "30"}) as response:
                 for line in response.iter_lines():
                     if line.strip():
                         event = json.loads(line)
@@ -233,13 +241,15 @@ def test_watch_streams_live_events(widgets: Kube, http: httpx.Client):
                         if event["type"] == "DELETED":
                             return
 
+    since = len(widgets.requests_for(verb="watch", resource="widgets"))
     thread = threading.Thread(target=consume)
     thread.start()
-    time.sleep(0.3)
+    watching(widgets, "widgets", since)
     widgets.apply(widget("live"))
     widgets.patch("widgets", "live", {"spec": {"size": 3}})
     widgets.delete("widgets", "live")
-    thread.join(5)
+    thread.join(30)  # (it returns at the DELETED event)
+    assert not thread.is_alive(), seen
     assert seen == [("ADDED", "live"), ("MODIFIED", "live"), ("DELETED", "live")]
 
 
@@ -470,20 +480,26 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
     assert "serverside-applied" in kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(widget("ssa", 4))).stdout
     assert kube.get("widgets", "ssa")["spec"]["size"] == 4
 
+    since = len(kube.requests_for(verb="watch", resource="widgets"))
     watcher = subprocess.Popen([_kubectl(), "get", "widgets", "-w", "--no-headers"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=kube.env)
+    printed: list[list[str]] = []
+    reader = threading.Thread(target=lambda: printed.extend(line.split() for line in watcher.stdout if line.strip()))
+    reader.start()
     try:
-        time.sleep(1.0)
+        # The change must reach kubectl through its watch: it lists first (w1 at size 2) and then watches.
+        watching(kube, "widgets", since)
         kube.kubectl("patch", "widget", "w1", "--type=merge", "-p", '{"spec":{"size":3}}')
         kube.kubectl("patch", "widget", "w1", "--subresource=status", "--type=merge",
                      "-p", '{"status":{"conditions":[{"type":"Ready","status":"True"}]}}')
         kube.kubectl("wait", "--for=condition=Ready", "widget/w1", "--timeout=5s")
-        time.sleep(0.5)
+        kube.wait_for(lambda: ["w1", "3", "green", "True"] in [line[:4] for line in printed], timeout=20,
+                      message=f"kubectl get -w to print w1 at size 3 and Ready (printed {printed})")
     finally:
         watcher.terminate()
-        watched, _ = watcher.communicate(timeout=5)
-    lines = [line.split() for line in watched.splitlines() if line.strip()]
-    assert ["w1", "3", "green", "True"] in [line[:4] for line in lines], watched
+        watcher.communicate(timeout=5)
+        reader.join(5)
+    assert [line[:3] for line in printed if line[0] == "w1"][0] == ["w1", "2", "green"], printed  # (listed)
 
     current = kube.kubectl("get", "widget", "w1", "-o", "yaml").stdout
     replaced = current.replace("color: green", "color: blue")
@@ -496,9 +512,10 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
     unknown = kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(widget("bad", 1, foo=1)), check=False)
     assert unknown.returncode != 0 and 'unknown field "spec.foo"' in unknown.stderr
 
-    waiter = subprocess.Popen([_kubectl(), "wait", "--for=delete", "widget/w1", "--timeout=10s"],
+    since = len(kube.requests_for(verb="watch", resource="widgets"))
+    waiter = subprocess.Popen([_kubectl(), "wait", "--for=delete", "widget/w1", "--timeout=30s"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=kube.env)
-    time.sleep(0.5)
+    watching(kube, "widgets", since)  # kubectl wait waits on a watch: the delete must reach it there
     kube.kubectl("delete", "widget", "w1")
     assert waiter.wait(timeout=15) == 0, waiter.stderr.read() if waiter.stderr else ""
     assert kube.get("widgets", "w1") is None
