@@ -94,7 +94,9 @@ def test_timings_are_checked() -> None:
 
 
 def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_on_stop(kube) -> None:
-    config = leader.LeaseConfig("kube-system", "pdfleet-operator", "t", lease_duration=1.0, renew_deadline=0.6,
+    # NOTE: a renew deadline of seconds, not tenths: a loaded machine can stall this process (the Lease thread and
+    # the emulator's) for half a second, and a holder that gave up here would be the machine, not the code.
+    config = leader.LeaseConfig("kube-system", "pdfleet-operator", "t", lease_duration=4.0, renew_deadline=2.0,
                                 retry_period=0.1)
     lost: list[str] = []
     thread = leader.LeaseThread(lambda: client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}),
@@ -103,7 +105,9 @@ def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_
     assert thread.acquired.wait(10)
     lease = "leases.coordination.k8s.io"
     first = kube.get(lease, "pdfleet-operator", "kube-system")["spec"]["renewTime"]
-    time.sleep(1.5)  # this thread busy (as a loop taking in 500 objects): the Lease thread still renews
+    # This thread busy (as a loop taking in 500 objects) for longer than the renew deadline: the Lease thread still
+    # renews, and a holder that could not would have given up by now.
+    time.sleep(config.renew_deadline + 0.5)
     assert kube.get(lease, "pdfleet-operator", "kube-system")["spec"]["renewTime"] > first and lost == []
     thread.stop()
     assert thread.done.is_set()
@@ -112,7 +116,8 @@ def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_
 
 def test_a_holder_that_finds_another_holder_stops_at_once(kube) -> None:
     async def scenario() -> list[str]:
-        a = elector(kube, "a", time.monotonic, lease_duration=1.0, renew_deadline=0.6, retry_period=0.05)
+        # (a renew deadline far longer than the test: only finding b, not a slow renewal, can end `keep`)
+        a = elector(kube, "a", time.monotonic, lease_duration=10.0, renew_deadline=6.0, retry_period=0.05)
         assert await a.acquire()
         lease = kube.get("leases.coordination.k8s.io", "pdfleet-operator", "kube-system")
         kube.patch("leases.coordination.k8s.io", "pdfleet-operator", {"spec": {"holderIdentity": "b"}}, "kube-system")
