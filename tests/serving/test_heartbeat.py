@@ -156,21 +156,48 @@ def queued_worker(logdir, model_dir):
         w.stop()
 
 
-def _occupy(url: str) -> threading.Thread:
-    """A long generation that holds the worker's only sequence slot."""
-    body = {"model": MODEL, "prompt": "x " * 50, "max_tokens": 400, "ignore_eos": True}
-    t = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120), daemon=True)
-    t.start()
-    return t
+class _Hold:
+    """A long generation (1,900 tokens, streamed: seconds of work at any plausible speed) that holds the
+    worker's only sequence slot until release(): its client leaves, the worker aborts it, the queue moves."""
+
+    def __init__(self, url: str):
+        body = {"model": MODEL, "prompt": "x " * 50, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        self._release = threading.Event()
+        self.ended = threading.Event()  # the hold's stream ended (released, or generated whole)
+
+        def run() -> None:
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+                    for _ in resp.iter_lines():
+                        if self._release.is_set():
+                            break
+            finally:
+                self.ended.set()
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(timeout=60)
+
+
+def queued_stream(url: str, body: dict, hold: _Hold) -> tuple[int, list[str]]:
+    """(status, the stream's non-empty lines) of a stream sent while `hold` runs; the hold is released once the
+    stream's first line came (synchronized on the stream, not on how fast the hold generates)."""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line)
+        first = [next(lines)]
+        assert not hold.ended.is_set(), "the hold ended before the queued stream's first line"
+        hold.release()
+        return resp.status_code, first + list(lines)
 
 
 def test_worker_beats_while_a_stream_is_queued(queued_worker):
     w, r = queued_worker
     for url in (w.url, r.url):  # the worker's own stream, then the same relayed by the router
-        hold = _occupy(w.url)
+        hold = _Hold(w.url)
         wait_until(lambda: w.load().get("running") == 1, what="the long request running")
-        status, lines = raw_stream(url, PROMPT)
-        hold.join()
+        status, lines = queued_stream(url, PROMPT, hold)
         assert status == 200
         early = before_first_data(lines)
         assert early and all(line == ": keep-alive" for line in early), lines[:5]
@@ -179,11 +206,16 @@ def test_worker_beats_while_a_stream_is_queued(queued_worker):
 
 def test_the_openai_sdk_parses_a_queued_stream(queued_worker):
     w, r = queued_worker
-    hold = _occupy(w.url)
+    hold = _Hold(w.url)
     wait_until(lambda: w.load().get("running") == 1, what="the long request running")
     client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=PROMPT["messages"], max_tokens=4,
-                                                 stream=True, stream_options={"include_usage": True}))
-    hold.join()
+    # Returns with the headers, which a queued stream's worker sends at the first heartbeat.
+    stream = client.chat.completions.create(model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True})
+    wait_until(lambda: w.load().get("waiting") == 1, what="the stream queued behind the long request")
+    time.sleep(0.2)  # ten heartbeat intervals of comments for the SDK to skip (the hold lasts seconds)
+    assert not hold.ended.is_set(), "the hold ended before it was released"
+    hold.release()
+    chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert all(c.model == MODEL for c in chunks)
