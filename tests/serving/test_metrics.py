@@ -1,7 +1,9 @@
 """Metric contract with the operator, and a real Prometheus scraping workers and router: every name the autoscaler, alerts and dashboards read comes back through PromQL with the values that were served."""
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import threading
 from pathlib import Path
 
 import httpx
@@ -149,13 +151,39 @@ def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
     }
     assert {k: after[k] - base[k] for k in served} == served
 
-    # Gauges while a request runs, and after.
+    # Gauges while a request runs, and after. The request is sustained (each stream that ends is replaced)
+    # until a scrape has seen both: one 1,800-token stream can end between two 1 s scrapes on a fast machine.
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1800, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{colo.url}/v1/completions", json=body, timeout=30) as resp:
-        lines = resp.iter_lines()
-        next(lines)
-        prom.wait_for(f"{names.NUM_REQUESTS_RUNNING}{{{sel('colocated')}}} == 1")
-        prom.wait_for(f"{names.KV_CACHE_USAGE}{{{sel('colocated')}}} > 0")
+    stop = threading.Event()
+
+    def sustain() -> tuple[int, int]:
+        """(streams served whole, streams left when told to stop); each one checked."""
+        whole = left = 0
+        while not stop.is_set():
+            with httpx.stream("POST", f"{colo.url}/v1/completions", json=body, timeout=60) as resp:
+                assert resp.status_code == 200, resp.read()
+                events = []
+                for line in resp.iter_lines():
+                    if stop.is_set():
+                        break
+                    if line:
+                        events.append(line)
+            if stop.is_set():
+                left += 1
+                continue
+            assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2], events[-3:]
+            whole += 1
+        return whole, left
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sustain)
+        try:
+            prom.wait_for(f"{names.NUM_REQUESTS_RUNNING}{{{sel('colocated')}}} == 1")
+            prom.wait_for(f"{names.KV_CACHE_USAGE}{{{sel('colocated')}}} > 0")
+        finally:
+            stop.set()
+        whole, left = running.result(timeout=120)
+    print(f"gauges seen during stream {whole + left}: {whole} served whole before it, {left} left unfinished")
     prom.wait_for(f"{names.NUM_REQUESTS_RUNNING}{{{sel('colocated')}}} == 0")
     for role in ("prefill", "decode", "colocated"):
         for name in (names.NUM_REQUESTS_WAITING, names.PROMPT_TOKENS_WAITING, names.NUM_PREEMPTIONS_TOTAL):
