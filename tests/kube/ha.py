@@ -50,7 +50,8 @@ class Replica:
     """One operator pod as a local process, started with the chart's leader-election flags (shorter timings)."""
 
     def __init__(self, kube: Any, pod: str, log_dir: Path, *, lease_duration: float = 3.0, renew_deadline: float = 2.0,
-                 retry_period: float = 0.25, resync_interval: float = 0.0, kubeconfig: Path | None = None) -> None:
+                 retry_period: float = 0.25, resync_interval: float = 0.0, kubeconfig: Path | None = None,
+                 alertmanager_token: str | None = None) -> None:
         self.pod = pod
         self.kubeconfig = kubeconfig or kube.service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT, pod=pod)
         self.lease_duration = lease_duration
@@ -63,6 +64,13 @@ class Replica:
                     f"--leader-election-renew-deadline={renew_deadline}",
                     f"--leader-election-retry-period={retry_period}"]
         self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": pod}
+        self.alertmanager_port: int | None = None
+        if alertmanager_token is not None:  # the receiver (leader) or relay (standby), published at POD_IP:port
+            self.alertmanager_port = free_port()
+            token_file = log_dir / f"{pod}.token"
+            token_file.write_text(alertmanager_token + "\n")
+            self.cmd += [f"--alertmanager-port={self.alertmanager_port}", f"--alertmanager-token-file={token_file}"]
+            self.env["POD_IP"] = "127.0.0.1"
         self.log_path = log_dir / f"{pod}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -89,6 +97,19 @@ class Replica:
         except httpx.HTTPError:
             return None
         return next((float(line.split()[1]) for line in text.splitlines() if line.startswith("pdfleet_operator_leader ")), None)
+
+    def metric(self, line_prefix: str) -> float | None:
+        """The value of the first /metrics line starting with `line_prefix` (None: no such line, or no answer)."""
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1).text
+        except httpx.HTTPError:
+            return None
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_prefix)), None)
+
+    def post_alert(self, body: str, token: str | None) -> httpx.Response:
+        """POST /alerts to its Alertmanager port, as the chart's Service would (with the bearer token, if any)."""
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        return httpx.post(f"http://127.0.0.1:{self.alertmanager_port}/alerts", content=body, headers=headers, timeout=35)
 
     def kill(self) -> None:
         """SIGKILL: the pod's node died; nothing is released."""

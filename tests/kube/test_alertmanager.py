@@ -247,3 +247,91 @@ def test_real_alertmanager_with_the_bearer_token_is_accepted(prometheus_factory,
         assert guarded.triggers[0][1].deployment == "chat"
     finally:
         router.close()
+
+
+class _Relay:
+    """A standby's relay app served from a background thread; `published` is what the Lease names (None: no leader)."""
+
+    def __init__(self, published: str | None, token: str | None = TOKEN) -> None:
+        self.port = free_port()
+        self.published = published
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.app = alertmanager.make_relay_app(lambda: self.published, token, retry_after=2.0, timeout=10.0)
+        threading.Thread(target=self._run, daemon=True).start()
+        assert self.ready.wait(10), "relay did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self.app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/alerts"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _relayed(outcome: str) -> float:
+    from pdfleet_operator.kube import exporter
+    return exporter.ALERTS_RELAYED.labels(outcome)._value.get()
+
+
+def test_a_standby_relays_authenticated_alerts_to_the_published_leader_and_refuses_the_rest(guarded):
+    relay = _Relay(f"http://127.0.0.1:{guarded.port}")
+    try:
+        body = json.dumps(GOOD)
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            resp = httpx.post(relay.url, content=body, headers=headers, timeout=5)
+            assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer", headers
+        assert guarded.triggers == []  # nothing reached the leader
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        relayed = _relayed("relayed")
+        resp = httpx.post(relay.url, content=body, headers=auth, timeout=10)
+        assert resp.status_code == 200 and resp.json() == {"accepted": 1}  # the leader's own answer
+        assert [t.deployment for _, t in guarded.triggers] == ["chat"] and _relayed("relayed") == relayed + 1
+        resp = httpx.post(relay.url, content=_with(version="3"), headers=auth, timeout=10)
+        assert resp.status_code == 400 and "version" in resp.json()["error"]  # the leader's 400, passed back
+        assert len(guarded.triggers) == 1
+        # a URL from the request is never followed: the Host header and the query change nothing
+        resp = httpx.post(relay.url + "?to=http://127.0.0.1:1", content=body, headers={**auth, "Host": "evil:1"},
+                          timeout=10)
+        assert resp.status_code == 200 and len(guarded.triggers) == 2
+        # a post that a standby relayed already is not relayed again (a URL that leads to a standby cannot loop)
+        resp = httpx.post(relay.url, content=body, headers={**auth, alertmanager.RELAYED_HEADER: "standby"}, timeout=5)
+        assert resp.status_code == 503 and len(guarded.triggers) == 2
+    finally:
+        relay.close()
+
+
+def test_a_standby_without_a_reachable_leader_answers_503_with_retry_after(guarded, caplog):
+    dead = free_port()  # nothing listens there: the leader died with the Lease still unexpired
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for published, outcome, words in ((None, "no_leader", "no leader is known"),
+                                      (f"http://127.0.0.1:{dead}", "unreachable", "cannot be reached"),
+                                      (f"http://127.0.0.1:{guarded.port}/elsewhere", "no_leader", "malformed"),
+                                      (f"https://127.0.0.1:{guarded.port}", "no_leader", "malformed")):
+        relay = _Relay(published)
+        try:
+            before = _relayed(outcome)
+            with caplog.at_level("WARNING", logger=alertmanager.log.name):
+                resp = httpx.post(relay.url, content=json.dumps(GOOD), headers=auth, timeout=10)
+            assert resp.status_code == 503 and resp.headers["Retry-After"] == "2", published
+            assert words in resp.json()["error"] and _relayed(outcome) == before + 1
+            assert any("not relayed" in r.getMessage() and words in r.getMessage() for r in caplog.records), published
+        finally:
+            relay.close()
+    # no token configured: the standby relays nothing at all (never an unauthenticated relay)
+    relay = _Relay(f"http://127.0.0.1:{guarded.port}", token=None)
+    try:
+        resp = httpx.post(relay.url, content=json.dumps(GOOD), headers=auth, timeout=10)
+        assert resp.status_code == 503 and "only authenticated" in resp.json()["error"]
+    finally:
+        relay.close()
+    assert guarded.triggers == []

@@ -4,10 +4,14 @@ no object is written twice; stopped, a leader hands over at once."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
 
+import httpx
 import pytest
 
+from pdfleet_operator.kube import leader
 from tests.kube import ha
 from tests.kube.cluster import EXAMPLES
 from tests.kube.ha import settle
@@ -92,3 +96,98 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
 def _seconds(micro_time: str) -> float:
     import datetime as dt
     return dt.datetime.strptime(micro_time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+TOKEN = "alertmanager-bearer-token"
+TRIGGERS = "pdfleet_operator_alert_triggers_total "
+
+
+def _alert(deployment: str) -> str:
+    return json.dumps({"version": "4", "status": "firing", "receiver": "pdfleet", "groupKey": "{}", "alerts": [{
+        "status": "firing", "startsAt": "2026-11-30T10:00:00Z", "fingerprint": "f1",
+        "labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_alert": "rollback", "namespace": "default",
+                   "pdfleet_deployment": deployment}}]})
+
+
+def _until_relayed(replica: ha.Replica, body: str, timeout: float = 30.0):
+    """Post as Alertmanager does: again after a 503 (the standby has not read the leader's URL yet, or the new leader's
+    receiver is not bound yet: its port is closed between the relay's cleanup and the receiver's start), until another
+    answer comes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            resp = replica.post_alert(body, TOKEN)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if resp.status_code != 503 or time.monotonic() > deadline:
+                return resp
+        time.sleep(0.1)
+
+
+def _relayed(replica: ha.Replica, outcome: str) -> float:
+    return replica.metric(f'pdfleet_operator_alerts_relayed_total{{outcome="{outcome}"}}') or 0.0
+
+
+@pytest.mark.slow
+def test_an_alert_sent_to_the_standby_reaches_the_leaders_receiver_and_nothing_unauthenticated_is_relayed(
+        kube, tmp_path) -> None:
+    prepare_cluster(kube)
+    ha.install_chart_rbac(kube)
+    a = ha.Replica(kube, "pdfleet-operator-a", tmp_path, alertmanager_token=TOKEN)
+    # b leads second with a long lease: once it is killed, c knows it as the (unreachable) leader for 30 s
+    b = ha.Replica(kube, "pdfleet-operator-b", tmp_path, alertmanager_token=TOKEN, lease_duration=30.0,
+                   renew_deadline=20.0)
+    c = ha.Replica(kube, "pdfleet-operator-c", tmp_path, alertmanager_token=TOKEN)
+    try:
+        a.start()
+        kube.wait_for(lambda: ha.lease_holder(kube) == a.pod, timeout=20, message="a to take the Lease")
+        lease = kube.get("leases.coordination.k8s.io", ha.LEASE, ha.NAMESPACE)
+        assert lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION] == \
+            f"http://127.0.0.1:{a.alertmanager_port}"
+        b.start()
+        kube.apply(TINY)
+        wait_reconciled(kube, "local-tiny", timeout=30)
+        settle(kube)
+
+        # Through the standby: a's receiver takes the alert in (its counter, and its answer passed back).
+        resp = _until_relayed(b, _alert("local-tiny"))
+        assert resp.status_code == 200 and resp.json() == {"accepted": 1}, (resp.status_code, resp.text, b.log())
+        assert a.metric(TRIGGERS) == 1 and b.metric(TRIGGERS) == 0 and _relayed(b, "relayed") == 1
+        assert "standby: relayed an Alertmanager payload to the leader" in b.log()
+
+        # A wrong or missing token at the standby: 401, and nothing reaches the leader.
+        for token in ("wrong", None):
+            resp = b.post_alert(_alert("local-tiny"), token)
+            assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer", token
+        assert _relayed(b, "unauthorized") == 2 and _relayed(b, "relayed") == 1 and a.metric(TRIGGERS) == 1
+        # The relay made the standby send nothing to the API server but its reads of the Lease.
+        assert {(r.verb, r.resource) for r in kube.requests if r.pod == b.pod} == {("get", "leases")}
+
+        # A rolling update: a releases, b takes over; b's relay is gone and b's own receiver has the same port.
+        assert a.stop() == 0
+        kube.wait_for(lambda: ha.lease_holder(kube) == b.pod, timeout=15, message="b to take the released Lease")
+        kube.wait_for(lambda: b.leader_gauge() == 1, timeout=30, message="b's operator running")
+        resp = _until_relayed(b, _alert("local-tiny"))
+        assert resp.status_code == 200 and resp.json() == {"accepted": 1}, (resp.status_code, resp.text, b.log())
+        assert b.metric(TRIGGERS) == 1 and _relayed(b, "relayed") == 1
+        lease = kube.get("leases.coordination.k8s.io", ha.LEASE, ha.NAMESPACE)
+        assert lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION] == \
+            f"http://127.0.0.1:{b.alertmanager_port}"
+
+        # c stands by and relays to b; b dies (its Lease unexpired for 30 s): c answers 503 with Retry-After.
+        c.start()
+        resp = _until_relayed(c, _alert("local-tiny"))
+        assert resp.status_code == 200 and b.metric(TRIGGERS) == 2
+        b.kill()
+        resp = c.post_alert(_alert("local-tiny"), TOKEN)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text
+        assert "cannot be reached" in resp.json()["error"] and _relayed(c, "unreachable") == 1
+        assert ha.lease_holder(kube) == b.pod  # c did not take over: the 503 came from a known, unreachable leader
+        assert "not relayed (503, Alertmanager retries)" in c.log()
+        assert ha.writes_outside_lease(kube.requests) == []
+        assert not [r.denied for r in kube.requests if r.denied]
+    finally:
+        for replica in (a, b, c):
+            replica.kill()

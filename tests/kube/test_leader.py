@@ -127,3 +127,48 @@ def test_a_holder_that_finds_another_holder_stops_at_once(kube) -> None:
         await a.api.close()
         return lost
     assert run(scenario()) == ["Lease kube-system/pdfleet-operator is held by b"]
+
+
+def test_the_holder_publishes_its_receiver_url_in_the_lease_and_a_standby_sees_it_only_while_unexpired(kube) -> None:
+    def annotations() -> dict:
+        lease = kube.get("leases.coordination.k8s.io", "pdfleet-operator", "kube-system")
+        return lease["metadata"].get("annotations") or {}
+
+    async def scenario() -> None:
+        ca, cb = Clock(), Clock()
+        url = leader.receiver_url("10.1.2.3", 9443)
+        assert url == "http://10.1.2.3:9443"
+        a = elector(kube, "a", ca, alertmanager_url=url)
+        b = elector(kube, "b", cb)  # no receiver (or no POD_IP): publishes nothing
+        assert await a.try_acquire_or_renew() is True  # created with the annotation
+        assert annotations()[leader.ALERTMANAGER_URL_ANNOTATION] == url
+        assert b.leader_url() is None  # not read yet
+        assert await b.try_acquire_or_renew() is False
+        assert b.leader_url() == url and a.leader_url() is None  # a's own URL is not "another leader"
+        ca.now += 2
+        assert await a.try_acquire_or_renew() is True  # renewed: still published
+        assert annotations()[leader.ALERTMANAGER_URL_ANNOTATION] == url
+        cb.now += 14.9
+        assert b.leader_url() == url  # 14.9 s of b's clock since it saw the record: unexpired
+        cb.now += 0.2
+        assert b.leader_url() is None  # expired on b's clock: no leader known
+        assert await b.try_acquire_or_renew() is False  # a's renewal is a new record: seen now, unexpired again
+        assert b.leader_url() == url
+        cb.now += 16
+        assert await b.try_acquire_or_renew() is True  # b takes over and removes a's URL: it publishes none
+        assert leader.ALERTMANAGER_URL_ANNOTATION not in annotations()
+        assert await a.try_acquire_or_renew() is False and a.leader_url() is None
+        await b.release()
+        c = elector(kube, "c", Clock(), alertmanager_url="http://10.9.9.9:1")
+        assert await c.try_acquire_or_renew() is True
+        assert annotations()[leader.ALERTMANAGER_URL_ANNOTATION] == "http://10.9.9.9:1"
+        assert await a.try_acquire_or_renew() is False and a.leader_url() == "http://10.9.9.9:1"
+        await c.release()  # released: the URL goes with the holder
+        assert leader.ALERTMANAGER_URL_ANNOTATION not in annotations()
+        assert await b.try_acquire_or_renew() is True  # b takes the released Lease, publishing none
+        assert await a.try_acquire_or_renew() is False and a.leader_url() is None
+        for e in (a, b, c):
+            await e.api.close()
+    run(scenario())
+    assert leader.receiver_url(None, 9443) is None and leader.receiver_url("10.1.2.3", None) is None
+    assert leader.receiver_url("fd00::7", 9443) == "http://[fd00::7]:9443"

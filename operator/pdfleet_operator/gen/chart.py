@@ -216,7 +216,10 @@ def values_tree(root: Path = ROOT) -> Group:
                                                    "the bearer token Alertmanager must send (its receiver's "
                                                    "http_config.authorization.credentials_file); the receiver then "
                                                    "answers 401 without it. Empty: unauthenticated (an alert only "
-                                                   "makes the operator analyse Prometheus at once).",
+                                                   "makes the operator analyse Prometheus at once), and a standby "
+                                                   "replica relays nothing to the leader (it answers 503; "
+                                                   "Alertmanager retries until a post lands on the leader): only "
+                                                   "authenticated alerts are relayed.",
                                                pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
             "metricsPort": _port(OPERATOR_METRICS_PORT, "Port of the operator's /metrics (pool replicas, $/h, "
                                                         "SLO targets, reconciles)."),

@@ -31,6 +31,13 @@ LEADER = prometheus_client.Gauge("pdfleet_operator_leader", "1 while this replic
                                  "runs without leader election), 0 while it is a standby.", registry=REGISTRY)
 API_WRITES = prometheus_client.Counter("pdfleet_operator_api_writes_total", "Writes the operator sent to the API server.",
                                        ["kind"], registry=REGISTRY)
+ALERT_TRIGGERS = prometheus_client.Counter("pdfleet_operator_alert_triggers_total",
+                                           "Rollback triggers the leader's Alertmanager receiver took in.",
+                                           registry=REGISTRY)
+ALERTS_RELAYED = prometheus_client.Counter("pdfleet_operator_alerts_relayed_total",
+                                           "Alertmanager posts a standby took in, by outcome (relayed to the leader; "
+                                           "unauthorized; no_leader, unreachable, no_token, loop: answered 503).",
+                                           ["outcome"], registry=REGISTRY)
 
 # (namespace, deployment) -> pool label tuples currently exported, so vanished pools are removed.
 _exported: dict[tuple[str, str], set[tuple[str, str]]] = {}

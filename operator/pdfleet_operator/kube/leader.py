@@ -10,6 +10,12 @@ the holder released it. A holder that could not renew for `renew_deadline` (< `l
 the process at once: it stops acting before any standby may start. A holder that stops (SIGTERM)
 releases the Lease on its way out, so a rolling update hands over within one retry period.
 
+The holder publishes where its Alertmanager receiver listens in the Lease's annotation
+`pdfleet.io/alertmanager-url` (`http://<POD_IP>:<--alertmanager-port>`, written when it acquires and on each
+renewal, removed on release, absent when the receiver is off or the pod IP unknown). A standby listens on the same
+port and relays authenticated alerts to that URL only while the Lease it last read is unexpired on its own clock
+(`alertmanager.make_relay_app`), so an alert the Service sends to a standby reaches the leader.
+
 NOTE: why not kopf's peering: replicas of one Deployment have the same priority, and kopf freezes all
 operators of equal priority ("the cluster becomes not served"); peering also pauses only kopf's resource
 watches, not the operator's own loops (resync, autoscaler, AcceleratorClass status).
@@ -32,10 +38,11 @@ from typing import Any
 
 from aiohttp import web
 
-from pdfleet_operator.kube import client, exporter
+from pdfleet_operator.kube import alertmanager, client, exporter
 
 logger = logging.getLogger("pdfleet.leader")
 LEASES = "/apis/coordination.k8s.io/v1"
+ALERTMANAGER_URL_ANNOTATION = "pdfleet.io/alertmanager-url"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -47,6 +54,7 @@ class LeaseConfig:
     lease_duration: float = 15.0  # a standby takes over after seeing the record unchanged this long
     renew_deadline: float = 10.0  # the holder gives up (exits) when it could not renew for this long
     retry_period: float = 2.0     # between attempts, holder and standby
+    alertmanager_url: str | None = None  # published in the Lease while holding it (None: the annotation is removed)
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -75,6 +83,23 @@ def default_namespace() -> str | None:
         return None
 
 
+def receiver_url(pod_ip: str | None, port: int | None) -> str | None:
+    """The URL a leader publishes for its Alertmanager receiver: None when the receiver is off or the pod IP unknown."""
+    if not port or not pod_ip:
+        return None
+    return f"http://[{pod_ip}]:{port}" if ":" in pod_ip else f"http://{pod_ip}:{port}"
+
+
+def _annotate(metadata: dict[str, Any], url: str | None) -> None:
+    """Set (url) or remove (None) the receiver's URL in a Lease's metadata."""
+    annotations = dict(metadata.get("annotations") or {})
+    if url:
+        annotations[ALERTMANAGER_URL_ANNOTATION] = url
+    else:
+        annotations.pop(ALERTMANAGER_URL_ANNOTATION, None)
+    metadata["annotations"] = annotations
+
+
 def _micro_time(t: float) -> str:
     """A Kubernetes MicroTime (RFC 3339 with microseconds)."""
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -88,6 +113,9 @@ class LeaderElector:
         self.holding = False
         self._observed: tuple[Any, ...] | None = None  # (holder, renewTime, leaseDurationSeconds) last seen
         self._observed_at = 0.0
+        # (holder, its published receiver URL, when the record was first seen, its duration): one tuple, replaced whole,
+        # so the standby's relay (another thread) reads a consistent snapshot
+        self._seen: tuple[str | None, str | None, float, float] = (None, None, 0.0, 0.0)
         self._last_renew = 0.0
         self.transitions = 0
 
@@ -114,6 +142,7 @@ class LeaderElector:
                 return False
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.config.name, "namespace": self.config.namespace}, "spec": self._spec(None)}
+            _annotate(body["metadata"], self.config.alertmanager_url)
             try:
                 await self.api.request("POST", self._path, body=body)
             except client.ApiError as exc2:
@@ -130,10 +159,14 @@ class LeaderElector:
             self._observed, self._observed_at = record, now
         holder = spec.get("holderIdentity")
         duration = float(spec.get("leaseDurationSeconds") or self.config.lease_duration)
+        url = ((lease.get("metadata") or {}).get("annotations") or {}).get(ALERTMANAGER_URL_ANNOTATION)
+        self._seen = (holder, url if holder else None, self._observed_at, duration)
         if holder and holder != self.config.identity and now < self._observed_at + duration:
             self.holding = False
             return False  # held by another replica that renewed within its lease duration
         lease["spec"] = self._spec(spec)
+        lease["metadata"] = dict(lease.get("metadata") or {})
+        _annotate(lease["metadata"], self.config.alertmanager_url)
         try:  # PUT with the resourceVersion we read: a concurrent taker gets 409
             await self.api.request("PUT", f"{self._path}/{self.config.name}", body=lease)
         except client.ApiError as exc:
@@ -151,6 +184,14 @@ class LeaderElector:
             logger.info("leader election: %s holds Lease %s/%s now (previous holder: %s)", self.config.identity,
                         self.config.namespace, self.config.name, previous_holder or "none")
         self.holding = True
+
+    def leader_url(self) -> str | None:
+        """The receiver URL another replica published in the Lease, while that Lease is unexpired on this replica's
+        clock as of its last read (None: no other leader known, or it publishes none)."""
+        holder, url, seen_at, duration = self._seen
+        if not holder or holder == self.config.identity or not url or self.clock() >= seen_at + duration:
+            return None
+        return url
 
     async def acquire(self, stop: asyncio.Event | None = None) -> bool:
         """Try every retry period (with client-go's jitter) until this replica leads (True) or `stop` is set (False)."""
@@ -198,6 +239,8 @@ class LeaderElector:
                 return
             spec = {k: v for k, v in lease["spec"].items() if k != "holderIdentity"}
             lease["spec"] = {**spec, "leaseDurationSeconds": 1, "renewTime": _micro_time(time.time())}
+            lease["metadata"] = dict(lease.get("metadata") or {})
+            _annotate(lease["metadata"], None)
             await self.api.request("PUT", f"{self._path}/{self.config.name}", body=lease)
             logger.info("leader election: %s released Lease %s/%s", self.config.identity, self.config.namespace,
                         self.config.name)
@@ -220,6 +263,11 @@ class LeaseThread(threading.Thread):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stopping = False
+        self._elector: LeaderElector | None = None
+
+    def leader_url(self) -> str | None:
+        """`LeaderElector.leader_url` of this thread's elector (safe from another thread)."""
+        return self._elector.leader_url() if self._elector is not None else None
 
     def run(self) -> None:
         try:
@@ -232,7 +280,7 @@ class LeaseThread(threading.Thread):
         if self._stopping:
             return
         api = self.make_api()
-        elector = LeaderElector(api, self.config)
+        elector = self._elector = LeaderElector(api, self.config)
         try:
             if not await elector.acquire(self._stop):
                 return
@@ -254,9 +302,13 @@ class LeaseThread(threading.Thread):
         self.done.wait(timeout)
 
 
-async def serve_standby(host: str, liveness_port: int | None, metrics_port: int | None) -> list[web.AppRunner]:
-    """/healthz (200: a standby is healthy) and /metrics (`pdfleet_operator_leader 0`) while waiting for the Lease;
-    cleaned up before kopf and the operator's exporter take the same ports."""
+async def serve_standby(host: str, liveness_port: int | None, metrics_port: int | None,
+                        alertmanager_port: int | None = None, alertmanager_token: str | None = None,
+                        leader_url: Callable[[], str | None] = lambda: None,
+                        retry_after: float = 2.0) -> list[web.AppRunner]:
+    """/healthz (200: a standby is healthy) and /metrics (`pdfleet_operator_leader 0`) while waiting for the Lease, and
+    on `alertmanager_port` the relay of authenticated alerts to the URL the leader published (`leader_url()`); all
+    cleaned up before kopf, the operator's exporter and its receiver take the same ports."""
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"standby": True})
 
@@ -272,6 +324,13 @@ async def serve_standby(host: str, liveness_port: int | None, metrics_port: int 
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port, reuse_address=True).start()
+        runners.append(runner)
+    if alertmanager_port:
+        # (a relay in flight when this replica takes over is cut after 1 s: the receiver must bind the port)
+        runner = web.AppRunner(alertmanager.make_relay_app(leader_url, alertmanager_token, retry_after), access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, host, alertmanager_port, reuse_address=True).start()
         runners.append(runner)
     return runners
 

@@ -125,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
         if not namespace:
             raise SystemExit("pdfleet operator: --leader-elect needs --leader-election-namespace outside a pod")
         try:
+            # the leader publishes its receiver's URL in the Lease (the chart passes POD_IP): standbys relay to it
             election = leader.LeaseConfig(namespace, args.leader_election_name, leader.default_identity(),
                                           args.leader_election_lease_duration, args.leader_election_renew_deadline,
-                                          args.leader_election_retry_period)
+                                          args.leader_election_retry_period,
+                                          leader.receiver_url(os.environ.get("POD_IP"), args.alertmanager_port))
         except ValueError as exc:
             raise SystemExit(f"pdfleet operator: {exc}") from None
     # NOTE: standalone: kopf's peering would freeze replicas of equal priority; the Lease decides who acts.
@@ -138,14 +140,17 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(operate)
     else:
         asyncio.run(_operate_when_leading(operate, election, args.bind, args.liveness_port or None,
-                                          args.metrics_port or None))
+                                          args.metrics_port or None, handlers.OPTIONS.alertmanager_port,
+                                          handlers.OPTIONS.alertmanager_token))
     return 0
 
 
 async def _operate_when_leading(operate: Coroutine[Any, Any, Any], election: leader.LeaseConfig, bind: str,
-                                liveness_port: int | None, metrics_port: int | None) -> None:
+                                liveness_port: int | None, metrics_port: int | None,
+                                alertmanager_port: int | None = None, alertmanager_token: str | None = None) -> None:
     """Stand by until this replica holds the Lease, then run kopf while a thread of its own renews it (its own event
-    loop and API session: a busy operator loop never delays a renewal); release it on the way out."""
+    loop and API session: a busy operator loop never delays a renewal); release it on the way out. While standing by,
+    the Alertmanager port relays authenticated alerts to the receiver URL the leader published in the Lease."""
     import kopf
 
     from pdfleet_operator.kube import client
@@ -160,7 +165,8 @@ async def _operate_when_leading(operate: Coroutine[Any, Any, Any], election: lea
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    standby = await leader.serve_standby(bind, liveness_port, metrics_port)
+    standby = await leader.serve_standby(bind, liveness_port, metrics_port, alertmanager_port, alertmanager_token,
+                                         lease.leader_url, election.retry_period)
     lease.start()
     try:
         while not lease.acquired.is_set() and not stop.is_set() and not lease.done.is_set():

@@ -155,6 +155,7 @@ class Reconciler:
 
     async def on_alert(self, trigger: alertmanager.RollbackTrigger) -> None:
         """A pdfleet rollback alert from Alertmanager (the receiver calls this): analyse now."""
+        exporter.ALERT_TRIGGERS.inc()
         await loops.on_alert(self, trigger)
 
     async def analyze_rollback(self, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None = None

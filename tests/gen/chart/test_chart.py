@@ -134,6 +134,8 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         assert {"--leader-elect", f"--leader-election-namespace={helm.NAMESPACE}",
                 f"--leader-election-name={helm.RELEASE}-operator"} <= set(container["args"])
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+        # the leader publishes its receiver (http://POD_IP:port) in the Lease; a standby relays alerts there
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
         # The ports the Dockerfile exposes (9090 metrics, 8080 liveness) are the ones passed as flags.
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert f"--metrics-port={ports['metrics']}" in container["args"]
