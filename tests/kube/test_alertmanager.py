@@ -70,27 +70,22 @@ def test_malformed_or_unknown_payloads_are_rejected(body, words):
         alertmanager.parse(body)
 
 
-class _Receiver:
-    """The receiver app served from a background thread, recording what it was handed."""
+class _Served:
+    """An aiohttp app served on a free loopback port from a background thread (its own event loop)."""
 
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, app: web.Application, what: str) -> None:
         self.port = free_port()
-        self.token = token
-        self.triggers: list[tuple[float, alertmanager.RollbackTrigger]] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
+        self.app = app
         threading.Thread(target=self._run, daemon=True).start()
-        assert self.ready.wait(10), "receiver did not start"
-
-    async def _record(self, trigger):
-        self.triggers.append((time.monotonic(), trigger))
+        assert self.ready.wait(10), f"{what} did not start"
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        runner = web.AppRunner(alertmanager.make_app(self._record, self.token))
-        self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self.runner = runner
+        self.runner = web.AppRunner(self.app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
         self.ready.set()
         self.loop.run_forever()
 
@@ -101,6 +96,18 @@ class _Receiver:
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class _Receiver(_Served):
+    """The receiver app, recording what it was handed."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
+        self.triggers: list[tuple[float, alertmanager.RollbackTrigger]] = []
+        super().__init__(alertmanager.make_app(self._record, token), "receiver")
+
+    async def _record(self, trigger):
+        self.triggers.append((time.monotonic(), trigger))
 
 
 @pytest.fixture
@@ -249,33 +256,13 @@ def test_real_alertmanager_with_the_bearer_token_is_accepted(prometheus_factory,
         router.close()
 
 
-class _Relay:
-    """A standby's relay app served from a background thread; `published` is what the Lease names (None: no leader)."""
+class _Relay(_Served):
+    """A standby's relay app; `published` is what the Lease names (None: no leader)."""
 
     def __init__(self, published: str | None, token: str | None = TOKEN) -> None:
-        self.port = free_port()
         self.published = published
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.app = alertmanager.make_relay_app(lambda: self.published, token, retry_after=2.0, timeout=10.0)
-        threading.Thread(target=self._run, daemon=True).start()
-        assert self.ready.wait(10), "relay did not start"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/alerts"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().__init__(alertmanager.make_relay_app(lambda: self.published, token, retry_after=2.0, timeout=10.0),
+                         "relay")
 
 
 def _relayed(outcome: str) -> float:
