@@ -14,6 +14,7 @@ from pdfleet_operator.decide.metric_names import RATE_WINDOW_S
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics
 from pdfleet_operator.decide.scaler_state import ScalerState
 from pdfleet_operator.decide.token_rate import (
+    SATURATED_WAITING,
     SERVED_TOKENS,
     WHOLE_ROLE,
     TokenRate,
@@ -44,13 +45,14 @@ SCALE_DOWN_DELAYED = "ScaleDownDelayed"       # grace period after a scale-up of
 MIN_REPLICAS = "MinReplicas"
 MAX_REPLICAS = "MaxReplicas"
 RATIO_BOUND = "RatioBound"
+REQUESTS_WAITING = "RequestsWaiting"          # a scale-down held: requests wait, or fewer replicas exceed the target
 SCALING_LIMITED = "ScalingLimited"            # not enough free accelerators for what the queue asks
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 AUTOSCALING_DISABLED = "AutoscalingDisabled"
 
 REASONS = (QUEUE_ABOVE_TARGET, QUEUE_BELOW_TARGET, PREFILL_BACKLOG, QUEUE_GROWING, TOKEN_RATE_ABOVE_CAPACITY,
            TOKEN_RATE_BELOW_CAPACITY, WITHIN_TOLERANCE, SCALE_UP_STABILIZING, SCALE_DOWN_STABILIZING, SCALE_DOWN_DELAYED, MIN_REPLICAS, MAX_REPLICAS, RATIO_BOUND, SCALING_LIMITED,
-           METRICS_UNAVAILABLE, AUTOSCALING_DISABLED)
+           REQUESTS_WAITING, METRICS_UNAVAILABLE, AUTOSCALING_DISABLED)
 
 _EPS = 1e-9
 # The queue trend applies only to a surge: a queue at least this many times what the replicas carry at
@@ -196,6 +198,10 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         rec, reason, message, needs[role] = _recommend(spec, role, snapshot.roles, cur, policy,
                                                         state.last_need.get(role), now, rates.get(role),
                                                         state.last_queue.get(role), (order or {}).get(role))
+        floor, why = queue_floor(spec, role, snapshot.roles[role], cur[role])
+        if rec < floor:  # a partial scale-down keeps the reason that asked for it, as the windows do
+            reason = REQUESTS_WAITING if floor == cur[role] else reason
+            rec, message = floor, f"{message}; held at {floor}: {why}"
         recommended[role] = rec
         drafts[role] = _Draft(cur[role], rec, reason, message)
 
@@ -215,6 +221,8 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         _capacity(draft, capacity.get(role))
     if policy.ratio_bounds and "prefill" in drafts and "decode" in drafts:
         _ratio(drafts["prefill"], drafts["decode"], spec, capacity, auto.pd_ratio.min, auto.pd_ratio.max)
+    for role, draft in drafts.items():
+        _hold_for_queue(draft, *queue_floor(spec, role, snapshot.roles[role], cur[role]), roles[role].max_replicas)
     new_state = replace(state, generation_per_prompt=ratio, rate_history={**state.rate_history, **rate_history})
     return _finish(drafts, new_state, now, record=history, needs=needs, rates=rates)
 
@@ -320,6 +328,41 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
     if rec < n:
         return rec, TOKEN_RATE_BELOW_CAPACITY if by_rate else QUEUE_BELOW_TARGET, f"{what}: needs {rec}", own
     return n, WITHIN_TOLERANCE, f"{what}: needs {n}", own
+
+
+def queue_floor(spec: InferenceDeploymentSpec, role: str, m: RoleMetrics, current: int) -> tuple[int, str]:
+    """The fewest replicas a scale-down may leave a role, and why ('' when nothing holds it): every replica
+    while it is saturated (at least SATURATED_WAITING requests waiting per replica), else as many as carry
+    its queue at its target, without the tolerance.
+
+    NOTE: this bounds scale-downs only; the queue targets still size scale-ups as `_recommend` says (with
+    drain sizing, prefill's queue target yields to the measured rate). A token rate learned while a
+    replica had the machine to itself once took the demo's prefill 2 -> 1 with 37 requests waiting
+    ("TokenRateBelowCapacity": the rate said the queue drains in a second), and back to 2 one interval
+    later. A backlog is evidence the replicas do not keep up, whatever the rate says.
+    """
+    target = spec.target_queue(role)
+    if current > 0 and m.waiting >= SATURATED_WAITING * current:
+        return current, f"{m.waiting:g} requests waiting on {current} replicas (saturated)"
+    if role == "prefill":
+        need, what = m.waiting / target, f"{m.waiting:g} waiting requests"
+        token_target = spec.roles()[role].target_prompt_tokens_per_replica
+        if token_target and m.prompt_tokens_waiting and m.prompt_tokens_waiting / token_target > need:
+            need, what = m.prompt_tokens_waiting / token_target, f"{m.prompt_tokens_waiting:g} waiting prompt tokens"
+    else:
+        need, what = (m.running + m.waiting) / target, f"{m.running + m.waiting:g} running+waiting requests"
+    floor = min(current, max(0, math.ceil(need - _EPS)))
+    if floor == 0:
+        return 0, ""
+    return floor, f"{what} need {floor} replicas at the target ({target:g}/replica)"
+
+
+def _hold_for_queue(d: _Draft, floor: int, why: str, max_replicas: int) -> None:
+    """The last stage: no later stage (the ratio bounds) shrinks a role below its queue floor; maxReplicas still
+    does (the spec's own shrink)."""
+    keep = min(floor, max_replicas)
+    if d.desired < d.current and d.desired < keep:
+        d.set(keep, REQUESTS_WAITING if keep == d.current else d.reason, f"{d.message}; held at {keep}: {why}")
 
 
 def queue_growth(last: tuple[float, float] | None, now: float, need: float, interval: float) -> float:
