@@ -108,8 +108,9 @@ class Supervisor:
         self.spent_usd = 0.0
         self._cost_at = clock()
         self.classes = mach.local_classes(local.classes)
-        self.router_per_hour = (local.spec.router.replicas * cost.router_cores(local.spec.router.resources.requests)
-                                * cost.cpu_core_price(self.classes))
+        # NOTE: one router process runs here whatever spec.router.replicas says (a cluster's spread and PDB have
+        # no meaning on one machine): it is what is billed.
+        self.router_per_hour = cost.router_cores(local.spec.router.resources.requests) * cost.cpu_core_price(self.classes)
         self.engine_config = run_dir / "engine.json"
         self.workers_path = run_dir / "workers.json"
         self.targets_path = run_dir / "prometheus-targets.json"
