@@ -1,4 +1,4 @@
-"""pytest fixtures for the Kubernetes API emulator (:mod:`tests.support.k8s_emulator`).
+"""pytest fixtures for the Kubernetes API emulator (:mod:`tests.support.k8s`).
 
 ``kube`` — a fresh emulator per test on a free loopback port, served from a background thread, with
 a kubeconfig in the test's tmp dir and ``KUBECONFIG`` pointing at it for the test's duration (also
@@ -15,6 +15,9 @@ DSL still works, e.g. ``kube.emulator["get", kmock.resource(...)] << 503`` to in
 (``propagation=``), ``resource(name)``, ``wait_for(predicate)``, ``compact()`` (→ 410 Gone),
 ``resource_version``; the request log: ``requests``, ``requests_for(verb=, resource=, name=, ...)``,
 ``writes(resource)``, ``count_writes(resource)``, ``verbs(resource)``, ``clear_requests()``;
+node lifecycle and time: ``advance(seconds)`` (the emulator's clock), ``cordon``/``uncordon``, ``set_node_ready(node,
+"True"|"False"|"Unknown")``, ``evict(pod, ns)`` (the Eviction subresource: 429 from a PodDisruptionBudget raises),
+``drain(node, ...)`` (kubectl drain); ``emulator.enable_workloads()`` turns the controllers on;
 ``kubectl(*args, input=, check=)``; ``service_account_kubeconfig(ns, name)`` (a kubeconfig whose requests the
 emulator authorizes by its stored RBAC objects) and ``env_with(kubeconfig)``.
 
@@ -37,6 +40,7 @@ import pytest
 import yaml
 
 from tests.support import components
+from tests.support.k8s import drain
 from tests.support.k8s_emulator import ApiError, EmulatorThread, KubernetesApiEmulator, LoggedRequest, \
     write_kubeconfig
 
@@ -170,6 +174,33 @@ class Kube:
     @property
     def resource_version(self) -> int:
         return self.call(lambda: self.emulator.resource_version)
+
+    # --- node lifecycle, time, evictions (the emulator's clock and controllers; see tests.support.k8s.workloads) ---
+    def advance(self, seconds: float) -> float:
+        """Move the emulator's clock forward and run the controllers on what fell due; returns the emulator time."""
+        return self.call(self.emulator.advance, seconds)
+
+    def cordon(self, node: str) -> dict:
+        return self.call(self.emulator.cordon, node)
+
+    def uncordon(self, node: str) -> dict:
+        return self.call(self.emulator.cordon, node, False)
+
+    def set_node_ready(self, node: str, status: str = "True") -> dict:
+        """The node's Ready condition: "True", "False" (NotReady) or "Unknown" (unreachable)."""
+        return self.call(self.emulator.set_node_ready, node, status)
+
+    def evict(self, name: str, namespace: str | None = None, *, grace_period: int | None = None) -> dict:
+        """POST pods/NAME/eviction (raises :class:`ApiError`: 429 when a PodDisruptionBudget refuses it)."""
+        options = {"gracePeriodSeconds": grace_period} if grace_period is not None else {}
+        return self.call(self.emulator.evict_pod, namespace or "default", name,
+                         {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name},
+                          "deleteOptions": options})
+
+    def drain(self, node: str, **options: Any) -> list[str]:
+        """``kubectl drain`` (cordon, evict every pod but DaemonSets' and mirror pods, retry 429s, wait until they
+        are gone): see :func:`tests.support.k8s.drain.drain` for the options; returns the pods removed."""
+        return drain.drain(self.call, self.emulator, node, **options)
 
     # --- the request log ---
     @property
