@@ -1,9 +1,9 @@
-"""The Kubernetes API emulator (tests/support/k8s_emulator.py) behaves enough like kube-apiserver.
+"""The Kubernetes API emulator (tests/support/k8s/, formerly tests/support/k8s_emulator.py) behaves enough like kube-apiserver.
 
 Raw HTTP checks pin the semantics (metadata, generation, watches, patches, conflicts, dry runs,
 apply, status, finalizers, garbage collection, admission); then the real clients prove it:
 the ``kubernetes`` Python client, ``kubectl`` and kopf (``kopf run`` and ``KopfRunner``).
-What the emulator does not do (RBAC, controllers, ...) is listed in its module docstring.
+What the emulator does not do is listed in the package docstring (tests/support/k8s/__init__.py).
 """
 
 from __future__ import annotations

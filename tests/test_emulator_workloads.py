@@ -1,4 +1,4 @@
-"""The emulator's opt-in controllers (tests/support/k8s_workloads.py): Deployments make Pods, the scheduler binds
+"""The emulator's opt-in controllers (tests/support/k8s/workloads/): Deployments make Pods, the scheduler binds
 them by extended resources or leaves them Pending (Unschedulable) until capacity frees."""
 
 from __future__ import annotations
