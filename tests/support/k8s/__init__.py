@@ -36,27 +36,51 @@ into something kopf, the ``kubernetes`` Python client and ``kubectl`` can run ag
   ServiceAccount/User/Group subjects, ``system:masters``); a request no rule allows gets kube-apiserver's
   403 Forbidden Status; a server-side apply that creates needs ``create`` too; and the
   OwnerReferencesPermissionEnforcement admission plugin: changing an existing object's ownerReferences
-  needs ``delete`` on it, ``blockOwnerDeletion: true`` needs ``update`` on the owner's ``finalizers``.
+  needs ``delete`` on it, ``blockOwnerDeletion: true`` needs ``update`` on the owner's ``finalizers``;
+* admission plugins of kube-apiserver's default set that matter to workloads: DefaultTolerationSeconds (new pods
+  tolerate ``node.kubernetes.io/not-ready``/``unreachable`` NoExecute for 300 s unless they say otherwise) and
+  the Deployment strategy's validation (maxSurge/maxUnavailable ints or percents, not both 0: 422);
+* the Eviction subresource (``POST pods/NAME/eviction``, :mod:`.eviction`): PodDisruptionBudgets are enforced
+  from the status the disruption controller writes; 429 TooManyRequests when a budget has nothing to spare;
+* a clock (:class:`Clock`, ``emulator.clock``): every timestamp the emulator writes and every due time of its
+  controllers; ``emulator.advance(seconds)`` (``kube.advance``) moves it forward and runs what fell due;
+* controllers, when a test turns them on (:meth:`KubernetesApiEmulator.enable_workloads`, see
+  :mod:`tests.support.k8s.workloads`): Deployments → ReplicaSets → Pods with RollingUpdate pacing
+  (maxSurge/maxUnavailable as pods become available), Recreate, revisions, status and conditions with the
+  progress deadline; a scheduler binding pods by requests, selectors, required node affinity and taints
+  (``Pending``/``Unschedulable`` otherwise); kubelets starting pods and reporting them Ready at once unless a
+  test holds or fails readiness; node lifecycle (cordon and NotReady/Unknown taints, pods marked not ready,
+  NoExecute eviction after ``tolerationSeconds``); pod GC of deleted nodes' pods; the disruption controller;
+  opt-in graceful pod termination (``graceful_termination``: a deleted pod stays ``Terminating`` for its
+  grace period). ``kube.drain(node)`` (:mod:`.drain`) does what ``kubectl drain`` does, which works too.
 
-What a real kube-apiserver does that this does NOT:
+Modules: :mod:`.store` (objects, events, deletion, garbage collection, namespaces), :mod:`.registry` (served
+resources, CRDs), :mod:`.admission`, :mod:`.verbs`, :mod:`.eviction`, :mod:`.rbac`, :mod:`.http`,
+:mod:`.discovery`, :mod:`.tables`, :mod:`.watches`, :mod:`.selectors`, :mod:`.patches`, :mod:`.jsonpath`,
+:mod:`.clock`, :mod:`.errors`, :mod:`.requestlog`, :mod:`.resources`, :mod:`.emulator` (the class),
+:mod:`.server` (:class:`EmulatorThread`), :mod:`.drain`, :mod:`.workloads` (one controller per module).
+
+
+What a real cluster does that this does NOT:
 
 * no authentication: a token not registered in ``users`` (the tests' own kubeconfig) may do anything;
   RBAC knows no aggregated ClusterRoles (``aggregationRule``), no built-in roles or bindings
   (non-resource URLs such as discovery are allowed to everyone instead), no escalation/bind checks on
   writes of RBAC objects, no impersonation, no SubjectAccessReviews; no admission webhooks, no
   ValidatingAdmissionPolicy, no quota/LimitRange, no validation of built-in kinds beyond the object
-  name (a Deployment with a bad spec is stored as sent);
-* controllers only when a test turns them on (:meth:`KubernetesApiEmulator.enable_workloads`, see
-  :mod:`tests.support.k8s_workloads`): Deployments then get Pods (directly: no ReplicaSets, a changed
-  template replaces every old pod at once, no maxSurge/maxUnavailable pacing, no progress deadline),
-  a scheduler binds them to Nodes by their requests (nodeSelector, required node affinity on labels,
-  taints, free allocatable of every resource: nvidia.com/gpu, MIG and other extended resources, cpu,
-  memory, pods) and leaves the rest ``Pending`` with ``PodScheduled=False``/``Unschedulable`` until
-  capacity frees; bound pods turn Running and Ready at once. Not emulated even then: preemption and
-  priorities, pod (anti-)affinity and topology spread, preferred affinity and scoring beyond
-  "fullest node first", node-affinity on fields, taint-based eviction, resource quotas, device
-  plugins (allocatable is what the Node says), probes, restarts, image pulls, Services' endpoints,
-  Jobs. Off (the default), nothing makes Pods or readiness — patch ``status`` in tests;
+  name and a Deployment's strategy, and no API defaulting of built-in kinds (a stored Deployment has no
+  ``strategy``, ``revisionHistoryLimit`` or ``progressDeadlineSeconds`` unless sent; the controllers read
+  Kubernetes' defaults where they are missing);
+* controllers only when a test turns them on; off (the default), nothing makes Pods, readiness, taints or
+  budget status — patch ``status`` in tests. On, still not emulated: real scheduler plugins (no preemption
+  or priorities, no pod (anti-)affinity or topology spread, no preferred affinity, no scoring beyond
+  "fullest node first", no node affinity on fields), resource quotas, device plugins (allocatable is what
+  the Node says), probes (readiness is what tests say), container restarts, image pulls, Services'
+  endpoints, StatefulSets, DaemonSets, Jobs, HPAs; ReplicaSets adopt no orphan pods; the node lifecycle
+  controller does not turn a silent node ``Unknown`` (tests set its Ready condition), has no zone-wide
+  rate limits and no pressure taints; the Deployment controller has no rollback (``kubectl rollout undo``),
+  no ``terminatingReplicas``, and proportional scaling is approximate at the edges; a deployment's pods
+  with graceful termination off go at once;
 * garbage collection is synchronous and approximate (Foreground deletion deletes dependents first
   instead of using the ``foregroundDeletion`` finalizer; Orphan removes the owner references at
   once); deleting a CRD deletes its objects without waiting for their finalizers;
@@ -70,11 +94,12 @@ What a real kube-apiserver does that this does NOT:
 * lists ignore ``limit``/``continue`` (everything comes in one page) and ``resourceVersion``
   parameters (lists are always current); no watch bookmarks except the one that ends
   ``sendInitialEvents``; field selectors accept any dotted path (the real API allows only a few
-  per kind); no ``/scale``, ``/log``, ``/exec``, ``/eviction``, ``/token`` or ``/proxy``
-  subresources; CRD conversion webhooks are not called (versions differ only in ``apiVersion``);
-* graceful deletion periods are ignored (objects without finalizers go at once), ``Event``
-  aggregation, TTLs and ``generateName`` retries are not emulated (Leases are stored objects like any
-  other: leader election is the clients' protocol over them, which works as on a cluster).
+  per kind); no ``/scale``, ``/log``, ``/exec``, ``/binding``, ``/token`` or ``/proxy`` subresources;
+  CRD conversion webhooks are not called (versions differ only in ``apiVersion``);
+* graceful deletion periods apply to pods only, and only with the workloads' ``graceful_termination``
+  (other objects without finalizers go at once); ``Event`` aggregation, TTLs and ``generateName`` retries
+  are not emulated (Leases are stored objects like any other: leader election is the clients' protocol over
+  them, which works as on a cluster).
 """
 
 from tests.support.k8s.clock import Clock, human_duration

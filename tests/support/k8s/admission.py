@@ -128,36 +128,42 @@ def deployment_strategy_errors(deployment: dict) -> list[crd_admission.FieldErro
     """apps/v1 validation of ``spec.strategy``: the type, maxSurge/maxUnavailable as non-negative ints or percents
     (maxUnavailable at most 100%), not both 0, no rollingUpdate with Recreate."""
     strategy = (deployment.get("spec") or {}).get("strategy") or {}
-    path = "spec.strategy"
     kind = strategy.get("type") or "RollingUpdate"
     if kind not in ("RollingUpdate", "Recreate"):
-        return [crd_admission.FieldError(f"{path}.type", "FieldValueNotSupported",
-                                         f'Unsupported value: {json.dumps(kind)}: supported values: "Recreate", "RollingUpdate"')]
+        return [_invalid_value("spec.strategy.type", kind, 'supported values: "Recreate", "RollingUpdate"',
+                               reason="FieldValueNotSupported", prefix="Unsupported value")]
     rolling = strategy.get("rollingUpdate")
     if kind == "Recreate":
-        return [crd_admission.FieldError(f"{path}.rollingUpdate", "FieldValueForbidden",
-                                         "Forbidden: may not be specified when strategy `type` is 'Recreate'")] \
-            if rolling is not None else []
-    rolling = rolling or {}
+        return [] if rolling is None else [crd_admission.FieldError(
+            "spec.strategy.rollingUpdate", "FieldValueForbidden",
+            "Forbidden: may not be specified when strategy `type` is 'Recreate'")]
     errors, values = [], {}
-    for name in ("maxUnavailable", "maxSurge"):
-        value = rolling.get(name)
+    for name, value in ((n, (rolling or {}).get(n)) for n in ("maxUnavailable", "maxSurge")):
+        where = f"spec.strategy.rollingUpdate.{name}"
         if value is None:
             continue
-        where = f"{path}.rollingUpdate.{name}"
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            errors.append(crd_admission.FieldError(where, "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: must be an integer or percentage"))
+            errors.append(_invalid_value(where, value, "must be an integer or percentage"))
         elif isinstance(value, str) and not _PERCENT.match(value):
-            errors.append(crd_admission.FieldError(where, "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: a valid percent string must be a numeric string followed by an ending '%' (e.g. '1%',  or '93%', regex used for validation is '[0-9]+%')"))
+            errors.append(_invalid_value(where, value, _PERCENT_MESSAGE))
         elif isinstance(value, int) and value < 0:
-            errors.append(crd_admission.FieldError(where, "FieldValueInvalid", f"Invalid value: {value}: must be greater than or equal to 0"))
+            errors.append(_invalid_value(where, value, "must be greater than or equal to 0"))
         else:
             values[name] = int(value[:-1]) if isinstance(value, str) else value
-    if isinstance(rolling.get("maxUnavailable"), str) and values.get("maxUnavailable", 0) > 100:
-        errors.append(crd_admission.FieldError(f"{path}.rollingUpdate.maxUnavailable", "FieldValueInvalid",
-                                               f"Invalid value: {json.dumps(rolling['maxUnavailable'])}: must not be greater than 100%"))
+    unavailable = (rolling or {}).get("maxUnavailable")
+    if isinstance(unavailable, str) and values.get("maxUnavailable", 0) > 100:
+        errors.append(_invalid_value("spec.strategy.rollingUpdate.maxUnavailable", unavailable,
+                                     "must not be greater than 100%"))
     if values.get("maxUnavailable", 1) == 0 and values.get("maxSurge", 1) == 0:
-        errors.append(crd_admission.FieldError(f"{path}.rollingUpdate.maxUnavailable", "FieldValueInvalid",
-                                               f"Invalid value: {json.dumps(rolling['maxUnavailable'])}: may not be 0 when `maxSurge` is 0"))
+        errors.append(_invalid_value("spec.strategy.rollingUpdate.maxUnavailable", unavailable,
+                                     "may not be 0 when `maxSurge` is 0"))
     return errors
 
+
+_PERCENT_MESSAGE = ("a valid percent string must be a numeric string followed by an ending '%' "
+                    "(e.g. '1%',  or '93%', regex used for validation is '[0-9]+%')")
+
+
+def _invalid_value(field: str, value: object, detail: str, *, reason: str = "FieldValueInvalid",
+                   prefix: str = "Invalid value") -> crd_admission.FieldError:
+    return crd_admission.FieldError(field, reason, f"{prefix}: {json.dumps(value)}: {detail}")
