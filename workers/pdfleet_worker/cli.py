@@ -65,6 +65,9 @@ def _model_init(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from pdfleet_worker.server.draining_server import exit_on_signal_until_serving
+
+    exit_on_signal_until_serving()  # a SIGTERM while torch imports: exit 0, not killed by it
     _before_torch()
     from pdfleet_worker.server import runner
 

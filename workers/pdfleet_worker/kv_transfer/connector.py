@@ -75,6 +75,10 @@ class KVConnector(abc.ABC):
     def close(self) -> None:
         """Stop serving (in-flight transfers are cut; their leases expire as usual)."""
 
+    def running_threads(self) -> list[str]:
+        """Names of the connector's threads still alive: after close(), those the process must not exit under."""
+        return []
+
     # -- decode side ----------------------------------------------------------------------------
     @abc.abstractmethod
     def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],

@@ -31,6 +31,9 @@ from pdfleet_worker.kv_transfer.peers import KVPeers
 log = logging.getLogger("pdfleet.kv")
 
 MAX_HEADER = 1 << 20
+# close() waits this long for the threads answering pulls: one may be copying blocks out (torch) when the
+# sockets close, and a process that exits under it aborts (server/runner.py).
+CLOSE_JOIN_S = 5.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _LEN = struct.Struct(">I")
@@ -83,7 +86,7 @@ class TcpKVConnector(KVConnector):
         self.token = token
         self.peers = peers
         self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
+        self._threads: set[threading.Thread] = set()  # the accept loop and one per open connection
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -98,13 +101,30 @@ class TcpKVConnector(KVConnector):
         sock.bind((self.host, self.port))
         sock.listen(64)
         self._listener = sock
-        t = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._start_thread(self._accept_loop, (), "kv-accept")
         return sock.getsockname()[:2]
 
+    def _start_thread(self, target, args: tuple, name: str) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+        t = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        t.start()
+
+    def running_threads(self) -> list[str]:
+        """Names of this connector's threads still alive (after close: those that outlived CLOSE_JOIN_S)."""
+        with self._lock:
+            return sorted(t.name for t in self._threads if t.is_alive())
+
     def close(self) -> None:
-        self._closed.set()
+        """Stop accepting, cut open connections, and wait (CLOSE_JOIN_S at most) for their threads to end."""
+        with self._lock:  # the accept loop registers a connection under the lock, or sees this and drops it
+            self._closed.set()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -118,6 +138,11 @@ class TcpKVConnector(KVConnector):
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        with self._lock:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -128,8 +153,11 @@ class TcpKVConnector(KVConnector):
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve_conn, args=(conn,), name="kv-conn", daemon=True).start()
+            self._start_thread(self._serve_conn, (conn,), "kv-conn")
 
     def _serve_conn(self, conn: socket.socket) -> None:
         try:

@@ -44,6 +44,7 @@ class Worker:
         self._engine = engine          # tests may hand in a built engine
         self._connector = connector
         self._loaded = asyncio.Event()
+        self._load_thread: threading.Thread | None = None
         # ValueError (missing, empty or short file) before anything starts
         self.token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
         if self.token is None and cfg.role != "both":
@@ -62,7 +63,8 @@ class Worker:
             except BaseException as e:  # reported by /health and /ready; the process stays up to say so
                 log.exception("loading the model failed")
                 self.load_error = e
-        threading.Thread(target=load, name="model-load", daemon=True).start()
+        self._load_thread = threading.Thread(target=load, name="model-load", daemon=True)
+        self._load_thread.start()
 
     def _build_engine(self):
         from pdfleet_worker.engine.llm_engine import LLMEngine
@@ -117,6 +119,13 @@ class Worker:
             self.pd.close()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
+
+    def native_threads(self) -> list[str]:
+        """This worker's threads that may be inside torch and are still alive (after stop(): those that did not
+        end in time): the model load, the engine thread, the KV connector's."""
+        alive = [t.name for t in (self._load_thread, self.loop.thread if self.loop is not None else None)
+                 if t is not None and t.is_alive()]
+        return alive + (self.pd.connector.running_threads() if self.pd is not None else [])
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -82,6 +82,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
     # -- commands (any thread) ------------------------------------------------------------------
     def call_soon(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run fn(engine) on the engine thread; fire and forget (errors are logged)."""
