@@ -47,10 +47,13 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.num_blocks = num_blocks
         self.backend = self._pick_backend(engine_cfg.attention_backend)
+        # CPU linears: F.linear or oneDNN per weight shape, whichever this machine runs faster (timed here).
+        self.linear_choice: packed_linear.LinearChoice | None = None
         self.linear_backend = "torch"
-        if self.device.type == "cpu" and packed_linear.onednn_available(self.dtype):
-            packed_linear.pack_linears(model)
-            self.linear_backend = "onednn"
+        if self.device.type == "cpu":
+            self.linear_choice = packed_linear.choose(model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs))
+            packed_linear.pack_linears(model, self.linear_choice)
+            self.linear_backend = self.linear_choice.backend
         self.model = model
         cos, sin = rope_cos_sin(cfg, max_model_len)
         self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))

@@ -1,14 +1,36 @@
-"""oneDNN prepacked linear layers for the CPU; ModelRunner swaps them in around the model after loading."""
+"""CPU linear kernels: plain F.linear or oneDNN with a prepacked weight, chosen per weight shape by timing both on this machine at start-up; ModelRunner calls choose() and pack_linears()."""
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-# NOTE: torch sends fp32 nn.Linear to MKL, which runs its AVX2 path on AMD CPUs and multiplies
-# [1, K] x [K, N] at about 18 GB/s here. oneDNN with a prepacked weight reads the same weights at
-# about 40 GB/s (bf16: about twice the tokens/s again) and is 1.5-2x faster at batch 8-64 too.
+log = logging.getLogger("pdfleet.engine")
+
+KERNELS = ("torch", "onednn")
+ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch or onednn
+# NOTE: which kernel is faster depends on the CPU, the dtype, the shape and the batch, so it is measured
+# here instead of assumed. On a 2-core AMD EPYC, MKL (torch's fp32 path) ran its AVX2 kernels at about
+# half of oneDNN's speed; on a 2-core Intel Xeon with AVX-512/AMX, F.linear was ~1.5x faster than the
+# prepacked call at 1 row for the tiny preset's shapes (~10 us of fixed cost per oneDNN call, which a
+# small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16 oneDNN won at every size.
+PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the caches, as a step does
+PROBE_REPS = 5          # timed passes per kernel and row count, alternating; the fastest pass counts
+
+
+def probe_rows(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes the choice is made for: a lone decode, a small and a full batch.
+
+    NOTE: prefill chunks are left out: there both kernels are compute-bound GEMMs of about the same
+    speed (512 rows of the tiny preset: within 3% in fp32 and bf16, measured), and timing them on a
+    large model would cost seconds of start-up."""
+    return tuple(sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,12 +74,153 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by a PackedLinear in place; returns how many."""
+Shape = tuple[int, int]  # (in_features, out_features)
+
+
+@dataclass(frozen=True)
+class ShapeTiming:
+    """One weight shape of the model: how many linears have it, each kernel's time per call at each
+    probed row count (ms; empty when nothing was timed) and the kernel it gets."""
+
+    shape: Shape
+    count: int
+    ms: tuple[tuple[str, int, float], ...]  # (kernel, rows, ms per call)
+    kernel: str
+
+    def time(self, kernel: str, rows: int) -> float:
+        return next(t for k, r, t in self.ms if k == kernel and r == rows)
+
+    def ratio(self, rows: int) -> float:
+        """oneDNN's time over F.linear's at `rows`."""
+        return self.time("onednn", rows) / self.time("torch", rows)
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """What ModelRunner runs each linear with, and why (`source`: probe, the environment, or why
+    oneDNN was not considered)."""
+
+    dtype: torch.dtype
+    threads: int
+    rows: tuple[int, ...]
+    source: str
+    shapes: tuple[ShapeTiming, ...]
+
+    def kernel_for(self, shape: Shape) -> str:
+        return next((s.kernel for s in self.shapes if s.shape == shape), "torch")
+
+    @property
+    def backend(self) -> str:
+        """torch, onednn, or mixed (some shapes each)."""
+        kernels = {s.kernel for s in self.shapes} or {"torch"}
+        return kernels.pop() if len(kernels) == 1 else "mixed"
+
+    @property
+    def timed(self) -> bool:
+        return bool(self.shapes) and all(s.ms for s in self.shapes)
+
+    def step_ms(self, kernel: str, rows: int) -> float:
+        """One step's linears at `rows` with every shape on `kernel` ("chosen": each on its own), from the probe."""
+        return sum(s.count * s.time(s.kernel if kernel == "chosen" else kernel, rows) for s in self.shapes)
+
+    def describe(self) -> str:
+        head = f"linear kernels ({str(self.dtype).removeprefix('torch.')}, {self.threads} thread(s)): {self.backend}"
+        if not self.timed:
+            return f"{head} ({self.source})"
+        per_rows = ", ".join(f"{r} rows {self.step_ms('chosen', r) / self.step_ms('torch', r):.2f}x"
+                             for r in self.rows)
+        shapes = "; ".join(f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.kernel} (oneDNN/F.linear "
+                           + "/".join(f"{s.ratio(r):.2f}" for r in self.rows) + ")" for s in self.shapes)
+        return f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}]"
+
+
+_PROBED: dict[tuple, LinearChoice] = {}  # probe key -> choice, for this process
+
+
+def linear_shapes(model: nn.Module) -> dict[Shape, list[nn.Linear]]:
+    """The model's nn.Linear modules grouped by weight shape, in model order."""
+    out: dict[Shape, list[nn.Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            out.setdefault((m.in_features, m.out_features), []).append(m)
+    return out
+
+
+def decide(ratios: list[float]) -> str:
+    """onednn when its time over F.linear's, averaged geometrically over the probed row counts, is below 1."""
+    assert ratios and all(r > 0 for r in ratios), f"ratios must be positive: {ratios}"
+    return "onednn" if math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.0 else "torch"
+
+
+def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setting: str | None = None) -> LinearChoice:
+    """The kernel of each weight shape of `model` (on the CPU, in `dtype`); `setting` defaults to
+    $PDFLEET_LINEAR_KERNEL: auto (time both at `rows`), torch or onednn (every shape, no timing)."""
+    setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
+    if setting not in ("auto", *KERNELS):
+        raise ValueError(f"{ENV}={setting!r}: expected auto, torch or onednn")
+    groups = linear_shapes(model)
+    threads = torch.get_num_threads()
+
+    def fixed(kernel: str, source: str) -> LinearChoice:
+        return LinearChoice(dtype, threads, rows, source,
+                            tuple(ShapeTiming(s, len(ms), (), kernel) for s, ms in groups.items()))
+
+    if setting == "torch":
+        return fixed("torch", f"{ENV}=torch")
+    if not onednn_available(dtype):
+        if setting == "onednn":
+            raise ValueError(f"{ENV}=onednn: this torch build cannot run oneDNN linears in {dtype}")
+        return fixed("torch", "oneDNN unavailable")
+    if setting == "onednn":
+        return fixed("onednn", f"{ENV}=onednn")
+    key = (dtype, threads, rows, tuple((s, len(ms), ms[0].bias is not None) for s, ms in groups.items()))
+    if key in _PROBED:  # NOTE: one probe per process for the same shapes (tests build many engines)
+        return _PROBED[key]
+    t0 = time.perf_counter()
+    shapes = tuple(_probe_shape(shape, mods, dtype, rows) for shape, mods in groups.items())
+    choice = _PROBED[key] = LinearChoice(dtype, threads, rows, f"probe, {time.perf_counter() - t0:.2f}s", shapes)
+    log.info("%s (%s)", choice.describe(), choice.source)
+    return choice
+
+
+
+@torch.inference_mode()
+def _probe_shape(shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, rows: tuple[int, ...]) -> ShapeTiming:
+    """Time F.linear and the prepacked call over this shape's first layers (up to PROBE_BYTES of
+    weights, each layer once per pass, as a step reads them), alternating kernels pass by pass."""
+    per_layer = max(1, modules[0].weight.numel() * modules[0].weight.element_size())
+    layers = modules[:max(1, min(len(modules), PROBE_BYTES // per_layer))]
+    plain = [(m.weight.detach().to(dtype), None if m.bias is None else m.bias.detach().to(dtype)) for m in layers]
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in plain]
+    g = torch.Generator().manual_seed(0)
+    calls = {
+        "torch": lambda x: [nn.functional.linear(x, w, b) for w, b in plain],
+        "onednn": lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "") for p, b in packed],
+    }
+    best: dict[tuple[str, int], float] = {}
+    for r in rows:
+        x = torch.randn(r, shape[0], generator=g).to(dtype)
+        for call in calls.values():
+            call(x)  # first calls create the kernels (oneDNN primitives, MKL's buffers)
+        for rep in range(PROBE_REPS):
+            for kernel in (KERNELS if rep % 2 == 0 else KERNELS[::-1]):
+                t = time.perf_counter()
+                calls[kernel](x)
+                ms = (time.perf_counter() - t) * 1e3 / len(layers)
+                best[kernel, r] = min(best.get((kernel, r), math.inf), ms)
+    timing = tuple((k, r, best[k, r]) for r in rows for k in KERNELS)
+    kernel = decide([best["onednn", r] / best["torch", r] for r in rows])
+    return ShapeTiming(shape, len(modules), timing, kernel)
+
+
+def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
+    """Replace the nn.Linear modules of `model` whose shape `choice` gives oneDNN (all of them without
+    a choice) by PackedLinear, in place; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and (
+                    choice is None or choice.kernel_for((child.in_features, child.out_features)) == "onednn"):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
