@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import time
 
@@ -11,6 +9,7 @@ import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
 from pdfleet_worker.engine.block_manager import BlockManager
+from pdfleet_worker.engine.kv_layout import KVLayout, weights_digest
 from pdfleet_worker.engine.kv_offload import DISK, HOST, TIERS, CostModel, OffloadIndex, SwapStats, TierStats
 from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
 from pdfleet_worker.engine.sampler import TokenLogprobs
@@ -104,25 +103,6 @@ class EngineStats:
     num_requests_swapped: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class KVLayout:
-    """What two engines must agree on to exchange KV blocks."""
-
-    model: str
-    dtype: str
-    kv_cache_dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    layout: str = "layer,{k,v},kv_head,block,slot,head_dim"
-
-    @property
-    def compat_hash(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
 class LLMEngine:
     """Runs requests to completion one `step()` at a time. Not thread-safe: call it from one thread."""
 
@@ -131,6 +111,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(config.model)
+        self.weights_digest = weights_digest(config.model)  # once: it reads every tensor's first and last bytes
         if tokenizer is None and load_tokenizer and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
             tokenizer = Tokenizer(config.model)
         self.tokenizer = tokenizer
@@ -425,9 +406,10 @@ class LLMEngine:
     # -- prefill/decode disaggregation -----------------------------------------------------
     def kv_layout(self) -> KVLayout:
         cfg = self.model_config
-        return KVLayout(model=os.path.basename(os.path.normpath(self.config.model)), dtype=self.config.dtype,
+        return KVLayout(model=self.weights_digest, dtype=self.config.dtype,
                         kv_cache_dtype=self.config.kv_cache_dtype, num_layers=cfg.num_layers,
-                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=self.config.block_size)
+                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=self.config.block_size,
+                        quantization=self.config.quantization)
 
     def export_kv(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
         """Copy out blocks (held by a finished hold_kv request) for a transfer."""

@@ -22,6 +22,7 @@ CONNECT = "connect"            # the prefill worker's KV endpoint did not accept
 TIMEOUT = "timeout"            # no complete answer within the transfer timeout
 PEER_CLOSED = "peer_closed"    # the connection broke midway (prefill worker died)
 INCOMPATIBLE = "incompatible"  # KV layout hashes differ: refused, nothing imported
+WEIGHTS_MISMATCH = "weights_mismatch"  # the layouts differ by their weights (another revision): refused, recomputed
 UNKNOWN_REQUEST = "unknown_request"  # no lease (expired, released, or never held)
 PROMPT_MISMATCH = "prompt_mismatch"  # the decode worker tokenized the prompt differently
 BAD_RESPONSE = "bad_response"  # the answer does not fit the request (shapes, sizes, protocol)

@@ -38,8 +38,11 @@ class KVTransferParams:
     block_size: int
     lease_seconds: float
     prompts: list[RemotePrompt]
+    weights: str | None = None   # the prefill engine's weights digest (KVLayout.model): names a mismatch's cause
+    revision: str | None = None  # the prefill worker's --revision
 
     def to_json(self) -> dict[str, Any]:
+        optional = {k: v for k, v in (("weights", self.weights), ("revision", self.revision)) if v is not None}
         return {
             DO_REMOTE_PREFILL: True,
             "remote_engine_id": self.engine_id,
@@ -51,6 +54,7 @@ class KVTransferParams:
             "lease_seconds": self.lease_seconds,
             "prompts": [{"remote_request_id": p.request_id, "remote_block_ids": list(p.block_ids),
                          "num_tokens": p.num_tokens, "prompt_hash": p.prompt_hash} for p in self.prompts],
+            **optional,
         }
 
     @classmethod
@@ -89,7 +93,11 @@ class KVTransferParams:
             if len(p.block_ids) * block_size < p.num_tokens:
                 raise ValueError(f"kv_transfer_params.prompts[{i}]: {len(p.block_ids)} blocks cannot hold "
                                  f"{p.num_tokens} tokens")
+        optional = {}
+        for key in ("weights", "revision"):
+            if raw.get(key) is not None:
+                optional[key] = field(raw, key, str)
         return cls(engine_id=field(raw, "remote_engine_id", str), host=field(raw, "remote_host", str), port=port,
                    connector=raw.get("connector", "tcp") if isinstance(raw.get("connector", "tcp"), str) else "tcp",
                    compat_hash=field(raw, "compat_hash", str), block_size=block_size,
-                   lease_seconds=float(field(raw, "lease_seconds", (int, float))), prompts=prompts)
+                   lease_seconds=float(field(raw, "lease_seconds", (int, float))), prompts=prompts, **optional)

@@ -140,7 +140,8 @@ class Worker:
         info: dict[str, Any] = {"ready": self.ready, "alive": self.alive, "loaded": self.serving is not None,
                                 "draining": self.state.draining, "role": self.cfg.role,
                                 "model": self.cfg.served_model_name, "accelerator": self.cfg.accelerator,
-                                "inflight": self.state.inflight}
+                                "inflight": self.state.inflight,
+                                "heartbeat_interval_s": self.cfg.heartbeat_interval_s}
         if self.cfg.revision is not None:
             info["revision"] = self.cfg.revision
         if self.load_error is not None:
@@ -154,7 +155,7 @@ class Worker:
                         prompt_tokens_waiting=s.num_prompt_tokens_waiting, free_blocks=s.num_free_blocks,
                         total_blocks=s.num_total_blocks, held_blocks=s.num_held_blocks,
                         holding_requests=s.num_requests_holding_kv, block_size=self.cfg.engine.block_size,
-                        max_model_len=self.loop.engine.max_model_len)
+                        max_model_len=self.loop.engine.max_model_len, weights_digest=self.loop.engine.weights_digest)
         if self.pd is not None:
             info["compat_hash"] = self.pd.compat_hash
             if self.pd.leases is not None:

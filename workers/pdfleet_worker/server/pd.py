@@ -50,6 +50,7 @@ class PD:
         self.connector = connector
         self.metrics = metrics
         self.compat_hash = loop.engine.kv_layout().compat_hash
+        self.weights = loop.engine.weights_digest
         self.engine_id = f"{cfg.served_model_name}-{uuid.uuid4().hex[:12]}"
         self.leases: LeaseTable | None = None
         self.kv_address: tuple[str, int] | None = None
@@ -98,7 +99,7 @@ class PD:
         return KVTransferParams(engine_id=self.engine_id, host=self.kv_address[0], port=self.kv_address[1],
                                 connector=self.connector.name, compat_hash=self.compat_hash,
                                 block_size=self.cfg.engine.block_size, lease_seconds=self.cfg.kv_lease_s,
-                                prompts=prompts)
+                                prompts=prompts, weights=self.weights, revision=self.cfg.revision)
 
     def drop_lease(self, request_id: str) -> None:
         """The prefill response never reached its caller: nobody will pull, free now."""
@@ -121,6 +122,11 @@ class PD:
         if params.connector != self.connector.name:
             raise TransferRefused(c.UNSUPPORTED, f"KV connector {params.connector!r} is not available on this worker "
                                                  f"(it has {self.connector.name!r})")
+        if params.compat_hash != self.compat_hash and params.weights is not None and params.weights != self.weights:
+            raise TransferRefused(c.WEIGHTS_MISMATCH,
+                                  f"KV computed by other weights: prefill engine {params.engine_id} serves weights "
+                                  f"{params.weights} (revision {params.revision or 'unset'}), this decode engine "
+                                  f"{self.weights} (revision {self.cfg.revision or 'unset'}); KV refused")
         if params.compat_hash != self.compat_hash:
             raise TransferRefused(c.INCOMPATIBLE,
                                   f"KV layout mismatch: prefill engine {params.engine_id} has compat hash "

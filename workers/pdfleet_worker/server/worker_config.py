@@ -60,8 +60,9 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     accelerator: str = "cpu"
-    # The pod template revision this worker runs ($PDFLEET_REVISION, from its pod's pdfleet.io/revision label):
-    # in /load, so the router labels each answer with the revision that served it (rollback analysis).
+    # The pod template revision this worker runs (--revision, else $PDFLEET_REVISION, from its pod's pdfleet.io/revision
+    # label): in /load and in the KV transfer parameters; the router labels each answer with the revision that served
+    # it (rollback analysis) and pairs a request's prefill and decode workers by it (router/pairing.py).
     revision: str | None = None
     kv_cache_memory_fraction: float | None = None  # informational once engine.kv_cache_memory_bytes is set
     # PD transfer
@@ -120,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--engine-config", help="JSON file with engine settings (keys as the operator renders them); flags win")
+    p.add_argument("--revision", default=None,
+                   help="the pod template revision this worker runs (default $PDFLEET_REVISION): reported in /load; "
+                        "the router sends a request's prefill and decode to workers of one revision and KV layout")
     p.add_argument("--accelerator", "--accelerator-class", dest="accelerator", default=None,
                    help="the pod's AcceleratorClass: the accelerator label on metrics, named when --device is absent "
                         "(default $PDFLEET_ACCELERATOR, else cpu)")
@@ -283,7 +287,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         engine=engine,
         served_model_name=pick("served_model_name", None) or os.path.basename(os.path.normpath(model)),
         role=pick("role", "both"), host=pick("host", "127.0.0.1"), port=pick("port", 8000),
-        accelerator=accelerator_class or "cpu", revision=os.environ.get("PDFLEET_REVISION") or None,
+        accelerator=accelerator_class or "cpu",
+        revision=getattr(args, "revision", None) or os.environ.get("PDFLEET_REVISION") or None,
         kv_cache_memory_fraction=None if num_kv_blocks is not None else fraction,
         kv_transfer_timeout_s=parse_duration(pick("kv_transfer_timeout", 10.0)),
         kv_lease_s=parse_duration(pick("kv_lease", 30.0)),

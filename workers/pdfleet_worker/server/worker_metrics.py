@@ -26,8 +26,8 @@ class WorkerMetrics:
         # Series that exist from the start, so rate() and absent() behave before the first event.
         for direction in ("sent", "received"):
             self._kv_bytes.labels(**self.base, direction=direction)
-        for reason in (c.CONNECT, c.TIMEOUT, c.PEER_CLOSED, c.INCOMPATIBLE, c.UNKNOWN_REQUEST, c.PROMPT_MISMATCH,
-                       c.BAD_RESPONSE, c.UNSUPPORTED, c.UNAUTHORIZED, c.UNTRUSTED_PEER):
+        for reason in (c.CONNECT, c.TIMEOUT, c.PEER_CLOSED, c.INCOMPATIBLE, c.WEIGHTS_MISMATCH, c.UNKNOWN_REQUEST,
+                       c.PROMPT_MISMATCH, c.BAD_RESPONSE, c.UNSUPPORTED, c.UNAUTHORIZED, c.UNTRUSTED_PEER):
             self._kv_failures.labels(**self.base, reason=reason)
         for reason in ("queue_full", "draining"):
             self._rejections.labels(**self.base, reason=reason)
