@@ -12,6 +12,28 @@ from typing import Any
 
 from pdfleet_operator.api import WORKER_ROLE, InferenceDeploymentSpec, parse_duration, parse_quantity
 
+# How long a router or worker told to stop (SIGTERM: a scale-down, a rollout, a node drain) keeps serving what it
+# already has: long enough for the longest request it can hold, maxModelLen tokens at the ITL target, within bounds.
+DRAIN_FLOOR_S = 30.0
+DRAIN_CAP_S = 600.0
+# A pod's grace period is its drain plus this much to shut down (flush metrics, close connections) before SIGKILL.
+SHUTDOWN_MARGIN_S = 15
+
+
+def drain_seconds(spec: InferenceDeploymentSpec) -> float:
+    """Seconds a draining router or worker lets in-flight requests finish before it ends them with an error.
+
+    NOTE: capped at DRAIN_CAP_S (10 min): a 128K-token context at 50 ms per token would hold a node drain for
+    almost two hours; a request still running at the cap gets an error event, never silence.
+    """
+    longest = spec.model.max_model_len * parse_duration(spec.slo.itl)
+    return round(min(DRAIN_CAP_S, max(DRAIN_FLOOR_S, longest)), 1)
+
+
+def grace_seconds(spec: InferenceDeploymentSpec) -> int:
+    """A router or worker pod's terminationGracePeriodSeconds: its drain, then the shutdown margin."""
+    return int(-(-drain_seconds(spec) // 1)) + SHUTDOWN_MARGIN_S
+
 
 def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     """The worker's engine settings (keys as pdfleet_worker.config.EngineConfig names them)."""
@@ -68,6 +90,7 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, *, model_dir: str, hos
     return ["worker", "--model", model_dir, "--role", WORKER_ROLE[role], "--host", host, "--port", str(port),
             "--engine-config", engine_config,
             "--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}s",
+            "--drain-timeout", f"{drain_seconds(spec):g}s",
             *flags, *spec.engine.extra_args]
 
 
@@ -76,7 +99,8 @@ def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
     """The `pdfleet router` flags the spec decides: the heartbeat interval and, with `spec.routing`, the rules and
     `route_to`, the URL of the target deployment's router (each backend knows where that runs); `tokenizer_dir`:
     where the router reads the model's tokenizer, needed by `rules.maxPromptTokens`."""
-    out = ["--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}"]
+    out = ["--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}",
+           "--drain-timeout", f"{drain_seconds(spec):g}"]
     routing = spec.routing
     if routing is None:
         return out

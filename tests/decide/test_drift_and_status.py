@@ -53,7 +53,8 @@ def test_status_while_rolling_out_then_ready() -> None:
     st = status.compute(name="llama31-8b", namespace="ns", plan=plan, cost=c, observed=status.Observed(),
                         previous=None, generation=1, revision=1, router_replicas=1, now=T0)
     assert conditions(st) == {"ScalingLimited": ("False", "CapacityAvailable"), "Degraded": ("False", "AsExpected"),
-                              "Progressing": ("True", "RollingOut"), "Ready": ("False", "NotServing")}
+                              "Progressing": ("True", "RollingOut"), "Ready": ("False", "NotServing"),
+                              "PlacementDrift": ("False", "AsPlanned"), "RolloutBlocked": ("False", "AsExpected")}
     assert st.pd_ratio == "1:2" and st.prefill_replicas == 1 and st.decode_replicas == 2
     assert st.cost_per_hour == round(2.99 + 2 * 1.28 + 0.10, 4)
     assert st.endpoint == "http://llama31-8b.ns.svc:80/v1"
@@ -112,3 +113,18 @@ def test_the_applied_hash_makes_a_dropped_map_key_a_difference() -> None:
     assert "annotations" not in after["metadata"], "the render is not modified"
     edited = {**live, "spec": {"nodeSelector": {"a": "9", "b": "2"}}}
     assert not drift.pruned_only(edited, stamped), "a hand edit is drift, not a prune"
+
+
+def test_placement_drift_and_rollout_blocked_say_why() -> None:
+    from pdfleet_operator.decide.transition import Drift
+    _, plan, c = _plan("qwen2-7b", [node("l", "l40s", 4)])
+    seen = status.Observed(drift=(Drift("q-colocated-l40s-48gb", "NodeCordoned", "1 replica on a cordoned node"),),
+                           stuck=("colocated: no free capacity",), blocked=("q-colocated-l40s-48gb: held",),
+                           moving=("colocated: keeping q-colocated-l40s-48gb",))
+    st = status.compute(name="q", namespace="ns", plan=plan, cost=c, observed=seen, previous=None,
+                        generation=1, revision=1, router_replicas=1, now=T0)
+    cs = {x.type: x for x in st.conditions}
+    assert (cs["PlacementDrift"].status, cs["PlacementDrift"].reason) == ("True", "NodeCordoned")
+    assert "cordoned" in cs["PlacementDrift"].message and "no free capacity" in cs["PlacementDrift"].message
+    assert (cs["RolloutBlocked"].status, cs["RolloutBlocked"].reason) == ("True", "NoCapacityForSurge")
+    assert "keeping q-colocated-l40s-48gb" in cs["Progressing"].message

@@ -1,8 +1,9 @@
 """Golden files: what each example InferenceDeployment becomes on the standard test cluster.
 
-`python -m tests.kube.golden --update` rewrites tests/kube/golden/*.yaml from the pure
-pipeline (placement -> render -> status); test_golden.py checks both that the files are current and
-that the operator running against the emulator produces exactly these objects and this status.
+`python -m tests.kube.golden --update` rewrites tests/kube/golden/*.yaml from the operator's pure reconcile
+chain (`decide.reconcile.decide` on a fresh deployment: nothing running yet); test_operator.py checks both that
+the files are current and that the operator running against the emulator produces exactly these objects and
+this status.
 Review a changed golden file by hand before committing it.
 """
 
@@ -16,10 +17,11 @@ from typing import Any
 
 import yaml
 
+from pdfleet_operator.api import InferenceDeployment
 from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
-from pdfleet_operator.decide import cost, inventory, placement, status
+from pdfleet_operator.decide import cost, reconcile
 from pdfleet_operator.kube import render
-from tests.kube.cluster import classes, example_files, spec_of, standard_nodes
+from tests.kube.cluster import classes, example_files, standard_nodes
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 UID = "<uid>"
@@ -36,19 +38,22 @@ def normalize_status(st: dict[str, Any]) -> dict[str, Any]:
 def expected(doc: dict[str, Any]) -> dict[str, Any]:
     """{"objects": [...], "status": {...}} for one InferenceDeployment on the standard cluster, nothing ready."""
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
-    spec = spec_of(doc)
+    dep = InferenceDeployment.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": namespace,
+                                                                   "generation": 1}})
     cls = classes()
-    free = inventory.build(standard_nodes(), [])
-    plan = placement.plan(spec, cls, free)
     owner = render.Owner(name, namespace, UID)
-    objects = render.render(owner, spec, plan, cls, revision=1, surge=placement.surge_room(plan, cls, free))
-    plan_cost = cost.plan_cost(plan, cls, router_replicas=spec.router.replicas,
-                               router_cpu=cost.router_cores(spec.router.resources.requests))
-    st = status.compute(name=name, namespace=namespace, plan=plan, cost=plan_cost, observed=status.Observed(),
-                        previous=None, generation=1, revision=1, router_replicas=spec.router.replicas,
-                        now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
-                        worker_image=spec.engine.image or DEFAULT_WORKER_IMAGE)
-    return {"name": name, "objects": objects, "status": normalize_status(st.wire())}
+    obs = reconcile.Observed(dep=dep, uid=UID, resource_version="1", annotations={}, classes=cls,
+                             deleting=frozenset(), nodes=standard_nodes(), pods=[], children=[], stored=[],
+                             served_record=None, reserved=[], inputs=reconcile.Inputs(),
+                             now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
+                             router_cpu=cost.router_cores(dep.spec.router.resources.requests),
+                             worker_image=DEFAULT_WORKER_IMAGE, token_secret=render.auth_secret_name(name))
+
+    def run(spec, plan, revision, surge):
+        return render.render(owner, spec, plan, cls, revision=revision, surge=surge)
+    desired = reconcile.decide(obs, run)
+    assert desired.status is not None
+    return {"name": name, "objects": list(desired.objects), "status": normalize_status(desired.status.wire())}
 
 
 def render_file(path: pathlib.Path) -> str:

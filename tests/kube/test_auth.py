@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 
 from pdfleet_operator.decide import inventory, placement
-from pdfleet_operator.kube import reconciler, render
+from pdfleet_operator.kube import handlers, reconciler, render
 from tests.kube.cluster import EXAMPLES as EXAMPLE_DIR
 from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
 from tests.kube.harness import prepare_cluster, running_operator, settle, wait_reconciled
@@ -111,14 +111,18 @@ def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_i
         assert secret["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
         assert [(w.verb, w.status) for w in kube.writes("secrets")] == [("create", 201)]
     kube.clear_requests()
-    with running_operator(kube, resync_interval=0.2):  # a restart and resyncs: one create, answered 409
-        kube.wait_for(lambda: kube.writes("secrets"), timeout=20, message="the restart's check of the Secret")
+    with running_operator(kube, resync_interval=0.2):  # a restart and resyncs: status.tokenSecret says it exists
+        kube.wait_for(lambda: handlers.RECONCILER.reconciles >= 3, timeout=20, message="a restart and resyncs")
         settle(kube)
-        assert [(w.verb, w.status) for w in kube.writes("secrets")] == [("create", 409)]
+        assert kube.get("infdep", "local-tiny", "default")["status"]["tokenSecret"] == "local-tiny-auth"
+        assert kube.writes("secrets") == [], "a restart writes nothing for the Secret the status says was made"
+        # While the process runs it checks every AUTH_SECRET_CHECK_S: a create, answered 409, the token kept.
+        monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
+        kube.wait_for(lambda: kube.writes("secrets"), timeout=20, message="the periodic check of the Secret")
+        assert {(w.verb, w.status) for w in kube.writes("secrets")} == {("create", 409)}
         assert token_of(kube, "local-tiny") == first, "the token the pods hold is never replaced"
         assert kube.verbs("secrets") == {"create"}, "no Secret is read, listed, watched, patched or deleted"
         # Rotation: an admin deletes the Secret; the next reconcile after the check interval creates a new token.
-        monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
         kube.delete("secrets", "local-tiny-auth", "default")
         kube.wait_for(lambda: token_of(kube, "local-tiny") not in (None, first), timeout=20,
                       message="a new token after the Secret was deleted")

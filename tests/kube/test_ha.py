@@ -51,7 +51,7 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
         assert not [r.denied for r in kube.requests if r.denied], "the chart's RBAC refused a request"
         created = _object_writes(kube.requests)
         assert created and set(created.values()) == {1}, created
-        assert len(children(kube, "llama31-8b")) == 11
+        assert len(children(kube, "llama31-8b")) == 12  # 9 + 2 NetworkPolicies + the router PDB
 
         a.kill()
         kube.wait_for(lambda: ha.lease_holder(kube) == b.pod, timeout=10 * a.lease_duration, message="b to take over")

@@ -58,7 +58,7 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
         assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0"
         settle(kube)
-        assert len(children(kube, "llama31-8b")) == 11
+        assert len(children(kube, "llama31-8b")) == 12  # 9 + 2 NetworkPolicies + the router PDB
     text = exporter.text().decode()
     assert 'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",role="decode"} 4.0' in text
     # No pod of it runs here (the emulator's controllers are off): planned, not billed (tests/kube/test_billing.py).
@@ -118,13 +118,13 @@ async def test_first_reconcile_waits_until_class_and_node_indexes_hold_what_the_
 
     rec = handlers.Reconciler()
     rec.indexes = {"class_index": {"h100-80gb": [object()]}, "node_index": {"n1": [object()]}}
-    waiting = asyncio.ensure_future(rec._await_indexes(FakeApi()))
+    waiting = asyncio.ensure_future(rec.sync(FakeApi()))
     await asyncio.sleep(0.2)
     assert not waiting.done(), "planned before h200-141gb and n2 were indexed"
     rec.indexes["class_index"]["h200-141gb"] = [object()]
     rec.indexes["node_index"]["n2"] = [object()]
     await asyncio.wait_for(waiting, timeout=2)
-    await asyncio.wait_for(rec._await_indexes(FakeApi()), timeout=0.1)  # once per process
+    await asyncio.wait_for(rec.sync(FakeApi()), timeout=0.1)  # once per process
 
 
 async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:

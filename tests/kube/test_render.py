@@ -81,7 +81,7 @@ def test_every_object_is_valid_and_owned(name: str) -> None:
     kinds = sorted(o["kind"] for o in objs)
     roles = len(spec_of(EXAMPLES[name]).roles())
     assert kinds.count("Service") == roles + 1
-    assert kinds.count("PodDisruptionBudget") == roles
+    assert kinds.count("PodDisruptionBudget") == roles + 1  # one per role and the router's
     assert kinds.count("ConfigMap") == 1 and kinds.count("PodMonitor") == 1 and kinds.count("PrometheusRule") == 1
 
 
@@ -114,7 +114,7 @@ def test_worker_pod_for_a_domestic_class() -> None:
     # The device the worker must compute on (it exits when it lacks it) and its class, from the class.
     assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
                          "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--heartbeat-interval", "10s",
-                         "--auth-token-file", "/var/run/pdfleet/auth/token", "--kv-port", "8001",
+                         "--drain-timeout", "600s", "--auth-token-file", "/var/run/pdfleet/auth/token", "--kv-port", "8001",
                          "--device", "npu", "--accelerator", "ascend-910b"]
     assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in c["ports"]  # named in the NetworkPolicy
     # Host memory: 7.6B bf16 weights (14.2 GiB) + 4 GiB overhead; 2 cores per card; no CPU limit.
@@ -125,7 +125,9 @@ def test_worker_pod_for_a_domestic_class() -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
-    assert pod["terminationGracePeriodSeconds"] == render.WORKER_GRACE_SECONDS
+    # The drain lets the longest request finish: 8,192 tokens at the 80 ms ITL target is 655 s, capped at 600 s;
+    # 15 s more to shut down.
+    assert pod["terminationGracePeriodSeconds"] == 615
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
     assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
@@ -149,10 +151,15 @@ def test_router_services_and_config() -> None:
         "router", "--prefill", "http://llama31-8b-prefill.team-a.svc:8000",
         "--decode", "http://llama31-8b-decode.team-a.svc:8000", "--host", "0.0.0.0", "--port", "8000",
         "--auth-token-file", "/var/run/pdfleet/auth/token", "--api-key-file", "/var/run/pdfleet/api-keys/api-keys",
-        "--api-key-file-optional", "--heartbeat-interval", "10"]
+        "--api-key-file-optional", "--heartbeat-interval", "10", "--drain-timeout", "600"]
     assert objs[("Service", "llama31-8b-prefill")]["spec"]["clusterIP"] == "None"
     assert objs[("Service", "llama31-8b")]["spec"]["ports"][0]["port"] == 80
-    assert objs[("PodDisruptionBudget", "llama31-8b-decode")]["spec"]["maxUnavailable"] == 1
+    # One voluntary disruption at a time, never below the role's minimum (2 decode replicas, minReplicas 2).
+    assert objs[("PodDisruptionBudget", "llama31-8b-decode")]["spec"]["minAvailable"] == 2
+    assert objs[("PodDisruptionBudget", "llama31-8b-router")]["spec"]["minAvailable"] == 1
+    spread = router["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread[0]["topologyKey"] == "kubernetes.io/hostname" and router["spec"]["replicas"] == 2
+    assert router["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
     config = json.loads(objs[("ConfigMap", "llama31-8b-engine")]["data"]["engine.json"])
     assert config["max_model_len"] == 16384 and config["max_num_batched_tokens"] == 4096
     assert config["kv_transfer"] == {"timeout_seconds": 5.0, "lease_seconds": 30.0, "on_failure": "recompute"}
@@ -335,3 +342,17 @@ def test_pools_with_room_roll_without_shrinking_and_the_others_one_pod_at_a_time
                 if o["kind"] == "Deployment" and o["metadata"]["labels"].get(render.LABEL_ROLE) in ("prefill", "decode")}
     assert strategy == {"llama31-8b-prefill-h100-80gb": {"maxSurge": 1, "maxUnavailable": 0},
                         "llama31-8b-decode-h100-mig-3g-40gb": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_drains_are_sized_from_the_longest_request_and_pdbs_never_break_a_role_below_its_minimum() -> None:
+    from pdfleet_operator import engine_args
+    spec = spec_of(EXAMPLES["qwen2-7b"])
+    short = spec.model_copy(update={"model": spec.model.model_copy(update={"max_model_len": 1024})})
+    assert engine_args.drain_seconds(short) == 81.9                  # 1,024 tokens at the 80 ms ITL target (0.1 s steps)
+    assert engine_args.grace_seconds(short) == 82 + engine_args.SHUTDOWN_MARGIN_S
+    assert engine_args.drain_seconds(spec) == engine_args.DRAIN_CAP_S   # 655 s capped
+    tiny = spec.model_copy(update={"model": spec.model.model_copy(update={"max_model_len": 64})})
+    assert engine_args.drain_seconds(tiny) == engine_args.DRAIN_FLOOR_S
+    # (planned size, minReplicas) -> minAvailable: one at a time, never below the minimum, never the last replica.
+    assert [render.pdb_min_available(n, m) for n, m in ((1, 1), (1, 0), (2, 1), (4, 1), (4, 4), (0, 0))] == \
+        [1, 1, 1, 3, 4, 0]

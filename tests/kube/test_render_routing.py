@@ -27,7 +27,7 @@ def test_the_router_routes_to_the_target_service_with_the_rules():
     pod = objs[("Deployment", "qwen2-7b-routed-router")]["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     tail = args[args.index("--heartbeat-interval"):]
-    assert tail == ["--heartbeat-interval", "10", "--route-to", "http://qwen2-0-5b.team-a.svc:80",
+    assert tail == ["--heartbeat-interval", "10", "--drain-timeout", "600", "--route-to", "http://qwen2-0-5b.team-a.svc:80",
                     "--route-max-prompt-tokens", "512", "--route-max-tokens", "256",
                     "--route-exclude-pattern", r"(?i)\b(code|function|sql|proof)\b",
                     "--route-classifier", "pdfleet_worker.router.classifiers:short_question",

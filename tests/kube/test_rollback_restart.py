@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pdfleet_operator.api import parse_duration
+from pdfleet_operator.decide import rollback
 from pdfleet_operator.kube import handlers, render, revisions
 from tests.kube.harness import changing_writes, events, prepare_cluster, running_operator, settle, wait_reconciled
 from tests.kube.test_rollback_wiring import BAD, FOR, GOOD, NAME, NEXT, WINDOW, Router, conditions, image_of, spec
@@ -72,7 +73,7 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
             assert reasons(kube).count("RolledBack") == 1 and "RollbackFailed" not in reasons(kube)
 
             # By hand back onto the broken revision: the rollback goes bad and pages once.
-            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "2"}}})
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {rollback.ANNOTATION_ROLLBACK_TO: "2"}}})
             kube.wait_for(lambda: image_of(kube) == BAD, timeout=15, message="manual rollback to revision 2")
             kube.wait_for(lambda: "RollbackFailed" in reasons(kube), timeout=30, message="the failed rollback paged")
             wait_reconciled(kube, NAME, check=lambda cr: conditions(cr)["Degraded"]["reason"] == "RollbackFailed")
@@ -91,7 +92,7 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
         kube.delete("controllerrevisions.apps", f"{NAME}-rev-2", "default")
         with restarted(kube):
             assert kube.count_writes("deployments") == 0 and image_of(kube) == BAD
-            assert revisions.REASON_REVISION_MISSING not in reasons(kube)
+            assert rollback.REASON_REVISION_MISSING not in reasons(kube)
             assert conditions(kube.get("infdep", NAME, "default"))["Degraded"]["reason"] == "RollbackFailed"
             assert reasons(kube).count("RollbackFailed") == 1
 
@@ -102,9 +103,9 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
         for _ in range(2):
             with restarted(kube):
                 assert kube.count_writes("deployments") == 0 and image_of(kube) == BAD
-                assert reasons(kube).count(revisions.REASON_REVISION_MISSING) == 1
+                assert reasons(kube).count(rollback.REASON_REVISION_MISSING) == 1
                 cr = kube.get("infdep", NAME, "default")
-                assert conditions(cr)["Degraded"]["reason"] == revisions.REASON_REVISION_MISSING
+                assert conditions(cr)["Degraded"]["reason"] == rollback.REASON_REVISION_MISSING
                 assert "revision 2" in conditions(cr)["Degraded"]["message"]
 
         # The spec changes while no operator runs: process 7 rolls forward to revision 3.

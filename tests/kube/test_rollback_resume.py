@@ -1,4 +1,4 @@
-"""A new operator process takes over the rollback state the previous one left in the cluster (`revisions.resume`).
+"""A new operator process takes over the rollback state the previous one left in the cluster (`rollback.resume`).
 
 The inputs are what survives a restart: the status (RolledBack and its observedGeneration,
 currentRevision, failedRevision, a standing page) and the ControllerRevisions; the answer is which
@@ -55,86 +55,86 @@ def rolled_back(current: int = 1, failed: int | None = 2, generation: int | None
 
 
 def test_failed_spec_still_in_place_keeps_serving_the_stable_revision() -> None:
-    got = revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD))
+    got = rollback.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD))
     assert got.kind == "stored" and got.template == 1
     assert got.spec is not None and got.spec.engine.image == GOOD
-    assert got.failed == revisions.Failed(2, 2, rollback.fingerprint(rollback.template_spec(spec(BAD))))
+    assert got.failed == rollback.Failed(2, 2, rollback.fingerprint(rollback.template_spec(spec(BAD))))
 
 
 def test_a_new_generation_with_the_same_template_is_still_rolled_back_and_keeps_the_new_policies() -> None:
     edited = spec(BAD, max_replicas=4, soak="9m")  # sizes and policies changed, not what the pods run
-    got = revisions.resume(rolled_back(), 3, edited, stored(GOOD, BAD))
+    got = rollback.resume(rolled_back(), 3, edited, stored(GOOD, BAD))
     assert got.kind == "stored" and got.template == 1
     assert got.spec.engine.image == GOOD and got.spec.prefill.max_replicas == 4 and got.spec.rollback.soak_time == "9m"
 
 
 def test_spec_changed_while_no_process_watched_rolls_forward() -> None:
-    got = revisions.resume(rolled_back(), 3, spec(NEXT), stored(GOOD, BAD))
+    got = rollback.resume(rolled_back(), 3, spec(NEXT), stored(GOOD, BAD))
     assert got.kind == "roll_forward" and got.template is None and got.failed.revision == 2
     # The in-process rule agrees: what resume rebuilt ends the rollback on the next reconcile.
-    assert revisions.moved_on(got.failed, 3, rollback.fingerprint(rollback.template_spec(spec(NEXT))))
+    assert rollback.moved_on(got.failed, 3, rollback.fingerprint(rollback.template_spec(spec(NEXT))))
 
 
 def test_no_status_or_no_rollback_in_force_serves_the_spec() -> None:
-    assert revisions.resume(None, 1, spec(GOOD), []) == revisions.Resumed("spec")
+    assert rollback.resume(None, 1, spec(GOOD), []) == rollback.Resumed("spec")
     forward = InferenceDeploymentStatus(current_revision=3, stable_revision=1, failed_revision=2, conditions=[
         cond("RolledBack", "False", "RolledForward", "the spec changed after revision 2 was rolled back", 3)])
-    assert revisions.resume(forward, 3, spec(NEXT), stored(GOOD, BAD, NEXT)).kind == "spec"
+    assert rollback.resume(forward, 3, spec(NEXT), stored(GOOD, BAD, NEXT)).kind == "spec"
     healthy = InferenceDeploymentStatus(current_revision=1, stable_revision=1)
-    assert revisions.resume(healthy, 1, spec(GOOD), stored(GOOD)).kind == "spec"
+    assert rollback.resume(healthy, 1, spec(GOOD), stored(GOOD)).kind == "spec"
 
 
 def test_stable_revision_record_gone_holds_the_pools_and_pages_instead_of_crashing() -> None:
-    got = revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:])
+    got = rollback.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:])
     assert got.kind == "hold" and got.template is None
     assert "revision 1" in got.message and "cannot be rendered" in got.message and "(2)" in got.message
     # A record without the spec it came from is no better.
     broken = stored(GOOD, BAD)
     del broken[0]["data"]["spec"]
-    assert revisions.resume(rolled_back(), 2, spec(BAD), broken).kind == "hold"
+    assert rollback.resume(rolled_back(), 2, spec(BAD), broken).kind == "hold"
     # Once the user changes the spec there is nothing to hold: roll forward.
-    assert revisions.resume(rolled_back(), 3, spec(NEXT), stored(GOOD, BAD)[1:]).kind == "roll_forward"
+    assert rollback.resume(rolled_back(), 3, spec(NEXT), stored(GOOD, BAD)[1:]).kind == "roll_forward"
 
 
 def test_served_record_gone_is_rebuilt_from_the_configmap_that_still_records_it() -> None:
     config = render.config_map(OWNER, spec(GOOD), 1)  # what the pools run: revision 1, served by the rollback
     serving = revisions.served_record(config, OWNER)
-    got = revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], serving)
+    got = rollback.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], serving)
     assert got.kind == "stored" and got.template == 1
     assert got.spec is not None and got.spec.engine.image == GOOD
     # The ConfigMap records another revision (or none): nothing to rebuild from, hold as before.
     other = revisions.served_record(render.config_map(OWNER, spec(BAD), 2), OWNER)
-    assert revisions.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], other).kind == "hold"
+    assert rollback.resume(rolled_back(), 2, spec(BAD), stored(GOOD, BAD)[1:], other).kind == "hold"
     assert revisions.served_record({"metadata": {"labels": {render.LABEL_REVISION: "1"}}}, OWNER) is None
 
 
 def test_failed_record_gone_ends_the_rollback_on_any_spec_change_only() -> None:
     revs = [stored(GOOD, BAD)[0]]
-    assert revisions.resume(rolled_back(), 2, spec(BAD), revs).kind == "stored"
-    assert revisions.resume(rolled_back(), 3, spec(BAD, max_replicas=4), revs).kind == "roll_forward"
+    assert rollback.resume(rolled_back(), 2, spec(BAD), revs).kind == "stored"
+    assert rollback.resume(rolled_back(), 3, spec(BAD, max_replicas=4), revs).kind == "roll_forward"
 
 
 def test_manual_rollback_resumes_the_revision_it_chose() -> None:
     # `rollback-to=2` while the spec is revision 3: revision 2 served, 3 not re-applied.
     status = InferenceDeploymentStatus(current_revision=2, stable_revision=3, failed_revision=3, conditions=[
         cond("RolledBack", "True", "ManualRollback", "revision 3 rolled back to 2 by hand (pdfleet.io/rollback-to)", 5)])
-    got = revisions.resume(status, 5, spec(NEXT), stored(GOOD, BAD, NEXT))
+    got = rollback.resume(status, 5, spec(NEXT), stored(GOOD, BAD, NEXT))
     assert got.kind == "stored" and got.template == 2 and got.spec.engine.image == BAD
 
 
 def test_a_standing_page_and_a_stable_revision_are_not_said_again() -> None:
-    page = revisions.conditions_for(rollback.RollbackAction("page", "RollbackFailed", "not rolling back again", 0.5),
-                                    2, 3, 5)
+    page = rollback.conditions_for(rollback.RollbackAction("page", "RollbackFailed", "not rolling back again", 0.5),
+                                    2, 3, 5, AT)
     status = rolled_back(2, 3, 5, stable=1)
     status = status.model_copy(update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + page})
-    assert revisions.paged_revision(status) == 2
-    health = revisions.health_for(2, 100.0, True, 1, status)
+    assert rollback.paged_revision(status) == 2
+    health = rollback.health_for(2, 100.0, True, 1, status)
     assert health.done and not health.stable and health.rollback_target
     # Another revision served later is analysed afresh; the stable one does not soak again.
-    assert not revisions.health_for(1, 100.0, True, 1, status).done
-    assert revisions.health_for(1, 100.0, True, 1, status).stable
-    assert revisions.paged_revision(rolled_back()) is None
-    assert revisions.paged_revision(None) is None
+    assert not rollback.health_for(1, 100.0, True, 1, status).done
+    assert rollback.health_for(1, 100.0, True, 1, status).stable
+    assert rollback.paged_revision(rolled_back()) is None
+    assert rollback.paged_revision(None) is None
 
 
 def test_failed_record_is_kept_by_pruning_when_asked() -> None:

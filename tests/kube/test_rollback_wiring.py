@@ -204,18 +204,18 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             assert sorted(r["revision"] for r in revs) == [1, 2]  # 3 serves: on the ConfigMap
 
             # By hand: `kubectl annotate infdep guarded pdfleet.io/rollback-to=1`; a revision not stored is refused.
-            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "99"}}})
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {rollback.ANNOTATION_ROLLBACK_TO: "99"}}})
             kube.wait_for(lambda: any(e["reason"] == "RollbackRejected" for e in events(kube, NAME)), timeout=10,
                           message="rollback-to=99 rejected")
-            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "1"}}})
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {rollback.ANNOTATION_ROLLBACK_TO: "1"}}})
             kube.wait_for(lambda: image_of(kube) == GOOD, timeout=15, message="manual rollback to revision 1")
             cr = wait_reconciled(kube, NAME, check=lambda cr: conditions(cr)["RolledBack"]["reason"] == "ManualRollback")
             assert cr["status"]["currentRevision"] == 1 and cr["spec"]["engine"]["image"] == NEXT
-            assert revisions.ANNOTATION_ROLLBACK_TO not in (cr["metadata"].get("annotations") or {})
+            assert rollback.ANNOTATION_ROLLBACK_TO not in (cr["metadata"].get("annotations") or {})
             assert "rolled back to 1 by hand" in [e for e in events(kube, NAME) if e["reason"] == "RolledBack"][-1]["message"]
 
             # A rollback that itself goes bad (here: by hand to the broken revision 2) pages once, and stays put.
-            kube.patch("infdep", NAME, {"metadata": {"annotations": {revisions.ANNOTATION_ROLLBACK_TO: "2"}}})
+            kube.patch("infdep", NAME, {"metadata": {"annotations": {rollback.ANNOTATION_ROLLBACK_TO: "2"}}})
             kube.wait_for(lambda: image_of(kube) == BAD, timeout=15, message="manual rollback to revision 2")
             kube.wait_for(lambda: any(e["reason"] == "RollbackFailed" for e in events(kube, NAME)), timeout=25,
                           message="the failed rollback paged")
@@ -246,24 +246,24 @@ def test_revision_numbers_never_repeat_and_a_rollback_keeps_the_current_policies
     good, bad = _stored(1, GOOD), _stored(2, BAD)
     current, back = _spec(BAD), _spec(GOOD)
     runs = {render.template_hash(current): 2}
-    assert revisions.number_for(current, [good], runs, 1) == 2           # the template the pools run keeps its number
-    assert revisions.number_for(current, [good, bad], {render.template_hash(back): 1}, 1) == 2  # rolled back: the spec's
-    assert revisions.number_for(current, [good], {render.template_hash(back): 1}, 1) == 2      # a new template: next
-    assert revisions.number_for(back, [good], runs, 1) == 3              # going back is a new revision, as in a rollout
-    assert revisions.number_for(back, [], {}, 1) == 1                    # a new deployment
-    assert revisions.number_for(back, [good, bad], {}, 4) == 4           # pools gone: the status's number stays
+    assert rollback.number_for(current, [good], runs, 1) == 2           # the template the pools run keeps its number
+    assert rollback.number_for(current, [good, bad], {render.template_hash(back): 1}, 1) == 2  # rolled back: the spec's
+    assert rollback.number_for(current, [good], {render.template_hash(back): 1}, 1) == 2      # a new template: next
+    assert rollback.number_for(back, [good], runs, 1) == 3              # going back is a new revision, as in a rollout
+    assert rollback.number_for(back, [], {}, 1) == 1                    # a new deployment
+    assert rollback.number_for(back, [good, bad], {}, 4) == 4           # pools gone: the status's number stays
     assert good["data"]["template"]["engine"]["image"] == GOOD and good["revision"] == 1
     assert good["metadata"]["name"] == f"{NAME}-rev-1"
     assert good["data"]["template"] == rollback.template_spec(back)     # the ConfigMap's partial spec is the template
     assert good["metadata"]["annotations"][render.ANNOTATION_TEMPLATE_HASH] == render.template_hash(back)
 
     edited = current.model_copy(update={"rollback": current.rollback.model_copy(update={"soak_time": "9m"})})
-    restored = revisions.spec_for_rollback(good, edited)
+    restored = rollback.spec_for_rollback(good, edited)
     assert restored.engine.image == GOOD and restored.rollback.soak_time == "9m"
     # What a rollback serves from a record made of the ConfigMap's partial spec is the spec that ran, with the
     # user's current sizes and policies: the same as from a record of the whole spec (the old format).
     whole = {**good, "data": {"template": good["data"]["template"], "spec": back.wire()}}
-    assert revisions.spec_for_rollback(whole, edited) == restored
+    assert rollback.spec_for_rollback(whole, edited) == restored
 
 
 def test_a_revision_is_stored_once_superseded_and_only_then() -> None:

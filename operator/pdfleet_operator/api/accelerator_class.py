@@ -156,6 +156,10 @@ class AcceleratorClassStatus(ApiModel):
     nodes: int | None = Field(None, ge=0, description="Nodes that match the selector and advertise the resource.")
     allocatable: int | None = Field(None, ge=0, description="Units of resourceName allocatable on those nodes.")
     free: int | None = Field(None, ge=0, description="Units not requested by any pod.")
+    used_by: list[str] = Field(
+        default_factory=list, description="The pools on this class ('namespace/deployment role'): while any is "
+                                          "listed, deleting the class only marks it (the pdfleet.io/in-use finalizer) "
+                                          "and its pools move to their roles' other classes first.")
     conditions: list[Condition] = Field(default_factory=list, description="Observations, keyed by type.")
 
 

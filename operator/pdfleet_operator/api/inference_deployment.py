@@ -355,13 +355,18 @@ class NetworkPeer(ApiModel):
 class RouterSpec(ApiModel):
     """The router in front of the pools (the deployment's endpoint)."""
 
-    replicas: int = Field(1, ge=1, le=100, description="Router replicas.")
+    replicas: int = Field(2, ge=1, le=100, description="Router replicas, spread across nodes with a PodDisruptionBudget "
+                                                       "(one at a time goes): the request path has no single pod.")
     allow_from: list[NetworkPeer] = Field(
         default_factory=list, max_length=32,
         description="Who may reach the router (its NetworkPolicy); empty: any source. Workers accept traffic only "
                     "from this deployment's router and workers and from the operator's scraper namespaces.")
     image: str | None = Field(None, min_length=1, max_length=512, description="Router image; defaults to engine.image.")
-    resources: Resources = Field(default_factory=Resources, description="CPU/memory of each router container.")
+    resources: Resources = Field(
+        # (a default, not a default_factory: the CRD carries it, so the API server fills in what the operator reads)
+        Resources(requests={"cpu": "1", "memory": "512Mi"}, limits={"memory": "1Gi"}),
+        description="CPU/memory of each router container (requested, so the router is never the first pod evicted "
+                    "under node pressure).")
     heartbeat_interval: Duration = Field(
         "10s", description="A streaming request that waits this long for its next event (queued, prefilling, KV in "
                            "flight, a prefill hand-off) gets an SSE comment `: keep-alive`, and again each interval, "
@@ -431,6 +436,15 @@ class RoutingSpec(ApiModel):
     )
 
 
+class RolloutSpec(ApiModel):
+    """How a pool moves to a new pod template (an image, engine or class change, a rollback)."""
+
+    allow_unavailable: bool = Field(
+        False, description="Let a pool roll by taking its only ready replica down when there is no room for a surge "
+                           "replica on its class nor a bridge replica on another class the role allows (a brief outage "
+                           "per rollout). false: such a rollout waits, with RolloutBlocked=True saying why.")
+
+
 class InferenceDeploymentSpec(ApiModel):
     """A served model, its pools, and the policies that size and guard them."""
 
@@ -446,6 +460,7 @@ class InferenceDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica autoscaling from queue metrics.")
     rollback: RollbackSpec = Field(default_factory=RollbackSpec, description="Automated rollback on 5xx.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the pools.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="How pools move to a new pod template.")
     routing: RoutingSpec | None = Field(
         None, description="Send requests judged simple to a smaller model's InferenceDeployment (query routing).")
 
@@ -504,7 +519,8 @@ class InferenceDeploymentStatus(ApiModel):
     observed_generation: int | None = Field(None, ge=0, description="The .metadata.generation last reconciled.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, RolledBack.",
+        description="Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, RolledBack, PlacementDrift, "
+                    "RolloutBlocked.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     pools: list[PoolStatus] = Field(default_factory=list, description="Pools by role and accelerator.")
     prefill_replicas: int | None = Field(None, ge=0, description="Desired prefill replicas over all classes.")
@@ -519,6 +535,9 @@ class InferenceDeploymentStatus(ApiModel):
     worker_image: str | None = Field(
         None, description="The pdfleet worker (and router) image of the served revision's pools whose class names "
                           "none: spec.engine.image, else the operator's default (--worker-image).")
+    token_secret: str | None = Field(
+        None, description="The deployment token's Secret, once the operator made (or found) it: a restarted operator "
+                          "does not create it again. Deleting the Secret rotates the token within a minute.")
 
 
 class InferenceDeployment(Resource):

@@ -35,6 +35,9 @@ ANNOTATION_APPLIED_HASH = "pdfleet.io/applied-hash"
 # not a ControllerRevision yet; the operator stores it from here when another revision supersedes it.
 ANNOTATION_REVISION_SPEC = "pdfleet.io/revision-spec"
 ROUTER_ROLE = "router"
+# On an AcceleratorClass while a pool uses it: a deleted class stays (with a deletionTimestamp) until its pools
+# have moved to other classes, as Kubernetes holds a PersistentVolumeClaim in use.
+FINALIZER_CLASS_IN_USE = "pdfleet.io/in-use"
 
 
 def child_name(*parts: str) -> str:

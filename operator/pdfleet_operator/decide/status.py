@@ -1,8 +1,9 @@
 """The InferenceDeployment status the reconcile path writes: pools, P:D, $/h, endpoint and conditions (pure).
 
-`compute(...)` takes the plan, its cost, what the children report as ready and the previous status,
-and returns the new status; conditions other than the four it owns (MetricsAvailable, RolledBack,
-set by the autoscaler and rollback through the same reconcile) and their fields are carried over.
+`compute(...)` takes the plan, its cost, what the children report as ready, how the pools are being handed
+over (`transition.Step`) and the previous status, and returns the new status; conditions other than the ones
+it owns (MetricsAvailable, RolledBack, set by the autoscaler and rollback through the same reconcile) and their
+fields are carried over.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from dataclasses import dataclass, field
 from pdfleet_operator.api import Condition, InferenceDeploymentStatus, PoolStatus, names, set_condition
 from pdfleet_operator.decide.cost import PlanCost
 from pdfleet_operator.decide.placement import FleetPlan
+from pdfleet_operator.decide.transition import Drift
 
-OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded", "ScalingLimited")
+OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded", "ScalingLimited", "PlacementDrift", "RolloutBlocked")
 
 
 @dataclass(frozen=True)
 class Observed:
-    """What the children say: ready replicas per worker Deployment name, and the router's."""
+    """What the children say (ready replicas per Deployment name, the router's) and how the pools move."""
 
     ready: Mapping[str, int] = field(default_factory=dict)
     router_ready: int = 0
     problems: tuple[str, ...] = ()  # objects that could not be applied (name conflicts, rejections)
-    # Pools the plan dropped but that keep serving until their role's new pools are ready
-    # (`handover`): (Deployment name, role, ready replicas, why).
-    retained: tuple[tuple[str, str, int, str], ...] = ()
+    drift: tuple[Drift, ...] = ()   # pools not where the ideal plan would put them, and why (`transition`)
+    moving: tuple[str, ...] = ()    # hand-overs in progress
+    stuck: tuple[str, ...] = ()     # roles whose hand-over cannot progress, and why
+    blocked: tuple[str, ...] = ()   # pools whose rollout is held (no room to keep a replica serving)
 
 
 def pd_ratio(plan: FleetPlan) -> str:
@@ -53,9 +56,10 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
                         cost_per_hour=round(cost.of(p.role, p.accelerator_class), 4))
              for p in plan.pools]
     roles = plan.roles()
-    ready_by_role = {r: sum(p.ready for p in pools if p.role == r) for r in roles}
-    serving_by_role = {r: ready_by_role[r] + sum(n for _, role, n, _ in observed.retained if role == r) for r in roles}
-    desired_by_role = {r: plan.replicas(r) for r in roles}
+    serving_by_role = {r: sum(p.ready for p in pools if p.role == r) for r in roles}
+    # A role's size: what it runs, not counting replicas kept only until their replacements serve (a hand-over,
+    # a surge for a displaced replica): the autoscaler's target where the plan could place it all.
+    desired_by_role = {r: min(plan.replicas(r), plan.targets.get(r, plan.replicas(r))) for r in roles}
 
     conditions = list(prev.conditions)
     # Others' conditions first too, so that what is decided below sees them (RolledBack -> Degraded).
@@ -86,14 +90,29 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
     behind = [f"{p.name} {p.ready}/{p.desired}" for p in pools if p.ready < p.desired]
     if observed.router_ready < router_replicas:
         behind.append(f"{names.router_name(name)} {observed.router_ready}/{router_replicas}")
-    kept = [f"keeping {pool} {why}" for pool, _, _, why in observed.retained]
-    if behind or kept:
+    if behind or observed.moving:
         conditions = set_condition(conditions, _cond(
             "Progressing", True, "RollingOut", "; ".join(
-                (["waiting for " + ", ".join(behind)] if behind else []) + kept), now, generation))
+                (["waiting for " + ", ".join(behind)] if behind else []) + list(observed.moving)), now, generation))
     else:
         conditions = set_condition(conditions, _cond(
             "Progressing", False, "Complete", "every pool is at its desired size", now, generation))
+    # PlacementDrift: pools kept where the ideal plan would not put them (a cordoned node, a deleted class, ...).
+    if observed.drift or observed.stuck:
+        reason = observed.drift[0].reason if observed.drift else "NoCapacityToMove"
+        conditions = set_condition(conditions, _cond(
+            "PlacementDrift", True, reason, "; ".join([d.message for d in observed.drift] + list(observed.stuck)),
+            now, generation))
+    else:
+        conditions = set_condition(conditions, _cond(
+            "PlacementDrift", False, "AsPlanned", "every pool is where placement would put it", now, generation))
+    # RolloutBlocked: a new template waits rather than take a role's only ready replica down.
+    if observed.blocked:
+        conditions = set_condition(conditions, _cond(
+            "RolloutBlocked", True, "NoCapacityForSurge", "; ".join(observed.blocked), now, generation))
+    else:
+        conditions = set_condition(conditions, _cond(
+            "RolloutBlocked", False, "AsExpected", "no rollout is held", now, generation))
     # Ready: a request can be served end to end (router plus at least one worker per role, counting
     # a pool kept serving while its replacement starts).
     missing = [r for r in roles if serving_by_role[r] == 0]

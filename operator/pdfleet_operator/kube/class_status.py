@@ -1,4 +1,5 @@
-"""AcceleratorClass status: how many nodes carry each class and how many of its units are allocatable and free.
+"""AcceleratorClass status: how many nodes carry each class, how many of its units are allocatable and free, and
+which pools run on it.
 
 What `kubectl get acc -o wide` shows in its Free column, computed from the same inventory placement
 plans with (`inventory.build`: Ready, schedulable nodes whose labels and taints admit the class,
@@ -21,12 +22,13 @@ from pdfleet_operator.kube import client
 
 logger = logging.getLogger(__name__)
 
-FIELDS = ("observedGeneration", "nodes", "allocatable", "free")
+FIELDS = ("observedGeneration", "nodes", "allocatable", "free", "usedBy")
 
 
-def compute(classes: Iterable[Mapping[str, Any]], nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]]
-            ) -> dict[str, dict[str, int]]:
-    """{class name: {observedGeneration, nodes, allocatable, free}} for every valid AcceleratorClass object."""
+def compute(classes: Iterable[Mapping[str, Any]], nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
+            users: Mapping[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
+    """{class name: {observedGeneration, nodes, allocatable, free, usedBy}} for every valid AcceleratorClass object
+    (`users`: class -> the pools on it, `class_protection.users`)."""
     nodes = list(nodes)
     whole = inventory.build(nodes, [])
     left = inventory.build(nodes, pods)
@@ -38,7 +40,8 @@ def compute(classes: Iterable[Mapping[str, Any]], nodes: Iterable[dict[str, Any]
         except pydantic.ValidationError:
             continue  # the reconcile ignores it too (logged by the class index)
         carrying = [n for n in whole.nodes_for(cls) if n.free.get(cls.resource_name, 0) > 0]
-        status = {"nodes": len(carrying), "allocatable": whole.free_units(cls), "free": left.free_units(cls)}
+        status: dict[str, Any] = {"nodes": len(carrying), "allocatable": whole.free_units(cls),
+                                  "free": left.free_units(cls), "usedBy": list((users or {}).get(meta["name"], []))}
         if meta.get("generation") is not None:
             status = {"observedGeneration": int(meta["generation"]), **status}
         out[meta["name"]] = status
@@ -51,16 +54,17 @@ class ClassStatusWriter:
     def __init__(self) -> None:
         self.writes = 0
 
-    async def sync(self, api: client.Api, nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]]) -> list[str]:
-        """Patch the status of every class whose numbers changed; returns their names."""
+    async def sync(self, api: client.Api, nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
+                   users: Mapping[str, list[str]] | None = None) -> list[str]:
+        """Patch the status of every class whose numbers or users changed; returns their names."""
         listed = await api.list("AcceleratorClass", None)
-        wanted = compute(listed, nodes, pods)
+        wanted = compute(listed, nodes, pods, users)
         changed = []
         for obj in listed:
             name = obj["metadata"]["name"]
             have = obj.get("status") or {}
             want = wanted.get(name)
-            if want is None or all(have.get(k) == want.get(k) for k in FIELDS):
+            if want is None or all(have.get(k, [] if k == "usedBy" else None) == want.get(k) for k in FIELDS):
                 continue
             try:
                 await api.patch_status_of("AcceleratorClass", None, name, want)

@@ -1,8 +1,8 @@
 """The only module that writes to the Kubernetes API: children by server-side apply, status, Events, and the
 deployment token's Secret by create-if-missing.
 
-Called by the reconcile path in `handlers`. Reads what exists (by label), writes only what differs
-(`drift.contains`), deletes children the render no longer has, never touches objects another owner
+Called by the reconcile path (`kube.reconciler`). Reads what exists (by label), writes only what differs
+(`drift.contains`), deletes the children the reconcile chain says go, never touches objects another owner
 controls. Speaks JSON over one aiohttp session with the credentials kopf logged in with.
 """
 
@@ -25,7 +25,7 @@ import aiohttp
 import kopf
 
 from pdfleet_operator.api import names
-from pdfleet_operator.decide import drift, handover
+from pdfleet_operator.decide import drift
 from pdfleet_operator.kube import render
 
 FIELD_MANAGER = "pdfleet-operator"
@@ -75,14 +75,14 @@ class ApplyResult:
     problems: list[str] = field(default_factory=list)
     drifted: dict[str, list[str]] = field(default_factory=dict)  # existing child -> fields that differed
     pruned: list[str] = field(default_factory=list)  # applied again only to drop fields no longer rendered
-    retained: dict[str, str] = field(default_factory=dict)  # pools no longer planned, kept until their role's new pools serve
+    retained: dict[str, str] = field(default_factory=dict)  # children left untouched (a pool whose class is gone)
 
     @property
     def writes(self) -> int:
         return len(self.applied) + len(self.created) + len(self.deleted)
 
 
-def _path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+def path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
     prefix, plural = RESOURCES[kind]
     path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
     if name:
@@ -182,7 +182,7 @@ class Api:
     # --- reads ---
     async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
-            return await self.request("GET", _path(kind, namespace, name))
+            return await self.request("GET", path(kind, namespace, name))
         except ApiError as exc:
             if exc.code == 404:
                 return None
@@ -190,7 +190,7 @@ class Api:
 
     async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
         params = {"labelSelector": label_selector} if label_selector else None
-        items = (await self.request("GET", _path(kind, namespace), params=params))["items"] or []
+        items = (await self.request("GET", path(kind, namespace), params=params))["items"] or []
         api_version = "v1" if RESOURCES[kind][0] == "/api/v1" else RESOURCES[kind][0].removeprefix("/apis/")
         for item in items:  # list items come without kind/apiVersion
             item.setdefault("kind", kind)
@@ -219,7 +219,7 @@ class Api:
         """Server-side apply with our field manager, forcing ownership of the fields we render."""
         meta = obj["metadata"]
         result = await self.request(
-            "PATCH", _path(obj["kind"], meta.get("namespace"), meta["name"]),
+            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]),
             params={"fieldManager": FIELD_MANAGER, "force": "true"}, body=obj,
             content_type="application/apply-patch+yaml")
         result.setdefault("kind", obj["kind"])
@@ -232,7 +232,7 @@ class Api:
         (it can read no Secret), and no reconcile ever replaces the token the pods were given."""
         meta = obj["metadata"]
         try:
-            await self.request("POST", _path(obj["kind"], meta.get("namespace")), body=obj, counted=False)
+            await self.request("POST", path(obj["kind"], meta.get("namespace")), body=obj, counted=False)
         except ApiError as exc:
             if exc.code == 409:
                 return False
@@ -246,7 +246,7 @@ class Api:
                 "preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
         self.written[(obj["kind"], meta.get("namespace", ""), meta["name"])] = DELETED
         try:
-            await self.request("DELETE", _path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
+            await self.request("DELETE", path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
         except ApiError as exc:
             if exc.code not in (404, 409):  # already gone, or replaced by a new object of that name
                 raise
@@ -256,12 +256,12 @@ class Api:
 
     async def patch_status_of(self, kind: str, namespace: str | None, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """A merge patch of the status subresource (the only way the operator writes a status)."""
-        return await self.request("PATCH", _path(kind, namespace, name, "status"),
+        return await self.request("PATCH", path(kind, namespace, name, "status"),
                                   body={"status": status}, content_type="application/merge-patch+json")
 
     async def remove_annotation(self, kind: str, namespace: str, name: str, key: str) -> None:
         """Drop one annotation (a one-shot command such as pdfleet.io/rollback-to, once acted on)."""
-        await self.request("PATCH", _path(kind, namespace, name), body={"metadata": {"annotations": {key: None}}},
+        await self.request("PATCH", path(kind, namespace, name), body={"metadata": {"annotations": {key: None}}},
                            content_type="application/merge-patch+json")
 
     async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
@@ -282,7 +282,7 @@ class Api:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            await self.request("POST", _path("Event", meta["namespace"]), body=body)
+            await self.request("POST", path("Event", meta["namespace"]), body=body)
         except ApiError as exc:  # an Event is a courtesy: never fail a reconcile over it
             logger.warning("could not post Event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], exc)
 
@@ -310,10 +310,10 @@ async def list_children(api: Api, owner: render.Owner, kinds: Iterable[str]) -> 
     return out
 
 
-async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, Any]],
-                         existing: list[dict[str, Any]]) -> ApplyResult:
-    """Make the children equal to `desired`: apply what differs, delete what is no longer rendered
-    (a pool the plan moved elsewhere only once its role's new pools are ready: `handover`).
+async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, Any]], existing: list[dict[str, Any]],
+                         *, delete: Iterable[str] = (), untouched: Iterable[str] = ()) -> ApplyResult:
+    """Apply each child of `desired` the live object does not already contain, then delete the children named in
+    `delete` (the reconcile chain decided which: `decide.reconcile`); `untouched` ones are neither.
 
     A name taken by an object this deployment does not control is left alone and reported.
     """
@@ -346,11 +346,10 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             result.applied.append(key)
             result.drifted[key] = [d for d in drift.differences(cur, obj)
                                    if not d.endswith(f".annotations.{names.ANNOTATION_APPLIED_HASH}")] or ["."]
-    wanted = {key_of(o) for o in desired}
-    result.retained = handover.retained(desired, existing)
-    for key, obj in sorted(current.items()):
-        if key not in wanted and key not in result.retained:
-            await api.delete(obj)
+    result.retained = {k: "untouched" for k in untouched}
+    for key in delete:
+        if key in current and key not in result.retained:
+            await api.delete(current[key])
             result.deleted.append(key)
     return result
 

@@ -12,6 +12,8 @@ import prometheus_client
 from aiohttp import web
 
 from pdfleet_operator.decide import metric_names as names
+from pdfleet_operator.decide.cost import PlanCost
+from pdfleet_operator.decide.placement import FleetPlan
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REGISTRY = prometheus_client.CollectorRegistry()
@@ -57,6 +59,16 @@ def set_pools(namespace: str, deployment: str, pools: Iterable[tuple[str, str, i
     _exported[(namespace, deployment)] = now
     SLO_TTFT.labels(namespace, deployment).set(slo_ttft)
     SLO_ITL.labels(namespace, deployment).set(slo_itl)
+
+
+def bill(namespace: str, deployment: str, plan: FleetPlan, running: PlanCost, slo_ttft: float, slo_itl: float) -> None:
+    """The pool gauges of one deployment: planned replicas, and what runs billed (bound pods: a pool kept during a
+    hand-over, a surge pod), not the plan (whose Pending replicas hold nothing)."""
+    planned = {(p.role, p.accelerator_class): p.replicas for p in plan.pools}
+    pools = sorted(set(planned) | {(p.role, p.accelerator_class) for p in running.pools})
+    set_pools(namespace, deployment, ((role, acc, planned.get((role, acc), next(
+        (p.replicas for p in running.pools if (p.role, p.accelerator_class) == (role, acc)), 0)),
+        running.of(role, acc)) for role, acc in pools), slo_ttft, slo_itl)
 
 
 def forget(namespace: str, deployment: str) -> None:

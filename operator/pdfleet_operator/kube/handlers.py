@@ -26,8 +26,9 @@ from aiohttp import web
 
 from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec
 from pdfleet_operator.decide import inventory
-from pdfleet_operator.kube import alertmanager, class_status, client, exporter, render, revisions
+from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, render
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
+from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
 from pdfleet_operator.kube.reconciler import Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
 GROUP, VERSION = "pdfleet.io", "v1alpha1"
@@ -146,11 +147,10 @@ async def _class_status_loop() -> None:
         api = RECONCILER.api
         if api is not None:
             try:
-                await RECONCILER._await_indexes(api)
-                nodes = [next(iter(s)) for s in (RECONCILER.indexes.get("node_index") or {}).values()]
-                pods = [p for s in (RECONCILER.indexes.get("pod_index") or {}).values() for p in s] + RECONCILER.foreign_pods()
-                for _ in await writer.sync(api, nodes, pods):
+                await RECONCILER.sync(api)
+                for _ in await writer.sync(api, RECONCILER.nodes(), RECONCILER.pods(), class_protection.users(RECONCILER)):
                     exporter.API_WRITES.labels("AcceleratorClass/status").inc()
+                await class_protection.release(api, RECONCILER)
             except client.ApiError as exc:
                 logger.warning("AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval)
             except Exception:  # NOTE: a bug here must not end the loop (or the operator)
@@ -171,6 +171,25 @@ async def _resync_loop() -> None:
 
 # Indexes: kopf fills them before any resource handler runs, so the first plan after a start sees the
 # whole cluster (an empty inventory would scale everything down).
+
+@kopf.index(GROUP, VERSION, "acceleratorclasses")
+def class_meta_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    return {name: class_protection.meta_view(body)}
+
+
+@kopf.index("apps", "v1", "deployments")
+def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Every worker pool Deployment pdfleet manages (the watch is label-selected server-side): what it holds or will
+    hold, pods or not, so that capacity is counted right after a restart (issue 24, rule 7)."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    role, acc = labels.get(render.LABEL_ROLE), labels.get(render.LABEL_ACCELERATOR)
+    if not role or role == render.ROUTER_ROLE or not acc or not labels.get(render.LABEL_DEPLOYMENT):
+        return None
+    return {(meta.get("namespace"), meta.get("name")): {
+        "namespace": meta.get("namespace"), "deployment": labels[render.LABEL_DEPLOYMENT], "role": role, "class": acc,
+        "replicas": int((body.get("spec") or {}).get("replicas") or 0)}}
+
 
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
 def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[str, AcceleratorClassSpec] | None:
@@ -199,9 +218,7 @@ def infdep_index(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> d
 
 
 def _keep_indexes(kwargs: Mapping[str, Any]) -> None:
-    for name in ("class_index", "node_index", "pod_index", "infdep_index"):
-        if name in kwargs:
-            RECONCILER.indexes[name] = kwargs[name]
+    RECONCILER.keep(kwargs)
 
 
 def _node_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,6 +251,9 @@ async def _reconcile_from_handler(namespace: str, name: str, body: kopf.Body, wh
             raise kopf.TemporaryError(f"API server: {exc}", delay=5) from exc
         raise kopf.PermanentError(f"API server rejected a request: {exc}") from exc
     logger.debug("%s/%s reconciled (%s): %s", namespace, name, why, outcome)
+    m = RECONCILER.known((namespace, name))
+    if m is not None and m.plan is not None:
+        loops.start(RECONCILER, (namespace, name), m)
 
 
 async def _say_invalid(body: kopf.Body, message: str) -> None:
@@ -262,13 +282,13 @@ async def on_resume(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -
     await _reconcile_from_handler(namespace, name, body, "operator started", kwargs)
 
 
-@kopf.on.event(GROUP, VERSION, "inferencedeployments", annotations={revisions.ANNOTATION_ROLLBACK_TO: kopf.PRESENT})
+@kopf.on.event(GROUP, VERSION, "inferencedeployments", annotations={ANNOTATION_ROLLBACK_TO: kopf.PRESENT})
 async def on_rollback_annotation(namespace: str, name: str, event: Mapping[str, Any], **kwargs: Any) -> None:
     """`pdfleet.io/rollback-to=N` set by hand. NOTE: an on.event handler, because kopf leaves annotations under
     its own storage prefix (pdfleet.io) out of the essence that on.update compares."""
     _keep_indexes(kwargs)
     if event.get("type") in (None, "ADDED", "MODIFIED"):
-        RECONCILER.request((namespace, name), f"annotation {revisions.ANNOTATION_ROLLBACK_TO}")
+        RECONCILER.request((namespace, name), f"annotation {ANNOTATION_ROLLBACK_TO}")
 
 
 @kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
@@ -283,15 +303,24 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
 async def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _keep_indexes(kwargs)
     spec = dict(body.get("spec") or {})
+    deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
     before = RECONCILER.class_specs.get(name)
+    was_deleting = name in RECONCILER.deleting_classes
     if event.get("type") == "DELETED":
         RECONCILER.class_specs.pop(name, None)
+        RECONCILER.deleting_classes.discard(name)
         why = f"AcceleratorClass {name} deleted"
     else:
         RECONCILER.class_specs[name] = spec
-        if event.get("type") is None or before == spec:
+        if deleting:
+            RECONCILER.deleting_classes.add(name)
+        if event.get("type") is None or (before == spec and deleting == was_deleting):
             return  # the initial listing, or no change of the spec
-        if before is None:
+        if deleting and not was_deleting:
+            why = f"AcceleratorClass {name} is being deleted: its pools move to other classes"
+            if RECONCILER.api is not None:
+                await class_protection.release(RECONCILER.api, RECONCILER)  # nothing runs on it: it goes at once
+        elif before is None:
             why = f"AcceleratorClass {name} created"
         else:
             changed = sorted(k for k in set(before) | set(spec) if before.get(k) != spec.get(k))
@@ -375,6 +404,8 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
 @kopf.on.event("apps", "v1", "deployments")
 async def on_deployment_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _on_child_event("Deployment", body, event, kwargs)
+    if event.get("type") == "DELETED" and RECONCILER.deleting() and RECONCILER.api is not None:
+        await class_protection.release(RECONCILER.api, RECONCILER)  # its class may have lost its last pool
 
 
 @kopf.on.event("", "v1", "services")

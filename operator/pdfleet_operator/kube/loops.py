@@ -1,7 +1,7 @@
 """Each InferenceDeployment's two background loops: the autoscaler tick and the rollback analysis.
 
 Both run as tasks of the reconciler's memory of the deployment (`DeploymentMemory.autoscaler` /
-`.analyzer`), started after its first plan and cancelled when it is deleted. Neither writes to
+`.analyzer`), started by the handlers after its first plan and cancelled when it is deleted. Neither writes to
 the API itself except Events: what they decide goes through the reconciler's inputs
 (`set_desired`, `set_template`, `set_status`), so the reconcile path stays the one writer.
 
@@ -12,6 +12,8 @@ daemon or timer serves, which costs a write per CR and blocks deleting a CR whil
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime as dt
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -21,7 +23,7 @@ import pydantic
 from pdfleet_operator.api import InferenceDeployment, parse_duration
 from pdfleet_operator.decide import rollback
 from pdfleet_operator.kube import alertmanager, client, revisions
-from pdfleet_operator.kube.memory import DeploymentMemory, Template
+from pdfleet_operator.kube.memory import DeploymentMemory
 from pdfleet_operator.kube.options import OPTIONS
 
 if TYPE_CHECKING:
@@ -125,50 +127,40 @@ async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager
     if body is None or m.plan is None:
         return None
     dep = rec.parse(key, body)
-    template = m.template
+    template = m.rollback.template
     served = template.revision if template else (dep.status.current_revision if dep.status else None)
     if served is None:
         return None
     stable = m.extra_status.get("stable_revision") or (dep.status.stable_revision if dep.status else None)
     health = m.rollback.health
     if health is None or health.revision != served:
-        health = revisions.health_for(served, time.time(), template is not None, stable, dep.status)
+        health = rollback.health_for(served, time.time(), template is not None, stable, dep.status)
     if trigger is not None and trigger.firing:
         health = rollback.health_from_alert(health, trigger.starts_at, dep.spec.rollback)
-    m.rollback.health = health
+    m.rollback = dataclasses.replace(m.rollback, health=health)
     sample = await revisions.sample(dep, OPTIONS.prometheus_url, OPTIONS.metrics_profile, served)
     # NOTE: a window that began before this revision served mixes in the previous one's responses (right
     # after a rollback: the failed revision's 5xx); only a window inside the revision's lifetime counts.
     if sample.time - health.started_at < parse_duration(dep.spec.rollback.window):
         return None
     health, action = rollback.analyze(health, sample, dep.spec.rollback, stable)
-    m.rollback.health = health
+    m.rollback = dataclasses.replace(m.rollback, health=health)
     if action.kind == "none":
         return action
     rec.rollbacks.actions.append((asyncio.get_running_loop().time(), key, source, action))
     assert rec.api is not None, "analysis before login"
-    involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
-    generation = dep.metadata.generation
-    if action.kind == "mark_stable":
-        rec.set_status(key, stable_revision=served, why=f"revision {served} stable")
-        await rec.api.event(involved, "Normal", action.reason, action.message)
-    elif action.kind == "rollback":
-        assert stable is not None
-        stored = revisions.find(await client.list_revisions(rec.api, rec.owner(key, body)), stable)
-        if stored is None:
-            action = rollback.RollbackAction("page", "RollbackFailed", f"stable revision {stable} is not stored "
-                                             f"(pruned or deleted); {action.message}", action.ratio)
-        else:
-            m.rollback.failed = revisions.Failed(
-                served, generation, rollback.fingerprint(rollback.template_spec(dep.spec)))
-            rec.set_status(key, conditions=revisions.conditions_for(action, served, stable, generation),
-                           failed_revision=served, why=f"rollback of revision {served} ({source})")
-            rec.set_template(key, Template(stable, revisions.spec_for_rollback(stored, dep.spec)),
-                             why=f"rollback of revision {served} to {stable} ({source})")
-            await rec.api.event(involved, "Warning", "RolledBack",
-                                f"revision {served} rolled back to {stable} ({source}): {action.message}")
-    if action.kind == "page":
-        rec.set_status(key, conditions=revisions.conditions_for(action, served, stable, generation),
-                       why=f"rollback failed ({source})")
-        await rec.api.event(involved, "Warning", action.reason, action.message)
+    record = None
+    if action.kind == "rollback" and stable is not None:
+        record = rollback.find(await client.list_revisions(rec.api, rec.owner(key, body)), stable)
+    acted = rollback.act(m.rollback, action, dep, served, stable, record, source,
+                         dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    m.rollback = acted.state
+    if acted.conditions or acted.fields:
+        rec.set_status(key, conditions=list(acted.conditions), why=f"rollback analysis of revision {served} ({source}): "
+                       f"{action.kind}", **acted.fields)
+    if acted.template_changed:
+        rec.request(key, f"rollback of revision {served} to {stable} ({source})")
+    if acted.notice is not None:
+        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
+        await rec.api.event(involved, acted.notice.type, acted.notice.reason, acted.notice.message)
     return action

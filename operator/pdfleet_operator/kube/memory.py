@@ -13,17 +13,13 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from pdfleet_operator.api import Condition, InferenceDeployment, InferenceDeploymentSpec
+from pdfleet_operator.api import Condition, InferenceDeployment
+from pdfleet_operator.decide import reconcile, rollback
 from pdfleet_operator.decide.placement import FleetPlan
-from pdfleet_operator.kube import revisions, scaling
+from pdfleet_operator.decide.rollback import Template
+from pdfleet_operator.kube import scaling
 
-
-@dataclasses.dataclass(frozen=True)
-class Template:
-    """Which revision's pod template to serve (set by rollback); the spec is that revision's spec."""
-
-    revision: int
-    spec: InferenceDeploymentSpec
+__all__ = ["DeploymentMemory", "Template"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,10 +32,10 @@ class DeploymentMemory:
     wanted: int = 0
     done: int = 0
     retries: int = 0
-    # Inputs other pieces feed in: the autoscaler's sizes, the revision rollback serves, and the
+    # Inputs other pieces feed in: the autoscaler's sizes, the rollback state machine's state, and the
     # conditions and status fields they want written with the next status update.
     desired: dict[str, int] | None = None
-    template: Template | None = None
+    rollback: rollback.RollbackState = dataclasses.field(default_factory=rollback.RollbackState)
     extra_conditions: dict[str, Condition] = dataclasses.field(default_factory=dict)
     extra_status: dict[str, Any] = dataclasses.field(default_factory=dict)
     # What this process last saw or wrote.
@@ -52,10 +48,21 @@ class DeploymentMemory:
     limited: bool = False                     # the last plan fell short of accelerators (a freed pod re-plans it)
     # The two background loops and their memory.
     scaler: scaling.Scaler = dataclasses.field(default_factory=scaling.Scaler)
-    rollback: revisions.RollbackMemory = dataclasses.field(default_factory=revisions.RollbackMemory)
     analysis_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     autoscaler: asyncio.Task | None = None
     analyzer: asyncio.Task | None = None
+
+    @property
+    def template(self) -> Template | None:
+        """The stored revision served instead of the spec (rollback), if any."""
+        return self.rollback.template
+
+    def inputs(self) -> reconcile.Inputs:
+        """What the reconcile chain reads of this memory."""
+        last, version = (self.last_status[0], self.last_status[1]) if self.last_status else (None, None)
+        return reconcile.Inputs(desired=self.desired, targets=self.targets, rollback=self.rollback,
+                                extra_conditions=dict(self.extra_conditions), extra_status=dict(self.extra_status),
+                                last_status=last, last_status_version=version, rendered=dict(self.rendered))
 
     def stop(self) -> None:
         """Cancel the deployment's background loops."""

@@ -64,8 +64,6 @@ MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/pdfleet"
 CONFIG_KEY = "engine.json"
 RUN_AS = 10001  # the image's user (Dockerfile: useradd --uid 10001)
-WORKER_GRACE_SECONDS = 90  # a draining worker finishes in-flight requests and releases KV leases
-ROUTER_GRACE_SECONDS = 30
 # The deployment token: a Secret per InferenceDeployment (created by the operator when missing) in every router
 # and pdfleet worker pod; the client API keys: an optional Secret the admin creates, in the router pod only.
 AUTH_MOUNT = "/var/run/pdfleet/auth"
@@ -411,7 +409,8 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
+        # a draining worker finishes in-flight requests and serves its open KV leases (engine_args.drain_seconds)
+        "terminationGracePeriodSeconds": engine_args.grace_seconds(spec),
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": volumes,
@@ -492,8 +491,12 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
+                    "terminationGracePeriodSeconds": engine_args.grace_seconds(spec),
                     "securityContext": _pod_security(),
+                    # One router per node where the nodes allow: a node drain or failure takes one of them.
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                        "labelSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}}],
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, _auth_volume(owner)[0],
                                 # absent until an admin creates it: then /v1/* needs a key (no restart)
@@ -533,15 +536,44 @@ def router_service(owner: Owner) -> dict[str, Any]:
     }
 
 
-def role_pdb(owner: Owner, role: str) -> dict[str, Any]:
+def pdb_min_available(size: int, minimum: int) -> int:
+    """A role's PodDisruptionBudget: one voluntary disruption at a time, never below the role's minReplicas (nor
+    below one replica while it runs any).
+
+    NOTE: a role of one replica (or at its minimum) allows no eviction until its replacement serves: the operator
+    starts one elsewhere when the node is cordoned (decide.transition), and `kubectl drain` waits for it instead
+    of taking the role's only replica down; with no capacity anywhere for a replacement the drain waits, and
+    PlacementDrift says why.
+    """
+    if size <= 0:
+        return 0
+    return max(minimum, size - 1, 1)
+
+
+def role_pdb(owner: Owner, role: str, size: int = 1, minimum: int = 1) -> dict[str, Any]:
+    """`size`: the role's planned replicas (its target); `minimum`: its minReplicas."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _meta(owner, role_service_name(owner.name, role), labels(owner, role, role=role)),
         "spec": {
-            "maxUnavailable": 1,
+            "minAvailable": pdb_min_available(size, minimum),
             "selector": {"matchLabels": selector(owner, role)},
             # A worker that never got ready (no device, bad weights) must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def router_pdb(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The router's PodDisruptionBudget: a drain takes one router at a time while another serves."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, router_name(owner.name), labels(owner, ROUTER_ROLE, role=ROUTER_ROLE)),
+        "spec": {
+            "minAvailable": max(1, spec.router.replicas - 1),
+            "selector": {"matchLabels": selector(owner, ROUTER_ROLE)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
@@ -691,7 +723,10 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out: list[dict[str, Any]] = [config_map(owner, spec, revision)]
     out += [role_service(owner, role) for role in roles]
     out.append(router_service(owner))
-    out += [role_pdb(owner, role) for role in roles]
+    role_specs = spec.roles()
+    out += [role_pdb(owner, role, min(plan.targets.get(role, plan.replicas(role)), plan.replicas(role)),
+                     role_specs[role].min_replicas) for role in roles]
+    out.append(router_pdb(owner, spec))
     out += network_policies(owner, spec, scrapers)
     out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision,
                             worker_image=worker_image, surge=(pool.role, pool.accelerator_class) in surge)

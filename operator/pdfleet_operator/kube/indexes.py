@@ -1,0 +1,167 @@
+"""The cluster as the operator holds it in memory: kopf's indexes (deployments, classes, nodes, pods, pools) and,
+in namespaced mode, the pods of the namespaces kopf does not watch; the reconciler's gather reads it.
+
+kopf fills the indexes from watch streams (`kube.handlers` declares them); `Cluster` answers what the
+reconcile needs from them without I/O, except `sync` (once per process: wait until the class and node
+indexes hold what the API lists) and `refresh_foreign` (namespaced mode: list the other namespaces' pods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pdfleet_operator.api import AcceleratorClassSpec, Condition
+from pdfleet_operator.decide import inventory
+from pdfleet_operator.kube import client
+
+logger = logging.getLogger("pdfleet.operator")
+Key = tuple[str, str]  # (namespace, name)
+# How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
+INDEX_SYNC_TIMEOUT_S = 10.0
+INDEXES = ("class_index", "class_meta_index", "node_index", "pod_index", "infdep_index", "pool_index")
+
+
+class Cluster:
+    """kopf's indexes (set by the handlers as kopf passes them in) and what is read from them."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, Any] = {}
+        self._synced: asyncio.Task | None = None
+        # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
+        # (monotonic time, pod views, why they could not be listed or None).
+        self._foreign: tuple[float, list[dict[str, Any]], str | None] | None = None
+        self._foreign_task: asyncio.Task | None = None
+
+    def keep(self, kwargs: Mapping[str, Any]) -> None:
+        """Remember the index objects kopf passes to a handler (they are live views)."""
+        for name in INDEXES:
+            if name in kwargs:
+                self.indexes[name] = kwargs[name]
+
+    def bodies(self) -> dict[Key, dict[str, Any]]:
+        """Every InferenceDeployment as kopf's index holds it."""
+        index = self.indexes.get("infdep_index")
+        return {} if index is None else {key: next(iter(store)) for key, store in index.items()}
+
+    def classes(self) -> dict[str, AcceleratorClassSpec]:
+        """Every valid AcceleratorClass, those being deleted included."""
+        return {name: next(iter(store)) for name, store in (self.indexes.get("class_index") or {}).items()}
+
+    def class_meta(self) -> dict[str, dict[str, Any]]:
+        """name -> {"finalizers": [...], "deleting": bool} of every AcceleratorClass."""
+        return {name: next(iter(store)) for name, store in (self.indexes.get("class_meta_index") or {}).items()}
+
+    def deleting(self) -> frozenset[str]:
+        return frozenset(n for n, m in self.class_meta().items() if m.get("deleting"))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [next(iter(s)) for s in (self.indexes.get("node_index") or {}).values()]
+
+    def pods(self) -> list[dict[str, Any]]:
+        """Pod views of the watched namespaces and, in namespaced mode, the others as last listed."""
+        own = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s]
+        return own + (list(self._foreign[1]) if self._foreign is not None else [])
+
+    def pools(self) -> list[dict[str, Any]]:
+        """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas}."""
+        return [p for s in (self.indexes.get("pool_index") or {}).values() for p in s]
+
+    def keys_using(self, class_names: set[str]) -> list[Key]:
+        """The deployments whose spec lists one of these classes."""
+        return sorted(key for key, body in self.bodies().items() if classes_listed(body) & class_names)
+
+    # --- once per process ------------------------------------------------------------------------------------
+    async def sync(self, api: client.Api) -> None:
+        """Wait until kopf's class and node indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S).
+
+        NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
+        start-up among them) already run. A plan made before every AcceleratorClass and Node is
+        indexed sees less capacity or a missing class and would move serving pools, so the first
+        reconcile of a process waits for both to be complete.
+        """
+        if self._synced is None:
+            self._synced = asyncio.get_running_loop().create_task(self._sync(api))
+        try:
+            await asyncio.shield(self._synced)
+        except client.ApiError:
+            self._synced = None  # the API was unreachable: the next reconcile lists again
+            raise
+
+    async def _sync(self, api: client.Api) -> None:
+        listed = {"class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
+                  "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
+        deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
+        while True:
+            missing = {name: sorted(want - set(self.indexes.get(name) or {})) for name, want in listed.items()}
+            if not any(missing.values()):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("planning with incomplete indexes after %ss: %s", INDEX_SYNC_TIMEOUT_S, missing)
+                return
+            await asyncio.sleep(0.05)
+
+    # --- namespaced mode: the other namespaces' pods ---------------------------------------------------------
+    async def refresh_foreign(self, api: client.Api, namespaces: tuple[str, ...], interval: float) -> str | None:
+        """Namespaced mode: refresh the other namespaces' pods (at most every `interval` s); returns why they cannot
+        be seen (RBAC forbids listing pods cluster-wide) or None.
+
+        NOTE: kopf watches pods only in the namespaces it serves, but GPUs are shared by every namespace:
+        without this a namespaced operator plans onto accelerators other teams' pods hold.
+        """
+        if not namespaces:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._foreign is None or loop.time() - self._foreign[0] >= interval:
+            if self._foreign_task is None or self._foreign_task.done():
+                self._foreign_task = loop.create_task(self._list_foreign(api, namespaces))
+            await asyncio.shield(self._foreign_task)
+        assert self._foreign is not None
+        return self._foreign[2]
+
+    async def _list_foreign(self, api: client.Api, namespaces: tuple[str, ...]) -> None:
+        now = asyncio.get_running_loop().time()
+        try:
+            listed = await api.request("GET", "/api/v1/pods",
+                                       params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
+        except client.ApiError as exc:
+            if exc.code not in (401, 403):
+                raise  # the reconcile retries; the last list (if any) stays in use meanwhile
+            self._foreign = (now, [], f"cannot list pods outside the watched namespaces ({exc.code} {exc.reason}: "
+                                      f"{exc.message}): accelerators that other namespaces' pods hold count as free; "
+                                      f"grant list on pods cluster-wide (the chart's ClusterRole does)")
+            logger.warning("capacity: %s", self._foreign[2])
+            return
+        views = [v for p in (listed or {}).get("items") or []
+                 if not watched((p.get("metadata") or {}).get("namespace") or "", namespaces)
+                 and (v := inventory.pod_view(p)) is not None]
+        self._foreign = (now, views, None)
+
+
+def classes_listed(body: Mapping[str, Any]) -> set[str]:
+    """The AcceleratorClasses an InferenceDeployment's roles list."""
+    spec = body.get("spec") or {}
+    return {c for role in ("prefill", "decode", "colocated") for c in (spec.get(role) or {}).get("acceleratorClasses", [])}
+
+
+def watched(namespace: str, patterns: tuple[str, ...]) -> bool:
+    """Whether kopf serves `namespace` given its --namespace globs (`!glob` excludes, as in kopf)."""
+    positive = [p for p in patterns if not p.startswith("!")]
+    if any(fnmatch.fnmatchcase(namespace, p[1:]) for p in patterns if p.startswith("!")):
+        return False
+    return any(fnmatch.fnmatchcase(namespace, p) for p in positive)
+
+
+def capacity_condition(blind: str | None, namespaces: Iterable[str], interval: float, generation: int | None,
+                       now: Any) -> Condition:
+    """CapacityVisible: whether the other namespaces' pods are counted (namespaced mode)."""
+    if blind is not None:
+        return Condition(type="CapacityVisible", status="False", reason="PodsForbidden", message=blind,
+                         last_transition_time=now, observed_generation=generation)
+    return Condition(type="CapacityVisible", status="True", reason="AllNamespaces",
+                     message=f"pods outside {', '.join(namespaces)} are counted too (listed at most every "
+                             f"{interval:g} s)",
+                     last_transition_time=now, observed_generation=generation)
