@@ -1,7 +1,9 @@
 """The C++ CPU kernels (engine/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 
 import pytest
 import torch
@@ -116,6 +118,39 @@ def test_kernel_library_is_cached_by_key(tmp_path, monkeypatch):
     assert built == cpu_kernels.library_path() and built.exists()
     monkeypatch.setenv("PDFLEET_KERNEL_CACHE", str(tmp_path))
     assert cpu_kernels.library_path() == tmp_path / built.name  # the key does not depend on the folder
+
+
+def test_concurrent_builders_compile_once(tmp_path, monkeypatch):
+    """Workers that start together on a fresh machine share one compilation: the second waits on the
+    lock and finds the library built."""
+    monkeypatch.setenv("PDFLEET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")  # part of the key; never run here
+    real_flock, locking = fcntl.flock, threading.Semaphore(0)
+
+    def flock(fd, op):
+        locking.release()
+        return real_flock(fd, op)
+
+    compiled, inside = [], threading.Event()
+
+    def compile_once_the_second_waits(out):
+        compiled.append(out)
+        inside.set()
+        for who in ("this", "the second"):  # each builder asks for the lock once
+            assert locking.acquire(timeout=10), f"{who} builder never reached the lock"
+        out.write_bytes(b"library")
+
+    monkeypatch.setattr(cpu_kernels.fcntl, "flock", flock)
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_once_the_second_waits)
+    results = []
+    first = threading.Thread(target=lambda: results.append(cpu_kernels.build()))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=lambda: results.append(cpu_kernels.build()))
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert len(compiled) == 1 and results == [compiled[0]] * 2 and compiled[0].read_bytes() == b"library"
 
 
 @pytest.mark.parametrize("setting,threads,allowed,want", [
