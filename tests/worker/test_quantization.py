@@ -112,6 +112,27 @@ def test_a_truncated_checkpoint_is_refused(llama, tmp_path):
         load_model(str(d), quantization="int8")
 
 
+def test_dequant_rows_are_chosen_per_shape_by_timing_both_paths():
+    """The probe sets one row count per shape, from the probed ones (or twice the largest), on every
+    module of that shape; each module then takes the int8 kernel below it and the widened GEMM from it,
+    and both compute x times the dequantized weight. Which count wins is the machine's business."""
+    g = torch.Generator().manual_seed(2)
+    model = torch.nn.Sequential(ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
+                                ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
+                                ql.Int8Linear(96, 32, bias=False, dtype=torch.float32))
+    for m in model:
+        m.fill_rows(None, torch.randn(m.out_features, m.in_features, generator=g) * 0.05)
+    chosen = ql.choose_dequant_rows(model, rows=(2, 8, 32))
+    assert set(chosen) == {(64, 96), (96, 32)}
+    assert all(v in (2, 8, 32, 64) for v in chosen.values())
+    assert model[0].dequant_rows == model[1].dequant_rows == chosen[(64, 96)] and model[2].dequant_rows == chosen[(96, 32)]
+    with torch.inference_mode():
+        for rows in (1, chosen[(64, 96)] - 1, chosen[(64, 96)]):
+            x = torch.randn(max(rows, 1), 64, generator=g)
+            want = torch.nn.functional.linear(x, model[0].dequantized_weight())
+            assert float((model[0](x) - want).abs().max()) <= BF16_RTOL * float(want.abs().max())
+
+
 def write_dequantized_checkpoint(model_dir: str, out: str) -> None:
     """The checkpoint an int8 load should be equivalent to: every linear weight replaced by its
     dequantized int8 values (the LM head untied from the embedding, which stays float)."""

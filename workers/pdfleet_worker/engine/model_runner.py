@@ -16,7 +16,7 @@ from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillM
 from pdfleet_worker.engine.kv_offload import DISK, HOST, Copy
 from pdfleet_worker.engine.sampler import SampledToken, Sampler
 from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from pdfleet_worker.model import packed_linear
+from pdfleet_worker.model import packed_linear, quantized_linear
 from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin, use_cpu_kernels
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,11 +49,13 @@ class ModelRunner:
         self.backend = self._pick_backend(engine_cfg.attention_backend)
         # CPU linears: F.linear or oneDNN per weight shape, whichever this machine runs faster (timed here).
         self.linear_choice: packed_linear.LinearChoice | None = None
+        self.int8_dequant_rows: dict[tuple[int, int], int] = {}
         self.linear_backend = "torch"
         if self.device.type == "cpu":
             self.linear_choice = packed_linear.choose(model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs))
             packed_linear.pack_linears(model, self.linear_choice)
             self.linear_backend = self.linear_choice.backend
+            self.int8_dequant_rows = quantized_linear.choose_dequant_rows(model)  # {} for a float model
         self.model = model
         cos, sin = rope_cos_sin(cfg, max_model_len)
         self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))

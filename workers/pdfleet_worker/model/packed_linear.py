@@ -131,7 +131,8 @@ class LinearChoice:
                              for r in self.rows)
         shapes = "; ".join(f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.kernel} (oneDNN/F.linear "
                            + "/".join(f"{s.ratio(r):.2f}" for r in self.rows) + ")" for s in self.shapes)
-        return f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}]"
+        return (f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}] "
+                f"({self.source})")
 
 
 _PROBED: dict[tuple, LinearChoice] = {}  # probe key -> choice, for this process
@@ -165,6 +166,8 @@ def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setti
         return LinearChoice(dtype, threads, rows, source,
                             tuple(ShapeTiming(s, len(ms), (), kernel) for s, ms in groups.items()))
 
+    if not groups:
+        return fixed("torch", "no float linears")
     if setting == "torch":
         return fixed("torch", f"{ENV}=torch")
     if not onednn_available(dtype):
@@ -179,7 +182,7 @@ def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setti
     t0 = time.perf_counter()
     shapes = tuple(_probe_shape(shape, mods, dtype, rows) for shape, mods in groups.items())
     choice = _PROBED[key] = LinearChoice(dtype, threads, rows, f"probe, {time.perf_counter() - t0:.2f}s", shapes)
-    log.info("%s (%s)", choice.describe(), choice.source)
+    log.info("%s", choice.describe())
     return choice
 
 

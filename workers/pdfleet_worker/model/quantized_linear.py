@@ -8,9 +8,10 @@ instead of 4 (fp32) or 2 (bf16), so a memory-bound decode step reads 4x / 2x few
 CPU: torch's own `aten._weight_int8pack_mm` (a vectorised AVX2/AVX-512 GEMV; torch 2.13 vectorises it
 for bf16 activations only, its fp32 path is ~10x slower, measured), so the matmul takes its activations
 in bf16 whatever the engine dtype: an fp32 engine casts each linear's input to bf16 and gets fp32 back
-(the scale is applied in fp32 there). From DEQUANT_ROWS rows on (prefill chunks, large decode batches)
+(the scale is applied in fp32 there). From some row count on (prefill chunks, large decode batches)
 that kernel loses to a bf16 GEMM, so the weight is widened to bf16 for the call instead (exact: every
-int8 value is a bf16 value) and the scale applied after.
+int8 value is a bf16 value) and the scale applied after; the count is measured per shape when the
+engine starts (choose_dequant_rows), DEQUANT_ROWS until then.
 
 Other devices (CUDA, ...): plain torch ops, y = F.linear(x, W_q.to(x.dtype)) * scale: it saves the
 weights' memory but widens the weight every call, so it is no faster than the float model there.
@@ -18,14 +19,23 @@ Untested: the machines this was built on have no GPU.
 """
 from __future__ import annotations
 
+import logging
+import math
+import time
+
 import torch
 from torch import nn
 
+log = logging.getLogger("pdfleet.engine")
+
 QUANTIZATIONS = ("none", "int8")
-# NOTE: measured on the 2-core AMD EPYC (AVX-512) this was built on, the small preset's shapes,
-# weights out of cache: _weight_int8pack_mm beats bf16 oneDNN up to ~4 rows, is 2x slower at 16 and
-# 2.4x at 64; widening the weight to bf16 + F.linear ties with it at 64 and wins beyond.
+# NOTE: the default only; on the CPU ModelRunner times both paths per shape at start-up
+# (choose_dequant_rows). On the 2-core AMD EPYC (AVX-512) this was built on, widening the weight to
+# bf16 + F.linear tied with _weight_int8pack_mm at 64 rows and won beyond; on the 2-core Intel Xeon
+# (AVX-512, AMX) of later machines it already won at about 16 (tiny and small presets' shapes).
 DEQUANT_ROWS = 64
+PROBE_ROWS = (4, 8, 16, 32, 64, 128)
+PROBE_REPS = 3
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +62,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._unit_scale: torch.Tensor | None = None  # bf16 ones [out]: the kernel's scale for fp32 models
+        self.dequant_rows = DEQUANT_ROWS  # from this many rows on, the CPU widens the weight to bf16 instead
 
     def fill_rows(self, rows: slice | None, w: torch.Tensor) -> None:
         """Quantize the float rows `w` into qweight[rows] (all rows when None)."""
@@ -80,7 +91,7 @@ class Int8Linear(nn.Module):
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if x.shape[0] >= DEQUANT_ROWS:
+        if x.shape[0] >= self.dequant_rows:
             y = nn.functional.linear(xb, self.qweight.to(torch.bfloat16))
             return torch.mul(y, self.scale).to(x.dtype)  # bf16 x fp32 scale -> fp32 (fp32 model)
         if self.scale.dtype == torch.bfloat16:
@@ -94,6 +105,41 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
+
+
+@torch.inference_mode()
+def choose_dequant_rows(model: nn.Module, rows: tuple[int, ...] = PROBE_ROWS) -> dict[tuple[int, int], int]:
+    """On the CPU, per Int8Linear shape (in, out): time the int8 kernel against the widened-weight GEMM on
+    the first layer of that shape at each of `rows`, alternating, fastest of PROBE_REPS; dequant_rows
+    becomes the smallest row count from which the GEMM wins at every larger probed count too (twice the
+    largest when it never does). Sets it on every module of the shape; returns shape -> dequant_rows."""
+    groups: dict[tuple[int, int], list[Int8Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and m.qweight.device.type == "cpu":
+            groups.setdefault((m.in_features, m.out_features), []).append(m)
+    chosen = {}
+    for shape, mods in groups.items():
+        m, wins = mods[0], []
+        x_dtype = m.scale.dtype
+        for r in rows:
+            x = torch.randn(r, shape[0], generator=torch.Generator().manual_seed(r)).to(x_dtype)
+            best = {}
+            for rep in range(PROBE_REPS + 1):  # the first pass only warms up
+                for path, threshold in (("int8", r + 1), ("dequant", 0))[::1 if rep % 2 else -1]:
+                    m.dequant_rows = threshold
+                    t = time.perf_counter()
+                    m._cpu(x)
+                    if rep:
+                        best[path] = min(best.get(path, math.inf), time.perf_counter() - t)
+            wins.append(best["dequant"] < best["int8"])
+        first = next((i for i in range(len(rows)) if all(wins[i:])), None)
+        chosen[shape] = rows[first] if first is not None else 2 * rows[-1]
+        for mod in mods:
+            mod.dequant_rows = chosen[shape]
+    if chosen:
+        log.info("int8 linears widen the weight to bf16 from %s rows (by shape, measured)",
+                 ", ".join(f"{k[0]}x{k[1]}: {v}" for k, v in chosen.items()))
+    return chosen
 
 
 def replace_linears(model: nn.Module) -> int:
