@@ -73,7 +73,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor     # [Bd, max_blocks] int64 (padded with block 0)
     decode_context_lens: torch.Tensor     # [Bd] int64
-    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1
+    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1 or decode_kernel
     prefills: list[PrefillMeta]
     lone_decode_len: int = 0                 # context length when the step's only decode is one sequence
     decode_kernel: bool = False              # decodes read the pool through their block tables (cpu_kernels)

@@ -326,11 +326,11 @@ class ModelRunner:
                 meta.fused_decode = True
                 if width < 2:
                     meta.decode_block_tables = torch.nn.functional.pad(meta.decode_block_tables, (0, 2 - width))
-            if len(decodes) > 1:
+            if len(decodes) == 1:
+                meta.lone_decode_len = ctx[0]
+            elif not self.decode_kernel:  # only the padded SDPA fallback reads the mask
                 keys = torch.arange(width * bs, device=dev)
                 meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[None, :, None, :]
-            else:
-                meta.lone_decode_len = ctx[0]
         for row, c in prefills:
             n = len(c.token_ids)
             ctx = c.start_pos + n
