@@ -104,10 +104,11 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
 
 
-def worker(logdir: Path, model_dir: str, role: str, *extra: str, name: str | None = None) -> Proc:
+def worker(logdir: Path, model_dir: str, role: str, *extra: str, name: str | None = None, port: int | None = None) -> Proc:
+    """port: a given one (a worker restarted where it was), else a free one."""
     args = ["worker", "--model", model_dir, "--served-model-name", MODEL, "--role", role, "--num-kv-blocks", "256",
             "--num-threads", "1", "--log-level", "warning", *extra]
-    return Proc(name or role, args, logdir)
+    return Proc(name or role, args, logdir, port)
 
 
 def router(logdir: Path, *args: str, name: str = "router") -> Proc:

@@ -170,8 +170,15 @@ ROUTER_ROUTED_REQUESTS_TOTAL = MetricSpec("pdfleet_router_routed_requests_total"
 ROUTER_LOCAL_PREFILLS_TOTAL = MetricSpec(
     "pdfleet_router_local_prefills_total", "counter",
     "PD requests sent straight to a decode worker, which computed the prompt itself, because no prefill worker "
-    "was in rotation (a rollout or rollback replacing the prefill pool): served, not failed, without PD's "
-    "benefit.", (LABEL_TIER,))
+    "was in rotation (a rollout or rollback replacing the prefill pool) or none of a decode worker's revision and "
+    "KV layout: served, not failed, without PD's benefit.", (LABEL_TIER,))
+
+ROUTER_PD_FALLBACKS_TOTAL = MetricSpec(
+    "pdfleet_router_pd_fallbacks_total", "counter",
+    "PD requests one role served whole, by why: no_prefill (no prefill worker in rotation: a decode worker "
+    "computed the prompt), no_pair (no prefill worker of a decode worker's revision and KV layout: the same), "
+    "no_decode (no decode worker in rotation, or every one failed before answering: a prefill worker decoded).",
+    (LABEL_TIER, LABEL_REASON))
 
 ROUTER_REVISION_REQUESTS_TOTAL = MetricSpec(
     "pdfleet_router_revision_requests_total", "counter",
@@ -183,7 +190,7 @@ ROUTER_REVISION_REQUESTS_TOTAL = MetricSpec(
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS_TOTAL, ROUTER_REQUEST_DURATION, ROUTER_TIME_TO_FIRST_TOKEN,
                                           ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS,
                                           ROUTER_ROUTED_REQUESTS_TOTAL, ROUTER_LOCAL_PREFILLS_TOTAL,
-                                          ROUTER_REVISION_REQUESTS_TOTAL)
+                                          ROUTER_PD_FALLBACKS_TOTAL, ROUTER_REVISION_REQUESTS_TOTAL)
 
 ALL_METRICS: dict[str, MetricSpec] = {m.name: m for m in WORKER_METRICS + ROUTER_METRICS}
 assert len(ALL_METRICS) == len(WORKER_METRICS) + len(ROUTER_METRICS), "metric names must be unique"

@@ -10,17 +10,17 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdfleet_worker.router import engines, handoff, routing
+from pdfleet_worker.router import engines, handoff, pairing, routing
 from pdfleet_worker.router.route_target import ROUTE_HEADER, RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
-from pdfleet_worker.router.router_metrics import OUTCOME, Outcome, RouterMetrics
+from pdfleet_worker.router.router_metrics import NO_PAIR, NO_PREFILL, OUTCOME, Outcome, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
 from pdfleet_worker.server import heartbeat
 from pdfleet_worker.server import protocol as p
@@ -34,6 +34,7 @@ CHAT_PATH = "/v1/chat/completions"
 # Failures where the worker cannot have started answering: safe to try another one.
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
              httpx.ReadError, httpx.WriteError)
+Match = Callable[[Upstream], bool]  # which workers of a pool a call may use (pairing)
 @dataclasses.dataclass
 class Answer:
     """A worker's complete (non-streamed) answer."""
@@ -248,17 +249,26 @@ class Router:
                              headers: dict[str, str]) -> Response:
         """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
         hold the KV, then the client's request to a decode worker with the params the prefill answered."""
-        engine = self.cfg.tiers[outcome.tier].pd_engine
-        if not self.upstreams.has_healthy(outcome.tier, "prefill") and self.upstreams.has_healthy(outcome.tier, "decode"):
+        tier = outcome.tier
+        engine = self.cfg.tiers[tier].pd_engine
+        prefills, decodes = self.upstreams.healthy(tier, "prefill"), self.upstreams.healthy(tier, "decode")
+        if not prefills and decodes:
             # Decoders as temporary prefillers: with no prefill worker in rotation (its pool replaced by a rollout
             # or a rollback, every replica loading the model) the decode worker computes the prompt itself, as a
             # colocated worker would: slower first tokens, not 503s. Counted.
-            self.metrics.local_prefill(outcome.tier)
-            headers["x-pdfleet-prefill"] = "local"
-            return await self._forward(outcome, "decode", path, body, stream, headers)
+            return await self._local_prefill(outcome, path, body, stream, headers, NO_PREFILL)
+        if prefills and not decodes and engine == engines.PDFLEET:
+            # Prefillers as temporary decoders, the same the other way round: no decode worker in rotation (the only
+            # one died and restarts, its pool rolls): a prefill worker serves the whole request.
+            return await self._local_decode(outcome, path, body, stream, headers)
+        # Pairs by revision and KV layout (router/pairing.py): a rollout's old prefill never hands KV to a new decode.
+        pairs = pairing.plan([up.load for up in prefills], [up.load for up in decodes])
+        if not pairs.paired:
+            return await self._local_prefill(outcome, path, body, stream, headers, NO_PAIR)
         # NOTE: one X-Request-Id on both calls, as vLLM's proxy sends: each worker's logs name the same request.
         ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
-        answer = await self._call(outcome.tier, "prefill", path, handoff.prefill_body(engine, body), ids)
+        answer = await self._call(tier, "prefill", path, handoff.prefill_body(engine, body), ids,
+                                  match=lambda up: pairs.allows(up.load))
         headers["x-pdfleet-prefill"] = self.worker_id(answer.upstream.url)
         if answer.status != 200:  # the request's own fault (400, 404, ...), or every prefill worker busy: the client gets it
             outcome.served_by(answer.upstream.load.get("revision"), shed=answer.status == 503)
@@ -275,22 +285,47 @@ class Router:
             self.metrics.upstream_error("prefill", "no_kv_transfer_params")
             log.warning("%s prefill worker %s returned no kv_transfer_params (is its KV connector configured?); "
                         "the decode worker computes the prompt", engine, answer.upstream.url)
-        return await self._forward(outcome, "decode", path, handoff.decode_body(body, hand), stream, headers,
-                                   also_redact=hand.hosts, extra_headers=ids)
+        prefilled = answer.upstream.load
+        try:
+            # NOTE: a decode worker of the prefill worker's revision and layout if one is still in rotation, else any
+            # (it refuses KV of other weights and computes the prompt itself, counted as weights_mismatch there).
+            return await self._forward(outcome, "decode", path, handoff.decode_body(body, hand), stream, headers,
+                                       also_redact=hand.hosts, extra_headers=ids,
+                                       match=lambda up: pairing.same(prefilled, up.load))
+        except RequestError as e:
+            if e.code != "no_worker" or engine != engines.PDFLEET or not self.upstreams.has_healthy(tier, "prefill"):
+                raise
+        # Every decode worker left between the prefill and the decode call (the lease expires on its own).
+        return await self._local_decode(outcome, path, body, stream, headers)
+
+    async def _local_prefill(self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str],
+                             reason: str) -> Response:
+        self.metrics.local_prefill(outcome.tier, reason)
+        headers["x-pdfleet-prefill"] = "local"
+        return await self._forward(outcome, "decode", path, body, stream, headers)
+
+    async def _local_decode(self, outcome: Outcome, path: str, body: dict, stream: bool,
+                            headers: dict[str, str]) -> Response:
+        self.metrics.local_decode(outcome.tier)
+        headers["x-pdfleet-decode"] = "local"
+        return await self._forward(outcome, "prefill", path, body, stream, headers, header="x-pdfleet-prefill")
 
     # -- one pool -------------------------------------------------------------------------------
     async def _forward(self, outcome: Outcome, role: str, path: str, body: dict, stream: bool,
                        headers: dict[str, str], also_redact: tuple[str, ...] = (),
-                       extra_headers: dict[str, str] | None = None) -> Response:
-        header = "x-pdfleet-decode" if role == "decode" else "x-pdfleet-worker"
+                       extra_headers: dict[str, str] | None = None, match: Match | None = None,
+                       header: str | None = None) -> Response:
+        """The answer of a worker of `role` (preferring those `match` holds for), relayed; `header` names the
+        response header that carries its id."""
+        header = header or ("x-pdfleet-decode" if role == "decode" else "x-pdfleet-worker")
         if not stream:
-            answer = await self._call(outcome.tier, role, path, body, extra_headers)
+            answer = await self._call(outcome.tier, role, path, body, extra_headers, match=match, prefer=True)
             headers[header] = self.worker_id(answer.upstream.url)
             outcome.served_by(answer.upstream.load.get("revision"), shed=answer.status == 503)
             if role == "decode" and answer.status == 200:
                 answer = _scrubbed(answer)
             return self._relay_answer(answer, headers, also_redact)
-        up, resp = await self._open_stream(outcome.tier, role, path, body, extra_headers)
+        up, resp = await self._open_stream(outcome.tier, role, path, body, extra_headers, match=match)
         headers[header] = self.worker_id(up.url)
         outcome.served_by(up.load.get("revision"), shed=resp.status_code == 503)
         if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
@@ -332,9 +367,10 @@ class Router:
 
     # -- calling workers with retries -------------------------------------------------------------
     async def _call(self, tier: str, role: str, path: str, body: dict,
-                    extra_headers: dict[str, str] | None = None) -> Answer:
-        """A complete answer from some worker of the pool; connect failures, broken connections
-        and 503s are retried on another worker (nothing reached the client yet)."""
+                    extra_headers: dict[str, str] | None = None, match: Match | None = None,
+                    prefer: bool = False) -> Answer:
+        """A complete answer from some worker of the pool (those `match` holds for only, or first with `prefer`);
+        connect failures, broken connections and 503s are retried on another worker (nothing reached the client yet)."""
         async def attempt(up: Upstream) -> Answer:
             resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True,
                                           auth=self.upstreams.auth(up))
@@ -344,14 +380,16 @@ class Router:
                 await resp.aclose()
             return Answer(up, resp.status_code, dict(resp.headers), content)
 
-        return await self._with_retries(tier, role, attempt)
+        return await self._with_retries(tier, role, attempt, match, prefer)
 
     async def _open_stream(self, tier: str, role: str, path: str, body: dict,
-                           extra_headers: dict[str, str] | None = None) -> tuple[Upstream, httpx.Response]:
-        """An open streaming response (headers read); the caller closes it and decrements inflight."""
+                           extra_headers: dict[str, str] | None = None,
+                           match: Match | None = None) -> tuple[Upstream, httpx.Response]:
+        """An open streaming response (headers read; workers `match` holds for first); the caller closes it and
+        decrements inflight."""
         async def attempt(up: Upstream):
-            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True,
-                                          auth=self.upstreams.auth(up))
+            resp = await self.client.send(self._request(up, path, body, extra_headers, silence_s=silence_limit(up)),
+                                          stream=True, auth=self.upstreams.auth(up))
             if resp.status_code in (401, 503):
                 try:
                     content = await resp.aread()
@@ -361,14 +399,17 @@ class Router:
             up.inflight += 1  # held until the relay ends
             return up, resp
 
-        return await self._with_retries(tier, role, attempt)
+        return await self._with_retries(tier, role, attempt, match, prefer=True)
 
-    async def _with_retries(self, tier: str, role: str, attempt):
+    async def _with_retries(self, tier: str, role: str, attempt, match: Match | None = None, prefer: bool = False):
+        """`match`: only workers it holds for; with `prefer`, those first, then the others."""
         tried: set[str] = set()
         last_503: Answer | None = None
         errors: list[str] = []
         for n in range(1 + self.cfg.max_retries):
-            up = self.upstreams.pick(tier, role, tried)
+            up = self.upstreams.pick(tier, role, tried, match)
+            if up is None and match is not None and prefer:
+                up = self.upstreams.pick(tier, role, tried)
             if up is None:
                 break
             tried.add(up.url)
@@ -409,9 +450,28 @@ class Router:
         raise RequestError(503, what, type="service_unavailable", code="no_worker",
                            headers={"Retry-After": str(self.cfg.retry_after_s)})
 
-    def _request(self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None) -> httpx.Request:
-        return self.client.build_request("POST", f"{up.url}{path}", json=body,
+    def _request(self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None,
+                 silence_s: float | None = None) -> httpx.Request:
+        """silence_s: the longest wait for any byte of the answer (a stream's read timeout) instead of the pool's."""
+        timeout = None if silence_s is None else httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s),
+                                                               connect=self.cfg.connect_timeout_s)
+        return self.client.build_request("POST", f"{up.url}{path}", json=body, timeout=timeout,
                                          headers={"content-type": "application/json", **(extra_headers or {})})
+
+
+# A pdfleet worker's stream is silent for at most one heartbeat interval: its keep-alives come from its event loop,
+# whatever its engine thread is doing. This many intervals of silence mean it hangs or cannot be reached (SIGSTOP, a
+# partition that sent no FIN): the client gets an error event instead of waiting out --upstream-timeout.
+SILENT_BEATS = 3
+
+
+def silence_limit(up: Upstream) -> float | None:
+    """How long a stream of this worker may stay silent; None: no bound of its own (vLLM sends no keep-alives, a
+    pdfleet worker with heartbeats off may stay silent while a request queues)."""
+    interval = up.load.get("heartbeat_interval_s")
+    if up.engine != engines.PDFLEET or not isinstance(interval, (int, float)) or interval <= 0:
+        return None
+    return SILENT_BEATS * float(interval)
 
 
 def _scrubbed(answer: Answer) -> Answer:
@@ -489,6 +549,7 @@ class _Relay:
             log.warning("%s worker %s failed mid-stream: %s", up.role, up.url, e)
             yield sse(p.error_body(f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is "
                                    f"incomplete", "upstream_error", code=502))
+            yield b"data: [DONE]\n\n"  # as a worker ends its own error events
         finally:
             await self.resp.aclose()
             self.close()

@@ -13,6 +13,8 @@ OUTCOME = "pdfleet.outcome"  # the request scope key of its Outcome
 NO_REVISION = "none"  # answers no worker gave (no worker in rotation, a timeout, the router's own refusals)
 # Probes and scrapes are not client requests: counting them would dilute the error ratio rollbacks read.
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/workers"})
+# Why one role served a PD request whole (pdfleet_router_pd_fallbacks_total's reason).
+NO_PREFILL, NO_PAIR, NO_DECODE = "no_prefill", "no_pair", "no_decode"
 
 
 @dataclasses.dataclass
@@ -79,6 +81,7 @@ class RouterMetrics:
         self._retries = m.make(m.ROUTER_RETRIES_TOTAL, self.registry)
         self._routed = m.make(m.ROUTER_ROUTED_REQUESTS_TOTAL, self.registry)
         self._local_prefills = m.make(m.ROUTER_LOCAL_PREFILLS_TOTAL, self.registry)
+        self._pd_fallbacks = m.make(m.ROUTER_PD_FALLBACKS_TOTAL, self.registry)
         self._by_revision = m.make(m.ROUTER_REVISION_REQUESTS_TOTAL, self.registry)
         self._revisions: set[str] = set()
         self.known_revision(NO_REVISION)
@@ -88,6 +91,8 @@ class RouterMetrics:
         # ratio empty (not 0) while all is well.
         for tier in tiers:
             self._local_prefills.labels(tier=tier)
+            for reason in (NO_PREFILL, NO_PAIR, NO_DECODE):
+                self._pd_fallbacks.labels(tier=tier, reason=reason)
             for code in ("200", "400", "401", "500", "502", "503", "504"):
                 self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
@@ -117,8 +122,14 @@ class RouterMetrics:
             self._by_revision.labels(revision=revision, code=code, shed="false")
         self._by_revision.labels(revision=revision, code="503", shed="true")
 
-    def local_prefill(self, tier: str) -> None:
+    def local_prefill(self, tier: str, reason: str = NO_PREFILL) -> None:
+        """A decode worker computes a PD request's prompt itself."""
         self._local_prefills.labels(tier=tier).inc()
+        self._pd_fallbacks.labels(tier=tier, reason=reason).inc()
+
+    def local_decode(self, tier: str) -> None:
+        """A prefill worker serves a PD request whole."""
+        self._pd_fallbacks.labels(tier=tier, reason=NO_DECODE).inc()
 
     def routed(self, route: str, reason: str, n: int = 1) -> None:
         self._routed.labels(route=route, reason=reason).inc(n)

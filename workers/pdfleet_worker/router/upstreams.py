@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -155,8 +156,14 @@ class Upstreams:
     def pool(self, tier: str, role: str) -> list[Upstream]:
         return [up for (t, r, _), up in self.all.items() if t == tier and r == role]
 
-    def pick(self, tier: str, role: str, exclude: set[str]) -> Upstream | None:
-        healthy = {up.url: up for up in self.pool(tier, role) if up.healthy and up.url not in exclude}
+    def healthy(self, tier: str, role: str) -> list[Upstream]:
+        return [up for up in self.pool(tier, role) if up.healthy]
+
+    def pick(self, tier: str, role: str, exclude: set[str], match: Callable[[Upstream], bool] | None = None
+             ) -> Upstream | None:
+        """The best healthy worker of the pool not in `exclude` (and, given `match`, for which it holds)."""
+        healthy = {up.url: up for up in self.pool(tier, role)
+                   if up.healthy and up.url not in exclude and (match is None or match(up))}
         chosen = picker.pick(role, [up.candidate() for up in healthy.values()])
         return None if chosen is None else healthy[chosen.url]
 
@@ -181,9 +188,13 @@ class Upstreams:
         return out
 
     def servable(self, tier: str) -> bool:
-        """A request can be served: every role has a healthy worker, or (PD) decode workers can prefill locally."""
-        healthy = {role for role in self.cfg.tiers[tier].pools() if self.has_healthy(tier, role)}
-        return healthy == set(self.cfg.tiers[tier].pools()) or "decode" in healthy
+        """A request can be served: every role has a healthy worker, or (PD) one role serves whole requests: decode
+        workers prefill locally, pdfleet prefill workers decode locally."""
+        t = self.cfg.tiers[tier]
+        healthy = {role for role in t.pools() if self.has_healthy(tier, role)}
+        if healthy == set(t.pools()) or "decode" in healthy:
+            return True
+        return "prefill" in healthy and t.pd_engine == engines.PDFLEET
 
     def has_healthy(self, tier: str, role: str) -> bool:
         return any(up.healthy for up in self.pool(tier, role))
