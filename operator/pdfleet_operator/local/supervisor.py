@@ -89,8 +89,9 @@ class Supervisor:
     def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
                  machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
                  on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 api_key: str | None = None, route_to: str | None = None):
+                 api_key: str | None = None, route_to: str | None = None, drain_s: float = WORKER_DRAIN_S):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
+        self.drain_s = drain_s  # a worker's --drain-timeout: open requests and KV leases get this long after SIGTERM
         self.route_to = route_to  # spec.routing: the target deployment's router
         self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
@@ -192,10 +193,10 @@ class Supervisor:
         if rt.name == runtimes.VLLM:
             assert self.vllm is not None, f"{r.name} runs vllm and no vLLM runtime was found"
             return vllm_runtime.argv(self.vllm, self.local.spec, r.role, rt, cls, model_dir=str(self.local.model_dir),
-                                     port=r.port, drain_s=WORKER_DRAIN_S)
+                                     port=r.port, drain_s=self.drain_s)
         # (--kv-peers: the default, loopback: every prefill worker of this fleet advertises 127.0.0.1)
         flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
-                 "--drain-timeout", f"{WORKER_DRAIN_S:g}s", "--log-level", "warning",
+                 "--drain-timeout", f"{self.drain_s:g}s", "--log-level", "warning",
                  "--auth-token-file", str(self.token_path)]
         if rt.device:
             flags += ["--device", rt.device]
@@ -343,11 +344,11 @@ class Supervisor:
             elif r.state == DRAINING and r.child is not None:
                 if r.term_at is not None and now >= r.term_at:
                     r.child.terminate()
-                    r.term_at, r.kill_at = None, now + WORKER_DRAIN_S + KILL_GRACE_S
+                    r.term_at, r.kill_at = None, now + self.drain_s + KILL_GRACE_S
                 elif r.kill_at is not None and now >= r.kill_at:
                     r.child.kill()
                     r.kill_at = None
-                    self.event("killed", r.name, f"did not drain within {WORKER_DRAIN_S + KILL_GRACE_S:g}s: SIGKILL")
+                    self.event("killed", r.name, f"did not drain within {self.drain_s + KILL_GRACE_S:g}s: SIGKILL")
         await self._probe([r for r in [self.router, *self.workers] if r.state in (STARTING, READY)])
 
     def _exited(self, r: Replica, code: int, now: float) -> None:
@@ -388,12 +389,16 @@ class Supervisor:
 
         await asyncio.gather(*(one(r) for r in replicas))
 
-    async def shutdown(self, timeout: float = WORKER_DRAIN_S + KILL_GRACE_S) -> None:
+    async def shutdown(self, timeout: float | None = None) -> None:
         """The router drains first (open requests finish), then every worker; SIGKILL for what lingers."""
+        timeout = self.drain_s + KILL_GRACE_S if timeout is None else timeout
         for group, grace in (([self.router], ROUTER_DRAIN_S + 5.0), (list(self.workers), timeout)):
             live = [r for r in group if r.child is not None and r.child.alive()]
             for r in live:
-                r.child.terminate()
+                # NOTE: not twice: a worker already draining would take a second SIGTERM as "exit now" and cut the
+                # requests it is finishing.
+                if not (r.state == DRAINING and r.term_at is None):
+                    r.child.terminate()
             deadline = self.clock() + grace
             while any(r.child.alive() for r in live) and self.clock() < deadline:
                 self._account()
