@@ -36,10 +36,9 @@ ROUTER_DISCOVERY_S = 0.5
 ROUTER_HEALTH_S = 0.5
 # A drained worker leaves the router's file this long before its SIGTERM (two discovery rounds).
 LEAVE_ROUTER_S = 2 * ROUTER_DISCOVERY_S + 0.2
-# Worker SIGTERM drain (open requests finish), and how much longer we wait before SIGKILL.
-WORKER_DRAIN_S = 30.0
+# How much longer than a worker's drain (engine_args.drain_seconds: the spec's maxModelLen at its ITL target, within
+# bounds, as pods get it) we wait before SIGKILL.
 KILL_GRACE_S = 10.0
-ROUTER_DRAIN_S = 10.0
 
 STARTING, READY, BACKOFF, DRAINING = "starting", "ready", "backoff", "draining"
 PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
@@ -89,9 +88,10 @@ class Supervisor:
     def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
                  machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
                  on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 api_key: str | None = None, route_to: str | None = None, drain_s: float = WORKER_DRAIN_S):
+                 api_key: str | None = None, route_to: str | None = None, drain_s: float | None = None):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
-        self.drain_s = drain_s  # a worker's --drain-timeout: open requests and KV leases get this long after SIGTERM
+        # a worker's --drain-timeout: its open requests and KV leases get this long after SIGTERM (the pods' value)
+        self.drain_s = engine_args.drain_seconds(local.spec) if drain_s is None else drain_s
         self.route_to = route_to  # spec.routing: the target deployment's router
         self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
@@ -196,8 +196,9 @@ class Supervisor:
                                      port=r.port, drain_s=self.drain_s)
         # (--kv-peers: the default, loopback: every prefill worker of this fleet advertises 127.0.0.1)
         flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
-                 "--drain-timeout", f"{self.drain_s:g}s", "--log-level", "warning",
-                 "--auth-token-file", str(self.token_path)]
+                 "--log-level", "warning", "--auth-token-file", str(self.token_path)]
+        if self.drain_s != engine_args.drain_seconds(self.local.spec):  # worker_args passes the spec's
+            flags += ["--drain-timeout", f"{self.drain_s:g}s"]
         if rt.device:
             flags += ["--device", rt.device]
         offload = self.local.spec.engine.kv_offload
@@ -211,8 +212,7 @@ class Supervisor:
         return PDFLEET + ["router", "--workers-file", str(self.workers_path), "--discovery", "static",
                           "--host", self.router_host, "--port", str(self.router.port),
                           "--discovery-interval", f"{ROUTER_DISCOVERY_S:g}", "--health-interval", f"{ROUTER_HEALTH_S:g}",
-                          "--drain-timeout", f"{ROUTER_DRAIN_S:g}", "--log-level", "warning",
-                          "--auth-token-file", str(self.token_path)] + \
+                          "--log-level", "warning", "--auth-token-file", str(self.token_path)] + \
             (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else []) + \
             engine_args.router_args(self.local.spec, route_to=self.route_to, tokenizer_dir=str(self.local.model_dir))
 
@@ -392,7 +392,9 @@ class Supervisor:
     async def shutdown(self, timeout: float | None = None) -> None:
         """The router drains first (open requests finish), then every worker; SIGKILL for what lingers."""
         timeout = self.drain_s + KILL_GRACE_S if timeout is None else timeout
-        for group, grace in (([self.router], ROUTER_DRAIN_S + 5.0), (list(self.workers), timeout)):
+        # (the router's drain is the spec's, engine_args.router_args)
+        for group, grace in (([self.router], engine_args.drain_seconds(self.local.spec) + KILL_GRACE_S),
+                             (list(self.workers), timeout)):
             live = [r for r in group if r.child is not None and r.child.alive()]
             for r in live:
                 # NOTE: not twice: a worker already draining would take a second SIGTERM as "exit now" and cut the
