@@ -85,6 +85,8 @@ def test_pairing_plans_by_revision_and_layout():
     plan = pairing.plan([{"model": "x"}], [load("1", "a")])
     assert plan.paired and plan.keys is None and plan.allows({"anything": 1})
     assert pairing.same(load("1", "a"), load("1", "a")) and not pairing.same(load("1", "a"), load("2", "a"))
+    # a role with no worker in rotation is not a missing pair (the router's fallbacks, or its 503, answer that)
+    assert pairing.plan([], [load("1", "a")]).paired and pairing.plan([load("1", "a")], []).paired
     assert pairing.key({"compat_hash": "a", "revision": 7}) == ("7", "a")
 
 

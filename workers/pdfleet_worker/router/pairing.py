@@ -41,9 +41,10 @@ class Plan:
 
 def plan(prefill: Iterable[Mapping[str, Any]], decode: Iterable[Mapping[str, Any]]) -> Plan:
     """From the /load of the healthy prefill and decode workers: the keys both roles have, or no constraint when a
-    worker reports none. An empty set: no pair exists (the decode worker computes the prompt itself)."""
+    worker reports none or a role has no worker (nothing to pair: the caller's fallbacks, or its 503). An empty set:
+    no pair exists (the decode worker computes the prompt itself)."""
     prefill_keys, decode_keys = [key(ld) for ld in prefill], [key(ld) for ld in decode]
-    if None in prefill_keys or None in decode_keys:
+    if None in prefill_keys or None in decode_keys or not prefill_keys or not decode_keys:
         return Plan(None)
     return Plan(frozenset(prefill_keys) & frozenset(decode_keys))
 
