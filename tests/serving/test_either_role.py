@@ -104,3 +104,21 @@ def test_a_hung_decode_worker_ends_its_streams_with_an_error_event(pd):
     # three missed heartbeats (0.5 s each), not the router's 600 s upstream timeout
     assert isinstance(error, openai.APIError) and "failed mid-stream (ReadTimeout)" in str(error), error
     assert sample(r.metrics_text(), m.ROUTER_UPSTREAM_ERRORS_TOTAL.name, upstream_role="decode", reason="timeout") == 1
+
+
+def test_a_streams_read_timeout_is_three_of_its_workers_heartbeats_and_other_calls_keep_the_pools():
+    from types import SimpleNamespace
+
+    from pdfleet_worker.router import proxy
+    from pdfleet_worker.router.upstreams import Upstream
+
+    cfg = SimpleNamespace(upstream_timeout_s=600.0, connect_timeout_s=2.0)
+    fake = SimpleNamespace(cfg=cfg, client=httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0)))
+    beating = Upstream("http://w:1", "default", "decode", load={"heartbeat_interval_s": 0.5})
+    silent = Upstream("http://w:2", "default", "decode", load={"heartbeat_interval_s": 0})
+    vllm = Upstream("http://w:3", "default", "decode", engine="vllm", load={"heartbeat_interval_s": 0.5})
+    assert (proxy.silence_limit(beating), proxy.silence_limit(silent), proxy.silence_limit(vllm)) == (1.5, None, None)
+    streamed = proxy.Router._request(fake, beating, "/v1/completions", {}, silence_s=proxy.silence_limit(beating))
+    assert streamed.extensions["timeout"] == {"connect": 2.0, "read": 1.5, "write": 1.5, "pool": 1.5}
+    plain = proxy.Router._request(fake, beating, "/v1/completions", {})
+    assert plain.extensions["timeout"]["read"] == 600.0, "a call without a silence bound keeps the pool's timeout"

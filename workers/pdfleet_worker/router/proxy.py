@@ -453,8 +453,9 @@ class Router:
     def _request(self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None,
                  silence_s: float | None = None) -> httpx.Request:
         """silence_s: the longest wait for any byte of the answer (a stream's read timeout) instead of the pool's."""
-        timeout = None if silence_s is None else httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s),
-                                                               connect=self.cfg.connect_timeout_s)
+        # (None would mean no timeout at all: the client's default is its own sentinel)
+        timeout = httpx.USE_CLIENT_DEFAULT if silence_s is None else \
+            httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s), connect=self.cfg.connect_timeout_s)
         return self.client.build_request("POST", f"{up.url}{path}", json=body, timeout=timeout,
                                          headers={"content-type": "application/json", **(extra_headers or {})})
 
