@@ -36,8 +36,9 @@ ROUTER_DISCOVERY_S = 0.5
 ROUTER_HEALTH_S = 0.5
 # A drained worker leaves the router's file this long before its SIGTERM (two discovery rounds).
 LEAVE_ROUTER_S = 2 * ROUTER_DISCOVERY_S + 0.2
-# How much longer than a worker's drain (engine_args.drain_seconds: the spec's maxModelLen at its ITL target, within
-# bounds, as pods get it) we wait before SIGKILL.
+# A pdfleet worker drains as its pods do (engine_args.drain_seconds: the spec's maxModelLen at its ITL target, within
+# bounds); a vLLM replica's --shutdown-timeout stays this. SIGKILL comes KILL_GRACE_S after a replica's drain.
+VLLM_DRAIN_S = 30.0
 KILL_GRACE_S = 10.0
 
 STARTING, READY, BACKOFF, DRAINING = "starting", "ready", "backoff", "draining"
@@ -90,8 +91,7 @@ class Supervisor:
                  on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  api_key: str | None = None, route_to: str | None = None, drain_s: float | None = None):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
-        # a worker's --drain-timeout: its open requests and KV leases get this long after SIGTERM (the pods' value)
-        self.drain_s = engine_args.drain_seconds(local.spec) if drain_s is None else drain_s
+        self.drain_override = drain_s  # every worker's drain instead of its own (tests)
         self.route_to = route_to  # spec.routing: the target deployment's router
         self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
@@ -193,12 +193,12 @@ class Supervisor:
         if rt.name == runtimes.VLLM:
             assert self.vllm is not None, f"{r.name} runs vllm and no vLLM runtime was found"
             return vllm_runtime.argv(self.vllm, self.local.spec, r.role, rt, cls, model_dir=str(self.local.model_dir),
-                                     port=r.port, drain_s=self.drain_s)
+                                     port=r.port, drain_s=self.drain_s(r))
         # (--kv-peers: the default, loopback: every prefill worker of this fleet advertises 127.0.0.1)
         flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
                  "--log-level", "warning", "--auth-token-file", str(self.token_path)]
-        if self.drain_s != engine_args.drain_seconds(self.local.spec):  # worker_args passes the spec's
-            flags += ["--drain-timeout", f"{self.drain_s:g}s"]
+        if self.drain_override is not None:  # (worker_args passes the spec's)
+            flags += ["--drain-timeout", f"{self.drain_override:g}s"]
         if rt.device:
             flags += ["--device", rt.device]
         offload = self.local.spec.engine.kv_offload
@@ -249,6 +249,12 @@ class Supervisor:
         argv = self._router_argv() if r.role == "router" else self._worker_argv(r)
         r.child = Child(r.name, argv, self.run_dir / "logs" / f"{r.name}.log", self._env(r)).start()
         r.state, r.ready_since, r.load = STARTING, None, {}
+
+    def drain_s(self, r: Replica) -> float:
+        """How long a worker SIGTERMed lets its open requests (and a prefill worker its KV leases) finish."""
+        if self.drain_override is not None:
+            return self.drain_override
+        return VLLM_DRAIN_S if r.engine == runtimes.VLLM else engine_args.drain_seconds(self.local.spec)
 
     def _ports(self) -> set[int]:
         return {self.router.port} | {r.port for r in self.workers}
@@ -344,11 +350,11 @@ class Supervisor:
             elif r.state == DRAINING and r.child is not None:
                 if r.term_at is not None and now >= r.term_at:
                     r.child.terminate()
-                    r.term_at, r.kill_at = None, now + self.drain_s + KILL_GRACE_S
+                    r.term_at, r.kill_at = None, now + self.drain_s(r) + KILL_GRACE_S
                 elif r.kill_at is not None and now >= r.kill_at:
                     r.child.kill()
                     r.kill_at = None
-                    self.event("killed", r.name, f"did not drain within {self.drain_s + KILL_GRACE_S:g}s: SIGKILL")
+                    self.event("killed", r.name, f"did not drain within {self.drain_s(r) + KILL_GRACE_S:g}s: SIGKILL")
         await self._probe([r for r in [self.router, *self.workers] if r.state in (STARTING, READY)])
 
     def _exited(self, r: Replica, code: int, now: float) -> None:
@@ -391,7 +397,8 @@ class Supervisor:
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """The router drains first (open requests finish), then every worker; SIGKILL for what lingers."""
-        timeout = self.drain_s + KILL_GRACE_S if timeout is None else timeout
+        if timeout is None:
+            timeout = max((self.drain_s(r) for r in self.workers), default=0.0) + KILL_GRACE_S
         # (the router's drain is the spec's, engine_args.router_args)
         for group, grace in (([self.router], engine_args.drain_seconds(self.local.spec) + KILL_GRACE_S),
                              (list(self.workers), timeout)):
