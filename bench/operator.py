@@ -4,7 +4,10 @@ Runs the real operator (`pdfleet operator`, a subprocess) against the test API e
 this process), creates N CRs, plays the Deployment controller (marks every Deployment ready), then
 restarts the operator with a short resync interval. Reports wall times, API calls and writes per CR,
 writes on resync and the operator's peak RSS. Then a race for the last GPUs on an emulator that schedules
-pods (`race_scenario`: the Pending pods no ScalingLimited explains, want 0). Ends with one JSON line.
+pods (`race_scenario`: the Pending pods no ScalingLimited explains, want 0), and day 2 at scale on an emulator
+with its controllers on (`day2_scenario`: pools deleted while their role had no replacement serving after a
+cordon, a NotReady node and a deleted class, want 0; deployments whose move to a cheaper class on the same full
+hardware never finished, want 0). Ends with one JSON line.
 
     python bench/operator.py --crs 500
 """
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crs", type=int, default=500, help="InferenceDeployments to create (default 500)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds per phase")
     parser.add_argument("--verbose", action="store_true", help="debug logging of the operator (to its log file)")
+    parser.add_argument("--day2-crs", type=int, default=28, help="InferenceDeployments in the day-2 scenario (default 28)")
     args = parser.parse_args(argv)
     n = args.crs
 
@@ -252,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         ha = ha_scenario(b, n, args.timeout)
 
     race = race_scenario(workdir, args.timeout)
+    day2 = day2_scenario(workdir, args.timeout, args.day2_crs)
     rows = [
         ("CRs", f"{n}"),
         ("create N CRs (s)", f"{t_created:.1f}"),
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"race: {race['crs']} CRs x 2 GPUs for {race['gpus']}: placed / Pending without ScalingLimited / ever "
          "Unschedulable", f"{race['placed']} / {race['pending_pileup']} / {race['unschedulable']}"),
         ("HA: writes by a replica not holding the Lease + rewrites on takeover", f"{ha['duplicate_writes']}"),
+        (f"day 2, {day2['crs']} CRs: pools deleted with no replacement serving (cordon, NotReady, class deleted) / "
+         "moves to a cheaper class on full hardware not finished", f"{day2['drift_deletions']} / {day2['migration_stuck']}"),
         ("HA: leader killed -> standby holds the Lease (s; lease 15 s)", f"{ha['takeover_seconds']:.1f}"),
         ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
     ]
@@ -284,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mb": round(peak_rss, 1),
         "pending_pileup": race["pending_pileup"],
         "ha_duplicate_writes": ha["duplicate_writes"],
+        "drift_deletions": day2["drift_deletions"],
+        "migration_stuck": day2["migration_stuck"],
     }))
     return 0
 
@@ -413,6 +422,119 @@ def race_scenario(workdir: pathlib.Path, timeout: float, crs: int = 8, gpus: int
         unschedulable = len([p for p in wl.unschedulable_pods if "-router-" not in p])
         b.stop_operator()
     return {"crs": crs, "gpus": gpus, "pending_pileup": pileup, "placed": placed, "unschedulable": unschedulable}
+
+
+def day2_scenario(workdir: pathlib.Path, timeout: float, crs: int) -> dict:
+    """Day 2 at scale, on an emulator whose controllers run (scheduler, ReplicaSets, node lifecycle, disruption
+    budgets) and a cluster with no spare accelerator: `crs` colocated deployments of 2 replicas, four of them on the
+    one a100 node (the class they list first), the rest filling L40S nodes exactly.
+
+    Phase 1: an L40S node cordoned, another NotReady, the a100-80gb class deleted under its pools; nowhere has room
+    for a replacement. `drift_deletions`: worker Deployments deleted while the rest of their role served fewer than
+    its 2 replicas (capacity taken away), read from the emulator's event history. Phase 2 (nodes back): l40s-spot, a
+    class naming the same full L40S nodes, is made the cheapest; `migration_stuck`: L40S deployments not all on it
+    once the operator is quiet (the move must go one replica at a time, in the units the old pool frees)."""
+    from tests.kube.cluster import EXAMPLES, class_objects
+    from tests.support.k8s_emulator import KubernetesApiEmulator
+
+    base = yaml.safe_load((EXAMPLES / "qwen2-7b.yaml").read_text())
+    on_a100 = 4
+    crs = max(crs - (crs - on_a100) % 4, on_a100 + 4)  # the L40S deployments fill whole 8-GPU nodes
+    l40s = [node(f"l40s-{i}", "l40s", 8) for i in range(2 * (crs - on_a100) // 8)]
+    spot = copy.deepcopy(next(d for d in class_objects() if d["metadata"]["name"] == "l40s-48gb"))
+    spot["metadata"] = {"name": "l40s-spot"}
+    spot["spec"]["costPerHour"] = 9.0
+    with EmulatorThread(KubernetesApiEmulator()) as server:
+        b = Bench(server, write_kubeconfig(workdir / "kubeconfig-day2", server.url), workdir)
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                b.call(b.emu.apply_object, doc)
+        for doc in [*class_objects(), spot, *l40s, node("a100-0", "a100", 2 * on_a100), node("cpu-0", "cpu", 4 * crs)]:
+            b.call(b.emu.apply_object, doc)
+        b.call(b.emu.enable_workloads)
+        b.start_operator(resync=0)
+        b.wait(lambda: b.metrics_port and _up(b), 60, "the day-2 operator to start", 0.2)
+        names = [f"day2-{i:03d}" for i in range(crs)]
+        for i, name in enumerate(names):
+            doc = copy.deepcopy(base)
+            doc["metadata"]["name"] = name
+            listed = ["a100-80gb", "l40s-48gb"] if i < on_a100 else ["l40s-48gb", "l40s-spot"]
+            doc["spec"]["colocated"].update(acceleratorClasses=listed, minReplicas=2, maxReplicas=2)
+            doc["spec"]["autoscaling"] = {"enabled": True}  # (no Prometheus: the plan's sizes stay put)
+            b.call(b.emu.apply_object, doc)
+        deployments = b.res("deployments.apps")
+
+        def pools() -> dict[str, dict[str, int]]:
+            """deployment -> class -> ready replicas."""
+            out: dict[str, dict[str, int]] = {}
+            for d in b.call(b.emu.list_objects, deployments, NAMESPACE, "pdfleet.io/role=colocated", None):
+                labels = d["metadata"]["labels"]
+                out.setdefault(labels["pdfleet.io/deployment"], {})[labels["pdfleet.io/accelerator"]] = \
+                    int((d.get("status") or {}).get("readyReplicas") or 0)
+            return out
+        b.wait(lambda: len(pools()) == crs and all(sum(p.values()) == 2 for p in pools().values()), timeout,
+               "every day-2 CR serving 2 replicas")
+        for name in names:  # minimum 1 from now on: a replica may move without a replacement first (phase 2)
+            b.call(b.emu.patch_object, b.res("infdep"), name, {"spec": {"colocated": {"minReplicas": 1}}}, NAMESPACE)
+        b.quiet(2.0, timeout)
+        mark = b.call(lambda: b.emu.resource_version)
+
+        # Phase 1: a cordon, a NotReady node, a class deleted under its pools; no room anywhere for a replacement.
+        b.call(b.emu.cordon, "l40s-0")
+        b.call(b.emu.set_node_ready, "l40s-1", "False")
+        b.call(b.emu.delete_object, b.res("acc"), "a100-80gb")
+        b.quiet(3.0, timeout)
+        drift = _capacity_taking_deletions(b.call(lambda: list(b.emu._events)), mark, target=2)
+        b.call(b.emu.cordon, "l40s-0", False)
+        b.call(b.emu.set_node_ready, "l40s-1", "True")
+        b.quiet(3.0, timeout)
+
+        # Phase 2: l40s-spot (the same full nodes) made the cheapest: every L40S deployment moves, one at a time.
+        b.call(b.emu.patch_object, b.res("acc"), "l40s-spot", {"spec": {"costPerHour": 0.25}}, None)
+        movers = set(names[on_a100:])
+
+        def moved() -> int:
+            return sum(1 for name, p in pools().items() if name in movers and set(p) == {"l40s-spot"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and moved() < len(movers):
+            b.quiet(3.0, timeout)
+            if moved() < len(movers):
+                time.sleep(1.0)
+        stuck = len(movers) - moved()
+        b.stop_operator()
+    return {"crs": crs, "drift_deletions": len(drift), "migration_stuck": stuck}
+
+
+def _absent(b: Bench, resource: str, name: str) -> bool:
+    res = b.res(resource)
+    try:
+        b.call(b.emu.get_object, res, None, name)
+    except Exception:  # not found
+        return True
+    return False
+
+
+def _capacity_taking_deletions(events: list, since: int, target: int) -> list[str]:
+    """Worker Deployments deleted (after resourceVersion `since`) while the other pools of their deployment's role
+    served fewer than `target` ready replicas: a deletion that took serving capacity away."""
+    ready: dict[tuple[str, str], dict[str, int]] = {}
+    out = []
+    for e in events:
+        if e.plural != "deployments":
+            continue
+        labels = e.obj["metadata"].get("labels") or {}
+        role, owner = labels.get("pdfleet.io/role"), labels.get("pdfleet.io/deployment")
+        if not owner or role in (None, "router"):
+            continue
+        pools = ready.setdefault((owner, role), {})
+        name = e.obj["metadata"]["name"]
+        if e.type == "DELETED":
+            pools.pop(name, None)
+            if e.rv > since and sum(pools.values()) < target:
+                out.append(name)
+        else:
+            pools[name] = int((e.obj.get("status") or {}).get("readyReplicas") or 0)
+    return out
 
 
 def _by_kind(writes: list) -> str:

@@ -133,7 +133,7 @@ def test_a_move_on_the_same_full_hardware_goes_one_replica_at_a_time() -> None:
     children = live(first)
     held = [pod_on("p1", "l40s-0"), pod_on("p2", "l40s-0")]
     d = decide(observe(dep, nodes, children, held, classes=cls, desired={"colocated": 2}))
-    assert pools(d) == {"l40s-48gb": 1}, "one replica released: its units are the only room for the cheaper class"
+    assert pools(d) == {"l40s-48gb": 1, "l40s-spot": 1}, "one replica released for its replacement, asked for at once"
     assert d.step.released == (("colocated", "l40s-48gb"),)
     assert not d.delete
     # At the role's minimum nothing is broken to move: the pool stays where it is and the status says why.

@@ -86,17 +86,15 @@ def test_on_the_same_full_hardware_replicas_move_one_at_a_time_above_the_minimum
     full = free(node("h100-0", "h100", 0))  # every unit is held by the old pool
     ranking = ("h100-cud", "h100")
     got = step([pool("h100", 2)], {"h100-cud": 2}, full, target=2, ranking=ranking)
-    assert got.of("decode") == {"h100": 1}
+    # One released, its replacement asked for in the same step: it waits Pending for exactly those units.
+    assert got.of("decode") == {"h100-cud": 1, "h100": 1}
     assert got.released == (("decode", "h100"),)
-    # The released replica's units are free now: its replacement starts; nothing else moves meanwhile.
-    room = free(node("h100-0", "h100", 1))
-    starting = step([pool("h100", 1)], {"h100-cud": 2}, room, target=2, ranking=ranking)
-    assert starting.of("decode") == {"h100-cud": 1, "h100": 1}
+    # The replacement is starting: nothing else moves meanwhile.
     waiting = step([pool("h100", 1), pool("h100-cud", 1, ready=0)], {"h100-cud": 2}, full, target=2, ranking=ranking)
     assert waiting.of("decode") == {"h100-cud": 1, "h100": 1} and not waiting.released
     # It serves: the next one moves.
     nxt = step([pool("h100", 1), pool("h100-cud", 1)], {"h100-cud": 2}, full, target=2, ranking=ranking)
-    assert nxt.of("decode") == {"h100-cud": 1, "h100": 0}
+    assert nxt.of("decode") == {"h100-cud": 2, "h100": 0}
 
 
 def test_a_single_replica_at_its_minimum_is_never_moved_by_breaking_it() -> None:

@@ -71,9 +71,10 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
         wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["decodeReplicas"] == 3)
         settle(kube)
         decode = ("deployments", "default", "llama31-8b-decode-h100-mig-3g-40gb", None)
+        pdb = ("poddisruptionbudgets", "default", "llama31-8b-decode", None)  # (its minAvailable follows the size)
         after = _object_writes(kube.requests)
         assert after[decode] == 2 and {k: v for k, v in after.items() if k[3] != "status"} == {**{
-            k: v for k, v in created.items() if k[3] != "status"}, decode: 2}, "b applied the edit, once"
+            k: v for k, v in created.items() if k[3] != "status"}, decode: 2, pdb: 2}, "b applied the edit, once"
         assert {r.pod for r in kube.requests if r.is_write and r.resource == "deployments"} == {a.pod, b.pod}
 
         # A rolling update: a new standby, and the leader stopped by SIGTERM releases the Lease at once.

@@ -239,7 +239,7 @@ def _live_pools(obs: Observed) -> list[LivePool]:
         replicas = int((c.get("spec") or {}).get("replicas") or 0)
         generation, observed = c["metadata"].get("generation"), st.get("observedGeneration")
         stale = generation is not None and observed is not None and int(observed) < int(generation)
-        rolling = stale or int(st.get("updatedReplicas", replicas) or 0) < replicas
+        rolling = stale or int(st.get("updatedReplicas") or 0) < replicas  # (the API omits zero counts)
         out.append(LivePool(c["metadata"]["name"], role, acc, replicas, int(st.get("readyReplicas") or 0),
                             len(why), tuple(why), rolling))
     return out

@@ -13,8 +13,9 @@ edited or deleted. `step` walks from what runs towards the ideal without ever ta
    role's ready replicas exceed its target, i.e. once their replacements serve. The autoscaler or the spec
    lowering the target is the only thing that removes serving replicas without a replacement.
 3. **move one at a time** where the only capacity for the replacement is what the old pool holds: with
-   every replica of the role ready and the role above its minimum, one old replica is released so that one
-   new replica can bind in its place; the next move waits until that one is ready.
+   every replica of the role ready and the role above its minimum, one old replica is released and its
+   replacement is asked for in the same step, so that it waits (Pending) for exactly those units and no other
+   deployment's plan takes them; the next move waits until that one is ready.
 
 NOTE: a Deployment's ReplicaSet chooses which pods a scale-down removes (not ready first, then the newest),
 so a displaced replica cannot be singled out: its pool keeps one replica more than the ideal for every
@@ -123,15 +124,17 @@ def step(targets: Mapping[str, int], minimums: Mapping[str, int], ideal: Mapping
         surplus = {c: replicas[c] - want[c] - p.displaced for c, p in pools.items()
                    if replicas[c] > want[c] + p.displaced}
         if missing and surplus:
-            victim = _one_at_a_time(role, order, want, replicas, pools, surplus, classes, free, minimums.get(role, 0),
-                                    in_flight=in_flight, holding=role in holding)
-            if isinstance(victim, str) and victim in pools:
+            move = _one_at_a_time(order, want, replicas, pools, surplus, classes, free, minimums.get(role, 0),
+                                  in_flight=in_flight, holding=role in holding)
+            if move is not None and move[0] is not None:
+                victim, target_class = move
                 replicas[victim] -= 1
+                replicas[target_class] += 1
                 released.append((role, victim))
-                moving.append(f"{role}: moving one replica off {pools[victim].name} (the only capacity for its "
-                              f"replacement is what it holds)")
-            elif isinstance(victim, tuple):
-                stuck.append(f"{role}: {victim[1]}")
+                moving.append(f"{role}: moving one replica from {pools[victim].name} to {target_class} (the only "
+                              f"capacity for it is what the old replica holds)")
+            elif move is not None:
+                stuck.append(f"{role}: {move[1]}")
         displaced = sum(p.displaced for p in pools.values())
         if displaced and not in_flight and sum(replicas.values()) - displaced < target:
             stuck.append(f"{role}: no free capacity for a replacement of its {displaced} displaced replica(s)")
@@ -203,11 +206,11 @@ def _shed_serving(replicas: dict[str, int], want: Mapping[str, int], pools: Mapp
         excess -= cut
 
 
-def _one_at_a_time(role: str, order: Sequence[str], want: Mapping[str, int], replicas: Mapping[str, int],
+def _one_at_a_time(order: Sequence[str], want: Mapping[str, int], replicas: Mapping[str, int],
                    pools: Mapping[str, LivePool], surplus: Mapping[str, int], classes: Mapping[str, AcceleratorClassSpec],
-                   free: Inventory, minimum: int, *, in_flight: int, holding: bool) -> str | tuple[None, str] | None:
-    """The pool to release one serving replica from so that a replacement can bind in its units; None to wait
-    (a move is in flight); (None, why) when no move can progress."""
+                   free: Inventory, minimum: int, *, in_flight: int, holding: bool) -> tuple[str | None, str] | None:
+    """(class to release one serving replica of, class of its replacement, which binds in the released units); None
+    to wait (a move is in flight); (None, why) when no move can progress."""
     if in_flight or holding:
         return None
     ready = sum(p.ready for p in pools.values())
@@ -219,7 +222,7 @@ def _one_at_a_time(role: str, order: Sequence[str], want: Mapping[str, int], rep
     for victim in victims:
         for target in wanted:
             if _frees_room_for(classes[victim], classes[target], free):
-                return victim
+                return victim, target
     return (None, "no free capacity for " + ", ".join(wanted) + ", and releasing a replica of "
             + ", ".join(victims) + " would not make room for one")
 

@@ -51,17 +51,25 @@ async def sync(api: client.Api, rec: Reconciler, plan: FleetPlan, obs: Observed)
 
 async def protect(api: client.Api, rec: Reconciler, classes: Iterable[str]) -> None:
     """Put the finalizer on each of `classes` that lacks it (and is not being deleted: a finalizer cannot be added
-    then, and the class is held already if it had one)."""
+    then, and the class is held already if it had one).
+
+    NOTE: kopf's index shows our patch a moment later; `rec.protected` remembers the versions patched here, so
+    the reconciles in between do not patch the same class again."""
     meta = rec.class_meta()
     for name in sorted(set(classes)):
         m = meta.get(name)
         if m is None or m.get("deleting") or FINALIZER in m.get("finalizers", ()):
             continue
+        if rec.protected.get(name) == m.get("resourceVersion"):
+            continue  # patched from this version already; the index has not caught up
+        rec.protected[name] = m.get("resourceVersion")
         await _set_finalizers(api, name, [*m.get("finalizers", ()), FINALIZER], m.get("resourceVersion"))
 
 
 async def release(api: client.Api, rec: Reconciler) -> list[str]:
     """Remove the finalizer from deleted classes no pool uses any more; returns their names."""
+    if not rec.indexed:
+        return []  # an incomplete pool index would release a class still in use
     meta = rec.class_meta()
     deleting = [n for n, m in meta.items() if m.get("deleting") and FINALIZER in m.get("finalizers", ())]
     if not deleting:

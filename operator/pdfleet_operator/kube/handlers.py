@@ -102,7 +102,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RECONCILER.autoscaling = OPTIONS.autoscaler
     RECONCILER.analysis = OPTIONS.analysis_interval > 0
     if OPTIONS.alertmanager_port is not None:
-        runner = web.AppRunner(alertmanager.make_app(RECONCILER.on_alert, OPTIONS.alertmanager_token), access_log=None)
+        runner = web.AppRunner(alertmanager.make_app(_on_alert, OPTIONS.alertmanager_token), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, OPTIONS.alertmanager_host, OPTIONS.alertmanager_port).start()
         RECONCILER.indexes["_alertmanager_runner"] = runner
@@ -112,6 +112,12 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         RECONCILER.indexes["_resync"] = asyncio.get_running_loop().create_task(_resync_loop())
     if OPTIONS.class_status_interval > 0:
         RECONCILER.indexes["_class_status"] = asyncio.get_running_loop().create_task(_class_status_loop())
+
+
+async def _on_alert(trigger: alertmanager.RollbackTrigger) -> None:
+    """A pdfleet rollback alert from Alertmanager (the receiver calls this): analyse now."""
+    exporter.ALERT_TRIGGERS.inc()
+    await loops.on_alert(RECONCILER, trigger)
 
 
 @kopf.on.login()
@@ -145,7 +151,7 @@ async def _class_status_loop() -> None:
     writer = class_status.ClassStatusWriter()
     while True:
         api = RECONCILER.api
-        if api is not None:
+        if api is not None and RECONCILER.indexed:  # (usedBy and releases need the complete pool index)
             try:
                 await RECONCILER.sync(api)
                 for _ in await writer.sync(api, RECONCILER.nodes(), RECONCILER.pods(), class_protection.users(RECONCILER)):
@@ -155,7 +161,7 @@ async def _class_status_loop() -> None:
                 logger.warning("AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval)
             except Exception:  # NOTE: a bug here must not end the loop (or the operator)
                 logger.exception("AcceleratorClass status round failed")
-        await asyncio.sleep(OPTIONS.class_status_interval if api is not None else 0.2)
+        await asyncio.sleep(OPTIONS.class_status_interval if api is not None and RECONCILER.indexed else 0.2)
 
 
 async def _resync_loop() -> None:
@@ -213,12 +219,15 @@ def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
 
 @kopf.index(GROUP, VERSION, "inferencedeployments")
 def infdep_index(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> dict[Key, dict[str, Any]]:
-    _keep_indexes(kwargs)
+    RECONCILER.keep(kwargs)
     return {(namespace, name): json.loads(json.dumps(dict(body)))}
 
 
 def _keep_indexes(kwargs: Mapping[str, Any]) -> None:
+    """Every resource handler's first step. NOTE: kopf runs resource handlers only once every index holds its initial
+    listing, so from the first handler on the indexes are complete (`RECONCILER.indexed`)."""
     RECONCILER.keep(kwargs)
+    RECONCILER.indexed = True
 
 
 def _node_view(body: Mapping[str, Any]) -> dict[str, Any]:

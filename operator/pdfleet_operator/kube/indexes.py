@@ -30,6 +30,7 @@ class Cluster:
 
     def __init__(self) -> None:
         self.indexes: dict[str, Any] = {}
+        self.indexed = False  # every index holds its initial listing (set by the first resource handler)
         self._synced: asyncio.Task | None = None
         # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
         # (monotonic time, pod views, why they could not be listed or None).

@@ -78,6 +78,7 @@ class Reconciler(Cluster):
         self.node_digests: dict[str, str] = {}
         self.class_specs: dict[str, dict[str, Any]] = {}
         self.deleting_classes: set[str] = set()
+        self.protected: dict[str, str | None] = {}  # class -> the version this process put its finalizer on
         self._monitoring: tuple[float, bool] | None = None
         self.reconciles = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # kopf's loop: other threads call in through it
