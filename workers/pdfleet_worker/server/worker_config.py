@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig, ModelConfig
 from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
+from pdfleet_worker.server import threads
 from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
 
 ROLES = ("prefill", "decode", "both")
@@ -147,7 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights: none (the checkpoint's, in --dtype) or int8 (weight-only, per output channel, "
                         "quantized from the float checkpoint at load; default none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--num-threads", type=threads.parse_flag, default=None,
+                   help="torch CPU threads, or auto (default): the CPUs the container may use (CPU quota, affinity "
+                        "mask, $PDFLEET_CPU_REQUEST), less one core for the server loop")
     g.add_argument("--attention-backend", choices=("auto", "reference", "cpu", "flex"), default=None)
     o = p.add_argument_group("KV offload tiers and preemption")
     o.add_argument("--kv-offload-host-memory", default=None, metavar="SIZE",
@@ -280,7 +284,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=pick("max_num_batched_tokens", 512), max_model_len=max_model_len,
         max_num_waiting=pick("max_num_waiting", 1024), enable_prefix_caching=pick("enable_prefix_caching", True),
-        num_threads=pick("num_threads", None), attention_backend=pick("attention_backend", "auto"),
+        num_threads=_threads(pick("num_threads", None)), attention_backend=pick("attention_backend", "auto"),
         kv_offload_host_bytes=offload_host, kv_offload_disk_bytes=parse_size(pick("kv_offload_disk", 0), "kv_offload_disk"),
         kv_offload_disk_dir=pick("kv_offload_disk_path", None), preemption=preemption, swap_space_bytes=swap_space)
     return WorkerConfig(
@@ -300,6 +304,12 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         retry_after_s=pick("retry_after", 1),
         drain_timeout_s=parse_duration(pick("drain_timeout", 60.0)),
         heartbeat_interval_s=parse_duration(pick("heartbeat_interval", 10.0)))
+
+
+def _threads(setting: int | str | None) -> int:
+    plan = threads.resolve(setting)
+    logging.getLogger("pdfleet.worker").info("%s", plan.describe())
+    return plan.threads
 
 
 def int8_weight_bytes(cfg: ModelConfig, elem: int) -> int:

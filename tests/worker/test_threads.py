@@ -1,0 +1,86 @@
+"""Torch threads sized from the container (server/threads.py): quota, affinity mask and the pod's CPU request, one
+core kept for the server loop; `--num-threads auto` is the default, and a number still wins."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pdfleet_worker.server import threads, worker_config
+
+
+def _cgroup_v2(tmp_path: Path, quota: str, parent_quota: str = "max 100000") -> tuple[Path, Path]:
+    root = tmp_path / "cg2"
+    own = root / "kubepods.slice" / "pod1" / "ctr"
+    own.mkdir(parents=True)
+    (root / "kubepods.slice" / "pod1" / "cpu.max").write_text(parent_quota + "\n")
+    (own / "cpu.max").write_text(quota + "\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods.slice/pod1/ctr\n")
+    return proc, root
+
+
+def test_a_cpu_quota_sizes_the_threads_not_the_nodes_cores(tmp_path) -> None:
+    proc, root = _cgroup_v2(tmp_path, "400000 100000")
+    assert threads.cgroup_quota(proc, root) == 4.0
+    plan = threads.plan(threads.cgroup_quota(proc, root), affinity=64, request=None)
+    assert (plan.threads, plan.cpus) == (3, 4.0) and "quota" in plan.source
+    # A parent's tighter quota binds too (a pod-level limit over a container without one).
+    proc, root = _cgroup_v2(tmp_path / "b", "max 100000", parent_quota="250000 100000")
+    assert threads.cgroup_quota(proc, root) == 2.5
+    assert threads.plan(2.5, 64, None).threads == 1
+
+
+def test_cgroup_v1_quota_and_no_quota(tmp_path) -> None:
+    root = tmp_path / "cg1"
+    own = root / "cpu,cpuacct" / "kubepods" / "pod1"
+    own.mkdir(parents=True)
+    (own / "cpu.cfs_quota_us").write_text("300000\n")
+    (own / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/kubepods/pod1\n3:cpu,cpuacct:/kubepods/pod1\n")
+    assert threads.cgroup_quota(proc, root) == 3.0
+    (own / "cpu.cfs_quota_us").write_text("-1\n")
+    assert threads.cgroup_quota(proc, root) is None
+
+
+def test_without_a_quota_the_affinity_mask_or_the_pods_request_decide() -> None:
+    assert threads.plan(None, 8, None).threads == 7
+    assert threads.plan(None, 64, 2.0).threads == 1 and threads.plan(None, 64, 2.0).source == "pod's CPU request"
+    assert threads.plan(None, 1, None).threads == 1, "never fewer than one"
+    assert threads.plan(1.5, 2, None).threads == 1
+    assert threads.requested_cpus({"PDFLEET_CPU_REQUEST": "2000"}) == 2.0
+    assert threads.requested_cpus({"PDFLEET_CPU_REQUEST": ""}) is None
+    assert threads.requested_cpus({}) is None
+
+
+def test_a_worker_started_without_the_flag_sizes_its_threads_from_the_container(llama, monkeypatch) -> None:
+    """What a pod gets: no number, a 4-CPU quota on a 64-core node -> 3 threads (HEAD: None, torch's one per core)."""
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: 4.0)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.delenv(threads.REQUEST_ENV, raising=False)
+    p = argparse.ArgumentParser()
+    worker_config.add_arguments(p)
+    base = ["--model", llama.path, "--device", "cpu", "--num-kv-blocks", "8"]
+    assert worker_config.from_args(p.parse_args(base)).engine.num_threads == 3
+    assert worker_config.from_args(p.parse_args(base + ["--num-threads", "auto"])).engine.num_threads == 3
+    monkeypatch.setenv(threads.REQUEST_ENV, "2000")  # the rendered pod's request, no limit
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: None)
+    assert worker_config.from_args(p.parse_args(base)).engine.num_threads == 1
+    assert worker_config.from_args(p.parse_args(base + ["--num-threads", "5"])).engine.num_threads == 5
+
+
+def test_the_flag_takes_auto_or_a_positive_number() -> None:
+    p = argparse.ArgumentParser()
+    worker_config.add_arguments(p)
+    base = ["--model", "m"]
+    assert p.parse_args(base).num_threads is None
+    assert p.parse_args(base + ["--num-threads", "auto"]).num_threads == "auto"
+    assert p.parse_args(base + ["--num-threads", "3"]).num_threads == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            p.parse_args(base + ["--num-threads", bad])
+    assert threads.resolve(3, affinity=[0, 1], detect=False).threads == 3
+    assert threads.resolve("auto", affinity=[0, 1, 2, 3], quota=None, request=None, detect=False).threads == 3
+    assert threads.resolve(None, affinity=list(range(64)), quota=2.0, detect=False).threads == 1

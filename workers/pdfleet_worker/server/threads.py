@@ -1,0 +1,127 @@
+"""How many torch threads a worker computes with: sized from the CPUs its container may use, one core's worth kept
+for the server loop; worker_config calls `resolve` for `--num-threads` (default `auto`).
+
+The CPUs a container may use are the fewest of: its CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` /
+`cpu.cfs_period_us`, of its cgroup and every ancestor), its affinity mask (a cpuset, the static CPU manager), and
+the CPU request its pod declares (`$PDFLEET_CPU_REQUEST`, millicores, from the downward API: a pod without a
+limit still gets only its request when the node is busy). Torch's own default is one thread per visible core:
+in a pod with a 2-CPU quota on a 64-core node that is 64 threads throttled to 2 cores, and on 2 cores with a
+benchmark client beside it measured a 7x collapse (issue 26).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REQUEST_ENV = "PDFLEET_CPU_REQUEST"  # millicores (resourceFieldRef requests.cpu, divisor 1m)
+SERVER_CORES = 1  # the HTTP server, tokenizer and scheduling loop run beside the compute threads
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadPlan:
+    """The threads chosen and why (logged at start, so a pod says what it computes with)."""
+
+    threads: int
+    cpus: float          # the CPUs the container may use
+    source: str          # which limit decided: quota, affinity, request
+
+    def describe(self) -> str:
+        if self.source == "--num-threads":
+            return f"{self.threads} torch thread(s) (--num-threads)"
+        return (f"{self.threads} torch thread(s): {self.cpus:g} CPU(s) by the container's {self.source}, "
+                f"{SERVER_CORES} kept for the server")
+
+
+def parse_flag(text: str) -> int | str:
+    """`--num-threads`: a positive count, or `auto`."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"--num-threads {text!r}: a positive number of threads, or auto") from None
+    if n < 1:
+        raise ValueError(f"--num-threads {n}: at least 1 (or auto)")
+    return n
+
+
+def plan(quota: float | None, affinity: int, request: float | None) -> ThreadPlan:
+    """Threads for a container that may use `quota` CPUs (None: no quota), `affinity` cores, and asked for `request`
+    CPUs (None: unknown): the fewest of them, less SERVER_CORES, at least one."""
+    assert affinity >= 1, "a process runs on at least one core"
+    limits = [(float(affinity), "affinity mask")]
+    if quota is not None:
+        limits.append((quota, "CPU quota (cgroup cpu.max)"))
+    if request is not None and request > 0:
+        limits.append((request, "pod's CPU request"))
+    cpus, source = min(limits)
+    return ThreadPlan(max(1, math.floor(cpus) - SERVER_CORES), cpus, source)
+
+
+def cgroup_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
+    """The CPUs this process's cgroup (or an ancestor) is limited to, None when none is."""
+    quotas = [q for d in _cpu_dirs(proc_cgroup, root) if (q := _quota_of(d)) is not None]
+    return min(quotas) if quotas else None
+
+
+def _quota_of(d: Path) -> float | None:
+    try:
+        if (d / "cpu.max").is_file():  # v2: "max 100000" or "200000 100000"
+            fields = (d / "cpu.max").read_text().split()
+            if fields[0] == "max":
+                return None
+            return int(fields[0]) / int(fields[1])
+        if (d / "cpu.cfs_quota_us").is_file():  # v1: -1 for none
+            quota = int((d / "cpu.cfs_quota_us").read_text())
+            period = int((d / "cpu.cfs_period_us").read_text())
+            return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cpu_dirs(proc_cgroup: Path, root: Path) -> list[Path]:
+    """This process's cpu cgroup directory and its ancestors, v2 (`0::/path`) and v1 (`N:cpu,cpuacct:/path`); the mount
+    root when the path is not visible (a container with its own cgroup namespace sees its cgroup at the root)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    out: list[Path] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mount = root
+        elif "cpu" in controllers.split(","):
+            mount = next((m for m in (root / controllers, root / "cpu", root / "cpu,cpuacct") if m.is_dir()), root / "cpu")
+        else:
+            continue
+        own = mount / path.lstrip("/")
+        start = own if own.is_dir() else mount
+        out += [start, *(p for p in start.parents if p.is_relative_to(mount))]
+    return list(dict.fromkeys(out))
+
+
+def requested_cpus(environ: dict[str, str] | os._Environ = os.environ) -> float | None:
+    """The pod's CPU request from $PDFLEET_CPU_REQUEST (millicores), None when unset or not a number."""
+    text = environ.get(REQUEST_ENV, "").strip()
+    if not text.isdigit() or int(text) == 0:
+        return None
+    return int(text) / 1000
+
+
+def resolve(setting: int | str | None, *, affinity: Sequence[int] | None = None, quota: float | None = None,
+            request: float | None = None, detect: bool = True) -> ThreadPlan:
+    """The threads for `--num-threads` (None or `auto`: sized from this container; a number: that many)."""
+    cores = len(affinity if affinity is not None else os.sched_getaffinity(0))
+    if detect:
+        quota = cgroup_quota() if quota is None else quota
+        request = requested_cpus() if request is None else request
+    if isinstance(setting, int):
+        return ThreadPlan(setting, float(cores), "--num-threads")
+    return plan(quota, cores, request)
