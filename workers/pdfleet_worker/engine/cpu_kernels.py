@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pdfleet_worker.engine import prebuilt_kernels
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # NOTE: -fopenmp because at::parallel_for is an inline OpenMP loop (without it the kernels run on
 # one thread); the library then needs libgomp.so.1, which the loader resolves to the copy torch
@@ -110,7 +112,8 @@ def load() -> bool:
     if os.environ.get("PDFLEET_CPU_KERNELS", "1") == "0":
         return False
     try:
-        torch.ops.load_library(str(build()))
+        # the image's ahead-of-time build (no compiler in it), else compiled here on first use
+        torch.ops.load_library(str(prebuilt_kernels.find() or build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"pdfleet CPU kernels unavailable, using plain PyTorch attention: {e}", RuntimeWarning,
                       stacklevel=2)
