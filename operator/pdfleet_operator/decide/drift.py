@@ -14,7 +14,6 @@ was always seen: lists compare whole. A dropped map key, label or annotation was
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from typing import Any
@@ -70,26 +69,32 @@ def differences(actual: Any, desired: Any, path: str = "") -> list[str]:
     return [path or "."]
 
 
+def _without_stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` without its applied-hash annotation (shallow copies of the maps on the way; `obj` is not modified)."""
+    meta = obj.get("metadata")
+    annotations = (meta or {}).get("annotations")
+    if not annotations or ANNOTATION_APPLIED_HASH not in annotations:
+        return obj
+    rest = {k: v for k, v in annotations.items() if k != ANNOTATION_APPLIED_HASH}
+    meta = {**meta, "annotations": rest} if rest else {k: v for k, v in meta.items() if k != "annotations"}
+    return {**obj, "metadata": meta}
+
+
 def applied_hash(obj: dict[str, Any]) -> str:
     """Digest of a rendered object, its own applied-hash annotation left out."""
-    bare = copy.deepcopy(obj)
-    annotations = bare.get("metadata", {}).get("annotations")
-    if annotations is not None:
-        annotations.pop(ANNOTATION_APPLIED_HASH, None)
-        if not annotations:
-            del bare["metadata"]["annotations"]
-    return hashlib.sha256(json.dumps(bare, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    text = json.dumps(_without_stamp(obj), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `obj` carrying `pdfleet.io/applied-hash` (what `contains` compares, so removals are seen)."""
-    out = copy.deepcopy(obj)
-    out.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = applied_hash(obj)
-    return out
+    """`obj` carrying `pdfleet.io/applied-hash` (what `contains` compares, so removals are seen). NOTE: a shallow
+    copy down to the annotations: the rest is shared with `obj`, which neither the caller nor the writer modify."""
+    meta = obj.get("metadata") or {}
+    return {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
+                                                        ANNOTATION_APPLIED_HASH: applied_hash(obj)}}}
 
 
 def pruned_only(actual: Any, desired: dict[str, Any]) -> bool:
     """True when `actual` differs from `desired` (stamped) only by the applied hash: the render lost fields."""
-    bare = copy.deepcopy(desired)
-    bare.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_APPLIED_HASH, None)  # an empty map is contained
+    bare = _without_stamp(desired)  # (an emptied annotations map is left out: an empty map is contained)
     return contains(actual, bare) and not contains(actual, desired)

@@ -31,9 +31,8 @@ def users(rec: Reconciler) -> dict[str, list[str]]:
     out: dict[str, set[str]] = {}
     for p in rec.pools():
         out.setdefault(p["class"], set()).add(f"{p['namespace']}/{p['deployment']} {p['role']}")
-    bodies = rec.bodies()
     for (ns, name), m in rec.deployments.items():
-        if m.plan is None or (ns, name) not in bodies:
+        if m.plan is None or rec.body((ns, name)) is None:
             continue
         for pool in m.plan.pools:
             if pool.replicas > 0:

@@ -76,6 +76,7 @@ class ApplyResult:
     drifted: dict[str, list[str]] = field(default_factory=dict)  # existing child -> fields that differed
     pruned: list[str] = field(default_factory=list)  # applied again only to drop fields no longer rendered
     retained: dict[str, str] = field(default_factory=dict)  # children left untouched (a pool whose class is gone)
+    hashes: dict[str, str] = field(default_factory=dict)  # child -> applied hash of what was rendered for it
 
     @property
     def writes(self) -> int:
@@ -119,6 +120,9 @@ class Api:
         self.reads = 0
         # (kind, namespace, name) -> resourceVersion of our last write: watch events carrying it are our own.
         self.written: dict[tuple[str, str, str], str] = {}
+        # (kind, namespace, name) -> the object our last apply returned, or {"deletedUid": uid} after our delete:
+        # what the reconcile reads over kopf's indexes until they catch up (`indexes.Cluster.children`).
+        self.last: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     @classmethod
     def from_connection(cls, info: kopf.ConnectionInfo) -> Api:
@@ -212,6 +216,14 @@ class Api:
         if meta.get("resourceVersion"):
             self.written[(obj.get("kind", ""), meta.get("namespace", ""), meta["name"])] = meta["resourceVersion"]
 
+    def forget(self, namespace: str, owner: str) -> None:
+        """Drop what `last` holds of one InferenceDeployment's children (it is deleted). A delete mark carries no
+        labels: it goes by name (every child's name starts with its deployment's, or its first 54 characters)."""
+        for key, obj in list(self.last.items()):
+            label = ((obj.get("metadata") or {}).get("labels") or {}).get(render.LABEL_DEPLOYMENT)
+            if key[1] == namespace and (label == owner or (label is None and key[2].startswith(owner[:54]))):
+                self.last.pop(key, None)
+
     def is_own_write(self, kind: str, namespace: str, name: str, resource_version: str | None) -> bool:
         return resource_version is not None and self.written.get((kind, namespace, name)) == resource_version
 
@@ -224,6 +236,7 @@ class Api:
             content_type="application/apply-patch+yaml")
         result.setdefault("kind", obj["kind"])
         self._remember(result)
+        self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = result
         return result
 
     async def create_if_missing(self, obj: dict[str, Any]) -> bool:
@@ -245,6 +258,7 @@ class Api:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background",
                 "preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
         self.written[(obj["kind"], meta.get("namespace", ""), meta["name"])] = DELETED
+        self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = {"deletedUid": meta.get("uid")}
         try:
             await self.request("DELETE", path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
         except ApiError as exc:
@@ -321,6 +335,7 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
     current = {key_of(o): o for o in existing}
     for obj in (drift.with_applied_hash(o) for o in desired):
         key = key_of(obj)
+        result.hashes[key] = obj["metadata"]["annotations"][names.ANNOTATION_APPLIED_HASH]
         cur = current.get(key)
         if cur is None:
             found = await api.get(obj["kind"], owner.namespace, obj["metadata"]["name"])

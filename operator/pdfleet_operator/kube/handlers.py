@@ -197,6 +197,41 @@ def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any
         "replicas": int((body.get("spec") or {}).get("replicas") or 0)}}
 
 
+def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """A child of an InferenceDeployment, whole, under (namespace, its deployment label); the watches of the child
+    kinds are label-selected server-side, so only objects labelled managed-by pdfleet arrive here."""
+    meta = body.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(render.LABEL_DEPLOYMENT)
+    if not owner:
+        return None
+    return {(meta.get("namespace"), owner): json.loads(json.dumps(dict(body)))}
+
+
+@kopf.index("apps", "v1", "deployments")
+def deployment_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    return _child_view(body)
+
+
+@kopf.index("", "v1", "services")
+def service_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    return _child_view(body)
+
+
+@kopf.index("", "v1", "configmaps")
+def configmap_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    return _child_view(body)
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies")
+def networkpolicy_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    return _child_view(body)
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets")
+def pdb_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    return _child_view(body)
+
+
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
 def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[str, AcceleratorClassSpec] | None:
     try:
@@ -385,7 +420,7 @@ async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any)
     freed = {k for k in inventory.pod_requests(dict(body)) if k not in ("memory", "pods", "ephemeral-storage")}
     classes = RECONCILER.classes()
     for key in limited:
-        spec = (RECONCILER.bodies().get(key) or {}).get("spec") or {}
+        spec = (RECONCILER.body(key) or {}).get("spec") or {}
         listed = {c for r in ("prefill", "decode", "colocated") for c in (spec.get(r) or {}).get("acceleratorClasses", [])}
         if any(classes[c].resource_name in freed for c in listed if c in classes):
             RECONCILER.request(key, f"pod {body['metadata'].get('namespace')}/{body['metadata'].get('name')} freed "
@@ -399,12 +434,15 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     meta = body.get("metadata") or {}
     owner = (meta.get("labels") or {}).get(render.LABEL_DEPLOYMENT)
     key = (meta.get("namespace"), owner)
-    if not owner or key not in RECONCILER.bodies():
+    if not owner or RECONCILER.body(key) is None:
         return
     api = RECONCILER.api
     if api is not None and api.is_own_write(kind, meta.get("namespace"), meta.get("name"),
                                             client.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion")):
         return  # the echo of our own write or delete
+    if api is not None and event.get("type") == "DELETED":
+        # Deleted by someone else: what our last apply returned must not stand in for it any more.
+        api.last.pop((kind, meta.get("namespace") or "", meta.get("name")), None)
     RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pdfleet_operator.api import AcceleratorClassSpec, Condition
+from pdfleet_operator.api import AcceleratorClassSpec, Condition, names
 from pdfleet_operator.decide import inventory
 from pdfleet_operator.kube import client
 
@@ -22,7 +22,11 @@ logger = logging.getLogger("pdfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
 # How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
 INDEX_SYNC_TIMEOUT_S = 10.0
-INDEXES = ("class_index", "class_meta_index", "node_index", "pod_index", "infdep_index", "pool_index")
+# kind -> the index of that child kind (handlers.py declares them; each holds whole objects by (namespace, owner))
+CHILD_INDEXES = {"Deployment": "deployment_children", "Service": "service_children", "ConfigMap": "configmap_children",
+                 "NetworkPolicy": "networkpolicy_children", "PodDisruptionBudget": "pdb_children"}
+INDEXES = ("class_index", "class_meta_index", "node_index", "pod_index", "infdep_index", "pool_index",
+           *CHILD_INDEXES.values())
 
 
 class Cluster:
@@ -44,9 +48,16 @@ class Cluster:
                 self.indexes[name] = kwargs[name]
 
     def bodies(self) -> dict[Key, dict[str, Any]]:
-        """Every InferenceDeployment as kopf's index holds it."""
+        """Every InferenceDeployment as kopf's index holds it (O(deployments): not per event or reconcile)."""
         index = self.indexes.get("infdep_index")
         return {} if index is None else {key: next(iter(store)) for key, store in index.items()}
+
+    def body(self, key: Key) -> dict[str, Any] | None:
+        """One InferenceDeployment as kopf's index holds it, or None."""
+        index = self.indexes.get("infdep_index")
+        if index is None or key not in index:
+            return None
+        return next(iter(index[key]), None)
 
     def classes(self) -> dict[str, AcceleratorClassSpec]:
         """Every valid AcceleratorClass, those being deleted included."""
@@ -70,6 +81,35 @@ class Cluster:
     def pools(self) -> list[dict[str, Any]]:
         """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas}."""
         return [p for s in (self.indexes.get("pool_index") or {}).values() for p in s]
+
+    def children(self, key: Key, uid: str, written: Mapping[tuple[str, str, str], Mapping[str, Any]]
+                 ) -> list[dict[str, Any]]:
+        """The children `key` controls (its uid), from kopf's indexes, with this process's own writes laid over them
+        (`written`: `client.Api.last`: (kind, namespace, name) -> the object an apply returned, or {"deletedUid"}).
+
+        NOTE: the index shows our writes a moment after they land; an object we wrote is taken from `written`
+        when the index still holds an older version (by resourceVersion), and one we deleted is left out while
+        the index still holds it, so a reconcile right after a write sees what the API server holds and
+        writes nothing twice."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for kind, index_name in CHILD_INDEXES.items():
+            index = self.indexes.get(index_name) or {}
+            for obj in (index[key] if key in index else ()):
+                obj = {**obj, "kind": kind}
+                out[(kind, obj["metadata"]["name"])] = obj
+        for (kind, namespace, name), mine in written.items():
+            if namespace != key[0] or kind not in CHILD_INDEXES:
+                continue
+            seen = out.get((kind, name))
+            if "deletedUid" in mine:
+                if seen is not None and seen["metadata"].get("uid") == mine["deletedUid"]:
+                    out.pop((kind, name))
+                continue
+            if ((mine.get("metadata") or {}).get("labels") or {}).get(names.LABEL_DEPLOYMENT) != key[1]:
+                continue
+            if seen is None or _newer(mine, seen):
+                out[(kind, name)] = {**mine, "kind": kind}
+        return [o for o in out.values() if _controlled_by(o, uid)]
 
     def keys_using(self, class_names: set[str]) -> list[Key]:
         """The deployments whose spec lists one of these classes."""
@@ -140,6 +180,19 @@ class Cluster:
                  if not watched((p.get("metadata") or {}).get("namespace") or "", namespaces)
                  and (v := inventory.pod_view(p)) is not None]
         self._foreign = (now, views, None)
+
+
+def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether `a` is a later version of the object than `b` (resourceVersions as etcd writes them: integers)."""
+    ra, rb = a["metadata"].get("resourceVersion"), b["metadata"].get("resourceVersion")
+    try:
+        return int(ra) > int(rb)
+    except (TypeError, ValueError):
+        return False  # not comparable: the index (the watch) wins
+
+
+def _controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("controller") and ref.get("uid") == uid for ref in (obj["metadata"].get("ownerReferences") or []))
 
 
 def classes_listed(body: Mapping[str, Any]) -> set[str]:

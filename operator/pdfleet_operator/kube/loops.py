@@ -47,7 +47,7 @@ def start(rec: Reconciler, key: Key, m: DeploymentMemory) -> None:
 async def autoscale(rec: Reconciler, key: Key) -> None:
     """One `scaling` tick per spec.autoscaling.interval while the deployment exists."""
     while True:
-        body = rec.bodies().get(key)
+        body = rec.body(key)
         m = rec.known(key)
         if body is None or m is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             if m is not None:
@@ -86,7 +86,7 @@ def starting(dep: InferenceDeployment) -> bool:
 
 async def analyze_periodically(rec: Reconciler, key: Key) -> None:
     """Rollback analysis from Prometheus every OPTIONS.analysis_interval while the deployment exists."""
-    while key in rec.bodies():
+    while rec.body(key) is not None:
         try:
             await analyze(rec, key, "timer")
         except client.ApiError as exc:
@@ -103,7 +103,7 @@ async def on_alert(rec: Reconciler, trigger: alertmanager.RollbackTrigger) -> No
     """A pdfleet rollback alert from Alertmanager: the same analysis, now."""
     rec.rollbacks.triggers.append((asyncio.get_running_loop().time(), trigger))
     key = (trigger.namespace, trigger.deployment)
-    if key not in rec.bodies():
+    if rec.body(key) is None:
         logger.warning("alert about unknown deployment %s/%s ignored", *key)
         return
     await analyze(rec, key, "alertmanager", trigger)
@@ -122,7 +122,7 @@ async def analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager.
 
 async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None
                    ) -> rollback.RollbackAction | None:
-    body = rec.bodies().get(key)
+    body = rec.body(key)
     m = rec.memory(key)
     if body is None or m.plan is None:
         return None

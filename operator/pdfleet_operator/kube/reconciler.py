@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
-import hashlib
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -48,10 +46,6 @@ AUTH_SECRET_CHECK_S = 60.0
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 __all__ = ["Key", "Outcome", "Reconciler", "Template"]
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -102,6 +96,8 @@ class Reconciler(Cluster):
     def forget(self, key: Key) -> None:
         """The deployment is gone: stop its loops and drop everything this process kept about it."""
         self._auth_checked.pop(key, None)
+        if self.api is not None:
+            self.api.forget(*key)
         m = self.deployments.pop(key, None)
         if m is not None:
             m.stop()
@@ -196,9 +192,8 @@ class Reconciler(Cluster):
         for p in self.pools():
             k = (p["namespace"], p["deployment"], p["role"], p["class"])
             held[k] = max(held.get(k, 0), int(p["replicas"]))
-        known = self.bodies()
         for k, m in self.deployments.items():
-            if m.plan is None or k not in known:
+            if m.plan is None or self.body(k) is None:
                 continue
             for p in m.plan.pools:
                 pk = (k[0], k[1], p.role, p.accelerator_class)
@@ -222,9 +217,8 @@ class Reconciler(Cluster):
 
         was, now = units(before), units(after)
         freed = sorted(r for r, n in was.items() if n > now.get(r, 0))
-        bodies = self.bodies()
         for other in (k for k in self.limited() if k != key and freed):
-            listed = classes_listed(bodies.get(other) or {})
+            listed = classes_listed(self.body(other) or {})
             if any(classes[c].resource_name in freed for c in listed if c in classes):
                 self.request(other, f"{key[0]}/{key[1]} {why}: its plan freed {', '.join(freed)}")
 
@@ -273,7 +267,7 @@ class Reconciler(Cluster):
         assert api is not None, "reconcile before login"
         # NOTE: the index may hold a newer body than the handler's (our status writes come back through
         # it); the generation decides which spec is newer, the index wins ties.
-        indexed = self.bodies().get(key)
+        indexed = self.body(key)
         body = indexed if indexed is not None else given
         if given is not None and indexed is not None and \
                 (given.get("metadata") or {}).get("generation", 0) > (indexed.get("metadata") or {}).get("generation", 0):
@@ -310,8 +304,11 @@ class Reconciler(Cluster):
         await self.sync(api)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         monitoring = await self._monitoring_enabled(api)
-        kinds = client.CHILD_KINDS + (("PodMonitor", "PrometheusRule") if monitoring else ())
-        children = await client.list_children(api, owner, kinds)
+        # The child kinds kopf watches come from its indexes (with our own writes over them); the monitoring kinds
+        # and the revision history are listed.
+        children = self.children(key, meta["uid"], api.last)
+        if monitoring:
+            children += await client.list_children(api, owner, ("PodMonitor", "PrometheusRule"))
         stored = await client.list_revisions(api, owner)
         m = self.memory(key)
         now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
@@ -326,7 +323,7 @@ class Reconciler(Cluster):
             nodes=self.nodes(), pods=self.pods(), children=children, stored=stored,
             served_record=revisions.served_record(config, owner), reserved=self.reservations(exclude=key),
             inputs=m.inputs(), now=now, why=why, router_cpu=cost.router_cores(dep.spec.router.resources.requests),
-            worker_image=OPTIONS.worker_image, token_secret=render.auth_secret_name(key[1]))
+            worker_image=OPTIONS.worker_images.describe(), token_secret=render.auth_secret_name(key[1]))
         return obs, monitoring
 
     async def _write(self, api: client.Api, key: Key, body: Mapping[str, Any], obs: reconcile.Observed,
@@ -345,9 +342,8 @@ class Reconciler(Cluster):
             await self._ensure_auth_secret(api, key, owner, obs.dep.status)  # before the pods that mount it
             result = await client.apply_children(api, owner, list(desired.objects), list(obs.children),
                                                  delete=desired.delete, untouched=desired.untouched)
-            rendered = {client.key_of(o): _digest(o) for o in desired.objects}
-            result.drifted = {k: v for k, v in result.drifted.items() if m.rendered.get(k) == rendered[k]}
-            m.rendered = rendered
+            result.drifted = {k: v for k, v in result.drifted.items() if m.rendered.get(k) == result.hashes[k]}
+            m.rendered = dict(result.hashes)
             for k in result.applied + result.created + result.deleted:
                 exporter.API_WRITES.labels(k.split("/")[0]).inc()
             assert new is not None
@@ -394,6 +390,6 @@ def _renderer(owner: render.Owner, classes: Mapping[str, AcceleratorClassSpec], 
     """`render.render` with this operator's settings, as the chain calls it."""
     def run(spec, plan, revision, surge):
         return render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
-                             scrapers=OPTIONS.scraper_namespaces, worker_image=OPTIONS.worker_image,
+                             scrapers=OPTIONS.scraper_namespaces, images=OPTIONS.worker_images,
                              own_pod_monitor=OPTIONS.pod_monitors, surge=surge)
     return run
