@@ -16,17 +16,19 @@ from pdfleet_operator.api import WORKER_ROLE, InferenceDeploymentSpec, parse_dur
 # already has: long enough for the longest request it can hold, maxModelLen tokens at the ITL target, within bounds.
 DRAIN_FLOOR_S = 30.0
 DRAIN_CAP_S = 600.0
-# A pod's grace period is its drain plus this much to shut down (flush metrics, close connections) before SIGKILL.
-SHUTDOWN_MARGIN_S = 15
+# A pod's grace period is its drain plus this much to shut down before SIGKILL: a worker's worst case after its
+# drain is about 22 s (2 s to answer aborted requests, 5 s for uvicorn, 5 s for KV threads, 10 s for the engine).
+SHUTDOWN_MARGIN_S = 25
 
 
 def drain_seconds(spec: InferenceDeploymentSpec) -> float:
-    """Seconds a draining router or worker lets in-flight requests finish before it ends them with an error.
+    """Seconds a draining router or worker lets in-flight requests finish before it ends them with an error: the
+    longest request (maxModelLen tokens at the ITL target) and, for a prefill worker, a KV lease it granted.
 
     NOTE: capped at DRAIN_CAP_S (10 min): a 128K-token context at 50 ms per token would hold a node drain for
     almost two hours; a request still running at the cap gets an error event, never silence.
     """
-    longest = spec.model.max_model_len * parse_duration(spec.slo.itl)
+    longest = max(spec.model.max_model_len * parse_duration(spec.slo.itl), parse_duration(spec.engine.kv_transfer.lease))
     return round(min(DRAIN_CAP_S, max(DRAIN_FLOOR_S, longest)), 1)
 
 
