@@ -126,8 +126,8 @@ def test_worker_pod_for_a_domestic_class() -> None:
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
     # The drain lets the longest request finish: 8,192 tokens at the 80 ms ITL target is 655 s, capped at 600 s;
-    # 15 s more to shut down.
-    assert pod["terminationGracePeriodSeconds"] == 615
+    # 25 s more to shut down.
+    assert pod["terminationGracePeriodSeconds"] == 625
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
     assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
