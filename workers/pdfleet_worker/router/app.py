@@ -75,11 +75,14 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     started = p.now()
 
     async def drain() -> None:
-        """SIGTERM: answer /ready 503 so the Service stops sending, let open requests finish
-        (within the router's drain timeout), then shut down."""
+        """SIGTERM: answer /ready 503 so the Service stops sending, keep answering what still arrives for
+        --drain-accept seconds (endpoint removal lags the signal), let open requests finish (within the router's
+        drain timeout), then shut down."""
         state["draining"] = True
-        deadline = time.monotonic() + cfg.drain_timeout_s
-        while state["router"].active and time.monotonic() < deadline:
+        start = time.monotonic()
+        deadline = start + cfg.drain_timeout_s
+        accept_until = start + min(cfg.drain_accept_s, cfg.drain_timeout_s)
+        while (state["router"].active or time.monotonic() < accept_until) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     app.state.drain = drain
 

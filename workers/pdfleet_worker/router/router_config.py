@@ -60,6 +60,7 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20
     retry_after_s: int = 1
     drain_timeout_s: float = 25.0
+    drain_accept_s: float = 0.0  # after SIGTERM, keep taking new requests this long (a Service stops sending late)
     auth_token_file: str | None = None  # the deployment token, sent to pdfleet workers; guards /workers
     api_key_file: str | None = None     # client API keys required on /v1/*
     api_key_file_optional: bool = False  # a missing api_key_file requires no key until it appears
@@ -159,6 +160,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
     p.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds open requests may take to finish (keep under the pod's grace period)")
+    p.add_argument("--drain-accept", type=float, default=0.0,
+                   help="on SIGTERM, seconds to keep answering new requests while /ready says 503, so that a load "
+                        "balancer still sending to this pod (endpoint removal lags the signal) loses nothing")
     a = p.add_argument_group("authentication")
     a.add_argument("--auth-token-file", metavar="FILE",
                    help="the deployment token its pdfleet workers require (the first line is sent; re-read when the "
@@ -228,6 +232,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                         upstream_timeout_s=args.upstream_timeout,
                         tier_header=args.tier_header.lower(), aliases=aliases, max_request_bytes=args.max_request_bytes,
                         retry_after_s=args.retry_after, drain_timeout_s=args.drain_timeout,
+                        drain_accept_s=getattr(args, "drain_accept", 0.0),
                         auth_token_file=getattr(args, "auth_token_file", None),
                         api_key_file=getattr(args, "api_key_file", None),
                         api_key_file_optional=getattr(args, "api_key_file_optional", False),
