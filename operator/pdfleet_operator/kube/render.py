@@ -240,6 +240,11 @@ def vllm_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRu
                                                     kv_connector=runtime.kv_connector)]
 
 
+# Seconds a draining router keeps answering new requests (kube-proxy and ingress controllers stop sending to a
+# terminating pod within a few seconds of its endpoint leaving the EndpointSlice).
+ROUTER_DRAIN_ACCEPT_S = 5.0
+
+
 def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | None = None) -> list[str]:
     """`pdfleet router` flags: each role's headless Service, whose DNS name resolves to every ready worker;
     a role whose pools run vLLM is named `vllm@URL` (the router probes and drives each engine its own way)."""
@@ -255,7 +260,9 @@ def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | Non
         args += ["--prefill", url("prefill"), "--decode", url("decode")]
     return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT),
                    "--auth-token-file", posixpath.join(AUTH_MOUNT, AUTH_TOKEN_KEY),
-                   "--api-key-file", posixpath.join(API_KEYS_MOUNT, API_KEYS_KEY), "--api-key-file-optional"]
+                   "--api-key-file", posixpath.join(API_KEYS_MOUNT, API_KEYS_KEY), "--api-key-file-optional",
+                   # endpoint removal lags SIGTERM: what the Service still sends for a moment is answered
+                   "--drain-accept", f"{ROUTER_DRAIN_ACCEPT_S:g}"]
 
 
 def _probes(ready: str = "/ready") -> dict[str, Any]:
