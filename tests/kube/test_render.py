@@ -151,7 +151,7 @@ def test_router_services_and_config() -> None:
         "router", "--prefill", "http://llama31-8b-prefill.team-a.svc:8000",
         "--decode", "http://llama31-8b-decode.team-a.svc:8000", "--host", "0.0.0.0", "--port", "8000",
         "--auth-token-file", "/var/run/pdfleet/auth/token", "--api-key-file", "/var/run/pdfleet/api-keys/api-keys",
-        "--api-key-file-optional", "--heartbeat-interval", "10", "--drain-timeout", "600"]
+        "--api-key-file-optional", "--drain-accept", "5", "--heartbeat-interval", "10", "--drain-timeout", "600"]
     assert objs[("Service", "llama31-8b-prefill")]["spec"]["clusterIP"] == "None"
     assert objs[("Service", "llama31-8b")]["spec"]["ports"][0]["port"] == 80
     # One voluntary disruption at a time, never below the role's minimum (2 decode replicas, minReplicas 2).
