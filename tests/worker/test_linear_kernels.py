@@ -24,6 +24,33 @@ def test_decide_is_the_geometric_mean_below_one():
         packed_linear.decide([])
 
 
+def test_plan_loses_least_to_the_faster_kernel_and_splits_where_it_may():
+    rows = (1, 8, 32)
+    assert packed_linear.plan(rows, [0.9, 0.8, 0.7], split_ok=True) == ("onednn", "", 0)
+    assert packed_linear.plan(rows, [1.2, 1.1, 1.3], split_ok=True) == ("torch", "", 0)
+    assert packed_linear.plan(rows, [1.2, 0.6, 0.8], split_ok=True) == ("onednn", "torch", 8)
+    assert packed_linear.plan(rows, [0.8, 0.9, 1.2], split_ok=True) == ("torch", "onednn", 32)
+    assert packed_linear.plan(rows, [1.2, 0.6, 0.8], split_ok=False) == ("onednn", "", 0)  # too big to hold twice
+    # the winner changes twice: the split that costs least (1.1x at 32 rows, not 1.2x at 1 row)
+    assert packed_linear.plan(rows, [1.2, 0.6, 1.1], split_ok=True) == ("onednn", "torch", 8)
+    assert packed_linear.plan((1, 8), [2.0, 0.5], split_ok=True) == ("onednn", "torch", 8)
+    for ratios in ([1.3, 0.7, 0.9], [0.9, 1.05, 1.4], [1.0, 1.0, 1.0]):  # one kernel: the geometric-mean rule
+        assert packed_linear.plan(rows, ratios, split_ok=False)[0] == packed_linear.decide(ratios)
+
+
+@pytest.mark.parametrize("split", [{"plain_below": 4}, {"plain_from": 4}])
+def test_a_split_linear_computes_the_same_on_both_sides(split):
+    if not packed_linear.onednn_available(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear")
+    lin = nn.Linear(16, 24)
+    packed = packed_linear.PackedLinear(lin, **split)
+    assert packed.weight is not None and "F.linear" in packed.extra_repr()
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 16)
+            assert torch.allclose(packed(x), lin(x), atol=1e-5)
+
+
 def test_probe_rows_cover_a_lone_decode_and_the_batch():
     assert packed_linear.probe_rows(64) == (1, 8, 32)
     assert packed_linear.probe_rows(4) == (1, 4)
@@ -62,11 +89,14 @@ def test_auto_times_every_shape_at_every_row_count_and_follows_the_rule(dtype):
     for s in choice.shapes:
         assert {(k, r) for k, r, _ in s.ms} == {(k, r) for k in packed_linear.KERNELS for r in (1, 4, 8)}
         assert all(t > 0 for _, _, t in s.ms)
-        assert s.kernel == packed_linear.decide([s.ratio(r) for r in (1, 4, 8)])
+        assert (s.kernel, s.below, s.split_at) == packed_linear.plan((1, 4, 8), [s.ratio(r) for r in (1, 4, 8)], True)
+        winners = ["onednn" if s.ratio(r) < 1 else "torch" for r in (1, 4, 8)]
+        if sum(a != b for a, b in zip(winners, winners[1:])) <= 1:  # each row count where it won
+            assert [s.kernel_at(r) for r in (1, 4, 8)] == winners
     assert choice.backend in ("torch", "onednn", "mixed")
     assert packed_linear.choose(model, dtype, (1, 4, 8), setting="auto") is choice  # probed once per process
     packed = packed_linear.pack_linears(model, choice)
-    assert packed == sum(s.count for s in choice.shapes if s.kernel == "onednn")
+    assert packed == sum(s.count for s in choice.shapes if "onednn" in (s.kernel, s.below))
     x = torch.randn(3, 16).to(dtype)
     assert model[0](x).shape == (3, 24) and "thread(s)" in choice.describe()
 
@@ -91,7 +121,11 @@ def test_engine_runs_the_probed_choice(llama, make_engine, monkeypatch):
     assert choice is not None and choice.rows == (1, 4)
     assert eng.model_runner.linear_backend == choice.backend
     for m in eng.model_runner.model.modules():
-        if isinstance(m, packed_linear.PackedLinear):
-            assert choice.kernel_for((m.in_features, m.out_features)) == "onednn"
-        elif isinstance(m, nn.Linear):
-            assert choice.kernel_for((m.in_features, m.out_features)) == "torch"
+        if isinstance(m, (packed_linear.PackedLinear, nn.Linear)):
+            for rows in (1, 2, 4, 7):
+                want = choice.kernel_for((m.in_features, m.out_features), rows)
+                if isinstance(m, nn.Linear):
+                    assert want == "torch"
+                else:
+                    plain = rows < m.plain_below or 0 < m.plain_from <= rows
+                    assert want == ("torch" if plain else "onednn")

@@ -21,6 +21,9 @@ ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch or onednn
 # prepacked call at 1 row for the tiny preset's shapes (~10 us of fixed cost per oneDNN call, which a
 # small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16 oneDNN won at every size.
 PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the caches, as a step does
+# A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
+# when that costs at most this much memory; a larger one gets one kernel for every row count.
+SPLIT_BYTES = 64 << 20
 PROBE_REPS = 5          # timed passes per kernel and row count, alternating; the fastest pass counts
 
 
@@ -57,21 +60,31 @@ def onednn_available(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout. x: [T, in] -> [T, out]."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, plain_below: int = 0, plain_from: int = 0):
+        """plain_below / plain_from (0: never): row counts under / from which F.linear on the plain
+        weight (kept as a buffer) runs instead."""
         super().__init__()
+        assert not (plain_below and plain_from), "plain below some rows or from some rows, not both"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.plain_below, self.plain_from = plain_below, plain_from
+        self.register_buffer("weight", linear.weight.detach() if plain_below or plain_from else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # NOTE: the same call under another name (engine/cpu_kernels.cpp): Inductor's lowering of
             # mkldnn._linear_pointwise accepts only weights it packed itself, so it must stay opaque.
             return torch.ops.pdfleet.onednn_linear(x, self.packed, self.bias)
+        rows = x.shape[0]
+        if rows < self.plain_below or 0 < self.plain_from <= rows:
+            return nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        split = (f", F.linear below {self.plain_below} rows" if self.plain_below else
+                 f", F.linear from {self.plain_from} rows" if self.plain_from else "")
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{split}"
 
 
 Shape = tuple[int, int]  # (in_features, out_features)
@@ -80,12 +93,22 @@ Shape = tuple[int, int]  # (in_features, out_features)
 @dataclass(frozen=True)
 class ShapeTiming:
     """One weight shape of the model: how many linears have it, each kernel's time per call at each
-    probed row count (ms; empty when nothing was timed) and the kernel it gets."""
+    probed row count (ms; empty when nothing was timed) and the kernel it gets: `kernel` from
+    `split_at` rows on, `below` under it (split_at 0: `kernel` at every row count)."""
 
     shape: Shape
     count: int
     ms: tuple[tuple[str, int, float], ...]  # (kernel, rows, ms per call)
     kernel: str
+    below: str = ""
+    split_at: int = 0
+
+    def kernel_at(self, rows: int) -> str:
+        return self.below if rows < self.split_at else self.kernel
+
+    @property
+    def label(self) -> str:
+        return f"{self.below} below {self.split_at} rows, {self.kernel} from it" if self.split_at else self.kernel
 
     def time(self, kernel: str, rows: int) -> float:
         return next(t for k, r, t in self.ms if k == kernel and r == rows)
@@ -106,13 +129,17 @@ class LinearChoice:
     source: str
     shapes: tuple[ShapeTiming, ...]
 
-    def kernel_for(self, shape: Shape) -> str:
-        return next((s.kernel for s in self.shapes if s.shape == shape), "torch")
+    def timing_for(self, shape: Shape) -> ShapeTiming | None:
+        return next((s for s in self.shapes if s.shape == shape), None)
+
+    def kernel_for(self, shape: Shape, rows: int) -> str:
+        timing = self.timing_for(shape)
+        return "torch" if timing is None else timing.kernel_at(rows)
 
     @property
     def backend(self) -> str:
-        """torch, onednn, or mixed (some shapes each)."""
-        kernels = {s.kernel for s in self.shapes} or {"torch"}
+        """torch, onednn, or mixed (by shape or by row count)."""
+        kernels = {k for s in self.shapes for k in (s.kernel, s.below) if k} or {"torch"}
         return kernels.pop() if len(kernels) == 1 else "mixed"
 
     @property
@@ -121,7 +148,7 @@ class LinearChoice:
 
     def step_ms(self, kernel: str, rows: int) -> float:
         """One step's linears at `rows` with every shape on `kernel` ("chosen": each on its own), from the probe."""
-        return sum(s.count * s.time(s.kernel if kernel == "chosen" else kernel, rows) for s in self.shapes)
+        return sum(s.count * s.time(s.kernel_at(rows) if kernel == "chosen" else kernel, rows) for s in self.shapes)
 
     def describe(self) -> str:
         head = f"linear kernels ({str(self.dtype).removeprefix('torch.')}, {self.threads} thread(s)): {self.backend}"
@@ -129,7 +156,7 @@ class LinearChoice:
             return f"{head} ({self.source})"
         per_rows = ", ".join(f"{r} rows {self.step_ms('chosen', r) / self.step_ms('torch', r):.2f}x"
                              for r in self.rows)
-        shapes = "; ".join(f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.kernel} (oneDNN/F.linear "
+        shapes = "; ".join(f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.label} (oneDNN/F.linear "
                            + "/".join(f"{s.ratio(r):.2f}" for r in self.rows) + ")" for s in self.shapes)
         return (f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}] "
                 f"({self.source})")
@@ -151,6 +178,25 @@ def decide(ratios: list[float]) -> str:
     """onednn when its time over F.linear's, averaged geometrically over the probed row counts, is below 1."""
     assert ratios and all(r > 0 for r in ratios), f"ratios must be positive: {ratios}"
     return "onednn" if math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.0 else "torch"
+
+
+def plan(rows: tuple[int, ...], ratios: list[float], split_ok: bool) -> tuple[str, str, int]:
+    """(kernel, below, split_at) for one shape from oneDNN/F.linear at each of `rows` (ascending): of one
+    kernel for every row count, or (when `split_ok`) one kernel below some probed row count and the
+    other from it, the plan that loses least to the faster kernel summed over the row counts in log
+    time (ties: one kernel before a split, F.linear before oneDNN). With one kernel this is decide()."""
+    assert len(rows) == len(ratios) and all(r > 0 for r in ratios), (rows, ratios)
+    plans = [("torch", "", 0), ("onednn", "", 0)]
+    if split_ok:
+        plans += [(above, below, rows[i]) for i in range(1, len(rows))
+                  for below, above in (("torch", "onednn"), ("onednn", "torch"))]
+
+    def regret(p: tuple[str, str, int]) -> float:
+        kernel, below, split_at = p
+        chosen = [below if r < split_at else kernel for r in rows]
+        return sum(abs(math.log(q)) for k, q in zip(chosen, ratios) if (k == "onednn") != (q < 1.0))
+
+    return min(plans, key=lambda p: (round(regret(p), 9), p[2] != 0, p[0] != "torch"))
 
 
 def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setting: str | None = None) -> LinearChoice:
@@ -212,18 +258,25 @@ def _probe_shape(shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, row
                 ms = (time.perf_counter() - t) * 1e3 / len(layers)
                 best[kernel, r] = min(best.get((kernel, r), math.inf), ms)
     timing = tuple((k, r, best[k, r]) for r in rows for k in KERNELS)
-    kernel = decide([best["onednn", r] / best["torch", r] for r in rows])
-    return ShapeTiming(shape, len(modules), timing, kernel)
+    split_ok = len(modules) * per_layer <= SPLIT_BYTES
+    kernel, below, split_at = plan(rows, [best["onednn", r] / best["torch", r] for r in rows], split_ok)
+    return ShapeTiming(shape, len(modules), timing, kernel, below, split_at)
 
 
 def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
-    """Replace the nn.Linear modules of `model` whose shape `choice` gives oneDNN (all of them without
-    a choice) by PackedLinear, in place; returns how many."""
+    """Replace the nn.Linear modules of `model` whose shape `choice` gives oneDNN at some row count (all
+    of them without a choice) by PackedLinear, in place (a split shape keeps its plain weight for the
+    rows F.linear won); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and (
-                    choice is None or choice.kernel_for((child.in_features, child.out_features)) == "onednn"):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
+            if not isinstance(child, nn.Linear):
+                continue
+            t = None if choice is None else choice.timing_for((child.in_features, child.out_features))
+            if choice is not None and (t is None or "onednn" not in (t.kernel, t.below)):
+                continue
+            split = {} if t is None or not t.split_at else (
+                {"plain_below": t.split_at} if t.below == "torch" else {"plain_from": t.split_at})
+            setattr(parent, name, PackedLinear(child, **split))
+            count += 1
     return count

@@ -156,12 +156,15 @@ def replace_linears(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model`, and of the weights PackedLinear holds (tied tensors once)."""
+    """Bytes of every parameter and buffer of `model`, and of the weights PackedLinear holds (a tensor
+    held twice, tied or a view of the same memory, once)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
     for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
+        opaque = t.is_mkldnn or t.device.type == "meta"  # no storage to compare
+        key = id(t) if opaque else (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
