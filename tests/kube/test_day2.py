@@ -216,3 +216,29 @@ def _ready_history(kube, since: int = 0) -> list[int]:
         if e.rv > since:
             history.append(sum(totals.values()))
     return history
+
+
+def test_after_a_restart_capacity_held_by_deployments_without_pods_is_counted(kube) -> None:
+    """Rule 7: a Deployment whose pods do not exist yet (its controller lags) still holds what it asks for; a
+    restarted operator, which remembers no plan, must not give those accelerators to another deployment."""
+    prepare_cluster(kube, nodes=[node("l40s-0", "l40s", 2), node("cpu-0", "cpu", 32)])  # (no controllers: no pods)
+    first = qwen()
+    first["spec"]["colocated"].update(minReplicas=2, maxReplicas=2)
+    with running_operator(kube):
+        kube.apply(first)
+        wait_reconciled(kube, NAME)
+        settle(kube)
+    assert kube.get("deployments.apps", POOL)["spec"]["replicas"] == 2
+    # The first deployment's spec is edited into one this operator refuses (a hostPath model outside the allowed
+    # prefixes): it is never planned again, but its Deployment stays and will hold its 2 GPUs.
+    kube.patch("infdep", NAME, {"spec": {"model": {"source": {"pvc": None, "hostPath": {"path": "/srv/models/x"}}}}})
+    second = qwen()
+    second["metadata"]["name"] = "late"
+    with running_operator(kube):
+        kube.apply(second)
+        cr = wait_reconciled(kube, "late")
+        settle(kube)
+        limited = next(c for c in cr["status"]["conditions"] if c["type"] == "ScalingLimited")
+        assert limited["status"] == "True" and limited["reason"] == "InsufficientCapacity", limited
+        assert "free before planning: l40s-48gb=0" in limited["message"], limited  # the 2 units the first one holds
+        assert kube.get("deployments.apps", "late-colocated-l40s-48gb") is None
