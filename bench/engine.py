@@ -1,7 +1,9 @@
 """Engine throughput and latency against transformers on the same random weights (issue 3); run by hand or CI.
 
-python bench/engine.py [--quick] [--model DIR] [--threads 2] [--reps 3]
-Prints a table, then one JSON line with the ratios.
+python bench/engine.py [--quick] [--model DIR] [--threads 2] [--reps 3] [--tiny-model DIR] [--tiny-threads 1]
+Prints a table, then one JSON line with the ratios. The last rows time a lone decode of the tiny preset (what each
+`make demo` worker runs) with the linear kernels the start-up probe picks against plain F.linear, the two
+engines stepped in turn (issue 28).
 """
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bs1-tokens", type=int, default=128)
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--budget", type=int, default=512, help="engine max_num_batched_tokens")
+    p.add_argument("--tiny-model", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdfleet-bench-tiny"),
+                   help="tiny-preset model directory for the batch-1 kernel rows; created if missing")
+    p.add_argument("--tiny-threads", type=int, default=1, help="torch threads of the tiny rows (pdfleet up's per worker)")
+    p.add_argument("--tiny-tokens", type=int, default=256, help="decode tokens timed per tiny repetition")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 requests, lengths U[16, 64], 1 rep")
     a = p.parse_args()
     if a.quick:
         a.reps, a.requests, a.seq_requests, a.max_len, a.bs1_tokens, a.prefix = 1, 8, 2, 64, 32, 256
+        a.tiny_tokens = 64
     return a
 
 
@@ -106,6 +113,61 @@ def engine_ttft(engine, prompt: list[int]) -> float:
             if o.new_token_ids and ttft is None:
                 ttft = time.perf_counter() - t
     return ttft
+
+
+def paired_decode_steps(engines: dict, prompt: list[int], n: int) -> dict[str, float]:
+    """One lone request per engine, decoded step by step in turn (A, B, A, B, ...), so both see the
+    machine's load of the same moments; the median step time of each (seconds per token)."""
+    from pdfleet_worker.engine.sampling_params import SamplingParams
+    for name, eng in engines.items():
+        eng.add_request(f"{name}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0,
+                                                                                ignore_eos=True))
+        eng.step()  # the prefill
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, eng in engines.items():
+            if eng.has_unfinished_requests():
+                t = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
+    """Seconds per token of a lone decode of the tiny preset, per dtype, with the probed linear kernels
+    ("auto") and with plain F.linear everywhere ("plain"), the two stepped in turn in every repetition."""
+    from pdfleet_worker import model_init
+    from pdfleet_worker.config import EngineConfig
+    from pdfleet_worker.engine.llm_engine import LLMEngine
+    from pdfleet_worker.model import packed_linear
+
+    if not os.path.isfile(os.path.join(a.tiny_model, "model.safetensors")):
+        print(f"creating {a.tiny_model} (pdfleet model init --preset tiny)", file=sys.stderr)
+        model_init.init_model(a.tiny_model, "tiny", seed=0)
+    saved_threads, saved_env = torch.get_num_threads(), os.environ.get(packed_linear.ENV)
+    prompt = [random.Random(2).randrange(8, 1000) for _ in range(prompt_len)]
+    out: dict = {}
+    try:
+        for dtype in ("float32", "bfloat16"):
+            engines = {}
+            for name, setting in (("auto", "auto"), ("plain", "torch")):
+                os.environ[packed_linear.ENV] = setting
+                engines[name] = LLMEngine(EngineConfig(model=a.tiny_model, dtype=dtype, max_num_seqs=32,
+                                                       max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20,
+                                                       num_threads=a.tiny_threads), load_tokenizer=False)
+            paired_decode_steps(engines, prompt, 8)  # warm-up
+            out[f"{dtype}_backend"] = engines["auto"].model_runner.linear_choice.describe()
+            for rep in range(max(a.reps, 5)):
+                order = dict(sorted(engines.items(), reverse=rep % 2 == 1))  # who steps first alternates
+                for name, s_per_token in paired_decode_steps(order, prompt, a.tiny_tokens).items():
+                    out.setdefault(f"{dtype}_{name}", []).append(s_per_token)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop(packed_linear.ENV, None)
+        else:
+            os.environ[packed_linear.ENV] = saved_env
+    return out
 
 
 # -- transformers -------------------------------------------------------------------------------
@@ -195,6 +257,8 @@ def main() -> int:
         second = engine_ttft(eng, prefix + [r.randrange(8, cfg.vocab_size) for _ in range(16)])
         m["prefix"].append((first, second))
     assert eng.is_idle_and_whole() and eng16.is_idle_and_whole()
+    progress(f"tiny preset, lone decode: probed linear kernels vs plain F.linear, {max(a.reps, 5)} repetitions")
+    tiny = tiny_kernel_rows(a)
 
     def med(xs):
         return statistics.median(xs)
@@ -209,6 +273,8 @@ def main() -> int:
     r_mbu = ratios(floors, m["dec32"])
     r_bf16 = ratios(m["dec32"], m["dec16"])
     r_prefix = [second / first for first, second in m["prefix"]]
+    r_tiny = ratios(tiny["float32_auto"], tiny["float32_plain"])
+    r_tiny16 = ratios(tiny["bfloat16_auto"], tiny["bfloat16_plain"])
 
     def fmt(xs, scale=1.0, digits=1):
         return "[" + ", ".join(f"{x * scale:.{digits}f}" for x in xs) + "]"
@@ -229,6 +295,16 @@ def main() -> int:
         ("bs1 MBU (floor / engine)", f"{med(r_mbu):.2f}", f"target >= 0.70 {fmt(r_mbu, 1, 2)}"),
         ("prefix TTFT second / first", f"{med(r_prefix):.3f}", f"target <= 0.25 {fmt(r_prefix, 1, 3)}"),
         ("bf16 / fp32 bs1 decode speed", f"{med(r_bf16):.2f}", f"target >= 1.5 {fmt(r_bf16, 1, 2)}"),
+        (f"tiny bs1 decode fp32, {a.tiny_threads} thread", f"{med(tiny['float32_auto']) * 1e3:.2f} ms/tok",
+         f"probed kernels {fmt(tiny['float32_auto'], 1e3, 2)}"),
+        ("tiny bs1 decode fp32, plain F.linear", f"{med(tiny['float32_plain']) * 1e3:.2f} ms/tok",
+         fmt(tiny["float32_plain"], 1e3, 2)),
+        (f"tiny bs1 decode bf16, {a.tiny_threads} thread", f"{med(tiny['bfloat16_auto']) * 1e3:.2f} ms/tok",
+         f"probed kernels {fmt(tiny['bfloat16_auto'], 1e3, 2)}"),
+        ("tiny bs1 decode bf16, plain F.linear", f"{med(tiny['bfloat16_plain']) * 1e3:.2f} ms/tok",
+         fmt(tiny["bfloat16_plain"], 1e3, 2)),
+        ("ratio tiny bs1 probed / plain fp32", f"{med(r_tiny):.2f}", f"target <= 1.05 {fmt(r_tiny, 1, 2)}"),
+        ("ratio tiny bs1 probed / plain bf16", f"{med(r_tiny16):.2f}", f"target <= 1.05 {fmt(r_tiny16, 1, 2)}"),
     ]
     result = {
         "mixed_vs_hf_static8": round(med(r_static8), 3),
@@ -247,10 +323,18 @@ def main() -> int:
         "hf_static8_tok_s": round(med(m["hf8"]), 1),
         "hf_sequential_tok_s": round(med(m["hf1"]), 1),
         "read_gbs": round(med(m["bw"]), 1),
+        "tiny_bs1_ms_per_token": round(med(tiny["float32_auto"]) * 1e3, 3),
+        "tiny_bs1_plain_linear_ms_per_token": round(med(tiny["float32_plain"]) * 1e3, 3),
+        "tiny_bs1_vs_plain_linear": round(med(r_tiny), 3),
+        "tiny_bs1_ms_per_token_bf16": round(med(tiny["bfloat16_auto"]) * 1e3, 3),
+        "tiny_bs1_vs_plain_linear_bf16": round(med(r_tiny16), 3),
+        "tiny_threads": a.tiny_threads,
     }
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>16}  {note}")
+    for dtype in ("float32", "bfloat16"):
+        print(f"tiny {dtype}: {tiny[dtype + '_backend']}")
     print(json.dumps(result))
     return 0
 
