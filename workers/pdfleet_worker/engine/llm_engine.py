@@ -16,6 +16,7 @@ from pdfleet_worker.engine.sampler import TokenLogprobs
 from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.scheduler import KVLoad, Scheduler
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdfleet_worker.engine.structured import Grammars
 from pdfleet_worker.model.loader import load_model
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -45,6 +46,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
     held_kv: HeldKV | None = None
     kv_load: KVLoad | None = None  # admitted: fill these blocks, then call remote_kv_done
 
@@ -154,6 +156,12 @@ class LLMEngine:
                                    preemption=config.preemption)
         model = load_model(config.model, dtype, config.device, quantization=config.quantization)
         self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len)
+        self.sampler = self.model_runner.sampler
+        self.sampler.eos_token_ids = tuple(sorted(eos))
+        self.grammars: Grammars | None = None
+        if tokenizer is not None and eos and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
+            with open(os.path.join(config.model, "tokenizer.json")) as f:
+                self.grammars = Grammars(f.read(), self.model_config.vocab_size, sorted(eos))
         if offload is not None:
             self.model_runner.init_offload(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
                                            swap_blocks=swap_blocks, disk_dir=config.kv_offload_disk_dir)
@@ -196,6 +204,16 @@ class LLMEngine:
                              f"(prompt plus at least one generated token must fit)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
+        if params.prompt_logprobs is not None and remote_kv_tokens:
+            raise ValueError("prompt_logprobs need the whole prompt computed here: remote_kv_tokens must be 0")
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need the model's tokenizer.json and an EOS token")
+            matcher = self.grammars.matcher(params.structured)
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(total)
         if need > self.block_manager.num_blocks:
@@ -207,6 +225,7 @@ class LLMEngine:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting (max_num_waiting)")
         seq = Sequence(request_id, token_ids, params, remote_kv_tokens=remote_kv_tokens, hold_kv=hold_kv)
         self.scheduler.add(seq)
+        self.sampler.add(request_id, token_ids, params, matcher)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
             self._text[request_id] = ""
@@ -262,7 +281,11 @@ class LLMEngine:
                 it.inter_token_latencies_s.append(seq.inter_token_latency)
             self._apply_stop_strings(seq)
             s = sampled[seq.request_id]
-            outputs.append(self._output(seq, [token], [s.logprobs] if s.logprobs else None, final=seq.is_finished))
+            out = self._output(seq, [token], [s.logprobs] if s.logprobs else None, final=seq.is_finished)
+            if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = self.sampler.take_prompt_logprobs(seq.request_id)
+                assert out.prompt_logprobs is not None, f"{seq} sampled before its prompt was scored"
+            outputs.append(out)
             if seq.is_finished:
                 self._record_finished(seq, it)
         self._prompt_tokens_total += it.num_prompt_tokens
@@ -277,7 +300,8 @@ class LLMEngine:
         before = self._text[seq.request_id]
         text = before + detok.step(seq.token_ids)
         stops = seq.params.stop
-        if stops and not seq.is_finished:
+        # NOTE: as vLLM: stop strings count only once min_tokens are out.
+        if stops and not seq.is_finished and seq.num_output_tokens >= seq.params.min_tokens:
             start = max(0, len(before) - max(len(s) for s in stops) + 1)
             hits = [(text.find(s, start), s) for s in stops]
             hits = [(i, s) for i, s in hits if i >= 0]
@@ -367,6 +391,7 @@ class LLMEngine:
                 m.new_text += out.new_text
                 if out.logprobs:
                     m.logprobs = (m.logprobs or []) + out.logprobs
+                m.prompt_logprobs = m.prompt_logprobs or out.prompt_logprobs
                 m.finished, m.finish_reason = out.finished, out.finish_reason
                 m.num_output_tokens, m.num_cached_tokens = out.num_output_tokens, out.num_cached_tokens
         return [merged[rid] for rid in ids]

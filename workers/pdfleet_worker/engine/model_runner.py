@@ -237,13 +237,15 @@ class ModelRunner:
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = model(input_ids, positions, self.rope, meta, self.caches)  # [T, hidden]
+            if self.sampler.prompts:  # prompt logprobs: logits at prompt positions, not only the last
+                self.sampler.score_prompts(chunks, hidden, self.model.compute_logits)
             if not samplers:
                 return {}
             logits = self.model.compute_logits(hidden[logits_rows])  # [S, V]
         ids = [c.request_id for c in samplers]
         if self.logits_hook is not None:
             self.logits_hook(ids, logits)
-        sampled = self.sampler(logits, ids, [c.params for c in samplers])
+        sampled = self.sampler(logits, ids, [c.params for c in samplers], [c.num_output_tokens for c in samplers])
         return dict(zip(ids, sampled))
 
     @torch.inference_mode()

@@ -137,7 +137,7 @@ class Scheduler:
             seq = self.waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_ids, f"{seq} waits with KV"
             # At least the last token is computed here: its logits pick the next token.
-            hits = self.bm.find_cached_prefix(seq, seq.num_tokens - 1)
+            hits = self.bm.find_cached_prefix(seq, seq.num_tokens - 1) if seq.reads_prefix_cache else []
             num_cached = len(hits) * self.bm.block_size
             if seq.remote_kv_tokens > num_cached:
                 if not self.bm.allocate(seq, seq.remote_kv_tokens, hits):

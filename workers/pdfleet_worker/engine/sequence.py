@@ -70,6 +70,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such a request computes its whole prompt."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
