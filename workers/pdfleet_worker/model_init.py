@@ -8,6 +8,8 @@ import json
 import os
 import sysconfig
 
+from pdfleet_worker.server import chat_templates
+
 PRESETS = {
     # A few million parameters: tests and the demo start in seconds.
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -19,12 +21,8 @@ PRESETS = {
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML; with tools, Qwen2.5's <tool_call> format (server/chat_templates.py).
+CHAT_TEMPLATE = chat_templates.CHATML_TOOLS
 # A little non-ASCII text so some merges cover other scripts; any UTF-8 round-trips regardless,
 # since the byte-level alphabet holds all 256 bytes.
 EXTRA_TEXT = """

@@ -37,8 +37,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the directory's Jinja chat template (the way transformers does)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+        """Render messages with the directory's Jinja chat template (the way transformers does: `tools` and any
+        extra variables go to the template, `tojson` writes plain JSON)."""
         if not self.chat_template:
             raise ValueError("the model directory has no chat_template (tokenizer_config.json)")
         import jinja2
@@ -49,8 +51,10 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        # NOTE: Jinja's own tojson escapes HTML (<, >, &, ') and turns what it is joined with into escaped markup.
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **extra, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
