@@ -398,17 +398,47 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, sync) -> Engin
     return EngineRun(decode_s, decode_seqs, total, prompt_tokens, [tokens[r] for r in ids])
 
 
-def hf_generate_s(hf, prompts: list[list[int]], new_tokens: int, sync) -> float:
-    """Seconds of one transformers.generate over equal-length prompts (a static batch, no padding)."""
+@dataclasses.dataclass
+class HFRun:
+    """One transformers.generate call: its seconds, and a clock reading after each token it produced."""
+
+    total_s: float
+    stamps: list[float]
+
+    @property
+    def decode_s(self) -> float:
+        """From the first token (the prefill's) to the last: the decode steps alone."""
+        return self.stamps[-1] - self.stamps[0]
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int, sync) -> HFRun:
+    """transformers.generate over equal-length prompts (a static batch, no padding), greedy, exactly new_tokens.
+    A stopping criterion that never stops reads the clock after every token (generate syncs each step anyway:
+    it checks whether every sequence is done)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Clock(StoppingCriteria):
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync()
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    clock = Clock()
     ids = torch.tensor(prompts, dtype=torch.long, device=hf.device)
     sync()
     t = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                          stopping_criteria=StoppingCriteriaList([clock]))
     sync()
+    total = time.perf_counter() - t
     assert out.shape == (len(prompts), ids.shape[1] + new_tokens), tuple(out.shape)
-    return time.perf_counter() - t
+    assert len(clock.stamps) == new_tokens, f"{len(clock.stamps)} clock readings for {new_tokens} tokens"
+    return HFRun(total, clock.stamps)
 
 
 def random_prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -609,7 +639,7 @@ def warm(run: Run) -> None:
             if engine.model_runner.graphs is not None:
                 with graphs_off(engine):
                     run_engine(engine, random_prompts(n, length, vocab, rng), s.warm_new, run.sync)
-        hf_generate_s(m.hf, random_prompts(n, length, vocab, rng), s.warm_new, run.sync)
+        hf_generate(m.hf, random_prompts(n, length, vocab, rng), s.warm_new, run.sync)
     run.log("warm-up runs done")
 
 
@@ -619,8 +649,8 @@ def decode_variants(m: SpeedModels) -> dict:
 
 
 def timed_decode(run: Run, batch: int, prompt_len: int, new: int) -> dict[str, list[dict]]:
-    """Every repetition, each variant in a rotating order: an engine run of `batch` fresh prompts for `new` tokens
-    (its decode-only steps), and transformers.generate of `new` tokens minus of 1 (its decode steps)."""
+    """Every repetition, each variant in a rotating order: `batch` fresh prompts for `new` tokens; the engine's
+    decode-only steps, transformers.generate's time from its first token to its last."""
     m = speed_models(run)
     rng = random.Random(1000 + batch)
     vocab = m.cfg.vocab_size
@@ -633,9 +663,8 @@ def timed_decode(run: Run, batch: int, prompt_len: int, new: int) -> dict[str, l
         for name in rotated(names, r):
             prompts = random_prompts(batch, prompt_len, vocab, rng)
             if name == "hf":
-                full = hf_generate_s(m.hf, prompts, new, run.sync)
-                one = hf_generate_s(m.hf, prompts, 1, run.sync)
-                reps[name].append({"decode_s": full - one, "steps": new - 1, "seqs": batch})
+                hr = hf_generate(m.hf, prompts, new, run.sync)
+                reps[name].append({"decode_s": hr.decode_s, "steps": new - 1, "seqs": batch, "total_s": hr.total_s})
                 continue
             engine, graphs = decode_variants(m)[name]
             with contextlib.nullcontext() if graphs else graphs_off(engine):
@@ -707,7 +736,7 @@ def section_prefill(run: Run) -> dict:
         for name in rotated(names, r):
             prompts = random_prompts(s.prefill_seqs, s.prefill_len, m.cfg.vocab_size, rng)
             if name == "hf":
-                tps[name].append(tokens / hf_generate_s(m.hf, prompts, 1, run.sync))
+                tps[name].append(tokens / hf_generate(m.hf, prompts, 1, run.sync).total_s)
                 continue
             er = run_engine(m.bf16 if name == "bf16" else m.int8, prompts, 1, run.sync)
             assert er.prompt_tokens == tokens, f"{name}: {er.prompt_tokens} prompt tokens computed, {tokens} expected"
