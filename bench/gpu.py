@@ -3,7 +3,8 @@
 python bench/gpu.py [--reps 5] [--peak-hbm-tbps 4.8] [--peak-tflops 989] [--only SECTIONS] [--out FILE]
 python bench/gpu.py --cpu-smoke     # the same code at toy sizes on CPU, the Triton kernel interpreted
 
-Sections, in this order (a failing section is recorded under "errors" and the run goes on; exit 1 if any):
+Sections, in this order (a failing section is recorded under "errors" and the run goes on; exit 1 if any, or
+if tokens_match is false):
 - ceilings: a device-to-device copy (bytes read + written) and a bf16 matrix product, measured here.
 - correctness: a small Llama (GQA, llama3 RoPE, untied) and Qwen2 (qkv bias, MQA, tied, sharded), fp32 and
   bf16, CUDA graphs on and off: the engine's greedy tokens and logits against transformers.generate in the
@@ -853,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(line + "\n")
     print(line)
-    return 1 if result["errors"] else 0
+    return 1 if result["errors"] or result["tokens_match"] is False else 0
 
 
 if __name__ == "__main__":
