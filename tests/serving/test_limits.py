@@ -100,7 +100,8 @@ def test_bad_input_gets_openai_error_objects(pipeline, target):
     assert_error(post({**GOOD, "prompt": [1, 2], "max_tokens": 2047}), 400, "max_tokens", "maximum context length")
     assert_error(post({**GOOD, "prompt": [99999]}), 400, "prompt", "token ids outside")
     assert_error(post({**GOOD, "prompt": []}), 400, "prompt")
-    assert_error(post({**GOOD, "presence_penalty": 0.5}), 400, "presence_penalty", "not supported")
+    assert_error(post({**GOOD, "use_beam_search": True}), 400, "use_beam_search", "not supported")
+    assert_error(post({**GOOD, "presence_penalty": 2.5}), 400, "presence_penalty")
     assert_error(post({**GOOD, "model": "gpt-5"}), 404, "model", "does not exist")
     chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
                       timeout=30)

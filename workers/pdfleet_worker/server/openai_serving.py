@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,10 +13,11 @@ from starlette.responses import JSONResponse, Response
 
 from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
 from pdfleet_worker.engine.sampler import TokenLogprobs
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.engine.sampling_params import SamplingParams, StructuredOutput
 from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
 from pdfleet_worker.server import heartbeat
 from pdfleet_worker.server import protocol as p
+from pdfleet_worker.server import tool_calls as tc
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.pd import PD, TransferRefused
 from pdfleet_worker.server.protocol import RequestError
@@ -46,6 +48,11 @@ class Prepared:
     logprobs: int | None
     prefill_only: bool = False                 # PD prefill: hold the KV, return transfer params
     remote: KVTransferParams | None = None     # PD decode: take the KV from a prefill worker
+    echo: bool = False                         # completions: the prompt comes first in the answer
+    echo_only: bool = False                    # max_tokens 0: the one token the engine samples is dropped
+    prompt_texts: list[str] = dataclasses.field(default_factory=list)
+    prompt_logprobs: int | None = None         # vLLM's prompt_logprobs field (also set by echo + logprobs)
+    tools: tc.ToolPlan | None = None           # chat with tools
 
 
 @dataclasses.dataclass
@@ -59,6 +66,9 @@ class Choice:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     final: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    streamer: tc.ToolCallStreamer | None = None  # streamed chat with tools
+    echoed: bool = False                         # streamed echo: the prompt went out
 
 
 class OpenAIServing:
@@ -117,9 +127,15 @@ class OpenAIServing:
         if req.model != self.model_name:
             raise p.model_not_found(req.model, [self.model_name])
         p.check(req, self.limits)
-        prompts = await (self._chat_prompt(req) if chat else self._completion_prompts(req.prompt))
+        tools = tc.plan(req, self.tokenizer.chat_template if self.tokenizer else None) if chat else None
+        structured = await self._structured(req, tools)
+        prompts = await (self._chat_prompt(req, tools) if chat else
+                         self._completion_prompts(req.prompt, req.add_special_tokens))
         max_tokens = p.requested_max_tokens(req)
         logprobs = p.requested_logprobs(req)
+        echo_only = not chat and req.echo and max_tokens == 0
+        if echo_only:
+            max_tokens = 1  # NOTE: as vLLM: the prompt is scored by a step that samples one token, then dropped
         longest = max(len(t) for t in prompts)
         p.check_context(longest, max_tokens, self.limits, chat)
         if max_tokens is None:
@@ -132,33 +148,74 @@ class OpenAIServing:
             top_k, top_p = 1, 1.0
         prefill_only, remote = self._pd_mode(req.kv_transfer_params, len(prompts))
         n = req.n
-        if prefill_only:
-            max_tokens, n, logprobs = 1, 1, None  # only the prompt's KV matters; the decode worker samples for real
+        echo = not chat and req.echo
+        prompt_logprobs = req.prompt_logprobs
+        if echo and logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+        if bias and max(bias) >= self.vocab_size:
+            raise RequestError(400, f"logit_bias names token {max(bias)}; the vocabulary has {self.vocab_size}",
+                               param="logit_bias")
         try:
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
-                top_k=top_k, top_p=top_p, seed=req.seed, stop=req.stop,
-                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+            if prefill_only:  # only the prompt's KV matters: the decode worker samples (and constrains) for real
+                params = SamplingParams(max_tokens=1, temperature=0.0)
+                n, logprobs = 1, None
+            else:
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
+                    top_k=top_k, top_p=top_p, min_p=float(req.min_p or 0.0), seed=req.seed, stop=req.stop,
+                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                    min_tokens=0 if echo_only else req.min_tokens,
+                    repetition_penalty=float(req.repetition_penalty or 1.0),
+                    presence_penalty=float(req.presence_penalty or 0.0),
+                    frequency_penalty=float(req.frequency_penalty or 0.0), logit_bias=bias or None,
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
+                    include_stop_str_in_output=req.include_stop_str_in_output)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         if params.stop and self.tokenizer is None:
             raise RequestError(400, "stop strings need a tokenizer; this model has none", param="stop")
         opts = req.stream_options
+        prompt_texts = []
+        if echo and not prefill_only:
+            prompt_texts = [item if isinstance(item, str) else self.tokenizer.decode(item) if self.tokenizer else ""
+                            for item in p.prompt_items(req.prompt)]
         return Prepared(chat=chat, prompts=prompts, params=params, n=n, stream=req.stream,
                         include_usage=bool(opts and opts.include_usage),
                         continuous_usage=bool(opts and opts.continuous_usage_stats),
                         return_token_ids=req.return_token_ids, logprobs=logprobs, prefill_only=prefill_only,
-                        remote=remote)
+                        remote=remote, echo=echo and not prefill_only, echo_only=echo_only and not prefill_only,
+                        prompt_texts=prompt_texts, prompt_logprobs=None if prefill_only else req.prompt_logprobs,
+                        tools=None if prefill_only else tools)
 
-    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    async def _structured(self, req: p.CompletionRequest | p.ChatCompletionRequest,
+                          tools: tc.ToolPlan | None) -> StructuredOutput | None:
+        """The grammar the output runs under (a structured output, or a forced tool call), compiled here (off the
+        event loop) so that a bad one is a 400 before any work."""
+        asked = p.structured_output(req)
+        if tools is not None and tools.structured is not None:
+            asked = ("tool_choice", tools.structured)
+        if asked is None:
+            return None
+        param, spec = asked
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise RequestError(400, "structured outputs need the model's tokenizer.json and an EOS token; this model "
+                                    "has none", param=param)
+        try:
+            await asyncio.to_thread(grammars.compile, spec)
+        except ValueError as e:
+            raise RequestError(400, str(e), param=param) from None
+        return spec
+
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
         out = []
         for i, item in enumerate(p.prompt_items(prompt)):
             if isinstance(item, str):
                 if self.tokenizer is None:
                     raise RequestError(400, "text prompts need a tokenizer; this model has none; send token ids",
                                        param="prompt")
-                ids = await self._encode(item, "prompt", add_special_tokens=True)
+                ids = await self._encode(item, "prompt", add_special_tokens=add_special_tokens)
             else:
                 ids = list(item)
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -170,7 +227,7 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    async def _chat_prompt(self, req: p.ChatCompletionRequest) -> list[list[int]]:
+    async def _chat_prompt(self, req: p.ChatCompletionRequest, tools: tc.ToolPlan | None) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError(400, "chat needs a tokenizer with a chat template; this model has none", param="messages")
         messages = []
@@ -178,11 +235,21 @@ class OpenAIServing:
             content = msg.content
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
-            messages.append({"role": msg.role, "content": content or ""})
+            m: dict[str, Any] = {"role": msg.role, "content": content or ""}
+            if msg.tool_calls:  # arguments as objects, the way templates (and transformers) take them
+                m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in msg.tool_calls]
+            if msg.tool_call_id is not None:
+                m["tool_call_id"] = msg.tool_call_id
+            if msg.name is not None:
+                m["name"] = msg.name
+            messages.append(m)
         self._refuse_long_text(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           tools=tools.tools if tools is not None else None,
+                                           **(req.chat_template_kwargs or {}))
         except Exception as e:  # a template error is the request's fault (e.g. roles it refuses)
             raise RequestError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # NOTE: the template writes the special tokens it wants; adding them again would double BOS.
@@ -232,6 +299,11 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
         choices: list[Choice] = []
         remote_tokens: list[int] = [0] * len(prep.prompts)
+        if prep.remote is not None and prep.params.prompt_logprobs is not None:
+            assert self.pd is not None  # prompt logprobs need every prompt position computed here: no KV pulled
+            for i in range(len(prep.prompts)):
+                self.pd.release_unused(prep.remote, i, None)
+            prep.remote = None
         if prep.remote is not None:
             assert self.pd is not None
             refused = await self.pd.untrusted(prep.remote)
@@ -294,7 +366,13 @@ class OpenAIServing:
                 self.pd.settle(ch.request_id, ok=ch.final is not None)
 
     # -- consuming outputs ----------------------------------------------------------------------
-    def _apply(self, prep: Prepared, choice: Choice, out: RequestOutput) -> None:
+    def _apply(self, prep: Prepared, choice: Choice, out: RequestOutput) -> RequestOutput:
+        """Record an output in its choice; returns it as the client sees it."""
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+        if prep.echo_only:  # the token that scored the prompt is no part of the answer
+            out = dataclasses.replace(out, new_token_ids=[], new_text="", logprobs=None,
+                                      finish_reason="length" if out.finished else None)
         choice.text.append(out.new_text)
         choice.token_ids += out.new_token_ids
         if out.logprobs:
@@ -305,6 +383,7 @@ class OpenAIServing:
         if out.finished:
             choice.final = out
             choice.finish_reason = out.finish_reason
+        return out
 
     async def _next(self, queue: asyncio.Queue, by_id: dict[str, Choice]) -> tuple[Choice, RequestOutput]:
         """The next output that carries tokens or ends a choice; StreamError raises RequestError."""
@@ -357,21 +436,41 @@ class OpenAIServing:
         for ch in choices:
             text = "".join(ch.text)
             if prep.chat:
-                c: dict[str, Any] = {"index": ch.index, "message": p.assistant_message(text),
+                message, finish = self._chat_message(prep, text, ch.finish_reason)
+                c: dict[str, Any] = {"index": ch.index, "message": message,
                                      "logprobs": self._chat_logprobs(ch.logprobs) if prep.logprobs is not None else None,
-                                     "finish_reason": ch.finish_reason}
+                                     "finish_reason": finish}
             else:
-                c = {"index": ch.index, "text": text,
-                     "logprobs": self._completion_logprobs(ch.logprobs, 0) if prep.logprobs is not None else None,
+                prompt_part = self._echo_logprobs(prep, ch) if prep.echo and prep.logprobs is not None else None
+                c = {"index": ch.index, "text": (prep.prompt_texts[ch.prompt_index] if prep.echo else "") + text,
+                     "logprobs": self._completion_logprobs(ch.logprobs, 0, prompt_part)
+                     if prep.logprobs is not None else None,
                      "finish_reason": ch.finish_reason}
+                if prep.prompt_logprobs is not None:
+                    c["prompt_logprobs"] = self._vllm_prompt_logprobs(ch.prompt_logprobs)
             if prep.return_token_ids:
                 c["token_ids"] = ch.token_ids
                 c["prompt_token_ids"] = prep.prompts[ch.prompt_index]
             out_choices.append(c)
-        return {"id": p.new_id("chatcmpl" if prep.chat else "cmpl"),
+        body = {"id": p.new_id("chatcmpl" if prep.chat else "cmpl"),
                 "object": "chat.completion" if prep.chat else "text_completion",
                 "created": created, "model": self.model_name, "choices": out_choices,
                 "usage": self._usage(prep, choices)}
+        if prep.chat and prep.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return body
+
+    def _chat_message(self, prep: Prepared, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message, with tool_calls when the answer is calls; and the finish reason."""
+        if prep.tools is None or prep.tools.mode == tc.NONE:
+            return p.assistant_message(text), finish
+        content, calls = tc.parse(prep.tools, text)
+        message = p.assistant_message(content)
+        if calls:
+            message["tool_calls"] = [c.to_json() for c in calls]
+            if finish == "stop" and prep.tools.mode != tc.NAMED:  # NOTE: as OpenAI: a named call ends with stop
+                finish = "tool_calls"
+        return message, finish
 
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
@@ -380,6 +479,9 @@ class OpenAIServing:
         longer than the heartbeat interval sends them at that interval, with `: keep-alive` comments until it
         comes (an error after that is an error event)."""
         by_id = {ch.request_id: ch for ch in choices}
+        if prep.tools is not None and prep.tools.mode != tc.NONE:
+            for ch in choices:
+                ch.streamer = tc.ToolCallStreamer(prep.tools)
         interval = self.cfg.heartbeat_interval_s
         try:
             fut, came = await until_disconnect(request, heartbeat.wait_or_beat(self._next(queue, by_id), interval))
@@ -432,12 +534,18 @@ class OpenAIServing:
                         return
                 ch, out = item
                 item = None
-                self._apply(prep, ch, out)
+                out = self._apply(prep, ch, out)
                 pending -= out.finished
-                if not (out.new_text or out.finished or (prep.return_token_ids and out.new_token_ids)):
+                if not (out.new_text or out.finished or (prep.return_token_ids and out.new_token_ids)
+                        or (prep.echo and not ch.echoed)):
                     continue
-                yield sse(build(rid, created, self.model_name, [self._delta(prep, ch, out)],
-                                self._cont_usage(prep, choices)))
+                delta = self._delta(prep, ch, out)
+                if delta is None:
+                    continue
+                chunk = build(rid, created, self.model_name, [delta], self._cont_usage(prep, choices))
+                if prep.chat and prep.prompt_logprobs is not None and ch.index == 0 and out.prompt_logprobs:
+                    chunk["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
+                yield sse(chunk)
             if prep.include_usage:
                 yield sse(build(rid, created, self.model_name, [], self._usage(prep, choices)))
             yield b"data: [DONE]\n\n"
@@ -449,18 +557,37 @@ class OpenAIServing:
     def _cont_usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any] | None:
         return self._usage(prep, choices) if prep.include_usage and prep.continuous_usage else None
 
-    def _delta(self, prep: Prepared, ch: Choice, out: RequestOutput) -> dict[str, Any]:
+    def _delta(self, prep: Prepared, ch: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        """One choice's piece of a chunk; None when there is nothing to send yet (a tool call still forming)."""
         lps = out.logprobs or []
+        finish = out.finish_reason if out.finished else None
         if prep.chat:
-            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            if ch.streamer is not None:
+                delta = _merge(ch.streamer.feed(out.new_text, final=out.finished))
+                if not delta and not out.finished and not (prep.return_token_ids and out.new_token_ids):
+                    return None
+                if finish == "stop" and ch.streamer.called and prep.tools.mode != tc.NAMED:
+                    finish = "tool_calls"
+            else:
+                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
             d: dict[str, Any] = {"index": ch.index, "delta": delta,
                                  "logprobs": self._chat_logprobs(lps) if prep.logprobs is not None else None,
-                                 "finish_reason": out.finish_reason if out.finished else None}
+                                 "finish_reason": finish}
         else:
-            offset = sum(len(t) for t in ch.text[:-1])
-            d = {"index": ch.index, "text": out.new_text,
-                 "logprobs": self._completion_logprobs(lps, offset) if prep.logprobs is not None else None,
-                 "finish_reason": out.finish_reason if out.finished else None}
+            head = ""
+            echo_offset = len(prep.prompt_texts[ch.prompt_index]) if prep.echo else 0
+            prompt_part = None
+            if prep.echo and not ch.echoed:
+                ch.echoed = True
+                head = prep.prompt_texts[ch.prompt_index]
+                if prep.logprobs is not None:
+                    prompt_part = self._echo_logprobs(prep, ch)
+            offset = echo_offset + sum(len(t) for t in ch.text[:-1])
+            d = {"index": ch.index, "text": head + out.new_text,
+                 "logprobs": self._completion_logprobs(lps, offset, prompt_part) if prep.logprobs is not None else None,
+                 "finish_reason": finish}
+            if prep.prompt_logprobs is not None and out.prompt_logprobs:
+                d["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
         if prep.return_token_ids:
             d["token_ids"] = out.new_token_ids
         return d
@@ -471,15 +598,53 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int,
+                             prompt_part: dict[str, list] | None = None) -> dict[str, Any]:
+        """OpenAI's legacy logprobs; with echo, the prompt's tokens come first (prompt_part, at offset 0)."""
         tokens, offsets = [], []
         for lp in lps:
             text = self._token_text(lp.token_id)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+        out = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+               "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+        if prompt_part is not None:
+            out = {k: prompt_part[k] + v for k, v in out.items()}
+        return out
+
+    def _echo_logprobs(self, prep: Prepared, ch: Choice) -> dict[str, list]:
+        """The prompt's part of echoed logprobs: its tokens, their logprobs (None for the first, which nothing
+        predicts) and top alternatives with the token itself among them, as OpenAI's echo returns."""
+        ids = prep.prompts[ch.prompt_index]
+        entries = ch.prompt_logprobs or [None] * len(ids)
+        assert len(entries) == len(ids), "prompt logprobs cover the prompt"
+        tokens, logprobs, tops, offsets, offset = [], [], [], [], 0
+        for token_id, e in zip(ids, entries):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            # NOTE: offsets index the echoed text, which shows no special tokens (a BOS takes no room in it).
+            offset += len(self.tokenizer.decode([token_id], skip_special_tokens=True)) if self.tokenizer else len(text)
+            logprobs.append(None if e is None else e.logprob)
+            tops.append(None if e is None else {self._token_text(t): v for t, v in [*e.top, (e.token_id, e.logprob)]})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: per prompt position, None for the first, else token id -> logprob, rank and
+        decoded token, for the prompt token and the top alternatives."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._token_text(t)}
+                 for r, (t, v) in enumerate(e.top)}
+            d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": self._token_text(e.token_id)}
+            out.append(d)
+        return out
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -487,6 +652,21 @@ class OpenAIServing:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
                             for lp in lps]}
+
+
+def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """ToolCallStreamer's pieces as one chat delta (content joined; a call's pieces joined by index)."""
+    delta: dict[str, Any] = {}
+    for piece in pieces:
+        if "content" in piece:
+            delta["content"] = delta.get("content", "") + piece["content"]
+        for call in piece.get("tool_calls", ()):
+            calls = delta.setdefault("tool_calls", [])
+            if calls and calls[-1]["index"] == call["index"]:
+                calls[-1]["function"]["arguments"] += call["function"]["arguments"]
+            else:
+                calls.append(call)
+    return delta
 
 
 def _longest_token_chars(tokenizer) -> int:

@@ -10,12 +10,16 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pdfleet_worker.engine.sampling_params import StructuredOutput
+
 # Bounds on what one request may hold, whatever the server's flags: each costs the engine per step
 # (stop strings are searched on every token) or the server per request, and no real client needs more.
 MAX_JSON_DEPTH = 32            # nesting of arrays/objects in a body (a request needs 4)
 MAX_STOP_SEQUENCES = 16        # OpenAI allows 4
 MAX_STOP_CHARS = 256           # per stop string; the stream holds back that many characters
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300           # OpenAI's limit on logit_bias entries
+MAX_TOOLS = 128                # OpenAI's limit on tools
 MAX_METADATA_KEYS = 16         # OpenAI's metadata limits: 16 pairs, keys of 64 and values of 512 characters
 TOKEN_ID_LIMIT = 2 ** 31       # token ids are below it in any vocabulary
 DEFAULT_MAX_PROMPTS = 64       # prompts in one /v1/completions request (`--max-prompts`)
@@ -147,6 +151,36 @@ class StreamOptions(_Request):
     include_obfuscation: bool = False  # accepted, ignored (nothing to pad on a private network)
 
 
+class JsonSchemaFormat(_Request):
+    """response_format's json_schema: the output is one JSON value valid against `schema`."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced token by token either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False          # accepted: there is no other backend to fall back to
+    disable_any_whitespace: bool = False    # accepted: JSON is always compact here (engine/structured.py)
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None              # accepted when "guidance"/"auto": llguidance is the one backend
+
+
 class _Common(_Request):
     """Fields both endpoints share: OpenAI's (some accepted and ignored, some refused unless at their
     default by check()), then vLLM's extensions the engine supports."""
@@ -161,7 +195,9 @@ class _Common(_Request):
     seed: Int64 | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: ResponseFormat | None = None
     # accepted and ignored: nothing is stored, tiered or keyed by them here
     user: Text | None = None
     store: bool | None = None
@@ -171,19 +207,40 @@ class _Common(_Request):
     safety_identifier: Text | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, lt=TOKEN_ID_LIMIT)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)
+    min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM extensions accepted at their defaults only (check() refuses the rest, naming the field)
+    use_beam_search: bool = False
+    length_penalty: Number = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (score the prompt, generate nothing)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+    add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -193,13 +250,45 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Text | None = None
     # what an SDK sends back when a previous answer is appended to the conversation
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -212,10 +301,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted, ignored: no tools run here
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call in `required` mode
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -225,6 +313,9 @@ class ChatCompletionRequest(_Common):
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None  # extra template variables
+    echo: bool = False                      # vLLM: refused unless false
+    continue_final_message: bool = False    # vLLM: refused unless false
 
 
 def parse(model: type[_Request], raw: Any) -> Any:
@@ -254,7 +345,8 @@ def _is_type_tag(part: Any) -> bool:
                                                                                            "function-")))
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "StreamOptions", "TextPart", "ChatMessage"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "StreamOptions", "TextPart", "ChatMessage", "NamedToolChoice",
+              "ToolCall", "Tool", "ResponseFormat", "StructuredOutputs", "JsonSchemaFormat"}
 
 
 def shown(value: Any, limit: int = 80) -> str:
@@ -305,11 +397,113 @@ def check(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> Non
     if chat and req.top_logprobs is not None and not req.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = requested_logprobs(req)
-    if logprobs is not None and limits.max_logprobs is not None and logprobs > limits.max_logprobs:
-        raise RequestError(400, f"at most {limits.max_logprobs} logprobs may be asked for",
-                           param="top_logprobs" if chat else "logprobs")
+    for name, value in (("top_logprobs" if chat else "logprobs", logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if value is not None and limits.max_logprobs is not None and value > limits.max_logprobs:
+            raise RequestError(400, f"at most {limits.max_logprobs} logprobs may be asked for", param=name)
+    _check_sampling(req)
+    structured_output(req)
+    if chat:
+        _check_tools(req)
+    elif req.max_tokens == 0 and not req.echo:
+        raise RequestError(400, "max_tokens 0 generates nothing; it is only allowed with echo: true (score the prompt)",
+                           param="max_tokens")
     lengths = [1] if chat else _prompt_lengths(req.prompt, limits)
     check_context(max(lengths), requested_max_tokens(req), limits, chat)
+
+
+def _check_sampling(req: CompletionRequest | ChatCompletionRequest) -> None:
+    for key in req.logit_bias or {}:
+        if not (key.isascii() and key.isdigit() and int(key) < TOKEN_ID_LIMIT):
+            raise RequestError(400, f"logit_bias keys are token ids, got {shown(key)}", param="logit_bias")
+    wanted = requested_max_tokens(req)
+    if wanted is not None and req.min_tokens > wanted:
+        raise RequestError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({wanted})", param="min_tokens")
+
+
+def structured_output(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, StructuredOutput] | None:
+    """What the request constrains its output to (response_format, structured_outputs or vLLM's guided_*
+    fields) and the field that says so, None when free; 400 naming the field when it is malformed or asked
+    for twice. Forced tool calls are the tools' business (server/tool_calls.py)."""
+    asked: list[tuple[str, StructuredOutput]] = []
+
+    def want(param: str, kind: str, spec: str = "") -> None:
+        try:
+            asked.append((param, StructuredOutput(kind, spec)))
+        except ValueError as e:
+            raise RequestError(400, str(e), param=param) from None
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        want("response_format", "json_object")
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError(400, "response_format json_schema needs json_schema.schema",
+                               param="response_format.json_schema")
+        want("response_format.json_schema", "json", _json_text(fmt.json_schema.schema_))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(n, v) for n, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise RequestError(400, "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+                               param="structured_outputs")
+        name, value = given[0]
+        _structured_field(want, f"structured_outputs.{name}", name, value)
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            _structured_field(want, f"guided_{name}", name, value)
+    if len(asked) > 1:
+        raise RequestError(400, f"{asked[1][0]} and {asked[0][0]} both constrain the output; send one",
+                           param=asked[1][0])
+    return asked[0] if asked else None
+
+
+def _structured_field(want, param: str, name: str, value: Any) -> None:
+    if name == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RequestError(400, f"{param} is not a JSON schema: {e}", param=param) from None
+        want(param, "json", _json_text(value))
+    elif name == "choice":
+        if not value or not all(value):
+            raise RequestError(400, f"{param} needs at least one non-empty string", param=param)
+        want(param, "choice", json.dumps(value, ensure_ascii=False))
+    elif name == "json_object":
+        want(param, "json_object")
+    else:
+        want(param, name, value)
+
+
+def _json_text(value: Any) -> str:
+    # NOTE: sorted keys: the same schema is one grammar-cache entry whatever order a client wrote it in.
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise RequestError(400, "tools hold two functions of one name", param="tools")
+    if choice == "required" and not names:
+        raise RequestError(400, "tool_choice required needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise RequestError(400, f"tool_choice names {shown(choice.function.name)}, which is not in tools",
+                           param="tool_choice")
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and structured_output(req) is not None:
+        raise RequestError(400, "a forced tool call and a structured output both constrain the output; send one",
+                           param="tool_choice")
+    for i, msg in enumerate(req.messages):
+        for j, call in enumerate(msg.tool_calls or ()):
+            try:
+                args = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                args = None
+            if not isinstance(args, dict):
+                raise RequestError(400, "a tool call's arguments are a JSON object",
+                                   param=f"messages.{i}.tool_calls.{j}.function.arguments")
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -372,25 +566,33 @@ def _prompt_lengths(prompt: str | list, limits: Limits) -> list[int]:
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> None:
-    """OpenAI fields this server cannot honour: 400 naming the field unless at their default."""
-    unsupported = [("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
-                   ("logit_bias", bool(req.logit_bias))]
+    """Fields this server cannot honour: 400 naming the field unless at their default."""
+    so = req.structured_outputs
+    unsupported = [
+        ("use_beam_search", req.use_beam_search), ("length_penalty", req.length_penalty != 1.0),
+        ("allowed_token_ids", req.allowed_token_ids is not None), ("bad_words", bool(req.bad_words)),
+        ("skip_special_tokens", not req.skip_special_tokens),
+        ("spaces_between_special_tokens", not req.spaces_between_special_tokens),
+        ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None), ("priority", req.priority != 0),
+        ("guided_whitespace_pattern", req.guided_whitespace_pattern is not None),
+        ("guided_decoding_backend", req.guided_decoding_backend not in (None, "auto", "guidance", "llguidance")),
+        ("structured_outputs.structural_tag", so is not None and so.structural_tag is not None),
+        ("structured_outputs.whitespace_pattern", so is not None and so.whitespace_pattern is not None),
+        ("structured_outputs.disable_additional_properties", so is not None and so.disable_additional_properties),
+        ("structured_outputs.backend", so is not None and so.backend not in (None, "auto", "guidance", "llguidance"))]
     if chat:
-        fmt = req.response_format
         unsupported += [
-            ("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-            ("response_format", bool(fmt) and fmt.get("type") != "text"),
             ("functions", bool(req.functions)), ("function_call", req.function_call not in (None, "none", "auto")),
             ("modalities", req.modalities is not None and set(req.modalities) != {"text"}),
             ("audio", req.audio is not None), ("prediction", req.prediction is not None),
             ("reasoning_effort", req.reasoning_effort is not None), ("verbosity", req.verbosity is not None),
-            ("web_search_options", req.web_search_options is not None)]
+            ("web_search_options", req.web_search_options is not None), ("echo", req.echo),
+            ("continue_final_message", req.continue_final_message)]
         for i, msg in enumerate(req.messages):
-            unsupported += [(f"messages.{i}.tool_calls", bool(msg.tool_calls)),
-                            (f"messages.{i}.function_call", msg.function_call is not None),
+            unsupported += [(f"messages.{i}.function_call", msg.function_call is not None),
                             (f"messages.{i}.audio", msg.audio is not None)]
     else:
-        unsupported += [("echo", req.echo), ("suffix", req.suffix is not None),
+        unsupported += [("suffix", req.suffix is not None),
                         ("best_of", req.best_of is not None and req.best_of != req.n)]
     for name, bad in unsupported:
         if bad:
