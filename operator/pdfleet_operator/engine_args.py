@@ -136,18 +136,19 @@ VLLM_PORT = 8000
 
 
 def vllm_args(spec: InferenceDeploymentSpec, role: str, *, host: str, port: int, tensor_parallel: int = 1,
-              kv_connector: str | None = None) -> list[str]:
+              kv_connector: str | None = None, block_size: int | None = None) -> list[str]:
     """`vllm serve MODEL` flags (after the model) from the same spec fields the pdfleet worker reads.
 
     NOTE: vLLM's --gpu-memory-utilization is the share of device memory for weights and KV together, the
     pdfleet worker's kvCacheMemoryFraction the share of what the weights leave; the one field maps to both
     (a close, not equal, meaning). maxWaitingRequests has no vLLM flag: vLLM queues without a bound.
-    A prefill/decode pool (`kv_connector`) gets vLLM's own KV transfer with the role both sides play.
+    A prefill/decode pool (`kv_connector`) gets vLLM's own KV transfer with the role both sides play. `block_size`:
+    the one the pool's vLLM build computes with, when not the spec's (decide.kv_connectors.block_size).
     """
     e = spec.engine
     args = ["--served-model-name", spec.model.name, "--host", host, "--port", str(port),
             "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
-            "--block-size", str(e.block_size), "--gpu-memory-utilization", f"{e.kv_cache_memory_fraction:g}",
+            "--block-size", str(block_size or e.block_size), "--gpu-memory-utilization", f"{e.kv_cache_memory_fraction:g}",
             "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
             "--kv-cache-dtype", "auto", "--tensor-parallel-size", str(tensor_parallel)]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdfleet_operator.api import AcceleratorClassSpec
-from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
-from pdfleet_operator.decide import runtimes
+from pdfleet_operator.decide import runtimes, worker_images
 from tests.kube.cluster import classes, example_deployments, spec_of
 
 EXAMPLES = example_deployments()
@@ -40,7 +39,9 @@ def test_the_pdfleet_worker_gets_the_device_of_its_vendor() -> None:
     assert runtimes.for_pool(s, "prefill", "cambricon-mlu370", CLASSES["cambricon-mlu370"]).device == "mlu"
     assert runtimes.for_pool(s, "prefill", "cpu", CLASSES["cpu"]).device == "cpu"
     ascend = runtimes.for_pool(s, "decode", "ascend-910b", CLASSES["ascend-910b"])
-    assert ("ASCEND_RT_VISIBLE_DEVICES", "0") in ascend.env and ascend.image == DEFAULT_WORKER_IMAGE, "the operator's default"
+    assert ascend.image == worker_images.DEFAULTS.get("npu"), "the operator's default for the class's platform"
+    assert not any(k.endswith("_VISIBLE_DEVICES") for k, _ in ascend.env), "the device plugin's, not ours"
+    assert ascend.pod_ip_env == ("HCCL_IF_IP",)
 
 
 def test_no_bridge_no_pdfleet_worker_unless_the_class_names_a_device() -> None:
@@ -50,6 +51,10 @@ def test_no_bridge_no_pdfleet_worker_unless_the_class_names_a_device() -> None:
     cls = CLASSES["kunlunxin-r200"].model_copy(
         update={"runtimes": CLASSES["kunlunxin-r200"].runtimes.model_copy(
             update={"pdfleet": CLASSES["kunlunxin-r200"].runtimes.pdfleet.model_copy(update={"device": "xpu"})})})
+    with pytest.raises(runtimes.RuntimeProblem, match="needs a pdfleet worker built for kunlunxin"):
+        runtimes.for_pool(s, "decode", "kunlunxin-r200", cls)  # a device, but no image that drives it
+    cls = cls.model_copy(update={"runtimes": cls.runtimes.model_copy(update={"pdfleet": cls.runtimes.pdfleet.model_copy(
+        update={"image": "reg/kunlun-worker:1"})})})
     assert runtimes.for_pool(s, "decode", "kunlunxin-r200", cls).device == "xpu"
 
 
@@ -71,11 +76,15 @@ def test_vllm_where_the_class_offers_none_is_refused_unless_the_deployment_names
     assert {p.field for p in problems} == {"spec.engine.runtime"}
     assert any("hygon-dcu-k100" in p.message and "offers no vllm" in p.message for p in problems)
     from pdfleet_operator.api.inference_deployment import VllmEngineSpec
-    s2 = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": VllmEngineSpec(image="registry/dtk-vllm:1",
-                                                                                         kv_connector="MooncakeConnectorV1")})})
+    s2 = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": VllmEngineSpec(image="registry/dtk-vllm:1")}),
+                              "prefill": s.prefill.model_copy(update={"accelerator_classes": ["hygon-dcu-k100"]}),
+                              "decode": s.decode.model_copy(update={"accelerator_classes": ["hygon-dcu-k100"]})})
     assert runtimes.check(s2, CLASSES) == []
     rt = runtimes.for_pool(s2, "decode", "hygon-dcu-k100", CLASSES["hygon-dcu-k100"])
-    assert (rt.name, rt.image, rt.kv_connector) == ("vllm", "registry/dtk-vllm:1", "MooncakeConnectorV1")
+    assert (rt.name, rt.image, rt.kv_connector, rt.build) == ("vllm", "registry/dtk-vllm:1", "NixlConnector", "vllm-dcu")
+    # Ascend and Hygon in one role each: two vLLM builds that cannot exchange KV.
+    s3 = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": VllmEngineSpec(image="registry/dtk-vllm:1")})})
+    assert any("cannot talk" in p.message for p in runtimes.check(s3, CLASSES))
 
 
 def test_a_multi_device_class_needs_tensor_parallelism() -> None:
@@ -91,12 +100,141 @@ def test_a_multi_device_class_needs_tensor_parallelism() -> None:
 
 
 def test_vllm_prefill_and_decode_need_one_kv_connector() -> None:
-    s = spec_of(EXAMPLES["llama31-8b-mixed"])  # H100 prefill, Ascend decode, the deployment names Mooncake
+    s = spec(runtime="vllm")  # H100 prefill, MIG decode: both upstream vLLM, NIXL by default
     assert runtimes.check(s, CLASSES) == []
-    s = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": None})}, deep=True)
+    from pdfleet_operator.api.inference_deployment import VllmEngineSpec
+    h100 = CLASSES["h100-80gb"]
+    mooncake = with_class("h100-80gb", runtimes=h100.runtimes.model_copy(update={
+        "vllm": h100.runtimes.vllm.model_copy(update={"kv_connector": "NixlConnector"})}))
+    assert runtimes.check(s, mooncake) == []
+    s2 = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": VllmEngineSpec(kv_connector="LMCache")})})
+    problems = runtimes.check(s2, CLASSES)
+    assert set(fields(problems)) == {"spec.engine.vllm.kvConnector"}
+    assert "LMCache is not a KV connector of upstream vLLM (its connectors: NixlConnector, MooncakeConnector)" in \
+        problems[0].message
+
+
+def test_a_connector_the_router_cannot_drive_is_refused() -> None:
+    """Upstream vLLM's MooncakeConnector: its prefill answers no kv_transfer_params (a proxy must assign them)."""
+    from pdfleet_operator.api.inference_deployment import VllmEngineSpec
+    s = spec(runtime="vllm")
+    s = s.model_copy(update={"engine": s.engine.model_copy(update={"vllm": VllmEngineSpec(kv_connector="MooncakeConnector")})})
     problems = runtimes.check(s, CLASSES)
+    assert problems and all(p.field == "spec.engine.vllm.kvConnector" for p in problems)
+    assert "answers no kv_transfer_params" in problems[0].message and "use NixlConnector" in problems[0].message
+
+
+def test_vllm_prefill_and_decode_across_builds_cannot_talk() -> None:
+    """The former mixed example: H100 on upstream vLLM, Ascend on vLLM-Ascend. HEAD rendered it with
+    MooncakeConnectorV1 on both sides, a name upstream vLLM does not register, on 16- and 128-token blocks."""
+    s = spec_of(EXAMPLES["llama31-8b-mixed"])
+    s = s.model_copy(update={"engine": s.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
+    problems = runtimes.check(s, CLASSES)
+    messages = " | ".join(str(p) for p in problems)
+    assert set(fields(problems)) == {"spec.engine.blockSize", "spec.engine.vllm.kvConnector"}, messages
+    assert "prefill on h100-80gb: 16" in messages and "decode on ascend-910b: 128" in messages
+    assert "prefill on h100-80gb and decode on ascend-910b cannot talk" in messages
+    assert "upstream vLLM's NixlConnector and vLLM-Ascend's MooncakeConnectorV1" in messages
+    # Naming vLLM-Ascend's connector for both sides does not help: upstream vLLM has no such connector.
+    from pdfleet_operator.api.inference_deployment import VllmEngineSpec
+    s2 = s.model_copy(update={"engine": s.engine.model_copy(update={
+        "vllm": VllmEngineSpec(kv_connector="MooncakeConnectorV1"), "block_size": 128})})
+    problems = runtimes.check(s2, CLASSES)
     assert fields(problems) == ["spec.engine.vllm.kvConnector"]
-    assert "NixlConnector" in problems[0].message and "MooncakeConnectorV1" in problems[0].message
+    assert "MooncakeConnectorV1 is not a KV connector of upstream vLLM" in problems[0].message
+    # As written (the pdfleet engine, its own TCP transfer) the pair runs: one block size, no connector.
+    assert runtimes.check(spec_of(EXAMPLES["llama31-8b-mixed"]), CLASSES) == []
+
+
+def test_vllm_ascend_takes_128_token_blocks_with_prefix_caching() -> None:
+    s = spec_of(EXAMPLES["qwen2-7b-vllm"])
+    s = s.model_copy(update={"colocated": s.colocated.model_copy(update={"accelerator_classes": ["ascend-910b"]})})
+    rt = runtimes.for_pool(s, "colocated", "ascend-910b", CLASSES["ascend-910b"])
+    assert (rt.build, rt.block_size, rt.pod_ip_env) == ("vllm-ascend", 128, ("HCCL_IF_IP",))
+    off = s.model_copy(update={"engine": s.engine.model_copy(update={"enable_prefix_caching": False})})
+    assert runtimes.for_pool(off, "colocated", "ascend-910b", CLASSES["ascend-910b"]).block_size == 16
+    assert runtimes.for_pool(s, "colocated", "h100-80gb", CLASSES["h100-80gb"]).block_size == 16
+
+
+# --- images per class (decide.worker_images) ---------------------------------------------------------------
+
+def test_each_class_gets_the_image_of_its_platform() -> None:
+    s = spec()
+    images = {name: runtimes.for_pool(s, "prefill", name, CLASSES[name]).image
+              for name in ("h100-80gb", "h100-mig-1g-10gb", "ascend-910b", "hygon-dcu-k100", "cambricon-mlu370", "cpu")}
+    assert {n: worker_images.image_platform(i) for n, i in images.items()} == {
+        "h100-80gb": "cuda", "h100-mig-1g-10gb": "cuda", "ascend-910b": "npu", "hygon-dcu-k100": "dtk",
+        "cambricon-mlu370": "mlu", "cpu": "cpu"}, "HEAD: one --worker-image (a CPU build) for every class"
+
+
+def test_a_class_whose_platform_has_no_image_is_refused_naming_what_to_build() -> None:
+    """The chart's default (what `make images` builds): cpu and cuda only. An Ascend pool is refused, never
+    rendered to crash-loop in DeviceUnavailable."""
+    built = worker_images.WorkerImages.of({"cpu": "reg/pdfleet-worker:1-cpu", "cuda": "reg/pdfleet-worker:1-cuda"})
+    s = spec_of(EXAMPLES["chat-cost"])  # Ascend and Hygon, the pdfleet worker
+    problems = runtimes.check(s, CLASSES, built)
+    assert problems and {p.field for p in problems} <= {"spec.prefill.acceleratorClasses[0]",
+                                                        "spec.prefill.acceleratorClasses[1]",
+                                                        "spec.decode.acceleratorClasses[0]",
+                                                        "spec.decode.acceleratorClasses[1]"}
+    text = " | ".join(p.message for p in problems)
+    assert "needs a pdfleet worker built for npu" in text and "needs a pdfleet worker built for dtk" in text
+    assert "its images: cpu, cuda" in text and "spec.runtimes.pdfleet.image" in text
+    assert runtimes.check(spec(), CLASSES, built) == [], "H100 and MIG run the cuda build"
+    # The class's own image wins, as the admin names it.
+    ascend = CLASSES["ascend-910b"]
+    named = with_class("ascend-910b", runtimes=ascend.runtimes.model_copy(update={
+        "pdfleet": ascend.runtimes.pdfleet.model_copy(update={"image": "reg/pdfleet-worker:1-npu"})}))
+    assert runtimes.for_pool(s, "decode", "ascend-910b", named["ascend-910b"], images=built).image == \
+        "reg/pdfleet-worker:1-npu"
+
+
+def test_an_image_built_for_another_platform_is_refused() -> None:
+    """The README's old install: one --worker-image, the CPU build, for NVIDIA pools that render --device cuda."""
+    cpu_only = worker_images.WorkerImages.of({"cpu": "reg/pdfleet-worker:1-cpu", "cuda": "reg/pdfleet-worker:1-cuda"})
+    s = spec(image="reg/pdfleet-worker:1-cpu")
+    problems = runtimes.check(s, CLASSES, cpu_only)
+    assert problems and "is built for cpu and cannot drive it" in problems[0].message
+    assert "spec.engine.image" in problems[0].message
+    with pytest.raises(ValueError, match="tagged for cpu"):
+        worker_images.WorkerImages.of({"cuda": "reg/pdfleet-worker:1-cpu"})
+    assert runtimes.check(spec(image="reg/my-own-build:7"), CLASSES, cpu_only) == [], "an untagged image is trusted"
+
+
+def test_worker_image_flags_parse_by_platform() -> None:
+    parsed = worker_images.WorkerImages.parse(["cuda=reg/w:2", "reg/pdfleet-worker:2-cpu"])
+    assert parsed.images == (("cpu", "reg/pdfleet-worker:2-cpu"), ("cuda", "reg/w:2"))
+    assert parsed.describe() == "cpu=reg/pdfleet-worker:2-cpu, cuda=reg/w:2"
+    with pytest.raises(ValueError, match="name the platform"):
+        worker_images.WorkerImages.parse(["reg/w:2"])
+    with pytest.raises(ValueError, match="two worker images for cuda"):
+        worker_images.WorkerImages.parse(["cuda=a", "cuda=b"])
+    assert worker_images.image_platform("reg:5000/x/pdfleet-worker:0.1.0-npu@sha256:" + "0" * 64) == "npu"
+    assert worker_images.image_platform("reg:5000/x/pdfleet-worker:0.1.0") is None
+
+
+# --- class volumes (decide.guardrails) ---------------------------------------------------------------------
+
+def _volumes(*pairs):
+    from pdfleet_operator.api.accelerator_class import ClassVolume, ClassVolumeMount, HostPathSource
+    vols = [ClassVolume(name=f"v{i}", host_path=HostPathSource(path=h)) for i, (h, _) in enumerate(pairs)]
+    mounts = [ClassVolumeMount(name=f"v{i}", mount_path=m) for i, (_, m) in enumerate(pairs)]
+    return with_class("ascend-910b", volumes=vols, volume_mounts=mounts)["ascend-910b"]
+
+
+def test_class_host_paths_stay_off_the_nodes_sensitive_paths() -> None:
+    from pdfleet_operator.decide import guardrails
+    assert guardrails.class_volume_problems(CLASSES["ascend-910b"]) == [], "the example's driver mounts"
+    for host in ("/", "/var/run/containerd", "/var/lib/kubelet/pods", "/etc/kubernetes", "/var", "/usr/local/../../etc",
+                 "/root/.ssh", "/dev", "/var/run/docker.sock"):
+        problems = guardrails.class_volume_problems(_volumes((host, "/opt/x")))
+        assert problems and problems[0].field == "spec.volumes[0].hostPath.path", host
+    for mount in ("/", "/usr", "/tmp", "/etc/pdfleet", "/var/run/pdfleet/auth", "/models", "/home/pdfleet/x"):
+        problems = guardrails.class_volume_problems(_volumes(("/opt/hyhal", mount)))
+        assert problems and problems[0].field == "spec.volumeMounts[0].mountPath", mount
+    s = spec()
+    with pytest.raises(runtimes.RuntimeProblem, match=r"AcceleratorClass ascend-910b spec.volumes\[0\].hostPath.path"):
+        runtimes.for_pool(s, "decode", "ascend-910b", _volumes(("/var/lib/kubelet", "/opt/x")))
 
 
 def test_one_role_runs_one_engine() -> None:

@@ -18,8 +18,7 @@ from typing import Any
 import yaml
 
 from pdfleet_operator.api import InferenceDeployment
-from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
-from pdfleet_operator.decide import cost, reconcile
+from pdfleet_operator.decide import cost, reconcile, worker_images
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_files, standard_nodes
 
@@ -47,7 +46,7 @@ def expected(doc: dict[str, Any]) -> dict[str, Any]:
                              served_record=None, reserved=[], inputs=reconcile.Inputs(),
                              now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
                              router_cpu=cost.router_cores(dep.spec.router.resources.requests),
-                             worker_image=DEFAULT_WORKER_IMAGE, token_secret=render.auth_secret_name(name))
+                             worker_image=worker_images.DEFAULTS.describe(), token_secret=render.auth_secret_name(name))
 
     def run(spec, plan, revision, surge):
         return render.render(owner, spec, plan, cls, revision=revision, surge=surge)

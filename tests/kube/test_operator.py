@@ -353,22 +353,27 @@ def test_fields_dropped_from_a_class_leave_the_live_pods(kube) -> None:
 
 
 def test_the_worker_image_defaults_in_the_operator_not_in_the_crd(kube) -> None:
-    """A CRD upgrade must not roll fleets: the schema defaults no image; the operator's --worker-image does,
-    and the status says which image that was."""
+    """A CRD upgrade must not roll fleets: the schema defaults no image; the operator's --worker-image PLATFORM=IMAGE
+    does (the H100 and MIG pools: cuda; the router: cpu), and the status says which images those were."""
+    from pdfleet_operator.decide import worker_images
     prepare_cluster(kube)
-    image = "registry.example.com/team/pdfleet-worker:dev"
-    saved = handlers.OPTIONS.worker_image
-    handlers.OPTIONS.worker_image = image
+    images = worker_images.WorkerImages.of({"cpu": "registry.example.com/team/pdfleet-worker:dev-cpu",
+                                            "cuda": "registry.example.com/team/pdfleet-worker:dev-cuda"})
+    saved = handlers.OPTIONS.worker_images
+    handlers.OPTIONS.worker_images = images
     try:
         with running_operator(kube):
             kube.apply(LLAMA)
             assert "image" not in kube.get("infdep", "llama31-8b")["spec"]["engine"], "the CRD defaults no image"
-            cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == image)
-            pools = [o for k, o in children(kube, "llama31-8b").items() if k.startswith("Deployment/")]
-            assert {o["spec"]["template"]["spec"]["containers"][0]["image"] for o in pools} == {image}, "workers and router"
+            cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == images.describe())
+            pools = {k: o["spec"]["template"]["spec"]["containers"][0]["image"]
+                     for k, o in children(kube, "llama31-8b").items() if k.startswith("Deployment/")}
+            assert pools == {"Deployment/llama31-8b-prefill-h100-80gb": images.get("cuda"),
+                             "Deployment/llama31-8b-decode-h100-mig-3g-40gb": images.get("cuda"),
+                             "Deployment/llama31-8b-router": images.get("cpu")}, pools
             kube.patch("infdep", "llama31-8b", {"spec": {"engine": {"image": "registry.example.com/w:1"}}})
             wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == "registry.example.com/w:1")
             settle(kube)
             assert cr["status"]["currentRevision"] == 1
     finally:
-        handlers.OPTIONS.worker_image = saved
+        handlers.OPTIONS.worker_images = saved

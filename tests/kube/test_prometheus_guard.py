@@ -29,6 +29,29 @@ def test_only_the_operators_own_and_the_allowed_prefixes_are_read() -> None:
         assert why and why.startswith("spec.autoscaling.prometheusUrl: ") and "not fetched" in why, attack
 
 
+def test_urls_are_compared_parsed_and_user_info_is_refused() -> None:
+    """HEAD matched strings: with http://prometheus.monitoring allowed, ...:9090@evil.example/api passed, and the
+    operator fetched it from evil.example (user info `prometheus.monitoring:9090`)."""
+    ok = guardrails.prometheus_url_problem
+    allowed = ("http://prometheus.monitoring", "https://thanos.monitoring.svc:10902/prom")
+    for attack in ("http://prometheus.monitoring:9090@evil.example/api", "http://prometheus.monitoring@evil.example",
+                   "http://user:pw@prometheus.monitoring:9090", "http://prometheus.monitoring\\@evil.example",
+                   "http://prometheus.monitoring.evil.example", "https://prometheus.monitoring",
+                   "https://thanos.monitoring.svc:10902/prometheus", "https://thanos.monitoring.svc:10902/prom/../x",
+                   "https://thanos.monitoring.svc:10902/prom/%2e%2e/admin", "https://thanos.monitoring.svc:10902/prom%2fx",
+                   "https://thanos.monitoring.svc/prom", "http://prometheus.monitoring/api?x=http://evil",
+                   "http://prometheus.monitoring#@evil.example", "ftp://prometheus.monitoring", "http://"):
+        why = ok(attack, None, allowed)
+        assert why and "not fetched" in why, attack
+    assert "user info" in ok("http://prometheus.monitoring:9090@evil.example/api", None, allowed)
+    for fine in ("http://prometheus.monitoring", "http://prometheus.monitoring:9090/", "http://PROMETHEUS.monitoring/x",
+                 "https://thanos.monitoring.svc:10902/prom", "https://thanos.monitoring.svc:10902/prom/v1"):
+        assert ok(fine, None, allowed) is None, fine
+    assert ok("http://mine", "http://mine:80/", ()) is None, "the default port is the same port"
+    with pytest.raises(ValueError, match="user info"):
+        guardrails.check_url_prefix("http://a@b")
+
+
 @pytest.fixture
 def recorder():
     hits: list[str] = []

@@ -115,12 +115,22 @@ def test_worker_pod_for_a_domestic_class() -> None:
     assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
                          "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--heartbeat-interval", "10s",
                          "--drain-timeout", "600s", "--auth-token-file", "/var/run/pdfleet/auth/token", "--kv-port", "8001",
-                         "--device", "npu", "--accelerator", "ascend-910b"]
+                         "--device", "npu", "--accelerator", "ascend-910b", "--num-threads", "auto"]
     assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in c["ports"]  # named in the NetworkPolicy
+    assert c["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0-npu", "the image of the class's platform"
     # Host memory: 7.6B bf16 weights (14.2 GiB) + 4 GiB overhead; 2 cores per card; no CPU limit.
     assert c["resources"] == {"requests": {"cpu": "2", "huawei.com/Ascend910": "1", "memory": "19Gi"},
                               "limits": {"huawei.com/Ascend910": "1", "memory": "38Gi"}}
-    assert {"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0"} in c["env"]
+    # The device plugin sets the visible devices; the driver's userland comes from the class, read-only; HCCL binds
+    # the pod's IP; the threads come from the pod's CPU request.
+    assert not any(e["name"].endswith("_VISIBLE_DEVICES") for e in c["env"])
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HCCL_IF_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["PDFLEET_CPU_REQUEST"]["valueFrom"] == {"resourceFieldRef": {
+        "containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}}
+    assert {"name": "class-driver-lib64", "mountPath": "/usr/local/Ascend/driver/lib64", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "class-driver-version", "hostPath": {"path": "/usr/local/Ascend/driver/version.info",
+                                                         "type": "File"}} in pod["volumes"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -138,7 +148,9 @@ def test_mig_pool_requests_the_slice_and_tolerates_gpu_taint() -> None:
     dep = next(o for o in objs if o["metadata"]["name"] == "llama31-8b-decode-h100-mig-3g-40gb")
     pod = dep["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"memory": "38Gi", "nvidia.com/mig-3g.40gb": "1"}
-    assert pod["containers"][0]["args"][-4:] == ["--device", "cuda", "--accelerator", "h100-mig-3g-40gb"]
+    assert pod["containers"][0]["args"][-6:] == ["--device", "cuda", "--accelerator", "h100-mig-3g-40gb",
+                                                 "--num-threads", "auto"]
+    assert pod["containers"][0]["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0-cuda"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/mig.strategy": "mixed"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert dep["spec"]["replicas"] == 2
@@ -329,6 +341,30 @@ def test_workers_accept_only_their_router_peers_and_scrapers() -> None:
     assert not _admits(limited, router, "team-a", 8000, {"app": "curl"}, "gateway")
     assert not _admits(limited, router, "team-a", 8000, {}, "team-a")
     assert {"ipBlock": {"cidr": "10.0.0.0/8"}} in limited["spec"]["ingress"][0]["from"]
+    # Prometheus keeps scraping the router (rollback analysis reads its answers' status codes): HEAD's allowFrom
+    # shut the scraper namespaces out with everyone else.
+    assert _admits(limited, router, "team-a", 8000, {"app": "prometheus"}, "monitoring")
+    assert not _admits(limited, router, "team-a", 8000, {"app": "prometheus"}, "elsewhere")
+
+
+def test_vllm_kv_connectors_get_the_ports_they_need_between_the_deployments_pods_only() -> None:
+    """NIXL's side channel (5600) and UCX's run-time ports: every port, from this deployment's own pods only.
+    HEAD opened 8000, 8001 and 5600 alone (UCX over TCP and Mooncake's transfer engine were cut off)."""
+    spec = spec_of(EXAMPLES["llama31-8b"])
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
+    plan = placement.plan(spec, CLASSES, inventory.build(standard_nodes(), []))
+    objs = {(o["kind"], o["metadata"]["name"]): o
+            for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)}
+    workers = objs[("NetworkPolicy", "llama31-8b-workers")]
+    prefill = objs[("Deployment", "llama31-8b-prefill-h100-80gb")]["spec"]["template"]["metadata"]["labels"]
+    decode = objs[("Deployment", "llama31-8b-decode-h100-mig-3g-40gb")]["spec"]["template"]["metadata"]["labels"]
+    for port in (5600, 41234, 18000):
+        assert _admits(workers, prefill, "team-a", port, decode, "team-a"), port
+        assert not _admits(workers, prefill, "team-a", port, {"pdfleet.io/deployment": "x"}, "team-a"), port
+        assert not _admits(workers, prefill, "team-a", port, {"app": "prometheus"}, "monitoring"), port
+    # The pdfleet engine moves KV over its own fixed port: only 8000 and 8001 between its pods.
+    plain = {(o["kind"], o["metadata"]["name"]): o for o in rendered("llama31-8b")}[("NetworkPolicy", "llama31-8b-workers")]
+    assert not _admits(plain, prefill, "team-a", 5600, decode, "team-a")
 
 
 def test_pools_with_room_roll_without_shrinking_and_the_others_one_pod_at_a_time() -> None:

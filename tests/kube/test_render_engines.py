@@ -8,8 +8,7 @@ import subprocess
 
 import pytest
 
-from pdfleet_operator.api import names
-from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator.decide import inventory, placement, worker_images
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
 from tests.support import vllm
@@ -51,19 +50,38 @@ def test_a_vllm_pool_runs_vllm_serve_with_the_specs_engine_settings() -> None:
     assert router["args"][:3] == ["router", "--workers", "vllm@http://qwen2-7b-vllm-colocated.team-a.svc:8000"]
 
 
-def test_mixed_vendors_vllm_prefill_decode_takes_each_classs_image_and_one_connector() -> None:
+def ascend_vllm_spec():
+    spec = spec_of(EXAMPLES["qwen2-7b-vllm"])
+    return spec.model_copy(update={"colocated": spec.colocated.model_copy(update={"accelerator_classes": ["ascend-910b"]})})
+
+
+def test_the_mixed_example_runs_each_vendors_worker_build_and_pdfleets_own_kv_transfer() -> None:
     objs = objects("llama31-8b-mixed")
     prefill = container(objs, "llama31-8b-mixed-prefill-h100-80gb")
     decode = container(objs, "llama31-8b-mixed-decode-ascend-910b")
-    assert prefill["image"] == "vllm/vllm-openai:v0.32.0" and decode["image"] == "quay.io/ascend/vllm-ascend:v0.23.0"
-    transfer = {c["name"] + str(i): json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
-                for i, c in enumerate((prefill, decode))}
-    assert transfer == {"vllm0": {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"},
-                        "vllm1": {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer"}}
-    assert {"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0"} in decode["env"]
+    assert prefill["image"].endswith("-cuda") and decode["image"].endswith("-npu")
+    assert prefill["args"][prefill["args"].index("--device") + 1] == "cuda"
+    assert decode["args"][decode["args"].index("--device") + 1] == "npu"
+    assert "--kv-peers" in decode["args"] and {"name": "kv", "containerPort": render.KV_PORT, "protocol": "TCP"} in \
+        prefill["ports"]
+    assert not any(e["name"].endswith("_VISIBLE_DEVICES") for c in (prefill, decode) for e in c["env"])
+    assert "HCCL_IF_IP" in {e["name"] for e in decode["env"]} and "HCCL_IF_IP" not in {e["name"] for e in prefill["env"]}
     router = container(objs, "llama31-8b-mixed-router")
-    assert router["args"][:5] == ["router", "--prefill", "vllm@http://llama31-8b-mixed-prefill.team-a.svc:8000",
-                                  "--decode", "vllm@http://llama31-8b-mixed-decode.team-a.svc:8000"]
+    assert router["args"][:5] == ["router", "--prefill", "http://llama31-8b-mixed-prefill.team-a.svc:8000",
+                                  "--decode", "http://llama31-8b-mixed-decode.team-a.svc:8000"]
+    assert router["image"].endswith("-cpu"), "the router computes on no accelerator: the CPU build"
+
+
+def test_a_vllm_ascend_pool_runs_on_128_token_blocks_with_the_drivers_userland() -> None:
+    c = container(objects("qwen2-7b-vllm", spec=ascend_vllm_spec()), "qwen2-7b-vllm-colocated-ascend-910b")
+    assert c["image"] == "quay.io/ascend/vllm-ascend:v0.23.0"
+    assert c["args"][c["args"].index("--block-size") + 1] == "128"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HCCL_IF_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for path in ("/usr/local/Ascend/driver/lib64", "/usr/local/Ascend/driver/version.info", "/usr/local/bin/npu-smi",
+                 "/usr/local/dcmi"):
+        assert mounts[path]["readOnly"] is True, path
 
 
 def test_nixl_pools_declare_the_side_channel_and_a_multi_device_class_is_tensor_parallel() -> None:
@@ -75,9 +93,31 @@ def test_nixl_pools_declare_the_side_channel_and_a_multi_device_class_is_tensor_
     assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
     assert json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1]) == {"kv_connector": "NixlConnector",
                                                                                  "kv_role": "kv_both"}
-    assert {"name": "kv", "containerPort": render.NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"} in c["ports"]
-    assert {e["name"] for e in c["env"]} >= {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"}
+    assert {"name": "kv", "containerPort": 5600, "protocol": "TCP"} in c["ports"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["cpu"] == "4"
+    # UCX moves NIXL's blocks on ports it picks at run time: every port, but only between this deployment's pods.
+    (workers,) = [o for (kind, n), o in objs.items() if kind == "NetworkPolicy" and n == "llama31-8b-workers"]
+    assert workers["spec"]["ingress"][0] == {"from": [{"podSelector": {"matchLabels": {
+        "pdfleet.io/deployment": "llama31-8b"}}}]}
+
+
+def test_vllm_runs_as_the_pods_uid_with_a_home_a_user_and_writable_caches() -> None:
+    """HEAD: HOME=/tmp, no USER: vLLM's torch.compile caches ask getpwuid() for uid 10001, which has no passwd entry."""
+    objs = objects("qwen2-7b-vllm")
+    c = container(objs, "qwen2-7b-vllm-colocated-h100-80gb")
+    pod = objs[("Deployment", "qwen2-7b-vllm-colocated-h100-80gb")]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["USER"] == env["LOGNAME"] == "pdfleet" and env["HOME"] == render.HOME_MOUNT
+    writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+    for var in ("HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME",
+                "NUMBA_CACHE_DIR", "TMPDIR"):
+        assert any(env[var] == w or env[var].startswith(w + "/") for w in writable), var
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsUser"] == 10001
+    assert {v["name"] for v in pod["volumes"] if "emptyDir" in v} >= {"home", "cache", "tmp", "shm"}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
 
 
 def test_what_cannot_run_is_refused_before_anything_is_rendered() -> None:
@@ -110,10 +150,11 @@ def test_rendered_vllm_flags_parse_with_vllms_own_parser() -> None:
     spec = spec_of(EXAMPLES["llama31-8b"])
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
     cls = {**CLASSES, "h100-80gb": CLASSES["h100-80gb"].model_copy(update={"count": 2})}
-    rendered = [objects(n) for n in ("qwen2-7b-vllm", "llama31-8b-mixed")] + [objects("llama31-8b", cls, spec)]
+    rendered = [objects("qwen2-7b-vllm"), objects("qwen2-7b-vllm", spec=ascend_vllm_spec()),
+                objects("llama31-8b", cls, spec)]
     argvs = [["--model", *c["args"]] for objs in rendered for (kind, _), o in objs.items() if kind == "Deployment"
              for c in o["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
-    assert len(argvs) == 5
+    assert len(argvs) == 4
     code = ("import json, sys\n"
             "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
@@ -130,8 +171,8 @@ def test_rendered_vllm_flags_parse_with_vllms_own_parser() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert parsed[0] == [["qwen2-7b-instruct"], 8192, 16, 0.9, 256, 2048, True, 1, None, None]
-    assert [p[8:] for p in parsed[1:3]] == [["MooncakeConnectorV1", "kv_producer"], ["MooncakeConnectorV1", "kv_consumer"]]
-    assert [p[7:] for p in parsed[3:]] == [[2, "NixlConnector", "kv_both"], [1, "NixlConnector", "kv_both"]]
+    assert parsed[1] == [["qwen2-7b-instruct"], 8192, 128, 0.9, 256, 2048, True, 1, None, None], "vLLM-Ascend's blocks"
+    assert [p[7:] for p in parsed[2:]] == [[2, "NixlConnector", "kv_both"], [1, "NixlConnector", "kv_both"]]
 
 
 # What the example classes offer: (class, engine) -> the image its pool runs, or the refusal's words.
@@ -176,7 +217,8 @@ def test_every_example_class_with_both_engines_renders_valid_objects_or_is_refus
     if engine == "vllm":
         assert c["image"] == expected and c["command"] == ["vllm", "serve"]
     else:
-        assert c["image"] == (cls.image or spec.engine.image or names.DEFAULT_WORKER_IMAGE)
+        platform = worker_images.class_platform(cls)
+        assert c["image"] == worker_images.DEFAULTS.get(platform) and c["image"].endswith(f"-{platform}")
         assert c["args"][c["args"].index("--device") + 1] == {"nvidia": "cuda", "hygon": "cuda", "huawei": "npu",
                                                               "cambricon": "mlu", "cpu": "cpu"}[cls.vendor]
     for var in cls.env:

@@ -84,7 +84,13 @@ def test_vllm_colocated_gpu_pools_get_vllms_native_offload_flag() -> None:
     args = c["args"]
     assert args[args.index("--kv-offloading-size") + 1] == "16" and "--kv-offloading-backend" in args
     plain = container(objects("qwen2-7b-vllm"), "qwen2-7b-vllm-colocated-h100-80gb")
-    assert plain["resources"] == c["resources"]   # vLLM's buffer is its own business: not added by us
+    # vLLM's offload buffer is pinned host memory in the pod: on top of request and limit (HEAD left it out, so
+    # 64 GiB of offload sat under a 38 GiB limit: an OOMKill).
+    gib = {k: int(v.removesuffix("Gi")) for k, v in (("request", c["resources"]["requests"]["memory"]),
+                                                     ("limit", c["resources"]["limits"]["memory"]))}
+    base = {k: int(v.removesuffix("Gi")) for k, v in (("request", plain["resources"]["requests"]["memory"]),
+                                                      ("limit", plain["resources"]["limits"]["memory"]))}
+    assert gib == {"request": base["request"] + 16, "limit": base["limit"] + 16}
 
 
 @pytest.mark.parametrize("engine, field", [

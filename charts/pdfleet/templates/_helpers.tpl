@@ -53,9 +53,15 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
-{{/* The default pdfleet worker image (the operator's --worker-image). */}}
+{{/* The pdfleet worker image `make images` built for one platform (call with (list $ "cuda")). */}}
 {{- define "pdfleet.workerImage" -}}
-{{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) }}
+{{- $root := index . 0 }}
+{{- printf "%s:%s-%s" $root.Values.workerImage.repository (default $root.Chart.AppVersion $root.Values.workerImage.tag) (index . 1) }}
+{{- end }}
+
+{{/* The Secret holding the Alertmanager receiver's bearer token: the admin's, or the one this chart makes. */}}
+{{- define "pdfleet.alertmanagerTokenSecret" -}}
+{{- default (printf "%s-alertmanager" (include "pdfleet.operatorName" .)) .Values.operator.alertmanagerTokenSecret }}
 {{- end }}
 
 {{/* True ("true") when the operator watches every namespace. */}}

@@ -48,8 +48,16 @@ class Toleration(ApiModel):
 class EnvVar(ApiModel):
     """A plain environment variable for the worker container."""
 
-    name: str = Field(description="Variable name.", pattern=ENV_NAME_PATTERN, max_length=256)
+    name: str = Field(description="Variable name. Not a device-visibility variable (*_VISIBLE_DEVICES): the vendor's "
+                                  "device plugin sets those from the devices it allocates to each pod.",
+                      pattern=ENV_NAME_PATTERN, max_length=256)
     value: str = Field("", description="Variable value.")
+
+    cel_rules: ClassVar = (
+        Rule(rule="!self.name.endsWith('_VISIBLE_DEVICES')",
+             message="the device plugin sets *_VISIBLE_DEVICES from the devices it allocates to each pod; a fixed "
+                     "value would point every replica at one device", field_path=".name"),
+    )
 
 
 class Partition(ApiModel):
@@ -68,6 +76,15 @@ class Partition(ApiModel):
 class PdfleetRuntime(ApiModel):
     """How the pdfleet worker runs on this class."""
 
+    image: str | None = Field(
+        None, description="The pdfleet worker image for this class: a build whose torch drives this class's "
+                          "accelerators (`make images` tags them <repository>:<version>-<platform>: cpu, cuda, and "
+                          "the vendors' builds npu (torch_npu), mlu (torch_mlu), dtk (Hygon DTK's torch)). Empty: the "
+                          "InferenceDeployment's spec.engine.image, else the operator's default for the class's "
+                          "platform (--worker-image PLATFORM=IMAGE). An image whose tag names another platform is "
+                          "refused, as is a class with no image for its platform.",
+        min_length=1, max_length=512)
+
     device: TorchDevice | None = Field(
         None, description="The torch device the worker computes on (`pdfleet worker --device`). Empty: from the "
                           "vendor (nvidia and hygon: cuda, the DTK torch is CUDA-compatible; huawei: npu through "
@@ -83,11 +100,41 @@ class VllmRuntime(ApiModel):
     image: str = Field(description="Image with vLLM for this device, e.g. vllm/vllm-openai:v0.11.0 (NVIDIA) or "
                                    "quay.io/ascend/vllm-ascend:v0.11.0rc0 (Ascend). Its `vllm` command serves the model.",
                        min_length=1, max_length=512)
-    kv_connector: str = Field(
-        "NixlConnector", description="vLLM KV connector a prefill/decode pool on this class uses (`--kv-transfer-config`), "
-                                     "e.g. NixlConnector (NVIDIA) or MooncakeConnectorV1 (vLLM-Ascend).",
+    kv_connector: str | None = Field(
+        None, description="vLLM KV connector a prefill/decode pool on this class uses (`--kv-transfer-config`), by the "
+                          "name the class's vLLM build registers it under: upstream vLLM's NixlConnector (its default) "
+                          "or MooncakeConnector, vLLM-Ascend's MooncakeConnectorV1 (its default). Empty: the build's "
+                          "default. Prefill and decode must use one connector of one build.",
         pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=64)
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment for vLLM pods on this class.")
+
+
+class HostPathSource(ApiModel):
+    """A file or directory of the node (the vendor's driver libraries, tools, version files)."""
+
+    path: str = Field(description="Absolute, normalized path on the node, e.g. /usr/local/Ascend/driver/lib64.",
+                      pattern=r"^/[^\s]*$", max_length=1024)
+    type: Literal["Directory", "File"] = Field(
+        "Directory", description="What must be there: Directory or File (never created: a driver mount that is "
+                                 "missing fails the pod instead of mounting an empty directory).")
+
+
+class ClassVolume(ApiModel):
+    """A host path the worker pods on this class mount read-only (the vendor's userland the device plugin does not
+    inject). Only cluster admins write AcceleratorClasses; pdfleet still refuses the node's sensitive paths and
+    mounts every one read-only (decide.guardrails.class_volume_problems)."""
+
+    name: str = Field(description="Volume name, unique in the class (the pod's volume is class-<name>).",
+                      pattern=DNS_LABEL_PATTERN, max_length=48)
+    host_path: HostPathSource = Field(description="The node's file or directory.")
+
+
+class ClassVolumeMount(ApiModel):
+    """Where a class volume appears in worker containers (always read-only)."""
+
+    name: str = Field(description="The class volume (spec.volumes[].name).", pattern=DNS_LABEL_PATTERN, max_length=48)
+    mount_path: str = Field(description="Absolute path in the container, e.g. /usr/local/Ascend/driver/lib64.",
+                            pattern=r"^/[^\s]*$", max_length=1024)
 
 
 class ClassRuntimes(ApiModel):
@@ -132,11 +179,16 @@ class AcceleratorClassSpec(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations added to workers on this class.")
     env: list[EnvVar] = Field(
         default_factory=list,
-        description="Environment for workers on this class, e.g. the device-visibility variable "
-                    "(ASCEND_RT_VISIBLE_DEVICES, MLU_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, XPU_VISIBLE_DEVICES).")
-    image: str | None = Field(None, description="pdfleet worker image for this class (a build with the vendor's "
-                                                "PyTorch bridge); empty: the deployment's spec.engine.image.",
-                              min_length=1, max_length=512)
+        description="Environment for workers on this class (both engines), e.g. a driver's library path. Not the "
+                    "device-visibility variables (*_VISIBLE_DEVICES): the vendor's device plugin sets them from the "
+                    "devices it allocates to each pod, and a fixed value would point every replica at one device.")
+    volumes: list[ClassVolume] = Field(
+        default_factory=list, description="Host paths worker pods on this class mount read-only: the vendor's driver "
+                                          "libraries and tools its containers expect (Ascend: the driver's lib64 and "
+                                          "version.info, npu-smi, /usr/local/dcmi; Hygon: /opt/hyhal; Cambricon: the "
+                                          "neuware tree). The node's sensitive paths are refused.")
+    volume_mounts: list[ClassVolumeMount] = Field(
+        default_factory=list, description="Where each class volume is mounted in worker containers (read-only).")
     runtimes: ClassRuntimes = Field(
         default_factory=ClassRuntimes,
         description="The engines pools on this class can run (the pdfleet worker, vLLM) and the default one.")
@@ -146,6 +198,11 @@ class AcceleratorClassSpec(ApiModel):
              message="MIG partitions exist only on NVIDIA devices", field_path=".partition"),
         Rule(rule="(self.vendor == 'cpu') == (self.resourceName == 'cpu')",
              message="resourceName 'cpu' goes with vendor 'cpu' and only with it", field_path=".resourceName"),
+        Rule(rule="!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+                  "self.volumes.exists(v, v.name == m.name))",
+             message="every volumeMount names one of spec.volumes", field_path=".volumeMounts"),
+        Rule(rule="!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
+             message="volume names are unique", field_path=".volumes"),
     )
 
 

@@ -168,8 +168,10 @@ class EngineSpec(ApiModel):
                           "decode must run the same engine; vLLM needs every class to offer it (spec.runtimes.vllm); "
                           "a class with count > 1 needs vLLM (tensor parallelism over the count).")
     image: str | None = Field(
-        None, description="pdfleet worker image (a class's spec.image overrides it); empty: the operator's default "
-                          "(its --worker-image, the chart's workerImage), recorded in status.workerImage.",
+        None, description="pdfleet worker image for every pool (a class's spec.runtimes.pdfleet.image overrides it): "
+                          "a build for the platform of each class it runs on (an image tagged -<platform> for "
+                          "another platform is refused). Empty: the operator's default for each class's platform "
+                          "(its --worker-image PLATFORM=IMAGE, the chart's workerImage).",
         min_length=1, max_length=512)
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
     kv_cache_memory_fraction: float = Field(
@@ -534,7 +536,8 @@ class InferenceDeploymentStatus(ApiModel):
     failed_revision: int | None = Field(None, ge=0, description="Revision rolled back and not re-applied until the spec changes.")
     worker_image: str | None = Field(
         None, description="The pdfleet worker (and router) image of the served revision's pools whose class names "
-                          "none: spec.engine.image, else the operator's default (--worker-image).")
+                          "none: spec.engine.image, else the operator's defaults per platform (--worker-image "
+                          "PLATFORM=IMAGE, listed as platform=image).")
     token_secret: str | None = Field(
         None, description="The deployment token's Secret, once the operator made (or found) it: a restarted operator "
                           "does not create it again. Deleting the Secret rotates the token within a minute.")

@@ -22,10 +22,10 @@ LABEL_ACCELERATOR = "pdfleet.io/accelerator"
 LABEL_REVISION = "pdfleet.io/revision"
 LABEL_ENGINE = "pdfleet.io/engine"  # on worker pods: pdfleet | vllm (the metrics profile of each pool)
 ANNOTATION_TEMPLATE_HASH = "pdfleet.io/template-hash"
-# The pdfleet worker image when neither the deployment (spec.engine.image) nor the class (spec.image) names
-# one: the operator's --worker-image (chart value workerImage), recorded in status.workerImage. Kept out of
-# the CRD schema, so a CRD upgrade never rolls the fleets that relied on the default.
-DEFAULT_WORKER_IMAGE = "ghcr.io/pdfleet/pdfleet-worker:0.1.0"
+# NOTE: the pdfleet worker image a pool runs when neither the deployment (spec.engine.image) nor its class
+# (spec.runtimes.pdfleet.image) names one is the operator's default for the class's platform
+# (decide.worker_images, --worker-image PLATFORM=IMAGE), kept out of the CRD schema so that a CRD upgrade never
+# rolls the fleets that relied on it.
 ANNOTATION_CONFIG_HASH = "pdfleet.io/config-hash"
 # On every child: a digest of what the operator last applied to it. A field the render stops producing (a
 # toleration or env var dropped from a class) leaves the digest changed, so the child is applied again and

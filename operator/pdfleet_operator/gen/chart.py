@@ -20,7 +20,7 @@ from typing import Any, Union
 import yaml
 
 from pdfleet_operator.api import schema
-from pdfleet_operator.decide import metric_names
+from pdfleet_operator.decide import metric_names, worker_images
 from pdfleet_operator.gen import alerts, crds, generated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -131,13 +131,23 @@ def values_tree(root: Path = ROOT) -> Group:
                            "pullPolicy": Value("IfNotPresent", "When the kubelet pulls the image.",
                                                {"enum": ["Always", "IfNotPresent", "Never"]}),
                        }),
-        "workerImage": Group("The pdfleet worker (and router) image of every pool whose InferenceDeployment "
-                             "(`spec.engine.image`) and AcceleratorClass (`spec.image`) name none: the operator's "
-                             "`--worker-image`, recorded in each `status.workerImage`. Built by `make images` (the "
-                             "Dockerfile's worker target). vLLM pools use their class's `spec.runtimes.vllm.image`.", {
+        "workerImage": Group("The pdfleet worker (and router) images, one per platform: `make images` tags them "
+                             "<repository>:<tag>-<platform>. A pool whose InferenceDeployment (`spec.engine.image`) "
+                             "and AcceleratorClass (`spec.runtimes.pdfleet.image`) name none runs the image of its "
+                             "class's platform (the operator's `--worker-image PLATFORM=IMAGE`), recorded in each "
+                             "`status.workerImage`; a class whose platform is not listed is refused with a message "
+                             "naming what to build. vLLM pools use their class's `spec.runtimes.vllm.image`.", {
                            "repository": _string("ghcr.io/pdfleet/pdfleet-worker", "Image repository (or the "
                                                  "registry you pushed your build to).", minLength=1),
-                           "tag": _string("", "Image tag; empty means the chart's appVersion."),
+                           "tag": _string("", "Image tag before the -<platform> suffix; empty means the chart's "
+                                              "appVersion."),
+                           "platforms": Value(list(worker_images.BUILT_BY_DEFAULT),
+                                              "The platforms you built (`make images WORKER_PLATFORMS=...`): cpu "
+                                              "(CPU torch; also the router's), cuda (NVIDIA, MIG), and the vendors' "
+                                              "builds on their PyTorch images: npu (Ascend, torch_npu), mlu "
+                                              "(Cambricon, torch_mlu), dtk (Hygon), xpu, rocm.",
+                                              {"type": "array", "uniqueItems": True, "minItems": 1,
+                                               "items": {"enum": list(worker_images.PLATFORMS)}}),
                        }),
         "imagePullSecrets": _list("Secrets for pulling the operator image from a private registry "
                                   "(`[{name: regcred}]`).",
@@ -214,19 +224,27 @@ def values_tree(root: Path = ROOT) -> Group:
                 }),
             "alertmanagerTokenSecret": _string("", "Name of a Secret (key `token`) in the release namespace holding "
                                                    "the bearer token Alertmanager must send (its receiver's "
-                                                   "http_config.authorization.credentials_file); the receiver then "
-                                                   "answers 401 without it. Empty: unauthenticated (an alert only "
-                                                   "makes the operator analyse Prometheus at once), and a standby "
-                                                   "replica relays nothing to the leader (it answers 503; "
-                                                   "Alertmanager retries until a post lands on the leader): only "
-                                                   "authenticated alerts are relayed.",
+                                                   "http_config.authorization.credentials_file); the receiver answers "
+                                                   "401 without it. Empty: the chart makes one, "
+                                                   "<release>-pdfleet-operator-alertmanager, with a random token it "
+                                                   "keeps across upgrades. The receiver is never unauthenticated.",
                                                pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
+            "alertmanagerNamespaces": Value(["monitoring"], "Namespaces whose pods may reach the Alertmanager receiver "
+                                                            "through the operator's NetworkPolicy (your "
+                                                            "Alertmanager's).",
+                                            {"type": "array", "uniqueItems": True,
+                                             "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
+            "networkPolicy": _bool(True, "A NetworkPolicy on the operator pods: the Alertmanager receiver only from "
+                                         "alertmanagerNamespaces and the other operator replicas (a standby relays to "
+                                         "the leader), /metrics only from scraperNamespaces; nothing else comes in "
+                                         "(kubelet's probes are the node's own traffic)."),
             "metricsPort": _port(OPERATOR_METRICS_PORT, "Port of the operator's /metrics (pool replicas, $/h, "
                                                         "SLO targets, reconciles)."),
             "livenessPort": _port(OPERATOR_LIVENESS_PORT, "Port of the operator's /healthz (liveness probe)."),
             "verbose": _bool(False, "Debug logging."),
             "resources": _free_object("CPU and memory for the operator container.",
-                                      {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}),
+                                      {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                       "limits": {"cpu": "1", "memory": "512Mi"}}),
             "podAnnotations": _labels("Extra annotations on the operator pod."),
             "podLabels": _labels("Extra labels on the operator pod."),
             "nodeSelector": _labels("Node labels the operator pod must match."),

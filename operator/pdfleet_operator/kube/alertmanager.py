@@ -6,7 +6,9 @@ nothing; a valid one becomes `RollbackTrigger`s that the operator feeds to the s
 Prometheus timer runs (`rollback.health_from_alert` then `rollback.analyze`).
 
 With a token (`--alertmanager-token-file`), every `POST /alerts` must carry `Authorization: Bearer
-TOKEN` (Alertmanager's `http_config.authorization`), else 401 and nothing changes. An alert's
+TOKEN` (Alertmanager's `http_config.authorization`), else 401 and nothing changes. `pdfleet operator` refuses to
+serve the receiver without one (`check_receiver`) unless told `--alertmanager-unauthenticated`: anyone who reaches
+an open receiver makes the operator act on alerts it forged. The chart always makes or mounts a token. An alert's
 startsAt is taken as no earlier than ALERT_CREDIT_S before it arrived, and no later than its arrival:
 a forged or replayed alert cannot claim a longer failure than a fresh one could.
 
@@ -124,6 +126,16 @@ def parse(body: bytes, received_at: float | None = None) -> list[RollbackTrigger
         raise PayloadError(f"no pdfleet rollback alert in the payload (got {', '.join(sorted(set(unknown)))}); "
                            f"route only {alerts.ROLLBACK_ALERT} to this receiver")
     return triggers
+
+
+def check_receiver(port: int | None, token_file: str | None, unauthenticated: bool) -> None:
+    """ValueError when the receiver would serve without a bearer token and nobody asked for that explicitly."""
+    if port and not token_file and not unauthenticated:
+        raise ValueError(f"--alertmanager-port {port} without --alertmanager-token-file: the receiver would act on "
+                         f"alerts from anyone who reaches it; give it a token file (the chart mounts one), or pass "
+                         f"--alertmanager-unauthenticated to accept that")
+    if token_file and unauthenticated:
+        raise ValueError("--alertmanager-token-file and --alertmanager-unauthenticated contradict each other")
 
 
 def _is_label(text: str) -> bool:

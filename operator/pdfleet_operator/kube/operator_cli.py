@@ -11,10 +11,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
-from pdfleet_operator.decide import metric_names
+from pdfleet_operator.decide import guardrails, metric_names, worker_images
 from pdfleet_operator.gen import generated
-from pdfleet_operator.kube import exporter, handlers, leader
+from pdfleet_operator.kube import alertmanager, exporter, handlers, leader
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve the Alertmanager webhook receiver (POST /alerts) on this port (default 0: off)")
     p.add_argument("--alertmanager-token-file", default=None, metavar="FILE",
                    help="require Authorization: Bearer <the file's content> on POST /alerts (Alertmanager's "
-                        "http_config.authorization; a mounted Secret)")
+                        "http_config.authorization; a mounted Secret). Required with --alertmanager-port")
+    p.add_argument("--alertmanager-unauthenticated", action="store_true",
+                   help="serve the receiver without a token (anyone who reaches it can trigger rollback analysis); "
+                        "refused otherwise")
     p.add_argument("--analysis-interval", type=float, default=15.0,
                    help="seconds between rollback analyses from Prometheus (0: only on alerts; default 15)")
     p.add_argument("--class-status-interval", type=float, default=15.0,
@@ -59,10 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "hostPath models are refused)")
     p.add_argument("--allow-host-path-namespace", action="append", default=[], metavar="NS",
                    help="allow any model.source.hostPath in this namespace (repeatable)")
-    p.add_argument("--worker-image", default=os.environ.get("PDFLEET_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE,
-                   metavar="IMAGE", help="the pdfleet worker image of pools whose InferenceDeployment (spec.engine.image) "
-                                         f"and AcceleratorClass (spec.image) name none (default $PDFLEET_WORKER_IMAGE "
-                                         f"or {DEFAULT_WORKER_IMAGE}); recorded in each status.workerImage")
+    p.add_argument("--worker-image", action="append", default=[], metavar="PLATFORM=IMAGE",
+                   help="the pdfleet worker image built for PLATFORM (cpu, cuda, dtk, npu, mlu, ...; an IMAGE alone: "
+                        "its tag's -PLATFORM suffix) for pools on classes of that platform whose InferenceDeployment "
+                        "(spec.engine.image) and AcceleratorClass (spec.runtimes.pdfleet.image) name none; a class "
+                        "whose platform has no image is refused (repeatable; default $PDFLEET_WORKER_IMAGE, "
+                        f"space-separated, or {worker_images.DEFAULTS.describe()}); recorded in each status.workerImage")
     p.add_argument("--no-pod-monitors", dest="pod_monitors", action="store_false",
                    help="render no PodMonitor per InferenceDeployment (the chart passes it while its own PodMonitor, "
                         "monitoring.podMonitor, scrapes every deployment's pods: both would double every series)")
@@ -98,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.autoscaler = args.autoscaler
     handlers.OPTIONS.alertmanager_host = args.bind
     handlers.OPTIONS.alertmanager_port = args.alertmanager_port or None
+    try:
+        alertmanager.check_receiver(args.alertmanager_port, args.alertmanager_token_file,
+                                    args.alertmanager_unauthenticated)
+    except ValueError as exc:
+        raise SystemExit(f"pdfleet operator: {exc}") from None
     if args.alertmanager_token_file:
         token = Path(args.alertmanager_token_file).read_text().strip()
         if not token:
@@ -107,13 +116,18 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.class_status_interval = args.class_status_interval
     handlers.OPTIONS.scraper_namespaces = tuple(args.scraper_namespace or ("monitoring",))
     handlers.OPTIONS.namespaces = tuple(args.namespace)
-    from pdfleet_operator.decide import guardrails
     try:
         handlers.OPTIONS.host_path_prefixes = tuple(guardrails.normalize_prefix(p) for p in args.allow_host_path)
     except ValueError as exc:
         raise SystemExit(f"pdfleet operator: --allow-host-path: {exc}") from None
     handlers.OPTIONS.host_path_namespaces = tuple(args.allow_host_path_namespace)
-    handlers.OPTIONS.worker_image = args.worker_image
+    try:
+        flags = args.worker_image or os.environ.get("PDFLEET_WORKER_IMAGE", "").split()
+        handlers.OPTIONS.worker_images = worker_images.WorkerImages.parse(flags) if flags else worker_images.DEFAULTS
+        for prefix in args.allow_prometheus_url:
+            guardrails.check_url_prefix(prefix)
+    except ValueError as exc:
+        raise SystemExit(f"pdfleet operator: {exc}") from None
     handlers.OPTIONS.pod_monitors = args.pod_monitors
     handlers.OPTIONS.prometheus_allowed = tuple(args.allow_prometheus_url)
     handlers.OPTIONS.prometheus_verify = False if args.prometheus_insecure else (args.prometheus_ca or True)

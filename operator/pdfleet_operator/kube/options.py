@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
+from pdfleet_operator.decide import worker_images
 
 
 @dataclasses.dataclass
@@ -32,7 +32,8 @@ class Options:
     # (which hold accelerators too) are listed cluster-wide at most every `foreign_pods_interval` seconds.
     namespaces: tuple[str, ...] = ()
     foreign_pods_interval: float = 10.0
-    worker_image: str = DEFAULT_WORKER_IMAGE  # pdfleet workers' image when neither the CR nor its class names one
+    # pdfleet workers' image per platform when neither the CR nor its class names one (decide.worker_images)
+    worker_images: worker_images.WorkerImages = worker_images.DEFAULTS
     pod_monitors: bool = True  # a PodMonitor per deployment (off when the chart's own PodMonitor scrapes them all)
 
 

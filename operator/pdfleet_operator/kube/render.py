@@ -12,6 +12,13 @@ applied over (kube.client.create_if_missing), so no reconcile replaces a token t
 and pdfleet worker pods mount it (`--auth-token-file`); the router also mounts the optional Secret of
 client API keys an admin may create (`--api-key-file`), and decode workers pull KV only from the
 prefill role's Service (`--kv-peers`).
+
+Pods start on the hardware they are placed on (issue 26): the image of the class's platform
+(`decide.worker_images`), no device-visibility variable of ours (the device plugin's), the class's read-only
+host-path volumes (the vendor's driver userland) and env, HCCL_IF_IP on Ascend, vLLM as the non-root uid with
+HOME, USER and writable cache directories under a read-only root, torch threads sized from the container
+(`--num-threads auto` and the pod's CPU request), memory that covers weights, host KV, the offload tier and swap
+(`decide.pod_memory`), and the ports each KV connector needs between the deployment's pods.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ from pdfleet_operator.api.names import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_REVISION_SPEC,
     ANNOTATION_TEMPLATE_HASH,
-    DEFAULT_WORKER_IMAGE,
     LABEL_ACCELERATOR,
     LABEL_DEPLOYMENT,
     LABEL_ENGINE,
@@ -50,20 +56,26 @@ from pdfleet_operator.api.names import (
     role_service_name,
     router_name,
 )
-import math
-
 from pdfleet_operator.decide import metric_names as names
-from pdfleet_operator.decide import perf, runtimes
-from pdfleet_operator.decide import rollback
+from pdfleet_operator.decide import pod_memory, rollback, runtimes, worker_images
+from pdfleet_operator.decide.kv_connectors import Connector
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
+from pdfleet_operator.decide.worker_images import WorkerImages
 
 HTTP_PORT = 8000
 KV_PORT = 8001  # the pdfleet prefill worker's KV endpoint, fixed so that the NetworkPolicy can name it
-NIXL_SIDE_CHANNEL_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/pdfleet"
 CONFIG_KEY = "engine.json"
-RUN_AS = 10001  # the image's user (Dockerfile: useradd --uid 10001)
+RUN_AS = 10001  # the image's user (Dockerfile: useradd --uid 10001); vendors' vLLM images have no such user
+USER = "pdfleet"  # $USER and $LOGNAME: a uid without a passwd entry makes getpass.getuser() (torch's caches) fail
+# vLLM pods: a writable home and cache tree (emptyDirs) under the read-only root filesystem.
+HOME_MOUNT = "/home/pdfleet"
+CACHE_MOUNT = "/var/cache/pdfleet"
+VLLM_CACHE_ENV = (("XDG_CACHE_HOME", ""), ("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                  ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "huggingface"), ("NUMBA_CACHE_DIR", "numba"))
+# The pdfleet worker's torch threads: sized in the pod from its CPU quota, affinity mask and this (its request).
+CPU_REQUEST_ENV = "PDFLEET_CPU_REQUEST"
 # The deployment token: a Secret per InferenceDeployment (created by the operator when missing) in every router
 # and pdfleet worker pod; the client API keys: an optional Secret the admin creates, in the router pod only.
 AUTH_MOUNT = "/var/run/pdfleet/auth"
@@ -229,6 +241,8 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.Pool
         flags += ["--device", runtime.device]
     if accelerator is not None:
         flags += ["--accelerator", accelerator]
+    # torch threads from the container's CPUs (quota, affinity, $PDFLEET_CPU_REQUEST), one core kept for the server
+    flags += ["--num-threads", "auto"]
     return engine_args.worker_args(spec, role, model_dir=model_dir(spec), host="0.0.0.0", port=HTTP_PORT,
                                    engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY), flags=flags)
 
@@ -237,7 +251,8 @@ def vllm_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRu
     """`vllm serve` arguments in a pod: the model directory, then the spec's engine settings."""
     return [model_dir(spec), *engine_args.vllm_args(spec, role, host="0.0.0.0", port=HTTP_PORT,
                                                     tensor_parallel=runtime.tensor_parallel,
-                                                    kv_connector=runtime.kv_connector)]
+                                                    kv_connector=runtime.kv_connector,
+                                                    block_size=runtime.block_size)]
 
 
 # Seconds a draining router keeps answering new requests (kube-proxy and ingress controllers stop sending to a
@@ -292,32 +307,23 @@ def _scrape_annotations() -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT), "prometheus.io/path": "/metrics"}
 
 
-# Host memory a worker needs beyond its weights on an accelerator: tokenizer, HTTP server, the engine's
-# Python and the staging buffers weights are loaded through.
-HOST_OVERHEAD_GIB = 4
 # CPU cores per accelerator unit a worker requests: tokenization, HTTP and the scheduling loop.
 CORES_PER_UNIT = 2
 
 
-def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> tuple[dict[str, str], dict[str, str]]:
+def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec,
+                      memory: pod_memory.PodMemory | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """CPU and memory requests and limits of one worker, from the model and the class (the role's own win).
 
-    On an accelerator: memory = weights + HOST_OVERHEAD_GIB (limit twice that), CORES_PER_UNIT cores per
-    unit, no CPU limit (a throttled engine loop stalls every sequence). On the `cpu` class the class's
-    memoryGiB is the replica's memory (weights and KV live there), request = limit: the worker sizes its
-    KV pool from that limit, not from the node's free memory. Without `model.architecture` the weights are
-    unknown and only the overhead (accelerators) or the class's memory (`cpu`) is asked for. A pdfleet
-    worker's host KV offload tier and swap space (engine.kvOffload.hostMemory, engine.swapSpace with
-    preemption swap) come on top, in both cases.
+    Memory: `decide.pod_memory` (weights, host KV, the offload tier, swap and the runtime, both engines). CPU on an
+    accelerator: CORES_PER_UNIT cores per unit, no CPU limit (a throttled engine loop stalls every sequence); on
+    the `cpu` class its count (in `_resources`).
     """
-    weights = perf.weights_bytes(spec)
-    weights_gib = 0 if weights is None else weights / 2**30
-    extra_gib = (engine_args.host_memory_bytes(spec) if runtimes.engine_of(spec, cls) == runtimes.PDFLEET else 0) / 2**30
-    if cls.resource_name == "cpu":
-        memory = f"{math.ceil(max(cls.memory_gib, weights_gib + 1) + extra_gib)}Gi"
-        return {"memory": memory}, {"memory": memory}
-    request = math.ceil(weights_gib + HOST_OVERHEAD_GIB + extra_gib)
-    return ({"cpu": str(CORES_PER_UNIT * cls.count), "memory": f"{request}Gi"}, {"memory": f"{2 * request}Gi"})
+    memory = memory or pod_memory.budget(spec, cls, runtimes.engine_of(spec, cls))
+    requests, limits = {"memory": f"{memory.request_gib}Gi"}, {"memory": f"{memory.limit_gib}Gi"}
+    if cls.resource_name != "cpu":
+        requests["cpu"] = str(CORES_PER_UNIT * cls.count)
+    return requests, limits
 
 
 def _resources(role_resources: Any, cls: AcceleratorClassSpec | None,
@@ -340,7 +346,8 @@ def _resources(role_resources: Any, cls: AcceleratorClassSpec | None,
     return out
 
 
-def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[str, str]]) -> list[dict[str, Any]]:
+def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[str, str]],
+             home: str = "/tmp") -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "PDFLEET_DEPLOYMENT", "value": owner.name},
         {"name": "PDFLEET_ROLE", "value": role},
@@ -354,65 +361,91 @@ def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[
     env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "HOME", "value": "/tmp"},
+        {"name": "HOME", "value": home},
+        {"name": "USER", "value": USER},
+        {"name": "LOGNAME", "value": USER},
     ]
     return env + extra
 
 
+def _pod_ip(name: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def _class_volumes(cls: AcceleratorClassSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The class's host paths (the vendor's driver userland), read-only; runtimes refused unsafe ones already."""
+    volumes = [{"name": f"class-{v.name}", "hostPath": {"path": v.host_path.path, "type": v.host_path.type}}
+               for v in cls.volumes]
+    mounts = [{"name": f"class-{m.name}", "mountPath": m.mount_path, "readOnly": True} for m in cls.volume_mounts]
+    return volumes, mounts
+
+
+def _vllm_container(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime, cls: AcceleratorClassSpec,
+                    env: list[dict[str, Any]], memory: pod_memory.PodMemory) -> tuple[dict[str, Any], list, list]:
+    """vLLM as the pod runs it: the non-root uid with no passwd entry (USER, LOGNAME), a writable HOME and cache
+    tree (emptyDirs) for its compile and model caches under the read-only root, no usage reports and no hub
+    (weights come from the volume), the connector's ports and host, and on the `cpu` class its KV space."""
+    env = [e for e in env if e["name"] != "HOME"] + [{"name": "HOME", "value": HOME_MOUNT}, {"name": "TMPDIR", "value": "/tmp"}]
+    env += [{"name": name, "value": posixpath.join(CACHE_MOUNT, sub) if sub else CACHE_MOUNT} for name, sub in VLLM_CACHE_ENV]
+    env += [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            {"name": "DO_NOT_TRACK", "value": "1"}]
+    if cls.resource_name == "cpu":
+        env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(memory.vllm_cpu_kv_gib)})
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if runtime.connector is not None:
+        ports += [{"name": n, "containerPort": port, "protocol": "TCP"} for n, port in runtime.connector.ports]
+        env += [{"name": k, "value": v} for k, v in runtime.connector.port_env]
+    mounts = [{"name": "home", "mountPath": HOME_MOUNT}, {"name": "cache", "mountPath": CACHE_MOUNT}]
+    volumes = [{"name": "home", "emptyDir": {"sizeLimit": "1Gi"}}, {"name": "cache", "emptyDir": {"sizeLimit": "8Gi"}}]
+    return ({"name": "vllm", "image": runtime.image, "command": ["vllm", "serve"],
+             "args": vllm_args(spec, role, runtime), "ports": ports, "env": env, **_probes(ready="/health")},
+            volumes, mounts)
+
+
+def _worker_container(owner: Owner, spec: InferenceDeploymentSpec, role: str, acc: str,
+                      runtime: runtimes.PoolRuntime, env: list[dict[str, Any]]) -> tuple[dict[str, Any], list, list]:
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
+    auth_volume, auth_mount = _auth_volume(owner)
+    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}, auth_mount]
+    volumes = [{"name": "config", "configMap": {"name": config_name(owner.name)}}, auth_volume]
+    offload = spec.engine.kv_offload
+    if offload is not None and offload.disk is not None:  # the disk tier's memory-mapped file
+        mounts.append({"name": "kv-offload", "mountPath": offload.disk_path})
+        volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": _quantity(offload.disk)}})
+    # The pod's CPU request, for --num-threads auto (a pod without a CPU limit has no quota to read).
+    env = env + [{"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
+        "containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}}}]
+    return ({"name": "worker", "image": runtime.image, "command": ["pdfleet"],
+             "args": worker_args(spec, role, runtime, acc, owner), "ports": ports, "env": env, **_probes()},
+            volumes, mounts)
+
+
 def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPool, cls: AcceleratorClassSpec,
-                    *, revision: int, worker_image: str = DEFAULT_WORKER_IMAGE, surge: bool = False) -> dict[str, Any]:
+                    *, revision: int, images: WorkerImages = worker_images.DEFAULTS, surge: bool = False) -> dict[str, Any]:
     role, acc = pool.role, pool.accelerator_class
     role_spec = spec.roles()[role]
-    runtime = runtimes.for_pool(spec, role, acc, cls, default_image=worker_image)
+    runtime = runtimes.for_pool(spec, role, acc, cls, images=images)
+    memory = pod_memory.budget(spec, cls, runtime.name)
     name = pool_name(owner.name, role, acc)
     model_vols, model_mounts = _model_volume(spec)
+    class_vols, class_mounts = _class_volumes(cls)
     env = _pod_env(owner, role, acc, [{"name": k, "value": v} for k, v in runtime.env])
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}, *model_mounts]
-    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
-               *model_vols]
-    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    env += [_pod_ip(n) for n in runtime.pod_ip_env]
     if runtime.name == runtimes.VLLM:
-        # vLLM writes its compile and model caches under $HOME: a bigger scratch volume, no engine.json.
-        volumes[0] = {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}
-        if runtime.kv_connector == "NixlConnector":
-            # NIXL's side channel (KV metadata between prefill and decode) listens on the pod's IP.
-            ports.append({"name": "kv", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"})
-            env += [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                    {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)}]
-        container: dict[str, Any] = {
-            "name": "vllm",
-            "image": runtime.image,
-            "command": ["vllm", "serve"],
-            "args": vllm_args(spec, role, runtime),
-            "ports": ports,
-            "env": env,
-            **_probes(ready="/health"),
-        }
+        container, own_vols, own_mounts = _vllm_container(spec, role, runtime, cls, env, memory)
     else:
-        if role == "prefill":
-            ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
-        auth_volume, auth_mount = _auth_volume(owner)
-        mounts[:0] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}, auth_mount]
-        volumes[:0] = [{"name": "config", "configMap": {"name": config_name(owner.name)}}, auth_volume]
-        offload = spec.engine.kv_offload
-        if offload is not None and offload.disk is not None:  # the disk tier's memory-mapped file
-            mounts.append({"name": "kv-offload", "mountPath": offload.disk_path})
-            volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": _quantity(offload.disk)}})
-        container = {
-            "name": "worker",
-            "image": runtime.image,
-            "command": ["pdfleet"],
-            "args": worker_args(spec, role, runtime, acc, owner),
-            "ports": ports,
-            "env": env,
-            **_probes(),
-        }
+        container, own_vols, own_mounts = _worker_container(owner, spec, role, acc, runtime, env)
     container["securityContext"] = _container_security()
-    container["volumeMounts"] = mounts
-    resources = _resources(role_spec.resources, cls, derived_resources(spec, cls))
+    container["volumeMounts"] = [*own_mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"},
+                                 *model_mounts, *class_mounts]
+    resources = _resources(role_spec.resources, cls, derived_resources(spec, cls, memory))
     if resources:
         container["resources"] = resources
+    volumes = [*own_vols, {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
+               *model_vols, *class_vols]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -459,15 +492,25 @@ def routing_target_url(owner: Owner, spec: InferenceDeploymentSpec) -> str | Non
     return f"http://{spec.routing.target}.{owner.namespace}.svc:{ROUTER_SERVICE_PORT}"
 
 
+def router_image(spec: InferenceDeploymentSpec, images: WorkerImages) -> str:
+    """The router's image: the spec's, else the CPU worker build (the router computes nothing on an accelerator)."""
+    default = images.get("cpu") or (images.images[0][1] if images.images else None)
+    image = spec.router.image or spec.engine.image or default
+    if image is None:
+        raise ValueError("spec.router.image: the operator has no worker image to run the router in (--worker-image "
+                         "cpu=IMAGE); name one")
+    return image
+
+
 def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None,
-                      worker_image: str = DEFAULT_WORKER_IMAGE) -> dict[str, Any]:
+                      images: WorkerImages = worker_images.DEFAULTS) -> dict[str, Any]:
     roles = list(spec.roles())
     # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
     tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
     model_volumes, model_mounts = _model_volume(spec) if tokenizer else ([], [])
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.router.image or spec.engine.image or worker_image,
+        "image": router_image(spec, images),
         "command": ["pdfleet"],
         "args": router_args(owner, roles, engines) + engine_args.router_args(
             spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None),
@@ -586,18 +629,23 @@ def router_pdb(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequence[str]) -> list[dict[str, Any]]:
-    """Who may talk to this deployment's pods. Workers: only its own router and workers (HTTP, the KV
-    endpoint, NIXL's side channel) and pods of the scraper namespaces (HTTP, for /metrics). The router:
-    `spec.router.allowFrom`, or any source when empty. Enforced by the cluster's CNI, where it enforces any."""
+def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequence[str],
+                     connectors: Sequence[Connector] = ()) -> list[dict[str, Any]]:
+    """Who may talk to this deployment's pods. Workers: only its own router and workers (HTTP, the pdfleet KV
+    endpoint, and what the vLLM pools' KV `connectors` need: their fixed ports, or every port between the
+    deployment's own pods where a transfer also uses ports chosen at run time, as UCX over TCP and Mooncake's
+    transfer engine do) and pods of the scraper namespaces (HTTP, for /metrics). The router: `spec.router.allowFrom`
+    (plus the scraper namespaces, so that Prometheus keeps scraping it: rollback analysis reads its answers), or any
+    source when empty. Enforced by the cluster's CNI, where it enforces any."""
     roles = sorted(spec.roles())
     own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}
-    peer_ports = [{"protocol": "TCP", "port": p} for p in (HTTP_PORT, KV_PORT, NIXL_SIDE_CHANNEL_PORT)]
-    ingress: list[dict[str, Any]] = [{"from": [own], "ports": peer_ports}]
+    fixed = sorted({HTTP_PORT, KV_PORT} | {port for c in connectors for _, port in c.ports})
+    ingress: list[dict[str, Any]] = [
+        {"from": [own]} if any(c.dynamic_ports for c in connectors)
+        else {"from": [own], "ports": [{"protocol": "TCP", "port": p} for p in fixed]}]
+    scraper_peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in scrapers]
     if scrapers:
-        ingress.append({"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-                                 for ns in scrapers],
-                        "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
+        ingress.append({"from": scraper_peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
     workers = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -616,14 +664,17 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
             if p.pod_labels:
                 peer["podSelector"] = {"matchLabels": dict(sorted(p.pod_labels.items()))}
             peers.append(peer)
+    router_ingress = [router_rule]
     if peers:
         router_rule["from"] = peers
+        if scrapers:  # NOTE: the same port as /v1 (the router has one); /v1 still asks for a key once keys exist
+            router_ingress.append({"from": scraper_peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
     router = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, router_name(owner.name), labels(owner, "network")),
         "spec": {"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
-                 "ingress": [router_rule]},
+                 "ingress": router_ingress},
     }
     if spec.routing is None:
         return [workers, router]
@@ -704,10 +755,11 @@ def prometheus_rule(owner: Owner) -> dict[str, Any]:
 
 def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
            classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False,
-           scrapers: Sequence[str] = ("monitoring",), worker_image: str = DEFAULT_WORKER_IMAGE,
+           scrapers: Sequence[str] = ("monitoring",), images: WorkerImages = worker_images.DEFAULTS,
            own_pod_monitor: bool = True, surge: Collection[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """Every child object, in apply order (config and discovery before the pods that use them).
-    `worker_image`: the operator's default pdfleet worker image (spec.engine.image and a class's spec.image win).
+    `images`: the operator's pdfleet worker image per platform (a class's spec.runtimes.pdfleet.image and the spec's
+    engine.image win; one the class's platform cannot use is refused, as is a platform without one).
     `monitoring`: the monitoring CRDs exist; then the PrometheusRule, and this deployment's own PodMonitor unless
     `surge`: the pools (role, class) with room for one more replica: they roll without shrinking.
     `own_pod_monitor` is off (the chart's one PodMonitor scrapes every deployment's pods: two would double each series).
@@ -723,7 +775,7 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
             raise ValueError(f"plan has a {pool.role} pool but the spec's roles are {roles}")
         if pool.accelerator_class not in classes:
             raise ValueError(f"plan uses AcceleratorClass {pool.accelerator_class!r}, not among {sorted(classes)}")
-    problems = runtimes.check(spec, classes)
+    problems = runtimes.check(spec, classes, images)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems))
     engines = {role: runtimes.role_engine(spec, role, classes) for role in roles}
@@ -734,11 +786,14 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out += [role_pdb(owner, role, min(plan.targets.get(role, plan.replicas(role)), plan.replicas(role)),
                      role_specs[role].min_replicas) for role in roles]
     out.append(router_pdb(owner, spec))
-    out += network_policies(owner, spec, scrapers)
+    connectors = [rt.connector for p in plan.pools
+                  if (rt := runtimes.for_pool(spec, p.role, p.accelerator_class, classes[p.accelerator_class],
+                                              images=images)).connector is not None]
+    out += network_policies(owner, spec, scrapers, connectors)
     out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision,
-                            worker_image=worker_image, surge=(pool.role, pool.accelerator_class) in surge)
+                            images=images, surge=(pool.role, pool.accelerator_class) in surge)
             for pool in plan.pools]
-    out.append(router_deployment(owner, spec, engines, worker_image))
+    out.append(router_deployment(owner, spec, engines, images))
     if monitoring:
         out += ([pod_monitor(owner, spec)] if own_pod_monitor else []) + [prometheus_rule(owner)]
     names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]

@@ -1,7 +1,8 @@
 """`pdfleet operator` as the chart's Deployment describes it (command, args, env), run as a child process against the API emulator.
 
-Only the two port numbers change (the Deployment's 9090/8080 may be taken on this machine), and the
-credentials: a kubeconfig for the emulator stands in for the in-cluster ServiceAccount token. Also:
+Only the port numbers change (the Deployment's 9090/8080 may be taken on this machine), and the
+credentials: a kubeconfig for the emulator stands in for the in-cluster ServiceAccount token, and a local file
+holds the Alertmanager token the chart's Secret mounts (`ALERTMANAGER_TOKEN`). Also:
 `exercise`, which drives the operator through every path of its reconcile (create, status, drift,
 stale children, API trouble, price change, delete) so the request log shows every verb it uses.
 """
@@ -27,6 +28,7 @@ from tests.kube.cluster import example_deployments
 from tests.support.components import free_port
 
 PORT_FLAGS = ("--metrics-port", "--liveness-port", "--alertmanager-port")
+ALERTMANAGER_TOKEN = "alertmanager-token-for-the-chart-tests"
 
 
 def free_ports() -> dict[str, int]:
@@ -42,11 +44,17 @@ class OperatorProcess:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["command"] == ["pdfleet"], container["command"]
         self.ports = ports or free_ports()
-        self.args = [self._port(a) for a in container["args"]]
+        self.token_file = log_path.with_suffix(".alertmanager-token")
+        self.token_file.write_text(ALERTMANAGER_TOKEN + "\n")
+        self.args = [self._local(self._port(a)) for a in container["args"]]
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig),
                     **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+
+    def _local(self, arg: str) -> str:
+        flag, _, _ = arg.partition("=")
+        return f"{flag}={self.token_file}" if flag == "--alertmanager-token-file" else arg
 
     def _port(self, arg: str) -> str:
         flag, _, value = arg.partition("=")

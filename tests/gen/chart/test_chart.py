@@ -89,17 +89,19 @@ def test_validation_catches_what_the_api_server_would_refuse(rendered) -> None:
 
 def test_what_each_value_set_creates(rendered) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in rendered.items()}
-    everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "PodMonitor",
-                  "PrometheusRule", "Role", "RoleBinding", "Service", "ServiceAccount", "ServiceMonitor",
-                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]  # (Role: the leader Lease)
+    # (Role: the leader Lease; Secret: the Alertmanager receiver's token; NetworkPolicy: the operator's own)
+    everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "NetworkPolicy",
+                  "PodMonitor", "PrometheusRule", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount",
+                  "ServiceMonitor", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     policy = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert kinds["defaults"] == everything
     assert kinds["cluster-wide"] == everything
     assert kinds["namespaced"] == everything
     assert kinds["monitoring-off"] == sorted(["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                              "Role", "RoleBinding", "Service", "ServiceAccount"] + policy)
-    assert kinds["bring-your-own"] == sorted(["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service",
-                                              "ServiceMonitor"] + policy)
+                                              "NetworkPolicy", "Role", "RoleBinding", "Service", "ServiceAccount"]
+                                             + policy)
+    assert kinds["bring-your-own"] == sorted(["ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule",
+                                              "Secret", "Service", "ServiceMonitor"] + policy)
     classes = {o["metadata"]["name"]: o["spec"] for o in helm.by_kind(rendered["defaults"], "AcceleratorClass")}
     examples = chart._class_defaults()
     assert classes == examples and len(classes) == 11
@@ -273,10 +275,16 @@ def test_unpublished_default_images_are_named_at_install_and_the_worker_image_re
         return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
     args = operator_args(own)
-    assert "--worker-image=reg.example.com/t/pdfleet-worker:dev" in args
+    assert [a for a in args if a.startswith("--worker-image")] == [
+        "--worker-image=cpu=reg.example.com/t/pdfleet-worker:dev-cpu",
+        "--worker-image=cuda=reg.example.com/t/pdfleet-worker:dev-cuda"], "one image per platform make images built"
     default = operator_args({})
-    from pdfleet_operator.api.names import DEFAULT_WORKER_IMAGE
-    assert f"--worker-image={DEFAULT_WORKER_IMAGE}" in default, "the chart's default is the operator's"
+    from pdfleet_operator.decide import worker_images
+    flags = [a.removeprefix("--worker-image=") for a in default if a.startswith("--worker-image=")]
+    assert worker_images.WorkerImages.parse(flags) == worker_images.defaults(platforms=("cpu", "cuda")), \
+        "the operator's own default names, for the platforms make images builds"
+    vendors = operator_args({"workerImage": {"platforms": ["cpu", "cuda", "npu"]}})
+    assert "--worker-image=npu=ghcr.io/pdfleet/pdfleet-worker:0.1.0-npu" in vendors
 
 
 @pytest.mark.parametrize("values, field", [
@@ -344,22 +352,59 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
     assert chart.stale_files(root) == []
 
 
-def test_the_alertmanager_token_secret_is_mounted_and_required_by_the_receiver(loaded) -> None:
+def test_the_alertmanager_receiver_is_authenticated_by_default_with_a_token_the_chart_makes(loaded) -> None:
+    """HEAD: no operator.alertmanagerTokenSecret meant an unauthenticated receiver on every address."""
     def operator(values):
-        dep = next(o for o in helm.render(values, loaded=loaded) if o["kind"] == "Deployment")
-        return dep["spec"]["template"]["spec"]
-    plain = operator({})
-    assert not any(a.startswith("--alertmanager-token-file") for a in plain["containers"][0]["args"])
-    pod = operator({"operator": {"alertmanagerTokenSecret": "am-token"}})
+        objs = helm.render(values, loaded=loaded)
+        dep = next(o for o in objs if o["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"], [o for o in objs if o["kind"] == "Secret"]
+    pod, secrets = operator({})
+    (c,) = pod["containers"]
+    assert "--alertmanager-token-file=/etc/pdfleet/alertmanager/token" in c["args"]
+    (made,) = [o for o in secrets if o["metadata"]["name"] == f"{helm.RELEASE}-operator-alertmanager"]
+    import base64
+    assert len(base64.b64decode(made["data"]["token"])) == 48
+    assert {"name": "alertmanager-token", "secret": {"secretName": made["metadata"]["name"],
+                                                     "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    pod, secrets = operator({"operator": {"alertmanagerTokenSecret": "am-token"}})
     (c,) = pod["containers"]
     assert "--alertmanager-token-file=/etc/pdfleet/alertmanager/token" in c["args"]
     assert {"name": "alertmanager-token", "mountPath": "/etc/pdfleet/alertmanager", "readOnly": True} in c["volumeMounts"]
     assert {"name": "alertmanager-token", "secret": {"secretName": "am-token", "items": [{"key": "token", "path": "token"}]}} \
         in pod["volumes"]
-    # The flag the chart passes is one `pdfleet operator` knows.
+    assert not any(o["metadata"]["name"].endswith("-alertmanager") for o in secrets), "the admin's Secret, none of ours"
+    off, secrets = operator({"operator": {"alertmanagerPort": 0}})
+    assert not any(a.startswith("--alertmanager-token-file") for a in off["containers"][0]["args"]) and not \
+        any(o["metadata"]["name"].endswith("-alertmanager") for o in secrets)
+    # The operator itself refuses an unauthenticated receiver unless told so in as many words.
+    from pdfleet_operator.kube import alertmanager
+    with pytest.raises(ValueError, match="without --alertmanager-token-file"):
+        alertmanager.check_receiver(9443, None, unauthenticated=False)
+    alertmanager.check_receiver(9443, None, unauthenticated=True)
+    alertmanager.check_receiver(0, None, unauthenticated=False)
     from pdfleet_operator.cli import build_parser
     args = build_parser(["operator"]).parse_args(["operator", "--alertmanager-token-file=/x"])
     assert args.alertmanager_token_file == "/x"
+
+
+def test_the_operator_pods_have_a_network_policy_a_readiness_probe_and_cpu_and_memory_bounds(loaded) -> None:
+    objs = helm.render({}, loaded=loaded)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert set(c["resources"]["requests"]) == {"cpu", "memory"} and set(c["resources"]["limits"]) == {"cpu", "memory"}
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert set(rules) == {ports["metrics"], ports["alerts"]}, "nothing else comes in"
+    ns = lambda peers: {p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]  # noqa: E731
+                        for p in peers if "namespaceSelector" in p}
+    assert ns(rules[ports["metrics"]]) == {"monitoring"} and ns(rules[ports["alerts"]]) == {"monitoring"}
+    assert {"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}} in rules[ports["alerts"]], \
+        "a standby relays alerts to the leader"
+    assert not [o for o in helm.render({"operator": {"networkPolicy": False}}, loaded=loaded) if o["kind"] == "NetworkPolicy"]
 
 
 def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(loaded) -> None:
