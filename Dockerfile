@@ -1,16 +1,23 @@
 # syntax=docker/dockerfile:1.7
-# pdfleet images: one Dockerfile, two targets.
+# pdfleet images: the operator, and the worker (engine, server and router) built once per platform.
 #
-#   docker build --target operator -t pdfleet-operator:0.1.0 .
-#   docker build --target worker   -t pdfleet-worker:0.1.0 .                     # CPU torch (default)
-#   docker build --target worker   -t pdfleet-worker:0.1.0-cu128 \
-#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .    # CUDA torch
+#   docker build --target operator -t REG/pdfleet-operator:0.1.0 .
+#   docker build --target worker -t REG/pdfleet-worker:0.1.0-cpu \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .      # CPU torch
+#   docker build --target worker -t REG/pdfleet-worker:0.1.0-cuda \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .    # NVIDIA's CUDA torch
+#   docker build --target vendor -t REG/pdfleet-worker:0.1.0-npu \
+#       --build-arg VENDOR_BASE=<an image with Python 3.11, torch and torch_npu on CANN> .
 #
-# The install steps are the ones CI runs (pip with -c constraints.txt and the extra), so the
-# versions in an image are the versions the test suite passed with. No image is built in CI: the
-# development machines have no Docker engine (see README, "Images").
+# `make images` runs these (README, "On a cluster"): the tag's -<platform> suffix is what the operator checks
+# against each AcceleratorClass (decide/worker_images.py). The install steps are the ones CI runs (pip with
+# -c constraints.txt and the extras), so the versions in an image are the versions the test suite passed
+# with. No image is built in CI: the development machines have no Docker engine.
 
 ARG PYTHON_VERSION=3.11
+# The vendors' builds start from the vendor's own PyTorch image, which carries the bridge and the userland it
+# needs: torch_npu on CANN (Ascend), torch_mlu on Neuware (Cambricon), DTK's torch (Hygon).
+ARG VENDOR_BASE=python:3.11-slim-bookworm
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -34,18 +41,47 @@ USER 10001:10001
 EXPOSE 8080 8081 9090 9443
 ENTRYPOINT ["pdfleet", "operator"]
 
-# --- worker: engine, server and router (torch) ----------------------------------------------------
-FROM base AS worker
-# CPU wheels by default; pass the CUDA wheel index to build the GPU image. torch is installed first,
-# from that index, at the version constraints.txt pins; the rest then resolves against it.
+# --- torch: the worker's Python environment, torch from TORCH_INDEX_URL (CPU or CUDA wheels) --------
+FROM base AS torch
+# torch is installed first, from that index, at the version constraints.txt pins; the rest then resolves
+# against it.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" "$(grep '^torch==' constraints.txt)" \
     && pip install -c constraints.txt '.[worker]'
+
+# --- kernels: the CPU kernels compiled ahead of time, one library per ISA level (the only stage with g++) ----
+FROM torch AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && python -m pdfleet_worker.engine.prebuilt_kernels build /opt/pdfleet/kernels
+
+# --- worker: engine, server and router on the torch above, with the prebuilt kernels and no compiler ----------
+FROM torch AS worker
+COPY --from=kernels /opt/pdfleet/kernels /opt/pdfleet/kernels
+# HF/torch caches under /tmp: the root filesystem is read-only in the chart's pods; the kernels come prebuilt.
+ENV HF_HOME=/tmp/hf TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PDFLEET_KERNEL_DIR=/opt/pdfleet/kernels
+RUN python -m pdfleet_worker.engine.prebuilt_kernels check /opt/pdfleet/kernels \
+    && ! command -v g++
 USER 10001:10001
-# HF/torch caches under /tmp: the root filesystem is read-only in the chart's pods.
-ENV HF_HOME=/tmp/hf TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
     CMD python -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" || exit 1
+ENTRYPOINT ["pdfleet"]
+CMD ["worker", "--help"]
+
+# --- vendor: the worker on the vendor's PyTorch image (its torch and bridge kept: no torch from PyPI) ---------
+FROM ${VENDOR_BASE} AS vendor
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/tmp/hf TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+WORKDIR /opt/pdfleet
+COPY pyproject.toml constraints.txt README.md ./
+COPY operator ./operator
+COPY workers ./workers
+# The worker extra without its torch pin (the base's torch drives the device), then pdfleet itself.
+RUN grep -v '^torch==' constraints.txt > /tmp/constraints-vendor.txt \
+    && python -m pip install -c /tmp/constraints-vendor.txt '.[router]' safetensors tokenizers jinja2 \
+    && python -m pip install --no-deps . \
+    && python -c "import torch, pdfleet_worker.cli; print('torch', torch.__version__)"
+USER 10001:10001
+EXPOSE 8000
 ENTRYPOINT ["pdfleet"]
 CMD ["worker", "--help"]

