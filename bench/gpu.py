@@ -465,6 +465,7 @@ class Run:
         self.sync = synchronizer(self.device)
         self.start = time.monotonic()
         self.speed = None  # SpeedModels, built by the first speed section
+        self.speed_error: str | None = None
         self.results: dict = {}  # what the sections returned so far
 
     def elapsed(self) -> float:
@@ -623,9 +624,16 @@ def build_speed_models(run: Run) -> SpeedModels:
 
 
 def speed_models(run: Run) -> SpeedModels:
+    """Built and warmed once per invocation; a failed build fails every speed section at once, not each again."""
+    if run.speed_error is not None:
+        raise RuntimeError(f"the speed models failed to build earlier: {run.speed_error}")
     if run.speed is None:
-        run.speed = build_speed_models(run)
-        warm(run)
+        try:
+            run.speed = build_speed_models(run)
+            warm(run)
+        except Exception as exc:
+            run.speed_error = repr(exc)
+            raise
     return run.speed
 
 
