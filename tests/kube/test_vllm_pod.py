@@ -1,14 +1,20 @@
 """A rendered vLLM pod, started as kubelet would start it, serves (issue 26): the local vLLM runtime (.venv-vllm)
 runs with the container's args and env and nothing else, as uid 10001 with no passwd entry, under a read-only root
-filesystem where only the rendered emptyDirs are writable, and answers a completion.
+filesystem where only the rendered emptyDirs are writable, inside a memory cgroup of the rendered limit, and
+answers a completion.
 
 What differs from a cluster, on purpose: the interpreter is `.venv-vllm/bin/python -m
 vllm.entrypoints.openai.api_server --model DIR` (this CPU wheel's `vllm serve` looks up another distribution name;
 the args are the rendered ones), the port is a free one (the host's network is shared), and the model volume is a
 local directory bound read-only where the PVC would be mounted.
 
-HEAD rendered HOME=/tmp and no USER: torch.compile's cache directory asks getpass.getuser(), which asks
-getpwuid(10001) and fails ("uid not found"); vLLM's engine died at start-up.
+What HEAD rendered, run the same way, did not start: with no VLLM_CPU_KVCACHE_SPACE vLLM's CPU backend asks for
+its memory fraction of the node's memory for KV (0.85 x 19.6 GiB = 16.65 GiB here), not of the pod's 8 GiB limit,
+and refused ("Engine core initialization failed") on this machine, whose free memory was less; on an idle node it
+would allocate past the limit. HEAD also set no USER and HOME=/tmp:
+this wheel's torch (2.13) falls back to `uid_10001` when getpwuid() fails, so that part started here; the vLLM
+builds the issue saw crash in getpwuid() call getpass.getuser() unguarded, and test_render_engines checks the
+USER, LOGNAME, HOME and cache variables that keep them off that path.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdfleet_operator.api import InferenceDeployment
+from pdfleet_operator.api import InferenceDeployment, parse_quantity
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_deployments, standard_nodes
@@ -72,9 +78,15 @@ def test_the_rendered_vllm_pod_starts_and_serves_as_a_uid_without_a_passwd_entry
                           field_values={"status.podIP": "127.0.0.1", "metadata.name": "local-vllm-colocated-cpu-0",
                                         "metadata.labels['pdfleet.io/revision']": "1"})
     log = tmp_path / "vllm.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(pod_sandbox.command(pod, argv, tmp_path / "sandbox"), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    limit = parse_quantity(container["resources"]["limits"]["memory"])
+    with pod_sandbox.memory_cgroup(int(limit)) as cgroup:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(pod_sandbox.command(pod, argv, tmp_path / "sandbox", cgroup), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        _serve_and_stop(proc, port, log, cgroup)
+
+
+def _serve_and_stop(proc: subprocess.Popen, port: int, log: Path, cgroup: pod_sandbox.MemoryCgroup) -> None:
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -94,6 +106,8 @@ def test_the_rendered_vllm_pod_starts_and_serves_as_a_uid_without_a_passwd_entry
         assert "Uid:\t10001\t10001\t10001\t10001" in status, "it ran as the pod's uid"
         text = log.read_text(errors="replace")
         assert "getpwuid" not in text and "Read-only file system" not in text, text[-3000:]
+        assert str(cgroup.path.name) in Path(f"/proc/{proc.pid}/cgroup").read_text(), "it ran in the pod's cgroup"
+        assert cgroup.oom_kills() == 0
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -1,8 +1,9 @@
 """Run a process the way kubelet runs a rendered container, on this machine: a read-only root filesystem, a fresh
 tmpfs at each emptyDir mount, read-only binds for the pod's other volumes, the container's env (downward-API
 fields resolved to given values) and nothing else of ours, as the pod's runAsUser/runAsGroup/fsGroup, a uid with
-no passwd entry. Needs root (mount namespaces), `unshare`, `chroot`, `setpriv` and overlayfs; `require()` skips
-(fails under CI=true) without them.
+no passwd entry, inside a memory cgroup of the container's memory limit (`memory_cgroup`). Needs root (mount
+namespaces, cgroups), `unshare`, `chroot`, `setpriv` and overlayfs; `require()` skips (fails under CI=true)
+without them.
 
 How: in a private mount namespace, an overlay whose lower layer is this machine's root (its upper layer a tmpfs, so
 the mount points the pod needs are made there and the real root is never written) becomes the new root; /proc,
@@ -13,17 +14,22 @@ uid.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shlex
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.components import missing
 
 IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SEQ = itertools.count()
 
 
 def require() -> None:
@@ -73,8 +79,58 @@ class Pod:
         return empty, binds
 
 
-def command(pod: Pod, argv: Sequence[str], scratch: Path) -> list[str]:
-    """The command line that runs `argv` in the sandbox (scratch: an empty directory of the host for the overlay)."""
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """A memory cgroup (v1 or v2) under this process's own, holding the sandbox at the container's limit."""
+
+    path: Path
+    v2: bool
+
+    def peak(self) -> int:
+        """The most memory the cgroup held (bytes)."""
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return int((self.path / name).read_text())
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for the limit (memory.events v2, memory.oom_control v1)."""
+        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
+        return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("oom_kill "))
+
+
+def _own_memory_cgroup() -> tuple[Path, bool]:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_ROOT / "memory" / path.lstrip("/"), False
+        if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
+            return CGROUP_ROOT / path.lstrip("/"), True
+    raise RuntimeError("no memory cgroup")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int) -> Iterator[MemoryCgroup]:
+    """A child memory cgroup limited to `limit_bytes` (and no swap beyond it), removed once empty afterwards."""
+    own, v2 = _own_memory_cgroup()
+    path = own / f"pdfleet-pod-{os.getpid()}-{next(_SEQ)}"
+    path.mkdir()
+    try:
+        (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
+        swap = path / ("memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
+        if swap.exists():
+            swap.write_text("0" if v2 else str(limit_bytes))
+        yield MemoryCgroup(path, v2)
+    finally:
+        for _ in range(100):  # the processes it held are being reaped
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def command(pod: Pod, argv: Sequence[str], scratch: Path, cgroup: MemoryCgroup | None = None) -> list[str]:
+    """The command line that runs `argv` in the sandbox (scratch: an empty directory of the host for the overlay;
+    cgroup: the memory cgroup it runs in)."""
     sc = {**pod.pod_spec.get("securityContext", {}), **pod.container.get("securityContext", {})}
     assert sc.get("readOnlyRootFilesystem") is True, "the sandbox runs read-only roots only"
     uid, gid = int(sc["runAsUser"]), int(sc.get("runAsGroup", sc["runAsUser"]))
@@ -84,7 +140,8 @@ def command(pod: Pod, argv: Sequence[str], scratch: Path) -> list[str]:
     layer.mkdir()
     empty, binds = pod.mounts()
     q = shlex.quote
-    steps = [
+    steps = [f"echo $$ > {q(str(cgroup.path / 'cgroup.procs'))}"] if cgroup is not None else []
+    steps += [
         f"mount -t tmpfs tmpfs {q(str(layer))}",
         f"mkdir {q(str(layer / 'u'))} {q(str(layer / 'w'))}",
         f"mount -t overlay overlay -o lowerdir=/,upperdir={q(str(layer / 'u'))},workdir={q(str(layer / 'w'))} {q(str(root))}",
