@@ -51,31 +51,50 @@ MIXED = [
 ]
 
 
-def test_mixed_batch_is_exact_against_transformers_processors_step_after_step():
+# Every cut row has a top-k: the sampler takes the largest k with one topk instead of sorting the vocabulary.
+ALL_TOP_K = [
+    SamplingParams(temperature=0.8, top_k=5),
+    SamplingParams(temperature=1.2, top_k=60, top_p=0.7, repetition_penalty=1.2),
+    SamplingParams(temperature=1.0, top_k=300, top_p=0.95, min_p=0.02),
+    SamplingParams(temperature=0, top_k=2, logit_bias={1: 9.0}),
+    SamplingParams(temperature=0.5),
+]
+
+
+@pytest.mark.parametrize("batch", [MIXED, ALL_TOP_K], ids=["sorting", "topk"])
+def test_batch_is_exact_against_transformers_processors_step_after_step(batch):
     g = torch.Generator().manual_seed(0)
     s = Sampler()
     s.eos_token_ids = (EOS,)
-    prompts = random_prompts(len(MIXED), 4, 12, vocab=V, seed=11)
-    ids = [f"r{i}" for i in range(len(MIXED))]
-    for rid, prompt, p in zip(ids, prompts, MIXED):
+    prompts = random_prompts(len(batch), 4, 12, vocab=V, seed=11)
+    ids = [f"r{i}" for i in range(len(batch))]
+    for rid, prompt, p in zip(ids, prompts, batch):
         s.add(rid, prompt, p)
-    outputs: list[list[int]] = [[] for _ in MIXED]
+    outputs: list[list[int]] = [[] for _ in batch]
     for step in range(6):
         # NOTE: a few logits made large so that penalties and cut-offs change which tokens survive.
-        logits = torch.randn(len(MIXED), V, generator=g) * 3
+        logits = torch.randn(len(batch), V, generator=g) * 3
         logits[:, :16] += 4
-        steps = [step] * len(MIXED)
-        got = s.distribution(logits, ids, MIXED, steps)
-        for i, (prompt, p) in enumerate(zip(prompts, MIXED)):
+        steps = [step] * len(batch)
+        got = s.distribution(logits, ids, batch, steps)
+        for i, (prompt, p) in enumerate(zip(prompts, batch)):
             want = _reference(logits[i], prompt, outputs[i], p)
             assert torch.equal(got[i], want), f"row {i} step {step}: {(got[i] - want).abs().nan_to_num().max()}"
             assert torch.isfinite(got[i]).sum() >= 1
-        picked = s(logits, ids, MIXED, steps)
+        picked = s(logits, ids, batch, steps)
         for i, t in enumerate(picked):
             assert torch.isfinite(got[i][t.token_id]), f"row {i} picked an excluded token"
             outputs[i].append(t.token_id)
-        if step < 3:
-            assert all(o[-1] not in (EOS, 9, 10) for o in outputs[3:4]), "min_tokens let a stop token through"
+        if step < 3 and batch is MIXED:
+            assert outputs[3][-1] not in (EOS, 9, 10), "min_tokens let a stop token through"
+
+
+def test_a_tie_at_the_kth_value_keeps_every_tied_token_like_transformers():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, -1.0]])
+    p = SamplingParams(temperature=1.0, top_k=3, top_p=0.99)
+    got = Sampler().distribution(logits, ["t"], [p], [0])[0]
+    assert torch.equal(got, _reference(logits[0], [], [], p))
+    assert torch.isfinite(got).sum() == 5
 
 
 def test_greedy_rows_pick_the_processed_argmax_and_counts_follow_the_output():
@@ -105,7 +124,7 @@ def test_seeded_rows_do_not_depend_on_the_batch_or_the_other_rows():
 
 
 def test_seeded_draws_follow_the_distribution():
-    """The counter-based Exp(1) noise samples a known distribution: 4000 draws within 4 sigma of each mass."""
+    """Uniform draws hashed from (seed, step) sample a known distribution: 4000 draws within 4 sigma of each mass."""
     s = Sampler()
     logits = torch.full((1, V), -30.0)
     logits[0, :4] = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.10]))

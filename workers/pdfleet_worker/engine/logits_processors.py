@@ -64,6 +64,29 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor, top_p_floor: torch.Tensor
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
 
 
+def top_k_top_p_from_top_k(logits: torch.Tensor, k: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tensor:
+    """top_k_top_p when every row has a top-k (k < V): one topk of the largest k instead of a sort of the vocabulary.
+    What TopP sorts after TopK is -inf everywhere but the k survivors, so that ascending row is built as it would
+    sort ([-inf] * (V - k) + the top k ascending) and its softmax and cumulative sum are the same numbers. A tie
+    at the k-th value (TopK keeps every tied token) takes the sorting path."""
+    vocab = logits.shape[1]
+    kmax = int(k.max())
+    vals, idx = torch.topk(logits, kmax)  # [S, kmax], descending
+    kth = vals.gather(1, (k - 1).unsqueeze(1))
+    if bool(((logits >= kth).sum(-1) > k).any()):
+        return top_k_top_p(logits, k, top_p_floor)
+    rank = torch.arange(kmax - 1, -1, -1, device=logits.device)  # of each ascending column: 0 = the largest
+    beyond_k = rank[None, :] >= k[:, None]  # [S, kmax]
+    tail = vals.flip(-1).masked_fill(beyond_k, NEG_INF)  # the sorted row's last kmax columns
+    asc = torch.full_like(logits, NEG_INF)
+    asc[:, vocab - kmax:] = tail
+    # NOTE: the columns before the tail hold probability 0.0 exactly, so the cumulative sum starts at the tail.
+    cum = asc.softmax(-1)[:, vocab - kmax:].cumsum(-1)
+    drop = beyond_k | (cum <= top_p_floor)
+    drop[:, -1] = False
+    return torch.full_like(logits, NEG_INF).scatter_(1, idx.flip(-1), tail.masked_fill(drop, NEG_INF))
+
+
 def min_p(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """floor: [S, 1] (0: off). Drops tokens less likely than floor x the most likely one's probability
     (transformers' MinPLogitsWarper; the most likely token is never dropped since floor <= 1)."""

@@ -39,7 +39,6 @@ class Sampler:
         self.grammars: dict[str, Any] = {}       # request id -> llguidance LLMatcher
         self.prompts: dict[str, PromptScore] = {}  # request id -> prompt logprobs being scored
         self._executor = None
-        self._vocab_keys: torch.Tensor | None = None
 
     # -- per-request state ------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, matcher: Any = None) -> None:
@@ -119,45 +118,54 @@ class Sampler:
         eos = [] if p.ignore_eos or p.structured is not None else list(self.eos_token_ids)
         return eos + list(p.stop_token_ids or ())
 
-    def _sample(self, x: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                greedy: list[bool]) -> torch.Tensor:
+    def distribution(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                     steps: list[int]) -> torch.Tensor:
+        """The logits a sampled row draws from (processors, mask and warpers applied; -inf: excluded), without
+        picking or advancing any state: what tests hold against transformers' processors."""
+        x = self._process(logits, request_ids, params, steps) if any(p.processed for p in params) else logits
+        return self._warp(x, params, [p.greedy for p in params])
+
+    def _warp(self, x: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p (off for greedy rows, whose argmax they would not change)."""
         vocab, dev = x.shape[1], x.device
-        processed = x
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         if any(t != 1.0 for t in temps):
             x = lp.temperature(x, _col(temps, dev))
         ks = [vocab if g or not p.top_k or p.top_k >= vocab else p.top_k for p, g in zip(params, greedy)]
         # NOTE: 1 - top_p in Python floats, then float32: what transformers' TopP compares against.
         floors = [-1.0 if g or p.top_p >= 1.0 else 1.0 - p.top_p for p, g in zip(params, greedy)]
-        if any(k < vocab for k in ks) or any(f > -1.0 for f in floors):
-            x = lp.top_k_top_p(x, _long(ks, dev), _col(floors, dev))
+        cut = [i for i, (k, f) in enumerate(zip(ks, floors)) if k < vocab or f > -1.0]
+        if cut:
+            rows = _long(cut, dev)
+            k_t, floor_t = _long([ks[i] for i in cut], dev), _col([floors[i] for i in cut], dev)
+            # NOTE: with a top-k on every cut row, a topk of the largest k does what a sort of the vocabulary would.
+            cut_fn = lp.top_k_top_p_from_top_k if all(ks[i] < vocab for i in cut) else lp.top_k_top_p
+            sub = cut_fn(x if len(cut) == len(ks) else x[rows], k_t, floor_t)
+            x = sub if len(cut) == len(ks) else x.index_copy(0, rows, sub)
         min_ps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
         if any(min_ps):
             x = lp.min_p(x, _col(min_ps, dev))
-        probs = x.softmax(-1)
-        # Race of exponentials: argmax(p / E) with E ~ Exp(1) samples from p.
+        return x
+
+    def _sample(self, x: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                greedy: list[bool]) -> torch.Tensor:
+        vocab, dev = x.shape[1], x.device
+        processed = x
+        probs = self._warp(x, params, greedy).softmax(-1)
+        # Inverse-CDF sampling, one uniform draw per row: a seeded row's comes from (seed, step) alone.
+        uniform = 1.0 - torch.rand(len(params), device=dev)  # (0, 1]
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
-        noise = torch.empty_like(probs)
-        if len(seeded) < len(params):
-            noise.exponential_()
         if seeded:
-            noise[_long(seeded, dev)] = self._seeded_exponential([params[i].seed for i in seeded],
-                                                                 [steps[i] for i in seeded], vocab, dev)
-        tokens = (probs / noise).argmax(-1)
+            uniform[_long(seeded, dev)] = torch.tensor([_seeded_uniform(params[i].seed, steps[i]) for i in seeded],
+                                                       dtype=uniform.dtype, device=dev)
+        cdf = probs.cumsum(-1)
+        # NOTE: the first index whose cumulative mass reaches u x total: a token of probability 0 adds nothing to
+        # the cumulative mass, so it is never the first to reach it (u > 0).
+        tokens = torch.searchsorted(cdf, (uniform.unsqueeze(1) * cdf[:, -1:]).contiguous()).squeeze(1)
+        tokens = tokens.clamp_(max=vocab - 1)
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=dev), processed.argmax(-1), tokens)
         return tokens
-
-    def _seeded_exponential(self, seeds: list[int], steps: list[int], vocab: int, dev: torch.device) -> torch.Tensor:
-        """Exp(1) draws that depend only on (seed, step, token): a request's tokens are the same whatever it is
-        batched with, and after a preemption, and one batch needs no loop over per-request generators."""
-        if self._vocab_keys is None or self._vocab_keys.shape[0] != vocab or self._vocab_keys.device != dev:
-            self._vocab_keys = _mix32(torch.arange(vocab, dtype=torch.int64, device=dev) * 0x9E3779B1 & _M32)
-        keys = [_mix32_int(_mix32_int((s & _M32) ^ _mix32_int(((s >> 32) & _M32) ^ 0x632BE5AB)) ^ (st & _M32))
-                for s, st in zip(seeds, steps)]
-        bits = _mix32(torch.tensor(keys, dtype=torch.int64, device=dev)[:, None] ^ self._vocab_keys[None, :])
-        uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-        return -torch.log(uniform)
 
     def _advance(self, request_ids: list[str], params: list[SamplingParams], tokens: torch.Tensor) -> None:
         """Count penalized requests' tokens and move grammars past them."""
@@ -254,23 +262,21 @@ class Sampler:
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values below 2**32;
-    the multipliers stay below 2**31 so no product overflows int64."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
-    return x ^ (x >> 16)
-
-
 def _mix32_int(x: int) -> int:
+    """A 32-bit integer hash (xor-shift-multiply rounds)."""
     x &= _M32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
     x ^= x >> 15
     x = (x * 0x5BD1E995) & _M32
     return x ^ (x >> 16)
+
+
+def _seeded_uniform(seed: int, step: int) -> float:
+    """A uniform draw in (0, 1) that depends only on (seed, step): a request's tokens are the same whatever it is
+    batched with and after a preemption, and no generator per request is kept."""
+    h = _mix32_int(_mix32_int((seed & _M32) ^ _mix32_int(((seed >> 32) & _M32) ^ 0x632BE5AB)) ^ (step & _M32))
+    return ((h >> 8) + 0.5) / (1 << 24)
 
 
 def _long(values, dev: torch.device) -> torch.Tensor:
