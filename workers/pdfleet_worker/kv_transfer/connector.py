@@ -1,18 +1,19 @@
-"""The KV connector interface (serve leased blocks on the prefill side, pull them on the decode side); the TCP connector implements it, the server calls it.
+"""The KV connector interface (serve leased blocks on the prefill side, pull them on the decode side); the TCP and NIXL connectors implement it, the server calls it.
 
-NOTE: only TCP exists. An RDMA/NIXL connector would register the KV pool once and let the decode
-side read blocks one-sidedly into its own pool; it fits `pull` by writing into the destination
-blocks instead of returning host tensors, which is why the destination ids are passed in.
+A pull either writes straight into the destination blocks of the decode worker's pool (`into`: the server's
+path, safe off the engine thread because the engine loop frees an aborted request's blocks only once its pull
+has ended) or returns host tensors for LLMEngine.import_kv (no pool given: tools, tests, accelerator pools).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from pdfleet_worker.kv_transfer import blocks
+from pdfleet_worker.kv_transfer.blocks import KVPool
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
 from pdfleet_worker.kv_transfer.peers import KVPeers
@@ -26,12 +27,11 @@ WEIGHTS_MISMATCH = "weights_mismatch"  # the layouts differ by their weights (an
 UNKNOWN_REQUEST = "unknown_request"  # no lease (expired, released, or never held)
 PROMPT_MISMATCH = "prompt_mismatch"  # the decode worker tokenized the prompt differently
 BAD_RESPONSE = "bad_response"  # the answer does not fit the request (shapes, sizes, protocol)
-UNSUPPORTED = "unsupported"    # a connector this worker does not have
+UNSUPPORTED = "unsupported"    # a connector this worker does not have (or cannot pull from)
 UNAUTHORIZED = "unauthorized"  # the KV endpoint refused the puller's token (or it sent none)
 UNTRUSTED_PEER = "untrusted_peer"  # the params name a KV endpoint outside --kv-peers: never contacted
 
-# (block ids) -> per layer {"kv": [2, Hkv, n, block_size, D], "scale": [2, Hkv, n]?}; LLMEngine.export_kv.
-ExportFn = Callable[[list[int]], list[dict[str, torch.Tensor]]]
+ExportFn = blocks.ExportFn
 
 
 class Credential(Protocol):
@@ -52,14 +52,16 @@ class KVTransferError(Exception):
 
 @dataclasses.dataclass
 class PulledKV:
-    layers: list[dict[str, torch.Tensor]]  # as LLMEngine.import_kv takes them
+    layers: list[dict[str, torch.Tensor]] | None  # as LLMEngine.import_kv takes them; None: written in place
     nbytes: int
+    in_place: bool = False  # the bytes are in the destination blocks already
 
 
 class KVConnector(abc.ABC):
     """One transport for KV blocks between engines with equal KVLayout.compat_hash."""
 
     name: str
+    pulls_from: frozenset[str] = frozenset({"tcp"})  # the params' `connector` values this side can pull from
     token: Credential | None = None  # None: unauthenticated (a worker without --auth-token-file)
     peers: KVPeers | None = None      # decode side: the only KV endpoints contacted; None: any
 
@@ -69,8 +71,9 @@ class KVConnector(abc.ABC):
 
     # -- prefill side ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def serve(self, leases: LeaseTable, export: ExportFn, compat_hash: str) -> tuple[str, int]:
-        """Start answering pulls of leased blocks; returns the bound (host, port)."""
+    def serve(self, leases: LeaseTable, source: KVPool | ExportFn, compat_hash: str) -> tuple[str, int]:
+        """Start answering pulls of leased blocks, read from `source` (the pool itself, or copies an export
+        function makes); returns the bound (host, port)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -83,9 +86,10 @@ class KVConnector(abc.ABC):
     # -- decode side ----------------------------------------------------------------------------
     @abc.abstractmethod
     def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
-             compat_hash: str, timeout_s: float) -> PulledKV:
-        """Fetch `len(dest_block_ids)` blocks of `prompt` starting at its block `first_block`.
-        Raises KVTransferError; never blocks longer than timeout_s."""
+             compat_hash: str, timeout_s: float, into: KVPool | None = None) -> PulledKV:
+        """Fetch `len(dest_block_ids)` blocks of `prompt` starting at its block `first_block`, into those blocks
+        of `into` when given (a failed pull may leave them partly written). Raises KVTransferError; never
+        blocks longer than timeout_s, and nothing writes into `into` once it returned."""
 
     @abc.abstractmethod
     def release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool, timeout_s: float) -> bool:

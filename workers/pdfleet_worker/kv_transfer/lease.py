@@ -29,6 +29,7 @@ class LeaseTable:
         self._free = free
         self._clock = clock
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)  # notified when a pull's pin ends
         self._leases: dict[str, Lease] = {}
         self.num_expired = 0
         self.num_released = 0
@@ -58,6 +59,7 @@ class LeaseTable:
             done = lease.pins == 0 and lease.release_pending
             if done:
                 del self._leases[request_id]
+            self._unpinned.notify_all()
         if done:
             self._free(request_id)
 
@@ -74,6 +76,13 @@ class LeaseTable:
             del self._leases[request_id]
         self._free(request_id)
         return True
+
+    def wait_unpinned(self, request_id: str, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until no pull reads the lease: an ack that arrives while the puller's last
+        bytes are still leaving is answered once the blocks are freed. True if no pull reads it now."""
+        with self._unpinned:
+            return self._unpinned.wait_for(lambda: not (lease := self._leases.get(request_id)) or not lease.pins,
+                                           timeout=timeout_s)
 
     def expire(self) -> list[str]:
         """Free every lease past its deadline (pinned ones when their pull ends)."""

@@ -1,11 +1,14 @@
-"""The TCP KV connector: a prefill worker serves leased blocks on a socket, a decode worker pulls them into host tensors; the server starts it.
+"""The TCP KV connector: a prefill worker serves leased blocks on a socket straight from its pool, a decode worker receives them straight into the destination blocks; the server starts it, the NIXL connector extends it.
 
-Wire format: every message is a 4-byte big-endian length and a JSON object; a successful pull
+Wire format: every message is a 4-byte big-endian length and a JSON object (wire.py); a successful pull
 answer is followed by the raw bytes of its tensors, layer by layer, in the order its header lists.
   pull    {"op": "pull", "token", "request_id", "compat_hash", "first_block", "num_blocks"}
           -> {"ok": true, "nbytes", "tensors": [{"layer", "name", "dtype", "shape"}...]} + bytes
           |  {"ok": false, "reason", "error"}
   release {"op": "release", "token", "request_id", "ok"} -> {"ok": true, "released": bool}
+The bytes leave with sendmsg over views of the pool's block tensors (a run of consecutive blocks is one
+segment per k/v head row, blocks.py) and arrive with recvmsg_into over views of the destination blocks, so
+layer i lands in its blocks while layer i+1 is on the wire and neither side copies or gathers in Python.
 With a deployment token configured, every request frame must carry it in `token` (compared in constant
 time); anything else is answered {"ok": false, "reason": "unauthorized"} and the connection closed. The
 pulling side connects only to KV endpoints its peers allow (--kv-peers), so the token goes nowhere else;
@@ -13,67 +16,36 @@ mid-rotation it retries once, on a new connection, with the token the file held 
 """
 from __future__ import annotations
 
-import json
+import collections
 import logging
 import socket
-import struct
 import threading
 import time
 
 import torch
 
+from pdfleet_worker.kv_transfer import blocks
 from pdfleet_worker.kv_transfer import connector as c
+from pdfleet_worker.kv_transfer.blocks import KVPool, WireTensor
 from pdfleet_worker.kv_transfer.connector import ExportFn, KVConnector, KVTransferError, PulledKV
-from pdfleet_worker.kv_transfer.lease import LeaseTable
+from pdfleet_worker.kv_transfer.lease import Lease, LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
 from pdfleet_worker.kv_transfer.peers import KVPeers
+from pdfleet_worker.kv_transfer.wire import recv_exact, recv_msg, recv_views, send_msg, send_views
 
 log = logging.getLogger("pdfleet.kv")
 
-MAX_HEADER = 1 << 20
 # close() waits this long for the threads answering pulls: one may be copying blocks out (torch) when the
 # sockets close, and a process that exits under it aborts (server/runner.py).
 CLOSE_JOIN_S = 5.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_LEN = struct.Struct(">I")
-
-
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("deadline passed")
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-
-
-def _recv_msg(sock: socket.socket, deadline: float | None) -> dict:
-    head = bytearray(_LEN.size)
-    _recv_exact(sock, memoryview(head), deadline)
-    (size,) = _LEN.unpack(head)
-    if size > MAX_HEADER:
-        raise ValueError(f"message of {size} bytes is larger than {MAX_HEADER}")
-    body = bytearray(size)
-    _recv_exact(sock, memoryview(body), deadline)
-    obj = json.loads(body)
-    if not isinstance(obj, dict):
-        raise ValueError("message is not a JSON object")
-    return obj
+# An ack waits this long for pulls still reading its lease before it is answered (it frees the blocks anyway).
+RELEASE_WAIT_S = 1.0
 
 
 class TcpKVConnector(KVConnector):
     name = "tcp"
+    # NOTE: a NIXL endpoint answers byte-stream pulls too, so a TCP decode worker pulls from either.
+    pulls_from = frozenset({"tcp", "nixl"})
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, on_sent=None, on_refused=None,
                  io_timeout_s: float = 30.0, token: c.Credential | None = None, peers: KVPeers | None = None):
@@ -90,11 +62,12 @@ class TcpKVConnector(KVConnector):
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self.transfers: collections.Counter[str] = collections.Counter()  # pulls answered/done, by how bytes moved
 
     # -- prefill side ---------------------------------------------------------------------------
-    def serve(self, leases: LeaseTable, export: ExportFn, compat_hash: str) -> tuple[str, int]:
+    def serve(self, leases: LeaseTable, source: KVPool | ExportFn, compat_hash: str) -> tuple[str, int]:
         assert self._listener is None, "already serving"
-        self._leases, self._export, self._compat_hash = leases, export, compat_hash
+        self._leases, self._source, self._compat_hash = leases, blocks.source(source), compat_hash
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -164,7 +137,7 @@ class TcpKVConnector(KVConnector):
             while not self._closed.is_set():
                 conn.settimeout(self.io_timeout_s)
                 try:
-                    msg = _recv_msg(conn, None)
+                    msg = recv_msg(conn, None)
                 except (ConnectionError, socket.timeout, OSError):
                     return
                 op = msg.get("op")
@@ -173,16 +146,19 @@ class TcpKVConnector(KVConnector):
                                 "no" if msg.get("token") is None else "a wrong", _peer_name(conn))
                     if self.on_refused is not None:
                         self.on_refused(c.UNAUTHORIZED)
-                    _send_msg(conn, {"ok": False, "reason": c.UNAUTHORIZED,
+                    send_msg(conn, {"ok": False, "reason": c.UNAUTHORIZED,
                                      "error": "the KV endpoint needs the deployment token"})
                     return
                 if op == "pull":
                     self._answer_pull(conn, msg)
                 elif op == "release":
                     rid = str(msg.get("request_id"))
-                    _send_msg(conn, {"ok": True, "released": self._leases.release(rid)})
+                    released = self._leases.release(rid)
+                    if released:  # NOTE: a pull that delivered its bytes may not have unpinned yet (threads)
+                        self._leases.wait_unpinned(rid, RELEASE_WAIT_S)
+                    send_msg(conn, {"ok": True, "released": released})
                 else:
-                    _send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE, "error": f"unknown op {op!r}"})
+                    send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE, "error": f"unknown op {op!r}"})
         except (OSError, ValueError) as e:
             log.info("KV connection ended: %s", e)
         finally:
@@ -194,40 +170,40 @@ class TcpKVConnector(KVConnector):
         rid = str(msg.get("request_id"))
         theirs = msg.get("compat_hash")
         if theirs != self._compat_hash:
-            _send_msg(conn, {"ok": False, "reason": c.INCOMPATIBLE,
+            send_msg(conn, {"ok": False, "reason": c.INCOMPATIBLE,
                              "error": f"KV layout mismatch: this prefill engine has compat hash {self._compat_hash}, "
                                       f"the puller has {theirs} (model, dtype, KV dtype, layers, KV heads, head dim "
                                       f"or block size differ); refusing to send blocks"})
             return
         lease = self._leases.pin(rid)
         if lease is None:
-            _send_msg(conn, {"ok": False, "reason": c.UNKNOWN_REQUEST,
+            send_msg(conn, {"ok": False, "reason": c.UNKNOWN_REQUEST,
                              "error": f"no KV held for request {rid!r} (lease expired, released or never held)"})
             return
         try:
             first, n = msg.get("first_block"), msg.get("num_blocks")
             if not (isinstance(first, int) and isinstance(n, int) and first >= 0 and n >= 1
                     and first + n <= len(lease.block_ids)):
-                _send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE,
+                send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE,
                                  "error": f"block range {first}+{n} is outside the {len(lease.block_ids)} held blocks"})
                 return
             # NOTE: read outside the engine thread on purpose. Held blocks are finished and
             # referenced, so nothing writes them; the pin keeps them from being freed under us.
-            layers = self._export(lease.block_ids[first:first + n])
-            tensors, header = [], []
-            for i, layer in enumerate(layers):
-                for name in sorted(layer):
-                    t = layer[name].contiguous()
-                    tensors.append(t)
-                    header.append({"layer": i, "name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            _send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": header})
-            for t in tensors:
-                conn.sendall(memoryview(t.view(torch.uint8).numpy()))
-            if self.on_sent is not None:
+            nbytes = self._answer_blocks(conn, msg, lease, lease.block_ids[first:first + n])
+            if nbytes is not None and self.on_sent is not None:
                 self.on_sent(nbytes)
         finally:
             self._leases.unpin(rid)
+
+    def _answer_blocks(self, conn: socket.socket, msg: dict, lease: Lease, block_ids: list[int]) -> int | None:
+        """Send the blocks after their header; returns the bytes delivered (None: none were)."""
+        specs, layers = blocks.header_and_layers(self._source, block_ids)
+        nbytes = sum(s.nbytes for s in specs)
+        send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": [s.to_json() for s in specs]})
+        for views in layers:
+            send_views(conn, views)
+        self.transfers["tcp"] += 1
+        return nbytes
 
     # -- decode side ----------------------------------------------------------------------------
     def _connect(self, params: KVTransferParams, deadline: float) -> socket.socket:
@@ -252,8 +228,8 @@ class TcpKVConnector(KVConnector):
             sock = self._connect(params, deadline)
             try:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                _send_msg(sock, frame if token is None else {**frame, "token": token})
-                head = _recv_msg(sock, deadline)
+                send_msg(sock, frame if token is None else {**frame, "token": token})
+                head = recv_msg(sock, deadline)
             except BaseException:
                 sock.close()
                 raise
@@ -264,23 +240,26 @@ class TcpKVConnector(KVConnector):
         raise AssertionError("unreachable: the last try returns")
 
     def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
-             compat_hash: str, timeout_s: float) -> PulledKV:
+             compat_hash: str, timeout_s: float, into: KVPool | None = None) -> PulledKV:
         deadline = time.monotonic() + timeout_s
         n = len(dest_block_ids)
+        if params.connector not in self.pulls_from:
+            raise KVTransferError(c.UNSUPPORTED, f"KV connector {params.connector!r} is not one this worker pulls from "
+                                                 f"({', '.join(sorted(self.pulls_from))})")
         sock = None
         try:
-            sock, head = self._ask(params, {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
-                                            "first_block": first_block, "num_blocks": n}, deadline)
+            frame = {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
+                     "first_block": first_block, "num_blocks": n, **self._pull_extra(params)}
+            sock, head = self._ask(params, frame, deadline)
             if not head.get("ok"):
                 raise KVTransferError(str(head.get("reason", c.BAD_RESPONSE)), str(head.get("error", head)))
-            specs = head.get("tensors")
+            specs = blocks.parse_header(head.get("tensors"), n)
             nbytes = head.get("nbytes")
-            if not isinstance(specs, list) or not isinstance(nbytes, int) or nbytes < 0:
+            if not isinstance(nbytes, int) or nbytes != sum(s.nbytes for s in specs):
                 raise KVTransferError(c.BAD_RESPONSE, f"malformed pull answer {head}")
-            # NOTE: torch.empty, not bytearray: no zero-filling of a buffer about to be overwritten.
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            _recv_exact(sock, memoryview(buf.numpy()), deadline)
-            return PulledKV(self._tensors(buf, specs, n), nbytes)
+            if into is not None:
+                into.check(specs)
+            return self._receive_blocks(sock, head, specs, nbytes, dest_block_ids, into, deadline)
         except KVTransferError:
             raise
         except socket.timeout as e:
@@ -294,30 +273,35 @@ class TcpKVConnector(KVConnector):
             if sock is not None:
                 sock.close()
 
+    def _pull_extra(self, params: KVTransferParams) -> dict:
+        """Fields a subclass adds to the pull frame (how it wants the bytes)."""
+        return {}
+
+    def _receive_blocks(self, sock: socket.socket, head: dict, specs: list[WireTensor], nbytes: int,
+                        dest_block_ids: list[int], into: KVPool | None, deadline: float) -> PulledKV:
+        if into is not None and into.host:
+            for views, scatter in into.recv_layers(dest_block_ids):
+                recv_views(sock, views, deadline)
+                if scatter is not None:
+                    scatter()
+            self.transfers["tcp"] += 1
+            return PulledKV(None, nbytes, in_place=True)
+        # NOTE: torch.empty, not bytearray: no zero-filling of a buffer about to be overwritten.
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        recv_exact(sock, blocks.byte_view(buf), deadline)
+        self.transfers["tcp"] += 1
+        return PulledKV(self._tensors(buf, specs), nbytes)
+
     @staticmethod
-    def _tensors(flat: torch.Tensor, specs: list, num_blocks: int) -> list[dict[str, torch.Tensor]]:
+    def _tensors(flat: torch.Tensor, specs: list[WireTensor]) -> list[dict[str, torch.Tensor]]:
         layers: list[dict[str, torch.Tensor]] = []
         off = 0
         for spec in specs:
-            dtype = DTYPES.get(spec.get("dtype"))
-            shape = spec.get("shape")
-            layer = spec.get("layer")
-            if dtype is None or not isinstance(shape, list) or len(shape) < 3 or shape[2] != num_blocks:
-                raise KVTransferError(c.BAD_RESPONSE, f"tensor {spec} does not hold {num_blocks} blocks")
-            if layer == len(layers):
+            if spec.layer == len(layers):
                 layers.append({})
-            elif layer != len(layers) - 1:
-                raise KVTransferError(c.BAD_RESPONSE, f"tensor {spec} is out of layer order")
-            count = 1
-            for d in shape:
-                count *= d
-            size = count * torch.empty(0, dtype=dtype).element_size()
-            if off + size > len(flat):
-                raise KVTransferError(c.BAD_RESPONSE, f"{len(flat)} bytes cannot hold tensor {spec}")
-            layers[-1][spec["name"]] = flat[off:off + size].view(dtype).view(shape)
+            size = spec.nbytes
+            layers[-1][spec.name] = flat[off:off + size].view(spec.dtype).view(spec.shape)
             off += size
-        if off != len(flat):
-            raise KVTransferError(c.BAD_RESPONSE, f"{len(flat) - off} bytes left over after the tensors")
         return layers
 
     def release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool, timeout_s: float) -> bool:

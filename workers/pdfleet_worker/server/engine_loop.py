@@ -54,6 +54,7 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._waiting_kv: dict[str, KVLoad] = {}       # engine thread only
+        self._abort_after_kv: set[str] = set()         # engine thread only: aborted while their pull runs
         self._held: set[str] = set()                   # engine thread only: finished, KV kept
         self._flush = False                            # engine thread only: step once for abort stats
         self._thread: threading.Thread | None = None
@@ -141,7 +142,11 @@ class EngineLoop:
         def run(engine: LLMEngine) -> None:
             if request_id in self._held:
                 return
-            self._waiting_kv.pop(request_id, None)
+            if request_id in self._waiting_kv:
+                # NOTE: its pull may be writing into its blocks (connectors receive in place): they are freed
+                # when the pull ends (take_kv_load), never under it.
+                self._abort_after_kv.add(request_id)
+                return
             if engine.abort(request_id):
                 self._flush = True
         self.call_soon(run)
@@ -168,9 +173,15 @@ class EngineLoop:
 
     # -- remote KV (engine thread) --------------------------------------------------------------
     def take_kv_load(self, request_id: str) -> KVLoad | None:
-        """Engine thread: claim a request's KVLoad; None if it was aborted meanwhile (its blocks
-        may already belong to someone else, so nothing must be written into them)."""
-        return self._waiting_kv.pop(request_id, None)
+        """Engine thread, once the request's pull has ended: claim its KVLoad; None if it was aborted meanwhile
+        (the abort, deferred while the pull could write into its blocks, happens now)."""
+        load = self._waiting_kv.pop(request_id, None)
+        if request_id in self._abort_after_kv:
+            self._abort_after_kv.discard(request_id)
+            if self.engine.abort(request_id):
+                self._flush = True
+            return None
+        return load
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:

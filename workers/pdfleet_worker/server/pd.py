@@ -14,6 +14,7 @@ import uuid
 from pdfleet_worker.engine.llm_engine import LLMEngine, RequestOutput
 from pdfleet_worker.engine.scheduler import KVLoad
 from pdfleet_worker.kv_transfer import connector as c
+from pdfleet_worker.kv_transfer.blocks import KVPool
 from pdfleet_worker.kv_transfer.connector import KVConnector, KVTransferError
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt, prompt_hash
@@ -50,13 +51,15 @@ class PD:
         self.connector = connector
         self.metrics = metrics
         self.compat_hash = loop.engine.kv_layout().compat_hash
+        # The block tensors themselves: served from (prefill) and pulled into (decode) without copies.
+        self.pool = KVPool.of_caches(loop.engine.model_runner.caches)
         self.weights = loop.engine.weights_digest
         self.engine_id = f"{cfg.served_model_name}-{uuid.uuid4().hex[:12]}"
         self.leases: LeaseTable | None = None
         self.kv_address: tuple[str, int] | None = None
         self._groups: dict[str, _Group] = {}  # decode request id -> its group
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-pull")
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-pull")
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -65,7 +68,7 @@ class PD:
             self.loop.on_held = self._on_held
             self.loop.on_tick = self._tick
             bind = self.cfg.host if self.cfg.host not in ("localhost",) else "127.0.0.1"
-            host, port = self.connector.serve(self.leases, self.loop.engine.export_kv, self.compat_hash)
+            host, port = self.connector.serve(self.leases, self.pool, self.compat_hash)
             self.kv_address = (advertised_host(self.cfg, bind), port)
             log.info("KV endpoint on %s:%d (advertised %s:%d), compat hash %s", host, port, *self.kv_address,
                      self.compat_hash)
@@ -76,7 +79,7 @@ class PD:
         if self.leases is not None:
             self.leases.release_all()
         self.connector.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # -- prefill side (engine thread) -----------------------------------------------------------
     def _on_held(self, out: RequestOutput) -> None:
@@ -119,9 +122,10 @@ class PD:
     def remote_tokens(self, params: KVTransferParams, index: int, token_ids: list[int]) -> int:
         """How many leading tokens of this prompt to take from the prefill worker; raises TransferRefused."""
         prompt = params.prompts[index]
-        if params.connector != self.connector.name:
+        if params.connector not in self.connector.pulls_from:
             raise TransferRefused(c.UNSUPPORTED, f"KV connector {params.connector!r} is not available on this worker "
-                                                 f"(it has {self.connector.name!r})")
+                                                 f"(it has {self.connector.name!r}, which pulls from "
+                                                 f"{', '.join(sorted(self.connector.pulls_from))})")
         if params.compat_hash != self.compat_hash and params.weights is not None and params.weights != self.weights:
             raise TransferRefused(c.WEIGHTS_MISMATCH,
                                   f"KV computed by other weights: prefill engine {params.engine_id} serves weights "
@@ -162,7 +166,7 @@ class PD:
             group.ok = group.ok and ok
             last = not group.pending
         if last:
-            self._pool.submit(self._release, group.params, group.prompt, group.ok)
+            self._threads.submit(self._release, group.params, group.prompt, group.ok)
 
     def _release(self, params: KVTransferParams, prompt: RemotePrompt, ok: bool) -> None:
         try:
@@ -180,7 +184,10 @@ class PD:
             log.error("KV load for %s without transfer parameters; recomputing", request_id)
             self.loop.call_soon(lambda e: self._finish(e, request_id, None, KVTransferError(c.BAD_RESPONSE, "no params")))
             return
-        self._pool.submit(self._pull, request_id, load, group)
+        try:
+            self._threads.submit(self._pull, request_id, load, group)
+        except RuntimeError:  # closing: the pull pool takes nothing more
+            self.loop.call_soon(lambda e: self._finish(e, request_id, None, KVTransferError(c.CONNECT, "worker closing")))
 
     def _pull(self, request_id: str, load: KVLoad, group: _Group) -> None:
         bs = self.cfg.engine.block_size
@@ -188,8 +195,10 @@ class PD:
         start = time.monotonic()
         pulled, error = None, None
         try:
+            # NOTE: written straight into the request's blocks, off the engine thread: the engine loop keeps
+            # them (an abort waits for _finish) until this pull has ended.
             pulled = self.connector.pull(group.params, group.prompt, load.first_token // bs, load.block_ids,
-                                         self.compat_hash, self.cfg.kv_transfer_timeout_s)
+                                         self.compat_hash, self.cfg.kv_transfer_timeout_s, into=self.pool)
             self.metrics.kv_pulled(pulled.nbytes, time.monotonic() - start)
         except KVTransferError as e:
             error = e
@@ -206,7 +215,8 @@ class PD:
             return
         if error is None:
             try:
-                engine.import_kv(load.block_ids, pulled.layers)
+                if not pulled.in_place:
+                    engine.import_kv(load.block_ids, pulled.layers)
                 engine.remote_kv_done(request_id, True)
                 self.settle(request_id, ok=True)
                 return
