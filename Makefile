@@ -1,8 +1,8 @@
 # pdfleet's two set-up commands (README): `make test` and `make demo`. Both work on a fresh machine:
 # they create .venv, install the pinned dependencies and, when run as root, Debian's Prometheus;
 # `make test` also installs what its real-component tests run: the vLLM runtime (`make vllm`), the
-# OpenAI schema fuzzer (`make fuzz`), an installed-but-unusable torch_npu (`make torch-npu`) and Triton for its
-# CPU interpreter (`make triton`).
+# OpenAI schema fuzzer (`make fuzz`), lm-evaluation-harness (`make lmeval`), an installed-but-unusable torch_npu
+# (`make torch-npu`) and Triton for its CPU interpreter (`make triton`).
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -27,7 +27,7 @@ system-deps:
 	    prometheus prometheus-alertmanager >/dev/null; \
 	else echo "note: install prometheus and prometheus-alertmanager (Debian) or the tests that need them skip"; fi
 
-test: venv system-deps vllm fuzz torch-npu triton
+test: venv system-deps vllm fuzz lmeval torch-npu triton
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # schemathesis and OpenAI's own OpenAPI document in their own virtualenv (bench/fuzz.py pins them).
@@ -39,6 +39,17 @@ fuzz: $(FUZZ_STAMP)
 $(FUZZ_STAMP): bench/fuzz.py
 	python3 bench/fuzz.py --install
 	rm -f .venv-fuzz/.installed-* && touch $@
+
+# lm-evaluation-harness in its own virtualenv (bench/lm_eval_router.py pins it, no torch): tests/serving/
+# test_prompt_scoring.py scores a local loglikelihood task against a router with it.
+LMEVAL_STAMP := .venv-lmeval/.installed-$(shell grep -A30 '^LMEVAL_PINS' bench/lm_eval_router.py | md5sum | cut -c1-12)
+
+.PHONY: lmeval
+lmeval: $(LMEVAL_STAMP)
+
+$(LMEVAL_STAMP): bench/lm_eval_router.py
+	python3 bench/lm_eval_router.py --install
+	rm -f .venv-lmeval/.installed-* && touch $@
 
 # Huawei's torch_npu for the CPU torch, unpacked beside (not into) .venv: tests check that a worker holding
 # it without an Ascend driver still imports torch and exits naming the device (FACTS.md).
