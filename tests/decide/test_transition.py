@@ -135,3 +135,12 @@ def test_node_state_reads_cordon_readiness_and_absence() -> None:
     assert transition.node_state(node("n", "h100", 1, unschedulable=True)) == transition.NODE_CORDONED
     assert transition.node_state(node("n", "h100", 1, ready=False)) == transition.NODE_NOT_READY
     assert transition.node_state(None) == transition.NODE_GONE
+
+
+def test_a_pending_replacement_the_ideal_has_no_room_for_is_kept_not_shed() -> None:
+    # A NotReady node's pod was evicted; its ReplicaSet's replacement is Pending and nothing has room for it.
+    evicted = pool("h100", 1, ready=0)
+    got = step([evicted], {}, free(node("h100-0", "h100", 0)))
+    assert got.of("decode") == {"h100": 1}, "the role's only replica (to be) is not shed"
+    # Above the target the Pending surplus still goes.
+    assert step([pool("h100", 3, ready=1)], {}, free(node("h100-0", "h100", 0))).of("decode") == {"h100": 1}

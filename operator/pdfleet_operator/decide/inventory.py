@@ -311,22 +311,26 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
     """The free capacity: allocatable of Ready, schedulable nodes minus what bound pods request, minus the
     claims of pods not bound yet (Pending pods, `reserved` replicas whose pods do not exist yet).
 
-    `exclude_deployment=(namespace, name)` leaves out that InferenceDeployment's own pods and reservation, so
-    that re-planning a deployment counts the units it already holds as available to it.
+    `exclude_deployment=(namespace, name)` leaves out that InferenceDeployment's own reservation and gives it back
+    the units its bound pods hold, so that re-planning a deployment counts what it already holds as available to
+    it. NOTE: those units are given back after the other claims are placed: a claim waiting for capacity (another
+    deployment's Pending pod or unborn replicas) cannot bind where this deployment's pods run, so it never takes
+    them from it (else a deployment that serves would yield its units, in its own plan, to one that waits).
     """
     pods = list(pods)
     used: dict[str, dict[str, float]] = {}
+    own: dict[str, dict[str, float]] = {}  # the excluded deployment's bound pods: node -> requests
     for pod in pods:
         meta = pod.get("metadata") or {}
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name or (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             continue
-        if exclude_deployment is not None and (meta.get("namespace"), (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)) \
-                == exclude_deployment:
-            continue
-        acc = used.setdefault(node_name, {})
-        for k, v in pod_requests(pod).items():
-            acc[k] = acc.get(k, 0.0) + v
+        mine = exclude_deployment is not None and \
+            (meta.get("namespace"), (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)) == exclude_deployment
+        for target in ((used, own) if mine else (used,)):
+            acc = target.setdefault(node_name, {})
+            for k, v in pod_requests(pod).items():
+                acc[k] = acc.get(k, 0.0) + v
 
     out: list[NodeInventory] = []
     notes: list[str] = []
@@ -350,6 +354,9 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
             free[resource] = max(0, math.floor(left + 1e-9))
         out.append(NodeInventory(name, dict((node.get("metadata") or {}).get("labels") or {}), taints_of(node), free))
     nodes_out, held = _place_claims(out, claims(pods, reserved, exclude_deployment=exclude_deployment))
+    if own:
+        nodes_out = [n if n.name not in own else NodeInventory(n.name, n.labels, n.taints, {
+            r: q + max(0, math.floor(own[n.name].get(r, 0.0) + 1e-9)) for r, q in n.free.items()}) for n in nodes_out]
     return Inventory(tuple(nodes_out), tuple(notes) + held)
 
 

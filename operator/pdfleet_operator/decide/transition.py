@@ -113,7 +113,7 @@ def step(targets: Mapping[str, int], minimums: Mapping[str, int], ideal: Mapping
         order = list(ranking.get(role, ())) + sorted(c for c in pools if c not in ranking.get(role, ()))
         replicas, free = _grow(role, order, ideal, pools, free, classes)
         want = {c: ideal.get((role, c), 0) for c in order}
-        _shed_idle(replicas, want, pools, classes)
+        _shed_idle(replicas, want, pools, classes, target)
         excess = sum(p.ready for p in pools.values()) - target
         if role not in holding:
             _shed_serving(replicas, want, pools, order, excess, classes)
@@ -173,14 +173,18 @@ def _grow(role: str, order: Sequence[str], ideal: Mapping[Pool, int], pools: Map
 
 
 def _shed_idle(replicas: dict[str, int], want: Mapping[str, int], pools: Mapping[str, LivePool],
-               classes: Mapping[str, AcceleratorClassSpec]) -> None:
-    """Surplus replicas that do not serve go at once (a ReplicaSet removes its not-ready pods first)."""
+               classes: Mapping[str, AcceleratorClassSpec], target: int) -> None:
+    """Surplus replicas that do not serve go at once (a ReplicaSet removes its not-ready pods first), but never
+    below the role's target: where the ideal is short of capacity (a NotReady node's pods evicted, their
+    replacements Pending) those replicas are how the role comes back, not surplus."""
+    budget = sum(replicas.values()) - target
     for c, p in pools.items():
-        if c not in classes:
+        if c not in classes or budget <= 0:
             continue  # cannot be rendered: kept whole (see _shed_serving)
         surplus = replicas[c] - want.get(c, 0) - p.displaced
-        cut = min(max(0, surplus), p.unready)
+        cut = min(max(0, surplus), p.unready, budget)
         replicas[c] -= cut
+        budget -= cut
 
 
 def _shed_serving(replicas: dict[str, int], want: Mapping[str, int], pools: Mapping[str, LivePool],
