@@ -84,3 +84,30 @@ def test_the_flag_takes_auto_or_a_positive_number() -> None:
     assert threads.resolve(3, affinity=[0, 1], detect=False).threads == 3
     assert threads.resolve("auto", affinity=[0, 1, 2, 3], quota=None, request=None, detect=False).threads == 3
     assert threads.resolve(None, affinity=list(range(64)), quota=2.0, detect=False).threads == 1
+
+
+def test_openmp_gets_the_same_count_before_torch_loads(monkeypatch) -> None:
+    """OpenMP reads its default team size from the environment when it loads, per thread: set once, before torch."""
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: 3.0)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    env: dict[str, str] = {}
+    assert threads.export_openmp(None, env).threads == 2 and env == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    env = {"OMP_NUM_THREADS": "6"}
+    threads.export_openmp(4, env)
+    assert env == {"OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "4"}, "an operator's own setting stays"
+
+
+def test_the_worker_command_sets_openmp_before_torch_loads() -> None:
+    import subprocess
+    import sys
+    code = ("import sys, os\n"
+            "from pdfleet_worker.server import threads\n"
+            "threads.export_openmp('auto')\n"
+            "assert 'torch' not in sys.modules, 'threads imports no torch'\n"
+            "import torch\n"
+            "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in threads.OPENMP_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    omp, torch_threads = out.stdout.split()
+    assert omp == str(threads.resolve("auto").threads) and torch_threads == omp, "torch's pool takes it at import"

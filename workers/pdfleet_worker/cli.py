@@ -69,6 +69,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     exit_on_signal_until_serving()  # a SIGTERM while torch imports: exit 0, not killed by it
     _before_torch()
+    from pdfleet_worker.server import threads
+
+    threads.export_openmp(args.num_threads)  # every thread's OpenMP team: the threads --num-threads resolves to
     from pdfleet_worker.server import runner
 
     return runner.run(args)

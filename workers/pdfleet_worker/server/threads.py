@@ -1,5 +1,6 @@
 """How many torch threads a worker computes with: sized from the CPUs its container may use, one core's worth kept
-for the server loop; worker_config calls `resolve` for `--num-threads` (default `auto`).
+for the server loop; worker_config calls `resolve` for `--num-threads` (default `auto`), and the worker's CLI calls
+`export_openmp` before torch loads.
 
 The CPUs a container may use are the fewest of: its CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` /
 `cpu.cfs_period_us`, of its cgroup and every ancestor), its affinity mask (a cpuset, the static CPU manager), and
@@ -125,3 +126,21 @@ def resolve(setting: int | str | None, *, affinity: Sequence[int] | None = None,
     if isinstance(setting, int):
         return ThreadPlan(setting, float(cores), "--num-threads")
     return plan(quota, cores, request)
+
+
+OPENMP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def export_openmp(setting: int | str | None, environ: dict[str, str] | os._Environ = os.environ) -> ThreadPlan:
+    """Before torch loads: OMP_NUM_THREADS and MKL_NUM_THREADS (those not set already) to the threads `setting`
+    resolves to.
+
+    NOTE: torch.set_num_threads sizes torch's own pool, but OpenMP's default team size is per thread and read from
+    the environment when the library loads: the engine steps in a thread of its own, and without these its OpenMP
+    regions outside torch's (the C++ kernels, oneDNN) took one thread per core. Measured on 2 cores under 16
+    streams (bench/threads.py): the worker with only set_num_threads served 0.92x the one with OMP_NUM_THREADS too.
+    """
+    plan_ = resolve(setting)
+    for name in OPENMP_ENV:
+        environ.setdefault(name, str(plan_.threads))
+    return plan_
