@@ -138,6 +138,15 @@ CASES: list[Case] = [
     Case("vllm-runtime-without-image", A, _set("spec.runtimes", {"vllm": {"kvConnector": "NixlConnector"}}),
          "spec.runtimes.vllm.image", "required"),
     Case("unknown-torch-device", A, _set("spec.runtimes", {"pdfleet": {"device": "tpu"}}), "spec.runtimes.pdfleet.device"),
+    # issue 26: device visibility is the device plugin's (HEAD's example classes hard-coded it to "0")
+    Case("fixed-visible-devices", A, _set("spec.env", [{"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0"}]),
+         "spec.env[0]", "device plugin"),
+    Case("fixed-visible-devices-in-a-runtime", A, _set("spec.runtimes", {"pdfleet": {"env": [
+        {"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]}}), "spec.runtimes.pdfleet.env[0]", "device plugin"),
+    Case("volume-mount-of-no-volume", A, _set("spec.volumeMounts", [{"name": "driver", "mountPath": "/opt/x"}]),
+         "spec.volumeMounts", "names one of spec.volumes"),
+    Case("relative-host-path", A, _set("spec.volumes", [{"name": "d", "hostPath": {"path": "usr/local/dcmi"}}]),
+         "spec.volumes[0].hostPath.path"),
 ]
 
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
