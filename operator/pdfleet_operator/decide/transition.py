@@ -101,55 +101,60 @@ def step(targets: Mapping[str, int], minimums: Mapping[str, int], ideal: Mapping
     size until it can go whole); `unusable`: class -> (reason, message): why placement may no longer use it;
     `holding`: roles in the middle of a rollout, whose serving replicas stay until it ends.
     """
-    unusable = dict(unusable or {})
-    out: dict[Pool, int] = {}
-    drift: list[Drift] = []
-    moving: list[str] = []
-    stuck: list[str] = []
-    released: list[Pool] = []
+    out = Step({})
     free = free_now
     for role, target in targets.items():
         pools = {p.accelerator_class: p for p in live if p.role == role}
         order = list(ranking.get(role, ())) + sorted(c for c in pools if c not in ranking.get(role, ()))
-        replicas, free = _grow(role, order, ideal, pools, free, classes)
-        want = {c: ideal.get((role, c), 0) for c in order}
-        _shed_idle(replicas, want, pools, classes, target)
-        excess = sum(p.ready for p in pools.values()) - target
-        if role not in holding:
-            _shed_serving(replicas, want, pools, order, excess, classes)
-        missing = sum(max(0, want[c] - (replicas[c] - _displaced(pools, c))) for c in order)
-        # Replicas on their way to serving: starting ones (not those stuck on a NotReady node) and new ones.
-        in_flight = sum(max(0, p.unready - p.displaced) for p in pools.values()) + sum(
-            max(0, replicas[c] - (pools[c].replicas if c in pools else 0)) for c in order)
-        surplus = {c: replicas[c] - want[c] - p.displaced for c, p in pools.items()
-                   if replicas[c] > want[c] + p.displaced}
-        if missing and surplus:
-            move = _one_at_a_time(order, want, replicas, pools, surplus, classes, free, minimums.get(role, 0),
-                                  in_flight=in_flight, holding=role in holding)
-            if move is not None and move[0] is not None:
-                victim, target_class = move
-                replicas[victim] -= 1
-                replicas[target_class] += 1
-                released.append((role, victim))
-                moving.append(f"{role}: moving one replica from {pools[victim].name} to {target_class} (the only "
-                              f"capacity for it is what the old replica holds)")
-            elif move is not None:
-                stuck.append(f"{role}: {move[1]}")
-        displaced = sum(p.displaced for p in pools.values())
-        if displaced and not in_flight and sum(replicas.values()) - displaced < target:
-            stuck.append(f"{role}: no free capacity for a replacement of its {displaced} displaced replica(s)")
-        for c, p in pools.items():
-            drift += _drift(p, want.get(c, 0), replicas[c], unusable, classes)
-        handed = [(c, replicas[c]) for c in order if c in pools and replicas[c] > want[c] + _displaced(pools, c)]
-        if handed:
-            moving.append(f"{role}: keeping " + ", ".join(f"{pools[c].name} {pools[c].ready}/{replicas[c]} ready"
-                                                          for c, _ in handed)
-                          + f" until the replacements serve ({sum(p.ready for p in pools.values())} of {target} "
-                            f"ready in the role)")
-        for c, n in replicas.items():
-            if n > 0 or c in pools:
-                out[(role, c)] = n
-    return Step(out, tuple(drift), tuple(moving), tuple(stuck), tuple(released))
+        role_step, free = _role_step(role, target, minimums.get(role, 0), order, ideal, pools, free, classes,
+                                     dict(unusable or {}), holding=role in holding)
+        out = Step({**out.replicas, **role_step.replicas}, out.drift + role_step.drift, out.moving + role_step.moving,
+                   out.stuck + role_step.stuck, out.released + role_step.released)
+    return out
+
+
+def _role_step(role: str, target: int, minimum: int, order: Sequence[str], ideal: Mapping[Pool, int],
+               pools: Mapping[str, LivePool], free: Inventory, classes: Mapping[str, AcceleratorClassSpec],
+               unusable: Mapping[str, tuple[str, str]], *, holding: bool) -> tuple[Step, Inventory]:
+    """One role: grow towards the ideal, shed what neither serves nor is needed, shed serving surplus above the
+    target, then (nothing else in flight) move one replica where the only room is what an old replica holds."""
+    replicas, free = _grow(role, order, ideal, pools, free, classes)
+    want = {c: ideal.get((role, c), 0) for c in order}
+    _shed_idle(replicas, want, pools, classes, target)
+    if not holding:
+        _shed_serving(replicas, want, pools, order, sum(p.ready for p in pools.values()) - target, classes)
+    missing = sum(max(0, want[c] - (replicas[c] - _displaced(pools, c))) for c in order)
+    # Replicas on their way to serving: starting ones (not those stuck on a NotReady node) and new ones.
+    in_flight = sum(max(0, p.unready - p.displaced) for p in pools.values()) + sum(
+        max(0, replicas[c] - (pools[c].replicas if c in pools else 0)) for c in order)
+    surplus = {c: replicas[c] - want[c] - p.displaced for c, p in pools.items() if replicas[c] > want[c] + p.displaced}
+    moving: list[str] = []
+    stuck: list[str] = []
+    released: list[Pool] = []
+    if missing and surplus:
+        move = _one_at_a_time(order, want, replicas, pools, surplus, classes, free, minimum, in_flight=in_flight,
+                              holding=holding)
+        if move is not None and move[0] is not None:
+            victim, replacement = move
+            replicas[victim] -= 1
+            replicas[replacement] += 1
+            released.append((role, victim))
+            moving.append(f"{role}: moving one replica from {pools[victim].name} to {replacement} (the only "
+                          f"capacity for it is what the old replica holds)")
+        elif move is not None:
+            stuck.append(f"{role}: {move[1]}")
+    displaced = sum(p.displaced for p in pools.values())
+    if displaced and not in_flight and sum(replicas.values()) - displaced < target:
+        stuck.append(f"{role}: no free capacity for a replacement of its {displaced} displaced replica(s)")
+    drift = [d for c, p in pools.items() for d in _drift(p, want.get(c, 0), replicas[c], unusable, classes)]
+    kept = [c for c in order if c in pools and replicas[c] > want[c] + pools[c].displaced]
+    if kept:
+        moving.append(f"{role}: keeping " + ", ".join(f"{pools[c].name} {pools[c].ready}/{replicas[c]} ready"
+                                                      for c in kept)
+                      + f" until the replacements serve ({sum(p.ready for p in pools.values())} of {target} "
+                        f"ready in the role)")
+    runs = {(role, c): n for c, n in replicas.items() if n > 0 or c in pools}
+    return Step(runs, tuple(drift), tuple(moving), tuple(stuck), tuple(released)), free
 
 
 def _displaced(pools: Mapping[str, LivePool], c: str) -> int:
