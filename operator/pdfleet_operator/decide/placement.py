@@ -230,10 +230,12 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
                      {r: tuple(c.name for c in ranking[r]) for r in ranking}, by_class)
 
 
-def surge_room(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], inventory: Inventory
-               ) -> frozenset[tuple[str, str]]:
+def surge_room(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], inventory: Inventory,
+               held: Mapping[tuple[str, str], int] | None = None) -> frozenset[tuple[str, str]]:
     """The pools (role, class) that may roll with one surge replica: after every pool of `plan` has its
-    replicas on `inventory` (free capacity for this deployment), one more replica of the pool still fits.
+    replicas on `inventory`, one more replica of the pool still fits. `held`: replicas per pool that already
+    hold their units outside `inventory` (a live pool's, when `inventory` is what is free now); they are not
+    taken again.
 
     A pool with room replaces its pods one at a time without ever dropping below its size (maxSurge 1,
     maxUnavailable 0): an image change or a rollback keeps every replica serving. A pool without room takes
@@ -242,8 +244,9 @@ def surge_room(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], inv
     """
     inv = inventory
     for pool in plan.pools:
-        if pool.accelerator_class in classes:
-            inv, _ = inv.take(classes[pool.accelerator_class], pool.replicas)
+        grow = pool.replicas - (held or {}).get((pool.role, pool.accelerator_class), 0)
+        if pool.accelerator_class in classes and grow > 0:
+            inv, _ = inv.take(classes[pool.accelerator_class], grow)
     out = set()
     for pool in plan.pools:
         cls = classes.get(pool.accelerator_class)

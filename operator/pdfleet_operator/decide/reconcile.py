@@ -273,28 +273,8 @@ def _render(render: Renderer, obs: Observed, serving: rollback.Serving, plan: Fl
             free_now: inventory.Inventory) -> list[dict[str, Any]]:
     """The children of the plan's pools whose class exists (a pool whose class is gone is left as it runs)."""
     renderable = dataclasses.replace(plan, pools=tuple(p for p in plan.pools if p.accelerator_class in obs.classes))
-    return render(serving.spec, renderable, serving.revision, _surge_room(renderable, live, free_now, obs.classes))
-
-
-def _surge_room(plan: FleetPlan, live: Sequence[LivePool], free_now: inventory.Inventory,
-                classes: Mapping[str, AcceleratorClassSpec]) -> frozenset[Pool]:
-    """The pools that may roll with one surge replica: after every new replica of the plan is taken from the
-    capacity free now, one more still fits. Each spare replica's room goes to one pool only, in plan order."""
-    have = {p.key: p.replicas for p in live}
-    inv = free_now
-    for p in plan.pools:
-        grow = p.replicas - have.get((p.role, p.accelerator_class), 0)
-        if grow > 0 and p.accelerator_class in classes:
-            inv, _ = inv.take(classes[p.accelerator_class], grow)
-    out = set()
-    for p in plan.pools:
-        cls = classes.get(p.accelerator_class)
-        if cls is None or p.replicas < 1:
-            continue
-        inv, placed = inv.take(cls, 1)
-        if placed:
-            out.add((p.role, p.accelerator_class))
-    return frozenset(out)
+    surge = placement.surge_room(renderable, obs.classes, free_now, held={p.key: p.replicas for p in live})
+    return render(serving.spec, renderable, serving.revision, surge)
 
 
 def _rollouts(obs: Observed, spec: InferenceDeploymentSpec, ideal: FleetPlan, plan: FleetPlan,
