@@ -29,6 +29,7 @@ from pdfleet_operator.decide import inventory
 from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, render
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
 from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
+from pdfleet_operator.kube.indexes import CHILD_INDEXES
 from pdfleet_operator.kube.reconciler import Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
 GROUP, VERSION = "pdfleet.io", "v1alpha1"
@@ -207,29 +208,16 @@ def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None
     return {(meta.get("namespace"), owner): json.loads(json.dumps(dict(body)))}
 
 
-@kopf.index("apps", "v1", "deployments")
-def deployment_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    return _child_view(body)
+def _index_children(group: str, version: str, plural: str, name: str) -> None:
+    """Declare kopf's index `name` of one child kind (the names `indexes.CHILD_INDEXES` reads)."""
+    def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+        return _child_view(body)
+    kopf.index(group, version, plural, id=name)(index)
 
 
-@kopf.index("", "v1", "services")
-def service_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    return _child_view(body)
-
-
-@kopf.index("", "v1", "configmaps")
-def configmap_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    return _child_view(body)
-
-
-@kopf.index("networking.k8s.io", "v1", "networkpolicies")
-def networkpolicy_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    return _child_view(body)
-
-
-@kopf.index("policy", "v1", "poddisruptionbudgets")
-def pdb_children(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    return _child_view(body)
+for (_group, _version, _plural), _kind in zip(CHILD_WATCHES, ("Deployment", "Service", "ConfigMap", "NetworkPolicy",
+                                                             "PodDisruptionBudget"), strict=True):
+    _index_children(_group, _version, _plural, CHILD_INDEXES[_kind])
 
 
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
