@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from pdfleet_operator.sim.perf_model import ReplicaPerf
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 ACTIVE, DONE, REJECTED, TOO_LONG, UNFINISHED = 0, 1, 2, 3, 4
 # Replica modes.
 IDLE, STEPPING, FLUID = 0, 1, 2
+# The simulator's event kind of a replica's own events (`sim.simulator.REPLICA`).
+EVENT = 0
 # Tolerance on V (in decode steps) for float error over millions of steps.
 _EPS = 1e-6
 
@@ -68,21 +70,26 @@ class Requests:
 
 
 class Replica:
-    """One worker replica (prefill, decode or colocated) of one pool; driven by `Simulator` events."""
+    """One worker replica (prefill, decode or colocated) of one pool; driven by `Simulator` events.
 
-    __slots__ = ("id", "deployment", "role", "accelerator_class", "perf", "reqs", "push", "itl", "on_prefilled",
-                 "on_done", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
+    Its own events go on the simulator's heap as `(t, next(seq), EVENT, replica, version)` through `push`
+    (`heapq.heappush` bound to the heap): an event whose version is no longer the replica's is stale.
+    """
+
+    __slots__ = ("id", "deployment", "role", "accelerator_class", "perf", "reqs", "push", "seq", "itl",
+                 "on_prefilled", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
                  "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
-                 "t_last", "mode", "st", "version", "step_end", "step_chunks", "step_decode", "inflight", "url",
-                 "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0", "swapped", "swapped_tokens", "swap_fallbacks")
+                 "t_last", "mode", "st", "st_bin", "version", "step_end", "step_chunks", "step_decode", "inflight",
+                 "url", "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0", "swapped", "swapped_tokens",
+                 "swap_fallbacks", "dirty", "load", "route_score", "route_at")
 
     def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
-                 reqs: Requests, push: Callable[[float, "Replica", int], None], itl: "Histogram",
-                 on_prefilled: Callable[["Replica", int, float], None], on_done: Callable[[int, float], None],
+                 reqs: Requests, push: Callable[[tuple], None], seq: Iterator[int], itl: "Histogram",
+                 on_prefilled: Callable[["Replica", int, float], None],
                  max_waiting: int, created_at: float, ready_at: float, node: str) -> None:
         self.id, self.deployment, self.role, self.accelerator_class = rid, deployment, role, accelerator_class
-        self.perf, self.reqs, self.push, self.itl = perf, reqs, push, itl
-        self.on_prefilled, self.on_done = on_prefilled, on_done
+        self.perf, self.reqs, self.push, self.seq, self.itl = perf, reqs, push, seq, itl
+        self.on_prefilled = on_prefilled
         self.max_waiting = max_waiting
         self.created_at, self.ready_at, self.node = created_at, ready_at, node
         self.draining = False
@@ -100,6 +107,7 @@ class Replica:
         self.t_last = 0.0
         self.mode = IDLE
         self.st = 0.0                       # step time while fluid
+        self.st_bin = 0                     # its bin in the ITL histogram
         self.version = 0                    # bumps invalidate scheduled events
         self.step_end = 0.0
         self.step_chunks: list[tuple[int, int]] = []
@@ -113,6 +121,11 @@ class Replica:
         self.swapped_tokens = 0
         self.swap_fallbacks = 0
         self.busy_s = 0.0
+        # the router's kept score (`sim.router`); `dirty`: what the router reads may have changed since
+        self.load = None
+        self.route_score: tuple = ()
+        self.route_at = created_at
+        self.dirty = True
 
     # --- what the router and the metrics see ------------------------------------------------------
     def ready(self, now: float) -> bool:
@@ -133,7 +146,10 @@ class Replica:
         return self.gen_tokens + max(0.0, self.B * v - self.V0)
 
     def kv_usage(self, now: float) -> float:
-        return min(1.0, self.kv_used(now) / self.perf.kv_capacity_tokens)
+        v = self.V  # NOTE: kv_used inlined: the router reads this for every rescored replica
+        if self.mode == FLUID and self.st > 0:
+            v += (now - self.t_last) / self.st
+        return min(1.0, (self.kv_fixed + self.S0 + self.B * v) / self.perf.kv_capacity_tokens)
 
     def queue_len(self) -> int:
         return len(self.waiting)
@@ -149,28 +165,37 @@ class Replica:
         """A request routed here (need/ctx set by the caller); False when the waiting queue is full (503)."""
         if not force and len(self.waiting) >= self.max_waiting:
             return False
-        self._advance(now)
+        self.dirty = True
         self.waiting.append(rid)
         self.need_waiting += self.reqs.need[rid]
         if self.mode != STEPPING:
+            self._advance(now)
             self._kick(now)
         return True
 
     def release(self, tokens: int, now: float) -> None:
         """A decode replica finished pulling a held prompt's KV: its blocks are free again."""
-        self._advance(now)
+        self.dirty = True
         self.kv_fixed -= tokens
         assert self.kv_fixed >= 0, f"replica {self.id}: released more KV than held"
         if self.mode != STEPPING:
+            self._advance(now)
             self._kick(now)
 
     def hold(self, tokens: int) -> None:
+        self.dirty = True
         self.kv_fixed += tokens
+
+    def add_inflight(self, n: int) -> None:
+        """Requests the router sent here that the engine does not see yet (HTTP hop, KV pull)."""
+        self.dirty = True
+        self.inflight += n
 
     # --- events ------------------------------------------------------------------------------------
     def on_event(self, now: float, version: int) -> None:
         if version != self.version:
             return
+        self.dirty = True
         if self.mode == STEPPING:
             self._finish_step(now)
         else:
@@ -182,29 +207,38 @@ class Replica:
 
     # --- internals -----------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:
-        """Bring a fluid replica's virtual clock to `now` (events are scheduled so nothing finishes inside)."""
-        if self.mode == FLUID and now > self.t_last:
-            steps = (now - self.t_last) / self.st
-            self.V += steps
-            self.itl.add(self.st, self.B * steps)
-            self.busy_s += now - self.t_last
-        if self.mode != STEPPING:
-            self.t_last = now
+        """Bring a fluid replica's virtual clock to `now` (events are scheduled so nothing finishes inside);
+        not called while stepping."""
+        if self.mode == FLUID:
+            dt = now - self.t_last
+            if dt > 0:
+                steps = dt / self.st
+                self.V += steps
+                weight = self.B * steps
+                if weight > 0:  # Histogram.add(st, weight) with st's bin kept
+                    itl = self.itl
+                    itl.counts[self.st_bin] += weight
+                    itl.total += weight
+                self.busy_s += dt
+        self.t_last = now
 
     def _complete(self, now: float) -> None:
         reqs, running = self.reqs, self.running
-        while running and running[0][0] <= self.V + _EPS:
+        limit = self.V + _EPS
+        epochs = reqs.epoch
+        while running and running[0][0] <= limit:
             _, epoch, rid = heapq.heappop(running)
-            if epoch != reqs.epoch[rid]:
+            if epoch != epochs[rid]:
                 continue
             self.B -= 1
             self.S0 -= reqs.c0[rid] - reqs.v0[rid]
             self.V0 -= reqs.v0[rid]
-            made = reqs.output[rid] - reqs.gen[rid]
-            reqs.gen[rid] = reqs.output[rid]
-            self.gen_tokens += made
-            reqs.epoch[rid] += 1
-            self.on_done(rid, now)
+            out = reqs.output[rid]
+            self.gen_tokens += out - reqs.gen[rid]
+            reqs.gen[rid] = out
+            epochs[rid] = epoch + 1
+            reqs.status[rid] = DONE
+            reqs.t_done[rid] = now
         if self.B == 0:
             self.S0, self.V0, self.order = 0.0, 0.0, []
 
@@ -290,26 +324,33 @@ class Replica:
 
     def _kick(self, now: float) -> None:
         """Choose what runs next from `now`: a discrete step, a fluid decode phase, or nothing."""
-        self._admit_transferred(now)
+        waiting, reqs = self.waiting, self.reqs
+        if waiting and reqs.need[waiting[0]] == 0:
+            self._admit_transferred(now)
         self.version += 1
-        if self._has_prefill_work():
+        if self.prefilling or (waiting and self._has_prefill_work()):
             self._start_step(now)
             return
-        self._drop_stale_top()
-        if self.B == 0:
+        running = self.running
+        epochs = reqs.epoch
+        while running and running[0][1] != epochs[running[0][2]]:  # _drop_stale_top
+            heapq.heappop(running)
+        B = self.B
+        if B == 0:
             self.mode = IDLE
             self.t_last = now
             return
         p = self.perf
-        kv_run = self.S0 + self.B * self.V
+        kv_run = self.S0 + B * self.V
         self.mode = FLUID
         self.t_last = now
-        self.st = p.step_time(self.B, self.kv_fixed + kv_run)
-        steps = self.running[0][0] - self.V
-        room = (p.kv_capacity_tokens - self.kv_fixed - kv_run) / self.B
+        st = self.st = p.step_time(B, self.kv_fixed + kv_run)
+        self.st_bin = self.itl.bin(st)
+        steps = running[0][0] - self.V
+        room = (p.kv_capacity_tokens - self.kv_fixed - kv_run) / B
         if room < steps:
             steps = max(room, 0.0) + _EPS
-        self.push(now + max(steps, 0.0) * self.st, self, self.version)
+        self.push((now + max(steps, 0.0) * st, next(self.seq), EVENT, self, self.version))
 
     def _start_step(self, now: float) -> None:
         """One discrete step: decode tokens for the batch, then prompt chunks within the budget."""
@@ -322,36 +363,40 @@ class Replica:
             self._drop_stale_top()
         budget = p.max_num_batched_tokens - self.B
         chunks: list[tuple[int, int]] = []
+        need = reqs.need
+        computed = 0
         for rid in self.prefilling:
             if budget <= 0:
                 break
-            take = min(reqs.need[rid], budget)
+            take = min(need[rid], budget)
             chunks.append((rid, take))
             budget -= take
-        while budget > 0 and self.waiting:
-            rid = self.waiting[0]
+            computed += take
+        waiting = self.waiting
+        while budget > 0 and waiting:
+            rid = waiting[0]
             if self.B + len(self.prefilling) >= p.max_num_seqs:
                 break
             if self.kv_fixed + self.S0 + self.B * (self.V + 1) + reqs.ctx[rid] > p.kv_capacity_tokens:
                 break
-            self.waiting.popleft()
-            self.need_waiting -= reqs.need[rid]
-            if reqs.need[rid] == 0:
+            waiting.popleft()
+            self.need_waiting -= need[rid]
+            if need[rid] == 0:
                 self._join(rid, now)
                 continue
             self.kv_fixed += reqs.ctx[rid]
             self.prefilling.append(rid)
-            take = min(reqs.need[rid], budget)
+            take = min(need[rid], budget)
             chunks.append((rid, take))
             budget -= take
-        computed = sum(c for _, c in chunks)
+            computed += take
         if not computed and not self.B:
             self._kick(now)  # only transferred requests were admitted: they decode fluidly
             return
         context = self.kv_fixed + self.S0 + self.B * self.V
         dur = p.step_time(computed + self.B, context)
         self.step_chunks, self.step_decode, self.step_end = chunks, self.B, now + dur
-        self.push(self.step_end, self, self.version)
+        self.push((self.step_end, next(self.seq), EVENT, self, self.version))
 
     def _finish_step(self, now: float) -> None:
         reqs = self.reqs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pdfleet_operator.decide.metrics_snapshot import ClassMetrics, MetricsSnapshot, RoleMetrics
 from pdfleet_operator.sim.engine import Replica
@@ -19,61 +20,86 @@ from pdfleet_operator.sim.engine import Replica
 RATE_WINDOW_S = 60.0
 
 
+@dataclass(frozen=True)
+class _Gauges:
+    """One role's gauges as one scrape read them (summed over its exposed replicas)."""
+
+    replicas: int
+    waiting: float
+    running: float
+    kv_usage: float                              # mean over the replicas
+    prompt_tokens_waiting: float
+    by_class: dict[str, tuple[int, float]]       # AcceleratorClass -> (replicas, requests waiting)
+
+
 class SimulatedMetricsSource:
-    """Scrapes simulated replicas on demand (`scrape(now)`) and answers the autoscaler's `snapshot`."""
+    """Scrapes simulated replicas on demand (`scrape(now)`) and answers the autoscaler's `snapshot`.
+
+    NOTE: a scrape keeps the raw gauges and counters; the `RoleMetrics` are built from the last scrape when
+    the autoscaler asks (once per interval, where scrapes come every few seconds for the rate window).
+    """
 
     def __init__(self, deployment: str, replicas: Callable[[], Mapping[str, Sequence[Replica]]],
                  clock: Callable[[], float]) -> None:
         self.deployment = deployment
         self.replicas = replicas
         self.clock = clock
-        self.last: dict[str, RoleMetrics] = {}
         # (time, (role, class) -> (prompt tokens, generated tokens) counted so far)
         self.counters: deque[tuple[float, dict[tuple[str, str], tuple[float, float]]]] = deque()
+        self._scraped: tuple[float, dict[str, _Gauges], dict[tuple[str, str], tuple[float, float]]] | None = None
+        self._last: dict[str, RoleMetrics] | None = None
 
     @property
     def name(self) -> str:
         return f"simulated scrape of {self.deployment}"
 
+    @property
+    def last(self) -> dict[str, RoleMetrics]:
+        """Per role, what the last scrape read (roles with no replica exposing metrics are absent)."""
+        if self._last is None:
+            self._last = self._build()
+        return self._last
+
     def scrape(self, now: float) -> None:
         """Read every exposed replica's gauges and counters, as one Prometheus scrape round."""
-        latest: dict[str, RoleMetrics] = {}
         totals: dict[tuple[str, str], tuple[float, float]] = {}
-        exposed: dict[str, list[Replica]] = {}
+        gauges: dict[str, _Gauges] = {}
         for role, reps in self.replicas().items():
             for r in reps:
-                p, g = totals.get((role, r.accelerator_class), (0.0, 0.0))
-                totals[(role, r.accelerator_class)] = (p + r.prompt_tokens, g + r.generated(now))
-            shown = exposed[role] = [r for r in reps if r.removed_at is None and now >= r.ready_at]
-            if not shown:
-                continue
-            latest[role] = RoleMetrics(
-                waiting=float(sum(len(r.waiting) for r in shown)),
-                running=float(sum(r.num_running() for r in shown)),
-                replicas_reporting=len(shown),
-                sample_time=now,
-                kv_usage=sum(r.kv_usage(now) for r in shown) / len(shown),
-                prompt_tokens_waiting=float(sum(r.need_waiting for r in shown)),
-            )
+                key = (role, r.accelerator_class)
+                p, g = totals.get(key, (0.0, 0.0))
+                totals[key] = (p + r.prompt_tokens, g + r.generated(now))
+            shown = [r for r in reps if r.removed_at is None and now >= r.ready_at]
+            if shown:
+                gauges[role] = _gauges(shown, now)
         self.counters.append((now, totals))
         while len(self.counters) > 1 and now - self.counters[1][0] >= RATE_WINDOW_S:
             self.counters.popleft()
+        self._scraped = (now, gauges, totals)
+        self._last = None
+
+    def _build(self) -> dict[str, RoleMetrics]:
+        """The `RoleMetrics` of the last scrape: its gauges, and the counters' rates since the rate window's start."""
+        if self._scraped is None:
+            return {}
+        now, gauges, totals = self._scraped
         t0, old = self.counters[0]
-        if now > t0:
-            for role, m in list(latest.items()):
-                classes = {}
-                for cname in sorted({r.accelerator_class for r in exposed[role]}):
-                    shown = [r for r in exposed[role] if r.accelerator_class == cname]
+        latest: dict[str, RoleMetrics] = {}
+        for role, g in gauges.items():
+            rates: dict[str, float] = {}
+            classes = {}
+            if now > t0:
+                for cname, (count, waiting) in g.by_class.items():
                     prompt, gen = self._rates(old, totals, (role, cname), now - t0)
-                    classes[cname] = ClassMetrics(replicas_reporting=len(shown),
-                                                  waiting=float(sum(len(r.waiting) for r in shown)),
+                    classes[cname] = ClassMetrics(replicas_reporting=count, waiting=waiting,
                                                   prompt_tokens_rate=prompt, generation_tokens_rate=gen)
                 keys = [k for k in totals if k[0] == role]
-                prompt = sum(self._rates(old, totals, k, now - t0)[0] for k in keys)
-                gen = sum(self._rates(old, totals, k, now - t0)[1] for k in keys)
-                latest[role] = RoleMetrics(**{**m.__dict__, "prompt_tokens_rate": prompt,
-                                              "generation_tokens_rate": gen, "classes": classes})
-        self.last = latest
+                rates = {"prompt_tokens_rate": sum(self._rates(old, totals, k, now - t0)[0] for k in keys),
+                         "generation_tokens_rate": sum(self._rates(old, totals, k, now - t0)[1] for k in keys)}
+            latest[role] = RoleMetrics(waiting=g.waiting, running=g.running, replicas_reporting=g.replicas,
+                                       sample_time=now, kv_usage=g.kv_usage,
+                                       prompt_tokens_waiting=g.prompt_tokens_waiting, classes=classes, **rates)
+        return latest
 
     @staticmethod
     def _rates(old: Mapping[tuple[str, str], tuple[float, float]], new: Mapping[tuple[str, str], tuple[float, float]],
@@ -88,5 +114,17 @@ class SimulatedMetricsSource:
         if deployment != self.deployment:
             return MetricsSnapshot.unavailable(now, f"no simulated deployment {deployment!r}", source=self.name)
         wanted = list(roles)
+        last = self.last
         return MetricsSnapshot(taken_at=now, source=self.name,
-                               roles={role: self.last[role] for role in wanted if role in self.last})
+                               roles={role: last[role] for role in wanted if role in last})
+
+
+def _gauges(shown: list[Replica], now: float) -> _Gauges:
+    by_class = {}
+    for cname in sorted({r.accelerator_class for r in shown}):
+        of_class = [r for r in shown if r.accelerator_class == cname]
+        by_class[cname] = (len(of_class), float(sum(len(r.waiting) for r in of_class)))
+    return _Gauges(replicas=len(shown), waiting=float(sum([len(r.waiting) for r in shown])),
+                   running=float(sum([r.num_running() for r in shown])),
+                   kv_usage=sum([r.kv_usage(now) for r in shown]) / len(shown),
+                   prompt_tokens_waiting=float(sum([r.need_waiting for r in shown])), by_class=by_class)

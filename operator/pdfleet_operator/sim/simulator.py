@@ -12,6 +12,7 @@ replica is the aggregate engine model of `sim.engine`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -35,6 +36,7 @@ from pdfleet_operator.sim.stats import Histogram
 from pdfleet_operator.trace import Trace
 
 REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP, ENTER = range(8)
+assert REPLICA == eng.EVENT, "a replica pushes its own events with the kind sim.engine.EVENT"
 
 
 @dataclass
@@ -83,6 +85,8 @@ class DeploymentState:
     window: deque = field(default_factory=deque)                       # (t, requests, errors)
     last_others: int = -1
     rollback_actions: list[tuple[float, str, str]] = field(default_factory=list)
+    interval_s: float = 0.0                                            # autoscaling.interval
+    rollback_window_s: float = 0.0                                     # rollback.window
 
     @property
     def name(self) -> str:
@@ -120,6 +124,7 @@ class Simulator:
         self.now = 0.0
         self.heap: list[tuple[float, int, int, object, object]] = []
         self._seq = itertools.count()
+        self._push_event = functools.partial(heapq.heappush, self.heap)  # what replicas push their events with
         base = fleet.inventory()
         self.base_nodes: tuple[NodeInventory, ...] = base.nodes
         self.used: dict[str, dict[str, int]] = {n.name: {} for n in base.nodes}
@@ -165,6 +170,7 @@ class Simulator:
             scaler=autoscaler.ScalerState.initial(d.spec),
             source=None,  # type: ignore[arg-type]
             health=rollback.RevisionHealth(revision=1, started_at=0.0),
+            interval_s=d.spec.interval_seconds(), rollback_window_s=parse_duration(d.spec.rollback.window),
         )
         state.source = SimulatedMetricsSource(d.name, state.by_role, lambda: self.now)
         caps = [p.kv_capacity_tokens for p in perfs.values()]
@@ -173,9 +179,6 @@ class Simulator:
 
     def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, a, b))
-
-    def _push_replica(self, t: float, rep: eng.Replica, version: int) -> None:
-        heapq.heappush(self.heap, (t, next(self._seq), REPLICA, rep, version))
 
     # --- inventory and pods -------------------------------------------------------------------------------
     def _inventory(self, exclude: DeploymentState | None = None) -> Inventory:
@@ -208,7 +211,7 @@ class Simulator:
         self.changes[d.idx] += 1
         ready_at = t if warm else t + self.settings.startup(cname)
         rep = eng.Replica(next(self._next_replica_id), d.idx, role, cname, d.perfs[cname], self.reqs,
-                          self._push_replica, d.itl, self._prefilled, self._done,
+                          self._push_event, self._seq, d.itl, self._prefilled,
                           d.spec.engine.max_waiting_requests, t, ready_at, node)
         d.replicas.append(rep)
         self.all_replicas.append(rep)
@@ -236,6 +239,8 @@ class Simulator:
         for r in d.replicas:
             if r.ready(self.now):
                 table[r.role].append(r)
+        for reps in table.values():
+            reps.sort(key=lambda r: r.url)  # the router's tie order (`sim.router`)
         d.routable = table
 
     def _drain(self, rep: eng.Replica, t: float) -> None:
@@ -300,7 +305,7 @@ class Simulator:
 
     def _analyze_rollback(self, d: DeploymentState, t: float) -> None:
         spec = d.spec.rollback
-        window = parse_duration(spec.window)
+        window = d.rollback_window_s
         d.window.append((t, d.requests, d.errors))
         while len(d.window) > 1 and t - d.window[1][0] >= window:
             d.window.popleft()
@@ -331,13 +336,13 @@ class Simulator:
         elif rep.perf.http_hop_s > 0:
             # client -> router -> worker: two HTTP hops before the engine sees it; `inflight` tells the
             # router's next picks (and keeps a draining replica) that it is on its way
-            rep.inflight += 1
+            rep.add_inflight(1)
             self._push(t + 2 * rep.perf.http_hop_s, ENTER, rid, rep)
         elif not rep.enqueue(rid, t):
             self._reject(d, rid, t)
 
     def _enter(self, rid: int, rep: eng.Replica, t: float) -> None:
-        rep.inflight -= 1
+        rep.add_inflight(-1)
         if not rep.enqueue(rid, t):
             self._reject(self.deps[rep.deployment], rid, t)
 
@@ -359,7 +364,7 @@ class Simulator:
             return
         prompt = reqs.prompt[rid]
         rep.hold(prompt)
-        dst.inflight += 1
+        dst.add_inflight(1)
         # the router's call to the decode worker (one HTTP hop), then the pull
         delay = dst.perf.http_hop_s + perf_model.kv_transfer_s(prompt, rep.perf, dst.perf,
                                                                self.settings.kv_transfer_latency_s)
@@ -369,7 +374,7 @@ class Simulator:
         reqs = self.reqs
         prompt = reqs.prompt[rid]
         src.release(prompt, t)
-        dst.inflight -= 1
+        dst.add_inflight(-1)
         reqs.need[rid] = 0
         reqs.ctx[rid] = prompt + reqs.gen[rid]
         dst.enqueue(rid, t, force=True)  # routed already: a decode queue never drops a request mid-stream
@@ -386,7 +391,7 @@ class Simulator:
         horizon = self.trace.duration
         for d in self.deps:
             self._plan(d, None, 0.0, warm=True)
-            self._push(d.spec.interval_seconds(), DECIDE, d)
+            self._push(d.interval_s, DECIDE, d)
         self._push(0.0, SCRAPE, None)
         self._push(self.warmup, WARMUP, None)
         arrivals = self.reqs.arrival
@@ -402,7 +407,8 @@ class Simulator:
                     break
                 self.now = t
                 if kind == REPLICA:
-                    a.on_event(t, b)  # type: ignore[union-attr]
+                    if b == a.version:  # else stale: the replica rescheduled since
+                        a.on_event(t, b)  # type: ignore[union-attr]
                     if a.draining and a.removed_at is None and a.idle():  # type: ignore[union-attr]
                         self._remove(a, t)  # type: ignore[arg-type]
                 elif kind == TRANSFER:
@@ -422,7 +428,7 @@ class Simulator:
                 elif kind == DECIDE:
                     self._decide(a, t)  # type: ignore[arg-type]
                     self.decisions += t >= self.warmup
-                    nxt = t + a.spec.interval_seconds()  # type: ignore[union-attr]
+                    nxt = t + a.interval_s  # type: ignore[union-attr]
                     if nxt <= horizon:
                         self._push(nxt, DECIDE, a)
                 elif kind == WARMUP:

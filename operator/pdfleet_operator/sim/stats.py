@@ -22,9 +22,13 @@ class Histogram:
     def add(self, value: float, weight: float) -> None:
         if weight <= 0:
             return
-        i = 0 if value <= _LO else int(math.log10(value / _LO) * _PER_DECADE)
-        self.counts[min(i, len(self.counts) - 1)] += weight
+        self.counts[self.bin(value)] += weight
         self.total += weight
+
+    def bin(self, value: float) -> int:
+        """The index in `counts` that `add(value, ...)` adds to (kept by a caller adding one value many times)."""
+        i = 0 if value <= _LO else int(math.log10(value / _LO) * _PER_DECADE)
+        return min(i, len(self.counts) - 1)
 
     def quantile(self, q: float) -> float | None:
         """The value below which a fraction q of the weight lies (bin upper edge); None when empty."""
