@@ -12,7 +12,7 @@ from typing import Any
 from pdfleet_operator import trace as tr
 from pdfleet_operator.api import parse_duration
 from pdfleet_operator.decide import runtimes
-from pdfleet_operator.sim import calibration, report
+from pdfleet_operator.sim import calibration, report, search
 from pdfleet_operator.sim import fleet as fleet_file
 from pdfleet_operator.sim.simulator import Simulator
 
@@ -95,12 +95,21 @@ def run(args: argparse.Namespace) -> int:
     sweep = fl.equal_slo if args.compare and fl.equal_slo and not args.no_equal_slo else None
     variants = [v for p in policies for v in (sweep.variants.get(p.name, ()) if sweep else ())]
     runs = [(p, "") for p in policies] + [(v, v.variant) for v in variants]
+    # the target first: the searches wait for its attainment
+    order = sorted(range(len(runs)), key=lambda i: (not (sweep and not runs[i][1] and runs[i][0].name == sweep.target), i))
+    searches = {p.name: sweep.search[p.name] for p in policies
+                if sweep and p.name in sweep.search and sweep.target in names}
+    searched = [v for vs in searches.values() for v in vs]
     pools = sorted({(runtimes.engine_of(d.spec, fl.classes[c]), c) for p, _ in runs for d in p.deployments
-                    for rs in d.spec.roles().values() for c in rs.accelerator_classes})
+                    for rs in d.spec.roles().values() for c in rs.accelerator_classes}
+                   | {(runtimes.engine_of(d.spec, fl.classes[c]), c) for p in searched for d in p.deployments
+                      for rs in d.spec.roles().values() for c in rs.accelerator_classes})
     console.print(f"fleet {fl.name}: {len(fl.nodes)} nodes, {fl.devices} accelerators; trace {trace.name}: "
                   f"{len(trace):,} requests over {trace.duration / 3600:.2f} h (mean {trace.mean_rate:.2f}/s), "
-                  f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s) in {min(args.jobs, len(runs))} "
-                  f"process(es)", highlight=False)
+                  f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s)"
+                  + (f" and a bisection over {len(searched)} equal-SLO variant(s) of {len(searches)} "
+                     f"polic{'y' if len(searches) == 1 else 'ies'}" if searches else "")
+                  + f" in {max(1, min(args.jobs, len(runs) + len(searches)))} process(es)", highlight=False)
     calibration.print_table(pools, effs, fl.classes, console)
     for name in sorted({f"{p.name}/{d.spec.model.name}" for p, _ in runs for d in p.deployments
                         if d.spec.engine.kv_offload is not None}):
@@ -109,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
                       f"preemption swap is", highlight=False)
 
     started = time.perf_counter()
-    done = _run_all(fl, runs, trace, warmup, effs, args, console)
+    done, probes = _run_all(fl, [runs[i] for i in order], searches, sweep.target if sweep else None, trace, warmup,
+                            effs, args, console)
+    done = [done[order.index(i)] for i in range(len(runs))]
     total_wall = round(time.perf_counter() - started, 2)
     entries: dict[str, dict[str, Any]] = {}
     swept: dict[str, list[dict[str, Any]]] = {}
@@ -123,12 +134,18 @@ def run(args: argparse.Namespace) -> int:
             entries[policy.name] = summary
             walls[policy.name] = wall
             plots.append(data)
+    for name, ran in probes.items():
+        for i, (summary, _, wall) in sorted(ran.items()):
+            swept.setdefault(name, []).append({**summary, "variant": searches[name][i].variant})
+            walls[f"{name} [{searches[name][i].variant}]"] = wall
     day_wall = max(walls[p.name] for p in policies)
 
     report.print_tables(entries, console)
     equal = None
     if sweep is not None and sweep.target in entries:
         equal = report.equal_slo(entries, swept, sweep.target)
+        equal["search"] = {name: report.search_summary(searches[name], probes[name], equal["target_attainment"])
+                           for name in searches}
         for name, e in entries.items():
             got = equal["policies"][name]
             e["equal_slo_cost_per_1m_tokens"] = got["cost_per_1m_tokens"]
@@ -144,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         comparison["conditions"] = conditions(fl, policies, trace, warmup, args)
         comparison["text"] = report.comparison_text(comparison, comparison["conditions"])
         console.print(comparison["text"], highlight=False)
-    console.print(f"wall: {total_wall:.1f} s for {len(runs)} run(s); the policies as configured ran in "
+    n_runs = len(runs) + sum(len(ran) for ran in probes.values())
+    console.print(f"wall: {total_wall:.1f} s for {n_runs} run(s); the policies as configured ran in "
                   f"{day_wall:.1f} s each at most", highlight=False)
     doc = {
         "fleet": fl.name, "fleet_file": str(args.fleet), "nodes": len(fl.nodes), "devices": fl.devices,
@@ -183,35 +201,74 @@ def _run_one(job: tuple[fleet_file.Policy, str]) -> tuple[dict[str, Any], Any, f
     return summary, data, round(time.perf_counter() - started, 2)
 
 
-def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]], trace: tr.Trace, warmup: float,
-             effs: dict, args: argparse.Namespace, console: Any) -> list[tuple[dict[str, Any], Any, float]]:
-    """Every run, side by side in `--jobs` processes (forked: they share the parsed fleet and trace)."""
+def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]],
+             searches: dict[str, tuple[fleet_file.Policy, ...]], target: str | None, trace: tr.Trace, warmup: float,
+             effs: dict, args: argparse.Namespace, console: Any) -> tuple[list[tuple[dict[str, Any], Any, float]],
+                                                                        dict[str, dict[int, tuple]]]:
+    """Every run of `runs`, and the bisection of each search (`sim.search`), side by side in `--jobs` processes
+    (forked: they share the parsed fleet and trace). Returns the runs' results in order, and per searched
+    policy the variants run (index -> result). A search waits for the target's run (its goal); when a process
+    frees, a search's next variant goes first (each is one step of a chain), then the runs in order."""
     _WORK.update(fleet=fl, trace=trace, effs=effs, seed=args.seed, warmup=warmup, no_plots=args.no_plots)
-    jobs = min(args.jobs, len(runs))
-    if jobs <= 1:
-        out = []
-        for run in runs:
-            out.append(_run_one(run))
-            if not args.quiet:
-                console.print(f"  {_label(run)}: simulated in {out[-1][2]:.1f} s ({out[-1][0]['run_cpu_s']:.1f} CPU-s)",
-                              highlight=False, markup=False)
-        return out
+    results: list[Any] = [None] * len(runs)
+    bisect = {name: search.Bisection(len(variants)) for name, variants in searches.items()}
+    probes: dict[str, dict[int, tuple]] = {name: {} for name in searches}
+    queue = list(range(len(runs)))
+    busy: set[str] = set()      # searches with a variant running
+
+    def next_job() -> tuple[str, int] | None:
+        for name, b in bisect.items():
+            i = None if name in busy else b.next()
+            if i is not None:
+                busy.add(name)
+                return name, i
+        return ("", queue.pop(0)) if queue else None
+
+    def finished(key: tuple[str, int], got: tuple[dict[str, Any], Any, float]) -> None:
+        name, i = key
+        if name:
+            probes[name][i] = got
+            bisect[name].attained[i] = got[0]["slo_attainment"]
+            busy.discard(name)
+            job = (searches[name][i], searches[name][i].variant)
+        else:
+            results[i] = got
+            job = runs[i]
+            if target is not None and not job[1] and job[0].name == target:
+                for b in bisect.values():
+                    b.goal = got[0]["slo_attainment"]
+        if not args.quiet:
+            console.print(f"  {_label(job)}: simulated in {got[2]:.1f} s ({got[0]['run_cpu_s']:.1f} CPU-s)"
+                          + (f", attainment {_pct(got[0]['slo_attainment'])}" if name else ""),
+                          highlight=False, markup=False)
+
+    def job_of(key: tuple[str, int]) -> tuple[fleet_file.Policy, str]:
+        name, i = key
+        return (searches[name][i], searches[name][i].variant) if name else runs[i]
+
+    jobs = max(1, args.jobs)
+    if jobs == 1:
+        while (key := next_job()) is not None:
+            finished(key, _run_one(job_of(key)))
+        return results, probes
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     import multiprocessing
 
-    results: list[Any] = [None] * len(runs)
-    # NOTE: the policies as configured first (the day's table), then the sweep; longest first within each
-    # would balance better, but a run's length is not known before it runs.
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        for i, got in pool.imap_unordered(_indexed, list(enumerate(runs))):
-            results[i] = got
-            if not args.quiet:
-                console.print(f"  {_label(runs[i])}: simulated in {got[2]:.1f} s ({got[0]['run_cpu_s']:.1f} CPU-s)",
-                              highlight=False, markup=False)
-    return results
+    running: dict[Any, tuple[str, int]] = {}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        while True:
+            while len(running) < jobs and (key := next_job()) is not None:
+                running[pool.submit(_run_one, job_of(key))] = key
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished(running.pop(future), future.result())
+    return results, probes
 
 
-def _indexed(item: tuple[int, tuple[fleet_file.Policy, str]]) -> tuple[int, tuple[dict[str, Any], Any, float]]:
-    return item[0], _run_one(item[1])
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
 
 
 def _label(run: tuple[fleet_file.Policy, str]) -> str:

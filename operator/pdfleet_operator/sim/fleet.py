@@ -77,10 +77,13 @@ class Policy:
 @dataclass(frozen=True)
 class EqualSlo:
     """The equal-SLO comparison: each policy's variants are run too, and the cheapest of a policy's runs
-    (itself included) whose SLO attainment reaches the target policy's is that policy's equal-SLO cost."""
+    (itself included) whose SLO attainment reaches the target policy's is that policy's equal-SLO cost.
+    `variants` (`sweep`) all run; `search` variants are ordered from least to most headroom and only those
+    a bisection for the first that reaches the target needs are run (`sim.search`)."""
 
     target: str                                         # the policy whose attainment the others must reach
     variants: Mapping[str, tuple[Policy, ...]]          # policy -> its sweep variants (not itself)
+    search: Mapping[str, tuple[Policy, ...]] = field(default_factory=dict)  # policy -> ordered variants
 
 
 @dataclass(frozen=True)
@@ -433,38 +436,54 @@ def _check_routing(d: DeploymentPlan, deps: list[DeploymentPlan], where: str) ->
 
 def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Mapping[str, AcceleratorClassSpec],
                source: str) -> EqualSlo | None:
-    """`equalSlo: {target: POLICY, sweep: {POLICY: [{name, spec}, ...]}}`: each variant's spec is merged over
-    its policy's (over the base deployment's), validated like a policy."""
+    """`equalSlo: {target: POLICY, sweep: {POLICY: [{name, spec}, ...]}, search: {POLICY: [...]}}`: each
+    variant's spec is merged over its policy's (over the base deployment's), validated like a policy;
+    a search's variants are ordered from least to most headroom."""
     raw = doc.get("equalSlo")
     if raw is None:
         return None
     where = f"{source}: equalSlo"
-    if not isinstance(raw, dict) or set(raw) - {"target", "sweep"} or "target" not in raw:
-        raise FleetError(f"{where}: expected {{target: POLICY, sweep: {{POLICY: [{{name, spec}}, ...]}}}}")
+    if not isinstance(raw, dict) or set(raw) - {"target", "sweep", "search"} or "target" not in raw:
+        raise FleetError(f"{where}: expected {{target: POLICY, sweep: {{POLICY: [{{name, spec}}, ...]}}, "
+                         f"search: {{POLICY: [{{name, spec}}, ...]}}}}")
     if raw["target"] not in policies:
         raise FleetError(f"{where}.target: {raw['target']!r} is not a policy of this fleet")
-    sweep = raw.get("sweep") or {}
-    if not isinstance(sweep, dict):
-        raise FleetError(f"{where}.sweep: expected {{POLICY: [{{name, spec}}, ...]}}")
+    variants = {kind: _variants(doc, raw.get(kind), policies, classes, f"{where}.{kind}") for kind in ("sweep", "search")}
+    for name in sorted(set(variants["sweep"]) & set(variants["search"])):
+        names = {v.variant for v in variants["sweep"][name]} & {v.variant for v in variants["search"][name]}
+        if names:
+            raise FleetError(f"{where}: {name}: variant(s) {', '.join(sorted(names))} both in sweep and search")
+    return EqualSlo(raw["target"], variants["sweep"], variants["search"])
+
+
+def _variants(doc: dict[str, Any], raw: Any, policies: Mapping[str, Policy],
+              classes: Mapping[str, AcceleratorClassSpec], where: str) -> dict[str, tuple[Policy, ...]]:
+    """`{POLICY: [{name, spec}, ...]}`: each variant as a Policy (its spec over the policy's)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise FleetError(f"{where}: expected {{POLICY: [{{name, spec}}, ...]}}")
     raw_policies = {p["name"]: p for p in doc["policies"]}
-    variants: dict[str, tuple[Policy, ...]] = {}
-    for name, items in sweep.items():
+    out: dict[str, tuple[Policy, ...]] = {}
+    for name, items in raw.items():
         if name not in policies:
-            raise FleetError(f"{where}.sweep: {name!r} is not a policy of this fleet")
+            raise FleetError(f"{where}: {name!r} is not a policy of this fleet")
         if not isinstance(items, list) or not items:
-            raise FleetError(f"{where}.sweep.{name}: a non-empty list of {{name, spec}}")
+            raise FleetError(f"{where}.{name}: a non-empty list of {{name, spec}}")
         orig = raw_policies[name]
         if "deployments" in orig:
-            raise FleetError(f"{where}.sweep.{name}: a policy of traffic tiers cannot be swept")
-        out = []
+            raise FleetError(f"{where}.{name}: a policy of traffic tiers cannot be swept")
+        made = []
         for j, item in enumerate(items):
-            vwhere = f"{where}.sweep.{name}[{j}]"
+            vwhere = f"{where}.{name}[{j}]"
             if not isinstance(item, dict) or set(item) - {"name", "spec"} or not isinstance(item.get("name"), str):
                 raise FleetError(f"{vwhere}: expected {{name, spec}}")
             patched = {**orig, "spec": merge(orig.get("spec") or {}, item.get("spec") or {})}
-            out.append(_policy(patched, doc["deployment"], classes, vwhere, variant=item["name"]))
-        variants[name] = tuple(out)
-    return EqualSlo(raw["target"], variants)
+            made.append(_policy(patched, doc["deployment"], classes, vwhere, variant=item["name"]))
+        if len({v.variant for v in made}) != len(made):
+            raise FleetError(f"{where}.{name}: variant names must differ")
+        out[name] = tuple(made)
+    return out
 
 
 def validate_document(doc: Any, source: str, base_dir: Path) -> list[str]:

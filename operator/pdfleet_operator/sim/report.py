@@ -26,6 +26,7 @@ import numpy as np
 from pdfleet_operator.api import parse_duration
 from pdfleet_operator.decide import cost as costs
 from pdfleet_operator.sim import engine as eng
+from pdfleet_operator.sim import search
 from pdfleet_operator.sim.simulator import Simulator
 from pdfleet_operator.sim.stats import Histogram, percentile
 
@@ -236,6 +237,17 @@ def equal_slo(entries: Mapping[str, Mapping[str, Any]], variants: Mapping[str, S
     return out
 
 
+def search_summary(variants: Sequence[Any], ran: Mapping[int, tuple], goal: float | None) -> dict[str, Any]:
+    """What the bisection of one policy's `equalSlo.search` did: the variants in order, those it ran (with their
+    attainment) in the order of the list, the first that reaches `goal`, and whether the runs kept the order."""
+    b = search.Bisection(len(variants), goal, {i: got[0]["slo_attainment"] for i, got in ran.items()})
+    found = b.found()
+    return {"variants": [v.variant for v in variants],
+            "ran": [{"variant": variants[i].variant, "slo_attainment": ran[i][0]["slo_attainment"]} for i in sorted(ran)],
+            "first_reaching": variants[found].variant if found is not None else None,
+            "monotone": b.monotone()}
+
+
 def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
     saving = cmp["saving"]
     if saving is None:
@@ -276,6 +288,12 @@ def print_equal_slo(eq: Mapping[str, Any], console: Any = None) -> None:
             t.add_row(name, r["variant"], _fmt(r["cost_per_1m_tokens"], "${:.4f}"), _fmt(r["slo_attainment"], "{:.2%}"),
                       "<-" if p["variant"] == r["variant"] else "")
     console.print(t)
+    for name, got in (eq.get("search") or {}).items():
+        skipped = [v for v in got["variants"] if v not in {r["variant"] for r in got["ran"]}]
+        console.print(f"search {name}: {len(got['ran'])} of {len(got['variants'])} variants run (bisection, least to "
+                      f"most headroom); the first reaching the target: {got['first_reaching'] or 'none'}"
+                      + ("" if got["monotone"] else "; NOTE the runs contradict the list's order")
+                      + (f"; not run: {', '.join(skipped)}" if skipped else ""), highlight=False, markup=False)
 
 
 def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
