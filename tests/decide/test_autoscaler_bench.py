@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -35,6 +36,14 @@ def test_bench_ends_with_the_json_line(capsys):
     summary = json.loads(last)
     assert {"underprovisioned_reduction", "replica_hours_ratio", "direction_changes_noisy",
             "replica_hours_vs_clairvoyant", "underprovisioned_vs_per_role_max"} <= set(summary)
+    traces = [t.name for t in bench.traces(held_out=True)]
+    for key in ("floor_oracle", "floor_replica_hours", "replica_hours_vs_floor", "replica_hours_vs_floor_min",
+                "replica_hours_vs_floor_max"):
+        assert set(summary[key]) == set(traces), key
+    assert summary["floor_utilization"] == 0.7
+    for name in traces:
+        assert summary["replica_hours_vs_floor_min"][name] <= summary["replica_hours_vs_floor"][name] \
+            <= summary["replica_hours_vs_floor_max"][name]
 
 
 def test_token_rate_alone_underprovisions_less_and_flaps_less_than_per_role():
@@ -94,3 +103,28 @@ def test_the_held_out_trace_is_not_a_tuning_trace():
     assert diurnal.prompt(0) > 2000 > 1000 > diurnal.prompt(1800)
     assert diurnal.output(0) < 150 < 300 < diurnal.output(1800)
     assert not any("diurnal" in where for _, _, where in bench.TUNED)
+
+
+def test_the_floor_is_the_cheaper_oracle_at_the_policys_own_target_utilization():
+    """Issue 28: the yardstick sizes at the utilization the policy targets (0.7), not at 100%, and is the
+    cheaper of the two oracles there; at full utilization the clairvoyant cost more than the reactive one."""
+    bursty = next(t for t in bench.traces() if t.name == "bursty")
+    u = 0.7
+    assert all(bursty.needed(t, u)[role] >= bursty.needed(t)[role] for t in range(0, 2000, 7) for role in bench.ROLES)
+    assert bursty.needed(0, u)["prefill"] == math.ceil(bursty.rate(0) * 1500 / bench.PREFILL_TOKENS_PER_S / u)
+    oracles = bench.at_target(u)
+    assert set(oracles) == {"reactive-oracle@0.7", "clairvoyant@0.7"}
+    results = {("bursty", name): [bench.run(bursty, o, seed=1)] for name, o in {**oracles, **bench.ORACLES}.items()}
+    results[("bursty", "pdfleet")] = [bench.run(bursty, PDFLEET, seed=1)]
+    full = {name: results[("bursty", name)][0].replica_seconds for name in bench.ORACLES}
+    assert full["clairvoyant"] > full["reactive-oracle"]  # the old yardstick was not the cheaper oracle
+    for name, oracle in oracles.items():  # headroom costs replica-hours
+        assert results[("bursty", name)][0].replica_seconds > full[name.split("@")[0]]
+    assert results[("bursty", "clairvoyant@0.7")][0].under_total == 0
+    got = bench.floor(results, "bursty", list(oracles))
+    cheapest = min(oracles, key=lambda name: results[("bursty", name)][0].replica_seconds)
+    assert got["oracle"] == cheapest
+    assert got["hours"] == results[("bursty", cheapest)][0].replica_seconds / 3600
+    assert got["ratio"] == pytest.approx(results[("bursty", "pdfleet")][0].replica_seconds / 3600 / got["hours"])
+    assert got["min"] == got["max"] == pytest.approx(got["ratio"])  # one seed
+    assert got["full_hours"] == min(full.values()) / 3600
