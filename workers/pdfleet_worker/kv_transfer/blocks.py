@@ -145,21 +145,27 @@ class KVPool:
         gathered copy when the range is too fragmented. Lazy: a layer is prepared when the previous one is sent."""
         assert self.host, "socket views need a host pool"
         starts, lengths = runs(block_ids)
+        cache: dict = {}
         for layer in self.layers:
-            plan = self._plan(layer, starts[0], lengths)
+            plan = self._plan(layer, starts[0], lengths, cache)
             if plan is not None:
                 yield plan
             else:
                 idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
                 yield [byte_view(t.index_select(2, idx)) for t in layer.values()]
 
-    def recv_layers(self, block_ids: Sequence[int]) -> Iterator[tuple[list[memoryview], Callable[[], None] | None]]:
+    def recv_layers(self, block_ids: Sequence[int]) -> list[tuple[list[memoryview], Callable[[], None] | None]]:
         """For each layer, the buffers its bytes go into and what to run once they are in (scatter a staged
-        copy of a fragmented range into its blocks), or None when the views are the pool's own blocks."""
+        copy of a fragmented range into its blocks), or None when the views are the pool's own blocks.
+        Eager: made before the pull is asked for, so nothing is computed while its bytes arrive."""
+        return list(self._recv_layers(block_ids))
+
+    def _recv_layers(self, block_ids: Sequence[int]) -> Iterator[tuple[list[memoryview], Callable[[], None] | None]]:
         assert self.host, "socket views need a host pool"
         starts, lengths = runs(block_ids)
+        cache: dict = {}
         for layer in self.layers:
-            plan = self._plan(layer, starts[0], lengths)
+            plan = self._plan(layer, starts[0], lengths, cache)
             if plan is not None:
                 yield plan, None
                 continue
@@ -172,15 +178,20 @@ class KVPool:
                     t.index_copy_(2, idx, staged[name])
             yield [byte_view(s) for s in staged.values()], scatter
 
-    def _plan(self, layer: dict[str, torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor) -> list[memoryview] | None:
-        rows = sum(math.prod(t.shape[:2]) for t in layer.values()) * len(lengths)
-        if rows > MAX_SEGMENTS:
-            return None
+    def _plan(self, layer: dict[str, torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor,
+              cache: dict) -> list[memoryview] | None:
+        """Views of the layer's segments, or None past MAX_SEGMENTS; `cache` keeps each tensor shape's segment
+        offsets for the other layers (every layer has the same shapes)."""
         views = []
         for t in layer.values():
+            key = (tuple(t.shape), t.element_size())
+            if key not in cache:
+                offsets, sizes = segments(t.shape, t.element_size(), starts, lengths)
+                cache[key] = list(zip(offsets.tolist(), sizes.tolist()))
+            if len(views) + len(cache[key]) > MAX_SEGMENTS:
+                return None
             whole = byte_view(t)
-            offsets, sizes = segments(t.shape, t.element_size(), starts, lengths)
-            views += [whole[o:o + s] for o, s in zip(offsets.tolist(), sizes.tolist())]
+            views += [whole[o:o + n] for o, n in cache[key]]
         return views
 
     # -- addresses (registered memory: NIXL) -------------------------------------------------------

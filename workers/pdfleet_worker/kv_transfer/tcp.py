@@ -28,10 +28,11 @@ from pdfleet_worker.kv_transfer import blocks
 from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.blocks import KVPool, WireTensor
 from pdfleet_worker.kv_transfer.connector import ExportFn, KVConnector, KVTransferError, PulledKV
+from pdfleet_worker.kv_transfer.idle import IdleConnections
 from pdfleet_worker.kv_transfer.lease import Lease, LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
 from pdfleet_worker.kv_transfer.peers import KVPeers
-from pdfleet_worker.kv_transfer.wire import recv_exact, recv_msg, recv_views, send_msg, send_views
+from pdfleet_worker.kv_transfer.wire import blocking, recv_exact, recv_msg, recv_views, send_msg, send_views
 
 log = logging.getLogger("pdfleet.kv")
 
@@ -63,6 +64,7 @@ class TcpKVConnector(KVConnector):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.transfers: collections.Counter[str] = collections.Counter()  # pulls answered/done, by how bytes moved
+        self._idle = IdleConnections()  # decode side: connections kept between pulls
 
     # -- prefill side ---------------------------------------------------------------------------
     def serve(self, leases: LeaseTable, source: KVPool | ExportFn, compat_hash: str) -> tuple[str, int]:
@@ -96,6 +98,7 @@ class TcpKVConnector(KVConnector):
 
     def close(self) -> None:
         """Stop accepting, cut open connections, and wait (CLOSE_JOIN_S at most) for their threads to end."""
+        self._idle.close()
         with self._lock:  # the accept loop registers a connection under the lock, or sees this and drops it
             self._closed.set()
         if self._listener is not None:
@@ -199,6 +202,7 @@ class TcpKVConnector(KVConnector):
         """Send the blocks after their header; returns the bytes delivered (None: none were)."""
         specs, layers = blocks.header_and_layers(self._source, block_ids)
         nbytes = sum(s.nbytes for s in specs)
+        blocking(conn, self.io_timeout_s, socket.SO_SNDTIMEO)  # NOTE: _serve_conn sets its timeout back
         send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": [s.to_json() for s in specs]})
         for views in layers:
             send_views(conn, views)
@@ -207,9 +211,7 @@ class TcpKVConnector(KVConnector):
 
     # -- decode side ----------------------------------------------------------------------------
     def _connect(self, params: KVTransferParams, deadline: float) -> socket.socket:
-        if not self.trusts(params.host, params.port):
-            raise KVTransferError(c.UNTRUSTED_PEER, f"KV endpoint {params.host}:{params.port} is not among this "
-                                                    f"worker's --kv-peers ({self.peers}); not contacted")
+        """A new connection to an endpoint _exchange found trusted."""
         try:
             sock = socket.create_connection((params.host, params.port), timeout=max(deadline - time.monotonic(), 0.001))
         except socket.timeout as e:
@@ -221,23 +223,48 @@ class TcpKVConnector(KVConnector):
         return sock
 
     def _ask(self, params: KVTransferParams, frame: dict, deadline: float) -> tuple[socket.socket, dict]:
-        """Connect, send `frame` with our token, read the answer's header; the caller closes the socket.
-        Refused as unauthorized while a rotated-out token is still valid: once more with that one."""
+        """Send `frame` with our token, read the answer's header; the caller closes the socket or hands it back
+        (_done). Refused as unauthorized while a rotated-out token is still valid: once more with that one."""
         tokens: list[str | None] = list(self.token.for_sending()) if self.token is not None else []
         for i, token in enumerate(tokens or [None]):
-            sock = self._connect(params, deadline)
-            try:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                send_msg(sock, frame if token is None else {**frame, "token": token})
-                head = recv_msg(sock, deadline)
-            except BaseException:
-                sock.close()
-                raise
+            sock, head = self._exchange(params, frame if token is None else {**frame, "token": token}, deadline)
             if head.get("reason") == c.UNAUTHORIZED and i + 1 < len(tokens):
                 sock.close()
                 continue
             return sock, head
         raise AssertionError("unreachable: the last try returns")
+
+    def _exchange(self, params: KVTransferParams, frame: dict, deadline: float) -> tuple[socket.socket, dict]:
+        """On an idle connection to the endpoint if one is kept (again on a new one if the endpoint had closed
+        it), else on a new connection."""
+        if not self.trusts(params.host, params.port):  # NOTE: again for a kept connection: --kv-peers may change
+            raise KVTransferError(c.UNTRUSTED_PEER, f"KV endpoint {params.host}:{params.port} is not among this "
+                                                    f"worker's --kv-peers ({self.peers}); not contacted")
+        sock = self._idle.take((params.host, params.port))
+        if sock is not None:
+            try:
+                return sock, self._send_and_read(sock, frame, deadline)
+            except ConnectionError:
+                sock.close()  # closed while idle (the endpoint's io timeout, a restart): a new connection
+            except BaseException:
+                sock.close()
+                raise
+        sock = self._connect(params, deadline)
+        try:
+            return sock, self._send_and_read(sock, frame, deadline)
+        except BaseException:
+            sock.close()
+            raise
+
+    @staticmethod
+    def _send_and_read(sock: socket.socket, frame: dict, deadline: float) -> dict:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        send_msg(sock, frame)
+        return recv_msg(sock, deadline)
+
+    def _done(self, params: KVTransferParams, sock: socket.socket) -> None:
+        """An exchange ended at a message boundary: keep the connection for the next one."""
+        self._idle.give((params.host, params.port), sock)
 
     def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
              compat_hash: str, timeout_s: float, into: KVPool | None = None) -> PulledKV:
@@ -248,6 +275,7 @@ class TcpKVConnector(KVConnector):
                                                  f"({', '.join(sorted(self.pulls_from))})")
         sock = None
         try:
+            plan = self._prepare(params, dest_block_ids, into)
             frame = {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
                      "first_block": first_block, "num_blocks": n, **self._pull_extra(params)}
             sock, head = self._ask(params, frame, deadline)
@@ -259,7 +287,10 @@ class TcpKVConnector(KVConnector):
                 raise KVTransferError(c.BAD_RESPONSE, f"malformed pull answer {head}")
             if into is not None:
                 into.check(specs)
-            return self._receive_blocks(sock, head, specs, nbytes, dest_block_ids, into, deadline)
+            pulled = self._receive_blocks(sock, head, specs, nbytes, dest_block_ids, into, plan, deadline)
+            self._done(params, sock)
+            sock = None
+            return pulled
         except KVTransferError:
             raise
         except socket.timeout as e:
@@ -277,10 +308,18 @@ class TcpKVConnector(KVConnector):
         """Fields a subclass adds to the pull frame (how it wants the bytes)."""
         return {}
 
+    def _prepare(self, params: KVTransferParams, dest_block_ids: list[int], into: KVPool | None):
+        """What receiving needs, made before the pull is asked for: the destination blocks' views."""
+        return self._views(dest_block_ids, into)
+
+    @staticmethod
+    def _views(dest_block_ids: list[int], into: KVPool | None):
+        return into.recv_layers(dest_block_ids) if into is not None and into.host else None
+
     def _receive_blocks(self, sock: socket.socket, head: dict, specs: list[WireTensor], nbytes: int,
-                        dest_block_ids: list[int], into: KVPool | None, deadline: float) -> PulledKV:
-        if into is not None and into.host:
-            for views, scatter in into.recv_layers(dest_block_ids):
+                        dest_block_ids: list[int], into: KVPool | None, plan, deadline: float) -> PulledKV:
+        if plan is not None:
+            for views, scatter in plan:
                 recv_views(sock, views, deadline)
                 if scatter is not None:
                     scatter()
@@ -311,6 +350,8 @@ class TcpKVConnector(KVConnector):
             sock, head = self._ask(params, {"op": "release", "request_id": prompt.request_id, "ok": ok}, deadline)
             if head.get("reason") == c.UNAUTHORIZED:
                 raise KVTransferError(c.UNAUTHORIZED, str(head.get("error", head)))
+            self._done(params, sock)
+            sock = None
             return bool(head.get("released"))
         except KVTransferError:
             raise

@@ -9,6 +9,7 @@ import time
 
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
+_TIMEVAL = struct.Struct("@ll")  # struct timeval (Linux)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
@@ -61,15 +62,30 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> int:
     return total
 
 
+def blocking(sock: socket.socket, seconds: float | None, option: int) -> None:
+    """Blocking mode with the kernel's own timeout (SO_RCVTIMEO or SO_SNDTIMEO; None: none): a blocking call
+    moves all it was given in one syscall (MSG_WAITALL, a whole sendmsg) instead of a poll and a partial move
+    per wakeup."""
+    if seconds is not None and seconds <= 0:
+        raise socket.timeout("deadline passed")
+    sock.settimeout(None)
+    seconds = seconds or 0.0  # NOTE: a zero timeval is "no timeout" to the kernel
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(int(seconds), int(seconds % 1 * 1e6)))
+
+
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None) -> int:
-    """Fill every byte of `views`, in order, from the socket (scatter reads, IOV_MAX buffers per call);
-    ConnectionError if the peer closes first, socket.timeout past the deadline."""
+    """Fill every byte of `views`, in order, from the socket (scatter reads, IOV_MAX buffers per call, each
+    waiting for all its bytes); ConnectionError if the peer closes first, socket.timeout past the deadline.
+    Leaves the socket blocking (the next recv_msg sets its timeout again)."""
     pending = [v for v in views if len(v)]
     total = sum(len(v) for v in pending)
     got, i = 0, 0
     while i < len(pending):
-        _arm(sock, deadline)
-        n = sock.recvmsg_into(pending[i:i + IOV_MAX])[0]
+        blocking(sock, None if deadline is None else deadline - time.monotonic(), socket.SO_RCVTIMEO)
+        try:
+            n = sock.recvmsg_into(pending[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError as e:  # SO_RCVTIMEO passed with nothing received
+            raise socket.timeout("deadline passed") from e
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {total} bytes")
         got += n
