@@ -39,6 +39,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny-threads", type=int, default=1, help="torch threads of the tiny rows (pdfleet up's per worker)")
     p.add_argument("--tiny-tokens", type=int, default=256, help="decode tokens timed per tiny repetition")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 requests, lengths U[16, 64], 1 rep")
+    p.add_argument("--sampler-only", action="store_true",
+                   help="only the batch-64 sampler rows: the batched sampler against --sampler-baseline's, alternating")
+    p.add_argument("--sampler-baseline", default=SAMPLER_BASELINE_REV, help="git revision of the baseline sampler")
+    p.add_argument("--sampler-tokens", type=int, default=32, help="decode tokens per batch-64 measurement")
     a = p.parse_args()
     if a.quick:
         a.reps, a.requests, a.seq_requests, a.max_len, a.bs1_tokens, a.prefix = 1, 8, 2, 64, 32, 256
@@ -203,8 +207,132 @@ def hf_decode_s_per_token(hf, prompt: list[int], n: int) -> float:
     return ((t2 - t1) - (t1 - t)) / n
 
 
+# -- the sampler at batch 64 (issue 27) -------------------------------------------------------------
+SAMPLER_BASELINE_REV = "1aa3279^"  # the per-row sampler, before issue 27's batched one
+
+
+def baseline_sampler(rev: str):
+    """The Sampler of git revision `rev`, wrapped to what the engine now calls (add, prompts, steps); None
+    without git or the revision."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    shown = subprocess.run(["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "show",
+                            f"{rev}:workers/pdfleet_worker/engine/sampler.py"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        print(f"no baseline sampler ({rev}): {shown.stderr.strip()}", file=sys.stderr)
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix="_sampler_baseline.py", delete=False) as f:
+        f.write(shown.stdout)
+    spec = importlib.util.spec_from_file_location("sampler_baseline", f.name)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    os.unlink(f.name)
+
+    class Baseline(mod.Sampler):
+        def __init__(self):
+            super().__init__()
+            self.prompts, self.eos_token_ids = {}, ()
+
+        def add(self, *args, **kwargs) -> None:
+            pass
+
+        def __call__(self, logits, request_ids, params, steps=None):
+            return super().__call__(logits, request_ids, params)
+    return Baseline
+
+
+def batch_decode_tok_s(engine, prompts: list[list[int]], n: int, params) -> float:
+    """Decode tokens per second of len(prompts) requests decoding together (their prefill not counted)."""
+    import dataclasses as dc
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{time.monotonic_ns()}", p, dc.replace(params, max_tokens=n + 1, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    t, produced = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - t)
+
+
+def sampler_rows(a: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict]:
+    """Batch-64 decode throughput and the sampler's own time on [64, V] logits, the batched sampler against the one
+    before it (SAMPLER_BASELINE_REV), alternating per repetition on one engine; ratio > 1: the new one is faster."""
+    from pdfleet_worker.config import EngineConfig
+    from pdfleet_worker.engine.llm_engine import LLMEngine
+    from pdfleet_worker.engine.sampler import Sampler
+    from pdfleet_worker.engine.sampling_params import SamplingParams
+
+    Baseline = baseline_sampler(a.sampler_baseline)
+    if Baseline is None:
+        return [], {}
+    batch = 64
+    eng = LLMEngine(EngineConfig(model=a.model, max_num_seqs=batch, max_num_batched_tokens=max(a.budget, batch * 16),
+                                 kv_cache_memory_bytes=1 << 30, num_threads=a.threads), load_tokenizer=False)
+    vocab = eng.model_config.vocab_size
+    rng = random.Random(7)
+    prompts = [[rng.randrange(8, vocab) for _ in range(16)] for _ in range(batch)]
+    kinds = {"greedy": SamplingParams(temperature=0), "sampled": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+             "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1)}
+    impls = {"new": Sampler(), "old": Baseline()}
+
+    def use(name: str) -> None:
+        eng.model_runner.sampler = eng.sampler = impls[name]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    ids = [f"s{i}" for i in range(batch)]
+    m = {(k, i, w): [] for k in kinds for i in impls for w in ("engine", "sampler")}
+    reps = max(a.reps, 5)
+    batch_decode_tok_s(eng, prompts[:4], 2, kinds["greedy"])  # warm-up
+    for rep in range(reps):
+        print(f"[{time.strftime('%H:%M:%S')}] batch-{batch} sampler, repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        for kind, params in kinds.items():
+            for name in (("new", "old") if rep % 2 == 0 else ("old", "new")):
+                use(name)
+                m[(kind, name, "engine")].append(batch_decode_tok_s(eng, prompts, a.sampler_tokens, params))
+                steps = [0] * batch
+                t = time.perf_counter()
+                for k in range(20):
+                    impls[name](logits, ids, [params] * batch, steps)
+                m[(kind, name, "sampler")].append((time.perf_counter() - t) / 20)
+    use("new")
+    assert eng.is_idle_and_whole()
+    rows, result = [], {}
+    for kind in kinds:
+        eng_r = [n / o for n, o in zip(m[(kind, "new", "engine")], m[(kind, "old", "engine")])]
+        smp_r = [o / n for n, o in zip(m[(kind, "new", "sampler")], m[(kind, "old", "sampler")])]
+        new_tok = statistics.median(m[(kind, "new", "engine")])
+        old_tok = statistics.median(m[(kind, "old", "engine")])
+        rows.append((f"batch-{batch} decode, {kind}: new / old sampler", f"{statistics.median(eng_r):.3f}",
+                     f"{new_tok:.0f} vs {old_tok:.0f} tok/s, target >= 0.98 [{', '.join(f'{r:.3f}' for r in eng_r)}]"))
+        rows.append((f"sampler alone [{batch}, {vocab}], {kind}: old / new time", f"{statistics.median(smp_r):.2f}",
+                     f"{statistics.median(m[(kind, 'new', 'sampler')]) * 1e3:.2f} vs "
+                     f"{statistics.median(m[(kind, 'old', 'sampler')]) * 1e3:.2f} ms "
+                     f"[{', '.join(f'{r:.2f}' for r in smp_r)}]"))
+        result[f"batch{batch}_{kind}_new_vs_old_sampler"] = round(statistics.median(eng_r), 3)
+        result[f"batch{batch}_{kind}_new_vs_old_sampler_spread"] = [round(min(eng_r), 3), round(max(eng_r), 3)]
+        result[f"sampler_{kind}_speedup"] = round(statistics.median(smp_r), 2)
+    return rows, result
+
+
+def sampler_main(a: argparse.Namespace) -> int:
+    rows, result = sampler_rows(a)
+    if not rows:
+        return 1
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>8}  {note}")
+    print(json.dumps({**result, "model": os.path.basename(os.path.normpath(a.model)), "threads": a.threads,
+                      "reps": max(a.reps, 5), "decode_tokens": a.sampler_tokens, "baseline": a.sampler_baseline}))
+    return 0
+
+
 def main() -> int:
     a = parse_args()
+    if a.sampler_only:
+        return sampler_main(a)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
