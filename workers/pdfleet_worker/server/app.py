@@ -86,7 +86,6 @@ class Worker:
 
     def _ready(self, engine) -> None:
         from pdfleet_worker.kv_transfer.peers import KVPeers
-        from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 
         loop = EngineLoop(engine)
 
@@ -96,7 +95,7 @@ class Worker:
         metrics = WorkerMetrics(self.cfg.served_model_name, self.cfg.role, self.cfg.accelerator,
                                 lambda: loop.stats, lease_counts)
         if self.cfg.serves_kv or self.cfg.pulls_kv:
-            connector = self._connector or TcpKVConnector(
+            connector = self._connector or kv_connector(self.cfg.kv_connector)(
                 "127.0.0.1" if self.cfg.host == "localhost" else self.cfg.host, self.cfg.kv_port,
                 token=self.token, peers=KVPeers.from_spec(self.cfg.kv_peers))
             connector.on_sent = metrics.kv_sent
@@ -164,6 +163,8 @@ class Worker:
                 info["leases_released"] = self.pd.leases.num_released
             if self.pd.kv_address is not None:
                 info["kv_endpoint"] = f"{self.pd.kv_address[0]}:{self.pd.kv_address[1]}"
+            info["kv_connector"] = self.pd.connector.name
+            info["kv_transfers"] = dict(getattr(self.pd.connector, "transfers", {}))  # by how the bytes moved
         return info
 
     # -- drain ----------------------------------------------------------------------------------
@@ -261,3 +262,12 @@ def build_app(worker: Worker) -> FastAPI:
 
     install_error_handlers(app)
     return app
+
+
+def kv_connector(name: str):
+    """The connector class `--kv-connector` names; NIXL's import error (naming its package) surfaces at start."""
+    if name == "nixl":
+        from pdfleet_worker.kv_transfer.nixl import NixlKVConnector
+        return NixlKVConnector
+    from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
+    return TcpKVConnector

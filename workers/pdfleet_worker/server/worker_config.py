@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
 
 ROLES = ("prefill", "decode", "both")
 ON_FAILURE = ("recompute", "fail")
+KV_CONNECTORS = ("tcp", "nixl")  # kv_transfer/tcp.py, kv_transfer/nixl.py (needs the nixl-cu12 package)
 # A plain number of seconds, or Go-style parts as the CRD writes them ("500ms", "10s", "1m30s", "1h"): the same
 # grammar as the operator's api.meta.parse_duration, so a spec value means the same on both sides.
 _SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")
@@ -71,6 +73,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 10.0
     kv_lease_s: float = 30.0
     kv_on_failure: str = "recompute"
+    kv_connector: str = "tcp"       # how block bytes move (KV_CONNECTORS); the control plane is TCP either way
     kv_host: str | None = None      # address advertised to decode workers
     kv_port: int = 0                # 0: any free port
     kv_peers: str = kvpeers.LOOPBACK  # decode: the prefill KV endpoints it may pull from (HOST[:PORT],...)
@@ -91,6 +94,11 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_on_failure not in ON_FAILURE:
             raise ValueError(f"kv on_failure must be one of {ON_FAILURE}, got {self.kv_on_failure!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
+        if self.kv_connector == "nixl" and not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
+            raise ValueError("kv connector nixl needs NIXL's Python package, which this environment lacks "
+                             "(pip install nixl-cu12)")
         for name in ("kv_transfer_timeout_s", "kv_lease_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -171,6 +179,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-lease", default=None, help="prefill: free held KV not acked within this long (default 30s)")
     k.add_argument("--kv-on-failure", choices=ON_FAILURE, default=None,
                    help="decode: after a failed pull recompute the prompt here, or fail the request (default recompute)")
+    k.add_argument("--kv-connector", choices=KV_CONNECTORS, default=None,
+                   help="how KV blocks move: tcp (the socket, straight from and into the block tensors) or nixl "
+                        "(one-sided NIXL reads over UCX: RDMA between GPU nodes; needs the nixl-cu12 package); "
+                        "either pulls from either (default tcp)")
     k.add_argument("--kv-host", default=None, help="prefill: address decode workers reach the KV endpoint at "
                                                   "(default $POD_IP, else --host, else 127.0.0.1)")
     k.add_argument("--kv-port", type=int, default=None, help="prefill: KV endpoint port (default: any free port)")
@@ -233,7 +245,8 @@ def load_engine_file(path: str) -> dict[str, Any]:
     kv = raw.get("kv_transfer") or {}
     if not isinstance(kv, dict):
         raise ValueError(f"{path}: kv_transfer must be an object")
-    for key, field in (("timeout_seconds", "kv_transfer_timeout"), ("lease_seconds", "kv_lease"), ("on_failure", "kv_on_failure")):
+    for key, field in (("timeout_seconds", "kv_transfer_timeout"), ("lease_seconds", "kv_lease"), ("on_failure", "kv_on_failure"),
+                       ("connector", "kv_connector")):
         if key in kv:
             out[field] = kv[key]
     return out
@@ -296,7 +309,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_fraction=None if num_kv_blocks is not None else fraction,
         kv_transfer_timeout_s=parse_duration(pick("kv_transfer_timeout", 10.0)),
         kv_lease_s=parse_duration(pick("kv_lease", 30.0)),
-        kv_on_failure=pick("kv_on_failure", "recompute"),
+        kv_on_failure=pick("kv_on_failure", "recompute"), kv_connector=pick("kv_connector", "tcp"),
         kv_host=pick("kv_host", None), kv_port=pick("kv_port", 0),
         kv_peers=pick("kv_peers", kvpeers.LOOPBACK), auth_token_file=pick("auth_token_file", None),
         max_request_bytes=pick("max_request_bytes", 4 << 20), max_tokens=pick("max_tokens", None),
