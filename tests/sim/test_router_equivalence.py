@@ -33,8 +33,9 @@ class CheckedRouter(sim_router.Router):
         self.ties = 0
         self._mirror = itertools.count()
 
-    def pick(self, role, replicas, now):  # noqa: ANN001, ANN201
-        got = super().pick(role, replicas, now)
+    def pick(self, role, pool, now):  # noqa: ANN001, ANN201
+        got = super().pick(role, pool, now)
+        replicas = pool.replicas
         if len(replicas) > 1:
             turn = next(self._mirror)
             want, tied = exhaustive(role, replicas, now, turn)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from pdfleet_operator.sim.perf_model import ReplicaPerf
 
 if TYPE_CHECKING:
+    from pdfleet_operator.sim.router import Load as RouterLoad
     from pdfleet_operator.sim.stats import Histogram
 
 # Request status codes.
@@ -81,7 +82,7 @@ class Replica:
                  "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
                  "t_last", "mode", "st", "st_bin", "version", "step_end", "step_chunks", "step_decode", "inflight",
                  "url", "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0", "swapped", "swapped_tokens",
-                 "swap_fallbacks", "dirty", "load", "route_score", "route_at")
+                 "swap_fallbacks", "dirty", "load", "route_score", "route_at", "pool", "grouped")
 
     def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
                  reqs: Requests, push: Callable[[tuple], None], seq: Iterator[int], itl: "Histogram",
@@ -126,6 +127,15 @@ class Replica:
         self.route_score: tuple = ()
         self.route_at = created_at
         self.dirty = True
+        self.pool = None                    # the router's `Pool` this replica is routable in
+        self.grouped = False                # whether the pool holds it under `route_score`
+
+    def touch(self) -> None:
+        """What the router reads of this replica changed: its pool rescores it before the next pick."""
+        if not self.dirty:
+            self.dirty = True
+            if self.pool is not None:
+                self.pool.touched.append(self)
 
     # --- what the router and the metrics see ------------------------------------------------------
     def ready(self, now: float) -> bool:
@@ -146,10 +156,18 @@ class Replica:
         return self.gen_tokens + max(0.0, self.B * v - self.V0)
 
     def kv_usage(self, now: float) -> float:
-        v = self.V  # NOTE: kv_used inlined: the router reads this for every rescored replica
+        return min(1.0, self.kv_used(now) / self.perf.kv_capacity_tokens)
+
+    def read_load(self, load: "RouterLoad", now: float) -> None:
+        """Fill the router's view of this replica (`sim.router.Load`: the fields of `picker.Candidate`) as of `now`."""
+        load.waiting = len(self.waiting)
+        load.running = self.B + len(self.prefilling)
+        v = self.V  # NOTE: kv_usage inlined: the router reads this for every rescored replica
         if self.mode == FLUID and self.st > 0:
             v += (now - self.t_last) / self.st
-        return min(1.0, (self.kv_fixed + self.S0 + self.B * v) / self.perf.kv_capacity_tokens)
+        load.kv_usage = min(1.0, (self.kv_fixed + self.S0 + self.B * v) / self.perf.kv_capacity_tokens)
+        load.prompt_tokens_waiting = self.need_waiting
+        load.inflight = self.inflight
 
     def queue_len(self) -> int:
         return len(self.waiting)
@@ -165,7 +183,7 @@ class Replica:
         """A request routed here (need/ctx set by the caller); False when the waiting queue is full (503)."""
         if not force and len(self.waiting) >= self.max_waiting:
             return False
-        self.dirty = True
+        self.touch()
         self.waiting.append(rid)
         self.need_waiting += self.reqs.need[rid]
         if self.mode != STEPPING:
@@ -175,27 +193,32 @@ class Replica:
 
     def release(self, tokens: int, now: float) -> None:
         """A decode replica finished pulling a held prompt's KV: its blocks are free again."""
-        self.dirty = True
+        self.touch()
         self.kv_fixed -= tokens
         assert self.kv_fixed >= 0, f"replica {self.id}: released more KV than held"
-        if self.mode != STEPPING:
+        mode = self.mode
+        if mode == FLUID or (mode == IDLE and self.waiting):
             self._advance(now)
             self._kick(now)
+        elif mode == IDLE:
+            # NOTE: _kick would find nothing to run and stay idle; only its version bump is skipped, and an
+            # idle replica has no event of its current version waiting (its last _kick pushed none)
+            self.t_last = now
 
     def hold(self, tokens: int) -> None:
-        self.dirty = True
+        self.touch()
         self.kv_fixed += tokens
 
     def add_inflight(self, n: int) -> None:
         """Requests the router sent here that the engine does not see yet (HTTP hop, KV pull)."""
-        self.dirty = True
+        self.touch()
         self.inflight += n
 
     # --- events ------------------------------------------------------------------------------------
     def on_event(self, now: float, version: int) -> None:
         if version != self.version:
             return
-        self.dirty = True
+        self.touch()
         if self.mode == STEPPING:
             self._finish_step(now)
         else:
@@ -357,7 +380,8 @@ class Replica:
         reqs, p = self.reqs, self.perf
         self.mode = STEPPING
         self.t_last = now
-        self._drop_stale_top()
+        if self.running:
+            self._drop_stale_top()
         while self.B and self.kv_fixed + self.S0 + self.B * (self.V + 1) > p.kv_capacity_tokens:
             self._preempt(now)
             self._drop_stale_top()

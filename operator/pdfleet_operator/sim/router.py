@@ -19,16 +19,15 @@ to `picker.pick` over fresh candidates, and the score's monotonicity in `kv_usag
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from operator import attrgetter
 
 from pdfleet_operator.sim.engine import FLUID, Replica
 from pdfleet_worker.router import picker
 
-_SCORE = attrgetter("route_score")
-_DIRTY = attrgetter("dirty")
-_MODE = attrgetter("mode")
+_URL = attrgetter("url")
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -59,48 +58,87 @@ def ties_round_robin_by_url() -> bool:
     return True
 
 
-class Router:
-    """Picks workers for one simulation with `picker.score` and `picker.pick`'s tie rule (deterministic turns).
+class Pool:
+    """One role's routable replicas of one deployment, in url order, and their kept scores grouped by score: a pick
+    reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next pick."""
 
-    The replicas handed to `pick` are in url order (`Simulator._route_table` keeps them so).
-    """
+    __slots__ = ("replicas", "groups", "touched")
+
+    def __init__(self, replicas: Sequence[Replica] = ()) -> None:
+        self.replicas = sorted(replicas, key=_URL)
+        self.groups: dict[tuple, list[Replica]] = {}   # kept score -> replicas with it, url order
+        self.touched: list[Replica] = []
+        for r in self.replicas:
+            r.pool = self
+            r.grouped = False
+            if r.dirty or not r.route_score:
+                self.touched.append(r)
+            else:
+                self._insert(r)
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self.replicas)
+
+    def detach(self) -> None:
+        """No longer the routing table: its replicas report changes to no pool until the next one takes them."""
+        for r in self.replicas:
+            if r.pool is self:
+                r.pool = None
+
+    def rescore(self, r: Replica, now: float) -> None:
+        old = r.route_score
+        _rescore(r, now)
+        if r.grouped:
+            if r.route_score == old:
+                return
+            group = self.groups[old]
+            group.remove(r)
+            if not group:
+                del self.groups[old]
+        self._insert(r)
+
+    def _insert(self, r: Replica) -> None:
+        group = self.groups.get(r.route_score)
+        if group is None:
+            self.groups[r.route_score] = [r]
+        else:
+            bisect.insort(group, r, key=_URL)
+        r.grouped = True
+
+
+class Router:
+    """Picks workers for one simulation with `picker.score` and `picker.pick`'s tie rule (deterministic turns)."""
 
     def __init__(self) -> None:
         self._turn = itertools.count()
         self.round_robin = ties_round_robin_by_url()
 
-    def pick(self, role: str, replicas: Sequence[Replica], now: float) -> Replica | None:
-        if not replicas:
-            return None
-        if len(replicas) == 1:
-            return replicas[0]
+    def pick(self, role: str, pool: Pool, now: float) -> Replica | None:
+        if len(pool) < 2:
+            return pool.replicas[0] if pool.replicas else None
         turn = next(self._turn)
-        for r in filter(_DIRTY, replicas):
-            _rescore(r, now)
-        scores = list(map(_SCORE, replicas))
-        best = min(scores)
-        i = scores.index(best)
-        first = replicas[i]
-        while first.mode == FLUID and first.route_at < now:
-            _rescore(first, now)  # its KV grew since it was scored: the score may have risen
-            scores[i] = first.route_score
-            best = min(scores)
-            i = scores.index(best)
-            first = replicas[i]
-        if scores.count(best) == 1:
-            return first
-        tied = [r for r, s in zip(replicas, scores) if s == best]
-        if FLUID in map(_MODE, tied):
-            for r in tied:
-                if r.mode == FLUID and r.route_at < now:
-                    _rescore(r, now)
-            tied = [r for r in tied if r.route_score == best]
-            if len(tied) == 1:
-                return tied[0]
+        if pool.touched:
+            for r in pool.touched:
+                pool.rescore(r, now)
+            pool.touched.clear()
+        groups = pool.groups
+        while True:
+            best = min(groups)
+            group = groups[best]
+            stale = [r for r in group if r.mode == FLUID and r.route_at < now]
+            if not stale:
+                break
+            for r in stale:  # their KV grew since they were scored: the score may have risen
+                pool.rescore(r, now)
+        if len(group) == 1:
+            return group[0]
         if self.round_robin:
-            return tied[turn % len(tied)]
-        chosen = picker.pick(role, [r.load.candidate() for r in tied], turn=turn)
-        return next(r for r in tied if r.url == chosen.url)  # type: ignore[union-attr]
+            return group[turn % len(group)]
+        chosen = picker.pick(role, [r.load.candidate() for r in group], turn=turn)
+        return next(r for r in group if r.url == chosen.url)  # type: ignore[union-attr]
 
 
 def _rescore(r: Replica, now: float) -> None:
@@ -108,11 +146,7 @@ def _rescore(r: Replica, now: float) -> None:
     load = r.load
     if load is None:
         load = r.load = Load(r.url)
-    load.waiting = len(r.waiting)
-    load.running = r.B + len(r.prefilling)
-    load.kv_usage = r.kv_usage(now)
-    load.prompt_tokens_waiting = r.need_waiting
-    load.inflight = r.inflight
+    r.read_load(load, now)
     r.route_score = picker.score(r.role, load)  # type: ignore[arg-type]
     r.route_at = now
     r.dirty = False

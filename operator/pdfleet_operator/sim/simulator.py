@@ -31,12 +31,13 @@ from pdfleet_operator.sim import engine as eng
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy
 from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
 from pdfleet_operator.sim.perf_model import Efficiency, ReplicaPerf
-from pdfleet_operator.sim.router import Router
+from pdfleet_operator.sim.router import Pool, Router
 from pdfleet_operator.sim.stats import Histogram
 from pdfleet_operator.trace import Trace
 
 REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP, ENTER = range(8)
 assert REPLICA == eng.EVENT, "a replica pushes its own events with the kind sim.engine.EVENT"
+_NO_POOL = Pool()
 
 
 @dataclass
@@ -76,7 +77,7 @@ class DeploymentState:
     health: rollback.RevisionHealth
     fleet_plan: placement.FleetPlan | None = None
     replicas: list[eng.Replica] = field(default_factory=list)        # live (not removed)
-    routable: dict[str, list[eng.Replica]] = field(default_factory=dict)
+    routable: dict[str, Pool] = field(default_factory=dict)                # role -> its ready replicas
     pending: dict[tuple[str, str], int] = field(default_factory=dict)  # pods without a node
     used: dict[str, dict[str, int]] = field(default_factory=dict)      # node -> resource -> units
     max_len: int = 0
@@ -239,9 +240,9 @@ class Simulator:
         for r in d.replicas:
             if r.ready(self.now):
                 table[r.role].append(r)
-        for reps in table.values():
-            reps.sort(key=lambda r: r.url)  # the router's tie order (`sim.router`)
-        d.routable = table
+        for pool in d.routable.values():
+            pool.detach()
+        d.routable = {role: Pool(reps) for role, reps in table.items()}
 
     def _drain(self, rep: eng.Replica, t: float) -> None:
         rep.draining = True
@@ -358,7 +359,7 @@ class Simulator:
             self._done(rid, t)
             return
         d = self.deps[rep.deployment]
-        dst = self.router.pick("decode", d.routable.get("decode", ()), t)
+        dst = self.router.pick("decode", d.routable.get("decode") or _NO_POOL, t)
         if dst is None:
             self._reject(d, rid, t)
             return
