@@ -25,7 +25,8 @@ def test_a_count_2_class_is_refused_for_the_pdfleet_worker_and_served_by_vllm_as
     with pytest.raises(fleet.FleetError, match="prefill and decode must run one engine"):
         fleet.parse(doc(acceleratorClasses=[offered], **decode_x2), source="x.yaml", base_dir=ROOT)
     f = fleet.parse(doc(acceleratorClasses=[offered], deployment={"spec": {
-        "engine": {"runtime": "vllm"}, "decode": {"acceleratorClasses": ["ascend-910b-x2"]}}},
+        "engine": {"runtime": "vllm", "blockSize": 128}, "prefill": {"acceleratorClasses": ["ascend-910b-x2"]},
+        "decode": {"acceleratorClasses": ["ascend-910b-x2"]}}},
         policies=[{"name": "dynamic", "description": "autoscaled"}], compare=["dynamic"]), source="x.yaml", base_dir=ROOT)
     spec = f.policy("dynamic").deployments[0].spec
     cls = f.classes["ascend-910b-x2"]
@@ -46,7 +47,8 @@ def test_the_example_fleet_says_which_engine_each_class_runs() -> None:
                 for c in rs.accelerator_classes:
                     cls = f.classes[c]
                     engine = runtimes.engine_of(d.spec, cls)
-                    assert engine == "vllm"  # TP2 decode needs it, and PD runs one engine
+                    # TP2 decode needs vLLM; NVIDIA prefill with domestic decode needs one KV path: the pdfleet engine
+                    assert engine == ("pdfleet" if policy.name == "dynamic-mixed" else "vllm")
                     assert cls.count == 1 or runtimes.TENSOR_PARALLEL[engine]
 
 
