@@ -79,6 +79,10 @@ class KVConnector(abc.ABC):
     def close(self) -> None:
         """Stop serving (in-flight transfers are cut; their leases expire as usual)."""
 
+    def moved(self) -> dict[str, int]:
+        """Pulls answered (prefill side) or done (decode side), by how the bytes moved ("tcp", "nixl")."""
+        return {}
+
     def running_threads(self) -> list[str]:
         """Names of the connector's threads still alive: after close(), those the process must not exit under."""
         return []

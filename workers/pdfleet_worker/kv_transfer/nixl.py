@@ -121,7 +121,7 @@ class NixlKVConnector(TcpKVConnector):
         send_msg(conn, {"ok": True})
         if not done.get("ok"):
             return None
-        self.transfers["nixl"] += 1
+        self._moved("nixl")
         return nbytes
 
     def _await_done(self, conn: socket.socket) -> dict:
@@ -179,7 +179,7 @@ class NixlKVConnector(TcpKVConnector):
             except (OSError, ValueError):
                 if ok:
                     raise
-        self.transfers["nixl"] += 1
+        self._moved("nixl")
         if staged is not None:
             return PulledKV(self._tensors(staged, specs), nbytes)
         return PulledKV(None, nbytes, in_place=True)

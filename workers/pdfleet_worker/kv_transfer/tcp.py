@@ -91,6 +91,14 @@ class TcpKVConnector(KVConnector):
             self._threads.add(t)
         t.start()
 
+    def _moved(self, path: str) -> None:
+        with self._lock:
+            self.transfers[path] += 1
+
+    def moved(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.transfers)
+
     def running_threads(self) -> list[str]:
         """Names of this connector's threads still alive (after close: those that outlived CLOSE_JOIN_S)."""
         with self._lock:
@@ -206,7 +214,7 @@ class TcpKVConnector(KVConnector):
         send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": [s.to_json() for s in specs]})
         for views in layers:
             send_views(conn, views)
-        self.transfers["tcp"] += 1
+        self._moved("tcp")
         return nbytes
 
     # -- decode side ----------------------------------------------------------------------------
@@ -323,12 +331,12 @@ class TcpKVConnector(KVConnector):
                 recv_views(sock, views, deadline)
                 if scatter is not None:
                     scatter()
-            self.transfers["tcp"] += 1
+            self._moved("tcp")
             return PulledKV(None, nbytes, in_place=True)
         # NOTE: torch.empty, not bytearray: no zero-filling of a buffer about to be overwritten.
         buf = torch.empty(nbytes, dtype=torch.uint8)
         recv_exact(sock, blocks.byte_view(buf), deadline)
-        self.transfers["tcp"] += 1
+        self._moved("tcp")
         return PulledKV(self._tensors(buf, specs), nbytes)
 
     @staticmethod

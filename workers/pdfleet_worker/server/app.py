@@ -164,7 +164,7 @@ class Worker:
             if self.pd.kv_address is not None:
                 info["kv_endpoint"] = f"{self.pd.kv_address[0]}:{self.pd.kv_address[1]}"
             info["kv_connector"] = self.pd.connector.name
-            info["kv_transfers"] = dict(getattr(self.pd.connector, "transfers", {}))  # by how the bytes moved
+            info["kv_transfers"] = self.pd.connector.moved()
         return info
 
     # -- drain ----------------------------------------------------------------------------------
