@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import kopf.testing
+import pytest
 
 from pdfleet_operator.api.names import ANNOTATION_APPLIED_HASH
 from pdfleet_operator.kube import handlers, render
@@ -102,7 +103,12 @@ def wait_reconciled(kube: Any, name: str, *, namespace: str = "default", timeout
         if obj and st.get("observedGeneration") == obj["metadata"].get("generation") and (check is None or check(obj)):
             return obj
         return None
-    return kube.wait_for(done, timeout=timeout, message=f"{namespace}/{name} reconciled")
+    try:
+        return kube.wait_for(done, timeout=timeout, message=f"{namespace}/{name} reconciled")
+    except pytest.fail.Exception:
+        obj = kube.get("infdep", name, namespace) or {}
+        pytest.fail(f"timed out after {timeout} s waiting for {namespace}/{name} reconciled; generation "
+                    f"{obj.get('metadata', {}).get('generation')}, status {obj.get('status')}")
 
 
 def settle(kube: Any, quiet: float = 0.6, timeout: float = 20.0) -> None:

@@ -9,6 +9,7 @@ import kopf
 import pytest
 
 from pdfleet_operator.api import Condition
+from pdfleet_operator.decide import worker_images
 from pdfleet_operator.kube import client, exporter, handlers, render
 from tests.kube.cluster import EXAMPLES, example_deployments, spec_of
 from tests.kube.harness import children, prepare_cluster, running_operator, settle, wait_reconciled
@@ -56,7 +57,7 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         # Back to the spec's template: a template the pools do not run yet is the next revision number.
         wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["currentRevision"] == 8)
         pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
-        assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0"
+        assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == worker_images.DEFAULTS.get("cuda")
         settle(kube)
         assert len(children(kube, "llama31-8b")) == 12  # 9 + 2 NetworkPolicies + the router PDB
     text = exporter.text().decode()

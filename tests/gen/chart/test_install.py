@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdfleet_operator.decide import worker_images
 from tests.gen.chart import helm
 from tests.gen.chart.operator_process import OperatorProcess, exercise
 from tests.kube.cluster import example_deployments
@@ -28,6 +29,9 @@ from tests.support.k8s_emulator import LoggedRequest
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 OPERATOR_USER = f"system:serviceaccount:{helm.NAMESPACE}:{helm.RELEASE}-operator"
+# Every platform's worker image, as if built: the examples' pdfleet pools run on Ascend (npu) and Hygon (dtk) too,
+# which the chart's default (cpu, cuda) refuses (tests/decide/test_runtimes.py covers the refusal).
+EVERY_EXAMPLE = {"workerImage": {"platforms": list(worker_images.PLATFORMS)}}
 
 
 def service_account_kubeconfig(kube: Any) -> Any:
@@ -83,8 +87,8 @@ def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_granted(kube, tmp_path) -> None:
-    config = helm.install(kube, {}, ["team-a"])
-    installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render({})}
+    config = helm.install(kube, EVERY_EXAMPLE, ["team-a"])
+    installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render(EVERY_EXAMPLE)}
     for kind, name in installed:
         resource = {"ClusterRole": "clusterroles.rbac.authorization.k8s.io",
                     "ClusterRoleBinding": "clusterrolebindings.rbac.authorization.k8s.io"}.get(kind, kind)
@@ -131,7 +135,7 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
 
 @pytest.mark.slow
 def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
-    helm.install(kube, helm.VALUE_SETS["namespaced"], ["team-a", "team-b", "elsewhere"])
+    helm.install(kube, {**helm.VALUE_SETS["namespaced"], **EVERY_EXAMPLE}, ["team-a", "team-b", "elsewhere"])
     kube.clear_requests()
     operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
                                service_account_kubeconfig(kube), tmp_path / "operator.log")
