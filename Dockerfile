@@ -78,7 +78,7 @@ COPY operator ./operator
 COPY workers ./workers
 # The worker extra without its torch pin (the base's torch drives the device), then pdfleet itself.
 RUN grep -v '^torch==' constraints.txt > /tmp/constraints-vendor.txt \
-    && python -m pip install -c /tmp/constraints-vendor.txt '.[router]' safetensors tokenizers jinja2 \
+    && python -m pip install -c /tmp/constraints-vendor.txt '.[router]' safetensors tokenizers jinja2 llguidance \
     && python -m pip install --no-deps . \
     && python -c "import torch, pdfleet_worker.cli; print('torch', torch.__version__)"
 USER 10001:10001

@@ -138,7 +138,7 @@ def test_json_object_and_vllm_structured_fields(pipeline):
     from pdfleet_worker.model.tokenizer import Tokenizer
 
     tok = Tokenizer(pipeline_model_dir(pipeline))
-    closing = {str(tok.encode(t, add_special_tokens=False)[0]): bias for t, bias in (('"', 3.0), ("}", 4.0))}
+    closing = {str(tok.encode(t, add_special_tokens=False)[0]): bias for t, bias in (('"', 6.0), ("}", 8.0))}
     with client(pipeline) as c:
         for model in TIERS.values():
             # NOTE: any JSON object may go on for ever, and random weights do not know when to close one: a bias
