@@ -9,7 +9,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo up venv system-deps generate clean images checkov
+.PHONY: test demo up venv system-deps generate clean images checkov validate-sim
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ system-deps:
 
 test: venv system-deps vllm fuzz lmeval torch-npu triton
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The simulator against a saturated local fleet timed on this machine (opt-in: wants the machine to itself).
+validate-sim: venv
+	$(VENV)/bin/pytest -q --run-measure tests/sim/test_validation_vs_local.py
 
 # schemathesis and OpenAI's own OpenAPI document in their own virtualenv (bench/fuzz.py pins them).
 FUZZ_STAMP := .venv-fuzz/.installed-$(shell grep -A12 '^FUZZ_PINS' bench/fuzz.py | md5sum | cut -c1-12)

@@ -36,6 +36,11 @@ import yaml
 from tests.local.conftest import CHILD_ENV, PDFLEET, ROOT, UpProcess, write_spec
 from tests.support.components import free_port
 
+# NOTE: opt-in (`make validate-sim`): a measurement of this machine's speed against the model's prediction, about
+# 3.5 minutes, and only meaningful on a machine the fleet has to itself. In `make test` it failed once in CI
+# (2026-12-02: TTFT p50 -47%, ITL p99 -59%, both attempts) where other jobs shared the runner.
+pytestmark = pytest.mark.measure
+
 # Relative error allowed per metric (simulated vs local). NOTE: p99s are of ~30-60 requests (the last few
 # of a growing queue) and ITL p99 of one engine's slowest steps on a machine other jobs share.
 TOLERANCE = {"ttft_p50_s": 0.35, "ttft_p99_s": 0.35, "itl_p50_s": 0.35, "itl_p99_s": 0.6, "tokens_per_s": 0.2}

@@ -382,7 +382,8 @@ async def on_node_event(name: str, body: kopf.Body, event: Mapping[str, Any], **
     if not affected:
         return
     free = ", ".join(f"{view['status']['allocatable'].get(c.resource_name, 0)} {c.resource_name}"
-                     for c in {c.resource_name: c for c in affected.values()}.values())
+                     for c in sorted({c.resource_name: c for c in affected.values()}.values(),
+                                     key=lambda c: c.resource_name))
     for key in RECONCILER.keys_using(set(affected)):
         RECONCILER.request(key, f"{what} ({free} allocatable)")
 

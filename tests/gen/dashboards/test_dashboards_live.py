@@ -193,7 +193,7 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
         prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 4', timeout=30)
         prom.wait_for('vllm:generation_tokens_total{pdfleet_role="decode"} == 0', timeout=30)
-        prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=30)
+        prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=60)  # the autoscaler's first read waits for a scrape of a ready pool
 
         # --- a burst through the router ---
         # NOTE: the router creates its per-tier latency histograms on first use; one request first, scraped, so
