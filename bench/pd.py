@@ -1,12 +1,15 @@
-"""TTFT through prefill/decode disaggregation vs colocated serving on loopback, and KV transfer bandwidth vs a raw loopback copy measured in the same run.
+"""TTFT through prefill/decode disaggregation vs colocated serving on loopback, and KV pull bandwidth vs a raw loopback socket measured in the same run (TCP connector, and NIXL where installed).
 
-    python bench/pd.py [--preset tiny|small] [--prompt-tokens 2000] [--reps 7] [--threads 2]
+    python bench/pd.py [--preset tiny|small] [--prompt-tokens 2000] [--reps 15] [--wire-reps 30] [--threads 2]
+                       [--nixl auto|on|off]
 
 Starts real processes (a prefill, a decode and a colocated worker, and one router with the PD
-pool as tier `default` and the colocated worker as tier `colo`), sends each path the same kind
-of request (a fresh random prompt every time, so no prefix cache helps), and reports medians.
-Target: PD adds at most (KV bytes / measured loopback bandwidth) + 20 ms to TTFT. Ends with one
-JSON line.
+pool as tier `default` and the colocated worker as tier `colo`; with NIXL a second prefill/decode
+pair on `--kv-connector nixl`), sends each path the same kind of request (a fresh random prompt
+every time, so no prefix cache helps), and reports medians.
+Targets: PD adds at most (KV bytes / measured loopback bandwidth) + 20 ms to TTFT; a KV pull moves
+its bytes at >= 50% of a raw loopback socket's bandwidth (`kv_pull_vs_socket`: per repetition, one
+pull next to one raw copy of the same bytes, the median of the ratios). Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shad
 import sys
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -96,7 +100,7 @@ import socket, sys
 n = int(sys.argv[1]); port = int(sys.argv[2])
 s = socket.create_connection(("127.0.0.1", port)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 buf = bytearray(n); view = memoryview(buf)
-for _ in range(int(sys.argv[3])):
+while s.recv_into(view[:1], 1, socket.MSG_PEEK):
     got = 0
     while got < n:
         k = s.recv_into(view[got:])
@@ -106,25 +110,64 @@ for _ in range(int(sys.argv[3])):
 """
 
 
+class RawSocket:
+    """A raw TCP copy of nbytes from this process to a child on loopback (sendall/recv_into into a buffer the
+    child allocated once, one byte back as the ack): the wire without framing, tensors or a worker."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(1)
+        self._child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(nbytes), str(self._srv.getsockname()[1])])
+        self._conn, _ = self._srv.accept()
+        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._data = memoryview(bytearray(os.urandom(1 << 20)) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
+
+    def copy(self) -> float:
+        """Seconds for one copy and its ack."""
+        t0 = time.perf_counter()
+        self._conn.sendall(self._data)
+        assert self._conn.recv(1) == b"k"
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._conn.close()
+        self._srv.close()
+        self._child.wait(timeout=30)
+
+
 def loopback_gbps(nbytes: int, reps: int) -> float:
-    """Best GB/s of a raw TCP copy of nbytes between two processes on loopback (sendall/recv_into,
-    what the TCP connector does, minus its framing and tensor handling)."""
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(nbytes), str(srv.getsockname()[1]), str(reps)])
-        conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = memoryview(bytearray(os.urandom(1 << 20)) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            conn.sendall(data)
-            assert conn.recv(1) == b"k"
-            times.append(time.perf_counter() - t0)
-        conn.close()
-        child.wait(timeout=30)
-    return nbytes / min(times) / 1e9
+    """Best GB/s of a raw TCP copy of nbytes between two processes on loopback."""
+    raw = RawSocket(nbytes)
+    try:
+        return nbytes / min(raw.copy() for _ in range(reps)) / 1e9
+    finally:
+        raw.close()
+
+
+def pull_seconds(prefill: str, decode: str, prompt: list[int], max_tokens: int) -> float:
+    """One PD request driven as the router drives it; the decode worker's own measure of its pull (the
+    pdfleet_kv_transfer_seconds it adds: connect, request, the bytes into the destination blocks)."""
+    secs0 = metric(decode, "pdfleet_kv_transfer_seconds_sum")
+    count0 = metric(decode, "pdfleet_kv_transfer_seconds_count")
+    b = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(f"{prefill}/v1/completions", json=b, timeout=300).json()["kv_transfer_params"]
+    r = httpx.post(f"{decode}/v1/completions", json=dict(b, kv_transfer_params=params, max_tokens=max_tokens), timeout=300)
+    assert r.status_code == 200, r.text
+    assert metric(decode, "pdfleet_kv_transfer_seconds_count") == count0 + 1, "the pull failed (recomputed)"
+    return metric(decode, "pdfleet_kv_transfer_seconds_sum") - secs0
+
+
+def nixl_installed() -> bool:
+    return any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))
+
+
+def spread(xs: list[float], digits: int = 3) -> dict:
+    q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0], None, xs[0])
+    return {"median": round(statistics.median(xs), digits), "min": round(min(xs), digits),
+            "q1": round(q1, digits), "q3": round(q3, digits), "max": round(max(xs), digits)}
 
 
 def main() -> int:
@@ -135,7 +178,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    ap.add_argument("--wire-reps", type=int, default=30, help="alternating pull / raw socket (/ NIXL pull) repetitions")
+    ap.add_argument("--nixl", choices=("auto", "on", "off"), default="auto",
+                    help="also a prefill/decode pair on --kv-connector nixl (auto: when nixl-cu12 is installed)")
     args = ap.parse_args()
+    if args.nixl == "on" and not nixl_installed():
+        ap.error("--nixl on needs NIXL's Python package (pip install nixl-cu12)")
+    with_nixl = args.nixl == "on" or args.nixl == "auto" and nixl_installed()
 
     tmp = tempfile.mkdtemp(prefix="pdfleet-bench-pd-")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -150,9 +199,13 @@ def main() -> int:
               "--log-level", "warning"]
     workers = [Proc(common + ["--role", role], env, os.path.join(tmp, f"{role}.log"))
                for role in ("prefill", "decode", "both")]
-    procs = list(workers)
+    # NOTE: UCX on one host: shared memory (cma) and TCP on lo only (FACTS.md: otherwise it also takes the NICs).
+    nixl_env = {**env, "UCX_NET_DEVICES": "lo"}
+    nixl_pair = [Proc(common + ["--role", role, "--kv-connector", "nixl"], nixl_env, os.path.join(tmp, f"{role}-nixl.log"))
+                 for role in ("prefill", "decode")] if with_nixl else []
+    procs = workers + nixl_pair
     try:
-        for w in workers:
+        for w in procs:
             w.wait_ready()
         prefill, decode, colo = workers
         router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--workers", f"colo={colo.url}",
@@ -199,6 +252,23 @@ def main() -> int:
             noops.append(time.perf_counter() - t0)
         assert pulls == args.reps, f"{pulls} pulls for {args.reps} requests"
         kv_bytes = int(kv_total / args.reps)
+        # The wire: per repetition one TCP pull, one raw copy of the same bytes (and one NIXL pull), in turn.
+        raw = RawSocket(kv_bytes)
+        wire: dict[str, list[float]] = {"tcp": [], "socket": [], "nixl": []}
+        try:
+            for _ in range(args.wire_reps):
+                wire["tcp"].append(kv_bytes / pull_seconds(prefill.url, decode.url, prompt(), args.max_tokens) / 1e9)
+                wire["socket"].append(kv_bytes / raw.copy() / 1e9)
+                if nixl_pair:
+                    secs = pull_seconds(nixl_pair[0].url, nixl_pair[1].url, prompt(), args.max_tokens)
+                    wire["nixl"].append(kv_bytes / secs / 1e9)
+        finally:
+            raw.close()
+        if nixl_pair:
+            moved = httpx.get(f"{nixl_pair[1].url}/load", timeout=10).json().get("kv_transfers", {})
+            assert moved.get("nixl") == args.wire_reps, f"the NIXL pair moved {moved}, not {args.wire_reps} NIXL reads"
+        tcp_ratio = [a / b for a, b in zip(wire["tcp"], wire["socket"])]
+        nixl_ratio = [a / b for a, b in zip(wire["nixl"], wire["socket"])]
         cfg = json.load(open(os.path.join(model, "config.json")))
         per_block = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * info["block_size"]
                      * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * 4)  # fp32
@@ -222,7 +292,17 @@ def main() -> int:
             "overhead_min_ms": round((min(pd) - min(co)) * 1e3, 2),
             "decode_leg_ms": round(statistics.median(legs) * 1e3, 2),
             "noop_request_ms": round(statistics.median(noops) * 1e3, 2),
+            "kv_pull_gbps": round(statistics.median(wire["tcp"]), 3),
+            "socket_gbps": round(statistics.median(wire["socket"]), 3),
+            "kv_pull_vs_socket": round(statistics.median(tcp_ratio), 3),
+            "kv_pull_vs_socket_spread": spread(tcp_ratio), "kv_pull_gbps_spread": spread(wire["tcp"]),
+            "socket_gbps_spread": spread(wire["socket"]), "kv_pull_meets_target": statistics.median(tcp_ratio) >= 0.5,
+            "wire_reps": args.wire_reps,
         }
+        if nixl_pair:
+            result.update(kv_pull_gbps_nixl=round(statistics.median(wire["nixl"]), 3),
+                          kv_pull_nixl_vs_socket=round(statistics.median(nixl_ratio), 3),
+                          kv_pull_nixl_vs_socket_spread=spread(nixl_ratio))
         assert expected == kv_bytes, f"moved {kv_bytes} bytes per request, expected {expected}"
         print(f"{'path':<12}{'median TTFT ms':>16}{'min':>10}{'max':>10}")
         for name, xs in (("colocated", co), ("PD", pd)):
@@ -231,6 +311,15 @@ def main() -> int:
               f"(mean pull {result['pull_ms_mean']} ms); raw loopback copy {result['loopback_gbps']} GB/s")
         print(f"decode leg alone (KV params -> first event) {result['decode_leg_ms']} ms; a no-op request "
               f"{result['noop_request_ms']} ms")
+        print(f"{'wire, GB/s':<12}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}   ({args.wire_reps} alternating reps)")
+        for name in ("tcp", "nixl", "socket"):
+            if wire[name]:
+                sp = spread(wire[name])
+                print(f"{name if name != 'tcp' else 'tcp pull':<12}" + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max")))
+        for name, xs in (("tcp/socket", tcp_ratio), ("nixl/socket", nixl_ratio)):
+            if xs:
+                sp = spread(xs)
+                print(f"{name:<12}" + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max")))
         print(f"PD overhead {overhead:.1f} ms (paired median; IQR {q1:.1f} .. {q3:.1f} ms) vs target {target:.1f} ms: "
               f"{'OK' if result['meets_target'] else 'MISSED'}")
         print(json.dumps(result))
