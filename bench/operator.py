@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             print("writes on restart + resync: " + _by_kind(b.writes()), file=sys.stderr)
             if args.verbose:
                 for w in b.writes():
-                    print(f"  {w.verb} {w.resource} {w.name}: {json.dumps(w.body)[:400]}", file=sys.stderr)
+                    print(f"  {w.verb} {w.resource} {w.name}: {json.dumps(w.body)[:2000]}", file=sys.stderr)
         resync_reads = len(b.requests())
         peak_rss = max(peak_rss, b.peak_rss_mb())
         b.stop_operator()
