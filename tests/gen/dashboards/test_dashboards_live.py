@@ -35,7 +35,7 @@ from tests.gen.chart import helm
 from tests.gen.chart.operator_process import OperatorProcess, free_ports
 from tests.gen.dashboards import grafana
 from tests.kube import harness
-from tests.kube.cluster import EXAMPLES, classes, pod, standard_nodes
+from tests.kube.cluster import EXAMPLES, classes, node, pod, standard_nodes
 from tests.support.components import free_port
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -180,6 +180,9 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         kube.apply(doc)
         # The pools' pods, bound to a node before the operator starts (the workers above play them): the operator
         # bills what runs (bound pods), so the pool $/h is the hand computation's from the first scrape on.
+        # NOTE: on a node that exists: pods bound to a vanished node are replaced make-before-break (issue 24), and the
+        # autoscaler holds while that move runs (whichever came first decided this test before).
+        kube.apply(node("cpu-0", "cpu", 32))
         for role in ("prefill", "decode"):
             kube.apply(pod(f"{NAME}-{role}-0", "cpu-0", {"cpu": "2"}, namespace=NAMESPACE, labels=pods[role]))
         operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
@@ -193,7 +196,13 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
         prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 4', timeout=30)
         prom.wait_for('vllm:generation_tokens_total{pdfleet_role="decode"} == 0', timeout=30)
-        prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=60)  # the autoscaler's first read waits for a scrape of a ready pool
+        # The autoscaler's first tick waits until the status says a pool serves (loops.starting).
+        harness.wait_reconciled(kube, NAME, timeout=60, check=lambda cr: all(p.get("ready", 0) >= 1 for p in cr["status"]["pools"]))
+        try:
+            prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=60)
+        except AssertionError as exc:
+            conditions = (kube.get("infdep", NAME) or {}).get("status", {}).get("conditions", [])
+            raise AssertionError(f"{exc}; the CR's conditions: {conditions}") from exc
 
         # --- a burst through the router ---
         # NOTE: the router creates its per-tier latency histograms on first use; one request first, scraped, so
