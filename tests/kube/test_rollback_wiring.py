@@ -212,7 +212,9 @@ def test_bad_revision_is_rolled_back_by_the_alert_and_a_healthy_change_rolls_for
             cr = wait_reconciled(kube, NAME, check=lambda cr: conditions(cr)["RolledBack"]["reason"] == "ManualRollback")
             assert cr["status"]["currentRevision"] == 1 and cr["spec"]["engine"]["image"] == NEXT
             assert rollback.ANNOTATION_ROLLBACK_TO not in (cr["metadata"].get("annotations") or {})
-            assert "rolled back to 1 by hand" in [e for e in events(kube, NAME) if e["reason"] == "RolledBack"][-1]["message"]
+            # The Event is posted after the status patch: wait for it rather than racing the writer.
+            kube.wait_for(lambda: any(e["reason"] == "RolledBack" and "rolled back to 1 by hand" in e["message"]
+                                      for e in events(kube, NAME)), timeout=10, message="the manual RolledBack Event")
 
             # A rollback that itself goes bad (here: by hand to the broken revision 2) pages once, and stays put.
             kube.patch("infdep", NAME, {"metadata": {"annotations": {rollback.ANNOTATION_ROLLBACK_TO: "2"}}})
