@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import time
 
 import kubernetes_validate
 import pytest
@@ -11,8 +12,10 @@ import pytest
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.kube import handlers, reconciler, render
 from tests.kube.cluster import EXAMPLES as EXAMPLE_DIR
-from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
-from tests.kube.harness import prepare_cluster, running_operator, settle, wait_reconciled
+from pdfleet_operator.api.names import LABEL_DEPLOYMENT
+from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN
+from tests.kube.cluster import classes, example_deployments, pod, spec_of, standard_nodes
+from tests.kube.harness import events, prepare_cluster, running_operator, settle, wait_reconciled
 
 CLASSES = classes()
 EXAMPLES = example_deployments()
@@ -116,13 +119,33 @@ def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_i
         settle(kube)
         assert kube.get("infdep", "local-tiny", "default")["status"]["tokenSecret"] == "local-tiny-auth"
         assert kube.writes("secrets") == [], "a restart writes nothing for the Secret the status says was made"
-        # While the process runs it checks every AUTH_SECRET_CHECK_S: a create, answered 409, the token kept.
-        monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
-        kube.wait_for(lambda: kube.writes("secrets"), timeout=20, message="the periodic check of the Secret")
-        assert {(w.verb, w.status) for w in kube.writes("secrets")} == {("create", 409)}
+        # A steady fleet checks nothing: the Secret is checked again only when something needs it.
+        time.sleep(0.5)
+        assert kube.writes("secrets") == []
+        # A new pod of the deployment mounts it: one create (answered 409: the token kept), at most once a minute.
+        labels = {LABEL_DEPLOYMENT: "local-tiny"}
+        kube.apply(pod("local-tiny-decode-a", "h100-0", {"cpu": "1"}, labels=labels))
+        kube.wait_for(lambda: kube.writes("secrets"), timeout=20, message="the new pod's check of the Secret")
+        kube.apply(pod("local-tiny-decode-b", "h100-0", {"cpu": "1"}, labels=labels))
+        settle(kube)
+        assert [(w.verb, w.status) for w in kube.writes("secrets")] == [("create", 409)]
         assert token_of(kube, "local-tiny") == first, "the token the pods hold is never replaced"
-        assert kube.verbs("secrets") == {"create"}, "no Secret is read, listed, watched, patched or deleted"
-        # Rotation: an admin deletes the Secret; the next reconcile after the check interval creates a new token.
+        # An admin deletes the Secret; a pod that then starts (an eviction's replacement) is not left waiting for it.
         kube.delete("secrets", "local-tiny-auth", "default")
+        monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
+        kube.apply(pod("local-tiny-decode-c", "h100-0", {"cpu": "1"}, labels=labels))
         kube.wait_for(lambda: token_of(kube, "local-tiny") not in (None, first), timeout=20,
-                      message="a new token after the Secret was deleted")
+                      message="a new token for the new pod after the Secret was deleted")
+        second = token_of(kube, "local-tiny")
+        # Rotation by hand: delete the Secret, then `kubectl annotate infdep local-tiny pdfleet.io/recreate-token=1`.
+        kube.delete("secrets", "local-tiny-auth", "default")
+        kube.patch("infdep", "local-tiny", {"metadata": {"annotations": {ANNOTATION_RECREATE_TOKEN: "1"}}})
+        kube.wait_for(lambda: token_of(kube, "local-tiny") not in (None, first, second), timeout=20,
+                      message="a new token after the Secret was deleted and the annotation set")
+        kube.wait_for(lambda: ANNOTATION_RECREATE_TOKEN not in (kube.get("infdep", "local-tiny", "default")["metadata"]
+                                                               .get("annotations") or {}),
+                      message="the one-shot annotation removed")
+        kube.wait_for(lambda: any(e["reason"] == "TokenSecretCreated" for e in events(kube, "local-tiny")),
+                      message="the TokenSecretCreated Event")
+        operator = {r.verb for r in kube.requests_for(resource="secrets") if r.user is not None}
+        assert operator == {"create"}, "the operator never reads, lists, watches, patches or deletes a Secret"

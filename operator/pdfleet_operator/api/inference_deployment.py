@@ -540,7 +540,8 @@ class InferenceDeploymentStatus(ApiModel):
                           "PLATFORM=IMAGE, listed as platform=image).")
     token_secret: str | None = Field(
         None, description="The deployment token's Secret, once the operator made (or found) it: a restarted operator "
-                          "does not create it again. Deleting the Secret rotates the token within a minute.")
+                          "does not create it again. To rotate: delete the Secret, then annotate the CR "
+                          "pdfleet.io/recreate-token=1.")
 
 
 class InferenceDeployment(Resource):

@@ -26,11 +26,12 @@ from aiohttp import web
 
 from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec
 from pdfleet_operator.decide import inventory
-from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, render
+from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, reconciler, render
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
 from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
 from pdfleet_operator.kube.indexes import CHILD_INDEXES
-from pdfleet_operator.kube.reconciler import Key, Reconciler, Template  # noqa: F401 (tests reach them here)
+from pdfleet_operator.api.names import LABEL_DEPLOYMENT
+from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN, Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
 GROUP, VERSION = "pdfleet.io", "v1alpha1"
 logger = logging.getLogger("pdfleet.operator")
@@ -323,6 +324,26 @@ async def on_rollback_annotation(namespace: str, name: str, event: Mapping[str, 
         RECONCILER.request((namespace, name), f"annotation {ANNOTATION_ROLLBACK_TO}")
 
 
+@kopf.on.event(GROUP, VERSION, "inferencedeployments", annotations={ANNOTATION_RECREATE_TOKEN: kopf.PRESENT})
+async def on_recreate_token_annotation(namespace: str, name: str, body: kopf.Body, event: Mapping[str, Any],
+                                       **kwargs: Any) -> None:
+    """`pdfleet.io/recreate-token` set by hand after deleting the token Secret (rotation): a new Secret with a fresh
+    token now, not at the next new pod; the annotation is removed once acted on."""
+    _keep_indexes(kwargs)
+    api = RECONCILER.api
+    if event.get("type") not in (None, "ADDED", "MODIFIED") or api is None:
+        return
+    key = (namespace, name)
+    created = await RECONCILER.check_auth_secret(api, key, render.Owner(name, namespace, body["metadata"]["uid"]),
+                                                 f"annotation {ANNOTATION_RECREATE_TOKEN}")
+    involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": dict(body["metadata"])}
+    secret = render.auth_secret_name(name)
+    await api.event(involved, "Normal", "TokenSecretCreated" if created else "TokenSecretKept",
+                    f"created Secret {secret} with a new token" if created else
+                    f"Secret {secret} exists: its token is kept (delete the Secret first to rotate it)")
+    await api.remove_annotation("InferenceDeployment", namespace, name, ANNOTATION_RECREATE_TOKEN)
+
+
 @kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
 async def on_delete(namespace: str, name: str, **_: Any) -> None:
     """Children go with the CR by garbage collection (ownerReferences); only this process's memory is ours."""
@@ -399,6 +420,8 @@ def _classes_on(view: dict[str, Any]) -> dict[str, AcceleratorClassSpec]:
 async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     """A finished or deleted pod (bound or Pending) frees its accelerators: re-plan the deployments that were short."""
     _keep_indexes(kwargs)
+    if event.get("type") == "ADDED":
+        await _new_pod_needs_the_token(body)
     limited = RECONCILER.limited()
     if event.get("type") is None or not limited:
         return
@@ -414,6 +437,25 @@ async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any)
         if any(classes[c].resource_name in freed for c in listed if c in classes):
             RECONCILER.request(key, f"pod {body['metadata'].get('namespace')}/{body['metadata'].get('name')} freed "
                                     + ", ".join(sorted(freed)))
+
+
+async def _new_pod_needs_the_token(body: kopf.Body) -> None:
+    """A new pod of a deployment mounts its token Secret: create the Secret if it went missing (an admin deleted it),
+    at most once a minute per deployment, so the pod does not wait to mount it forever."""
+    meta = body.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT)
+    key = (meta.get("namespace"), owner)
+    dep = RECONCILER.body(key) if owner else None
+    if dep is None or RECONCILER.api is None:
+        return
+    try:
+        await RECONCILER.check_auth_secret(RECONCILER.api, key, render.Owner(owner, key[0], dep["metadata"]["uid"]),
+                                           f"new pod {meta.get('name')}", at_most_every=reconciler.AUTH_SECRET_CHECK_S)
+    except client.ApiError as exc:
+        logger.warning("could not check the token Secret of %s/%s: %s", *key, exc)
+
+
+CHILD_EVENT_GATHER_S = 0.2
 
 
 def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
@@ -432,7 +474,9 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     if api is not None and event.get("type") == "DELETED":
         # Deleted by someone else: what our last apply returned must not stand in for it any more.
         api.last.pop((kind, meta.get("namespace") or "", meta.get("name")), None)
-    RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}")
+    # NOTE: gathered: a pool's Deployments become ready (or are edited) in bursts; one reconcile and one status write
+    # per burst, not one per Deployment (500 CRs went Ready in 67 s with 5 status writes each before this).
+    RECONCILER.request(key, f"{kind} {meta.get('name')} {str(event.get('type')).lower()}", gather=CHILD_EVENT_GATHER_S)
 
 
 # NOTE: no kopf `labels=` filter on these (the server-side selector in `configure` sends only our objects): a child

@@ -39,10 +39,12 @@ from pdfleet_operator.kube.memory import DeploymentMemory
 from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.operator")
-# The deployment token's Secret is created when missing at most this often per deployment while the process runs
-# (a POST that finds it answers 409), so a Secret deleted to rotate the token comes back within that long. A new
-# process trusts status.tokenSecret and writes nothing for it on start.
+# The deployment token's Secret (the operator may only create Secrets: a POST that finds it answers 409) is created
+# when status.tokenSecret does not record it, and checked again only when something needs it: a new pod of the
+# deployment (at most this often per deployment: a missing Secret leaves it waiting to mount) or the
+# pdfleet.io/recreate-token annotation. A steady fleet, a restart and a resync write nothing for it.
 AUTH_SECRET_CHECK_S = 60.0
+ANNOTATION_RECREATE_TOKEN = "pdfleet.io/recreate-token"
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 __all__ = ["Key", "Outcome", "Reconciler", "Template"]
@@ -68,6 +70,7 @@ class Reconciler(Cluster):
         self.api: client.Api | None = None
         self.deployments: dict[Key, DeploymentMemory] = {}  # created on first sight, dropped by `forget`
         self._tasks: set[asyncio.Task] = set()
+        self._gathering: dict[Key, list[str]] = {}  # key -> why of each request waiting in a `gather` window
         # What this process last saw of the cluster-scoped inputs (their changes re-plan deployments).
         self.node_digests: dict[str, str] = {}
         self.class_specs: dict[str, dict[str, Any]] = {}
@@ -79,7 +82,7 @@ class Reconciler(Cluster):
         self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
         self.analysis = False  # start rollback-analysis loops (set at kopf startup from OPTIONS.analysis_interval)
         self.rollbacks = revisions.AnalysisLog()
-        self._auth_checked: dict[Key, tuple[str, float]] = {}  # key -> (uid, monotonic time of the last create POST)
+        self._auth_checked: dict[Key, float] = {}  # key -> monotonic time of the last create POST (new pods' checks)
 
     # --- the memory of each deployment --------------------------------------------------------------------
     def memory(self, key: Key) -> DeploymentMemory:
@@ -152,13 +155,23 @@ class Reconciler(Cluster):
         return render.Owner(key[1], key[0], body["metadata"]["uid"])
 
     # --- triggering ---------------------------------------------------------------------------------------
-    def request(self, key: Key, why: str) -> None:
-        """Reconcile `key` soon, in the background (coalesced with runs already queued)."""
-        task = asyncio.get_running_loop().create_task(self._background(key, why))
+    def request(self, key: Key, why: str, *, gather: float = 0.0) -> None:
+        """Reconcile `key` soon, in the background (coalesced with runs already queued). `gather`: wait that long
+        first, and let every request for `key` made meanwhile ride along (a burst of child events, one reconcile)."""
+        if gather > 0:
+            if key in self._gathering:
+                self._gathering[key].append(why)
+                return
+            self._gathering[key] = [why]
+        task = asyncio.get_running_loop().create_task(self._background(key, why, gather))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _background(self, key: Key, why: str) -> None:
+    async def _background(self, key: Key, why: str, gather: float = 0.0) -> None:
+        if gather > 0:
+            await asyncio.sleep(gather)
+            whys = self._gathering.pop(key, [why])
+            why = whys[0] if len(whys) == 1 else f"{whys[0]} (+{len(whys) - 1} more)"
         try:
             await self.reconcile(key, why)
             self.memory(key).retries = 0
@@ -369,20 +382,25 @@ class Reconciler(Cluster):
 
     async def _ensure_auth_secret(self, api: client.Api, key: Key, owner: render.Owner,
                                   st: InferenceDeploymentStatus | None) -> None:
-        """The token Secret's name, created when missing: at most every AUTH_SECRET_CHECK_S while this process runs,
-        and not on a process's first sight of a deployment whose status says it was made (a restart writes nothing)."""
-        name = render.auth_secret_name(owner.name)
-        last = self._auth_checked.get(key)
+        """The token Secret, created unless status.tokenSecret says it was (so a restart writes nothing)."""
+        if key in self._auth_checked or (st is not None and st.token_secret == render.auth_secret_name(owner.name)):
+            return
+        await self.check_auth_secret(api, key, owner, "first reconcile")
+
+    async def check_auth_secret(self, api: client.Api, key: Key, owner: render.Owner, why: str, *,
+                                at_most_every: float = 0.0) -> bool | None:
+        """Create the token Secret if it is missing (True), find it there (False), or skip a check made less than
+        `at_most_every` seconds ago (None)."""
         now = asyncio.get_running_loop().time()
-        if last is None and st is not None and st.token_secret == name:
-            self._auth_checked[key] = (owner.uid, now)
-            return
-        if last is not None and last[0] == owner.uid and now - last[1] < AUTH_SECRET_CHECK_S:
-            return
-        if await client.ensure_auth_secret(api, owner):
-            logger.info("created the deployment token Secret %s/%s", key[0], name)
+        last = self._auth_checked.get(key)
+        if at_most_every and last is not None and now - last < at_most_every:
+            return None
+        self._auth_checked[key] = now
+        created = await client.ensure_auth_secret(api, owner)
+        if created:
+            logger.info("created the deployment token Secret %s/%s (%s)", key[0], render.auth_secret_name(owner.name), why)
             exporter.API_WRITES.labels("Secret").inc()
-        self._auth_checked[key] = (owner.uid, now)
+        return created
 
 
 def _renderer(owner: render.Owner, classes: Mapping[str, AcceleratorClassSpec], monitoring: bool

@@ -197,7 +197,8 @@ def api_keys_secret_name(deployment: str) -> str:
 
 def auth_secret(owner: Owner, token: str) -> dict[str, Any]:
     """The deployment token between its router, workers and KV endpoints. Created only when missing (a 409 keeps the
-    one that exists); rotated by deleting it (the next reconcile creates a new one, pods re-read the file)."""
+    one that exists); rotated by deleting it and annotating the CR pdfleet.io/recreate-token (the operator creates a
+    new one, pods re-read the file)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
