@@ -52,14 +52,14 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "$(grep '^torch==' constraints.
 # --- kernels: the CPU kernels compiled ahead of time, one library per ISA level (the only stage with g++) ----
 FROM torch AS kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
-    && python -m pdfleet_worker.engine.prebuilt_kernels build /opt/pdfleet/kernels
+    && python -m pdfleet_worker.layers.prebuilt_kernels build /opt/pdfleet/kernels
 
 # --- worker: engine, server and router on the torch above, with the prebuilt kernels and no compiler ----------
 FROM torch AS worker
 COPY --from=kernels /opt/pdfleet/kernels /opt/pdfleet/kernels
 # HF/torch caches under /tmp: the root filesystem is read-only in the chart's pods; the kernels come prebuilt.
 ENV HF_HOME=/tmp/hf TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PDFLEET_KERNEL_DIR=/opt/pdfleet/kernels
-RUN python -m pdfleet_worker.engine.prebuilt_kernels check /opt/pdfleet/kernels \
+RUN python -m pdfleet_worker.layers.prebuilt_kernels check /opt/pdfleet/kernels \
     && ! command -v g++
 USER 10001:10001
 EXPOSE 8000

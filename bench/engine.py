@@ -85,7 +85,7 @@ def mixed_workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
 
 # -- the engine ---------------------------------------------------------------------------------
 def engine_mixed(engine, work) -> float:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     t = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
         engine.add_request(f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -98,7 +98,7 @@ def engine_mixed(engine, work) -> float:
 
 
 def engine_decode_s_per_token(engine, prompt: list[int], n: int) -> float:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     engine.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
     stamps = []
     while engine.has_unfinished_requests():
@@ -108,7 +108,7 @@ def engine_decode_s_per_token(engine, prompt: list[int], n: int) -> float:
 
 
 def engine_ttft(engine, prompt: list[int]) -> float:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     t = time.perf_counter()
     engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     ttft = None
@@ -122,7 +122,7 @@ def engine_ttft(engine, prompt: list[int]) -> float:
 def paired_decode_steps(engines: dict, prompt: list[int], n: int) -> dict[str, float]:
     """One lone request per engine, decoded step by step in turn (A, B, A, B, ...), so both see the
     machine's load of the same moments; the median step time of each (seconds per token)."""
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     for name, eng in engines.items():
         eng.add_request(f"{name}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0,
                                                                                 ignore_eos=True))
@@ -140,10 +140,10 @@ def paired_decode_steps(engines: dict, prompt: list[int], n: int) -> dict[str, f
 def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
     """Seconds per token of a lone decode of the tiny preset, per dtype, with the probed linear kernels
     ("auto") and with plain F.linear everywhere ("plain"), the two stepped in turn in every repetition."""
-    from pdfleet_worker import model_init
     from pdfleet_worker.config import EngineConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
-    from pdfleet_worker.model import packed_linear
+    from pdfleet_worker.layers import packed_linear
+    from pdfleet_worker.model import model_init
 
     if not os.path.isfile(os.path.join(a.tiny_model, "model.safetensors")):
         print(f"creating {a.tiny_model} (pdfleet model init --preset tiny)", file=sys.stderr)
@@ -218,13 +218,18 @@ def baseline_sampler(rev: str):
     import subprocess
     import tempfile
 
-    shown = subprocess.run(["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "show",
-                            f"{rev}:workers/pdfleet_worker/engine/sampler.py"], capture_output=True, text=True)
+    # NOTE: the sampler lived in engine/ until issue 25 moved it to layers/, and SamplingParams to the package
+    # root: an older revision's file is found at its old path and its import pointed at the new one.
+    for path in ("layers/sampler.py", "engine/sampler.py"):
+        shown = subprocess.run(["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "show",
+                                f"{rev}:workers/pdfleet_worker/{path}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
     if shown.returncode != 0:
         print(f"no baseline sampler ({rev}): {shown.stderr.strip()}", file=sys.stderr)
         return None
     with tempfile.NamedTemporaryFile("w", suffix="_sampler_baseline.py", delete=False) as f:
-        f.write(shown.stdout)
+        f.write(shown.stdout.replace("pdfleet_worker.engine.sampling_params", "pdfleet_worker.sampling_params"))
     spec = importlib.util.spec_from_file_location("sampler_baseline", f.name)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
@@ -263,8 +268,8 @@ def sampler_rows(a: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dic
     before it (SAMPLER_BASELINE_REV), alternating per repetition on one engine; ratio > 1: the new one is faster."""
     from pdfleet_worker.config import EngineConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
-    from pdfleet_worker.engine.sampler import Sampler
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.layers.sampler import Sampler
+    from pdfleet_worker.sampling_params import SamplingParams
 
     Baseline = baseline_sampler(a.sampler_baseline)
     if Baseline is None:
@@ -336,9 +341,9 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from pdfleet_worker import model_init
     from pdfleet_worker.config import EngineConfig, ModelConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
+    from pdfleet_worker.model import model_init
 
     if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
         print(f"creating {a.model} (pdfleet model init --preset small)", file=sys.stderr)

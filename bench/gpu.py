@@ -136,7 +136,7 @@ def prepare_environment(smoke: bool) -> None:
         sys.path.insert(0, str(unpacked))
     if importlib.util.find_spec("triton") is None:
         raise SystemExit("--cpu-smoke needs triton for its interpreter: `make triton` unpacks it into build/triton")
-    from pdfleet_worker.model import quantized_linear
+    from pdfleet_worker.layers import quantized_linear
 
     # NOTE: on CPU Int8Linear runs torch's CPU int8 kernel; the smoke takes the path every other device takes
     # (the weight widened per call), which is what the GPU run times.
@@ -245,9 +245,9 @@ def random_hf(cfg, dtype: torch.dtype, device: torch.device, seed: int):
 def engine_weights(hf, cfg, dtype: torch.dtype, device: torch.device, quantization: str):
     """The engine's network filled from a transformers model's tensors where they are (no checkpoint written):
     the loader's own name mapping (fused q/k/v and gate/up rows) and Int8Linear.fill_rows for int8."""
+    from pdfleet_worker.layers.quantized_linear import Int8Linear, replace_linears
     from pdfleet_worker.model import loader
     from pdfleet_worker.model.llama import LlamaForCausalLM
-    from pdfleet_worker.model.quantized_linear import Int8Linear, replace_linears
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -372,7 +372,7 @@ class EngineRun:
 
 
 def run_engine(engine, prompts: list[list[int]], max_tokens: int, sync) -> EngineRun:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ids = [f"g{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
@@ -560,7 +560,7 @@ def oracle_greedy(path: str, dtype: str, device: torch.device, prompts: list[lis
 
 def engine_greedy(engine, prompts: list[list[int]], new: int):
     """All prompts at once through the engine: tokens and the logits rows it sampled from, per prompt."""
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     rows: dict[str, list] = {}
     engine.model_runner.logits_hook = lambda ids, logits: [rows.setdefault(r, []).append(logits[i].float().cpu())

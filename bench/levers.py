@@ -84,7 +84,7 @@ def load_offload():
 
 def ensure_model(a: argparse.Namespace) -> dict:
     """Create and train a.model if needed; returns its training record (tokenizer_config.json pdfleet_init.trained)."""
-    from pdfleet_worker import model_init, model_train
+    from pdfleet_worker.model import model_init, model_train
 
     if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
         progress(f"creating {a.model} (pdfleet model init --preset {a.preset})")
@@ -105,7 +105,7 @@ def ensure_model(a: argparse.Namespace) -> dict:
 def decode_s_per_token(engine, prompt: list[int], n: int) -> tuple[float, float]:
     """(wall, CPU) seconds per token of one request at batch 1, first token to last. CPU: this process's time
     on every core (the compute threads'), the figure that a machine shared with other jobs distorts least."""
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     engine.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
     stamps, cpu = [], []
     while engine.has_unfinished_requests():
@@ -116,7 +116,7 @@ def decode_s_per_token(engine, prompt: list[int], n: int) -> tuple[float, float]
 
 
 def mixed_tok_s(engine, work) -> float:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     t = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
         engine.add_request(f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -131,7 +131,7 @@ def profile_decode(engine, prompt: list[int], steps: int) -> list[tuple[str, flo
     """Self CPU time per operator over `steps` batch-1 decode steps, largest first: (name, share)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
     engine.step()  # the prefill, outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -158,7 +158,7 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
     import torch
 
     from pdfleet_worker.config import ModelConfig
-    from pdfleet_worker.model import quantized_linear
+    from pdfleet_worker.layers import quantized_linear
 
     torch.set_num_threads(a.threads)
     ensure_model(a)
@@ -219,10 +219,10 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
 def run_int8(a: argparse.Namespace, rows: list) -> dict:
     import torch
 
-    from pdfleet_worker import model_train
     from pdfleet_worker.config import EngineConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
-    from pdfleet_worker.model import quantized_linear
+    from pdfleet_worker.layers import quantized_linear
+    from pdfleet_worker.model import model_train
 
     trained = ensure_model(a)
     torch.set_num_threads(a.threads)

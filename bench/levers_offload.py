@@ -66,7 +66,7 @@ def _engine(model_dir: str, **kw):
 
 
 def _ttft(eng, prompt: list[int]) -> float:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
@@ -75,7 +75,7 @@ def _ttft(eng, prompt: list[int]) -> float:
 
 def _fill(eng, vocab: int, tokens: int, rng: random.Random) -> None:
     """Fresh requests that together take every block of the pool (max_tokens 1), evicting whatever is cached."""
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     per = min(tokens, eng.max_model_len - 2)
     n = -(-tokens // per)
@@ -144,7 +144,7 @@ def offload_ttft(model_dir: str, vocab: int, prefix_len: int, reps: int, threads
 def preemption(model_dir: str, vocab: int, quick: bool, threads: int | None) -> dict:
     """The same preempting workload under recompute and swap, with the prefix cache on (the default: a recomputed
     victim finds what is left of its own freed blocks) and off (every preemption recomputes its whole context)."""
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     n, prompt_len, out_len = (6, 64, 24) if quick else (12, 384, 96)
     bs = 16
@@ -204,7 +204,7 @@ def run(model_dir: str, args: argparse.Namespace) -> dict:
     if threads:
         torch.set_num_threads(threads)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        from pdfleet_worker import model_init
+        from pdfleet_worker.model import model_init
         progress(f"creating {model_dir} (pdfleet model init --preset small)")
         model_init.init_model(model_dir, "small", seed=0)
     vocab = ModelConfig.from_dir(model_dir).vocab_size

@@ -212,7 +212,7 @@ class VllmPeer:
 
 # == the pdfleet side ===============================================================================
 def pdfleet_mixed(engine, work) -> tuple[float, list[list[int]]]:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     ids = [f"m{i}-{time.monotonic_ns()}" for i in range(len(work))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     t = time.perf_counter()
@@ -226,7 +226,7 @@ def pdfleet_mixed(engine, work) -> tuple[float, list[list[int]]]:
 
 
 def pdfleet_stream(engine, prompt: list[int], n: int) -> tuple[list[int], list[float], float]:
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     start = time.perf_counter()
     engine.add_request(f"s{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     tokens, stamps = [], []
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     version = check_vllm_runtime()
     import torch
     torch.set_num_threads(a.threads)
-    from pdfleet_worker import model_init
     from pdfleet_worker.config import ModelConfig
+    from pdfleet_worker.model import model_init
 
     if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
         preset = "tiny" if a.smoke else "small"

@@ -160,8 +160,8 @@ def _write(a: argparse.Namespace, cfg, cpu, times: dict[int, float], decode1: fl
 
 def calibrate(a: argparse.Namespace) -> int:
     if a.engine == "vllm":
-        from pdfleet_worker import model_init
         from pdfleet_worker.config import ModelConfig
+        from pdfleet_worker.model import model_init
 
         cpu = fleet_file.load(ROOT / "examples" / "sim" / "local-tiny.yaml").classes["cpu"]
         model = a.model or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdfleet-bench-{a.preset}")
@@ -170,10 +170,10 @@ def calibrate(a: argparse.Namespace) -> int:
         return calibrate_vllm(a, model, ModelConfig.from_dir(model), cpu)
     import torch
 
-    from pdfleet_worker import model_init
     from pdfleet_worker.config import EngineConfig, ModelConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.model import model_init
+    from pdfleet_worker.sampling_params import SamplingParams
 
     classes = fleet_file.load(ROOT / "examples" / "sim" / "local-tiny.yaml").classes
     cpu = classes["cpu"]

@@ -23,7 +23,7 @@ from pdfleet_worker.kv_transfer.peers import KVPeers, parse
 from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import RouterConfig, TierConfig
-from pdfleet_worker.server import auth
+from pdfleet_worker.wire import auth
 from tests.serving.conftest import (AUTH, MODEL, TOKEN, authenticated, pool_whole, router, start_all, wait_until,
                                     worker)
 from tests.serving.test_hostile_input import codes

@@ -15,7 +15,7 @@ from pdfleet_worker import metrics as m
 from pdfleet_worker.router import proxy
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import RouterConfig, TierConfig
-from pdfleet_worker.server import protocol as p
+from pdfleet_worker.wire import errors, json_body, limits
 from tests.serving.conftest import AUTH, MODEL, pool_whole, wait_until, worker_urls
 from tests.serving.test_kv_transfer import sample
 from tests.serving.test_limits import assert_error, leave_once_running
@@ -160,15 +160,15 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(pipeline):
 
 
 def test_prompt_lists_are_bounded_by_max_prompts(pipeline):
-    assert pipeline.colo.load()["limits"]["max_prompts"] == p.DEFAULT_MAX_PROMPTS
+    assert pipeline.colo.load()["limits"]["max_prompts"] == limits.DEFAULT_MAX_PROMPTS
     for url in (pipeline.router.url, pipeline.colo.url, pipeline.prefill.url):
-        for count in (p.DEFAULT_MAX_PROMPTS + 1, 5000):
+        for count in (limits.DEFAULT_MAX_PROMPTS + 1, 5000):
             err = assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["hi"] * count},
-                                          headers=AUTH, timeout=30), 400, "prompt", f"at most {p.DEFAULT_MAX_PROMPTS}")
+                                          headers=AUTH, timeout=30), 400, "prompt", f"at most {limits.DEFAULT_MAX_PROMPTS}")
             assert err["code"] == "too_many_prompts"
     full = httpx.post(f"{pipeline.router.url}/v1/completions",
-                      json={**GOOD, "prompt": [[5, 6]] * p.DEFAULT_MAX_PROMPTS, "max_tokens": 1}, timeout=60)
-    assert full.status_code == 200 and len(full.json()["choices"]) == p.DEFAULT_MAX_PROMPTS
+                      json={**GOOD, "prompt": [[5, 6]] * limits.DEFAULT_MAX_PROMPTS, "max_tokens": 1}, timeout=60)
+    assert full.status_code == 200 and len(full.json()["choices"]) == limits.DEFAULT_MAX_PROMPTS
 
 
 def test_max_prompts_flag(model_dir):
@@ -350,9 +350,9 @@ def test_router_counts_every_answer_including_its_own_bugs(monkeypatch):
 
 
 def test_decoder_limits_unit():
-    with pytest.raises(p.RequestError, match="deeper than"):
-        p.decode_json(b"[" * (p.MAX_JSON_DEPTH + 1) + b"]" * (p.MAX_JSON_DEPTH + 1))
-    assert p.decode_json(b"[" * p.MAX_JSON_DEPTH + b"]" * p.MAX_JSON_DEPTH) is not None
-    assert p.decode_json(b'{"a": "\\ud83d\\ude00", "b": [1e308, -0.0]}') == {"a": "\U0001F600", "b": [1e308, -0.0]}
-    assert p.decode_json('{"a": "café ☕"}'.encode()) == {"a": "café ☕"}
+    with pytest.raises(errors.RequestError, match="deeper than"):
+        json_body.decode_json(b"[" * (json_body.MAX_JSON_DEPTH + 1) + b"]" * (json_body.MAX_JSON_DEPTH + 1))
+    assert json_body.decode_json(b"[" * json_body.MAX_JSON_DEPTH + b"]" * json_body.MAX_JSON_DEPTH) is not None
+    assert json_body.decode_json(b'{"a": "\\ud83d\\ude00", "b": [1e308, -0.0]}') == {"a": "\U0001F600", "b": [1e308, -0.0]}
+    assert json_body.decode_json('{"a": "café ☕"}'.encode()) == {"a": "café ☕"}
 

@@ -12,7 +12,7 @@ from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.lease import LeaseTable
 from pdfleet_worker.kv_transfer.params import KVTransferParams
 from pdfleet_worker.kv_transfer.peers import KVPeers
-from pdfleet_worker.server import auth
+from pdfleet_worker.wire import auth
 from tests.serving.conftest import AUTH, MODEL, pool_whole, wait_until
 
 BLOCK = 16

@@ -18,7 +18,7 @@ from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.params import KVTransferParams
 from pdfleet_worker.kv_transfer.peers import KVPeers
 from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
-from pdfleet_worker.server import auth
+from pdfleet_worker.wire import auth
 from tests.serving.conftest import AUTH, MODEL, authenticated, pool_whole, router, start_all, wait_until, worker
 from tests.serving.test_kv_transfer import BLOCK, BYTES_PER_BLOCK, sample
 from tests.support.components import missing

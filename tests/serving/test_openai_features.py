@@ -60,7 +60,7 @@ def test_the_bodies_vllm_bench_serve_sends_are_served(pipeline, tier):
 
 # -- sampling parameters ----------------------------------------------------------------------------
 def test_sampling_parameters_answer_what_the_engine_computes(pipeline, engine):
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     prompt = [5, 77, 301, 12, 9, 640, 18, 255]
     cases = [

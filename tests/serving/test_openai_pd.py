@@ -67,7 +67,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_sdk_through_pd_router_matches_engine_alone_and_transformers(pipeline, client, engine_alone, hf):
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     for prompt in prompts(3, seed=1):
         full = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)

@@ -43,7 +43,7 @@ def served(trained, logdir):
 
 
 def test_held_out_perplexity_through_the_router_equals_the_offline_figure(trained, served):
-    from pdfleet_worker import model_train
+    from pdfleet_worker.model import model_train
 
     with open(os.path.join(trained, "tokenizer_config.json")) as f:
         record = json.load(f)["pdfleet_init"]["trained"]

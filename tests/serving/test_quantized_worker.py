@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 def _engine_tokens(model_dir: str, prompt: list[int], n: int, quantization: str) -> list[int]:
     from pdfleet_worker.config import EngineConfig
     from pdfleet_worker.engine.llm_engine import LLMEngine
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model_dir, quantization=quantization, num_kv_blocks=256), load_tokenizer=False)
     eng.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))

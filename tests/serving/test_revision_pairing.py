@@ -27,7 +27,7 @@ def new_weights(model_dir: str, dest: Path, seed: int) -> str:
 
     from safetensors.torch import save_file
 
-    from pdfleet_worker.model_init import random_state_dict
+    from pdfleet_worker.model.model_init import random_state_dict
 
     target = dest / "model"
     shutil.copytree(model_dir, target)

@@ -6,11 +6,11 @@ import json
 import jsonschema
 import pytest
 
+from pdfleet_worker.model import chat_templates as ct
 from pdfleet_worker.model.tokenizer import Tokenizer
-from pdfleet_worker.server import chat_templates as ct
-from pdfleet_worker.server import protocol as p
 from pdfleet_worker.server import tool_calls as tc
-from pdfleet_worker.server.protocol import RequestError
+from pdfleet_worker.wire import request_types as rq
+from pdfleet_worker.wire.errors import RequestError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -96,8 +96,8 @@ def _stream(plan: tc.ToolPlan, text: str, step: int) -> tuple[str, list[tuple[st
     return content, [tuple(calls[k]) for k in sorted(calls)]
 
 
-def _request(**kw) -> p.ChatCompletionRequest:
-    return p.parse(p.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **kw})
+def _request(**kw) -> rq.ChatCompletionRequest:
+    return rq.parse(rq.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **kw})
 
 
 def test_forced_modes_ask_for_vllms_grammars():

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from pdfleet_worker.config import EngineConfig  # noqa: E402
 from pdfleet_worker.engine.llm_engine import LLMEngine  # noqa: E402
-from pdfleet_worker.engine.sampling_params import SamplingParams  # noqa: E402
+from pdfleet_worker.sampling_params import SamplingParams  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 # A token mismatch where the oracle's top-2 logits are closer than this is a near-tie: two

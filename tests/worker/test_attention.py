@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from pdfleet_worker.engine import attention
-from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, gather_kv, write_kv
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.scheduler import ScheduledChunk
+from pdfleet_worker.layers import attention
+from pdfleet_worker.layers.attention import AttentionMetadata, KVCache, gather_kv, write_kv
+from pdfleet_worker.sampling_params import SamplingParams
 
 
 def test_int8_cache_grows_block_scales_and_requantizes():

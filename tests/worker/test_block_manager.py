@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from pdfleet_worker.engine.block_manager import BlockManager, hash_block
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.sequence import Sequence
+from pdfleet_worker.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=4)
 

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (engine/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
+"""The C++ CPU kernels (layers/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
 from __future__ import annotations
 
 import fcntl
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdfleet_worker.engine import cpu_kernels
-from pdfleet_worker.engine.attention import KVCache, gather_kv, write_kv
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.layers import cpu_kernels
+from pdfleet_worker.layers.attention import KVCache, gather_kv, write_kv
+from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.conftest import MAX_NEW, compare, random_prompts, run_and_capture
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels")

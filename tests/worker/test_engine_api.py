@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdfleet_worker.engine.llm_engine import QueueFullError
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.conftest import GREEDY, compare, random_prompts, run_and_capture
 
 
@@ -90,7 +90,7 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama, make_engin
 
 
 def test_top_k_and_top_p_restrict_the_support():
-    from pdfleet_worker.engine.sampler import Sampler
+    from pdfleet_worker.layers.sampler import Sampler
 
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
     s = Sampler()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.conftest import GREEDY, MAX_NEW, compare, random_prompts, run_and_capture
 
 MIXED = random_prompts(6, 1, 40, seed=1)

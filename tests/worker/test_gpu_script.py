@@ -14,8 +14,8 @@ import torch
 
 from bench import gpu
 from pdfleet_worker.config import ModelConfig
+from pdfleet_worker.layers.quantized_linear import replace_linears
 from pdfleet_worker.model.llama import LlamaForCausalLM
-from pdfleet_worker.model.quantized_linear import replace_linears
 from tests.support.components import missing
 
 REPO = Path(__file__).resolve().parents[2]

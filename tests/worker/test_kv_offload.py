@@ -8,8 +8,8 @@ from pdfleet_worker.config import EngineConfig
 from pdfleet_worker.engine.block_manager import BlockManager, hash_block
 from pdfleet_worker.engine.kv_offload import DISK, HOST, CostModel, OffloadIndex
 from pdfleet_worker.engine.model_runner import kv_bytes_per_block
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.sequence import Sequence, SequenceStatus
+from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.conftest import GREEDY, compare, random_prompts, run_and_capture
 
 

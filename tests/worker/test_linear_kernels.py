@@ -1,4 +1,4 @@
-"""The CPU linear kernel choice (model/packed_linear.py): the rule, the probe's bookkeeping, the
+"""The CPU linear kernel choice (layers/packed_linear.py): the rule, the probe's bookkeeping, the
 override, and both kernels token-exact against the transformers oracle. No timing is asserted."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdfleet_worker.model import packed_linear
+from pdfleet_worker.layers import packed_linear
 from tests.worker.conftest import compare, random_prompts, run_and_capture
 
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pdfleet_worker import model_train  # noqa: E402
+from pdfleet_worker.model import model_train  # noqa: E402
 from pdfleet_worker.model.loader import load_model  # noqa: E402
 from tests.worker.conftest import run_and_capture  # noqa: E402
 
@@ -40,7 +40,7 @@ def test_the_scoring_forward_is_the_engines_network(trained, make_engine):
     d, _ = trained
     prompt = list(range(5, 45))
     eng = make_engine(d, max_num_batched_tokens=64)
-    from pdfleet_worker.engine.sampling_params import SamplingParams
+    from pdfleet_worker.sampling_params import SamplingParams
     _, rows, _ = run_and_capture(eng, [prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     model = load_model(d)
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""CPU kernels built with the image (engine/prebuilt_kernels.py): one library per ISA level compiled ahead of time,
+"""CPU kernels built with the image (layers/prebuilt_kernels.py): one library per ISA level compiled ahead of time,
 the best one this CPU runs loaded at start by a worker that has no compiler (the image has none)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdfleet_worker.engine import prebuilt_kernels as pk
+from pdfleet_worker.layers import prebuilt_kernels as pk
 from tests.support.components import free_port
 
 V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe",

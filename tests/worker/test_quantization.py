@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pdfleet_worker.config import EngineConfig, ModelConfig  # noqa: E402
-from pdfleet_worker.model import quantized_linear as ql  # noqa: E402
+from pdfleet_worker.layers import quantized_linear as ql  # noqa: E402
 from pdfleet_worker.model.llama import LlamaForCausalLM  # noqa: E402
 from pdfleet_worker.model.loader import load_model  # noqa: E402
 from tests.worker.conftest import random_prompts, run_and_capture  # noqa: E402
@@ -136,7 +136,7 @@ def test_dequant_rows_are_chosen_per_shape_by_timing_both_paths():
 def write_dequantized_checkpoint(model_dir: str, out: str) -> None:
     """The checkpoint an int8 load should be equivalent to: every linear weight replaced by its
     dequantized int8 values (the LM head untied from the embedding, which stays float)."""
-    from pdfleet_worker.model_train import save_hf
+    from pdfleet_worker.model.model_train import save_hf
 
     q8 = load_model(model_dir, torch.float32, quantization="int8")
     shutil.copytree(model_dir, out)

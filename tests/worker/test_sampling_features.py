@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from pdfleet_worker.engine.sampler import Sampler
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.layers.sampler import Sampler
+from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.conftest import random_prompts
 
 EOS = 3

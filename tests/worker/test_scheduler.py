@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from pdfleet_worker.engine.block_manager import BlockManager
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.scheduler import Scheduler
 from pdfleet_worker.engine.sequence import Sequence, SequenceStatus
+from pdfleet_worker.sampling_params import SamplingParams
 
 
 def make(num_blocks=16, bs=4, budget=8, max_seqs=4, max_len=64):

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from pdfleet_worker import cli
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdfleet_worker.sampling_params import SamplingParams
 
 TEXTS = ["hello world", "def f(x):\n    return x ** 2  # comment", "Größe naïve café — «quotes»",
          "模型用中文回答问题。", "emoji 🙂🚀 and \u200b zero width", "  leading and trailing  ", "\t\n\r", "ü" * 7,

@@ -39,8 +39,8 @@ def test_paged_decode_kernel_matches_gather_and_sdpa():
     out = _interpreted("""
         import json, torch
         import torch.nn.functional as F
-        from pdfleet_worker.engine import triton_attention
-        from pdfleet_worker.engine.attention import KVCache, gather_kv
+        from pdfleet_worker.layers import triton_attention
+        from pdfleet_worker.layers.attention import KVCache, gather_kv
         torch.manual_seed(0)
         worst = {}
         for hq, hkv, d, bs in [(12, 4, 64, 16), (4, 1, 32, 4), (8, 8, 16, 8)]:
@@ -69,7 +69,7 @@ def test_engine_on_the_paged_backend_matches_transformers(llama):
         import json
         from pdfleet_worker.config import EngineConfig
         from pdfleet_worker.engine.llm_engine import LLMEngine
-        from pdfleet_worker.engine.sampling_params import SamplingParams
+        from pdfleet_worker.sampling_params import SamplingParams
         eng = LLMEngine(EngineConfig(model={llama.path!r}, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
         eng.model_runner.backend, eng.model_runner.decode_kernel = "paged", False
         rows = {{}}

@@ -46,14 +46,14 @@ def _before_torch() -> None:
 
 def _model_init(args: argparse.Namespace) -> int:
     _before_torch()
-    from pdfleet_worker import model_init
+    from pdfleet_worker.model import model_init
 
     result = model_init.init_model(args.dir, args.preset, arch=args.arch, dtype=args.dtype, seed=args.seed,
                                    tie_word_embeddings=args.tie_word_embeddings)
     print(f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
           f"vocab {result.vocab_size}")
     if args.train_minutes is not None or args.train_steps is not None:
-        from pdfleet_worker import model_train
+        from pdfleet_worker.model import model_train
 
         trained = model_train.train(args.dir, minutes=args.train_minutes, steps=args.train_steps,
                                     seq_len=args.train_seq_len, batch=args.train_batch, lr=args.train_lr, seed=args.seed,
@@ -65,7 +65,7 @@ def _model_init(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from pdfleet_worker.server.draining_server import exit_on_signal_until_serving
+    from pdfleet_worker.wire.draining_server import exit_on_signal_until_serving
 
     exit_on_signal_until_serving()  # a SIGTERM while torch imports: exit 0, not killed by it
     _before_torch()

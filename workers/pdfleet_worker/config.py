@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8")
-# Weight quantization at load (model/quantized_linear.py); int4 is refused: see ENGINE.md.
+# Weight quantization at load (layers/quantized_linear.py); int4 is refused: see ENGINE.md.
 QUANTIZATIONS = ("none", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 

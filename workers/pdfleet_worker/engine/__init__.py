@@ -1,1 +1,1 @@
-"""The inference engine: sequences, paged KV blocks, the scheduler, the model runner and the sampler."""
+"""The inference engine: sequences, the scheduler and the paged KV block manager (no torch), the model runner, and LLMEngine that drives them one step at a time."""

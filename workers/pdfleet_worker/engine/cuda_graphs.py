@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pdfleet_worker.engine.attention import AttentionMetadata
+from pdfleet_worker.layers.attention import AttentionMetadata
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

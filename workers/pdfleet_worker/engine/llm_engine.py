@@ -12,13 +12,13 @@ from pdfleet_worker.engine.block_manager import BlockManager
 from pdfleet_worker.engine.kv_layout import KVLayout, weights_digest
 from pdfleet_worker.engine.kv_offload import DISK, HOST, TIERS, CostModel, OffloadIndex, SwapStats, TierStats
 from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
-from pdfleet_worker.engine.sampler import TokenLogprobs
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.scheduler import KVLoad, Scheduler
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdfleet_worker.engine.structured import Grammars
+from pdfleet_worker.layers.sampler import TokenLogprobs
 from pdfleet_worker.model.loader import load_model
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdfleet_worker.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):

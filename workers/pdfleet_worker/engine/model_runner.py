@@ -11,12 +11,12 @@ import time
 import torch
 
 from pdfleet_worker.config import EngineConfig, ModelConfig
-from pdfleet_worker.engine import attention, cpu_kernels, cuda_graphs, triton_attention
-from pdfleet_worker.engine.attention import AttentionMetadata, KVCache, PrefillMeta
+from pdfleet_worker.engine import cuda_graphs
 from pdfleet_worker.engine.kv_offload import DISK, HOST, Copy
-from pdfleet_worker.engine.sampler import SampledToken, Sampler
 from pdfleet_worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from pdfleet_worker.model import packed_linear, quantized_linear
+from pdfleet_worker.layers import attention, cpu_kernels, packed_linear, quantized_linear, triton_attention
+from pdfleet_worker.layers.attention import AttentionMetadata, KVCache, PrefillMeta
+from pdfleet_worker.layers.sampler import SampledToken, Sampler
 from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin, use_cpu_kernels
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

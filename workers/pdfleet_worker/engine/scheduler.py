@@ -7,8 +7,8 @@ import time
 
 from pdfleet_worker.engine.block_manager import BlockManager
 from pdfleet_worker.engine.kv_offload import Copy
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdfleet_worker.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdfleet_worker.engine.sampling_params import SamplingParams
+from pdfleet_worker.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

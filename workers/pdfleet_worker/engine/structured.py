@@ -5,7 +5,7 @@ import collections
 import json
 import threading
 
-from pdfleet_worker.engine.sampling_params import StructuredOutput
+from pdfleet_worker.sampling_params import StructuredOutput
 
 CACHE_SIZE = 256  # compiled grammars kept (a client usually sends the same few schemas)
 # NOTE: compact JSON (no whitespace between tokens): with flexible whitespace a model may emit blanks

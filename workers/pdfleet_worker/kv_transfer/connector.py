@@ -35,7 +35,7 @@ ExportFn = blocks.ExportFn
 
 
 class Credential(Protocol):
-    """The deployment token (server/auth.SecretFile): checked on the serving side, sent on the pulling side."""
+    """The deployment token (wire/auth.SecretFile): checked on the serving side, sent on the pulling side."""
 
     def accepts(self, presented: str | None) -> bool: ...
 

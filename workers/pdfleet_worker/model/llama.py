@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from pdfleet_worker.config import ModelConfig
-from pdfleet_worker.engine import attention
-from pdfleet_worker.engine.attention import AttentionMetadata, KVCache
+from pdfleet_worker.layers import attention
+from pdfleet_worker.layers.attention import AttentionMetadata, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_cpu_kernels(model: LlamaForCausalLM) -> None:
-    """Route RMSNorm (with its residual add) and RoPE to engine/cpu_kernels.cpp;
+    """Route RMSNorm (with its residual add) and RoPE to layers/cpu_kernels.cpp;
     ModelRunner calls this after loading, once the kernels have built."""
     for m in model.modules():
         if hasattr(m, "cpu_kernels"):

@@ -8,8 +8,8 @@ import re
 import torch
 
 from pdfleet_worker.config import ModelConfig
+from pdfleet_worker.layers.quantized_linear import QUANTIZATIONS, Int8Linear, replace_linears
 from pdfleet_worker.model.llama import LlamaForCausalLM
-from pdfleet_worker.model.quantized_linear import QUANTIZATIONS, Int8Linear, replace_linears
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")

@@ -18,9 +18,9 @@ from pdfleet_worker.router.route_target import RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstreams
-from pdfleet_worker.server import auth
-from pdfleet_worker.server import protocol as p
-from pdfleet_worker.server.streaming import install_error_handlers
+from pdfleet_worker.wire import auth
+from pdfleet_worker.wire import responses
+from pdfleet_worker.wire.streaming import install_error_handlers
 
 log = logging.getLogger("pdfleet.router")
 
@@ -72,7 +72,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         app.add_middleware(auth.RequireBearer, secret=token, protected=lambda path: path == "/workers",
                            what="the deployment token")
     app.add_middleware(CountResponses, metrics=lambda: state.get("metrics"), default_tier=cfg.default_tier)
-    started = p.now()
+    started = responses.now()
 
     async def drain() -> None:
         """SIGTERM: answer /ready 503 so the Service stops sending, keep answering what still arrives for
@@ -97,7 +97,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     def cards() -> dict[str, dict[str, Any]]:
         served = state["upstreams"].models()
         names = {**served, **{alias: tier for alias, tier in cfg.aliases.items() if alias not in served}}
-        return {name: p.model_card(name, started, tier=tier) for name, tier in names.items()}
+        return {name: responses.model_card(name, started, tier=tier) for name, tier in names.items()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -107,7 +107,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     async def model(model_id: str) -> dict[str, Any]:
         known = cards()
         if model_id not in known:
-            raise p.model_not_found(model_id, list(known))
+            raise responses.model_not_found(model_id, list(known))
         return known[model_id]
 
     @app.get("/health")

@@ -22,10 +22,10 @@ from pdfleet_worker.router.route_target import ROUTE_HEADER, RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import NO_PAIR, NO_PREFILL, OUTCOME, Outcome, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
-from pdfleet_worker.server import heartbeat
-from pdfleet_worker.server import protocol as p
-from pdfleet_worker.server.protocol import RequestError
-from pdfleet_worker.server.streaming import (SSE_HEADERS, ClientGone, EventStreamResponse, internal_error_response,
+from pdfleet_worker.wire import heartbeat
+from pdfleet_worker.wire import checks, limits, request_types as rq
+from pdfleet_worker.wire.errors import RequestError
+from pdfleet_worker.wire.streaming import (SSE_HEADERS, ClientGone, EventStreamResponse, internal_error_response,
                                              read_json, sse, until_disconnect)
 
 log = logging.getLogger("pdfleet.router")
@@ -108,7 +108,7 @@ class Router:
         named = request.headers.get(self.cfg.tier_header)
         if named is not None:
             if named not in self.cfg.tiers:
-                raise RequestError(400, f"unknown tier {p.shown(named)} in {self.cfg.tier_header}; tiers: "
+                raise RequestError(400, f"unknown tier {shown(named)} in {self.cfg.tier_header}; tiers: "
                                         f"{', '.join(sorted(self.cfg.tiers))}", param=self.cfg.tier_header)
             return named
         model = body.get("model")
@@ -133,8 +133,8 @@ class Router:
         reported = [up.load["limits"] for up in ups if isinstance(up.load.get("limits"), dict)]
         if not reported or any(getattr(up, "engine", engines.PDFLEET) != engines.PDFLEET for up in ups):
             return body.get("stream") is True
-        req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, body)
-        p.check(req, p.Limits.strictest([p.Limits.from_json(raw) for raw in reported]))
+        req = rq.parse(rq.ChatCompletionRequest if chat else rq.CompletionRequest, body)
+        checks.check(req, limits.Limits.strictest([limits.Limits.from_json(raw) for raw in reported]))
         return req.stream
 
     # -- query routing and heartbeats -------------------------------------------------------------
@@ -218,7 +218,7 @@ class Router:
                     incident = uuid.uuid4().hex[:12]
                     log.error("unhandled error while a stream waited (incident %s)", incident, exc_info=e)
                     outcome.code = 500
-                    yield sse(p.error_body(f"internal server error (incident {incident})", "server_error", code=500))
+                    yield sse(error_body(f"internal server error (incident {incident})", "server_error", code=500))
                     yield b"data: [DONE]\n\n"
                     return
                 if isinstance(resp, EventStreamResponse):
@@ -356,7 +356,7 @@ class Router:
             assert isinstance(fields["message"], str)
         except (ValueError, KeyError, TypeError, AttributeError, AssertionError):
             log.warning("%s worker %s answered %d without an error object: %r", up.role, up.url, status, raw[:200])
-            return p.error_body(f"the {up.role} worker answered {status}", "upstream_error")
+            return error_body(f"the {up.role} worker answered {status}", "upstream_error")
         known = [u.url for u in self.upstreams.all.values()] + list(also_redact)
         clean = {k: v if isinstance(v, (int, type(None))) or k == "message" else redact(str(v), known)
                  for k, v in fields.items()}
@@ -548,7 +548,7 @@ class _Relay:
             metrics.upstream_error(up.role, "timeout" if isinstance(e, httpx.TimeoutException) else "stream_broken")
             self.router.upstreams.mark_down(up, f"failed mid-stream: {type(e).__name__}: {e}")
             log.warning("%s worker %s failed mid-stream: %s", up.role, up.url, e)
-            yield sse(p.error_body(f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is "
+            yield sse(error_body(f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is "
                                    f"incomplete", "upstream_error", code=502))
             yield b"data: [DONE]\n\n"  # as a worker ends its own error events
         finally:

@@ -15,8 +15,8 @@ import httpx
 from starlette.responses import Response
 
 from pdfleet_worker.router.routing import ROUTED_HEADER
-from pdfleet_worker.server import heartbeat
-from pdfleet_worker.server.streaming import SSE_HEADERS, EventStreamResponse
+from pdfleet_worker.wire import heartbeat
+from pdfleet_worker.wire.streaming import SSE_HEADERS, EventStreamResponse
 
 log = logging.getLogger("pdfleet.router")
 

@@ -8,7 +8,7 @@ import uvicorn
 
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import from_args
-from pdfleet_worker.server.draining_server import DrainingServer
+from pdfleet_worker.wire.draining_server import DrainingServer
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from pdfleet_worker.router import engines, picker
 from pdfleet_worker.router.discovery import Source, make_source
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.workers_file import WorkersFile
-from pdfleet_worker.server.auth import SecretFile
+from pdfleet_worker.wire.auth import SecretFile
 
 log = logging.getLogger("pdfleet.router")
 

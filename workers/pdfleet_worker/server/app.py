@@ -12,15 +12,15 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from pdfleet_worker import metrics as m
-from pdfleet_worker.server import auth
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.openai_serving import OpenAIServing, ServerState
-from pdfleet_worker.server.streaming import install_error_handlers
 from pdfleet_worker.server.pd import PD
-from pdfleet_worker.server import protocol as p
-from pdfleet_worker.server.protocol import RequestError
 from pdfleet_worker.server.worker_config import WorkerConfig
 from pdfleet_worker.server.worker_metrics import WorkerMetrics
+from pdfleet_worker.wire import auth
+from pdfleet_worker.wire import responses
+from pdfleet_worker.wire.errors import RequestError
+from pdfleet_worker.wire.streaming import install_error_handlers
 
 log = logging.getLogger("pdfleet.worker")
 
@@ -222,7 +222,7 @@ def build_app(worker: Worker) -> FastAPI:
 
     def card() -> dict[str, Any]:
         max_len = worker.loop.engine.max_model_len if worker.loop is not None else None
-        return p.model_card(worker.cfg.served_model_name, int(worker.started_at), root=worker.cfg.engine.model,
+        return responses.model_card(worker.cfg.served_model_name, int(worker.started_at), root=worker.cfg.engine.model,
                             max_model_len=max_len)
 
     @app.get("/v1/models")
@@ -232,7 +232,7 @@ def build_app(worker: Worker) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != worker.cfg.served_model_name:
-            raise p.model_not_found(model_id, [worker.cfg.served_model_name])
+            raise responses.model_not_found(model_id, [worker.cfg.served_model_name])
         return card()
 
     @app.get("/health")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pdfleet_worker.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from pdfleet_worker.engine.sampling_params import SamplingParams
 from pdfleet_worker.engine.scheduler import KVLoad
+from pdfleet_worker.sampling_params import SamplingParams
 
 log = logging.getLogger("pdfleet.engine")
 

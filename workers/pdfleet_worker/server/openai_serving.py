@@ -12,17 +12,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
-from pdfleet_worker.engine.sampler import TokenLogprobs
-from pdfleet_worker.engine.sampling_params import SamplingParams, StructuredOutput
 from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
-from pdfleet_worker.server import heartbeat
-from pdfleet_worker.server import protocol as p
+from pdfleet_worker.layers.sampler import TokenLogprobs
+from pdfleet_worker.sampling_params import SamplingParams, StructuredOutput
 from pdfleet_worker.server import tool_calls as tc
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.pd import PD, TransferRefused
-from pdfleet_worker.server.protocol import RequestError
-from pdfleet_worker.server.streaming import SSE_HEADERS, EventStreamResponse, read_json, sse, until_disconnect
 from pdfleet_worker.server.worker_config import WorkerConfig
+from pdfleet_worker.wire import heartbeat
+from pdfleet_worker.wire import checks, errors, limits, request_types as rq, responses, structured_output as so
+from pdfleet_worker.wire.errors import RequestError
+from pdfleet_worker.wire.streaming import SSE_HEADERS, EventStreamResponse, read_json, sse, until_disconnect
 
 log = logging.getLogger("pdfleet.serving")
 
@@ -83,7 +83,7 @@ class OpenAIServing:
         self.model_name = cfg.served_model_name
         self.max_model_len = loop.engine.max_model_len
         self.vocab_size = loop.engine.model_config.vocab_size
-        self.limits = p.Limits(max_model_len=self.max_model_len, max_tokens=cfg.max_tokens, max_n=cfg.max_n,
+        self.limits = limits.Limits(max_model_len=self.max_model_len, max_tokens=cfg.max_tokens, max_n=cfg.max_n,
                                max_logprobs=cfg.max_logprobs, max_prompts=cfg.max_prompts)
         self.longest_token_chars = _longest_token_chars(self.tokenizer)
         # NOTE: a lower bound on tokens without tokenizing: no token stands for more characters than the
@@ -104,7 +104,7 @@ class OpenAIServing:
                                type="service_unavailable", code="draining",
                                headers={"Retry-After": str(self.cfg.retry_after_s)})
         raw = await read_json(request, self.cfg.max_request_bytes)
-        req = p.parse(p.ChatCompletionRequest if chat else p.CompletionRequest, raw)
+        req = rq.parse(rq.ChatCompletionRequest if chat else rq.CompletionRequest, raw)
         prep = await self._prepare(req, chat)
         self.state.inflight += 1
         handed_over = False
@@ -120,24 +120,24 @@ class OpenAIServing:
                 self.state.inflight -= 1
 
     # -- validation -----------------------------------------------------------------------------
-    async def _prepare(self, req: p.CompletionRequest | p.ChatCompletionRequest, chat: bool) -> Prepared:
+    async def _prepare(self, req: rq.CompletionRequest | rq.ChatCompletionRequest, chat: bool) -> Prepared:
         """The same checks as the router's (protocol.check), then the ones that need the model. A
         prefill-only request is the client's whole request: it is refused here exactly when the
         decode worker would refuse it, before any prefill."""
         if req.model != self.model_name:
-            raise p.model_not_found(req.model, [self.model_name])
-        p.check(req, self.limits)
+            raise responses.model_not_found(req.model, [self.model_name])
+        checks.check(req, self.limits)
         tools = tc.plan(req, self.tokenizer.chat_template if self.tokenizer else None) if chat else None
         structured = await self._structured(req, tools)
         prompts = await (self._chat_prompt(req, tools) if chat else
                          self._completion_prompts(req.prompt, req.add_special_tokens))
-        max_tokens = p.requested_max_tokens(req)
-        logprobs = p.requested_logprobs(req)
+        max_tokens = checks.requested_max_tokens(req)
+        logprobs = checks.requested_logprobs(req)
         echo_only = not chat and req.echo and max_tokens == 0
         if echo_only:
             max_tokens = 1  # NOTE: as vLLM: the prompt is scored by a step that samples one token, then dropped
         longest = max(len(t) for t in prompts)
-        p.check_context(longest, max_tokens, self.limits, chat)
+        checks.check_context(longest, max_tokens, self.limits, chat)
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
             if self.cfg.max_tokens is not None:
@@ -179,7 +179,7 @@ class OpenAIServing:
         prompt_texts = []
         if echo and not prefill_only:
             prompt_texts = [item if isinstance(item, str) else self.tokenizer.decode(item) if self.tokenizer else ""
-                            for item in p.prompt_items(req.prompt)]
+                            for item in checks.prompt_items(req.prompt)]
         return Prepared(chat=chat, prompts=prompts, params=params, n=n, stream=req.stream,
                         include_usage=bool(opts and opts.include_usage),
                         continuous_usage=bool(opts and opts.continuous_usage_stats),
@@ -188,11 +188,11 @@ class OpenAIServing:
                         prompt_texts=prompt_texts, prompt_logprobs=None if prefill_only else req.prompt_logprobs,
                         tools=None if prefill_only else tools)
 
-    async def _structured(self, req: p.CompletionRequest | p.ChatCompletionRequest,
+    async def _structured(self, req: rq.CompletionRequest | rq.ChatCompletionRequest,
                           tools: tc.ToolPlan | None) -> StructuredOutput | None:
         """The grammar the output runs under (a structured output, or a forced tool call), compiled here (off the
         event loop) so that a bad one is a 400 before any work."""
-        asked = p.structured_output(req)
+        asked = so.structured_output(req)
         if tools is not None and tools.structured is not None:
             asked = ("tool_choice", tools.structured)
         if asked is None:
@@ -210,7 +210,7 @@ class OpenAIServing:
 
     async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
         out = []
-        for i, item in enumerate(p.prompt_items(prompt)):
+        for i, item in enumerate(checks.prompt_items(prompt)):
             if isinstance(item, str):
                 if self.tokenizer is None:
                     raise RequestError(400, "text prompts need a tokenizer; this model has none; send token ids",
@@ -227,7 +227,7 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    async def _chat_prompt(self, req: p.ChatCompletionRequest, tools: tc.ToolPlan | None) -> list[list[int]]:
+    async def _chat_prompt(self, req: rq.ChatCompletionRequest, tools: tc.ToolPlan | None) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError(400, "chat needs a tokenizer with a chat template; this model has none", param="messages")
         messages = []
@@ -294,7 +294,7 @@ class OpenAIServing:
 
     # -- admission ------------------------------------------------------------------------------
     async def _admit(self, prep: Prepared) -> tuple[list[Choice], asyncio.Queue]:
-        base = p.new_id("cmpl")
+        base = responses.new_id("cmpl")
         ids = [[f"{base}-{i}-{j}" for j in range(prep.n)] for i in range(len(prep.prompts))]
         queue: asyncio.Queue = asyncio.Queue()
         choices: list[Choice] = []
@@ -400,12 +400,12 @@ class OpenAIServing:
 
     def _usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:
         cached = sum(ch.num_cached_tokens for ch in choices if ch.index % prep.n == 0)
-        return p.usage(sum(len(t) for t in prep.prompts), sum(len(ch.token_ids) for ch in choices), cached)
+        return responses.usage(sum(len(t) for t in prep.prompts), sum(len(ch.token_ids) for ch in choices), cached)
 
     # -- non-streaming --------------------------------------------------------------------------
     async def _complete(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
         by_id = {ch.request_id: ch for ch in choices}
-        created = p.now()
+        created = responses.now()
         delivered = False
         try:
             async def collect() -> None:
@@ -452,7 +452,7 @@ class OpenAIServing:
                 c["token_ids"] = ch.token_ids
                 c["prompt_token_ids"] = prep.prompts[ch.prompt_index]
             out_choices.append(c)
-        body = {"id": p.new_id("chatcmpl" if prep.chat else "cmpl"),
+        body = {"id": responses.new_id("chatcmpl" if prep.chat else "cmpl"),
                 "object": "chat.completion" if prep.chat else "text_completion",
                 "created": created, "model": self.model_name, "choices": out_choices,
                 "usage": self._usage(prep, choices)}
@@ -463,9 +463,9 @@ class OpenAIServing:
     def _chat_message(self, prep: Prepared, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message, with tool_calls when the answer is calls; and the finish reason."""
         if prep.tools is None or prep.tools.mode == tc.NONE:
-            return p.assistant_message(text), finish
+            return responses.assistant_message(text), finish
         content, calls = tc.parse(prep.tools, text)
-        message = p.assistant_message(content)
+        message = responses.assistant_message(content)
         if calls:
             message["tool_calls"] = [c.to_json() for c in calls]
             if finish == "stop" and prep.tools.mode != tc.NAMED:  # NOTE: as OpenAI: a named call ends with stop
@@ -506,20 +506,20 @@ class OpenAIServing:
     async def _events(self, prep: Prepared, choices: list[Choice], by_id: dict[str, Choice], queue: asyncio.Queue,
                       first: tuple[Choice, RequestOutput] | asyncio.Future, close) -> AsyncIterator[bytes]:
         """first: the first output, or the future of it (heartbeats run while it is awaited here)."""
-        rid = p.new_id("chatcmpl" if prep.chat else "cmpl")
-        created = p.now()
-        build = p.chat_chunk if prep.chat else p.completion_chunk
+        rid = responses.new_id("chatcmpl" if prep.chat else "cmpl")
+        created = responses.now()
+        build = responses.chat_chunk if prep.chat else responses.completion_chunk
         first_future = first if isinstance(first, asyncio.Future) else None
         try:
             if first_future is not None:
                 try:
                     first = await first_future
                 except RequestError as e:
-                    yield sse(p.error_body(e.message, e.type, e.param, e.status))
+                    yield sse(errors.error_body(e.message, e.type, e.param, e.status))
                     yield b"data: [DONE]\n\n"
                     return
             if prep.chat:
-                roles = [{"index": ch.index, "delta": p.assistant_message(""), "logprobs": None,
+                roles = [{"index": ch.index, "delta": responses.assistant_message(""), "logprobs": None,
                           "finish_reason": None} for ch in choices]
                 yield sse(build(rid, created, self.model_name, roles, self._cont_usage(prep, choices)))
             pending = len(choices)
@@ -529,7 +529,7 @@ class OpenAIServing:
                     try:
                         item = await self._next(queue, by_id)
                     except RequestError as e:
-                        yield sse(p.error_body(e.message, e.type, e.param, e.status))
+                        yield sse(errors.error_body(e.message, e.type, e.param, e.status))
                         yield b"data: [DONE]\n\n"
                         return
                 ch, out = item

@@ -9,8 +9,8 @@ import sys
 import uvicorn
 
 from pdfleet_worker.server.app import Worker, build_app
-from pdfleet_worker.server.draining_server import DrainingServer
 from pdfleet_worker.server.worker_config import WorkerConfig, from_args
+from pdfleet_worker.wire.draining_server import DrainingServer
 
 log = logging.getLogger("pdfleet.worker")
 

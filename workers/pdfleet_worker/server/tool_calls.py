@@ -10,10 +10,10 @@ import re
 import uuid
 from typing import Any
 
-from pdfleet_worker.engine.sampling_params import StructuredOutput
-from pdfleet_worker.server import chat_templates
-from pdfleet_worker.server import protocol as p
-from pdfleet_worker.server.protocol import RequestError
+from pdfleet_worker.model import chat_templates
+from pdfleet_worker.sampling_params import StructuredOutput
+from pdfleet_worker.wire import request_types as rq
+from pdfleet_worker.wire.errors import RequestError
 
 NONE, AUTO, NAMED, REQUIRED = "none", "auto", "named", "required"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -44,7 +44,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def plan(req: p.ChatCompletionRequest, template: str | None) -> ToolPlan:
+def plan(req: rq.ChatCompletionRequest, template: str | None) -> ToolPlan:
     """What the request's tools ask for; 400 when the model cannot do it (auto with a template that takes no tools)."""
     if not req.tools:
         return ToolPlan(NONE, None)
@@ -52,7 +52,7 @@ def plan(req: p.ChatCompletionRequest, template: str | None) -> ToolPlan:
     choice = req.tool_choice or AUTO
     if choice == NONE:
         return ToolPlan(NONE, tools)
-    if isinstance(choice, p.NamedToolChoice):
+    if isinstance(choice, rq.NamedToolChoice):
         fn = next(t.function for t in req.tools if t.function.name == choice.function.name)
         return ToolPlan(NAMED, tools, StructuredOutput("json", _schema_text(_parameters(fn))), name=fn.name)
     if choice == REQUIRED:
@@ -70,7 +70,7 @@ def plan(req: p.ChatCompletionRequest, template: str | None) -> ToolPlan:
     return ToolPlan(AUTO, tools, parser=parser)
 
 
-def _parameters(fn: p.FunctionDefinition) -> dict[str, Any]:
+def _parameters(fn: rq.FunctionDefinition) -> dict[str, Any]:
     return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
 
 

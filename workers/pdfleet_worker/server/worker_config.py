@@ -17,7 +17,7 @@ from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUA
 from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
 from pdfleet_worker.server import threads
-from pdfleet_worker.server.protocol import DEFAULT_MAX_PROMPTS
+from pdfleet_worker.wire.limits import DEFAULT_MAX_PROMPTS
 
 ROLES = ("prefill", "decode", "both")
 ON_FAILURE = ("recompute", "fail")

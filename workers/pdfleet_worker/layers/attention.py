@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pdfleet_worker.engine import triton_attention
+from pdfleet_worker.layers import triton_attention
 
 INT8_MAX = 127.0
 # Prefill chunks with a past up to this many tokens attend through the decode kernel (each row

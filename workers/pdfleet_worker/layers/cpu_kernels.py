@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pdfleet_worker.engine import prebuilt_kernels
+from pdfleet_worker.layers import prebuilt_kernels
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # NOTE: -fopenmp because at::parallel_for is an inline OpenMP loop (without it the kernels run on
@@ -165,5 +165,5 @@ def cores_to_bind(setting: str, threads: int, allowed: set[int]) -> list[int]:
     return cores
 
 
-if __name__ == "__main__":  # python -m pdfleet_worker.engine.cpu_kernels: build and report
+if __name__ == "__main__":  # python -m pdfleet_worker.layers.cpu_kernels: build and report
     print(build() if load() else "unavailable", file=sys.stderr)

@@ -1,4 +1,8 @@
-"""Per-request sampling and stopping settings; the server builds them from OpenAI fields, the engine checks them."""
+"""Per-request sampling and stopping settings; the server builds them from OpenAI fields, the engine checks them.
+
+NOTE: at the package root, beside config.py: the wire checks a request's structured output with it, the sampler
+(layers/) applies it and the engine schedules by it, and none of those may import another's package. No torch.
+"""
 from __future__ import annotations
 
 import dataclasses

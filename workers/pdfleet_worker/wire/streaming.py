@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from pdfleet_worker.server import protocol as p
-from pdfleet_worker.server.protocol import RequestError
+from pdfleet_worker.wire import errors, json_body
+from pdfleet_worker.wire.errors import RequestError
 
 log = logging.getLogger("pdfleet.http")
 
@@ -43,7 +43,7 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise RequestError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    return p.decode_json(b"".join(chunks))
+    return json_body.decode_json(b"".join(chunks))
 
 
 async def until_disconnect(request: Request, aw: Awaitable[Any]) -> Any:
@@ -129,12 +129,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(p.error_body(f"{request.method} {request.url.path}: {e.detail}", kind),
+        return JSONResponse(errors.error_body(f"{request.method} {request.url.path}: {e.detail}", kind),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> Response:
-        return JSONResponse(p.error_body(str(e)), status_code=400)
+        return JSONResponse(errors.error_body(str(e)), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
@@ -146,4 +146,4 @@ def internal_error_response(method: str, path: str, e: BaseException) -> Respons
     internal request or an address), the client gets an id to quote."""
     incident = uuid.uuid4().hex[:12]
     log.error("unhandled error on %s %s (incident %s)", method, path, incident, exc_info=e)
-    return JSONResponse(p.error_body(f"internal server error (incident {incident})", "server_error"), status_code=500)
+    return JSONResponse(errors.error_body(f"internal server error (incident {incident})", "server_error"), status_code=500)

@@ -71,7 +71,7 @@ def forward_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 def corpus_tokens(model_dir: str, max_bytes: int) -> tuple[list[int], list[int]]:
     """(train, held-out) token streams of the standard library's sources, split by file."""
     from pdfleet_worker.model import tokenizer as tok_mod
-    from pdfleet_worker.model_init import training_corpus
+    from pdfleet_worker.model.model_init import training_corpus
 
     tok = tok_mod.Tokenizer(model_dir)
     texts, _ = training_corpus(max_bytes)

@@ -6,9 +6,9 @@ from typing import Any, Callable
 
 import torch
 
-from pdfleet_worker.engine import logits_processors as lp
-from pdfleet_worker.engine.sampling_params import SamplingParams
-from pdfleet_worker.engine.sampling_state import PromptScore, TokenCounts
+from pdfleet_worker.layers import logits_processors as lp
+from pdfleet_worker.layers.sampling_state import PromptScore, TokenCounts
+from pdfleet_worker.sampling_params import SamplingParams
 
 PROMPT_ROWS_PER_PASS = 256  # prompt positions turned into logits at once (each row is one [V] fp32 vector)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdfleet_worker.server import protocol as p
+from pdfleet_worker.wire import errors
 
 log = logging.getLogger("pdfleet.auth")
 
@@ -142,7 +142,7 @@ def token_file(path: str, what: str = "auth token") -> SecretFile:
 def unauthorized_body(presented: str | None, what: str) -> dict:
     message = (f"You didn't provide {what}: send it as `Authorization: Bearer ...`" if presented is None
                else f"Incorrect {what} provided")
-    return p.error_body(message, "invalid_request_error", None, "invalid_api_key")
+    return errors.error_body(message, "invalid_request_error", None, "invalid_api_key")
 
 
 class RequireBearer:

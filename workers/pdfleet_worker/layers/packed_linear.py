@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            # NOTE: the same call under another name (engine/cpu_kernels.cpp): Inductor's lowering of
+            # NOTE: the same call under another name (layers/cpu_kernels.cpp): Inductor's lowering of
             # mkldnn._linear_pointwise accepts only weights it packed itself, so it must stay opaque.
             return torch.ops.pdfleet.onednn_linear(x, self.packed, self.bias)
         rows = x.shape[0]

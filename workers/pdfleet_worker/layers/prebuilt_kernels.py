@@ -2,7 +2,7 @@
 one this CPU runs found at start without a compiler; cpu_kernels.load() asks `find()` before it compiles.
 
 The worker image has no compiler (`python:3.11-slim`): the Dockerfile's `kernels` stage installs g++, runs
-`python -m pdfleet_worker.engine.prebuilt_kernels build /opt/pdfleet/kernels`, and the image copies only the
+`python -m pdfleet_worker.layers.prebuilt_kernels build /opt/pdfleet/kernels`, and the image copies only the
 libraries, with PDFLEET_KERNEL_DIR pointing at them. `-march=native` there would target the build machine's CPU
 (SIGILL on an older node), so each library targets one ISA level and `find()` loads the best level whose
 instructions this CPU has (/proc/cpuinfo flags). A library is named by its level and a key over the kernel
@@ -57,7 +57,7 @@ def best_level(flags: Iterable[str], available: Sequence[str], machine: str | No
 
 
 def _flags(march: str) -> list[str]:
-    from pdfleet_worker.engine import cpu_kernels
+    from pdfleet_worker.layers import cpu_kernels
 
     return [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS] + ["-mtune=generic"]
 
@@ -66,7 +66,7 @@ def library_name(level: str) -> str:
     """`pdfleet_cpu_kernels-<level>-<key>.so`: key over the source, torch's version and the flags."""
     import torch
 
-    from pdfleet_worker.engine import cpu_kernels
+    from pdfleet_worker.layers import cpu_kernels
 
     march = next(m for name, m, _ in levels() if name == level)
     key = hashlib.sha256()
@@ -92,7 +92,7 @@ def find(directory: str | None = None, flags: Iterable[str] | None = None) -> Pa
 
 def build(out_dir: Path, only: Sequence[str] | None = None, compiler: str | None = None) -> list[Path]:
     """Compile one library per level (all of this architecture's, or `only`) into `out_dir`."""
-    from pdfleet_worker.engine import cpu_kernels
+    from pdfleet_worker.layers import cpu_kernels
 
     compiler = compiler or cpu_kernels._compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def build(out_dir: Path, only: Sequence[str] | None = None, compiler: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdfleet_worker.engine.prebuilt_kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pdfleet_worker.layers.prebuilt_kernels", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the kernels for every ISA level of this architecture into DIR")
     b.add_argument("dir")

@@ -8,7 +8,7 @@ import json
 import os
 import sysconfig
 
-from pdfleet_worker.server import chat_templates
+from pdfleet_worker.model import chat_templates
 
 PRESETS = {
     # A few million parameters: tests and the demo start in seconds.
@@ -21,7 +21,7 @@ PRESETS = {
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
-# ChatML; with tools, Qwen2.5's <tool_call> format (server/chat_templates.py).
+# ChatML; with tools, Qwen2.5's <tool_call> format (model/chat_templates.py).
 CHAT_TEMPLATE = chat_templates.CHATML_TOOLS
 # A little non-ASCII text so some merges cover other scripts; any UTF-8 round-trips regardless,
 # since the byte-level alphabet holds all 256 bytes.
