@@ -128,3 +128,18 @@ def test_placement_drift_and_rollout_blocked_say_why() -> None:
     assert "cordoned" in cs["PlacementDrift"].message and "no free capacity" in cs["PlacementDrift"].message
     assert (cs["RolloutBlocked"].status, cs["RolloutBlocked"].reason) == ("True", "NoCapacityForSurge")
     assert "keeping q-colocated-l40s-48gb" in cs["Progressing"].message
+
+
+def test_a_refused_spec_is_in_the_conditions_and_a_serving_fleet_stays_ready() -> None:
+    now = dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc)
+    new = status.refused(None, "spec.decode.acceleratorClasses[0]: no bridge", 1, now)
+    assert new is not None
+    cond = {c["type"]: c for c in new}
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"], cond["Degraded"]["reason"]) == ("False", "InvalidSpec", "InvalidSpec")
+    assert status.refused({"conditions": new}, "spec.decode.acceleratorClasses[0]: no bridge", 1, now) is None  # said once
+
+    ready = Condition(type="Ready", status="True", reason="Serving", message="decode 1/1", last_transition_time=now).wire()
+    serving = {"observedGeneration": 3, "pools": [{"name": "p"}], "conditions": [ready]}
+    cond = {c["type"]: c for c in status.refused(serving, "spec.engine.runtime: no vLLM", 4, now)}
+    assert cond["Ready"] == ready, "pools serving generation 3 keep Ready"
+    assert cond["Degraded"]["message"].startswith("generation 4 refused, the pools keep serving generation 3: ")

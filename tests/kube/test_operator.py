@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import yaml
@@ -169,12 +170,24 @@ def test_steady_state_resync_and_restart_make_zero_writes(kube) -> None:
             cr = wait_reconciled(kube, name, check=lambda cr: any(
                 c["type"] == "Ready" and c["status"] == "True" for c in cr["status"]["conditions"]))
         settle(kube)
+    before = {name: kube.get("infdep", name)["status"] for name in example_deployments()}
     kube.clear_requests()
     with running_operator(kube, resync_interval=0.3):  # a restart (every CR created/resumed again) + resyncs
         kube.wait_for(lambda: handlers.RECONCILER.reconciles >= 4 * len(example_deployments()), timeout=20,
                       message="a restart and several resyncs")
         settle(kube)
-    assert kube.writes() == [], "a restart writes nothing, not even the token Secret's create (status.tokenSecret)"
+    written = [f"{w.verb} {w.resource}/{w.name}: {_changed(before.get(w.name or '') or {}, (w.body or {}).get('status') or w.body)}"
+               for w in kube.writes()]
+    assert written == [], "a restart writes nothing, not even the token Secret's create (status.tokenSecret)"
+
+
+def _changed(before: Any, after: Any, at: str = "") -> list[str]:
+    """Where two JSON values differ, as `path: before -> after` lines (what a failed zero-writes check prints)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [d for k in sorted(set(before) | set(after)) for d in _changed(before.get(k), after.get(k), f"{at}.{k}")]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [d for i, (b, a) in enumerate(zip(before, after)) for d in _changed(b, a, f"{at}[{i}]")]
+    return [] if before == after else [f"{at}: {before!r} -> {after!r}"]
     assert {r.verb for r in kube.requests} - {None} <= {"get", "list", "watch"}  # None: discovery
 
 
@@ -308,6 +321,16 @@ def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_no
         assert "no PyTorch bridge for kunlunxin" in ev[0]["message"] and ev[0]["type"] != "Normal"
         settle(kube)
         assert children(kube, "on-kunlunxin") == {}
+        # `kubectl get` shows it too: nothing was ever planned, so Ready=False as well as Degraded, naming the field.
+        cond = {c["type"]: c for c in kube.get("infdep", "on-kunlunxin")["status"]["conditions"]}
+        assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "InvalidSpec")
+        assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "InvalidSpec")
+        assert "spec.decode.acceleratorClasses[0]" in cond["Ready"]["message"]
+        # Fixed, it is planned and the conditions say so.
+        kube.patch("infdep", "on-kunlunxin", {"spec": {"decode": {"acceleratorClasses": ["hygon-dcu-k100"]}}})
+        cr = wait_reconciled(kube, "on-kunlunxin", check=lambda cr: cr["status"].get("pools"))
+        cond = {c["type"]: c for c in cr["status"]["conditions"]}
+        assert cond["Degraded"]["reason"] != "InvalidSpec" and cond["Ready"]["reason"] != "InvalidSpec"
 
 
 def test_fields_dropped_from_a_class_leave_the_live_pods(kube) -> None:

@@ -148,3 +148,21 @@ def compute(*, name: str, namespace: str, plan: FleetPlan, cost: PlanCost, obser
 
 def _is_true(conditions: Sequence[Condition], type_: str) -> bool:
     return any(c.type == type_ and c.status == "True" for c in conditions)
+
+
+def refused(previous: Mapping | None, message: str, generation: int | None, now: dt.datetime) -> list[dict] | None:
+    """The conditions of a CR whose spec the operator refused (a rule across objects, e.g. `decide.runtimes`), or
+    None when they already say so. `Degraded=True, InvalidSpec`; `Ready=False` too while nothing was ever planned:
+    pools that serve an earlier generation keep serving it, and Ready keeps saying so."""
+    previous = previous or {}
+    conditions = [Condition.model_validate(c) for c in previous.get("conditions") or []]
+    serving = bool(previous.get("pools"))
+    detail = message if not serving else (
+        f"generation {generation} refused, the pools keep serving generation {previous.get('observedGeneration')}: {message}")
+    out = set_condition(conditions, Condition(type="Degraded", status="True", reason="InvalidSpec", message=detail,
+                                              last_transition_time=now, observed_generation=generation))
+    if not serving:
+        out = set_condition(out, Condition(type="Ready", status="False", reason="InvalidSpec", message=detail,
+                                           last_transition_time=now, observed_generation=generation))
+    wire = [c.wire() for c in out]
+    return None if wire == (previous.get("conditions") or []) else wire

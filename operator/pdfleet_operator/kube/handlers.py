@@ -14,6 +14,7 @@ handler that raised TemporaryError.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import pydantic
 from aiohttp import web
 
 from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec
-from pdfleet_operator.decide import inventory
+from pdfleet_operator.decide import inventory, status
 from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, reconciler, render
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
 from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
@@ -155,7 +156,7 @@ async def _class_status_loop() -> None:
         api = RECONCILER.api
         if api is not None and RECONCILER.indexed:  # (usedBy and releases need the complete pool index)
             try:
-                await RECONCILER.sync(api)
+                await RECONCILER.sync(api, OPTIONS.namespaces)
                 for _ in await writer.sync(api, RECONCILER.nodes(), RECONCILER.pods(), class_protection.users(RECONCILER)):
                     exporter.API_WRITES.labels("AcceleratorClass/status").inc()
                 await class_protection.release(api, RECONCILER)
@@ -294,10 +295,15 @@ async def _say_invalid(body: kopf.Body, message: str) -> None:
     if api is None:
         return
     involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": dict(body["metadata"])}
+    meta = body["metadata"]
+    conditions = status.refused(body.get("status"), message, meta.get("generation"),
+                                dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
     try:
         await api.event(involved, "Warning", "InvalidSpec", message)
+        if conditions is not None:  # (`kubectl get infdep` shows it, not only `kubectl describe`)
+            await api.patch_status(meta["namespace"], meta["name"], {"conditions": conditions})
     except client.ApiError as exc:
-        logger.warning("could not post the InvalidSpec Event: %s", exc)
+        logger.warning("could not report the InvalidSpec of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
 
 
 @kopf.on.create(GROUP, VERSION, "inferencedeployments")

@@ -116,28 +116,39 @@ class Cluster:
         return sorted(key for key, body in self.bodies().items() if classes_listed(body) & class_names)
 
     # --- once per process ------------------------------------------------------------------------------------
-    async def sync(self, api: client.Api) -> None:
-        """Wait until kopf's class and node indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S).
+    async def sync(self, api: client.Api, namespaces: tuple[str, ...] = ()) -> None:
+        """Wait until kopf's class, node and child indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S).
 
         NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
         start-up among them) already run. A plan made before every AcceleratorClass and Node is
-        indexed sees less capacity or a missing class and would move serving pools, so the first
-        reconcile of a process waits for both to be complete.
+        indexed sees less capacity or a missing class and would move serving pools, and a status
+        computed before every child Deployment is indexed says a serving pool is not ready (a restart
+        rewrote each deployment's status twice that way), so the first reconcile of a process waits
+        for all of them.
         """
         if self._synced is None:
-            self._synced = asyncio.get_running_loop().create_task(self._sync(api))
+            self._synced = asyncio.get_running_loop().create_task(self._sync(api, namespaces))
         try:
             await asyncio.shield(self._synced)
         except client.ApiError:
             self._synced = None  # the API was unreachable: the next reconcile lists again
             raise
 
-    async def _sync(self, api: client.Api) -> None:
-        listed = {"class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
-                  "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
+    async def _sync(self, api: client.Api, namespaces: tuple[str, ...]) -> None:
+        listed: dict[str, set] = {
+            "class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
+            "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
+        # NOTE: namespaced mode lists the namespaces named literally; a glob's children are not waited for.
+        scopes: tuple[str | None, ...] = tuple(n for n in namespaces if not _is_glob(n)) if namespaces else (None,)
+        selector = f"app.kubernetes.io/managed-by={names.MANAGER}"
+        for kind, index_name in CHILD_INDEXES.items():
+            listed[index_name] = {(o["metadata"]["namespace"], o["metadata"]["name"])
+                                  for ns in scopes for o in await api.list(kind, ns, selector)
+                                  if (o["metadata"].get("labels") or {}).get(names.LABEL_DEPLOYMENT)}
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
         while True:
-            missing = {name: sorted(want - set(self.indexes.get(name) or {})) for name, want in listed.items()}
+            missing = {name: sorted(want - _indexed(self.indexes.get(name) or {}, name in CHILD_INDEXES.values()))
+                       for name, want in listed.items()}
             if not any(missing.values()):
                 return
             if asyncio.get_running_loop().time() > deadline:
@@ -219,3 +230,14 @@ def capacity_condition(blind: str | None, namespaces: Iterable[str], interval: f
                      message=f"pods outside {', '.join(namespaces)} are counted too (listed at most every "
                              f"{interval:g} s)",
                      last_transition_time=now, observed_generation=generation)
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
+
+
+def _indexed(index: Mapping[Any, Any], children: bool) -> set:
+    """What an index holds: names (classes, nodes) or, for a child index, (namespace, name) of every object."""
+    if not children:
+        return set(index)
+    return {(o["metadata"]["namespace"], o["metadata"]["name"]) for k in index for o in index[k]}

@@ -314,7 +314,7 @@ class Reconciler(Cluster):
         refused = guardrails.host_path_problem(dep.spec, key[0], OPTIONS.host_path_prefixes, OPTIONS.host_path_namespaces)
         if refused:
             raise ValueError(refused)
-        await self.sync(api)
+        await self.sync(api, OPTIONS.namespaces)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         monitoring = await self._monitoring_enabled(api)
         # The child kinds kopf watches come from its indexes (with our own writes over them); the monitoring kinds
