@@ -190,7 +190,7 @@ def test_transfer_params_parse_and_reject():
 
 
 def test_compat_hash_covers_the_layout():
-    from pdfleet_worker.engine.llm_engine import KVLayout
+    from pdfleet_worker.engine.kv_layout import KVLayout
 
     base = KVLayout("m", "float32", "auto", 4, 4, 32, 16)
     others = [KVLayout("m", "float32", "auto", 4, 4, 32, 8), KVLayout("m", "bfloat16", "auto", 4, 4, 32, 16),

@@ -12,10 +12,12 @@ from pdfleet_worker.engine.block_manager import BlockManager
 from pdfleet_worker.engine.kv_layout import KVLayout, weights_digest
 from pdfleet_worker.engine.kv_offload import DISK, HOST, TIERS, CostModel, OffloadIndex, SwapStats, TierStats
 from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
-from pdfleet_worker.engine.scheduler import KVLoad, Scheduler
+from pdfleet_worker.engine.output_text import OutputText
+from pdfleet_worker.engine.outputs import HeldKV, RequestOutput
+from pdfleet_worker.engine.scheduler import Scheduler
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdfleet_worker.engine.stats import EngineStats, FinishedRequestStats, IterationStats
 from pdfleet_worker.engine.structured import Grammars
-from pdfleet_worker.layers.sampler import TokenLogprobs
 from pdfleet_worker.model.loader import load_model
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdfleet_worker.sampling_params import SamplingParams
@@ -23,86 +25,6 @@ from pdfleet_worker.sampling_params import SamplingParams
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_num_waiting; the server answers 503 + Retry-After."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldKV:
-    """KV blocks a finished request keeps for a decode worker to pull (until release_held)."""
-
-    block_ids: list[int]
-    num_tokens: int
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What one step produced for one request: a delta of its output stream."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
-    held_kv: HeldKV | None = None
-    kv_load: KVLoad | None = None  # admitted: fill these blocks, then call remote_kv_done
-
-
-@dataclasses.dataclass(frozen=True)
-class FinishedRequestStats:
-    request_id: str
-    finish_reason: str
-    e2e_latency_s: float
-    queue_time_s: float
-    ttft_s: float | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
-
-
-@dataclasses.dataclass
-class IterationStats:
-    """What happened in one step: histogram samples and counter increments for the metrics module."""
-
-    num_prompt_tokens: int = 0       # prompt tokens computed this step
-    num_generation_tokens: int = 0   # tokens sampled this step
-    num_preemptions: int = 0
-    ttfts_s: list[float] = dataclasses.field(default_factory=list)
-    inter_token_latencies_s: list[float] = dataclasses.field(default_factory=list)
-    finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
-    num_scheduled_tokens: int = 0    # tokens the model ran this step; 0: the step could do nothing
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of gauges and cumulative counters, named after what vLLM exports."""
-
-    num_requests_waiting: int
-    num_requests_running: int
-    num_requests_waiting_for_remote_kv: int
-    num_requests_holding_kv: int
-    kv_cache_usage: float            # 0..1; cached-but-free blocks count as free
-    num_free_blocks: int
-    num_total_blocks: int
-    num_held_blocks: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions_total: int
-    prefix_cache_queries_total: int  # tokens
-    prefix_cache_hits_total: int     # tokens
-    request_success_total: dict[str, int]
-    num_prompt_tokens_waiting: int = 0  # prompt tokens of requests not yet admitted
-    # Tiered KV offload and swap preemption (empty/zero when off).
-    kv_offload: dict[str, TierStats] = dataclasses.field(default_factory=dict)   # tier -> cumulative counters
-    kv_offload_usage: dict[str, float] = dataclasses.field(default_factory=dict)  # tier -> 0..1
-    kv_offload_blocks: dict[str, int] = dataclasses.field(default_factory=dict)   # tier -> capacity in blocks
-    kv_block_bytes: int = 0
-    swap: SwapStats = dataclasses.field(default_factory=SwapStats)
-    swap_space_usage: float = 0.0
-    num_requests_swapped: int = 0
 
 
 class LLMEngine:
@@ -165,9 +87,6 @@ class LLMEngine:
         if offload is not None:
             self.model_runner.init_offload(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
                                            swap_blocks=swap_blocks, disk_dir=config.kv_offload_disk_dir)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._text: dict[str, str] = {}      # full output text so far (stop strings need it)
-        self._emitted: dict[str, int] = {}   # characters of it already streamed
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._success: dict[str, int] = {r.value: 0 for r in FinishReason}
@@ -227,9 +146,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.sampler.add(request_id, token_ids, params, matcher)
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
-            self._text[request_id] = ""
-            self._emitted[request_id] = 0
+            seq.output_text = OutputText(IncrementalDetokenizer(self.tokenizer, token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (held KV too). False if it is unknown or done."""
@@ -294,11 +211,11 @@ class LLMEngine:
         return outputs
 
     def _apply_stop_strings(self, seq: Sequence) -> None:
-        detok = self._detok.get(seq.request_id)
-        if detok is None:
+        out = seq.output_text
+        if out is None:
             return
-        before = self._text[seq.request_id]
-        text = before + detok.step(seq.token_ids)
+        before = out.text
+        text = before + out.detokenizer.step(seq.token_ids)
         stops = seq.params.stop
         # NOTE: as vLLM: stop strings count only once min_tokens are out.
         if stops and not seq.is_finished and seq.num_output_tokens >= seq.params.min_tokens:
@@ -309,18 +226,15 @@ class LLMEngine:
                 i, s = min(hits)
                 text = text[:i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
                 self.scheduler.finish(seq, FinishReason.STOP)
-        self._text[seq.request_id] = text
+        out.text = text
 
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs, final: bool) -> RequestOutput:
         rid = seq.request_id
         new_text = ""
-        if rid in self._text:
-            text = self._text[rid]
+        if seq.output_text is not None:
             # Hold back what could be the start of a stop string until it is decided.
             hold = 0 if final or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-            upto = max(self._emitted[rid], len(text) - hold)
-            new_text = text[self._emitted[rid]:upto]
-            self._emitted[rid] = upto
+            new_text = seq.output_text.take(hold)
         held = None
         if final and seq.request_id in self.scheduler.held:
             held = HeldKV(list(seq.block_ids), seq.num_computed_tokens)
@@ -331,8 +245,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, held_kv=held)
 
     def _record_finished(self, seq: Sequence, it: IterationStats) -> None:
-        for d in (self._detok, self._text, self._emitted):
-            d.pop(seq.request_id, None)
+        seq.output_text = None  # all of it streamed (a held prefill sequence outlives its request)
         reason = seq.finish_reason.value
         self._success[reason] += 1
         end = seq.finished_time or time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pdfleet_worker.engine.output_text import OutputText
 from pdfleet_worker.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class Sequence:
         self.num_preemptions = 0
         self.swap_slots: list[int] = []  # swap-space slots of its KV while SWAPPED, in block order
         self.offload_skipped: dict[str, int] = {}  # tier -> blocks found there but recomputed (cost model)
+        self.output_text: OutputText | None = None  # LLMEngine's, while the request runs and it has a tokenizer
         # Lifecycle timestamps (time.monotonic) for metrics.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

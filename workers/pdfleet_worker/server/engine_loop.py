@@ -13,8 +13,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pdfleet_worker.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from pdfleet_worker.engine.llm_engine import LLMEngine
+from pdfleet_worker.engine.outputs import RequestOutput
 from pdfleet_worker.engine.scheduler import KVLoad
+from pdfleet_worker.engine.stats import EngineStats
 from pdfleet_worker.sampling_params import SamplingParams
 
 log = logging.getLogger("pdfleet.engine")

@@ -11,7 +11,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdfleet_worker.engine.llm_engine import QueueFullError, RequestOutput
+from pdfleet_worker.engine.llm_engine import QueueFullError
+from pdfleet_worker.engine.outputs import RequestOutput
 from pdfleet_worker.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
 from pdfleet_worker.layers.sampler import TokenLogprobs
 from pdfleet_worker.sampling_params import SamplingParams, StructuredOutput

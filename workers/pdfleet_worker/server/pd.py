@@ -11,7 +11,8 @@ import threading
 import time
 import uuid
 
-from pdfleet_worker.engine.llm_engine import LLMEngine, RequestOutput
+from pdfleet_worker.engine.llm_engine import LLMEngine
+from pdfleet_worker.engine.outputs import RequestOutput
 from pdfleet_worker.engine.scheduler import KVLoad
 from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.kv_transfer.blocks import KVPool

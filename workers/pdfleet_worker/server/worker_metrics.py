@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdfleet_worker import metrics as m
-from pdfleet_worker.engine.llm_engine import EngineStats, IterationStats
+from pdfleet_worker.engine.stats import EngineStats, IterationStats
 from pdfleet_worker.kv_transfer import connector as c
 
 
