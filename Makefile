@@ -44,7 +44,7 @@ $(FUZZ_STAMP): bench/fuzz.py
 	python3 bench/fuzz.py --install
 	rm -f .venv-fuzz/.installed-* && touch $@
 
-# lm-evaluation-harness in its own virtualenv (bench/lm_eval_router.py pins it, no torch): tests/serving/
+# lm-evaluation-harness in its own virtualenv (bench/lm_eval_router.py pins it, no torch): tests/worker/server/
 # test_prompt_scoring.py scores a local loglikelihood task against a router with it.
 LMEVAL_STAMP := .venv-lmeval/.installed-$(shell grep -A30 '^LMEVAL_PINS' bench/lm_eval_router.py | md5sum | cut -c1-12)
 
@@ -66,7 +66,7 @@ $(TORCH_NPU): | venv
 	touch $@
 
 # Triton (what torch's CUDA wheels bring) unpacked beside .venv: its interpreter (TRITON_INTERPRET=1) runs the
-# CUDA path's paged-decode kernel on CPU tensors in tests/worker/test_triton_attention.py.
+# CUDA path's paged-decode kernel on CPU tensors in tests/worker/layers/test_triton_attention.py.
 TRITON := build/triton/.installed-3.9.0
 
 triton: $(TRITON)

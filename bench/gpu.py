@@ -1,4 +1,4 @@
-"""The engine's CUDA path on a GPU in one prepared run (issue 29): greedy tokens against transformers, decode and prefill speed of a Llama-3.1-8B-shaped model with CUDA graphs on and off, int8 weights against bf16; a session lent a device runs it, tests/worker/test_gpu_script.py runs --cpu-smoke.
+"""The engine's CUDA path on a GPU in one prepared run (issue 29): greedy tokens against transformers, decode and prefill speed of a Llama-3.1-8B-shaped model with CUDA graphs on and off, int8 weights against bf16; a session lent a device runs it, tests/worker/engine/test_gpu_script.py runs --cpu-smoke.
 
 python bench/gpu.py [--reps 5] [--peak-hbm-tbps 4.8] [--peak-tflops 989] [--only SECTIONS] [--out FILE]
 python bench/gpu.py --cpu-smoke     # the same code at toy sizes on CPU, the Triton kernel interpreted
@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 # examples/acceleratorclasses.yaml's h200-141gb carries the same two (memoryBandwidthGBps 4800, peakTflops 989).
 H200_HBM_TBPS = 4.8
 H200_BF16_TFLOPS = 989.0
-# Near-ties (see the module docstring): fp32 as tests/worker/conftest.py; bf16 as tests/worker/test_quantization.py.
+# Near-ties (see the module docstring): fp32 as tests/worker/oracle.py; bf16 as tests/worker/layers/test_quantization.py.
 NEAR_TIE = 1e-4
 BF16_NEAR_TIE = 2e-2
 SECTIONS = ("ceilings", "correctness", "bs1", "b64", "prefill")
@@ -211,7 +211,7 @@ def hf_config(kind: str, **shape):
 
 
 def small_shapes(kind: str, hidden: int) -> dict:
-    """The correctness models (as tests/worker/conftest.py's, a little larger on a GPU)."""
+    """The correctness models (as tests/worker/oracle.py's, a little larger on a GPU)."""
     if kind == "llama":
         return dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
@@ -295,7 +295,7 @@ def weights_given(model):
 
 def use_cuda_path(engine) -> dict:
     """The paged backend with its Triton decode kernel, warmed up; on CUDA its decode graphs captured. NOTE: on
-    CPU (--cpu-smoke) the backend is switched after construction, as tests/worker/test_triton_attention.py does:
+    CPU (--cpu-smoke) the backend is switched after construction, as tests/worker/layers/test_triton_attention.py does:
     EngineConfig offers `paged` only through `auto` on CUDA; no graphs (they need CUDA)."""
     runner = engine.model_runner
     if runner.device.type == "cuda":

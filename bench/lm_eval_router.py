@@ -7,7 +7,7 @@ It runs in its own virtualenv (lm_eval and its pins stay out of the project's; n
 The task is bench/lm_eval_task/pdfleet_python_mc.yaml: which of four continuations of a Python snippet the model
 finds likeliest, 20 documents in the JSON lines beside it (nothing is downloaded). Prints lm_eval's table, then
 one JSON line: the task's accuracy and, per document, the loglikelihood of each choice as lm_eval computed it,
-so that a test can hold them against the same sums taken offline (tests/serving/test_prompt_scoring.py).
+so that a test can hold them against the same sums taken offline (tests/worker/server/test_prompt_scoring.py).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.local.conftest import PDFLEET, UpProcess, run_token, write_spec
-from tests.serving.conftest import wait_until
+from tests.worker.processes import wait_until
 from tests.support.components import free_port
 
 pytestmark = pytest.mark.slow

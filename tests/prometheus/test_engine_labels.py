@@ -9,7 +9,7 @@ import pytest
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.prometheus import PrometheusSource, ScrapeSource, ScrapeTarget
 from tests.prometheus.test_sources import until
-from tests.serving.conftest import CHILD_ENV, MODEL, PDFLEET, worker
+from tests.worker.processes import CHILD_ENV, MODEL, PDFLEET, worker
 from tests.support.vllm import VllmServer
 
 openai = pytest.importorskip("openai")

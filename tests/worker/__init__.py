@@ -1,1 +1,1 @@
-"""Tests of the worker engine (issue 3)."""
+"""Tests of the data plane, one folder per folder of workers/pdfleet_worker (wire, engine, layers, model, kv_transfer, server, router)."""

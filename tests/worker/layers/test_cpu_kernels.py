@@ -1,0 +1,208 @@
+"""The C++ CPU kernels (layers/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdfleet_worker.layers import cpu_kernels
+from pdfleet_worker.layers.attention import KVCache, gather_kv, write_kv
+from pdfleet_worker.sampling_params import SamplingParams
+from tests.worker.oracle import MAX_NEW, compare, random_prompts, run_and_capture
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels")
+
+
+def _reference(q: torch.Tensor, cache: KVCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Gather every context (padded), mask past each length, SDPA in fp32. q: [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = cache.kv.shape[1]
+    k, v = gather_kv(cache, tables, torch.float32)  # [Hkv, B, W * bs, D]
+    mask = (torch.arange(k.shape[2])[None, :] < lens[:, None])[None, :, None, :]
+    qd = q.float().view(b, hkv, hq // hkv, d).transpose(0, 1)
+    return F.scaled_dot_product_attention(qd, k.float(), v.float(), attn_mask=mask).transpose(0, 1).reshape(b, hq, d)
+
+
+def _pool(hkv: int, nb: int, bs: int, d: int, dtype: torch.dtype, seed: int) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        cache = KVCache(torch.zeros(2, hkv, nb, bs, d, dtype=torch.int8), torch.zeros(2, hkv, nb))
+        x = torch.randn(nb * bs, 2, hkv, d, generator=g) * torch.rand(nb * bs, 1, hkv, 1, generator=g) * 3
+        write_kv(cache, x, torch.arange(nb * bs))
+        return cache
+    return KVCache(torch.randn(2, hkv, nb, bs, d, generator=g).to(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.int8, 2e-5)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (4, 1, 32, 4), (8, 8, 128, 7), (6, 2, 48, 1), (2, 1, 288, 3)])
+def test_paged_decode_matches_gather_and_sdpa(dtype, atol, hq, hkv, d, bs):
+    """Scattered block tables, lengths at and around block edges (1, bs, bs + 1, a full table),
+    GQA, MQA and MHA, head dims from 32 to 288; the query is a strided view as in the model."""
+    nb, width = 40, 9
+    cache = _pool(hkv, nb, bs, d, dtype, seed=hq * d + bs)
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([1, bs, bs + 1, width * bs, 3 * bs - 1, 5])
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens])
+    qdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    heads = torch.randn(len(lens), hq + 2 * hkv, d, generator=g).to(qdtype)
+    q = heads[:, :hq]  # [B, Hq, D], rows hq + 2 hkv heads apart
+    out = torch.full_like(q, float("nan"))
+    torch.ops.pdfleet.paged_decode_attention(out, q, cache.kv, cache.scale, tables, lens, d ** -0.5)
+    want = _reference(q, cache, tables, lens)
+    assert out.dtype == qdtype and not out.isnan().any()
+    assert torch.allclose(out.float(), want, atol=atol, rtol=0), float((out.float() - want).abs().max())
+
+
+@needs_kernels
+def test_paged_decode_ignores_what_lies_past_each_context():
+    """Blocks past a context and slots past its length hold garbage (here inf): never read."""
+    cache = _pool(2, 8, 4, 32, torch.float32, seed=3)
+    tables, lens = torch.tensor([[5, 2, 7]]), torch.tensor([6])
+    want = _reference(torch.ones(1, 4, 32), cache, tables, lens)
+    cache.kv[:, :, 2, 2:] = float("inf")  # the second block's unused half
+    cache.kv[:, :, 7] = float("inf")      # the block past the context
+    out = torch.empty(1, 4, 32)
+    torch.ops.pdfleet.paged_decode_attention(out, torch.ones(1, 4, 32), cache.kv, None, tables, lens, 32 ** -0.5)
+    assert torch.allclose(out, want, atol=2e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("lens,error", [([0], "context length 0"), ([13], "context length 13")])
+def test_paged_decode_refuses_lengths_its_table_cannot_hold(lens, error):
+    cache = _pool(1, 4, 4, 16, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match=error):
+        torch.ops.pdfleet.paged_decode_attention(torch.empty(1, 1, 16), torch.ones(1, 1, 16), cache.kv, None,
+                                                 torch.tensor([[0, 1, 2]]), torch.tensor(lens), 0.25)
+
+
+@needs_kernels
+def test_pin_threads_binds_each_compute_thread_and_unbinds():
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        assert cpu_kernels.pin_threads(allowed) == torch.get_num_threads()
+        assert os.sched_getaffinity(0) == {allowed[0]}  # this thread is compute thread 0
+    finally:
+        assert cpu_kernels.pin_threads(allowed, exclusive=False) == torch.get_num_threads()
+    assert os.sched_getaffinity(0) == set(allowed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_decodes_the_same_with_and_without_the_kernel(tiny, make_engine, kv_cache_dtype):
+    """Many sequences decoding together (scattered blocks, block size 4): through the kernel the
+    engine still matches transformers (fp32), and int8 KV gives what the gather path gives."""
+    prompts = random_prompts(8, 1, 30, seed=31)
+    got = {}
+    for kernel in (True, False):
+        eng = make_engine(tiny.path, block_size=4, max_num_batched_tokens=24, kv_cache_dtype=kv_cache_dtype)
+        assert eng.model_runner.decode_kernel
+        eng.model_runner.decode_kernel = kernel
+        got[kernel] = run_and_capture(eng, prompts)
+    if kv_cache_dtype == "auto":
+        for kernel in (True, False):
+            tokens, logits, _ = got[kernel]
+            assert compare(tiny, prompts, tokens, logits, MAX_NEW).near_ties <= 1
+    else:
+        worst = max(float((a - b).abs().max()) for ra, rb in zip(got[True][1], got[False][1]) for a, b in zip(ra, rb))
+        assert worst < 1e-3 * max(1.0, max(float(r.abs().max()) for rows in got[False][1] for r in rows)), worst
+
+
+@needs_kernels
+def test_kernel_library_is_cached_by_key(tmp_path, monkeypatch):
+    built = cpu_kernels.build()  # loaded already: returns the cached file, compiles nothing
+    assert built == cpu_kernels.library_path() and built.exists()
+    monkeypatch.setenv("PDFLEET_KERNEL_CACHE", str(tmp_path))
+    assert cpu_kernels.library_path() == tmp_path / built.name  # the key does not depend on the folder
+
+
+def test_concurrent_builders_compile_once(tmp_path, monkeypatch):
+    """Workers that start together on a fresh machine share one compilation: the second waits on the
+    lock and finds the library built."""
+    monkeypatch.setenv("PDFLEET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")  # part of the key; never run here
+    real_flock, locking = fcntl.flock, threading.Semaphore(0)
+
+    def flock(fd, op):
+        locking.release()
+        return real_flock(fd, op)
+
+    compiled, inside = [], threading.Event()
+
+    def compile_once_the_second_waits(out):
+        compiled.append(out)
+        inside.set()
+        for who in ("this", "the second"):  # each builder asks for the lock once
+            assert locking.acquire(timeout=10), f"{who} builder never reached the lock"
+        out.write_bytes(b"library")
+
+    monkeypatch.setattr(cpu_kernels.fcntl, "flock", flock)
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_once_the_second_waits)
+    results = []
+    first = threading.Thread(target=lambda: results.append(cpu_kernels.build()))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=lambda: results.append(cpu_kernels.build()))
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert len(compiled) == 1 and results == [compiled[0]] * 2 and compiled[0].read_bytes() == b"library"
+
+
+@pytest.mark.parametrize("setting,threads,allowed,want", [
+    ("auto", 2, {0, 1}, [0, 1]),          # a machine (or cpuset) of its own: bind
+    ("auto", 2, {0, 1, 2, 3}, []),        # cores shared with others: leave placement to the kernel
+    ("off", 2, {0, 1}, []),
+    ("2-3", 2, {0, 1, 2, 3}, [2, 3]),
+    ("1,3", 2, {0, 1, 2, 3}, [1, 3]),
+])
+def test_cores_to_bind(setting, threads, allowed, want):
+    assert cpu_kernels.cores_to_bind(setting, threads, allowed) == want
+
+
+@pytest.mark.parametrize("setting,error", [("0-5", "cores \\[2, 3, 4, 5\\] are not allowed"), ("a-b", "not a core list"),
+                                           ("3-1", "not a core list")])
+def test_cores_to_bind_refuses(setting, error):
+    with pytest.raises(ValueError, match=error):
+        cpu_kernels.cores_to_bind(setting, 2, {0, 1})
+
+
+@needs_kernels
+def test_bound_steps_leave_the_callers_affinity_as_it_was(llama, make_engine, monkeypatch):
+    """Compute threads are bound while a step runs; between steps the calling thread has the
+    process's cores again, so what it starts (a subprocess) is not confined to one core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PDFLEET_CPU_BIND", ",".join(map(str, allowed)))
+    eng = make_engine(llama.path)
+    assert eng.model_runner.bind_cores == allowed
+    seen = []
+    eng.model_runner.model.register_forward_hook(lambda *_: seen.append(os.sched_getaffinity(0)))
+    try:
+        eng.generate(random_prompts(2, 3, 9, seed=2), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert seen and all(a == {allowed[0]} for a in seen)  # inside the step: compute thread 0's core
+        assert os.sched_getaffinity(0) == set(allowed)
+    finally:
+        cpu_kernels.pin_threads(allowed, exclusive=False)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_compiled_decode_matches_transformers(llama, make_engine, monkeypatch):
+    """PDFLEET_COMPILE=1: decode-only steps run torch.compile'd (KV write + paged attention one
+    opaque op per layer); warm_up compiles both graphs, and the tokens stay exact."""
+    monkeypatch.setenv("PDFLEET_COMPILE", "1")
+    eng = make_engine(llama.path, block_size=4, max_num_batched_tokens=16)
+    assert eng.model_runner.compiled is not None
+    eng.warm_up()
+    compiled, calls = eng.model_runner.compiled, []
+    eng.model_runner.compiled = lambda *args: calls.append(args[0].numel()) or compiled(*args)
+    prompts = random_prompts(6, 1, 30, seed=41)
+    tokens, logits, _ = run_and_capture(eng, prompts)
+    assert compare(llama, prompts, tokens, logits, MAX_NEW).near_ties <= 1
+    assert max(calls) == len(prompts)  # the batched graph ran
+    (alone,) = eng.generate(prompts[:1], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    assert 1 in calls and alone.new_token_ids == tokens[0]  # and the lone-decode one
