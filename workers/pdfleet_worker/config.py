@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8")
-# Weight quantization at load (layers/quantized_linear.py); int4 is refused: see ENGINE.md.
+# Weight quantization at load (layers/quantized_linear.py); int4 is refused: see docs/engine.md.
 QUANTIZATIONS = ("none", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -158,7 +158,7 @@ class EngineConfig:
     prefix_hash_seed: str = "pdfleet-v1"
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | reference | cpu | flex
-    # Tiered KV offload (ENGINE.md): bytes of host RAM / of a memory-mapped file in kv_offload_disk_dir that
+    # Tiered KV offload (docs/engine.md): bytes of host RAM / of a memory-mapped file in kv_offload_disk_dir that
     # evicted prefix-cache blocks move to; 0 turns a tier off.
     kv_offload_host_bytes: int = 0
     kv_offload_disk_bytes: int = 0
@@ -173,7 +173,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
-            hint = " (int4 is not offered: see workers/pdfleet_worker/ENGINE.md)" if self.quantization == "int4" else ""
+            hint = " (int4 is not offered: see docs/engine.md)" if self.quantization == "int4" else ""
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}{hint}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -16,7 +16,7 @@ import dataclasses
 HOST, DISK = "host", "disk"
 TIERS = (HOST, DISK)
 
-# The cost model's defaults (ENGINE.md, "Tiered KV offload"): a tier's bytes per second and the device's
+# The cost model's defaults (docs/engine.md, "Tiered KV offload"): a tier's bytes per second and the device's
 # prefill seconds per token until the engine has measured its own (an exponential moving average of the
 # copies and prefill steps it ran; MEASURE_WEIGHT is the weight of the newest sample).
 DEFAULT_HOST_BYTES_PER_S = 4e9       # a memcpy between two RAM buffers on a loaded server core

@@ -73,7 +73,7 @@ class ModelRunner:
         self.fused_ops = self.device.type == "cpu" and cpu_kernels.load()
         if self.fused_ops:
             use_cpu_kernels(model)
-        # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see ENGINE.md); the first
+        # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see docs/engine.md); the first
         # calls compile, which LLMEngine.warm_up pays before the server says ready.
         self.compiled = None
         if self.decode_kernel and os.environ.get("PDFLEET_COMPILE", "0") == "1":
