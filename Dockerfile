@@ -9,7 +9,7 @@
 #   docker build --target vendor -t REG/pdfleet-worker:0.1.0-npu \
 #       --build-arg VENDOR_BASE=<an image with Python 3.11, torch and torch_npu on CANN> .
 #
-# `make images` runs these (README, "On a cluster"): the tag's -<platform> suffix is what the operator checks
+# `make images` runs these (docs/cluster.md): the tag's -<platform> suffix is what the operator checks
 # against each AcceleratorClass (decide/worker_images.py). The install steps are the ones CI runs (pip with
 # -c constraints.txt and the extras), so the versions in an image are the versions the test suite passed
 # with. No image is built in CI: the development machines have no Docker engine.
