@@ -107,15 +107,25 @@ async def test_metrics_endpoint_ignores_openmetrics_accept() -> None:
         await runner.cleanup()
 
 
-async def test_first_reconcile_waits_until_class_and_node_indexes_hold_what_the_api_lists() -> None:
+async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_what_the_api_lists() -> None:
     """At start-up kopf runs handlers while its indexes still fill; planning then would see a missing
-    class or node and move or delete serving pools. The first reconcile waits for both."""
+    class or node and move or delete serving pools, and a status computed without a child Deployment calls a
+    serving pool not ready (a restart rewrote every status that way). The first reconcile waits for all."""
     import asyncio
+
+    router = {"metadata": {"name": "chat-router", "namespace": "default",
+                           "labels": {render.LABEL_DEPLOYMENT: "chat"}}}
+    unlabelled = {"metadata": {"name": "hand-made", "namespace": "default", "labels": {}}}  # never indexed: not waited for
 
     class FakeApi:
         async def list(self, kind, namespace, label_selector=None):
-            names = {"AcceleratorClass": ["h100-80gb", "h200-141gb"], "Node": ["n1", "n2"]}[kind]
-            return [{"metadata": {"name": n}} for n in names]
+            if kind == "Deployment":
+                assert label_selector == "app.kubernetes.io/managed-by=pdfleet-operator"
+                return [router, unlabelled]
+            if kind in ("AcceleratorClass", "Node"):
+                names = {"AcceleratorClass": ["h100-80gb", "h200-141gb"], "Node": ["n1", "n2"]}[kind]
+                return [{"metadata": {"name": n}} for n in names]
+            return []
 
     rec = handlers.Reconciler()
     rec.indexes = {"class_index": {"h100-80gb": [object()]}, "node_index": {"n1": [object()]}}
@@ -124,6 +134,9 @@ async def test_first_reconcile_waits_until_class_and_node_indexes_hold_what_the_
     assert not waiting.done(), "planned before h200-141gb and n2 were indexed"
     rec.indexes["class_index"]["h200-141gb"] = [object()]
     rec.indexes["node_index"]["n2"] = [object()]
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "planned before the router's Deployment was indexed"
+    rec.indexes["deployment_children"] = {("default", "chat"): [router]}
     await asyncio.wait_for(waiting, timeout=2)
     await asyncio.wait_for(rec.sync(FakeApi()), timeout=0.1)  # once per process
 

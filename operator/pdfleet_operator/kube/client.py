@@ -17,7 +17,7 @@ import ssl
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,16 +278,14 @@ class Api:
         await self.request("PATCH", path(kind, namespace, name), body={"metadata": {"annotations": {key: None}}},
                            content_type="application/merge-patch+json")
 
-    async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
-        """A core/v1 Event about the InferenceDeployment (what `kubectl describe` shows)."""
-        meta = involved["metadata"]
+    async def event(self, meta: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about the InferenceDeployment whose metadata is `meta` (what `kubectl describe` shows)."""
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{meta['name']}.{int(time.time() * 1e6):x}{secrets.token_hex(2)}",
                          "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": involved.get("apiVersion", render.API_VERSION),
-                               "kind": involved.get("kind", "InferenceDeployment"), "name": meta["name"],
+            "involvedObject": {"apiVersion": render.API_VERSION, "kind": "InferenceDeployment", "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid"),
                                "resourceVersion": meta.get("resourceVersion")},
             "type": type_, "reason": reason, "message": message[:1024],

@@ -1,9 +1,11 @@
 """kopf handlers: thin triggers into the one reconcile path per InferenceDeployment (run by `pdfleet operator`).
 
 Each handler turns a watch event into `RECONCILER.request(key, why)` or `reconcile(...)` (see
-`kube.reconciler`), keeps kopf's indexes for it, or forgets a deleted deployment. Only this module
-imports kopf. Indexes: kopf fills them before any resource handler runs, so the first plan after a
-start sees the whole cluster (an empty inventory would scale everything down).
+`kube.reconciler`), keeps kopf's indexes for it, or forgets a deleted deployment. kopf is imported here,
+in `operator_cli` (which runs it) and in `client` (its login credentials). Indexes: kopf fills each from its
+own watch stream while handlers already run, so the first reconcile of a process waits until the class,
+node and child indexes hold what the API lists (`indexes.Cluster.sync`): a plan or status made from a
+partial view would move serving pools or call them not ready.
 
 NOTE: kopf's own bookkeeping (last-handled configuration, handler progress) is kept in memory, not
 in annotations: it would cost a write per change on every CR. After a restart every CR is "created"
@@ -25,7 +27,7 @@ import kopf
 import pydantic
 from aiohttp import web
 
-from pdfleet_operator.api import AcceleratorClass, AcceleratorClassSpec
+from pdfleet_operator.api import GROUP, VERSION, AcceleratorClass, AcceleratorClassSpec
 from pdfleet_operator.decide import inventory, status
 from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, reconciler, render
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
@@ -34,7 +36,6 @@ from pdfleet_operator.kube.indexes import CHILD_INDEXES
 from pdfleet_operator.api.names import LABEL_DEPLOYMENT
 from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN, Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
-GROUP, VERSION = "pdfleet.io", "v1alpha1"
 logger = logging.getLogger("pdfleet.operator")
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 MANAGED_SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED.items())
@@ -294,12 +295,11 @@ async def _say_invalid(body: kopf.Body, message: str) -> None:
     api = RECONCILER.api
     if api is None:
         return
-    involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": dict(body["metadata"])}
     meta = body["metadata"]
     conditions = status.refused(body.get("status"), message, meta.get("generation"),
                                 dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
     try:
-        await api.event(involved, "Warning", "InvalidSpec", message)
+        await api.event(meta, "Warning", "InvalidSpec", message)
         if conditions is not None:  # (`kubectl get infdep` shows it, not only `kubectl describe`)
             await api.patch_status(meta["namespace"], meta["name"], {"conditions": conditions})
     except client.ApiError as exc:
@@ -342,9 +342,8 @@ async def on_recreate_token_annotation(namespace: str, name: str, body: kopf.Bod
     key = (namespace, name)
     created = await RECONCILER.check_auth_secret(api, key, render.Owner(name, namespace, body["metadata"]["uid"]),
                                                  f"annotation {ANNOTATION_RECREATE_TOKEN}")
-    involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": dict(body["metadata"])}
     secret = render.auth_secret_name(name)
-    await api.event(involved, "Normal", "TokenSecretCreated" if created else "TokenSecretKept",
+    await api.event(body["metadata"], "Normal", "TokenSecretCreated" if created else "TokenSecretKept",
                     f"created Secret {secret} with a new token" if created else
                     f"Secret {secret} exists: its token is kept (delete the Secret first to rotate it)")
     await api.remove_annotation("InferenceDeployment", namespace, name, ANNOTATION_RECREATE_TOKEN)

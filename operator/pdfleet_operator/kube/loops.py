@@ -29,7 +29,6 @@ from pdfleet_operator.kube.options import OPTIONS
 if TYPE_CHECKING:
     from pdfleet_operator.kube.reconciler import Key, Reconciler
 
-GROUP, VERSION = "pdfleet.io", "v1alpha1"
 logger = logging.getLogger("pdfleet.operator")
 
 
@@ -161,6 +160,5 @@ async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager
     if acted.template_changed:
         rec.request(key, f"rollback of revision {served} to {stable} ({source})")
     if acted.notice is not None:
-        involved = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": body["metadata"]}
-        await rec.api.event(involved, acted.notice.type, acted.notice.reason, acted.notice.message)
+        await rec.api.event(body["metadata"], acted.notice.type, acted.notice.reason, acted.notice.message)
     return action

@@ -343,7 +343,6 @@ class Reconciler(Cluster):
                      desired: reconcile.Desired, owner: render.Owner) -> Outcome:
         m = self.memory(key)
         writes_before = api.writes
-        involved = {"apiVersion": render.API_VERSION, "kind": "InferenceDeployment", "metadata": body["metadata"]}
         if desired.serving.remove_annotation:
             await api.remove_annotation("InferenceDeployment", key[0], key[1], rollback.ANNOTATION_ROLLBACK_TO)
         result = None
@@ -370,7 +369,7 @@ class Reconciler(Cluster):
             exporter.API_WRITES.labels("InferenceDeployment/status").inc()
             written = True
         for notice in desired.notices + (reconcile.apply_notices(result, obs.why) if result is not None else ()):
-            await api.event(involved, notice.type, notice.reason, notice.message)
+            await api.event(body["metadata"], notice.type, notice.reason, notice.message)
         if desired.plan is not None:
             await class_protection.sync(api, self, desired.plan, obs)
             spec = desired.serving.spec

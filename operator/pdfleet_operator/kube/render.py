@@ -1,6 +1,6 @@
 """The Kubernetes objects one InferenceDeployment becomes, from its spec and its FleetPlan (pure).
 
-The reconcile path (handlers -> kube.apply) calls `render(...)`; golden-file tests and
+The reconcile path (`kube.reconciler`, then `client.apply_children`) calls `render(...)`; golden-file tests and
 `kubernetes-validate` check its output. Per pool (role x AcceleratorClass) a worker Deployment; per
 role a headless Service (worker discovery) and a PodDisruptionBudget; a router Deployment and its
 Service (the endpoint); a ConfigMap with the engine config; a PodMonitor and a PrometheusRule when

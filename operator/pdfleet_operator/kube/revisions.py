@@ -23,10 +23,10 @@ from pdfleet_operator.api import InferenceDeployment, names
 from pdfleet_operator.decide import guardrails, reconcile, rollback
 from pdfleet_operator.decide.rollback import ANNOTATION_FINGERPRINT, find, number_of
 from pdfleet_operator.kube import client, render
+from pdfleet_operator.kube.indexes import Key
 from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.revisions")
-Key = tuple[str, str]
 
 
 def revision_object(owner: render.Owner, number: int, wire: Mapping[str, Any], template_hash: str) -> dict[str, Any]:

@@ -23,10 +23,10 @@ from pdfleet_operator.decide.autoscaler import ScalerState, ScalingDecision
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.kube import exporter, operator_metrics
+from pdfleet_operator.kube.indexes import Key
 from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.scaling")
-Key = tuple[str, str]
 
 NO_URL = ("no Prometheus to read queue metrics from: set spec.autoscaling.prometheusUrl or start the "
           "operator with --prometheus-url")
@@ -143,13 +143,11 @@ class Scaler:
 
         available = metrics_cond.status == "True"
         if available != mem.available and inputs.api is not None:
-            involved = {"apiVersion": body.get("apiVersion", "pdfleet.io/v1alpha1"), "kind": "InferenceDeployment",
-                        "metadata": body["metadata"]}
             if not available:
-                await inputs.api.event(involved, "Warning", autoscaler.METRICS_UNAVAILABLE,
+                await inputs.api.event(body["metadata"], "Warning", autoscaler.METRICS_UNAVAILABLE,
                                        f"{metrics_cond.message} (P:D {autoscaler.ratio_text(decisions)} held)")
             elif mem.available is False:
-                await inputs.api.event(involved, "Normal", "MetricsAvailable",
+                await inputs.api.event(body["metadata"], "Normal", "MetricsAvailable",
                                        f"queue metrics are back; P:D {autoscaler.ratio_text(decisions)}")
         mem.available = available
 
