@@ -1,4 +1,8 @@
-"""Every metric and label name the operator queries or exports, and the PromQL built from them, defined once."""
+"""Every metric and label name the operator queries or exports, and the PromQL built from them.
+
+The operator's own metrics are defined here once. The workers' and routers' names are copies of
+`pdfleet_worker.metrics` (the worker's catalogue; the operator's image does not ship the worker), and
+tests/decide/test_metric_names.py fails when a copy names something no worker, router or operator exports."""
 
 from __future__ import annotations
 
