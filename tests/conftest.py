@@ -13,8 +13,11 @@ OPT_IN = {"e2e": "--run-e2e", "gpu": "--run-gpu", "measure": "--run-measure"}
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-e2e", action="store_true", help="run the kind end-to-end tests (need Docker)")
     parser.addoption("--run-gpu", action="store_true", help="run the tests that need a CUDA GPU")
-    parser.addoption("--run-measure", action="store_true",
-                     help="run the tests that compare a model against timings taken on this machine (make validate-sim)")
+    parser.addoption(
+        "--run-measure",
+        action="store_true",
+        help="run the tests that compare a model against timings taken on this machine (make validate-sim)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

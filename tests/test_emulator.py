@@ -13,7 +13,6 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import kmock
@@ -34,51 +33,76 @@ WIDGET_CRD = {
     "spec": {
         "group": "emulator.pdfleet.io",
         "scope": "Namespaced",
-        "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "shortNames": ["wd"],
-                  "categories": ["emulated"]},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "subresources": {"status": {}},
-            "additionalPrinterColumns": [
-                {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                {"name": "Color", "type": "string", "jsonPath": ".spec.color"},
-                {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            ],
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-                    "spec": {
-                        "type": "object", "required": ["size"],
-                        "x-kubernetes-validations": [
-                            {"rule": "!has(self.maxSize) || self.size <= self.maxSize",
-                             "message": "size must not exceed maxSize", "fieldPath": ".size"}],
+        "names": {
+            "plural": "widgets",
+            "singular": "widget",
+            "kind": "Widget",
+            "shortNames": ["wd"],
+            "categories": ["emulated"],
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                    {"name": "Color", "type": "string", "jsonPath": ".spec.color"},
+                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
                         "properties": {
-                            "size": {"type": "integer", "minimum": 1},
-                            "maxSize": {"type": "integer"},
-                            "color": {"type": "string", "enum": ["red", "green", "blue"], "default": "red"},
+                            "apiVersion": {"type": "string"},
+                            "kind": {"type": "string"},
+                            "metadata": {"type": "object"},
+                            "spec": {
+                                "type": "object",
+                                "required": ["size"],
+                                "x-kubernetes-validations": [
+                                    {
+                                        "rule": "!has(self.maxSize) || self.size <= self.maxSize",
+                                        "message": "size must not exceed maxSize",
+                                        "fieldPath": ".size",
+                                    }
+                                ],
+                                "properties": {
+                                    "size": {"type": "integer", "minimum": 1},
+                                    "maxSize": {"type": "integer"},
+                                    "color": {"type": "string", "enum": ["red", "green", "blue"], "default": "red"},
+                                },
+                            },
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
                         },
-                    },
-                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
 
 def widget(name: str, size: int = 1, **spec) -> dict:
-    return {"apiVersion": "emulator.pdfleet.io/v1", "kind": "Widget", "metadata": {"name": name},
-            "spec": {"size": size, **spec}}
+    return {
+        "apiVersion": "emulator.pdfleet.io/v1",
+        "kind": "Widget",
+        "metadata": {"name": name},
+        "spec": {"size": size, **spec},
+    }
 
 
 def watching(kube: Kube, resource: str, since: int, timeout: float = 20.0) -> None:
     """Wait until a watch on `resource` opened after the first `since` ones streams: the emulator sets a watch's
     status to 200 once it is registered for events (and its headers are out), so nothing done from now on is missed.
     NOTE: a client that is still connecting misses a change made now (or sees it only as the state it lists)."""
-    kube.wait_for(lambda: any(r.status == 200 for r in kube.requests_for(verb="watch", resource=resource)[since:]),
-                  timeout=timeout, message=f"a new watch on {resource} to be streaming")
+    kube.wait_for(
+        lambda: any(r.status == 200 for r in kube.requests_for(verb="watch", resource=resource)[since:]),
+        timeout=timeout,
+        message=f"a new watch on {resource} to be streaming",
+    )
 
 
 def _need(module: str):
@@ -119,12 +143,16 @@ def watch_events(http: httpx.Client, path: str, count: int | None = None, **para
                 events.append(json.loads(line))
             if count is not None and len(events) >= count:
                 break
-    return [(e["type"], e["object"]["metadata"].get("name", ""), e["object"]["metadata"].get("resourceVersion")) for e in events]
+    return [
+        (e["type"], e["object"]["metadata"].get("name", ""), e["object"]["metadata"].get("resourceVersion"))
+        for e in events
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
 # Discovery and the basics kmock 0.8 got wrong
 # ----------------------------------------------------------------------------------------------
+
 
 def test_discovery_serves_core_builtins_and_applied_crds(widgets: Kube, http: httpx.Client):
     core = http.get("/api/v1").json()
@@ -180,7 +208,9 @@ def test_generation_bumps_on_spec_changes_only(widgets: Kube, http: httpx.Client
     labels = http.patch(f"{WIDGETS}/g", content=json.dumps({"metadata": {"labels": {"a": "b"}}}), **merge).json()
     assert labels["metadata"]["generation"] == 2
     assert int(labels["metadata"]["resourceVersion"]) > int(spec["metadata"]["resourceVersion"])
-    status = http.patch(f"{WIDGETS}/g/status", content=json.dumps({"status": {"seen": 1}, "spec": {"size": 9}}), **merge).json()
+    status = http.patch(
+        f"{WIDGETS}/g/status", content=json.dumps({"status": {"seen": 1}, "spec": {"size": 9}}), **merge
+    ).json()
     assert status["metadata"]["generation"] == 2 and status["status"] == {"seen": 1}
     assert status["spec"]["size"] == 2  # a /status write changes only status
     main = http.patch(f"{WIDGETS}/g", content=json.dumps({"status": {"seen": 2}}), **merge).json()
@@ -257,13 +287,27 @@ def test_patches_replace_conflicts_and_dry_run(widgets: Kube, http: httpx.Client
     http.post(WIDGETS, json=widget("p", 1))
     rv = http.get(f"{WIDGETS}/p").json()["metadata"]["resourceVersion"]
     jp = {"Content-Type": "application/json-patch+json"}
-    ok = http.patch(f"{WIDGETS}/p", headers=jp, content=json.dumps([
-        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-        {"op": "replace", "path": "/spec/size", "value": 4}]))
+    ok = http.patch(
+        f"{WIDGETS}/p",
+        headers=jp,
+        content=json.dumps(
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "replace", "path": "/spec/size", "value": 4},
+            ]
+        ),
+    )
     assert ok.status_code == 200 and ok.json()["spec"]["size"] == 4
-    failed = http.patch(f"{WIDGETS}/p", headers=jp, content=json.dumps([
-        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-        {"op": "replace", "path": "/spec/size", "value": 5}]))
+    failed = http.patch(
+        f"{WIDGETS}/p",
+        headers=jp,
+        content=json.dumps(
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "replace", "path": "/spec/size", "value": 5},
+            ]
+        ),
+    )
     assert failed.status_code == 422 and failed.json()["kind"] == "Status"  # not a 500: clients must not retry
     smp = http.patch(f"{WIDGETS}/p", headers={"Content-Type": "application/strategic-merge-patch+json"}, content="{}")
     assert smp.status_code == 415  # as for real custom resources
@@ -281,8 +325,15 @@ def test_patches_replace_conflicts_and_dry_run(widgets: Kube, http: httpx.Client
 
     before = widgets.resource_version
     assert http.post(WIDGETS, params={"dryRun": "All"}, json=widget("dry")).status_code == 201
-    assert http.patch(f"{WIDGETS}/p", params={"dryRun": "All"}, headers={"Content-Type": "application/merge-patch+json"},
-                      content=json.dumps({"spec": {"size": 9}})).json()["spec"]["size"] == 9
+    assert (
+        http.patch(
+            f"{WIDGETS}/p",
+            params={"dryRun": "All"},
+            headers={"Content-Type": "application/merge-patch+json"},
+            content=json.dumps({"spec": {"size": 9}}),
+        ).json()["spec"]["size"]
+        == 9
+    )
     assert http.delete(f"{WIDGETS}/p", params={"dryRun": "All"}).status_code == 200
     assert widgets.get("widgets", "dry") is None and widgets.get("widgets", "p")["spec"]["size"] == 7
     assert widgets.resource_version == before
@@ -294,11 +345,16 @@ def test_server_side_apply_creates_merges_and_forgets_dropped_fields(widgets: Ku
     doc = {**widget("s", 2), "metadata": {"name": "s", "labels": {"a": "1", "b": "2"}}}
     created = http.patch(f"{WIDGETS}/s", params={"fieldManager": "me"}, headers=apply, content=yaml.safe_dump(doc))
     assert created.status_code == 201 and created.json()["metadata"]["labels"] == {"a": "1", "b": "2"}
-    http.patch(f"{WIDGETS}/s", headers={"Content-Type": "application/merge-patch+json"},
-               content=json.dumps({"metadata": {"annotations": {"other": "x"}}}))
+    http.patch(
+        f"{WIDGETS}/s",
+        headers={"Content-Type": "application/merge-patch+json"},
+        content=json.dumps({"metadata": {"annotations": {"other": "x"}}}),
+    )
     doc["metadata"]["labels"] = {"a": "1"}
     doc["spec"]["maxSize"] = 10
-    updated = http.patch(f"{WIDGETS}/s", params={"fieldManager": "me"}, headers=apply, content=yaml.safe_dump(doc)).json()
+    updated = http.patch(
+        f"{WIDGETS}/s", params={"fieldManager": "me"}, headers=apply, content=yaml.safe_dump(doc)
+    ).json()
     assert updated["metadata"]["labels"] == {"a": "1"}  # dropped by the same manager: removed
     assert updated["metadata"]["annotations"] == {"other": "x"}  # another writer's field stays
     assert updated["spec"]["maxSize"] == 10 and updated["metadata"]["generation"] == 2
@@ -323,7 +379,10 @@ def test_finalizers_hold_deletion_until_removed(widgets: Kube, http: httpx.Clien
 def test_garbage_collection_by_owner_references(kube: Kube):
     owner = kube.apply(cm("owner"))[0]
     other = kube.apply(cm("other"))[0]
-    ref = lambda o: {"apiVersion": "v1", "kind": "ConfigMap", "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]}
+
+    def ref(o: dict) -> dict:
+        return {"apiVersion": "v1", "kind": "ConfigMap", "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]}
+
     kube.apply(cm("child", ownerReferences=[ref(owner)]))
     grandchild_owner = kube.get("configmaps", "child")
     kube.apply(cm("grandchild", ownerReferences=[ref(grandchild_owner)]))
@@ -360,16 +419,32 @@ def test_admission_rejects_invalid_custom_resources_with_the_kubernetes_status(w
     status = bad.json()
     assert status["kind"] == "Status" and status["status"] == "Failure"
     assert status["reason"] == "Invalid" and status["code"] == 422
-    assert status["message"] == ('Widget.emulator.pdfleet.io "bad" is invalid: spec.size: Invalid value: 0: '
-                                 'spec.size in body should be greater than or equal to 1')
-    assert status["details"] == {"name": "bad", "group": "emulator.pdfleet.io", "kind": "Widget", "causes": [{
-        "reason": "FieldValueInvalid", "field": "spec.size",
-        "message": "Invalid value: 0: spec.size in body should be greater than or equal to 1"}]}
+    assert status["message"] == (
+        'Widget.emulator.pdfleet.io "bad" is invalid: spec.size: Invalid value: 0: '
+        "spec.size in body should be greater than or equal to 1"
+    )
+    assert status["details"] == {
+        "name": "bad",
+        "group": "emulator.pdfleet.io",
+        "kind": "Widget",
+        "causes": [
+            {
+                "reason": "FieldValueInvalid",
+                "field": "spec.size",
+                "message": "Invalid value: 0: spec.size in body should be greater than or equal to 1",
+            }
+        ],
+    }
 
     cel = http.post(WIDGETS, json=widget("cel", 5, maxSize=3)).json()
     assert cel["code"] == 422
-    assert cel["details"]["causes"] == [{"reason": "FieldValueInvalid", "field": "spec.size",
-                                         "message": 'Invalid value: "object": size must not exceed maxSize'}]
+    assert cel["details"]["causes"] == [
+        {
+            "reason": "FieldValueInvalid",
+            "field": "spec.size",
+            "message": 'Invalid value: "object": size must not exceed maxSize',
+        }
+    ]
     enum = http.post(WIDGETS, json=widget("enum", 1, color="pink")).json()
     assert enum["details"]["causes"][0]["reason"] == "FieldValueNotSupported"
     name = http.post(WIDGETS, json=widget("Bad_Name")).json()
@@ -380,8 +455,11 @@ def test_admission_rejects_invalid_custom_resources_with_the_kubernetes_status(w
     warned = http.post(WIDGETS, params={"fieldValidation": "Warn"}, json=widget("u", 1, foo=1))
     assert warned.status_code == 201 and "foo" not in warned.json()["spec"]
     assert 'unknown field \\"spec.foo\\"' in warned.headers["warning"]
-    invalid_update = http.patch(f"{WIDGETS}/u", headers={"Content-Type": "application/merge-patch+json"},
-                                content=json.dumps({"spec": {"size": -1}}))
+    invalid_update = http.patch(
+        f"{WIDGETS}/u",
+        headers={"Content-Type": "application/merge-patch+json"},
+        content=json.dumps({"spec": {"size": -1}}),
+    )
     assert invalid_update.status_code == 422 and widgets.get("widgets", "u")["spec"]["size"] == 1
 
 
@@ -399,12 +477,19 @@ def test_tables_use_printer_columns(widgets: Kube, http: httpx.Client):
 
 def test_label_and_field_selectors(kube: Kube, http: httpx.Client):
     kube.apply([cm("a", labels={"app": "x", "tier": "1"}), cm("b", labels={"app": "y"}), cm("c")])
-    names = lambda **params: [i["metadata"]["name"] for i in http.get("/api/v1/namespaces/default/configmaps", params=params).json()["items"]]
+
+    def names(**params: str) -> list[str]:
+        items = http.get("/api/v1/namespaces/default/configmaps", params=params).json()["items"]
+        return [i["metadata"]["name"] for i in items]
+
     assert names(labelSelector="app=x") == ["a"]
     assert names(labelSelector="app in (x,y),tier!=2") == ["a", "b"]
     assert names(labelSelector="!app") == ["c"]
     assert names(fieldSelector="metadata.name=b") == ["b"]
-    assert http.get("/api/v1/configmaps", params={"labelSelector": "app"}).json()["items"][0]["metadata"]["namespace"] == "default"
+    assert (
+        http.get("/api/v1/configmaps", params={"labelSelector": "app"}).json()["items"][0]["metadata"]["namespace"]
+        == "default"
+    )
 
 
 def test_request_log_counts_writes_and_user_reactions_take_precedence(widgets: Kube, http: httpx.Client):
@@ -415,7 +500,12 @@ def test_request_log_counts_writes_and_user_reactions_take_precedence(widgets: K
     assert widgets.count_writes("widgets") == 2
     assert widgets.verbs("widgets") == {"create", "patch", "list"}
     patch = widgets.requests_for(verb="patch")[0]
-    assert (patch.name, patch.namespace, patch.patch_type, patch.body) == ("r", "default", "merge", {"spec": {"size": 2}})
+    assert (patch.name, patch.namespace, patch.patch_type, patch.body) == (
+        "r",
+        "default",
+        "merge",
+        {"spec": {"size": 2}},
+    )
 
     widgets.emulator["get", kmock.resource("emulator.pdfleet.io", "v1", "widgets"), kmock.name("r")] << 503
     assert http.get(f"{WIDGETS}/r").status_code == 503
@@ -425,6 +515,7 @@ def test_request_log_counts_writes_and_user_reactions_take_precedence(widgets: K
 # ----------------------------------------------------------------------------------------------
 # Real clients
 # ----------------------------------------------------------------------------------------------
+
 
 def test_kubernetes_python_client(widgets: Kube):
     kubernetes = _need("kubernetes")
@@ -453,8 +544,9 @@ def test_kubernetes_python_client(widgets: Kube):
 
     since = core.list_namespaced_config_map("default").metadata.resource_version
     core.delete_namespaced_config_map("py", "default")
-    stream = kubernetes.watch.Watch().stream(core.list_namespaced_config_map, "default",
-                                             resource_version=since, timeout_seconds=1)
+    stream = kubernetes.watch.Watch().stream(
+        core.list_namespaced_config_map, "default", resource_version=since, timeout_seconds=1
+    )
     assert [(e["type"], e["object"].metadata.name) for e in stream] == [("DELETED", "py")]
     api_client.close()
 
@@ -477,12 +569,20 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
     dry = kube.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(widget("dry"))).stdout
     assert "created (server dry run)" in dry
     assert kube.get("widgets", "dry") is None
-    assert "serverside-applied" in kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(widget("ssa", 4))).stdout
+    assert (
+        "serverside-applied"
+        in kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(widget("ssa", 4))).stdout
+    )
     assert kube.get("widgets", "ssa")["spec"]["size"] == 4
 
     since = len(kube.requests_for(verb="watch", resource="widgets"))
-    watcher = subprocess.Popen([_kubectl(), "get", "widgets", "-w", "--no-headers"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=kube.env)
+    watcher = subprocess.Popen(
+        [_kubectl(), "get", "widgets", "-w", "--no-headers"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=kube.env,
+    )
     printed: list[list[str]] = []
     reader = threading.Thread(target=lambda: printed.extend(line.split() for line in watcher.stdout if line.strip()))
     reader.start()
@@ -490,11 +590,21 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
         # The change must reach kubectl through its watch: it lists first (w1 at size 2) and then watches.
         watching(kube, "widgets", since)
         kube.kubectl("patch", "widget", "w1", "--type=merge", "-p", '{"spec":{"size":3}}')
-        kube.kubectl("patch", "widget", "w1", "--subresource=status", "--type=merge",
-                     "-p", '{"status":{"conditions":[{"type":"Ready","status":"True"}]}}')
+        kube.kubectl(
+            "patch",
+            "widget",
+            "w1",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            '{"status":{"conditions":[{"type":"Ready","status":"True"}]}}',
+        )
         kube.kubectl("wait", "--for=condition=Ready", "widget/w1", "--timeout=5s")
-        kube.wait_for(lambda: ["w1", "3", "green", "True"] in [line[:4] for line in printed], timeout=20,
-                      message=f"kubectl get -w to print w1 at size 3 and Ready (printed {printed})")
+        kube.wait_for(
+            lambda: ["w1", "3", "green", "True"] in [line[:4] for line in printed],
+            timeout=20,
+            message=f"kubectl get -w to print w1 at size 3 and Ready (printed {printed})",
+        )
     finally:
         watcher.terminate()
         watcher.communicate(timeout=5)
@@ -513,15 +623,25 @@ def test_kubectl(kube: Kube, tmp_path: pathlib.Path):
     assert unknown.returncode != 0 and 'unknown field "spec.foo"' in unknown.stderr
 
     since = len(kube.requests_for(verb="watch", resource="widgets"))
-    waiter = subprocess.Popen([_kubectl(), "wait", "--for=delete", "widget/w1", "--timeout=30s"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=kube.env)
+    waiter = subprocess.Popen(
+        [_kubectl(), "wait", "--for=delete", "widget/w1", "--timeout=30s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=kube.env,
+    )
     watching(kube, "widgets", since)  # kubectl wait waits on a watch: the delete must reach it there
     kube.kubectl("delete", "widget", "w1")
     assert waiter.wait(timeout=15) == 0, waiter.stderr.read() if waiter.stderr else ""
     assert kube.get("widgets", "w1") is None
     assert {"create", "patch", "get", "list", "watch", "update", "delete"} <= kube.verbs("widgets")
 
-    kube.kubectl("apply", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team"}}))
+    kube.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team"}}),
+    )
     kube.kubectl("apply", "-n", "team", "-f", "-", input=yaml.safe_dump(widget("tw")))
     assert kube.kubectl("get", "ns", "team", "--no-headers").stdout.split()[:2] == ["team", "Active"]
     kube.kubectl("delete", "ns", "team", "--wait=true", "--timeout=10s")
@@ -540,20 +660,26 @@ def _kubectl() -> str:
 # kopf
 # ----------------------------------------------------------------------------------------------
 
+
 def _exercise_operator(kube: Kube) -> None:
     kube.apply(widget("op", 3))
-    kube.wait_for(lambda: (kube.get("widgets", "op") or {}).get("status", {}).get("create_fn"),
-                  timeout=20, message="kopf's create handler")
+    kube.wait_for(
+        lambda: (kube.get("widgets", "op") or {}).get("status", {}).get("create_fn"),
+        timeout=20,
+        message="kopf's create handler",
+    )
     data = kube.get("configmaps", "op-data")
     assert data["data"] == {"size": "3"}
     assert data["metadata"]["ownerReferences"][0]["uid"] == kube.get("widgets", "op")["metadata"]["uid"]
     assert "emulator.pdfleet.io/finalizer" in kube.get("widgets", "op")["metadata"]["finalizers"]
 
     kube.patch("widgets", "op", {"spec": {"size": 5}})
-    kube.wait_for(lambda: kube.get("configmaps", "op-data")["data"]["size"] == "5", timeout=20,
-                  message="kopf's update handler")
-    kube.wait_for(lambda: kube.get("widgets", "op").get("status", {}).get("size") == 5, timeout=10,
-                  message="status.size")
+    kube.wait_for(
+        lambda: kube.get("configmaps", "op-data")["data"]["size"] == "5", timeout=20, message="kopf's update handler"
+    )
+    kube.wait_for(
+        lambda: kube.get("widgets", "op").get("status", {}).get("size") == 5, timeout=10, message="status.size"
+    )
 
     kube.delete("widgets", "op")
     kube.wait_for(lambda: kube.get("widgets", "op") is None, timeout=20, message="kopf to release its finalizer")
@@ -569,8 +695,13 @@ def _exercise_operator(kube: Kube) -> None:
 def test_kopf_run_subprocess(widgets: Kube, tmp_path: pathlib.Path):
     _need("kopf")
     log = (tmp_path / "kopf.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "--verbose", str(OPERATOR)],
-                            stdout=log, stderr=subprocess.STDOUT, env=widgets.env, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kopf", "run", "--standalone", "-A", "--verbose", str(OPERATOR)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=widgets.env,
+        cwd=REPO,
+    )
     try:
         _exercise_operator(widgets)
     except BaseException:
@@ -610,21 +741,45 @@ def test_kopf_runner_in_process(widgets: Kube):
 # RBAC, opt-in per token
 # ----------------------------------------------------------------------------------------------
 
+
 def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, http: httpx.Client):
     rbac = "rbac.authorization.k8s.io/v1"
-    widgets.apply([
-        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "r", "namespace": "default"}, "rules": [
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "patch"]},
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": ["mine"]}]},
-        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "r", "namespace": "default"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "r"},
-         "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]},
-        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "w"}, "rules": [
-            {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]}]},
-        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": "w"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "w"},
-         "subjects": [{"kind": "Group", "name": "system:serviceaccounts:ops"}]},
-        cm("mine"), cm("other"), widget("owner")])
+    widgets.apply(
+        [
+            {
+                "apiVersion": rbac,
+                "kind": "Role",
+                "metadata": {"name": "r", "namespace": "default"},
+                "rules": [
+                    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "patch"]},
+                    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": ["mine"]},
+                ],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "RoleBinding",
+                "metadata": {"name": "r", "namespace": "default"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "r"},
+                "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "ClusterRole",
+                "metadata": {"name": "w"},
+                "rules": [{"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]}],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": "w"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "w"},
+                "subjects": [{"kind": "Group", "name": "system:serviceaccounts:ops"}],
+            },
+            cm("mine"),
+            cm("other"),
+            widget("owner"),
+        ]
+    )
     token = widgets.call(widgets.emulator.service_account, "ops", "op")
     auth = {"Authorization": f"Bearer {token}"}
     base = "/api/v1/namespaces/default/configmaps"
@@ -632,10 +787,14 @@ def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, ht
     assert http.get(f"{base}/mine", headers=auth).status_code == 200
     denied = http.get(f"{base}/other", headers=auth)
     assert denied.status_code == 403 and denied.json()["reason"] == "Forbidden"
-    denied_message = ('configmaps "other" is forbidden: User "system:serviceaccount:ops:op" cannot get '
-                      'resource "configmaps" in API group "" in the namespace "default"')
+    denied_message = (
+        'configmaps "other" is forbidden: User "system:serviceaccount:ops:op" cannot get '
+        'resource "configmaps" in API group "" in the namespace "default"'
+    )
     assert denied.json()["message"] == denied_message
-    assert http.get("/api/v1/namespaces/kube-system/configmaps", headers=auth).status_code == 403  # a Role is one namespace
+    assert (
+        http.get("/api/v1/namespaces/kube-system/configmaps", headers=auth).status_code == 403
+    )  # a Role is one namespace
     assert http.get("/api/v1/configmaps", headers=auth).status_code == 403  # ... not the cluster scope
     assert http.get("/apis/emulator.pdfleet.io/v1/widgets", headers=auth).status_code == 200  # the group's ClusterRole
     assert http.get("/apis", headers=auth).status_code == 200  # discovery: everyone
@@ -644,30 +803,64 @@ def test_rbac_authorizes_a_service_account_by_the_stored_roles(widgets: Kube, ht
     apply = {"Authorization": f"Bearer {token}", "Content-Type": "application/apply-patch+yaml"}
     created = http.patch(f"{base}/new", params={"fieldManager": "t"}, headers=apply, content=json.dumps(cm("new")))
     assert created.status_code == 403 and "cannot create resource" in created.json()["message"]
-    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply,
-                      content=json.dumps(cm("mine"))).status_code == 200
+    assert (
+        http.patch(
+            f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(cm("mine"))
+        ).status_code
+        == 200
+    )
     # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on the owner's finalizers; changing the
     # references of an existing object needs delete on it.
     uid = widgets.get("widgets.emulator.pdfleet.io", "owner")["metadata"]["uid"]
     ref = {"apiVersion": "emulator.pdfleet.io/v1", "kind": "Widget", "name": "owner", "uid": uid, "controller": True}
     owned = cm("mine", ownerReferences=[{**ref, "blockOwnerDeletion": True}])
     refused = http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned))
-    assert refused.status_code == 403 and "cannot set an ownerRef on a resource you can't delete" in refused.json()["message"]
-    widgets.apply({"apiVersion": rbac, "kind": "Role", "metadata": {"name": "r", "namespace": "default"}, "rules": [
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "patch", "delete"]}]})
+    assert (
+        refused.status_code == 403
+        and "cannot set an ownerRef on a resource you can't delete" in refused.json()["message"]
+    )
+    widgets.apply(
+        {
+            "apiVersion": rbac,
+            "kind": "Role",
+            "metadata": {"name": "r", "namespace": "default"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "patch", "delete"]}],
+        }
+    )
     refused = http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned))
     assert refused.status_code == 403 and refused.json()["message"].endswith(
-        'cannot set blockOwnerDeletion if an ownerReference refers to a resource you can\'t set finalizers on: User '
+        "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: User "
         '"system:serviceaccount:ops:op" cannot update resource "widgets/finalizers" in API group "emulator.pdfleet.io" '
-        'in the namespace "default"')
-    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply,
-                      content=json.dumps(cm("mine", ownerReferences=[ref]))).status_code == 200  # not blocking: fine
-    widgets.apply({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "w"}, "rules": [
-        {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]},
-        {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets/finalizers"], "verbs": ["update"]}]})
-    assert http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned)).status_code == 200
+        'in the namespace "default"'
+    )
+    assert (
+        http.patch(
+            f"{base}/mine",
+            params={"fieldManager": "t"},
+            headers=apply,
+            content=json.dumps(cm("mine", ownerReferences=[ref])),
+        ).status_code
+        == 200
+    )  # not blocking: fine
+    widgets.apply(
+        {
+            "apiVersion": rbac,
+            "kind": "ClusterRole",
+            "metadata": {"name": "w"},
+            "rules": [
+                {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets"], "verbs": ["list"]},
+                {"apiGroups": ["emulator.pdfleet.io"], "resources": ["widgets/finalizers"], "verbs": ["update"]},
+            ],
+        }
+    )
+    assert (
+        http.patch(f"{base}/mine", params={"fieldManager": "t"}, headers=apply, content=json.dumps(owned)).status_code
+        == 200
+    )
     assert [(r.verb, r.status, r.user) for r in widgets.requests if r.user][:2] == [
-        ("list", 200, "system:serviceaccount:ops:op"), ("get", 200, "system:serviceaccount:ops:op")]
+        ("list", 200, "system:serviceaccount:ops:op"),
+        ("get", 200, "system:serviceaccount:ops:op"),
+    ]
     denied = [r.denied for r in widgets.requests if r.denied]  # what the RBAC refused, not other 403s
     assert denied[0] == denied_message and len(denied) == 6
 

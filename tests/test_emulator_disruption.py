@@ -19,8 +19,12 @@ from tests.test_emulator_rollout import deployment, pods, ready
 
 
 def budget(name: str, app: str, **spec: object) -> dict:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"selector": {"matchLabels": {"app": app}}, **spec}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"selector": {"matchLabels": {"app": app}}, **spec},
+    }
 
 
 def pdb_status(kube: Kube, name: str) -> dict:
@@ -36,8 +40,14 @@ def test_budget_status_follows_min_available_and_max_unavailable(kube: Kube) -> 
     wl = kube.call(kube.emulator.enable_workloads)
     kube.apply(node("a", "cpu", 32))
     kube.apply(deployment("web", 3))
-    kube.apply([budget("min2", "web", minAvailable=2), budget("min-pct", "web", minAvailable="50%"),
-                budget("max-pct", "web", maxUnavailable="50%"), budget("max1", "web", maxUnavailable=1)])
+    kube.apply(
+        [
+            budget("min2", "web", minAvailable=2),
+            budget("min-pct", "web", minAvailable="50%"),
+            budget("max-pct", "web", maxUnavailable="50%"),
+            budget("max1", "web", maxUnavailable=1),
+        ]
+    )
     kube.wait_for(lambda: counts(kube, "min2") == (3, 2, 3, 1), message="minAvailable 2 of 3 Ready: 1 allowed")
     assert counts(kube, "min-pct") == (3, 2, 3, 1), "50% of 3 rounds up to 2"
     assert counts(kube, "max-pct") == (3, 1, 3, 2), "maxUnavailable 50% of 3 rounds up to 2"
@@ -76,8 +86,9 @@ def test_eviction_uses_the_budget_and_answers_429_when_it_is_spent(kube: Kube) -
         kube.evict(original[1])
     assert (err.value.code, err.value.reason) == (429, "TooManyRequests")
     assert err.value.message == "Cannot evict pod as it would violate the pod's disruption budget."
-    assert err.value.details["causes"] == [{"type": "DisruptionBudget",
-                                            "message": "The disruption budget web needs 2 healthy pods and has 2 currently"}]
+    assert err.value.details["causes"] == [
+        {"type": "DisruptionBudget", "message": "The disruption budget web needs 2 healthy pods and has 2 currently"}
+    ]
     assert kube.get("pods", original[1], "default") is not None
 
     # Over HTTP, as kubectl and client libraries send it.
@@ -94,7 +105,12 @@ def test_eviction_uses_the_budget_and_answers_429_when_it_is_spent(kube: Kube) -
     evicted = httpx.post(url, json=body)
     assert evicted.status_code == 201 and evicted.json()["status"] == "Success"
     assert kube.get("pods", original[1], "default") is None
-    assert [r.status for r in kube.requests_for(verb="create", resource="pods", subresource="eviction")] == [429, 400, 404, 201]
+    assert [r.status for r in kube.requests_for(verb="create", resource="pods", subresource="eviction")] == [
+        429,
+        400,
+        404,
+        201,
+    ]
 
 
 def test_an_unhealthy_pod_may_be_evicted_while_the_budget_holds_and_unguarded_pods_always(kube: Kube) -> None:
@@ -118,11 +134,17 @@ def test_drain_cordons_retries_refused_evictions_and_waits_for_the_replacements(
     kube.apply([node("a", "cpu", 2), node("b", "cpu", 8)])
     kube.apply(deployment("web", 2))
     kube.apply(budget("web", "web", minAvailable=1))
-    kube.wait_for(lambda: sorted(p["spec"].get("nodeName") for p in pods(kube, "web")) == ["a", "a"]
-                  and counts(kube, "web") == (2, 1, 2, 1), message="both on a, 1 disruption allowed")
+    kube.wait_for(
+        lambda: (
+            sorted(p["spec"].get("nodeName") for p in pods(kube, "web")) == ["a", "a"]
+            and counts(kube, "web") == (2, 1, 2, 1)
+        ),
+        message="both on a, 1 disruption allowed",
+    )
     daemon = pod("agent", "a", {"cpu": "0"})
-    daemon["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent",
-                                              "uid": "u-1", "controller": True}]
+    daemon["metadata"]["ownerReferences"] = [
+        {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent", "uid": "u-1", "controller": True}
+    ]
     kube.apply(daemon)
     original = {p["metadata"]["name"] for p in pods(kube, "web")}
     kube.call(wl.hold_ready, lambda p: p["metadata"]["name"] not in original)  # replacements start, not ready
@@ -130,9 +152,10 @@ def test_drain_cordons_retries_refused_evictions_and_waits_for_the_replacements(
     result: dict = {}
     drainer = threading.Thread(target=lambda: result.update(evicted=kube.drain("a", timeout=30, retry_interval=0.05)))
     drainer.start()
-    kube.wait_for(lambda: len(original & {p["metadata"]["name"] for p in pods(kube, "web")}) == 1
-                  and counts(kube, "web")[3] == 0,
-                  message="one pod evicted, the second refused while its replacement is not ready")
+    kube.wait_for(
+        lambda: len(original & {p["metadata"]["name"] for p in pods(kube, "web")}) == 1 and counts(kube, "web")[3] == 0,
+        message="one pod evicted, the second refused while its replacement is not ready",
+    )
     assert kube.get("nodes", "a")["spec"]["unschedulable"] is True
     kube.advance(5)
     assert drainer.is_alive(), "the drain waits while the budget has nothing to spare"
@@ -159,11 +182,19 @@ def test_kubectl_drain_evicts_through_the_budget(kube: Kube) -> None:
     kube.apply(deployment("web", 2))
     kube.apply(budget("web", "web", minAvailable=2))
     kube.wait_for(lambda: counts(kube, "web") == (2, 2, 2, 0), message="a budget with nothing to spare")
-    proc = subprocess.Popen([binary, "drain", "a", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=60s"],
-                            env=kube.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [binary, "drain", "a", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=60s"],
+        env=kube.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        kube.wait_for(lambda: any(r.status == 429 for r in kube.requests_for(verb="create", subresource="eviction")),
-                      timeout=30, message="kubectl's eviction refused with 429")
+        kube.wait_for(
+            lambda: any(r.status == 429 for r in kube.requests_for(verb="create", subresource="eviction")),
+            timeout=30,
+            message="kubectl's eviction refused with 429",
+        )
         assert proc.poll() is None, "kubectl retries"
         kube.patch("deployments.apps", "web", {"spec": {"replicas": 4}}, "default")  # room in the budget
         out, _ = proc.communicate(timeout=60)
@@ -174,6 +205,8 @@ def test_kubectl_drain_evicts_through_the_budget(kube: Kube) -> None:
     assert "node/a cordoned" in out and "node/a drained" in out, out
     assert "violate the pod's disruption budget" in out, out
     assert kube.get("nodes", "a")["spec"]["unschedulable"] is True
-    kube.wait_for(lambda: sorted(p["spec"].get("nodeName") for p in pods(kube, "web")) == ["b", "b", "b", "b"],
-                  message="every pod on b")
+    kube.wait_for(
+        lambda: sorted(p["spec"].get("nodeName") for p in pods(kube, "web")) == ["b", "b", "b", "b"],
+        message="every pod on b",
+    )
     assert {r.status for r in kube.requests_for(verb="create", subresource="eviction")} == {201, 429}

@@ -30,7 +30,9 @@ def test_cordon_taints_the_node_keeps_its_pods_and_places_nothing_new_there(kube
     kube.call(kube.emulator.enable_workloads)
     kube.apply([node("a", "cpu", 4), node("b", "cpu", 8)])
     kube.apply(deployment("web", 2))
-    kube.wait_for(lambda: placed(kube, "web") == ["a", "a"] and all_ready(kube, "web", 2), message="both on a (fullest)")
+    kube.wait_for(
+        lambda: placed(kube, "web") == ["a", "a"] and all_ready(kube, "web", 2), message="both on a (fullest)"
+    )
     before = {p["metadata"]["name"] for p in pods(kube, "web")}
     kube.cordon("a")
     assert kube.get("nodes", "a")["spec"]["unschedulable"] is True
@@ -45,8 +47,9 @@ def test_cordon_taints_the_node_keeps_its_pods_and_places_nothing_new_there(kube
     # A pod that tolerates the cordon's taint (as DaemonSet pods do) is still placed on a cordoned node.
     kube.cordon("b")
     tolerant = deployment("ds", 1)
-    tolerant["spec"]["template"]["spec"]["tolerations"] = [{"key": "node.kubernetes.io/unschedulable",
-                                                            "operator": "Exists", "effect": "NoSchedule"}]
+    tolerant["spec"]["template"]["spec"]["tolerations"] = [
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
+    ]
     tolerant["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "b"}
     kube.apply(tolerant)
     kube.wait_for(lambda: placed(kube, "ds") == ["b"], message="the tolerating pod on cordoned b")
@@ -58,8 +61,10 @@ def test_not_ready_taints_the_node_and_evicts_its_pods_after_their_toleration_se
     kube.apply(deployment("web", 2))
     kube.wait_for(lambda: placed(kube, "web") == ["a", "a"] and all_ready(kube, "web", 2), message="both on a")
     tolerations = pods(kube, "web")[0]["spec"]["tolerations"]
-    assert {(t["key"], t["effect"], t["tolerationSeconds"]) for t in tolerations} == \
-        {(NOT_READY, "NoExecute", 300), (UNREACHABLE, "NoExecute", 300)}, "DefaultTolerationSeconds"
+    assert {(t["key"], t["effect"], t["tolerationSeconds"]) for t in tolerations} == {
+        (NOT_READY, "NoExecute", 300),
+        (UNREACHABLE, "NoExecute", 300),
+    }, "DefaultTolerationSeconds"
     before = {p["metadata"]["name"] for p in pods(kube, "web")}
 
     kube.set_node_ready("a", "False")
@@ -118,15 +123,19 @@ def test_evictions_come_due_on_the_clock_without_advancing_it(kube: Kube) -> Non
     kube.apply([node("a", "cpu", 8), node("b", "cpu", 1)])
     doc = deployment("quick", 1)
     doc["spec"]["template"]["spec"]["tolerations"] = [
-        {"key": UNREACHABLE, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 1}]
+        {"key": UNREACHABLE, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 1}
+    ]
     doc["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "a"}
     kube.apply(doc)
     kube.wait_for(lambda: all_ready(kube, "quick", 1), message="running on a")
     first = pods(kube, "quick")[0]["metadata"]["name"]
     kube.set_node_ready("a", "Unknown")
     assert pods(kube, "quick")[0]["metadata"]["name"] == first
-    kube.wait_for(lambda: pods(kube, "quick")[0]["metadata"]["name"] != first, timeout=15,
-                  message="the emulator's timer evicts after 1 s of real time")
+    kube.wait_for(
+        lambda: pods(kube, "quick")[0]["metadata"]["name"] != first,
+        timeout=15,
+        message="the emulator's timer evicts after 1 s of real time",
+    )
 
 
 def test_pods_of_a_deleted_node_are_collected_after_the_quarantine(kube: Kube) -> None:

@@ -7,16 +7,29 @@ from tests.kube.cluster import node, pod
 from tests.support.k8s_fixtures import Kube
 
 
-def _deployment(name: str, replicas: int, requests: dict[str, str], *, selector: dict[str, str] | None = None,
-                tolerations: list[dict] | None = None) -> dict:
+def _deployment(
+    name: str,
+    replicas: int,
+    requests: dict[str, str],
+    *,
+    selector: dict[str, str] | None = None,
+    tolerations: list[dict] | None = None,
+) -> dict:
     spec: dict = {"containers": [{"name": "c", "image": "x", "resources": {"requests": requests, "limits": requests}}]}
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
         spec["tolerations"] = tolerations
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-                     "template": {"metadata": {"labels": {"app": name}}, "spec": spec}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": spec},
+        },
+    }
 
 
 def _pods(kube: Kube, app: str) -> list[dict]:
@@ -56,10 +69,14 @@ def test_pods_bind_by_extended_resource_or_stay_pending_until_capacity_frees(kub
     # Scale down frees units, which another workload's Pending pod then takes.
     kube.apply(pod("other", None, {"nvidia.com/gpu": "2"}))
     kube.patch("pods", "other", {"spec": {"tolerations": tol}}, "default")
-    kube.wait_for(lambda: kube.get("pods", "other", "default")["status"].get("phase") == "Pending", message="other Pending")
+    kube.wait_for(
+        lambda: kube.get("pods", "other", "default")["status"].get("phase") == "Pending", message="other Pending"
+    )
     kube.patch("deployments.apps", "a", {"spec": {"replicas": 0}}, "default")
-    kube.wait_for(lambda: kube.get("pods", "other", "default")["spec"].get("nodeName") == "gpu-0",
-                  message="the freed GPUs go to the Pending pod")
+    kube.wait_for(
+        lambda: kube.get("pods", "other", "default")["spec"].get("nodeName") == "gpu-0",
+        message="the freed GPUs go to the Pending pod",
+    )
     assert _phases(kube, "a") == (0, 0)
     # The Deployment's pods go with it (garbage collection by ownerReferences).
     kube.patch("deployments.apps", "a", {"spec": {"replicas": 2}}, "default")
@@ -71,9 +88,14 @@ def test_pods_bind_by_extended_resource_or_stay_pending_until_capacity_frees(kub
 def test_mig_and_domestic_resources_cpu_and_selectors(kube: Kube) -> None:
     kube.call(kube.emulator.enable_workloads)
     kube.apply([node("mig-0", "h100-mig", 7), node("ascend-0", "ascend", 8, extra={"cpu": "4"})])
-    kube.apply(_deployment("mig", 3, {"nvidia.com/mig-3g.40gb": "2"},
-                           tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}]))
-    kube.apply(_deployment("npu", 3, {"huawei.com/Ascend910": "1", "cpu": "2"}, selector={"accelerator": "huawei-Ascend910"}))
+    kube.apply(
+        _deployment(
+            "mig", 3, {"nvidia.com/mig-3g.40gb": "2"}, tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}]
+        )
+    )
+    kube.apply(
+        _deployment("npu", 3, {"huawei.com/Ascend910": "1", "cpu": "2"}, selector={"accelerator": "huawei-Ascend910"})
+    )
     kube.wait_for(lambda: _phases(kube, "mig") == (3, 0) and _phases(kube, "npu") == (2, 1), message="bound by units")
     msg = next(p for p in _pods(kube, "npu") if not p["spec"].get("nodeName"))["status"]["conditions"][0]["message"]
     assert msg == "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match Pod's node affinity/selector."

@@ -57,7 +57,7 @@ def test_prometheus_scrapes_exporter_and_api_client_reads_it(prometheus_factory)
 
         waiting.labels(model_name="tiny", role="prefill").set(3)
         prom.wait_for('vllm:num_requests_waiting{role="prefill"} == 3')
-        assert float(client.custom_query('vllm:num_requests_waiting')[0]["value"][1]) == 3.0
+        assert float(client.custom_query("vllm:num_requests_waiting")[0]["value"][1]) == 3.0
     finally:
         server.shutdown()
 
@@ -97,8 +97,10 @@ def test_alertmanager_posts_alerts_to_webhook(alertmanager_factory):
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     try:
         am = alertmanager_factory(webhook_urls=[f"http://127.0.0.1:{port}/alerts"])
-        alert = {"labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_deployment": "demo", "namespace": "default"},
-                 "annotations": {"summary": "test"}}
+        alert = {
+            "labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_deployment": "demo", "namespace": "default"},
+            "annotations": {"summary": "test"},
+        }
         assert httpx.post(f"{am.url}/api/v2/alerts", json=[alert], timeout=5).status_code == 200
         deadline = time.monotonic() + 15
         while not _Hook.received and time.monotonic() < deadline:

@@ -38,8 +38,17 @@ def test_code_preset_has_longer_prompts_shorter_outputs_and_quiet_nights() -> No
 
 def test_bursts_raise_the_rate_above_the_diurnal_curve() -> None:
     preset = tr.PRESETS["code"]
-    flat = tr.Preset("flat", "", preset.prompt, preset.output, peaks=(), floor=1.0, bursts_per_day=40.0,
-                     burst_minutes=5.0, burst_height=(3.0, 3.0))
+    flat = tr.Preset(
+        "flat",
+        "",
+        preset.prompt,
+        preset.output,
+        peaks=(),
+        floor=1.0,
+        bursts_per_day=40.0,
+        burst_minutes=5.0,
+        burst_height=(3.0, 3.0),
+    )
     t = tr.synthetic(flat, mean_rate=4.0, duration=6 * 3600, seed=4)
     per_min = np.bincount((t.arrival // 60).astype(int)) / 60.0
     assert per_min.max() > 2.2 * 4.0  # a 3x burst
@@ -91,17 +100,20 @@ def test_csv_without_header_with_aliases_iso_times_and_out_of_order_rows(tmp_pat
     assert t.arrival.tolist() == [0.0, 2.5] and t.prompt.tolist() == [50, 60] and t.output.tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "empty trace file"),
-    ("timestamp,prompt_tokens,output_tokens\n", "has a header but no requests"),
-    ("timestamp,prompt,tokens_out\n1,2,3\n", "no output_tokens column"),
-    ("0,10,5\n1,20\n", ":2: expected 3 columns"),
-    ("0,10,5\n1,twenty,5\n", ":2: prompt_tokens 'twenty' is not a number"),
-    ("0,10,5\n1,10,-3\n", ":2: output_tokens is -3, must be >= 1"),
-    ("0,10,5\n1,10.5,3\n", ":2: prompt_tokens '10.5' is not a whole number"),
-    ("0,10,5\nyesterday,10,3\n", ":2: timestamp 'yesterday' is neither seconds nor an ISO 8601"),
-    ("0,0,5\n", ":1: prompt_tokens is 0, must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "empty trace file"),
+        ("timestamp,prompt_tokens,output_tokens\n", "has a header but no requests"),
+        ("timestamp,prompt,tokens_out\n1,2,3\n", "no output_tokens column"),
+        ("0,10,5\n1,20\n", ":2: expected 3 columns"),
+        ("0,10,5\n1,twenty,5\n", ":2: prompt_tokens 'twenty' is not a number"),
+        ("0,10,5\n1,10,-3\n", ":2: output_tokens is -3, must be >= 1"),
+        ("0,10,5\n1,10.5,3\n", ":2: prompt_tokens '10.5' is not a whole number"),
+        ("0,10,5\nyesterday,10,3\n", ":2: timestamp 'yesterday' is neither seconds nor an ISO 8601"),
+        ("0,0,5\n", ":1: prompt_tokens is 0, must be >= 1"),
+    ],
+)
 def test_bad_csv_names_line_and_column(tmp_path, content, message) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(content)

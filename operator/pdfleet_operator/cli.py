@@ -23,9 +23,17 @@ PLUGINS: dict[str, tuple[str, str, str]] = {
     "model": ("pdfleet_worker.cli", "worker", "create and inspect model directories"),
     "worker": ("pdfleet_worker.cli", "worker", "serve a model: OpenAI API, /health, /ready, /metrics"),
     "router": ("pdfleet_worker.cli", "worker", "the OpenAI endpoint in front of the workers"),
-    "up": ("pdfleet_operator.local.cli", "operator", "run an InferenceDeployment on this machine: router + workers + autoscaler"),
+    "up": (
+        "pdfleet_operator.local.cli",
+        "operator",
+        "run an InferenceDeployment on this machine: router + workers + autoscaler",
+    ),
     "load": ("pdfleet_operator.local.cli", "operator", "open-loop load on an OpenAI endpoint: TTFT/ITL and tokens/s"),
-    "render": ("pdfleet_operator.kube.render_cli", "operator", "print the objects the operator would create (like helm template)"),
+    "render": (
+        "pdfleet_operator.kube.render_cli",
+        "operator",
+        "print the objects the operator would create (like helm template)",
+    ),
     "chart": ("pdfleet_operator.gen.chart", "dev", "regenerate the Helm chart's generated files"),
     "dashboards": ("pdfleet_operator.gen.dashboards", "dev", "regenerate the Grafana dashboards"),
 }
@@ -71,7 +79,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the plugin module of the command in argv (if any) is imported."""
     parser = argparse.ArgumentParser(
         prog="pdfleet",
-        description="Prefill/decode-disaggregated LLM inference fleets on Kubernetes (and on one machine).")
+        description="Prefill/decode-disaggregated LLM inference fleets on Kubernetes (and on one machine).",
+    )
     parser.add_argument("--version", action="version", version=f"pdfleet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -28,7 +28,9 @@ def drain_seconds(spec: InferenceDeploymentSpec) -> float:
     NOTE: capped at DRAIN_CAP_S (10 min): a 128K-token context at 50 ms per token would hold a node drain for
     almost two hours; a request still running at the cap gets an error event, never silence.
     """
-    longest = max(spec.model.max_model_len * parse_duration(spec.slo.itl), parse_duration(spec.engine.kv_transfer.lease))
+    longest = max(
+        spec.model.max_model_len * parse_duration(spec.slo.itl), parse_duration(spec.engine.kv_transfer.lease)
+    )
     return round(min(DRAIN_CAP_S, max(DRAIN_FLOOR_S, longest)), 1)
 
 
@@ -66,8 +68,11 @@ def _offload_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     e, out = spec.engine, {}
     if e.kv_offload is not None:
         off = e.kv_offload
-        out["kv_offload"] = {"host_memory_bytes": int(parse_quantity(off.host_memory or 0)),
-                             "disk_bytes": int(parse_quantity(off.disk or 0)), "disk_path": off.disk_path}
+        out["kv_offload"] = {
+            "host_memory_bytes": int(parse_quantity(off.host_memory or 0)),
+            "disk_bytes": int(parse_quantity(off.disk or 0)),
+            "disk_path": off.disk_path,
+        }
     if e.preemption == "swap":
         out["preemption"] = "swap"
         out["swap_space_bytes"] = int(parse_quantity(e.swap_space))
@@ -85,24 +90,51 @@ def config_text(spec: InferenceDeploymentSpec) -> str:
     return json.dumps(engine_config(spec), indent=2, sort_keys=True) + "\n"
 
 
-def worker_args(spec: InferenceDeploymentSpec, role: str, *, model_dir: str, host: str, port: int,
-                engine_config: str, flags: Sequence[str] = ()) -> list[str]:
+def worker_args(
+    spec: InferenceDeploymentSpec,
+    role: str,
+    *,
+    model_dir: str,
+    host: str,
+    port: int,
+    engine_config: str,
+    flags: Sequence[str] = (),
+) -> list[str]:
     """`pdfleet worker` arguments: the model, the role, where to listen, the engine config file, then the
     backend's own `flags` and the spec's `engine.extraArgs` (last, so a user's flag wins)."""
-    return ["worker", "--model", model_dir, "--role", WORKER_ROLE[role], "--host", host, "--port", str(port),
-            "--engine-config", engine_config,
-            "--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}s",
-            "--drain-timeout", f"{drain_seconds(spec):g}s",
-            *flags, *spec.engine.extra_args]
+    return [
+        "worker",
+        "--model",
+        model_dir,
+        "--role",
+        WORKER_ROLE[role],
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--engine-config",
+        engine_config,
+        "--heartbeat-interval",
+        f"{parse_duration(spec.router.heartbeat_interval):g}s",
+        "--drain-timeout",
+        f"{drain_seconds(spec):g}s",
+        *flags,
+        *spec.engine.extra_args,
+    ]
 
 
-def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
-                tokenizer_dir: str | None = None) -> list[str]:
+def router_args(
+    spec: InferenceDeploymentSpec, *, route_to: str | None = None, tokenizer_dir: str | None = None
+) -> list[str]:
     """The `pdfleet router` flags the spec decides: the heartbeat interval and, with `spec.routing`, the rules and
     `route_to`, the URL of the target deployment's router (each backend knows where that runs); `tokenizer_dir`:
     where the router reads the model's tokenizer, needed by `rules.maxPromptTokens`."""
-    out = ["--heartbeat-interval", f"{parse_duration(spec.router.heartbeat_interval):g}",
-           "--drain-timeout", f"{drain_seconds(spec):g}"]
+    out = [
+        "--heartbeat-interval",
+        f"{parse_duration(spec.router.heartbeat_interval):g}",
+        "--drain-timeout",
+        f"{drain_seconds(spec):g}",
+    ]
     routing = spec.routing
     if routing is None:
         return out
@@ -110,9 +142,11 @@ def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
         raise ValueError("spec.routing is set: the router needs the target's URL")
     out += ["--route-to", route_to]
     rules = routing.rules
-    for flag, value in (("--route-max-prompt-tokens", rules.max_prompt_tokens),
-                        ("--route-max-prompt-chars", rules.max_prompt_chars),
-                        ("--route-max-tokens", rules.max_tokens)):
+    for flag, value in (
+        ("--route-max-prompt-tokens", rules.max_prompt_tokens),
+        ("--route-max-prompt-chars", rules.max_prompt_chars),
+        ("--route-max-tokens", rules.max_tokens),
+    ):
         if value is not None:
             out += [flag, str(value)]
     for pattern in rules.patterns:
@@ -120,9 +154,14 @@ def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
     for pattern in rules.exclude_patterns:
         out += ["--route-exclude-pattern", pattern]
     if routing.classifier is not None:
-        out += ["--route-classifier", routing.classifier.entry_point,
-                "--route-classifier-timeout", f"{parse_duration(routing.classifier.timeout):g}",
-                "--route-confidence-floor", f"{routing.confidence_floor:g}"]
+        out += [
+            "--route-classifier",
+            routing.classifier.entry_point,
+            "--route-classifier-timeout",
+            f"{parse_duration(routing.classifier.timeout):g}",
+            "--route-confidence-floor",
+            f"{routing.confidence_floor:g}",
+        ]
     if rules.max_prompt_tokens is not None:
         if tokenizer_dir is None:
             raise ValueError("spec.routing.rules.maxPromptTokens: the router needs the model's tokenizer directory")
@@ -135,8 +174,16 @@ def router_args(spec: InferenceDeploymentSpec, *, route_to: str | None = None,
 VLLM_PORT = 8000
 
 
-def vllm_args(spec: InferenceDeploymentSpec, role: str, *, host: str, port: int, tensor_parallel: int = 1,
-              kv_connector: str | None = None, block_size: int | None = None) -> list[str]:
+def vllm_args(
+    spec: InferenceDeploymentSpec,
+    role: str,
+    *,
+    host: str,
+    port: int,
+    tensor_parallel: int = 1,
+    kv_connector: str | None = None,
+    block_size: int | None = None,
+) -> list[str]:
     """`vllm serve MODEL` flags (after the model) from the same spec fields the pdfleet worker reads.
 
     NOTE: vLLM's --gpu-memory-utilization is the share of device memory for weights and KV together, the
@@ -146,21 +193,46 @@ def vllm_args(spec: InferenceDeploymentSpec, role: str, *, host: str, port: int,
     the one the pool's vLLM build computes with, when not the spec's (decide.kv_connectors.block_size).
     """
     e = spec.engine
-    args = ["--served-model-name", spec.model.name, "--host", host, "--port", str(port),
-            "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
-            "--block-size", str(block_size or e.block_size), "--gpu-memory-utilization", f"{e.kv_cache_memory_fraction:g}",
-            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--kv-cache-dtype", "auto", "--tensor-parallel-size", str(tensor_parallel)]
+    args = [
+        "--served-model-name",
+        spec.model.name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        spec.model.dtype,
+        "--max-model-len",
+        str(spec.model.max_model_len),
+        "--block-size",
+        str(block_size or e.block_size),
+        "--gpu-memory-utilization",
+        f"{e.kv_cache_memory_fraction:g}",
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        "auto",
+        "--tensor-parallel-size",
+        str(tensor_parallel),
+    ]
     if kv_connector is not None:
         assert role in ("prefill", "decode"), f"a KV connector for a {role} pool"
         # NOTE: NIXL is symmetric (both sides register their KV and pull); the others name the direction.
-        kv_role = "kv_both" if kv_connector == "NixlConnector" else ("kv_producer" if role == "prefill" else "kv_consumer")
+        kv_role = (
+            "kv_both" if kv_connector == "NixlConnector" else ("kv_producer" if role == "prefill" else "kv_consumer")
+        )
         transfer = {"kv_connector": kv_connector, "kv_role": kv_role}
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"), sort_keys=True)]
     if e.kv_offload is not None and e.kv_offload.host_memory is not None:
         # NOTE: vLLM's native CPU offload (CacheConfig.kv_offloading_size, GiB, the sum over TP ranks); runtimes
         # refuses it where vLLM cannot run it (CPU classes, next to a PD KV connector).
-        args += ["--kv-offloading-size", f"{parse_quantity(e.kv_offload.host_memory) / 2**30:g}",
-                 "--kv-offloading-backend", "native"]
+        args += [
+            "--kv-offloading-size",
+            f"{parse_quantity(e.kv_offload.host_memory) / 2**30:g}",
+            "--kv-offloading-backend",
+            "native",
+        ]
     return args + list(e.vllm.extra_args if e.vllm else ())

@@ -45,8 +45,14 @@ class PrometheusSource:
     """Queries Prometheus with the PromQL of an engine profile (`metric_names.PROFILES`): `profile` for
     every role, or per role from the engines its pools run (`snapshot(..., engines=)`)."""
 
-    def __init__(self, url: str, profile: str | names.QueryProfile = "pdfleet", timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time, verify: bool | str = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        profile: str | names.QueryProfile = "pdfleet",
+        timeout: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        verify: bool | str = True,
+    ) -> None:
         """`verify`: TLS verification of an https URL: True (the system's CAs), a CA bundle file, or False."""
         if isinstance(profile, str):
             if profile not in names.PROFILES:
@@ -61,15 +67,17 @@ class PrometheusSource:
         retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504), allowed_methods=("GET",))
         session = requests.Session()
         session.verify = verify
-        self.client = PrometheusConnect(url=self.url, disable_ssl=verify is False, retry=retry, timeout=timeout,
-                                        session=session)
+        self.client = PrometheusConnect(
+            url=self.url, disable_ssl=verify is False, retry=retry, timeout=timeout, session=session
+        )
 
     @property
     def name(self) -> str:
         return f"prometheus {self.url} ({self.profile.name})"
 
-    def snapshot(self, deployment: str, namespace: str, roles: Iterable[str],
-                 engines: Mapping[str, Iterable[str]] | None = None) -> MetricsSnapshot:
+    def snapshot(
+        self, deployment: str, namespace: str, roles: Iterable[str], engines: Mapping[str, Iterable[str]] | None = None
+    ) -> MetricsSnapshot:
         """`engines`: role -> the engines its pools run (`decide.runtimes`); a role it does not name is
         read with this source's profile. Each distinct profile's queries run once."""
         taken_at = self.clock()
@@ -83,10 +91,16 @@ class PrometheusSource:
             out: dict[str, RoleMetrics] = {}
             for profile, members in groups.values():
                 queries = profile.queries(deployment, namespace)
-                values = {field: self._by_role(profile, promql) for field, promql in queries.items()
-                          if field not in names.CLASS_FIELDS}
-                by_class = {field.removeprefix("class_"): self._by_role_class(profile, promql)
-                            for field, promql in queries.items() if field in names.CLASS_FIELDS}
+                values = {
+                    field: self._by_role(profile, promql)
+                    for field, promql in queries.items()
+                    if field not in names.CLASS_FIELDS
+                }
+                by_class = {
+                    field.removeprefix("class_"): self._by_role_class(profile, promql)
+                    for field, promql in queries.items()
+                    if field in names.CLASS_FIELDS
+                }
                 for role in members:
                     out[role] = self._role(profile, role, values, deployment, namespace, _classes(role, by_class))
             return MetricsSnapshot(taken_at=taken_at, source=self.name, roles={role: out[role] for role in roles})
@@ -95,8 +109,9 @@ class PrometheusSource:
         except (requests.RequestException, PrometheusApiClientException) as exc:
             return MetricsSnapshot.unavailable(taken_at, f"{type(exc).__name__}: {exc}", source=self.name)
 
-    def router_requests(self, deployment: str, namespace: str, window: str, revision: int | None = None
-                        ) -> tuple[float | None, float | None, str]:
+    def router_requests(
+        self, deployment: str, namespace: str, window: str, revision: int | None = None
+    ) -> tuple[float | None, float | None, str]:
         """(requests, 5xx responses) through the deployment's router over `window`, for rollback analysis;
         (None, None, why) when unknown (no series, NaN, Prometheus down). No 5xx series means no 5xx.
 
@@ -159,22 +174,36 @@ class PrometheusSource:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise MetricsError(f"unexpected answer to {promql}: {type(exc).__name__}: {exc}") from exc
 
-    def _role(self, profile: names.QueryProfile, role: str, values: Mapping[str, Mapping[str, float]],
-              deployment: str, namespace: str, classes: Mapping[str, ClassMetrics]) -> RoleMetrics:
+    def _role(
+        self,
+        profile: names.QueryProfile,
+        role: str,
+        values: Mapping[str, Mapping[str, float]],
+        deployment: str,
+        namespace: str,
+        classes: Mapping[str, ClassMetrics],
+    ) -> RoleMetrics:
         missing = [f for f in REQUIRED if role not in values[f]]
         if missing:
-            raise MetricsError(f"no series for role {role} of {namespace}/{deployment} "
-                               f"({profile.render(getattr(profile, missing[0]), deployment, namespace)})")
+            raise MetricsError(
+                f"no series for role {role} of {namespace}/{deployment} "
+                f"({profile.render(getattr(profile, missing[0]), deployment, namespace)})"
+            )
 
         def optional(field: str) -> float | None:
             return values.get(field, {}).get(role)
 
-        return RoleMetrics(waiting=values["waiting"][role], running=values["running"][role],
-                           replicas_reporting=int(values["replicas"][role]),
-                           sample_time=values["sample_time"][role], kv_usage=optional("kv_usage"),
-                           prompt_tokens_waiting=optional("prompt_tokens_waiting"),
-                           prompt_tokens_rate=optional("prompt_tokens_rate"),
-                           generation_tokens_rate=optional("generation_tokens_rate"), classes=classes)
+        return RoleMetrics(
+            waiting=values["waiting"][role],
+            running=values["running"][role],
+            replicas_reporting=int(values["replicas"][role]),
+            sample_time=values["sample_time"][role],
+            kv_usage=optional("kv_usage"),
+            prompt_tokens_waiting=optional("prompt_tokens_waiting"),
+            prompt_tokens_rate=optional("prompt_tokens_rate"),
+            generation_tokens_rate=optional("generation_tokens_rate"),
+            classes=classes,
+        )
 
 
 def _classes(role: str, by_class: Mapping[str, Mapping[str, Mapping[str | None, float]]]) -> dict[str, ClassMetrics]:
@@ -189,10 +218,16 @@ def _classes(role: str, by_class: Mapping[str, Mapping[str, Mapping[str | None, 
     def rate(field: str, cls: str) -> float | None:
         return by_class.get(field, {}).get(role, {}).get(cls)
 
-    return {cls: ClassMetrics(replicas_reporting=int(n), waiting=waiting[cls],
-                              prompt_tokens_rate=rate("prompt_tokens_rate", cls),
-                              generation_tokens_rate=rate("generation_tokens_rate", cls))
-            for cls, n in counts.items() if cls is not None}
+    return {
+        cls: ClassMetrics(
+            replicas_reporting=int(n),
+            waiting=waiting[cls],
+            prompt_tokens_rate=rate("prompt_tokens_rate", cls),
+            generation_tokens_rate=rate("generation_tokens_rate", cls),
+        )
+        for cls, n in counts.items()
+        if cls is not None
+    }
 
 
 @dataclass(frozen=True)
@@ -202,7 +237,7 @@ class ScrapeTarget:
 
     url: str
     labels: Mapping[str, str]
-    engine: str = "pdfleet"          # a key of metric_names.SCRAPED_SERIES (and PROFILES)
+    engine: str = "pdfleet"  # a key of metric_names.SCRAPED_SERIES (and PROFILES)
 
     def __post_init__(self) -> None:
         if self.engine not in names.SCRAPED_SERIES:
@@ -225,31 +260,52 @@ class ScrapeSource:
     change between two snapshots.
     """
 
-    def __init__(self, targets: Targets | Callable[[str, str], Targets], timeout: float = 2.0,
-                 clock: Callable[[], float] = time.time, client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        targets: Targets | Callable[[str, str], Targets],
+        timeout: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        client: httpx.Client | None = None,
+    ) -> None:
         self.targets = targets
         self.timeout = timeout
         self.clock = clock
         self.client = client or httpx.Client(timeout=timeout)
-        self._counters: dict[tuple[str, ...], tuple[float, float]] = {}  # (ns, deployment, role, counter[, class]) -> (time, total)
+        self._counters: dict[
+            tuple[str, ...], tuple[float, float]
+        ] = {}  # (ns, deployment, role, counter[, class]) -> (time, total)
 
     name = "scrape"
 
     def snapshot(self, deployment: str, namespace: str, roles: Iterable[str]) -> MetricsSnapshot:
         taken_at = self.clock()
         targets = self.targets(deployment, namespace) if callable(self.targets) else self.targets
-        mine = [t for t in targets if t.labels.get(names.LABEL_NAMESPACE) == namespace
-                and t.labels.get(names.LABEL_DEPLOYMENT) == deployment]
+        mine = [
+            t
+            for t in targets
+            if t.labels.get(names.LABEL_NAMESPACE) == namespace and t.labels.get(names.LABEL_DEPLOYMENT) == deployment
+        ]
         try:
-            return MetricsSnapshot(taken_at=taken_at, source=self.name, roles={
-                role: self._role(namespace, deployment, role,
-                                 [t for t in mine if t.labels.get(names.LABEL_ROLE) == role], taken_at)
-                for role in roles})
+            return MetricsSnapshot(
+                taken_at=taken_at,
+                source=self.name,
+                roles={
+                    role: self._role(
+                        namespace,
+                        deployment,
+                        role,
+                        [t for t in mine if t.labels.get(names.LABEL_ROLE) == role],
+                        taken_at,
+                    )
+                    for role in roles
+                },
+            )
         except MetricsError as exc:
             return MetricsSnapshot.unavailable(taken_at, str(exc), source=self.name)
 
-    def _role(self, namespace: str, deployment: str, role: str, targets: Sequence[ScrapeTarget],
-              now: float) -> RoleMetrics:
+    def _role(
+        self, namespace: str, deployment: str, role: str, targets: Sequence[ScrapeTarget], now: float
+    ) -> RoleMetrics:
         if not targets:
             raise MetricsError(f"no /metrics targets for role {role} of {namespace}/{deployment}")
         replicas = [(t, self._scrape(t)) for t in targets]
@@ -270,20 +326,29 @@ class ScrapeSource:
             for cls, of in sorted(by_class.items()):
                 assert cls is not None
                 classes[cls] = ClassMetrics(
-                    replicas_reporting=len(of), waiting=queue("waiting", of),
-                    prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt", cls),
-                                                  total("prompt_tokens_total", of), now),
-                    generation_tokens_rate=self._rate((namespace, deployment, role, "generation", cls),
-                                                      total("generation_tokens_total", of), now))
+                    replicas_reporting=len(of),
+                    waiting=queue("waiting", of),
+                    prompt_tokens_rate=self._rate(
+                        (namespace, deployment, role, "prompt", cls), total("prompt_tokens_total", of), now
+                    ),
+                    generation_tokens_rate=self._rate(
+                        (namespace, deployment, role, "generation", cls), total("generation_tokens_total", of), now
+                    ),
+                )
         kv = total("kv_usage")
         return RoleMetrics(
-            waiting=queue("waiting"), running=queue("running"), replicas_reporting=len(targets),
-            sample_time=now, kv_usage=None if kv is None else kv / len(targets),
+            waiting=queue("waiting"),
+            running=queue("running"),
+            replicas_reporting=len(targets),
+            sample_time=now,
+            kv_usage=None if kv is None else kv / len(targets),
             prompt_tokens_waiting=total("prompt_tokens_waiting"),
             prompt_tokens_rate=self._rate((namespace, deployment, role, "prompt"), total("prompt_tokens_total"), now),
-            generation_tokens_rate=self._rate((namespace, deployment, role, "generation"),
-                                              total("generation_tokens_total"), now),
-            classes=classes)
+            generation_tokens_rate=self._rate(
+                (namespace, deployment, role, "generation"), total("generation_tokens_total"), now
+            ),
+            classes=classes,
+        )
 
     def _scrape(self, target: ScrapeTarget) -> dict[str, float]:
         """Snapshot field -> the replica's value: its engine's first series name it exports, summed over
@@ -309,8 +374,9 @@ class ScrapeSource:
                 out[field] = found[0]
         for field in ("waiting", "running"):
             if field not in out:
-                raise MetricsError(f"{url} ({target.engine}) does not export "
-                                   f"{' or '.join(names.SCRAPED_SERIES[target.engine][field])}")
+                raise MetricsError(
+                    f"{url} ({target.engine}) does not export {' or '.join(names.SCRAPED_SERIES[target.engine][field])}"
+                )
         return out
 
     def _rate(self, key: tuple[str, ...], total: float | None, now: float) -> float | None:

@@ -43,10 +43,10 @@ class Preset:
     prompt: LengthDist
     output: LengthDist
     peaks: tuple[tuple[float, float, float], ...]  # (hour of day, height, width in hours) Gaussian humps
-    floor: float                                   # rate at night relative to the humps' baseline
-    bursts_per_day: float                          # Poisson number of bursts per day
-    burst_minutes: float                           # mean burst length (exponential)
-    burst_height: tuple[float, float]              # burst multiplier, uniform in [lo, hi]
+    floor: float  # rate at night relative to the humps' baseline
+    bursts_per_day: float  # Poisson number of bursts per day
+    burst_minutes: float  # mean burst length (exponential)
+    burst_height: tuple[float, float]  # burst multiplier, uniform in [lo, hi]
     # A second population of requests ("simple": short questions, short answers) and its share of all requests;
     # the rest follow prompt/output. Query routing sends the simple ones to a smaller model.
     simple_share: float = 0.0
@@ -73,7 +73,7 @@ PRESETS: dict[str, Preset] = {
     "conversation": Preset(
         name="conversation",
         description="chat: multi-turn prompts (median 1,000 tokens with history), answers of ~250 tokens; "
-                    "an afternoon-and-evening peak about 4x the night; a dozen bursts a day",
+        "an afternoon-and-evening peak about 4x the night; a dozen bursts a day",
         prompt=LengthDist(median=1000, sigma=0.9, lo=8, hi=6144),
         output=LengthDist(median=250, sigma=0.8, lo=1, hi=2048),
         peaks=((11.0, 1.0, 2.5), (20.0, 1.4, 3.0)),
@@ -85,8 +85,8 @@ PRESETS: dict[str, Preset] = {
     "code": Preset(
         name="code",
         description="coding assistant: long prompts of repository context (median 2,500 tokens), short "
-                    "completions (median 100 tokens); office hours with two humps, quiet nights; "
-                    "frequent short bursts (CI and agents)",
+        "completions (median 100 tokens); office hours with two humps, quiet nights; "
+        "frequent short bursts (CI and agents)",
         prompt=LengthDist(median=2500, sigma=0.7, lo=32, hi=7168),
         output=LengthDist(median=100, sigma=1.0, lo=1, hi=1024),
         peaks=((10.5, 1.0, 1.8), (15.5, 1.1, 2.0)),
@@ -98,9 +98,9 @@ PRESETS: dict[str, Preset] = {
     "assistant": Preset(
         name="assistant",
         description="a general assistant, 40% simple / 60% complex requests: simple ones have a short prompt and no "
-                    "history (median 150 tokens) and a medium answer (median 200: an email, a definition, a list); "
-                    "complex ones carry long context (median 1,500 prompt tokens) and longer answers (median 350); "
-                    "the conversation preset's day. Simple requests generate about a third of the output tokens",
+        "history (median 150 tokens) and a medium answer (median 200: an email, a definition, a list); "
+        "complex ones carry long context (median 1,500 prompt tokens) and longer answers (median 350); "
+        "the conversation preset's day. Simple requests generate about a third of the output tokens",
         prompt=LengthDist(median=1500, sigma=0.7, lo=8, hi=7168),
         output=LengthDist(median=350, sigma=0.6, lo=1, hi=2048),
         peaks=((11.0, 1.0, 2.5), (20.0, 1.4, 3.0)),
@@ -120,10 +120,10 @@ class Trace:
     """Requests as aligned arrays; `arrival` is sorted, in seconds from the trace start."""
 
     name: str
-    arrival: np.ndarray   # float64 [N]
-    prompt: np.ndarray    # int64 [N]
-    output: np.ndarray    # int64 [N]
-    duration: float       # seconds the trace covers (>= the last arrival)
+    arrival: np.ndarray  # float64 [N]
+    prompt: np.ndarray  # int64 [N]
+    output: np.ndarray  # int64 [N]
+    duration: float  # seconds the trace covers (>= the last arrival)
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -150,8 +150,9 @@ class Trace:
         return Trace(self.name, self.arrival[:n], self.prompt[:n], self.output[:n], min(seconds, self.duration))
 
 
-def synthetic(preset: str | Preset, *, mean_rate: float, duration: float, seed: int = 0,
-              start_hour: float = 0.0) -> Trace:
+def synthetic(
+    preset: str | Preset, *, mean_rate: float, duration: float, seed: int = 0, start_hour: float = 0.0
+) -> Trace:
     """A bursty diurnal trace of `duration` seconds starting at `start_hour` o'clock, `mean_rate` req/s over a day."""
     p = PRESETS.get(preset) if isinstance(preset, str) else preset
     if p is None:
@@ -244,8 +245,13 @@ def read_csv(path: str | Path, *, name: str | None = None) -> Trace:
     idx = np.argsort(t, kind="stable")
     t = t[idx] - t[idx[0]]
     duration = float(t[-1]) + 1.0
-    return Trace(name or path.stem, t, np.asarray(prompts, dtype=np.int64)[idx],
-                 np.asarray(outputs, dtype=np.int64)[idx], duration)
+    return Trace(
+        name or path.stem,
+        t,
+        np.asarray(prompts, dtype=np.int64)[idx],
+        np.asarray(outputs, dtype=np.int64)[idx],
+        duration,
+    )
 
 
 def write_csv(trace: Trace, path: str | Path) -> None:
@@ -262,8 +268,10 @@ def _header_order(path: Path, header: list[str]) -> tuple[int, int, int]:
     for column in HEADER:
         hits = [i for i, h in enumerate(header) if h in _HEADER_ALIASES[column]]
         if not hits:
-            raise TraceFileError(f"{path}:1: header {header!r} has no {column} column "
-                                 f"(accepted names: {', '.join(sorted(_HEADER_ALIASES[column]))})")
+            raise TraceFileError(
+                f"{path}:1: header {header!r} has no {column} column "
+                f"(accepted names: {', '.join(sorted(_HEADER_ALIASES[column]))})"
+            )
         found.append(hits[0])
     return found[0], found[1], found[2]
 
@@ -285,7 +293,9 @@ def _timestamp(path: Path, line: int, text: str) -> float:
     try:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise TraceFileError(f"{path}:{line}: timestamp {text!r} is neither seconds nor an ISO 8601 date-time") from None
+        raise TraceFileError(
+            f"{path}:{line}: timestamp {text!r} is neither seconds nor an ISO 8601 date-time"
+        ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.timezone.utc)
     return when.timestamp()

@@ -46,8 +46,10 @@ def validate_paths(paths: Iterable[Path]) -> tuple[int, list[Problem]]:
                 from pdfleet_operator.sim import fleet
 
                 name = (doc.get("metadata") or {}).get("name", "<no name>")
-                problems.extend(Problem(source, f"SimulatedFleet/{name}", "", line)
-                                for line in fleet.validate_document(doc, source, path.parent))
+                problems.extend(
+                    Problem(source, f"SimulatedFleet/{name}", "", line)
+                    for line in fleet.validate_document(doc, source, path.parent)
+                )
                 continue
             found = validate_object(doc, source, crd_by_kind)
             problems.extend(found)
@@ -63,14 +65,19 @@ def _runtime_problems(docs: list[tuple[str, dict[str, Any]]]) -> list[Problem]:
     from pdfleet_operator.api import AcceleratorClass, InferenceDeployment
     from pdfleet_operator.decide import runtimes
 
-    classes = {d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
-               for _, d in docs if d["kind"] == "AcceleratorClass"}
+    classes = {
+        d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
+        for _, d in docs
+        if d["kind"] == "AcceleratorClass"
+    }
     out = []
     for source, doc in docs:
         if doc["kind"] == "InferenceDeployment":
             dep = InferenceDeployment.model_validate(doc)
-            out += [Problem(source, f"InferenceDeployment/{dep.name}", p.field, p.message)
-                    for p in runtimes.check(dep.spec, classes)]
+            out += [
+                Problem(source, f"InferenceDeployment/{dep.name}", p.field, p.message)
+                for p in runtimes.check(dep.spec, classes)
+            ]
     return out
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +29,15 @@ def run_pdfleet(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str
 
 # --- models ----------------------------------------------------------------------------------------
 
+
 def test_defaults_a_newcomer_can_live_with():
-    spec = api.InferenceDeploymentSpec.model_validate({
-        "model": {"name": "m", "source": {"local": {"path": "/m"}}},
-        "prefill": {"acceleratorClasses": ["cpu"]},
-        "decode": {"acceleratorClasses": ["cpu"]},
-    })
+    spec = api.InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"name": "m", "source": {"local": {"path": "/m"}}},
+            "prefill": {"acceleratorClasses": ["cpu"]},
+            "decode": {"acceleratorClasses": ["cpu"]},
+        }
+    )
     assert spec.engine.block_size == 16
     assert spec.engine.kv_cache_memory_fraction == 0.85
     assert spec.engine.enable_prefix_caching is True
@@ -60,8 +62,10 @@ def test_parse_duration_rejects(text):
         parse_duration(text)
 
 
-@pytest.mark.parametrize("text,value", [("1Gi", 2**30), ("512Mi", 512 * 2**20), ("500m", 0.5), ("2", 2),
-                                        (4, 4), ("1e3", 1000), ("1.5G", 1.5e9)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("1Gi", 2**30), ("512Mi", 512 * 2**20), ("500m", 0.5), ("2", 2), (4, 4), ("1e3", 1000), ("1.5G", 1.5e9)],
+)
 def test_parse_quantity(text, value):
     assert parse_quantity(text) == pytest.approx(value)
 
@@ -83,18 +87,21 @@ def test_wire_round_trip_keeps_camel_case_and_for():
 
 def test_set_condition_moves_transition_time_only_on_status_change():
     import datetime as dt
+
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     t1 = t0 + dt.timedelta(minutes=5)
     ready = api.Condition(type="Ready", status="False", reason="Pending", last_transition_time=t0)
     conds = api.set_condition([], ready)
     conds = api.set_condition(conds, ready.model_copy(update={"reason": "StillPending", "last_transition_time": t1}))
     assert conds[0].last_transition_time == t0 and conds[0].reason == "StillPending"
-    conds = api.set_condition(conds, ready.model_copy(update={"status": "True", "reason": "AllPoolsReady",
-                                                              "last_transition_time": t1}))
+    conds = api.set_condition(
+        conds, ready.model_copy(update={"status": "True", "reason": "AllPoolsReady", "last_transition_time": t1})
+    )
     assert len(conds) == 1 and conds[0].last_transition_time == t1
 
 
 # --- generated CRDs ---------------------------------------------------------------------------------
+
 
 def _walk(node, path="schema"):
     yield path, node
@@ -137,8 +144,12 @@ def test_crd_printer_columns_and_names():
     assert infdep["spec"]["names"]["categories"] == ["pdfleet"]
     acc = crd_schema.build_crd("AcceleratorClass")
     assert acc["spec"]["scope"] == "Cluster"
-    assert [c["name"] for c in acc["spec"]["versions"][0]["additionalPrinterColumns"] if "priority" not in c] == \
-        ["Vendor", "Resource", "$/h", "Age"]
+    assert [c["name"] for c in acc["spec"]["versions"][0]["additionalPrinterColumns"] if "priority" not in c] == [
+        "Vendor",
+        "Resource",
+        "$/h",
+        "Age",
+    ]
 
 
 def test_crd_rules_match_the_models():
@@ -171,6 +182,7 @@ def test_crds_check_cli_detects_a_changed_model(tmp_path):
 
 def test_crds_check_fails_after_a_model_field_changes(monkeypatch):
     from pdfleet_operator.api import inference_deployment as infdep
+
     field = infdep.EngineSpec.model_fields["block_size"]
     monkeypatch.setattr(field, "description", "changed")
     infdep.EngineSpec.model_rebuild(force=True)
@@ -187,16 +199,32 @@ def test_crds_check_fails_after_a_model_field_changes(monkeypatch):
 
 # --- examples and validation ------------------------------------------------------------------------
 
+
 def test_examples_cover_the_fleet_we_promise():
-    classes = {d["metadata"]["name"]: d["spec"] for d in yaml.safe_load_all((ROOT / "examples/acceleratorclasses.yaml").read_text())}
+    classes = {
+        d["metadata"]["name"]: d["spec"]
+        for d in yaml.safe_load_all((ROOT / "examples/acceleratorclasses.yaml").read_text())
+    }
     resources = {spec["resourceName"] for spec in classes.values()}
-    assert {"nvidia.com/gpu", "nvidia.com/mig-3g.40gb", "nvidia.com/mig-1g.10gb", "huawei.com/Ascend910",
-            "cambricon.com/mlu", "hygon.com/dcu", "kunlunxin.com/xpu", "cpu"} <= resources
+    assert {
+        "nvidia.com/gpu",
+        "nvidia.com/mig-3g.40gb",
+        "nvidia.com/mig-1g.10gb",
+        "huawei.com/Ascend910",
+        "cambricon.com/mlu",
+        "hygon.com/dcu",
+        "kunlunxin.com/xpu",
+        "cpu",
+    } <= resources
     assert {"h100-80gb", "h200-141gb", "a100-80gb", "l40s-48gb", "cpu"} <= set(classes)
     for name, spec in classes.items():
         assert spec["costSource"] and spec["costAsOf"], f"{name} has no documented price source/date"
-    deployments = [d for p in ROOT.glob("examples/*.yaml") for d in yaml.safe_load_all(p.read_text())
-                   if d and d["kind"] == "InferenceDeployment"]
+    deployments = [
+        d
+        for p in ROOT.glob("examples/*.yaml")
+        for d in yaml.safe_load_all(p.read_text())
+        if d and d["kind"] == "InferenceDeployment"
+    ]
     assert len(deployments) >= 3
     # Every class a deployment refers to exists.
     for d in deployments:
@@ -215,14 +243,17 @@ def test_every_example_passes_validate_cli():
 def test_invalid_resource_rejected_by_validate(case):
     obj = case.build()
     problems = validate.validate_object(obj, "case.yaml")
-    assert any(invalid_resources.matches(case, p.field, p.message) for p in problems), \
+    assert any(invalid_resources.matches(case, p.field, p.message) for p in problems), (
         f"expected an error at {case.field} mentioning {case.word!r}; got {[str(p) for p in problems]}"
+    )
     # Both layers must reject on their own: the CRD's admission rules and the operator's models.
     kind = obj["kind"]
-    assert any(invalid_resources.matches(case, e.field, e.message)
-               for e in admission.validate(crd_schema.build_crd(kind), obj)), "admission (schema + CEL) accepted it"
-    assert any(invalid_resources.matches(case, f, m)
-               for f, m in validate.pydantic_problems(api.KINDS[kind], obj)), "the pydantic model accepted it"
+    assert any(
+        invalid_resources.matches(case, e.field, e.message) for e in admission.validate(crd_schema.build_crd(kind), obj)
+    ), "admission (schema + CEL) accepted it"
+    assert any(invalid_resources.matches(case, f, m) for f, m in validate.pydantic_problems(api.KINDS[kind], obj)), (
+        "the pydantic model accepted it"
+    )
 
 
 def test_enough_invalid_cases():

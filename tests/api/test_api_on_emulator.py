@@ -58,7 +58,7 @@ def crd_cluster(kube):
 def test_invalid_resource_rejected_by_emulator_admission(crd_cluster, case):
     obj = case.build()
     if obj["kind"] == "InferenceDeployment":
-        path = f"/apis/pdfleet.io/v1alpha1/namespaces/default/inferencedeployments"
+        path = "/apis/pdfleet.io/v1alpha1/namespaces/default/inferencedeployments"
     else:
         path = "/apis/pdfleet.io/v1alpha1/acceleratorclasses"
     resp = httpx.post(f"{crd_cluster.url}{path}", params={"fieldValidation": "Strict"}, json=obj, timeout=10)
@@ -66,7 +66,10 @@ def test_invalid_resource_rejected_by_emulator_admission(crd_cluster, case):
     status = resp.json()
     assert status["kind"] == "Status" and status["status"] == "Failure"
     causes = (status.get("details") or {}).get("causes") or [{"field": "", "message": status["message"]}]
-    assert any(invalid_resources.matches(case, c.get("field", ""), c.get("message", "")) or
-               invalid_resources.matches(case, case.field, status["message"]) and case.field in status["message"]
-               for c in causes), status
+    assert any(
+        invalid_resources.matches(case, c.get("field", ""), c.get("message", ""))
+        or invalid_resources.matches(case, case.field, status["message"])
+        and case.field in status["message"]
+        for c in causes
+    ), status
     assert crd_cluster.list(obj["kind"], "default" if obj["kind"] == "InferenceDeployment" else None) == []

@@ -29,15 +29,29 @@ def test_the_example_is_valid_and_defaults_fill_in() -> None:
     assert dep.spec.routing.confidence_floor == 0.5 and dep.spec.router.heartbeat_interval == "10s"
 
 
-@pytest.mark.parametrize("doc, field, text", [
-    (with_routing(target="qwen2-7b-routed", rules={"maxTokens": 8}), "spec.routing.target", "cannot route to itself"),
-    (with_routing(target="small"), "spec.routing.rules", "at least one rule or a classifier"),
-    (with_routing(target="small", rules={"patterns": ["ok", "(unclosed"]}), "spec.routing.rules.patterns",
-     "[1] '(unclosed' is not a valid regular expression"),
-    (with_routing(target="small", rules={"maxTokens": 0}), "spec.routing.rules.maxTokens", "greater than or equal to 1"),
-    (with_routing(target="small", classifier={"entryPoint": "no colon"}), "spec.routing.classifier.entryPoint", ""),
-    (with_routing(target="small", rules={"maxTokens": 8}, confidenceFloor=1.5), "spec.routing.confidenceFloor", ""),
-])
+@pytest.mark.parametrize(
+    "doc, field, text",
+    [
+        (
+            with_routing(target="qwen2-7b-routed", rules={"maxTokens": 8}),
+            "spec.routing.target",
+            "cannot route to itself",
+        ),
+        (with_routing(target="small"), "spec.routing.rules", "at least one rule or a classifier"),
+        (
+            with_routing(target="small", rules={"patterns": ["ok", "(unclosed"]}),
+            "spec.routing.rules.patterns",
+            "[1] '(unclosed' is not a valid regular expression",
+        ),
+        (
+            with_routing(target="small", rules={"maxTokens": 0}),
+            "spec.routing.rules.maxTokens",
+            "greater than or equal to 1",
+        ),
+        (with_routing(target="small", classifier={"entryPoint": "no colon"}), "spec.routing.classifier.entryPoint", ""),
+        (with_routing(target="small", rules={"maxTokens": 8}, confidenceFloor=1.5), "spec.routing.confidenceFloor", ""),
+    ],
+)
 def test_bad_routing_is_refused_naming_the_field(doc, field, text) -> None:
     found = problems(doc)
     assert field in found, found

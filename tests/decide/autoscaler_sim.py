@@ -35,20 +35,38 @@ def spec(**overrides: Any) -> InferenceDeploymentSpec:
     return InferenceDeploymentSpec.model_validate(body)
 
 
-def snapshot(t: float, roles: Mapping[str, Mapping[str, float]], replicas: Mapping[str, int] | None = None,
-             sample_time: float | None = None) -> MetricsSnapshot:
+def snapshot(
+    t: float,
+    roles: Mapping[str, Mapping[str, float]],
+    replicas: Mapping[str, int] | None = None,
+    sample_time: float | None = None,
+) -> MetricsSnapshot:
     """An ok snapshot taken at t from per-role queue numbers."""
-    return MetricsSnapshot(taken_at=t, source="script", roles={
-        role: RoleMetrics(waiting=q.get("waiting", 0.0), running=q.get("running", 0.0),
-                          prompt_tokens_waiting=q.get("prompt_tokens_waiting"),
-                          replicas_reporting=max(1, (replicas or {}).get(role, 1)),
-                          sample_time=t if sample_time is None else sample_time)
-        for role, q in roles.items()})
+    return MetricsSnapshot(
+        taken_at=t,
+        source="script",
+        roles={
+            role: RoleMetrics(
+                waiting=q.get("waiting", 0.0),
+                running=q.get("running", 0.0),
+                prompt_tokens_waiting=q.get("prompt_tokens_waiting"),
+                replicas_reporting=max(1, (replicas or {}).get(role, 1)),
+                sample_time=t if sample_time is None else sample_time,
+            )
+            for role, q in roles.items()
+        },
+    )
 
 
-def simulate(s: InferenceDeploymentSpec, script: Script, duration: float, *,
-             replicas: Mapping[str, int] | None = None, capacity: Mapping[str, int] | None = None,
-             start: float = 1_000_000.0) -> list[Step]:
+def simulate(
+    s: InferenceDeploymentSpec,
+    script: Script,
+    duration: float,
+    *,
+    replicas: Mapping[str, int] | None = None,
+    capacity: Mapping[str, int] | None = None,
+    start: float = 1_000_000.0,
+) -> list[Step]:
     """Call decide every spec interval for `duration` simulated seconds; the decided sizes take effect at once."""
     state = autoscaler.ScalerState.initial(s, replicas)
     interval = s.interval_seconds()

@@ -28,6 +28,7 @@ def one(s, roles, replicas, now=T0, state=None, capacity=None):
 
 # --- the issue's must-haves --------------------------------------------------------------------
 
+
 def test_prefill_queue_surge_scales_prefill_within_one_interval():
     s = spec()
     surge_at = 60.5
@@ -51,9 +52,12 @@ def test_prefill_queue_surge_scales_prefill_within_one_interval():
 def test_surge_at_prefill_grows_decode_in_the_same_interval():
     s = spec()
     # prefill has 2 replicas carrying 8 waiting (its target); 40 more arrive at once
-    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 8.0 if t < 30 else 48.0},
-                                        "decode": {"running": 32.0}},
-                     120, replicas={"prefill": 2, "decode": 2})
+    steps = simulate(
+        s,
+        lambda t, cur: {"prefill": {"waiting": 8.0 if t < 30 else 48.0}, "decode": {"running": 32.0}},
+        120,
+        replicas={"prefill": 2, "decode": 2},
+    )
     at = next(st for st in steps if st.t >= 30)
     assert at.decisions["prefill"].direction == "up"
     d = at.decisions["decode"]
@@ -101,8 +105,10 @@ def test_noisy_steady_load_changes_direction_at_most_once_in_ten_minutes(seed):
 
     def script(t, cur):
         # totals that 3 replicas of each role carry at target, +-30%
-        return {"prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
-                "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)}}
+        return {
+            "prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
+            "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)},
+        }
 
     steps = simulate(s, script, 600, replicas={"prefill": 3, "decode": 3})
     assert len(steps) == 40
@@ -115,9 +121,15 @@ def test_noise_would_flap_without_the_down_window():
     """The guard above is not vacuous: with no down window the same noise flaps."""
     s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"})
     rng = random.Random(1)
-    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
-                                        "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)}},
-                     600, replicas={"prefill": 3, "decode": 3})
+    steps = simulate(
+        s,
+        lambda t, cur: {
+            "prefill": {"waiting": 12.0 * rng.uniform(0.7, 1.3)},
+            "decode": {"running": 48.0 * rng.uniform(0.7, 1.3)},
+        },
+        600,
+        replicas={"prefill": 3, "decode": 3},
+    )
     assert direction_changes(steps, "decode") > 1
 
 
@@ -131,8 +143,11 @@ def test_metric_gap_holds_and_never_reads_the_gap_as_zero():
 
     steps = simulate(s, script, 600, replicas={"prefill": 3, "decode": 5})
     gap = [st for st in steps if 120 <= st.t < 240]
-    assert gap and all(d.direction == "hold" and d.reason == autoscaler.METRICS_UNAVAILABLE
-                       and "connection refused" in d.message for st in gap for d in st.decisions.values())
+    assert gap and all(
+        d.direction == "hold" and d.reason == autoscaler.METRICS_UNAVAILABLE and "connection refused" in d.message
+        for st in gap
+        for d in st.decisions.values()
+    )
     assert all(st.replicas == {"prefill": 3, "decode": 5} for st in steps)
     conds = {c.type: c for c in autoscaler.conditions(gap[0].decisions, T0)}
     assert conds["MetricsAvailable"].status == "False"
@@ -161,8 +176,12 @@ def test_nan_samples_cannot_enter_a_snapshot():
     with pytest.raises(ValueError, match="non-finite"):
         RoleMetrics(waiting=float("nan"), running=0.0, replicas_reporting=1, sample_time=T0)
     with pytest.raises(ValueError, match="must not carry numbers"):
-        MetricsSnapshot(taken_at=T0, ok=False, error="x",
-                        roles={"prefill": RoleMetrics(waiting=0, running=0, replicas_reporting=1, sample_time=T0)})
+        MetricsSnapshot(
+            taken_at=T0,
+            ok=False,
+            error="x",
+            roles={"prefill": RoleMetrics(waiting=0, running=0, replicas_reporting=1, sample_time=T0)},
+        )
 
 
 def test_ratio_above_max_raises_decode_and_says_so():
@@ -185,8 +204,10 @@ def test_ratio_below_min_raises_prefill_and_says_so():
 
 
 def test_ratio_bound_shrinks_the_other_side_when_one_cannot_grow():
-    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 2},
-             autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}})
+    s = spec(
+        decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 2},
+        autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}},
+    )
     decisions, _ = one(s, {"prefill": {"waiting": 32.0}, "decode": {"running": 16.0}}, {"prefill": 4, "decode": 1})
     d, p = decisions["decode"], decisions["prefill"]
     assert d.desired == 2
@@ -196,8 +217,12 @@ def test_ratio_bound_shrinks_the_other_side_when_one_cannot_grow():
 
 def test_capacity_caps_with_scaling_limited():
     s = spec()
-    decisions, state = one(s, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
-                           {"prefill": 1, "decode": 1}, capacity={"prefill": 3, "decode": 10})
+    decisions, state = one(
+        s,
+        {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
+        {"prefill": 1, "decode": 1},
+        capacity={"prefill": 3, "decode": 10},
+    )
     p = decisions["prefill"]
     assert (p.desired, p.direction, p.reason) == (3, "up", autoscaler.SCALING_LIMITED)
     assert "only 3 placeable" in p.message and "asked 5" in p.message
@@ -209,8 +234,12 @@ def test_capacity_caps_with_scaling_limited():
 
 def test_capacity_shortage_never_shrinks_what_runs():
     s = spec()
-    decisions, _ = one(s, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
-                       {"prefill": 4, "decode": 1}, capacity={"prefill": 2})
+    decisions, _ = one(
+        s,
+        {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}},
+        {"prefill": 4, "decode": 1},
+        capacity={"prefill": 2},
+    )
     assert (decisions["prefill"].desired, decisions["prefill"].reason) == (4, autoscaler.SCALING_LIMITED)
 
 
@@ -234,8 +263,12 @@ def test_grace_period_after_scale_up_blocks_scale_down_of_that_role():
 def test_grace_period_concerns_only_the_role_that_grew():
     s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "60s"})
     # decode grows on its own queue at t=0 while prefill's queue is empty
-    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 0.0}, "decode": {"running": 64.0 if t < 15 else 0.0}},
-                     60, replicas={"prefill": 3, "decode": 1})
+    steps = simulate(
+        s,
+        lambda t, cur: {"prefill": {"waiting": 0.0}, "decode": {"running": 64.0 if t < 15 else 0.0}},
+        60,
+        replicas={"prefill": 3, "decode": 1},
+    )
     assert steps[0].decisions["decode"].direction == "up"
     assert steps[1].decisions["decode"].reason == autoscaler.SCALE_DOWN_DELAYED
     assert [st.decisions["prefill"].direction for st in steps[:2]] == ["down", "down"]
@@ -244,8 +277,12 @@ def test_grace_period_concerns_only_the_role_that_grew():
 def test_scale_down_window_keeps_the_highest_recommendation():
     s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "120s"})
     # decode asks for 6, then 3 for good at t=60
-    steps = simulate(s, lambda t, cur: {"prefill": {"waiting": 4.0}, "decode": {"running": 96.0 if t < 60 else 48.0}},
-                     400, replicas={"prefill": 1, "decode": 6})
+    steps = simulate(
+        s,
+        lambda t, cur: {"prefill": {"waiting": 4.0}, "decode": {"running": 96.0 if t < 60 else 48.0}},
+        400,
+        replicas={"prefill": 1, "decode": 6},
+    )
     held = [st for st in steps if 60 <= st.t < 165]
     assert held and all(st.decisions["decode"].reason == autoscaler.SCALE_DOWN_STABILIZING for st in held)
     assert "highest recommendation in the last 120s was 6" in held[-1].decisions["decode"].message
@@ -256,18 +293,26 @@ def test_scale_down_window_keeps_the_highest_recommendation():
 
 def test_scale_up_window_ignores_a_one_interval_spike():
     s = spec(autoscaling={"interval": "15s", "scaleUpStabilization": "30s"})
-    spike = simulate(s, lambda t, cur: {"prefill": {"waiting": 40.0 if t == 60 else 4.0}, "decode": {"running": 16.0}},
-                     150, replicas={"prefill": 1, "decode": 1})
+    spike = simulate(
+        s,
+        lambda t, cur: {"prefill": {"waiting": 40.0 if t == 60 else 4.0}, "decode": {"running": 16.0}},
+        150,
+        replicas={"prefill": 1, "decode": 1},
+    )
     assert all(st.replicas["prefill"] == 1 for st in spike)
     assert spike[4].decisions["prefill"].reason == autoscaler.SCALE_UP_STABILIZING
-    sustained = simulate(s, lambda t, cur: {"prefill": {"waiting": 40.0 if t >= 60 else 4.0},
-                                            "decode": {"running": 16.0}},
-                         150, replicas={"prefill": 1, "decode": 1})
+    sustained = simulate(
+        s,
+        lambda t, cur: {"prefill": {"waiting": 40.0 if t >= 60 else 4.0}, "decode": {"running": 16.0}},
+        150,
+        replicas={"prefill": 1, "decode": 1},
+    )
     up = first(sustained, "prefill", lambda d: d.direction == "up")
     assert up is not None and up.t == 75  # every recommendation of the last 30 s (60, 75) asked for more
 
 
 # --- the rest of the chain ---------------------------------------------------------------------
+
 
 def test_within_tolerance_holds():
     s = spec()
@@ -287,10 +332,19 @@ def test_scale_down_step_and_min_max():
 
 
 def test_prompt_tokens_target_wins_when_it_needs_more():
-    s = spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8,
-                      "targetPromptTokensPerReplica": 16384})
-    decisions, _ = one(s, {"prefill": {"waiting": 2.0, "prompt_tokens_waiting": 100_000.0},
-                           "decode": {"running": 16.0}}, {"prefill": 1, "decode": 1})
+    s = spec(
+        prefill={
+            "acceleratorClasses": ["h100"],
+            "minReplicas": 1,
+            "maxReplicas": 8,
+            "targetPromptTokensPerReplica": 16384,
+        }
+    )
+    decisions, _ = one(
+        s,
+        {"prefill": {"waiting": 2.0, "prompt_tokens_waiting": 100_000.0}, "decode": {"running": 16.0}},
+        {"prefill": 1, "decode": 1},
+    )
     p = decisions["prefill"]
     assert p.desired == 5 and "waiting prompt tokens" in p.message  # 1 + step 4 toward ceil(100000/16384) = 7
     # an engine without the gauge (vLLM) scales on requests and says so
@@ -299,8 +353,12 @@ def test_prompt_tokens_target_wins_when_it_needs_more():
 
 
 def test_colocated_role_scales_on_running_plus_waiting_without_a_ratio():
-    s = spec(disaggregation=False, prefill=None, decode=None,
-             colocated={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8})
+    s = spec(
+        disaggregation=False,
+        prefill=None,
+        decode=None,
+        colocated={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8},
+    )
     decisions, _ = one(s, {"colocated": {"running": 40.0, "waiting": 24.0}}, {"colocated": 2})
     assert (decisions["colocated"].desired, decisions["colocated"].direction) == (4, "up")
     assert autoscaler.ratio_text(decisions) == "-" and autoscaler.pd_ratio(decisions) is None
@@ -308,8 +366,9 @@ def test_colocated_role_scales_on_running_plus_waiting_without_a_ratio():
 
 def test_disabled_runs_min_replicas():
     s = spec(autoscaling={"enabled": False})
-    decisions, _ = decide(s, ScalerState.initial(s, {"prefill": 3, "decode": 3}),
-                          MetricsSnapshot.unavailable(T0, "not asked"), T0, {})
+    decisions, _ = decide(
+        s, ScalerState.initial(s, {"prefill": 3, "decode": 3}), MetricsSnapshot.unavailable(T0, "not asked"), T0, {}
+    )
     assert {(d.desired, d.reason) for d in decisions.values()} == {(1, autoscaler.AUTOSCALING_DISABLED)}
     assert {c.type: c.status for c in autoscaler.conditions(decisions, T0)}["MetricsAvailable"] == "Unknown"
 
@@ -317,8 +376,7 @@ def test_disabled_runs_min_replicas():
 def test_state_round_trips_through_json_and_rejects_garbage():
     s = spec()
     steps_state = ScalerState.initial(s, {"prefill": 2})
-    _, state = decide(s, steps_state, snapshot(T0, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}}),
-                      T0, {})
+    _, state = decide(s, steps_state, snapshot(T0, {"prefill": {"waiting": 40.0}, "decode": {"running": 16.0}}), T0, {})
     text = state.to_json()
     assert ScalerState.from_json(text) == state
     assert state.last_scale_up == {"prefill": T0, "decode": T0} and state.recommendations["prefill"] == ((T0, 10),)
@@ -337,6 +395,7 @@ def test_headline_and_status_report_the_change():
 
 # --- the mechanisms beyond one HPA per role --------------------------------------------------------
 
+
 def test_per_role_baseline_neither_looks_ahead_nor_bounds_the_ratio():
     s = spec(autoscaling={"interval": "15s", "pdRatio": {"min": 0.125, "max": 2}})
     roles = {"prefill": {"waiting": 48.0}, "decode": {"running": 32.0}}
@@ -349,13 +408,14 @@ def test_per_role_baseline_neither_looks_ahead_nor_bounds_the_ratio():
 
 
 def test_queue_trend_sizes_a_surge_for_the_next_interval_only():
-    s = spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16},
-             autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    s = spec(
+        prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16},
+        autoscaling={"interval": "15s", "maxScaleUpStep": 100},
+    )
     state = ScalerState.initial(s, {"prefill": 4, "decode": 4})
     state = replace(state, last_need={"prefill": (T0 - 15, 4.0), "decode": (T0 - 15, 4.0)})
     # prefill: 8 replicas' worth, grown by 4 in one interval -> sized for 12; decode 1.3x, growing: no trend
-    decisions, new = decide(s, state, snapshot(T0, {"prefill": {"waiting": 32.0}, "decode": {"running": 83.2}}),
-                            T0, {})
+    decisions, new = decide(s, state, snapshot(T0, {"prefill": {"waiting": 32.0}, "decode": {"running": 83.2}}), T0, {})
     p, d = decisions["prefill"], decisions["decode"]
     assert (p.desired, p.reason) == (12, autoscaler.QUEUE_GROWING) and "grew by 4.00" in p.message
     # decode: (83.2 + the 14.4 queued at prefill beyond 1.1 x 16) / 16 = 6.1; growing, but 5.2 < 1.5 x 4: no trend
@@ -370,18 +430,49 @@ def test_queue_trend_sizes_a_surge_for_the_next_interval_only():
 # --- the token rate (Policy.token_rate) ---------------------------------------------------------------
 
 # the token rate as issue 6 left it (with its trend); the drain sizing and the drained scale-down are tested below
-RATE_ONLY = autoscaler.Policy(prefill_lookahead=False, queue_trend=False, token_rate=True, ratio_bounds=False,
-                              drain_sizing=False, drained_scale_down=False)
+RATE_ONLY = autoscaler.Policy(
+    prefill_lookahead=False,
+    queue_trend=False,
+    token_rate=True,
+    ratio_bounds=False,
+    drain_sizing=False,
+    drained_scale_down=False,
+)
 
 
-def rate_snapshot(t, prefill_waiting, prompt_rate, prefill_replicas, *, tokens_waiting=0.0, decode_waiting=0.0,
-                  decode_running=16.0, gen_rate=None, decode_replicas=2):
-    return MetricsSnapshot(taken_at=t, source="script", roles={
-        "prefill": RoleMetrics(waiting=prefill_waiting, running=float(prefill_replicas), sample_time=t,
-                               replicas_reporting=prefill_replicas, prompt_tokens_waiting=tokens_waiting,
-                               prompt_tokens_rate=prompt_rate),
-        "decode": RoleMetrics(waiting=decode_waiting, running=decode_running, sample_time=t,
-                              replicas_reporting=decode_replicas, generation_tokens_rate=gen_rate)})
+def rate_snapshot(
+    t,
+    prefill_waiting,
+    prompt_rate,
+    prefill_replicas,
+    *,
+    tokens_waiting=0.0,
+    decode_waiting=0.0,
+    decode_running=16.0,
+    gen_rate=None,
+    decode_replicas=2,
+):
+    return MetricsSnapshot(
+        taken_at=t,
+        source="script",
+        roles={
+            "prefill": RoleMetrics(
+                waiting=prefill_waiting,
+                running=float(prefill_replicas),
+                sample_time=t,
+                replicas_reporting=prefill_replicas,
+                prompt_tokens_waiting=tokens_waiting,
+                prompt_tokens_rate=prompt_rate,
+            ),
+            "decode": RoleMetrics(
+                waiting=decode_waiting,
+                running=decode_running,
+                sample_time=t,
+                replicas_reporting=decode_replicas,
+                generation_tokens_rate=gen_rate,
+            ),
+        },
+    )
 
 
 def test_throughput_is_learned_only_from_a_saturated_rate_window():
@@ -389,16 +480,30 @@ def test_throughput_is_learned_only_from_a_saturated_rate_window():
     state = ScalerState.initial(s, {"prefill": 2, "decode": 2})
     # 2 prefill replicas with requests waiting for a whole minute serve 8000 tokens/s: 4000 each
     for k in range(5):
-        _, state = decide(s, state, rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2, tokens_waiting=9000.0),
-                          T0 + 15 * k, {}, current={"prefill": 2, "decode": 2}, policy=RATE_ONLY)
+        _, state = decide(
+            s,
+            state,
+            rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2, tokens_waiting=9000.0),
+            T0 + 15 * k,
+            {},
+            current={"prefill": 2, "decode": 2},
+            policy=RATE_ONLY,
+        )
         # a first guess once two decisions in a row saw it saturated (nothing learned yet, less than a
         # window watched: the most replicas seen served the rate), then the full window's value
         assert ("prefill" in state.throughput) == (k >= 1), k
     assert state.throughput["prefill"] == pytest.approx(4000.0)
     guess = ScalerState.initial(s, {"prefill": 2, "decode": 2})
     for k, replicas in enumerate((2, 3)):  # the pool grew: the guess divides by the most replicas seen
-        _, guess = decide(s, guess, rate_snapshot(T0 + 15 * k, 6.0, 9000.0, replicas), T0 + 15 * k, {},
-                          current={"prefill": replicas, "decode": 2}, policy=RATE_ONLY)
+        _, guess = decide(
+            s,
+            guess,
+            rate_snapshot(T0 + 15 * k, 6.0, 9000.0, replicas),
+            T0 + 15 * k,
+            {},
+            current={"prefill": replicas, "decode": 2},
+            policy=RATE_ONLY,
+        )
     assert guess.throughput["prefill"] == pytest.approx(3000.0)
     # a saturated window whose replicas changed divides by the replicas that served it (time-weighted)
     samples = ((0.0, 2, True), (30.0, 4, True), (60.0, 4, True))
@@ -406,22 +511,24 @@ def test_throughput_is_learned_only_from_a_saturated_rate_window():
     # a minute with nothing waiting says nothing: 2 replicas serving 2000 tokens/s are not at 1000 each
     fresh = ScalerState.initial(s, {"prefill": 2, "decode": 2})
     for k in range(6):
-        _, fresh = decide(s, fresh, rate_snapshot(T0 + 15 * k, 0.0, 2000.0, 2), T0 + 15 * k, {},
-                          policy=RATE_ONLY)
+        _, fresh = decide(s, fresh, rate_snapshot(T0 + 15 * k, 0.0, 2000.0, 2), T0 + 15 * k, {}, policy=RATE_ONLY)
     assert "prefill" not in fresh.throughput
     # the baseline learns nothing and keeps no token-rate state
     base = ScalerState.initial(s, {"prefill": 2, "decode": 2})
     for k in range(6):
-        _, base = decide(s, base, rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2), T0 + 15 * k, {},
-                         policy=autoscaler.PER_ROLE)
+        _, base = decide(
+            s, base, rate_snapshot(T0 + 15 * k, 6.0, 8000.0, 2), T0 + 15 * k, {}, policy=autoscaler.PER_ROLE
+        )
     assert base.throughput == {} and base.samples == {} and base.last_queue == {}
 
 
 def test_a_window_that_ends_saturated_only_raises_the_learned_throughput():
     s = spec()
-    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 3000.0},
-                    samples={"prefill": ((T0 - 60, 2, False), (T0 - 45, 2, False), (T0 - 30, 2, False),
-                                         (T0 - 15, 2, True))})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+        throughput={"prefill": 3000.0},
+        samples={"prefill": ((T0 - 60, 2, False), (T0 - 45, 2, False), (T0 - 30, 2, False), (T0 - 15, 2, True))},
+    )
     rate = autoscaler.observe_rate("prefill", rate_snapshot(T0, 3.0, 7000.0, 2).roles["prefill"], state, T0)
     assert rate.per_replica == pytest.approx(3500.0)  # a lower bound above 3000 raises it
     rate = autoscaler.observe_rate("prefill", rate_snapshot(T0, 3.0, 5000.0, 2).roles["prefill"], state, T0)
@@ -430,8 +537,11 @@ def test_a_window_that_ends_saturated_only_raises_the_learned_throughput():
 
 def test_token_rate_keeps_prefill_at_its_demand_where_the_empty_queue_would_shrink_it():
     s = spec(autoscaling={"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"})
-    state = replace(ScalerState.initial(s, {"prefill": 4, "decode": 2}), throughput={"prefill": 4000.0},
-                    watching_since={"prefill": T0 - 600, "decode": T0 - 600})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 4, "decode": 2}),
+        throughput={"prefill": 4000.0},
+        watching_since={"prefill": T0 - 600, "decode": T0 - 600},
+    )
     # 9800 tokens/s arrive and are served with nothing waiting: 9800 / (4000 x 0.7) = 3.5 -> 4
     snap = rate_snapshot(T0, 0.0, 9800.0, 4)
     ours, _ = decide(s, state, snap, T0, {}, policy=RATE_ONLY)
@@ -446,15 +556,19 @@ def test_token_rate_keeps_prefill_at_its_demand_where_the_empty_queue_would_shri
 
 def test_token_rate_counts_the_queue_growth_as_arrivals():
     s = spec(autoscaling={"interval": "15s", "maxScaleUpStep": 100})
-    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 4000.0},
-                    last_queue={"prefill": (T0 - 15, 0.0)})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+        throughput={"prefill": 4000.0},
+        last_queue={"prefill": (T0 - 15, 0.0)},
+    )
     # saturated at 8000 tokens/s, and 30000 tokens queued in 15 s: 10000 tokens/s arrive
     assert autoscaler.arrival_rate(8000.0, 30000.0, (T0 - 15, 0.0), T0, 15.0) == pytest.approx(10000.0)
     assert autoscaler.arrival_rate(8000.0, 30000.0, (T0 - 60, 0.0), T0, 15.0) == 8000.0  # too old to tell
-    assert autoscaler.arrival_rate(8000.0, None, (T0 - 15, 0.0), T0, 15.0) == 8000.0     # no token queue
+    assert autoscaler.arrival_rate(8000.0, None, (T0 - 15, 0.0), T0, 15.0) == 8000.0  # no token queue
     # 10000 / 2800 + 30000 / (4000 x 60) = 3.70 replicas' worth; the queue alone (1 waiting) asks for 1
-    decisions, new = decide(s, state, rate_snapshot(T0, 1.0, 8000.0, 2, tokens_waiting=30000.0), T0, {},
-                            policy=RATE_ONLY)
+    decisions, new = decide(
+        s, state, rate_snapshot(T0, 1.0, 8000.0, 2, tokens_waiting=30000.0), T0, {}, policy=RATE_ONLY
+    )
     p = decisions["prefill"]
     assert (p.desired, p.direction, p.reason) == (4, "up", autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
     assert "10000 tokens/s arriving" in p.message
@@ -465,27 +579,45 @@ def test_token_rate_counts_the_queue_growth_as_arrivals():
 
 
 def test_decode_grows_for_what_prefill_arrivals_will_generate():
-    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
-                     "targetQueuePerReplica": 32}, autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    s = spec(
+        decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16, "targetQueuePerReplica": 32},
+        autoscaling={"interval": "15s", "maxScaleUpStep": 100},
+    )
     steady = ((T0 - 30, 2, False), (T0 - 15, 2, False))
-    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}),
-                    throughput={"prefill": 4000.0, "decode": 640.0}, samples={"prefill": steady, "decode": steady})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+        throughput={"prefill": 4000.0, "decode": 640.0},
+        samples={"prefill": steady, "decode": steady},
+    )
     # steady: 6000 prompt tokens/s in, 1200 generated: decode learns 0.2 generated per prompt token
-    _, state = decide(s, state, rate_snapshot(T0, 0.0, 6000.0, 2, decode_running=60.0, gen_rate=1200.0), T0, {},
-                      policy=RATE_ONLY)
+    _, state = decide(
+        s, state, rate_snapshot(T0, 0.0, 6000.0, 2, decode_running=60.0, gen_rate=1200.0), T0, {}, policy=RATE_ONLY
+    )
     assert state.generation_per_prompt == pytest.approx(0.2)
     # prefill's arrivals triple (its queue grows by 12000 tokens/s): decode, not yet reached, grows ahead
     t = T0 + 15
-    decisions, _ = decide(s, state, rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0,
-                                                   decode_running=60.0, gen_rate=1200.0), t, {}, policy=RATE_ONLY)
+    decisions, _ = decide(
+        s,
+        state,
+        rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0, decode_running=60.0, gen_rate=1200.0),
+        t,
+        {},
+        policy=RATE_ONLY,
+    )
     d = decisions["decode"]
     # 0.2 x 18000 = 3600 tokens/s on their way / (640 x 0.7) = 8.04 -> 9
     assert (d.desired, d.reason) == (9, autoscaler.TOKEN_RATE_ABOVE_CAPACITY)
     assert "on their way from prefill" in d.message
     assert d.current == 3  # 1200 / (640 x 0.7) = 2.68 at the steady decision
     # the baseline's decode sees only its own 60 running (2 replicas' worth): it does not grow
-    base, _ = decide(s, state, rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0, decode_running=60.0,
-                                             gen_rate=1200.0), t, {}, policy=autoscaler.PER_ROLE)
+    base, _ = decide(
+        s,
+        state,
+        rate_snapshot(t, 40.0, 6000.0, 2, tokens_waiting=180000.0, decode_running=60.0, gen_rate=1200.0),
+        t,
+        {},
+        policy=autoscaler.PER_ROLE,
+    )
     assert base["decode"].direction == "hold" and base["decode"].desired == 3
 
 
@@ -500,8 +632,14 @@ def test_noisy_steady_token_rate_changes_direction_at_most_once_in_ten_minutes(s
         t = T0 + 15 * k
         cur = state.replicas
         # 8400 tokens/s (3 replicas at 0.7 of 4000) +-30%, queues at target +-30%
-        snap = rate_snapshot(t, 12.0 * rng.uniform(0.7, 1.3), 8400.0 * rng.uniform(0.7, 1.3), cur["prefill"],
-                             decode_running=48.0 * rng.uniform(0.7, 1.3), decode_replicas=cur["decode"])
+        snap = rate_snapshot(
+            t,
+            12.0 * rng.uniform(0.7, 1.3),
+            8400.0 * rng.uniform(0.7, 1.3),
+            cur["prefill"],
+            decode_running=48.0 * rng.uniform(0.7, 1.3),
+            decode_replicas=cur["decode"],
+        )
         decisions, state = decide(s, state, snap, t, {})
         state = ScalerState.from_json(state.to_json())
         moves += [f"{r}:{d.direction}" for r, d in decisions.items() if d.direction != "hold"]
@@ -512,12 +650,16 @@ def test_noisy_steady_token_rate_changes_direction_at_most_once_in_ten_minutes(s
 
 def test_token_rate_state_round_trips_and_an_older_state_still_parses():
     s = spec()
-    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}), throughput={"prefill": 4000.0},
-                    samples={"prefill": ((T0, 2, True),)}, last_queue={"prefill": (T0, 10.0)},
-                    generation_per_prompt=0.2, rate_history={"prefill": ((T0 - 15, 7000.0, 2), (T0, 8000.0, 2))})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+        throughput={"prefill": 4000.0},
+        samples={"prefill": ((T0, 2, True),)},
+        last_queue={"prefill": (T0, 10.0)},
+        generation_per_prompt=0.2,
+        rate_history={"prefill": ((T0 - 15, 7000.0, 2), (T0, 8000.0, 2))},
+    )
     assert ScalerState.from_json(state.to_json()) == state
-    old = ('{"lastNeed":{},"lastScaleUp":{},"recommendations":{},"replicas":{"decode":2,"prefill":2},'
-           '"watchingSince":{}}')
+    old = '{"lastNeed":{},"lastScaleUp":{},"recommendations":{},"replicas":{"decode":2,"prefill":2},"watchingSince":{}}'
     parsed = ScalerState.from_json(old)
     assert parsed.throughput == {} and parsed.generation_per_prompt is None and parsed.replicas["prefill"] == 2
     assert parsed.rate_history == {}
@@ -525,8 +667,11 @@ def test_token_rate_state_round_trips_and_an_older_state_still_parses():
 
 def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
     assert autoscaler.TARGET_UTILIZATION == spec().autoscaling.target_utilization
-    state = replace(ScalerState.initial(spec(), {"prefill": 4, "decode": 2}), throughput={"prefill": 4000.0},
-                    watching_since={"prefill": T0 - 600, "decode": T0 - 600})
+    state = replace(
+        ScalerState.initial(spec(), {"prefill": 4, "decode": 2}),
+        throughput={"prefill": 4000.0},
+        watching_since={"prefill": T0 - 600, "decode": T0 - 600},
+    )
     snap = rate_snapshot(T0, 0.0, 9800.0, 4)
     fast = {"interval": "15s", "scaleDownStabilization": "0s", "scaleDownDelayAfterScaleUp": "0s"}
     # 9800 tokens/s at 4000 per replica: 3.5 replicas at 0.7, 2.72 (-> 3) at 0.9, 4.9 (-> 5) at 0.5
@@ -540,11 +685,12 @@ def test_target_utilization_comes_from_the_spec_unless_a_policy_overrides_it():
 
 # --- the rate trend (Policy.rate_trend) ----------------------------------------------------------------
 
+
 def test_arrival_trend_needs_two_rises_that_add_up_to_a_surge():
     rising = ((T0 - 30, 6000.0), (T0 - 15, 7000.0), (T0, 8000.0))
     assert token_rate.arrival_trend(rising, T0, 15.0) == pytest.approx(2000.0 / 30)
     assert token_rate.arrival_trend(((T0 - 60, 1.0),) + rising, T0, 15.0) == pytest.approx(2000.0 / 30)  # last two only
-    assert token_rate.arrival_trend(rising[1:], T0, 15.0) == 0.0                      # one interval says nothing
+    assert token_rate.arrival_trend(rising[1:], T0, 15.0) == 0.0  # one interval says nothing
     assert token_rate.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 8500.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a dip
     assert token_rate.arrival_trend(((T0 - 30, 6000.0), (T0 - 15, 6600.0), (T0, 7400.0)), T0, 15.0) == 0.0  # +23%
     assert token_rate.arrival_trend(((T0 - 45, 6000.0), (T0 - 30, 7000.0), (T0, 8000.0)), T0, 15.0) == 0.0  # a gap
@@ -568,14 +714,18 @@ def test_surge_growth_trusts_a_rise_only_with_the_same_replicas_over_its_windows
 def _trend_series(s, policy, prompt_rates, waiting=0.0, gen_rates=None):
     """Decisions at 15 s steps over a prefill whose served rate follows `prompt_rates` (3 replicas held
     apart from what the decisions ask: the replicas reporting are those of the state at the start)."""
-    state = replace(ScalerState.initial(s, {"prefill": 3, "decode": 3}),
-                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2)
+    state = replace(
+        ScalerState.initial(s, {"prefill": 3, "decode": 3}),
+        throughput={"prefill": 4000.0, "decode": 640.0},
+        generation_per_prompt=0.2,
+    )
     out = []
     for k, rate in enumerate(prompt_rates):
         t = T0 + 15 * k
         gen = 0.2 * rate if gen_rates is None else gen_rates[k]
-        snap = rate_snapshot(t, waiting, rate, 3, tokens_waiting=0.0, decode_running=40.0, gen_rate=gen,
-                             decode_replicas=3)
+        snap = rate_snapshot(
+            t, waiting, rate, 3, tokens_waiting=0.0, decode_running=40.0, gen_rate=gen, decode_replicas=3
+        )
         decisions, state = decide(s, state, snap, t, {}, current={"prefill": 3, "decode": 3}, policy=policy)
         state = ScalerState.from_json(state.to_json())
         out.append(decisions)
@@ -583,8 +733,10 @@ def _trend_series(s, policy, prompt_rates, waiting=0.0, gen_rates=None):
 
 
 def test_a_surge_of_arrivals_is_sized_for_when_new_replicas_serve():
-    s = spec(decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
-                     "targetQueuePerReplica": 32}, autoscaling={"interval": "15s", "maxScaleUpStep": 100})
+    s = spec(
+        decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16, "targetQueuePerReplica": 32},
+        autoscaling={"interval": "15s", "maxScaleUpStep": 100},
+    )
     ramp = [8400.0] * 8 + [9800.0, 11900.0]
     ours, state = _trend_series(s, RATE_ONLY, ramp)
     assert all(d["prefill"].desired == 3 and "surging" not in d["prefill"].message for d in ours[:8])
@@ -619,15 +771,19 @@ def test_noisy_unsaturated_token_rate_changes_direction_at_most_once_in_ten_minu
     s = spec()
     rng = random.Random(seed)
     arrived = [8400.0 * rng.uniform(0.7, 1.3) for _ in range(43)]
-    rates = [sum(arrived[k:k + 4]) / 4 for k in range(40)]
-    state = replace(ScalerState.initial(s, {"prefill": 3, "decode": 3}),
-                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2)
+    rates = [sum(arrived[k : k + 4]) / 4 for k in range(40)]
+    state = replace(
+        ScalerState.initial(s, {"prefill": 3, "decode": 3}),
+        throughput={"prefill": 4000.0, "decode": 640.0},
+        generation_per_prompt=0.2,
+    )
     moves: dict[str, list[str]] = {"prefill": [], "decode": []}
     for k, rate in enumerate(rates):
         t = T0 + 15 * k
         cur = state.replicas
-        snap = rate_snapshot(t, 0.0, rate, cur["prefill"], decode_running=40.0, gen_rate=0.2 * rate,
-                             decode_replicas=cur["decode"])
+        snap = rate_snapshot(
+            t, 0.0, rate, cur["prefill"], decode_running=40.0, gen_rate=0.2 * rate, decode_replicas=cur["decode"]
+        )
         decisions, state = decide(s, state, snap, t, {})
         for role in moves:
             if decisions[role].direction != "hold":

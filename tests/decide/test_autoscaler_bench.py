@@ -34,16 +34,29 @@ def test_bench_ends_with_the_json_line(capsys):
     assert bench.main(["--seeds", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
-    assert {"underprovisioned_reduction", "replica_hours_ratio", "direction_changes_noisy",
-            "replica_hours_vs_clairvoyant", "underprovisioned_vs_per_role_max"} <= set(summary)
+    assert {
+        "underprovisioned_reduction",
+        "replica_hours_ratio",
+        "direction_changes_noisy",
+        "replica_hours_vs_clairvoyant",
+        "underprovisioned_vs_per_role_max",
+    } <= set(summary)
     traces = [t.name for t in bench.traces(held_out=True)]
-    for key in ("floor_oracle", "floor_replica_hours", "replica_hours_vs_floor", "replica_hours_vs_floor_min",
-                "replica_hours_vs_floor_max"):
+    for key in (
+        "floor_oracle",
+        "floor_replica_hours",
+        "replica_hours_vs_floor",
+        "replica_hours_vs_floor_min",
+        "replica_hours_vs_floor_max",
+    ):
         assert set(summary[key]) == set(traces), key
     assert summary["floor_utilization"] == 0.7
     for name in traces:
-        assert summary["replica_hours_vs_floor_min"][name] <= summary["replica_hours_vs_floor"][name] \
+        assert (
+            summary["replica_hours_vs_floor_min"][name]
+            <= summary["replica_hours_vs_floor"][name]
             <= summary["replica_hours_vs_floor_max"][name]
+        )
 
 
 def test_token_rate_alone_underprovisions_less_and_flaps_less_than_per_role():
@@ -91,7 +104,10 @@ def test_the_clairvoyant_oracle_is_the_floor_and_pdfleet_stays_near_it_on_one_se
     # it asks a start-up ahead for the most the load needs until the next decision's replicas serve
     bursty = next(t for t in bench.traces() if t.name == "bursty")
     up = bursty.surges[0][0]
-    assert bench.clairvoyant(bursty, up - bench.STARTUP_S, 15.0)["prefill"] > bursty.needed(up - bench.STARTUP_S)["prefill"]
+    assert (
+        bench.clairvoyant(bursty, up - bench.STARTUP_S, 15.0)["prefill"]
+        > bursty.needed(up - bench.STARTUP_S)["prefill"]
+    )
 
 
 def test_the_held_out_trace_is_not_a_tuning_trace():

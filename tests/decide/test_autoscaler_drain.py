@@ -16,11 +16,17 @@ WIDE = {"interval": "15s", "maxScaleUpStep": 100}
 
 
 def prefill_spec(**autoscaling):
-    return spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
-                         "targetQueuePerReplica": 4, "targetPromptTokensPerReplica": 6000},
-                decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 24,
-                        "targetQueuePerReplica": 32},
-                autoscaling={**WIDE, **autoscaling})
+    return spec(
+        prefill={
+            "acceleratorClasses": ["h100"],
+            "minReplicas": 1,
+            "maxReplicas": 16,
+            "targetQueuePerReplica": 4,
+            "targetPromptTokensPerReplica": 6000,
+        },
+        decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 24, "targetQueuePerReplica": 32},
+        autoscaling={**WIDE, **autoscaling},
+    )
 
 
 def test_headroom_is_sized_on_the_lowest_rate_of_the_down_window():
@@ -37,9 +43,12 @@ def test_headroom_is_sized_on_the_lowest_rate_of_the_down_window():
 
 def test_a_backlog_is_sized_by_its_rate_and_the_time_to_drain_not_by_the_queue_target():
     s = prefill_spec()
-    state = replace(ScalerState.initial(s, {"prefill": 2, "decode": 2}),
-                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2,
-                    last_queue={"prefill": (T0 - 15, 90000.0)})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 2, "decode": 2}),
+        throughput={"prefill": 4000.0, "decode": 640.0},
+        generation_per_prompt=0.2,
+        last_queue={"prefill": (T0 - 15, 90000.0)},
+    )
     # 2 saturated replicas serve 8000 tokens/s and the queue grew by 30000 in 15 s: 10000 tokens/s arrive;
     # 120000 tokens wait. The queue target asks for 120000 / 6000 = 20 replicas (16: maxReplicas).
     snap = rate_snapshot(T0, 40.0, 8000.0, 2, tokens_waiting=120000.0, decode_running=60.0, gen_rate=1200.0)
@@ -70,9 +79,12 @@ def _after_a_burst(policy, fall_to: float, steps: int = 44):
     """Prefill at 10 replicas through 5 minutes at 28000 tokens/s served with nothing waiting, then the
     rate falls to `fall_to`; the replicas follow the decisions at once. Returns the sizes per decision."""
     s = prefill_spec()
-    state = replace(ScalerState.initial(s, {"prefill": 10, "decode": 2}),
-                    throughput={"prefill": 4000.0, "decode": 640.0}, generation_per_prompt=0.2,
-                    watching_since={"prefill": T0 - 900, "decode": T0 - 900})
+    state = replace(
+        ScalerState.initial(s, {"prefill": 10, "decode": 2}),
+        throughput={"prefill": 4000.0, "decode": 640.0},
+        generation_per_prompt=0.2,
+        watching_since={"prefill": T0 - 900, "decode": T0 - 900},
+    )
     sizes = []
     for k in range(steps):
         t = T0 + 15 * k

@@ -18,27 +18,52 @@ PROMPT = 64  # tokens per request (the demo's median prompt)
 
 def demo_spec():
     """examples/local-tiny.yaml's roles and windows."""
-    return spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 2, "targetQueuePerReplica": 2},
-                decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 3, "targetQueuePerReplica": 4},
-                autoscaling={"interval": "2s", "scaleDownStabilization": "10s", "scaleDownDelayAfterScaleUp": "5s"})
+    return spec(
+        prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 2, "targetQueuePerReplica": 2},
+        decode={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 3, "targetQueuePerReplica": 4},
+        autoscaling={"interval": "2s", "scaleDownStabilization": "10s", "scaleDownDelayAfterScaleUp": "5s"},
+    )
 
 
-def snap(t: float, prefill_waiting: float, prompt_rate: float, prefill: int, decode: int = 1,
-         decode_running: float = 4.0) -> MetricsSnapshot:
-    return MetricsSnapshot(taken_at=t, source="script", roles={
-        "prefill": RoleMetrics(waiting=prefill_waiting, running=float(prefill), sample_time=t, replicas_reporting=prefill,
-                               prompt_tokens_waiting=prefill_waiting * PROMPT, prompt_tokens_rate=prompt_rate),
-        "decode": RoleMetrics(waiting=0.0, running=decode_running, sample_time=t, replicas_reporting=decode,
-                              generation_tokens_rate=100.0)})
+def snap(
+    t: float, prefill_waiting: float, prompt_rate: float, prefill: int, decode: int = 1, decode_running: float = 4.0
+) -> MetricsSnapshot:
+    return MetricsSnapshot(
+        taken_at=t,
+        source="script",
+        roles={
+            "prefill": RoleMetrics(
+                waiting=prefill_waiting,
+                running=float(prefill),
+                sample_time=t,
+                replicas_reporting=prefill,
+                prompt_tokens_waiting=prefill_waiting * PROMPT,
+                prompt_tokens_rate=prompt_rate,
+            ),
+            "decode": RoleMetrics(
+                waiting=0.0,
+                running=decode_running,
+                sample_time=t,
+                replicas_reporting=decode,
+                generation_tokens_rate=100.0,
+            ),
+        },
+    )
 
 
 def learned_too_high(s, prefill: int = 2) -> ScalerState:
     """A prefill throughput learned while a replica had the cores to itself (the README run's 1,846 tokens/s per
     replica), watched for long, every recent recommendation 1: the windows let prefill shrink."""
     state = ScalerState.initial(s, {"prefill": prefill, "decode": 1})
-    return replace(state, throughput={"prefill": 1846.0}, watching_since={"prefill": T0 - 600, "decode": T0 - 600},
-                   recommendations={"prefill": tuple((T0 - k, 1) for k in (10, 8, 6, 4, 2)),
-                                    "decode": tuple((T0 - k, 1) for k in (10, 8, 6, 4, 2))})
+    return replace(
+        state,
+        throughput={"prefill": 1846.0},
+        watching_since={"prefill": T0 - 600, "decode": T0 - 600},
+        recommendations={
+            "prefill": tuple((T0 - k, 1) for k in (10, 8, 6, 4, 2)),
+            "decode": tuple((T0 - k, 1) for k in (10, 8, 6, 4, 2)),
+        },
+    )
 
 
 def test_the_demo_moment_37_waiting_holds_the_prefill_pool():
@@ -54,8 +79,10 @@ def test_the_demo_moment_37_waiting_holds_the_prefill_pool():
 
 
 def test_below_saturation_a_scale_down_keeps_the_replicas_the_queue_needs_at_target():
-    s = spec(prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8, "targetQueuePerReplica": 4},
-             autoscaling={"interval": "2s", "scaleDownStabilization": "10s", "maxScaleDownStep": 8})
+    s = spec(
+        prefill={"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 8, "targetQueuePerReplica": 4},
+        autoscaling={"interval": "2s", "scaleDownStabilization": "10s", "maxScaleDownStep": 8},
+    )
     state = replace(learned_too_high(s, prefill=6), recommendations={})
     state = replace(state, watching_since={"prefill": T0 - 600, "decode": T0 - 600})
     # 5 waiting on 6 replicas (not saturated), the rate says 1: at most down to ceil(5 / 4) = 2, and it says why
@@ -65,10 +92,11 @@ def test_below_saturation_a_scale_down_keeps_the_replicas_the_queue_needs_at_tar
     assert "held at 2: 5 waiting requests need 2 replicas at the target (4/replica)" in p.message
     # decode at 60 running on 4 replicas (target 16 each: 4 needed) is not shrunk by the ratio bound either
     tight = spec(autoscaling={"interval": "2s", "scaleDownStabilization": "0s", "pdRatio": {"min": 0.5, "max": 1}})
-    st = replace(ScalerState.initial(tight, {"prefill": 1, "decode": 4}),
-                 watching_since={"prefill": T0 - 600, "decode": T0 - 600})
-    d, _ = decide(tight, st, snap(T0, 0.0, 300.0, 1, decode=4, decode_running=60.0), T0, {"prefill": 1},
-                  policy=PDFLEET)
+    st = replace(
+        ScalerState.initial(tight, {"prefill": 1, "decode": 4}),
+        watching_since={"prefill": T0 - 600, "decode": T0 - 600},
+    )
+    d, _ = decide(tight, st, snap(T0, 0.0, 300.0, 1, decode=4, decode_running=60.0), T0, {"prefill": 1}, policy=PDFLEET)
     assert (d["decode"].desired, d["decode"].reason) == (4, autoscaler.REQUESTS_WAITING), d["decode"]
     assert "below pdRatio.min" in d["decode"].message  # what asked for the shrink stays in the message
 
@@ -97,8 +125,9 @@ def replay(arrivals, learned: float, seconds: float = 240.0) -> list[tuple[float
     while t < T0 + seconds:
         cur = dict(state.replicas)
         rate = pool.advance(t - T0, 2.0, cur["prefill"])
-        decisions, state = decide(s, state, snap(t, round(pool.waiting), rate, cur["prefill"]), t, {},
-                                  current=cur, policy=PDFLEET)
+        decisions, state = decide(
+            s, state, snap(t, round(pool.waiting), rate, cur["prefill"]), t, {}, current=cur, policy=PDFLEET
+        )
         moves.append((t - T0, decisions["prefill"], pool.waiting))
         t += 2.0
     return moves

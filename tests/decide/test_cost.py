@@ -12,9 +12,14 @@ CLASSES = classes()
 
 
 def test_pool_and_plan_cost() -> None:
-    plan = FleetPlan(pools=(PlannedPool("prefill", "h100-80gb", 2), PlannedPool("decode", "h100-mig-3g-40gb", 3),
-                            PlannedPool("decode", "kunlunxin-r200", 1)),
-                     targets={"prefill": 2, "decode": 4})
+    plan = FleetPlan(
+        pools=(
+            PlannedPool("prefill", "h100-80gb", 2),
+            PlannedPool("decode", "h100-mig-3g-40gb", 3),
+            PlannedPool("decode", "kunlunxin-r200", 1),
+        ),
+        targets={"prefill": 2, "decode": 4},
+    )
     c = cost.plan_cost(plan, CLASSES, router_replicas=2, router_cpu=1.0)
     assert [p.cost_per_hour for p in c.pools] == pytest.approx([2 * 2.99, 3 * 1.28, 0.55])
     assert c.of("decode", "h100-mig-3g-40gb") == pytest.approx(3.84)

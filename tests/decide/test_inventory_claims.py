@@ -18,8 +18,16 @@ def qwen(n: int):
     return spec_of(doc)
 
 
-def gpu_pod(name: str, units: int, *, node_name: str | None = None, labels: dict | None = None,
-            tolerations: list | None = None, selector: dict | None = None, created: str = "2026-01-01T00:00:00Z") -> dict:
+def gpu_pod(
+    name: str,
+    units: int,
+    *,
+    node_name: str | None = None,
+    labels: dict | None = None,
+    tolerations: list | None = None,
+    selector: dict | None = None,
+    created: str = "2026-01-01T00:00:00Z",
+) -> dict:
     p = pod(name, node_name, {"nvidia.com/gpu": str(units)}, labels=labels)
     p["metadata"]["creationTimestamp"] = created
     if tolerations is not None:
@@ -51,8 +59,13 @@ def test_node_affinity_of_a_pending_pod() -> None:
     nodes = [node("l40s-0", "l40s", 2), node("l40s-1", "l40s", 2, extra={})]
     nodes[1]["metadata"]["labels"]["zone"] = "b"
     p = gpu_pod("z", 2, tolerations=GPU_TOL)
-    p["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
+    p["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]
+            }
+        }
+    }
     inv = inventory.build(nodes, [p])
     assert {n.name: n.free["nvidia.com/gpu"] for n in inv.nodes} == {"l40s-0": 2, "l40s-1": 0}
 
@@ -62,7 +75,9 @@ def test_another_plan_reserves_its_replicas_until_their_pods_exist() -> None:
     mine = inventory.Reservation("default", "alpha", "colocated", "l40s-48gb", L40S, 2)
     inv = inventory.build(nodes, [], reserved=[mine], exclude_deployment=("default", "beta"))
     assert inv.free_units(L40S) == 1
-    assert any("2 planned replicas on l40s-48gb of 1 other deployment (default/alpha 2 colocated)" in n for n in inv.notes)
+    assert any(
+        "2 planned replicas on l40s-48gb of 1 other deployment (default/alpha 2 colocated)" in n for n in inv.notes
+    )
     # Its own reservation never counts against the deployment being re-planned.
     assert inventory.build(nodes, [], reserved=[mine], exclude_deployment=("default", "alpha")).free_units(L40S) == 3
 
@@ -73,10 +88,14 @@ def test_another_plan_reserves_its_replicas_until_their_pods_exist() -> None:
     inv = inventory.build(nodes, [bound, waiting], reserved=[mine], exclude_deployment=("default", "beta"))
     assert inv.free_units(L40S) == 1
     # One bound and none created yet for the second: still 2 held.
-    assert inventory.build(nodes, [bound], reserved=[mine], exclude_deployment=("default", "beta")).free_units(L40S) == 1
+    assert (
+        inventory.build(nodes, [bound], reserved=[mine], exclude_deployment=("default", "beta")).free_units(L40S) == 1
+    )
     # A plan that shrank holds only what it plans (its extra pods are counted where they are).
     fewer = inventory.Reservation("default", "alpha", "colocated", "l40s-48gb", L40S, 1)
-    assert inventory.build(nodes, [bound], reserved=[fewer], exclude_deployment=("default", "beta")).free_units(L40S) == 2
+    assert (
+        inventory.build(nodes, [bound], reserved=[fewer], exclude_deployment=("default", "beta")).free_units(L40S) == 2
+    )
 
 
 def test_claims_fill_the_fullest_node_and_keep_big_blocks() -> None:
@@ -89,7 +108,9 @@ def test_mig_and_domestic_classes() -> None:
     mig = CLASSES["h100-mig-3g-40gb"]
     ascend = CLASSES["ascend-910b"]
     nodes = [node("mig-0", "h100-mig", 4), node("ascend-0", "ascend", 8)]
-    reserved = [inventory.Reservation("ns", "x", "decode", "h100-mig-3g-40gb", mig, 3),
-                inventory.Reservation("ns", "x", "prefill", "ascend-910b", ascend, 5)]
+    reserved = [
+        inventory.Reservation("ns", "x", "decode", "h100-mig-3g-40gb", mig, 3),
+        inventory.Reservation("ns", "x", "prefill", "ascend-910b", ascend, 5),
+    ]
     inv = inventory.build(nodes, [], reserved=reserved)
     assert (inv.free_units(mig), inv.free_units(ascend)) == (1, 8 - 5 * ascend.count)

@@ -13,8 +13,11 @@ def test_every_metric_name_the_operator_uses_is_exported_by_a_worker_a_router_or
     catalogue = {getattr(names, k) for k in dir(names) if k.isupper() and isinstance(getattr(names, k), str)}
     metrics = {n for n in catalogue if n.startswith(("vllm:", "pdfleet_"))}
     labels = {names.LABEL_DEPLOYMENT, names.LABEL_ROLE, names.LABEL_ACCELERATOR}
-    operator = {f.name + ("_total" if f.type == "counter" else "")
-                for registry in (exporter.REGISTRY, operator_metrics.OperatorMetrics().registry) for f in registry.collect()}
+    operator = {
+        f.name + ("_total" if f.type == "counter" else "")
+        for registry in (exporter.REGISTRY, operator_metrics.OperatorMetrics().registry)
+        for f in registry.collect()
+    }
     unknown = metrics - labels - set(worker_metrics.ALL_METRICS) - operator
     # vLLM before v1 named its KV gauge this way; the autoscaler still reads it from older vLLM pools.
     assert unknown == {names.KV_CACHE_USAGE_LEGACY}, f"read or exported by nobody: {sorted(unknown)}"

@@ -23,12 +23,33 @@ def qwen(**spec: Any) -> InferenceDeployment:
     return InferenceDeployment.model_validate(doc)
 
 
-def observe(dep: InferenceDeployment, nodes: list[dict], children: list[dict] = (), pods: list[dict] = (),
-            *, deleting: frozenset[str] = frozenset(), classes: dict | None = None, **inputs: Any) -> reconcile.Observed:
-    return reconcile.Observed(dep=dep, uid="u1", resource_version="7", annotations={},
-                              classes=CLASSES if classes is None else classes, deleting=deleting, nodes=nodes,
-                              pods=list(pods), children=list(children), stored=[], served_record=None, reserved=[],
-                              inputs=reconcile.Inputs(**inputs), now=T0, token_secret="qwen2-7b-auth")
+def observe(
+    dep: InferenceDeployment,
+    nodes: list[dict],
+    children: list[dict] = (),
+    pods: list[dict] = (),
+    *,
+    deleting: frozenset[str] = frozenset(),
+    classes: dict | None = None,
+    **inputs: Any,
+) -> reconcile.Observed:
+    return reconcile.Observed(
+        dep=dep,
+        uid="u1",
+        resource_version="7",
+        annotations={},
+        classes=CLASSES if classes is None else classes,
+        deleting=deleting,
+        nodes=nodes,
+        pods=list(pods),
+        children=list(children),
+        stored=[],
+        served_record=None,
+        reserved=[],
+        inputs=reconcile.Inputs(**inputs),
+        now=T0,
+        token_secret="qwen2-7b-auth",
+    )
 
 
 def decide(obs: reconcile.Observed) -> reconcile.Desired:
@@ -36,6 +57,7 @@ def decide(obs: reconcile.Observed) -> reconcile.Desired:
 
     def run(spec, plan, revision, surge):
         return render.render(owner, spec, plan, obs.classes, revision=revision, surge=surge)
+
     return reconcile.decide(obs, run)
 
 
@@ -54,10 +76,15 @@ def live(desired: reconcile.Desired, ready: dict[str, int] | None = None) -> lis
 
 
 def pod_on(name: str, node_name: str, dep: str = "qwen2-7b", role: str = "colocated", acc: str = "l40s-48gb") -> dict:
-    return {"metadata": {"namespace": "default", "name": name, "labels": {
-        "pdfleet.io/deployment": dep, "pdfleet.io/role": role, "pdfleet.io/accelerator": acc}},
+    return {
+        "metadata": {
+            "namespace": "default",
+            "name": name,
+            "labels": {"pdfleet.io/deployment": dep, "pdfleet.io/role": role, "pdfleet.io/accelerator": acc},
+        },
         "spec": {"nodeName": node_name, "containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
-        "status": {"phase": "Running"}}
+        "status": {"phase": "Running"},
+    }
 
 
 def pools(desired: reconcile.Desired) -> dict[str, int]:
@@ -94,8 +121,14 @@ def test_a_cordoned_node_never_deletes_the_pool_that_serves_on_it() -> None:
 
 def test_a_kubelet_blip_keeps_the_pool() -> None:
     first = decide(observe(qwen(), [node("l40s-0", "l40s", 4)]))
-    d = decide(observe(qwen(), [node("l40s-0", "l40s", 4, ready=False)], live(first, {"qwen2-7b-colocated-l40s-48gb": 0}),
-                       [pod_on("p1", "l40s-0")]))
+    d = decide(
+        observe(
+            qwen(),
+            [node("l40s-0", "l40s", 4, ready=False)],
+            live(first, {"qwen2-7b-colocated-l40s-48gb": 0}),
+            [pod_on("p1", "l40s-0")],
+        )
+    )
     assert pools(d) == {"l40s-48gb": 1} and not d.delete
     assert condition(d, "PlacementDrift")[1] == transition.NODE_NOT_READY
 
@@ -155,8 +188,11 @@ def test_a_single_full_pool_never_rolls_to_zero_ready() -> None:
     old = next(o for o in children if o["metadata"]["name"] == "qwen2-7b-colocated-l40s-48gb")
     assert pool["spec"]["template"] == old["spec"]["template"], "the template is held"
     # The spec allows a brief outage: it rolls.
-    d = decide(observe(qwen(engine={"image": "worker:v2"}, rollout={"allowUnavailable": True}, generation=2),
-                       nodes, children, pods))
+    d = decide(
+        observe(
+            qwen(engine={"image": "worker:v2"}, rollout={"allowUnavailable": True}, generation=2), nodes, children, pods
+        )
+    )
     assert condition(d, "RolloutBlocked")[0] == "False"
     pool = next(o for o in d.objects if o["metadata"]["name"] == "qwen2-7b-colocated-l40s-48gb")
     assert pool["spec"]["template"]["spec"]["containers"][0]["image"] == "worker:v2"
@@ -169,11 +205,17 @@ def test_a_single_full_pool_rolls_behind_a_bridge_replica_on_another_class() -> 
     assert pools(first) == {"a100-80gb": 1}
     children = live(first)
     pods = [pod_on("p1", "a100-0", acc="a100-80gb")]
-    v2 = qwen(colocated={"acceleratorClasses": ["l40s-48gb", "a100-80gb"], "minReplicas": 1, "maxReplicas": 4},
-              engine={"image": "worker:v2"}, generation=2)
+    v2 = qwen(
+        colocated={"acceleratorClasses": ["l40s-48gb", "a100-80gb"], "minReplicas": 1, "maxReplicas": 4},
+        engine={"image": "worker:v2"},
+        generation=2,
+    )
     d = decide(observe(v2, nodes, children, pods))
     assert pools(d) == {"l40s-48gb": 1, "a100-80gb": 1}, "a bridge replica on l40s"
-    assert condition(d, "RolloutBlocked")[0] == "True" and "bridge replica on l40s-48gb" in condition(d, "RolloutBlocked")[2]
+    assert (
+        condition(d, "RolloutBlocked")[0] == "True"
+        and "bridge replica on l40s-48gb" in condition(d, "RolloutBlocked")[2]
+    )
     # The bridge serves: the pool rolls (one down, the bridge carries the role), the bridge stays meanwhile.
     children2 = live(d)
     d2 = decide(observe(v2, nodes, children2, pods, targets=dict(d.plan.targets)))

@@ -58,14 +58,18 @@ def test_missing_metrics_hold_the_clocks():
     actions, health = run(series)
     assert actions == []
     assert health.failing_since == 0.0, "a gap must not reset or advance the failure clock into a decision"
-    for bad in (RatioSample(0, math.nan, 1), RatioSample(0, 100, math.inf), RatioSample(0, None, None, "connection refused")):
+    for bad in (
+        RatioSample(0, math.nan, 1),
+        RatioSample(0, 100, math.inf),
+        RatioSample(0, None, None, "connection refused"),
+    ):
         assert rollback.classify(bad, SPEC) == "unknown"
     _, action = rollback.analyze(health, RatioSample(999, None, None, "connection refused"), SPEC, 1)
     assert action.reason == "MetricsUnavailable" and "connection refused" in action.message
 
 
 def test_healthy_revision_becomes_stable_after_soak():
-    actions, health = run([(400, 1)] * 45)   # 0.25% errors, 11 minutes
+    actions, health = run([(400, 1)] * 45)  # 0.25% errors, 11 minutes
     assert [(k, t) for k, t, _ in actions] == [("mark_stable", 600.0)]
     assert health.stable
 
@@ -107,8 +111,11 @@ def test_health_round_trips_json():
 
 
 def _spec(**changes):
-    base = {"model": {"name": "m", "source": {"local": {"path": "/m"}}},
-            "prefill": {"acceleratorClasses": ["h100-80gb"]}, "decode": {"acceleratorClasses": ["h100-mig-3g-40gb"]}}
+    base = {
+        "model": {"name": "m", "source": {"local": {"path": "/m"}}},
+        "prefill": {"acceleratorClasses": ["h100-80gb"]},
+        "decode": {"acceleratorClasses": ["h100-mig-3g-40gb"]},
+    }
     for path, value in changes.items():
         node = base
         *head, leaf = path.split("__")
@@ -118,17 +125,20 @@ def _spec(**changes):
     return InferenceDeploymentSpec.model_validate(base)
 
 
-@pytest.mark.parametrize("change,new_revision", [
-    ({"engine__image": "pdfleet/worker:0.2"}, True),
-    ({"model__source": {"local": {"path": "/other"}}}, True),
-    ({"engine__blockSize": 32}, True),
-    ({"decode__acceleratorClasses": ["h100-80gb"]}, True),
-    ({"prefill__maxReplicas": 9}, False),
-    ({"decode__minReplicas": 0}, False),
-    ({"autoscaling__interval": "30s"}, False),
-    ({"rollback__errorRatioThreshold": 0.05}, False),
-    ({"slo__ttft": "5s"}, False),
-])
+@pytest.mark.parametrize(
+    "change,new_revision",
+    [
+        ({"engine__image": "pdfleet/worker:0.2"}, True),
+        ({"model__source": {"local": {"path": "/other"}}}, True),
+        ({"engine__blockSize": 32}, True),
+        ({"decode__acceleratorClasses": ["h100-80gb"]}, True),
+        ({"prefill__maxReplicas": 9}, False),
+        ({"decode__minReplicas": 0}, False),
+        ({"autoscaling__interval": "30s"}, False),
+        ({"rollback__errorRatioThreshold": 0.05}, False),
+        ({"slo__ttft": "5s"}, False),
+    ],
+)
 def test_only_changes_to_what_pods_run_make_a_new_revision(change, new_revision):
     base = rollback.fingerprint(rollback.template_spec(_spec()))
     changed = rollback.fingerprint(rollback.template_spec(_spec(**change)))

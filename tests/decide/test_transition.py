@@ -9,16 +9,26 @@ from tests.kube.cluster import node
 
 
 def gpu_class(product: str, price: float, resource: str = "nvidia.com/gpu") -> AcceleratorClassSpec:
-    return AcceleratorClassSpec.model_validate({
-        "vendor": "nvidia", "resourceName": resource, "memoryGiB": 80, "peakTflops": 989,
-        "memoryBandwidthGBps": 3350, "costPerHour": price,
-        "nodeSelector": {"nvidia.com/gpu.product": product},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})
+    return AcceleratorClassSpec.model_validate(
+        {
+            "vendor": "nvidia",
+            "resourceName": resource,
+            "memoryGiB": 80,
+            "peakTflops": 989,
+            "memoryBandwidthGBps": 3350,
+            "costPerHour": price,
+            "nodeSelector": {"nvidia.com/gpu.product": product},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+    )
 
 
 # Two classes on the same H100 nodes (say a list price and a committed-use price): one hardware, two names.
-CLASSES = {"h100": gpu_class("NVIDIA-H100-80GB-HBM3", 2.99), "h100-cud": gpu_class("NVIDIA-H100-80GB-HBM3", 1.99),
-           "a100": gpu_class("NVIDIA-A100-SXM4-80GB", 1.79)}
+CLASSES = {
+    "h100": gpu_class("NVIDIA-H100-80GB-HBM3", 2.99),
+    "h100-cud": gpu_class("NVIDIA-H100-80GB-HBM3", 1.99),
+    "a100": gpu_class("NVIDIA-A100-SXM4-80GB", 1.79),
+}
 
 
 def free(*nodes: dict) -> inventory.Inventory:
@@ -30,8 +40,16 @@ def pool(cls: str, replicas: int, ready: int | None = None, **kw) -> LivePool:
 
 
 def step(live, ideal, free_now, *, target=1, minimum=1, ranking=("h100", "a100"), **kw) -> transition.Step:
-    return transition.step({"decode": target}, {"decode": minimum}, {("decode", c): n for c, n in ideal.items()},
-                           {"decode": ranking}, live, free_now, CLASSES, **kw)
+    return transition.step(
+        {"decode": target},
+        {"decode": minimum},
+        {("decode", c): n for c, n in ideal.items()},
+        {"decode": ranking},
+        live,
+        free_now,
+        CLASSES,
+        **kw,
+    )
 
 
 def test_a_cordoned_node_with_no_room_elsewhere_keeps_the_pool_serving_and_says_why() -> None:
@@ -120,13 +138,27 @@ def test_a_rollout_in_progress_keeps_serving_surplus() -> None:
 def test_a_pool_whose_class_is_gone_stays_whole_until_it_can_go_whole() -> None:
     classes = {k: v for k, v in CLASSES.items() if k != "a100"}
     live = [pool("a100", 2), pool("h100", 1)]
-    got = transition.step({"decode": 2}, {"decode": 1}, {("decode", "h100"): 2}, {"decode": ("h100",)}, live,
-                          free(node("h100-0", "h100", 8)), classes)
+    got = transition.step(
+        {"decode": 2},
+        {"decode": 1},
+        {("decode", "h100"): 2},
+        {"decode": ("h100",)},
+        live,
+        free(node("h100-0", "h100", 8)),
+        classes,
+    )
     assert got.of("decode") == {"h100": 2, "a100": 2}
     assert got.drift[0].reason == transition.CLASS_MISSING
     ready = [pool("a100", 2), pool("h100", 2)]
-    got = transition.step({"decode": 2}, {"decode": 1}, {("decode", "h100"): 2}, {"decode": ("h100",)}, ready,
-                          free(node("h100-0", "h100", 8)), classes)
+    got = transition.step(
+        {"decode": 2},
+        {"decode": 1},
+        {("decode", "h100"): 2},
+        {"decode": ("h100",)},
+        ready,
+        free(node("h100-0", "h100", 8)),
+        classes,
+    )
     assert got.of("decode") == {"h100": 2, "a100": 0}
 
 

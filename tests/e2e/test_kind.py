@@ -38,8 +38,9 @@ def kubeconfig() -> str:
 
 
 def kubectl(kubeconfig: str, *args: str, input: str | None = None, timeout: float = 120) -> str:
-    proc = subprocess.run([KUBECTL, "--kubeconfig", kubeconfig, *args], input=input, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [KUBECTL, "--kubeconfig", kubeconfig, *args], input=input, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stderr}"
     return proc.stdout
 
@@ -67,8 +68,12 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 2.0) -> A
 def port_forward(kubeconfig: str, service: str) -> Iterator[str]:
     """The router Service on a local port (kubectl port-forward), as an OpenAI base URL."""
     port = free_port()
-    proc = subprocess.Popen([KUBECTL, "--kubeconfig", kubeconfig, "-n", NS, "port-forward", f"svc/{service}",
-                             f"{port}:80"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [KUBECTL, "--kubeconfig", kubeconfig, "-n", NS, "port-forward", f"svc/{service}", f"{port}:80"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -90,11 +95,25 @@ def complete(base_url: str, prompt: str, max_tokens: int = 16) -> int:
 
 @pytest.fixture(scope="module")
 def deployed(kubeconfig: str) -> dict[str, dict[str, Any]]:
-    kubectl(kubeconfig, "-n", "pdfleet-system", "rollout", "status", "deployment/pdfleet-operator", "--timeout=180s",
-            timeout=200)
+    kubectl(
+        kubeconfig,
+        "-n",
+        "pdfleet-system",
+        "rollout",
+        "status",
+        "deployment/pdfleet-operator",
+        "--timeout=180s",
+        timeout=200,
+    )
     kubectl(kubeconfig, "-n", NS, "rollout", "status", "deployment/prometheus", "--timeout=180s", timeout=200)
-    kubectl(kubeconfig, "apply", "-f", str(ROOT / "e2e" / "manifests" / "tiny-pd.yaml"),
-            "-f", str(ROOT / "e2e" / "manifests" / "tiny-colocated.yaml"))
+    kubectl(
+        kubeconfig,
+        "apply",
+        "-f",
+        str(ROOT / "e2e" / "manifests" / "tiny-pd.yaml"),
+        "-f",
+        str(ROOT / "e2e" / "manifests" / "tiny-colocated.yaml"),
+    )
     out = {}
     for name in ("tiny-pd", "tiny-colocated"):
         kubectl(kubeconfig, "-n", NS, "wait", f"infdep/{name}", "--for=condition=Ready", "--timeout=600s", timeout=620)
@@ -104,15 +123,24 @@ def deployed(kubeconfig: str) -> dict[str, dict[str, Any]]:
 
 def test_examples_are_ready_on_the_fake_accelerators(kubeconfig: str, deployed) -> None:
     pd = deployed["tiny-pd"]["status"]
-    assert {(p["role"], p["acceleratorClass"]) for p in pd["pools"]} == {("prefill", "h100-mig-3g-40gb"),
-                                                                         ("decode", "ascend-910b")}
+    assert {(p["role"], p["acceleratorClass"]) for p in pd["pools"]} == {
+        ("prefill", "h100-mig-3g-40gb"),
+        ("decode", "ascend-910b"),
+    }
     assert pd["pdRatio"] == "1:1" and pd["costPerHour"] > 0
     pods = json.loads(kubectl(kubeconfig, "-n", NS, "get", "pods", "-l", "pdfleet.io/deployment=tiny-pd", "-o", "json"))
-    nodes = {n["metadata"]["name"]: n["metadata"]["labels"]["pdfleet.io/e2e-node"]
-             for n in json.loads(kubectl(kubeconfig, "get", "nodes", "-l", "pdfleet.io/e2e-node", "-o", "json"))["items"]}
-    placed = {p["metadata"]["labels"]["pdfleet.io/role"]: (nodes.get(p["spec"]["nodeName"]),
-                                                           p["spec"]["containers"][0]["resources"]["limits"])
-              for p in pods["items"] if p["status"].get("phase") == "Running"}
+    nodes = {
+        n["metadata"]["name"]: n["metadata"]["labels"]["pdfleet.io/e2e-node"]
+        for n in json.loads(kubectl(kubeconfig, "get", "nodes", "-l", "pdfleet.io/e2e-node", "-o", "json"))["items"]
+    }
+    placed = {
+        p["metadata"]["labels"]["pdfleet.io/role"]: (
+            nodes.get(p["spec"]["nodeName"]),
+            p["spec"]["containers"][0]["resources"]["limits"],
+        )
+        for p in pods["items"]
+        if p["status"].get("phase") == "Running"
+    }
     assert placed["prefill"][0] == "mig" and placed["prefill"][1]["nvidia.com/mig-3g.40gb"] == "1"
     assert placed["decode"][0] == "ascend" and placed["decode"][1]["huawei.com/Ascend910"] == "1"
     colo = deployed["tiny-colocated"]["status"]
@@ -143,6 +171,7 @@ def test_a_burst_of_load_moves_the_pd_ratio(kubeconfig: str, deployed) -> None:
         for t in threads:
             t.start()
         try:
+
             def ratio_moved() -> dict[str, Any] | None:
                 st = get(kubeconfig, "infdep", "tiny-pd")["status"]
                 return st if st.get("pdRatio") != before else None
@@ -152,19 +181,33 @@ def test_a_burst_of_load_moves_the_pd_ratio(kubeconfig: str, deployed) -> None:
             stop.set()
             for t in threads:
                 t.join(timeout=180)
-    assert moved["lastScalingDecision"]["reason"] and moved["lastScalingDecision"]["toReplicas"] != \
-        moved["lastScalingDecision"]["fromReplicas"]
+    assert (
+        moved["lastScalingDecision"]["reason"]
+        and moved["lastScalingDecision"]["toReplicas"] != moved["lastScalingDecision"]["fromReplicas"]
+    )
     assert errors == [], errors[:3]
 
 
 def test_a_bad_revision_is_rolled_back(kubeconfig: str, deployed) -> None:
     good = get(kubeconfig, "infdep", "tiny-pd")
     good_revision = good["status"]["currentRevision"]
-    wait_until(lambda: get(kubeconfig, "infdep", "tiny-pd")["status"].get("stableRevision") == good_revision, 180,
-               f"revision {good_revision} soaking into stable")
+    wait_until(
+        lambda: get(kubeconfig, "infdep", "tiny-pd")["status"].get("stableRevision") == good_revision,
+        180,
+        f"revision {good_revision} soaking into stable",
+    )
     # The new revision's workers cannot load their model: its pods never get ready, the router answers 5xx.
-    kubectl(kubeconfig, "-n", NS, "patch", "infdep", "tiny-pd", "--type=merge",
-            "-p", json.dumps({"spec": {"model": {"source": {"hostPath": {"path": "/models/missing"}}}}}))
+    kubectl(
+        kubeconfig,
+        "-n",
+        NS,
+        "patch",
+        "infdep",
+        "tiny-pd",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"model": {"source": {"hostPath": {"path": "/models/missing"}}}}}),
+    )
     stop = threading.Event()
 
     def trickle(url: str) -> None:  # the rollback rule needs requests to see a 5xx ratio
@@ -187,8 +230,9 @@ def test_a_bad_revision_is_rolled_back(kubeconfig: str, deployed) -> None:
             t.join(timeout=60)
     st = rolled["status"]
     assert st["currentRevision"] == good_revision and st["failedRevision"] > good_revision
-    events = json.loads(kubectl(kubeconfig, "-n", NS, "get", "events", "--field-selector",
-                                "involvedObject.name=tiny-pd", "-o", "json"))["items"]
+    events = json.loads(
+        kubectl(kubeconfig, "-n", NS, "get", "events", "--field-selector", "involvedObject.name=tiny-pd", "-o", "json")
+    )["items"]
     assert any(e["reason"] == "RolledBack" for e in events)
     kubectl(kubeconfig, "-n", NS, "wait", "infdep/tiny-pd", "--for=condition=Ready", "--timeout=300s", timeout=320)
     with port_forward(kubeconfig, "tiny-pd") as url:

@@ -32,6 +32,11 @@ def test_promtool_unit_tests_including_for_timing():
 
 def test_rollback_alert_defaults_match_the_api_defaults():
     from pdfleet_operator.api.inference_deployment import RollbackSpec
+
     spec, rule = RollbackSpec(), alerts.RollbackRule()
-    assert (rule.threshold, rule.window, rule.for_, rule.min_requests) == \
-        (spec.error_ratio_threshold, spec.window, spec.for_, spec.min_requests)
+    assert (rule.threshold, rule.window, rule.for_, rule.min_requests) == (
+        spec.error_ratio_threshold,
+        spec.window,
+        spec.for_,
+        spec.min_requests,
+    )

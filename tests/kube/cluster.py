@@ -21,8 +21,11 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
 # class name -> (node labels, resource name, taints)
 NODE_SHAPES: dict[str, tuple[dict[str, str], str, list[dict]]] = {
     "h100": ({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, "nvidia.com/gpu", [GPU_TAINT]),
-    "h100-mig": ({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/mig.strategy": "mixed"},
-                 "nvidia.com/mig-3g.40gb", [GPU_TAINT]),
+    "h100-mig": (
+        {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/mig.strategy": "mixed"},
+        "nvidia.com/mig-3g.40gb",
+        [GPU_TAINT],
+    ),
     "h200": ({"nvidia.com/gpu.product": "NVIDIA-H200"}, "nvidia.com/gpu", [GPU_TAINT]),
     "a100": ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, "nvidia.com/gpu", [GPU_TAINT]),
     "l40s": ({"nvidia.com/gpu.product": "NVIDIA-L40S"}, "nvidia.com/gpu", [GPU_TAINT]),
@@ -42,8 +45,16 @@ def classes() -> dict[str, AcceleratorClassSpec]:
     return {d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec for d in class_objects()}
 
 
-def node(name: str, shape: str, units: int | str, *, extra: dict[str, str] | None = None, ready: bool = True,
-         unschedulable: bool = False, taints: list[dict] | None = None) -> dict[str, Any]:
+def node(
+    name: str,
+    shape: str,
+    units: int | str,
+    *,
+    extra: dict[str, str] | None = None,
+    ready: bool = True,
+    unschedulable: bool = False,
+    taints: list[dict] | None = None,
+) -> dict[str, Any]:
     """A Node advertising `units` of the shape's resource (plus cpu/memory for the node itself)."""
     labels, resource, shape_taints = NODE_SHAPES[shape]
     allocatable = {"cpu": "32", "memory": "256Gi", "pods": "110"}
@@ -56,22 +67,37 @@ def node(name: str, shape: str, units: int | str, *, extra: dict[str, str] | Non
     if unschedulable:
         spec["unschedulable"] = True
     return {
-        "apiVersion": "v1", "kind": "Node",
+        "apiVersion": "v1",
+        "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
         "spec": spec,
-        "status": {"allocatable": allocatable, "capacity": dict(allocatable),
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        "status": {
+            "allocatable": allocatable,
+            "capacity": dict(allocatable),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
     }
 
 
-def pod(name: str, node_name: str | None, requests: dict[str, str], *, namespace: str = "default",
-        labels: dict[str, str] | None = None, phase: str = "Running") -> dict[str, Any]:
+def pod(
+    name: str,
+    node_name: str | None,
+    requests: dict[str, str],
+    *,
+    namespace: str = "default",
+    labels: dict[str, str] | None = None,
+    phase: str = "Running",
+) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
-        "spec": {"nodeName": node_name, "containers": [{"name": "c", "image": "x", "resources": {"requests": requests,
-                                                                                                  "limits": requests}}]}
-        if node_name else {"containers": [{"name": "c", "image": "x", "resources": {"requests": requests}}]},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "c", "image": "x", "resources": {"requests": requests, "limits": requests}}],
+        }
+        if node_name
+        else {"containers": [{"name": "c", "image": "x", "resources": {"requests": requests}}]},
         "status": {"phase": phase},
     }
 
@@ -103,8 +129,11 @@ def example_deployments() -> dict[str, dict[str, Any]]:
 
 def example_files() -> dict[str, pathlib.Path]:
     """Example file stem -> path, for the files that hold InferenceDeployments."""
-    return {p.stem: p for p in sorted(EXAMPLES.glob("*.yaml"))
-            if any(d and d.get("kind") == "InferenceDeployment" for d in yaml.safe_load_all(p.read_text()))}
+    return {
+        p.stem: p
+        for p in sorted(EXAMPLES.glob("*.yaml"))
+        if any(d and d.get("kind") == "InferenceDeployment" for d in yaml.safe_load_all(p.read_text()))
+    }
 
 
 def spec_of(doc: dict[str, Any]):

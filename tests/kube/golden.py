@@ -37,19 +37,34 @@ def normalize_status(st: dict[str, Any]) -> dict[str, Any]:
 def expected(doc: dict[str, Any]) -> dict[str, Any]:
     """{"objects": [...], "status": {...}} for one InferenceDeployment on the standard cluster, nothing ready."""
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
-    dep = InferenceDeployment.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": namespace,
-                                                                   "generation": 1}})
+    dep = InferenceDeployment.model_validate(
+        {**doc, "metadata": {**doc["metadata"], "namespace": namespace, "generation": 1}}
+    )
     cls = classes()
     owner = render.Owner(name, namespace, UID)
-    obs = reconcile.Observed(dep=dep, uid=UID, resource_version="1", annotations={}, classes=cls,
-                             deleting=frozenset(), nodes=standard_nodes(), pods=[], children=[], stored=[],
-                             served_record=None, reserved=[], inputs=reconcile.Inputs(),
-                             now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
-                             router_cpu=cost.router_cores(dep.spec.router.resources.requests),
-                             worker_image=worker_images.DEFAULTS.describe(), token_secret=render.auth_secret_name(name))
+    obs = reconcile.Observed(
+        dep=dep,
+        uid=UID,
+        resource_version="1",
+        annotations={},
+        classes=cls,
+        deleting=frozenset(),
+        nodes=standard_nodes(),
+        pods=[],
+        children=[],
+        stored=[],
+        served_record=None,
+        reserved=[],
+        inputs=reconcile.Inputs(),
+        now=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
+        router_cpu=cost.router_cores(dep.spec.router.resources.requests),
+        worker_image=worker_images.DEFAULTS.describe(),
+        token_secret=render.auth_secret_name(name),
+    )
 
     def run(spec, plan, revision, surge):
         return render.render(owner, spec, plan, cls, revision=revision, surge=surge)
+
     desired = reconcile.decide(obs, run)
     assert desired.status is not None
     return {"name": name, "objects": list(desired.objects), "status": normalize_status(desired.status.wire())}

@@ -49,20 +49,45 @@ def install_chart_rbac(kube: Any, values: dict[str, Any] | None = None) -> list[
 class Replica:
     """One operator pod as a local process, started with the chart's leader-election flags (shorter timings)."""
 
-    def __init__(self, kube: Any, pod: str, log_dir: Path, *, lease_duration: float = 3.0, renew_deadline: float = 2.0,
-                 retry_period: float = 0.25, resync_interval: float = 0.0, kubeconfig: Path | None = None,
-                 alertmanager_token: str | None = None) -> None:
+    def __init__(
+        self,
+        kube: Any,
+        pod: str,
+        log_dir: Path,
+        *,
+        lease_duration: float = 3.0,
+        renew_deadline: float = 2.0,
+        retry_period: float = 0.25,
+        resync_interval: float = 0.0,
+        kubeconfig: Path | None = None,
+        alertmanager_token: str | None = None,
+    ) -> None:
         self.pod = pod
         self.kubeconfig = kubeconfig or kube.service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT, pod=pod)
         self.lease_duration = lease_duration
         self.liveness_port, self.metrics_port = free_port(), free_port()
-        self.cmd = [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator",
-                    "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port),
-                    "--resync-interval", str(resync_interval), "--analysis-interval", "0",
-                    "--class-status-interval", "0", "--leader-elect", f"--leader-election-namespace={NAMESPACE}",
-                    f"--leader-election-name={LEASE}", f"--leader-election-lease-duration={lease_duration}",
-                    f"--leader-election-renew-deadline={renew_deadline}",
-                    f"--leader-election-retry-period={retry_period}"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "pdfleet_operator.kube.operator_cli",
+            "operator",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness-port",
+            str(self.liveness_port),
+            "--resync-interval",
+            str(resync_interval),
+            "--analysis-interval",
+            "0",
+            "--class-status-interval",
+            "0",
+            "--leader-elect",
+            f"--leader-election-namespace={NAMESPACE}",
+            f"--leader-election-name={LEASE}",
+            f"--leader-election-lease-duration={lease_duration}",
+            f"--leader-election-renew-deadline={renew_deadline}",
+            f"--leader-election-retry-period={retry_period}",
+        ]
         self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": pod}
         self.alertmanager_port: int | None = None
         if alertmanager_token is not None:  # the receiver (leader) or relay (standby), published at POD_IP:port
@@ -76,8 +101,14 @@ class Replica:
 
     def start(self, timeout: float = 30.0) -> Replica:
         """Start it and wait until it answers /healthz (a standby does too)."""
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=open(self.log_path, "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -96,7 +127,9 @@ class Replica:
             text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1).text
         except httpx.HTTPError:
             return None
-        return next((float(line.split()[1]) for line in text.splitlines() if line.startswith("pdfleet_operator_leader ")), None)
+        return next(
+            (float(line.split()[1]) for line in text.splitlines() if line.startswith("pdfleet_operator_leader ")), None
+        )
 
     def metric(self, line_prefix: str) -> float | None:
         """The value of the first /metrics line starting with `line_prefix` (None: no such line, or no answer)."""
@@ -109,7 +142,9 @@ class Replica:
     def post_alert(self, body: str, token: str | None) -> httpx.Response:
         """POST /alerts to its Alertmanager port, as the chart's Service would (with the bearer token, if any)."""
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-        return httpx.post(f"http://127.0.0.1:{self.alertmanager_port}/alerts", content=body, headers=headers, timeout=35)
+        return httpx.post(
+            f"http://127.0.0.1:{self.alertmanager_port}/alerts", content=body, headers=headers, timeout=35
+        )
 
     def kill(self) -> None:
         """SIGKILL: the pod's node died; nothing is released."""
@@ -143,8 +178,11 @@ def lease_holder(kube: Any) -> str | None:
 
 def lease_writes(requests: list[Any]) -> list[tuple[str | None, dict[str, Any]]]:
     """(pod, spec) of every successful write of the Lease, in order."""
-    return [(r.pod, (r.body or {}).get("spec") or {}) for r in requests
-            if r.resource == "leases" and r.is_write and r.status in (200, 201)]
+    return [
+        (r.pod, (r.body or {}).get("spec") or {})
+        for r in requests
+        if r.resource == "leases" and r.is_write and r.status in (200, 201)
+    ]
 
 
 def writes_outside_lease(requests: list[Any]) -> list[Any]:

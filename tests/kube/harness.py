@@ -18,8 +18,13 @@ from pdfleet_operator.api.names import ANNOTATION_APPLIED_HASH
 from pdfleet_operator.kube import handlers, render
 from tests.kube.cluster import ROOT, class_objects, standard_nodes
 
-CHILD_RESOURCES = ("deployments.apps", "services", "configmaps", "poddisruptionbudgets.policy",
-                   "networkpolicies.networking.k8s.io")
+CHILD_RESOURCES = (
+    "deployments.apps",
+    "services",
+    "configmaps",
+    "poddisruptionbudgets.policy",
+    "networkpolicies.networking.k8s.io",
+)
 SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
 
 
@@ -30,10 +35,18 @@ def prepare_cluster(kube: Any, nodes: list[dict] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: bool = False,
-                     prometheus_url: str | None = None, alertmanager_port: int | None = None,
-                     analysis_interval: float = 0.0, class_status_interval: float = 0.0,
-                     namespaces: tuple[str, ...] = (), rbac: bool = True) -> Iterator[kopf.testing.KopfRunner]:
+def running_operator(
+    kube: Any,
+    *,
+    resync_interval: float = 0.0,
+    autoscaler: bool = False,
+    prometheus_url: str | None = None,
+    alertmanager_port: int | None = None,
+    analysis_interval: float = 0.0,
+    class_status_interval: float = 0.0,
+    namespaces: tuple[str, ...] = (),
+    rbac: bool = True,
+) -> Iterator[kopf.testing.KopfRunner]:
     """kopf with pdfleet's handlers; the autoscaler, rollback-analysis and class-status loops only when asked
     (`autoscaler`, `analysis_interval` / `class_status_interval` > 0), so tests of the reconcile alone see
     no metrics- or capacity-driven writes. `namespaces`: serve only these (as `pdfleet operator -n`), else all.
@@ -45,11 +58,21 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
     previous = os.environ.get("KUBECONFIG")
     if rbac:
         from tests.kube import ha
+
         ha.install_chart_rbac(kube, {"operator": {"watchNamespaces": list(namespaces)}} if namespaces else None)
-        os.environ["KUBECONFIG"] = str(kube.service_account_kubeconfig(ha.NAMESPACE, ha.SERVICE_ACCOUNT, pod="in-process"))
+        os.environ["KUBECONFIG"] = str(
+            kube.service_account_kubeconfig(ha.NAMESPACE, ha.SERVICE_ACCOUNT, pod="in-process")
+        )
     try:
-        with _kopf_runner(resync_interval, autoscaler, prometheus_url, alertmanager_port, analysis_interval,
-                          class_status_interval, namespaces) as runner:
+        with _kopf_runner(
+            resync_interval,
+            autoscaler,
+            prometheus_url,
+            alertmanager_port,
+            analysis_interval,
+            class_status_interval,
+            namespaces,
+        ) as runner:
             yield runner
     finally:
         if previous is not None:
@@ -59,9 +82,15 @@ def running_operator(kube: Any, *, resync_interval: float = 0.0, autoscaler: boo
 
 
 @contextlib.contextmanager
-def _kopf_runner(resync_interval: float, autoscaler: bool, prometheus_url: str | None, alertmanager_port: int | None,
-                 analysis_interval: float, class_status_interval: float,
-                 namespaces: tuple[str, ...]) -> Iterator[kopf.testing.KopfRunner]:
+def _kopf_runner(
+    resync_interval: float,
+    autoscaler: bool,
+    prometheus_url: str | None,
+    alertmanager_port: int | None,
+    analysis_interval: float,
+    class_status_interval: float,
+    namespaces: tuple[str, ...],
+) -> Iterator[kopf.testing.KopfRunner]:
     handlers.RECONCILER = handlers.Reconciler()
     handlers.OPTIONS.resync_interval = resync_interval
     handlers.OPTIONS.autoscaler = autoscaler
@@ -94,21 +123,31 @@ def children(kube: Any, name: str, namespace: str = "default") -> dict[str, dict
     return out
 
 
-def wait_reconciled(kube: Any, name: str, *, namespace: str = "default", timeout: float = 20.0,
-                    check: Callable[[dict], bool] | None = None) -> dict:
+def wait_reconciled(
+    kube: Any,
+    name: str,
+    *,
+    namespace: str = "default",
+    timeout: float = 20.0,
+    check: Callable[[dict], bool] | None = None,
+) -> dict:
     """Wait until the CR's status reflects its current generation (and `check` holds); return the CR."""
+
     def done() -> dict | None:
         obj = kube.get("infdep", name, namespace)
         st = (obj or {}).get("status") or {}
         if obj and st.get("observedGeneration") == obj["metadata"].get("generation") and (check is None or check(obj)):
             return obj
         return None
+
     try:
         return kube.wait_for(done, timeout=timeout, message=f"{namespace}/{name} reconciled")
     except pytest.fail.Exception:
         obj = kube.get("infdep", name, namespace) or {}
-        pytest.fail(f"timed out after {timeout} s waiting for {namespace}/{name} reconciled; generation "
-                    f"{obj.get('metadata', {}).get('generation')}, status {obj.get('status')}")
+        pytest.fail(
+            f"timed out after {timeout} s waiting for {namespace}/{name} reconciled; generation "
+            f"{obj.get('metadata', {}).get('generation')}, status {obj.get('status')}"
+        )
 
 
 def settle(kube: Any, quiet: float = 0.6, timeout: float = 20.0) -> None:
@@ -130,9 +169,18 @@ def mark_ready(kube: Any, name: str, namespace: str = "default") -> None:
     """Play the Deployment controller: every Deployment of `name` reports all replicas ready."""
     for obj in kube.list("deployments.apps", namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={name}"):
         n = obj["spec"].get("replicas", 1)
-        kube.patch_status("deployments.apps", obj["metadata"]["name"],
-                          {"replicas": n, "readyReplicas": n, "availableReplicas": n, "updatedReplicas": n,
-                           "observedGeneration": obj["metadata"]["generation"]}, namespace)
+        kube.patch_status(
+            "deployments.apps",
+            obj["metadata"]["name"],
+            {
+                "replicas": n,
+                "readyReplicas": n,
+                "availableReplicas": n,
+                "updatedReplicas": n,
+                "observedGeneration": obj["metadata"]["generation"],
+            },
+            namespace,
+        )
 
 
 def events(kube: Any, name: str, namespace: str = "default") -> list[dict]:
@@ -141,6 +189,7 @@ def events(kube: Any, name: str, namespace: str = "default") -> list[dict]:
 
 def strip_server_fields(obj: dict) -> dict:
     import copy
+
     out = copy.deepcopy(obj)
     for key in SERVER_FIELDS:
         out["metadata"].pop(key, None)

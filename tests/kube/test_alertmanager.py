@@ -19,15 +19,29 @@ from pdfleet_operator.kube import alertmanager
 from tests.support.components import free_port
 
 GOOD = {
-    "version": "4", "status": "firing", "receiver": "pdfleet", "groupKey": "{}:{alertname=\"PdfleetHigh5xxRatio\"}",
-    "commonLabels": {}, "externalURL": "http://am",
-    "alerts": [{
-        "status": "firing",
-        "labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_alert": "rollback", "severity": "critical",
-                   "namespace": "prod", "pdfleet_deployment": "chat"},
-        "annotations": {"summary": "x"}, "startsAt": "2026-11-30T10:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
-        "fingerprint": "abc123", "generatorURL": "http://prom",
-    }],
+    "version": "4",
+    "status": "firing",
+    "receiver": "pdfleet",
+    "groupKey": '{}:{alertname="PdfleetHigh5xxRatio"}',
+    "commonLabels": {},
+    "externalURL": "http://am",
+    "alerts": [
+        {
+            "status": "firing",
+            "labels": {
+                "alertname": "PdfleetHigh5xxRatio",
+                "pdfleet_alert": "rollback",
+                "severity": "critical",
+                "namespace": "prod",
+                "pdfleet_deployment": "chat",
+            },
+            "annotations": {"summary": "x"},
+            "startsAt": "2026-11-30T10:00:00Z",
+            "endsAt": "0001-01-01T00:00:00Z",
+            "fingerprint": "abc123",
+            "generatorURL": "http://prom",
+        }
+    ],
 }
 
 
@@ -53,18 +67,21 @@ def test_parse_good_payload():
     assert trigger == alertmanager.RollbackTrigger("prod", "chat", True, 1796032800.0, "abc123")
 
 
-@pytest.mark.parametrize("body,words", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "Alertmanager v4"),
-    (_with(version="3"), "version"),
-    (_with(alerts=[]), "alerts"),
-    (_with(alerts__0__startsAt="yesterday"), "startsAt"),
-    (_with(alerts__0__status="maybe"), "status"),
-    (_with(alerts__0__labels__alertname="DiskFull"), "no pdfleet rollback alert"),
-    (_with(alerts__0__labels__pdfleet_alert=_DELETE), "no pdfleet rollback alert"),
-    (_with(alerts__0__labels__pdfleet_deployment=_DELETE), "pdfleet_deployment"),
-    (_with(alerts__0__labels__namespace="Not A Namespace"), "namespace"),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "Alertmanager v4"),
+        (_with(version="3"), "version"),
+        (_with(alerts=[]), "alerts"),
+        (_with(alerts__0__startsAt="yesterday"), "startsAt"),
+        (_with(alerts__0__status="maybe"), "status"),
+        (_with(alerts__0__labels__alertname="DiskFull"), "no pdfleet rollback alert"),
+        (_with(alerts__0__labels__pdfleet_alert=_DELETE), "no pdfleet rollback alert"),
+        (_with(alerts__0__labels__pdfleet_deployment=_DELETE), "pdfleet_deployment"),
+        (_with(alerts__0__labels__namespace="Not A Namespace"), "namespace"),
+    ],
+)
 def test_malformed_or_unknown_payloads_are_rejected(body, words):
     with pytest.raises(alertmanager.PayloadError, match=words):
         alertmanager.parse(body)
@@ -134,8 +151,9 @@ class _Router:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdfleet_router_requests", "Requests through the router", ["code", "tier"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "pdfleet_router_requests", "Requests through the router", ["code", "tier"], registry=self.registry
+        )
         self.failing = False
         registry = self.registry
 
@@ -170,15 +188,24 @@ class _Router:
 
 def test_real_alert_reaches_receiver_after_for(prometheus_factory, alertmanager_factory, receiver, tmp_path):
     rules = tmp_path / "rules.yaml"
-    rules.write_text(alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="3s", min_requests=5)))
+    rules.write_text(
+        alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="3s", min_requests=5))
+    )
     router = _Router()
     try:
         am = alertmanager_factory(webhook_urls=[receiver.url])
-        prom = prometheus_factory(rule_files=[rules], alertmanagers=[am.address], extra_scrape_configs=[{
-            "job_name": "router",
-            "static_configs": [{"targets": [router.target],
-                                "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}],
-        }])
+        prom = prometheus_factory(
+            rule_files=[rules],
+            alertmanagers=[am.address],
+            extra_scrape_configs=[
+                {
+                    "job_name": "router",
+                    "static_configs": [
+                        {"targets": [router.target], "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}
+                    ],
+                }
+            ],
+        )
         prom.wait_for('pdfleet_router_requests_total{code="200",pdfleet_deployment="chat"}')
         time.sleep(5)  # a healthy window first: nothing fires
         assert receiver.triggers == []
@@ -213,7 +240,12 @@ def guarded():
 
 def test_with_a_token_unauthenticated_or_wrong_alerts_are_401_and_change_nothing(guarded):
     body = json.dumps(GOOD)
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {TOKEN}"},
+    ):
         resp = httpx.post(guarded.url, content=body, headers=headers, timeout=5)
         assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer", headers
     assert guarded.triggers == []
@@ -235,16 +267,28 @@ def test_a_forged_starts_at_cannot_claim_more_than_a_fresh_alert():
     assert t.starts_at == now - 20
 
 
-def test_real_alertmanager_with_the_bearer_token_is_accepted(prometheus_factory, alertmanager_factory, guarded, tmp_path):
+def test_real_alertmanager_with_the_bearer_token_is_accepted(
+    prometheus_factory, alertmanager_factory, guarded, tmp_path
+):
     rules = tmp_path / "rules.yaml"
-    rules.write_text(alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="2s", min_requests=5)))
+    rules.write_text(
+        alerts.render_rule_file(alerts.RollbackRule(threshold=0.01, window="4s", for_="2s", min_requests=5))
+    )
     router = _Router()
     try:
         am = alertmanager_factory(webhook_urls=[guarded.url], bearer_token=TOKEN)
-        prom = prometheus_factory(rule_files=[rules], alertmanagers=[am.address], extra_scrape_configs=[{
-            "job_name": "router",
-            "static_configs": [{"targets": [router.target], "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}],
-        }])
+        prom = prometheus_factory(
+            rule_files=[rules],
+            alertmanagers=[am.address],
+            extra_scrape_configs=[
+                {
+                    "job_name": "router",
+                    "static_configs": [
+                        {"targets": [router.target], "labels": {"namespace": "prod", "pdfleet_deployment": "chat"}}
+                    ],
+                }
+            ],
+        )
         prom.wait_for('pdfleet_router_requests_total{code="200",pdfleet_deployment="chat"}')
         router.failing = True
         deadline = time.monotonic() + 40
@@ -261,12 +305,14 @@ class _Relay(_Served):
 
     def __init__(self, published: str | None, token: str | None = TOKEN) -> None:
         self.published = published
-        super().__init__(alertmanager.make_relay_app(lambda: self.published, token, retry_after=2.0, timeout=10.0),
-                         "relay")
+        super().__init__(
+            alertmanager.make_relay_app(lambda: self.published, token, retry_after=2.0, timeout=10.0), "relay"
+        )
 
 
 def _relayed(outcome: str) -> float:
     from pdfleet_operator.kube import exporter
+
     return exporter.ALERTS_RELAYED.labels(outcome)._value.get()
 
 
@@ -287,8 +333,9 @@ def test_a_standby_relays_authenticated_alerts_to_the_published_leader_and_refus
         assert resp.status_code == 400 and "version" in resp.json()["error"]  # the leader's 400, passed back
         assert len(guarded.triggers) == 1
         # a URL from the request is never followed: the Host header and the query change nothing
-        resp = httpx.post(relay.url + "?to=http://127.0.0.1:1", content=body, headers={**auth, "Host": "evil:1"},
-                          timeout=10)
+        resp = httpx.post(
+            relay.url + "?to=http://127.0.0.1:1", content=body, headers={**auth, "Host": "evil:1"}, timeout=10
+        )
         assert resp.status_code == 200 and len(guarded.triggers) == 2
         # a post that a standby relayed already is not relayed again (a URL that leads to a standby cannot loop)
         resp = httpx.post(relay.url, content=body, headers={**auth, alertmanager.RELAYED_HEADER: "standby"}, timeout=5)
@@ -300,10 +347,12 @@ def test_a_standby_relays_authenticated_alerts_to_the_published_leader_and_refus
 def test_a_standby_without_a_reachable_leader_answers_503_with_retry_after(guarded, caplog):
     dead = free_port()  # nothing listens there: the leader died with the Lease still unexpired
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    for published, outcome, words in ((None, "no_leader", "no leader is known"),
-                                      (f"http://127.0.0.1:{dead}", "unreachable", "cannot be reached"),
-                                      (f"http://127.0.0.1:{guarded.port}/elsewhere", "no_leader", "malformed"),
-                                      (f"https://127.0.0.1:{guarded.port}", "no_leader", "malformed")):
+    for published, outcome, words in (
+        (None, "no_leader", "no leader is known"),
+        (f"http://127.0.0.1:{dead}", "unreachable", "cannot be reached"),
+        (f"http://127.0.0.1:{guarded.port}/elsewhere", "no_leader", "malformed"),
+        (f"https://127.0.0.1:{guarded.port}", "no_leader", "malformed"),
+    ):
         relay = _Relay(published)
         try:
             before = _relayed(outcome)

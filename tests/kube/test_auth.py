@@ -9,11 +9,11 @@ import time
 import kubernetes_validate
 import pytest
 
+from pdfleet_operator.api.names import LABEL_DEPLOYMENT
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.kube import handlers, reconciler, render
-from tests.kube.cluster import EXAMPLES as EXAMPLE_DIR
-from pdfleet_operator.api.names import LABEL_DEPLOYMENT
 from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN
+from tests.kube.cluster import EXAMPLES as EXAMPLE_DIR
 from tests.kube.cluster import classes, example_deployments, pod, spec_of, standard_nodes
 from tests.kube.harness import events, prepare_cluster, running_operator, settle, wait_reconciled
 
@@ -40,25 +40,31 @@ def flag(args: list[str], name: str) -> str | None:
 def test_every_pod_that_speaks_pdfleet_gets_the_token_and_only_those(name: str) -> None:
     objs = rendered(name)
     services = {o["metadata"]["name"] for o in objs if o["kind"] == "Service"}
-    for pod_name, pod in pods(objs).items():
-        (container,) = pod["containers"]
-        args, volumes = container["args"], {v["name"]: v for v in pod["volumes"]}
+    for pod_name, pod_spec in pods(objs).items():
+        (container,) = pod_spec["containers"]
+        args, volumes = container["args"], {v["name"]: v for v in pod_spec["volumes"]}
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         if container["name"] == "vllm":  # vLLM has no use for the token: least privilege
             assert "auth" not in volumes and "--auth-token-file" not in args, pod_name
             continue
         assert flag(args, "--auth-token-file") == TOKEN_FILE, pod_name
-        assert volumes["auth"]["secret"] == {"secretName": f"{name}-auth", "defaultMode": 0o440,
-                                             "items": [{"key": "token", "path": "token"}]}
+        assert volumes["auth"]["secret"] == {
+            "secretName": f"{name}-auth",
+            "defaultMode": 0o440,
+            "items": [{"key": "token", "path": "token"}],
+        }
         # No subPath: kubelet updates a mounted Secret in place only without one (the rotation relies on it).
         assert mounts["auth"] == {"name": "auth", "mountPath": "/var/run/pdfleet/auth", "readOnly": True}
         role = pod_name.removeprefix(f"{name}-").split("-")[0]
         if container["name"] == "router":
             assert flag(args, "--api-key-file") == "/var/run/pdfleet/api-keys/api-keys"
             assert "--api-key-file-optional" in args
-            assert volumes["api-keys"]["secret"] == {"secretName": f"{name}-api-keys", "defaultMode": 0o440,
-                                                     "items": [{"key": "api-keys", "path": "api-keys"}],
-                                                     "optional": True}
+            assert volumes["api-keys"]["secret"] == {
+                "secretName": f"{name}-api-keys",
+                "defaultMode": 0o440,
+                "items": [{"key": "api-keys", "path": "api-keys"}],
+                "optional": True,
+            }
         elif role == "decode":
             peers = flag(args, "--kv-peers")
             assert peers == f"{name}-prefill.team-a.svc:8001", "the prefill role's headless Service, its KV port"
@@ -66,8 +72,8 @@ def test_every_pod_that_speaks_pdfleet_gets_the_token_and_only_those(name: str) 
         else:
             assert "--kv-peers" not in args and "--api-key-file" not in args, pod_name
     prefill = [p for n, p in pods(objs).items() if "-prefill-" in n and p["containers"][0]["name"] == "worker"]
-    for pod in prefill:
-        assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in pod["containers"][0]["ports"]
+    for pod_spec in prefill:
+        assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in pod_spec["containers"][0]["ports"]
 
 
 def test_rendered_flags_parse_with_the_worker_cli_and_name_the_peers() -> None:
@@ -83,7 +89,10 @@ def test_rendered_flags_parse_with_the_worker_cli_and_name_the_peers() -> None:
     assert peers.parse(decode.kv_peers) == [peers.Peer("llama31-8b-prefill.team-a.svc", 8001)]
     router = parser.parse_args(render.router_args(owner, ["prefill", "decode"]))
     assert (router.auth_token_file, router.api_key_file, router.api_key_file_optional) == (
-        TOKEN_FILE, "/var/run/pdfleet/api-keys/api-keys", True)
+        TOKEN_FILE,
+        "/var/run/pdfleet/api-keys/api-keys",
+        True,
+    )
 
 
 def test_the_token_secret_is_valid_owned_and_holds_the_token() -> None:
@@ -93,7 +102,10 @@ def test_the_token_secret_is_valid_owned_and_holds_the_token() -> None:
     assert secret["metadata"]["name"] == "chat-auth" and secret["type"] == "Opaque"
     assert secret["metadata"]["ownerReferences"] == [owner.reference()], "garbage-collected with its CR"
     assert base64.b64decode(secret["data"]["token"]).decode() == "s3cr3t-token-of-enough-length"
-    assert render.auth_secret_name("x" * 63) == render.auth_secret_name("x" * 63) and len(render.auth_secret_name("x" * 63)) <= 63
+    assert (
+        render.auth_secret_name("x" * 63) == render.auth_secret_name("x" * 63)
+        and len(render.auth_secret_name("x" * 63)) <= 63
+    )
 
 
 def token_of(kube, name: str, namespace: str = "default") -> str | None:
@@ -101,7 +113,9 @@ def token_of(kube, name: str, namespace: str = "default") -> str | None:
     return None if obj is None else base64.b64decode(obj["data"]["token"]).decode()
 
 
-def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_it_when_deleted(kube, monkeypatch) -> None:
+def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_it_when_deleted(
+    kube, monkeypatch
+) -> None:
     prepare_cluster(kube)
     with running_operator(kube):
         kube.apply(EXAMPLE_DIR / "local-tiny.yaml")
@@ -134,18 +148,30 @@ def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_i
         kube.delete("secrets", "local-tiny-auth", "default")
         monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
         kube.apply(pod("local-tiny-decode-c", "h100-0", {"cpu": "1"}, labels=labels))
-        kube.wait_for(lambda: token_of(kube, "local-tiny") not in (None, first), timeout=20,
-                      message="a new token for the new pod after the Secret was deleted")
+        kube.wait_for(
+            lambda: token_of(kube, "local-tiny") not in (None, first),
+            timeout=20,
+            message="a new token for the new pod after the Secret was deleted",
+        )
         second = token_of(kube, "local-tiny")
         # Rotation by hand: delete the Secret, then `kubectl annotate infdep local-tiny pdfleet.io/recreate-token=1`.
         kube.delete("secrets", "local-tiny-auth", "default")
         kube.patch("infdep", "local-tiny", {"metadata": {"annotations": {ANNOTATION_RECREATE_TOKEN: "1"}}})
-        kube.wait_for(lambda: token_of(kube, "local-tiny") not in (None, first, second), timeout=20,
-                      message="a new token after the Secret was deleted and the annotation set")
-        kube.wait_for(lambda: ANNOTATION_RECREATE_TOKEN not in (kube.get("infdep", "local-tiny", "default")["metadata"]
-                                                               .get("annotations") or {}),
-                      message="the one-shot annotation removed")
-        kube.wait_for(lambda: any(e["reason"] == "TokenSecretCreated" for e in events(kube, "local-tiny")),
-                      message="the TokenSecretCreated Event")
+        kube.wait_for(
+            lambda: token_of(kube, "local-tiny") not in (None, first, second),
+            timeout=20,
+            message="a new token after the Secret was deleted and the annotation set",
+        )
+        kube.wait_for(
+            lambda: (
+                ANNOTATION_RECREATE_TOKEN
+                not in (kube.get("infdep", "local-tiny", "default")["metadata"].get("annotations") or {})
+            ),
+            message="the one-shot annotation removed",
+        )
+        kube.wait_for(
+            lambda: any(e["reason"] == "TokenSecretCreated" for e in events(kube, "local-tiny")),
+            message="the TokenSecretCreated Event",
+        )
         operator = {r.verb for r in kube.requests_for(resource="secrets") if r.user is not None}
         assert operator == {"create"}, "the operator never reads, lists, watches, patches or deletes a Secret"

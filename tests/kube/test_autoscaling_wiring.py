@@ -25,16 +25,26 @@ SCRAPE_S = 1.0
 
 
 def spec(name: str, prometheus_url: str | None) -> dict[str, Any]:
-    autoscaling: dict[str, Any] = {"interval": f"{INTERVAL_S:g}s", "scaleDownStabilization": "2s",
-                                   "scaleDownDelayAfterScaleUp": "2s", "maxScaleDownStep": 4, "metricsMaxAge": "5s"}
+    autoscaling: dict[str, Any] = {
+        "interval": f"{INTERVAL_S:g}s",
+        "scaleDownStabilization": "2s",
+        "scaleDownDelayAfterScaleUp": "2s",
+        "maxScaleDownStep": 4,
+        "metricsMaxAge": "5s",
+    }
     if prometheus_url:
         autoscaling["prometheusUrl"] = prometheus_url
     return {
-        "apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "apiVersion": "pdfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
-            "model": {"name": "tiny", "source": {"local": {"path": "/models/tiny"}}, "maxModelLen": 1024,
-                      "dtype": "float32"},
+            "model": {
+                "name": "tiny",
+                "source": {"local": {"path": "/models/tiny"}},
+                "maxModelLen": 1024,
+                "dtype": "float32",
+            },
             "prefill": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 3, "targetQueuePerReplica": 2},
             "decode": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 4, "targetQueuePerReplica": 8},
             "autoscaling": autoscaling,
@@ -98,8 +108,11 @@ def condition(kube: Any, name: str, type_: str) -> dict | None:
 def wait_replicas(kube: Any, name: str, want: dict[str, int], timeout: float) -> float:
     """Seconds until the Deployments ask for `want`."""
     start = time.monotonic()
-    kube.wait_for(lambda: replicas(kube, name) == want, timeout=timeout,
-                  message=f"{name} replicas {want} (have {replicas(kube, name)})")
+    kube.wait_for(
+        lambda: replicas(kube, name) == want,
+        timeout=timeout,
+        message=f"{name} replicas {want} (have {replicas(kube, name)})",
+    )
     return time.monotonic() - start
 
 
@@ -121,13 +134,19 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
                 assert condition(kube, name, "MetricsAvailable") is None, condition(kube, name, "MetricsAvailable")
                 assert not [e for e in events(kube, name) if e["reason"] == "MetricsUnavailable"]
                 mark_ready(kube, name)
-            kube.wait_for(lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "True",
-                          timeout=10, message="MetricsAvailable=True")
+            kube.wait_for(
+                lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "True",
+                timeout=10,
+                message="MetricsAvailable=True",
+            )
             assert replicas(kube, NAME) == {"prefill": 1, "decode": 1}
 
             # No Prometheus at all: held at the minimum sizes, and the condition says where to set one.
-            kube.wait_for(lambda: (condition(kube, "unscraped", "MetricsAvailable") or {}).get("status") == "False",
-                          timeout=10, message="unscraped: MetricsAvailable=False")
+            kube.wait_for(
+                lambda: (condition(kube, "unscraped", "MetricsAvailable") or {}).get("status") == "False",
+                timeout=10,
+                message="unscraped: MetricsAvailable=False",
+            )
             assert "prometheusUrl" in condition(kube, "unscraped", "MetricsAvailable")["message"]
 
             # A prefill surge: 6 waiting at 2 per replica -> 3 prefill replicas, on the first tick that reads it.
@@ -138,18 +157,24 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             first = len(ticks.decisions)
             queues.set("prefill", waiting=6, running=2)
             took = _wait_role(kube, NAME, "prefill", 3, timeout=20)
+
             # NOTE: no bound on `took` (the machine's speed); what it checks is that no tick held a queue it read.
             # Before the move every tick held at 1 as before the surge (Prometheus had not scraped the queue yet),
             # and the move went 1 -> 3 in one decision (no stabilization, no step limit on the way up).
-            def moves() -> list[ScalingDecision] | None:  # (the tick is recorded once it returns, maybe after the patch)
+            def moves() -> (
+                list[ScalingDecision] | None
+            ):  # (the tick is recorded once it returns, maybe after the patch)
                 after = [d["prefill"] for d in ticks.decisions[first:]]
                 return after if any(d.direction != "hold" for d in after) else None
+
             after = kube.wait_for(moves, timeout=10, message="the autoscaler tick that moved prefill")
             moved = next(i for i, d in enumerate(after) if d.direction != "hold")
             assert all((d.current, d.desired) == (1, 1) and d.reason in idle for d in after[:moved]), after[:moved]
             assert (after[moved].current, after[moved].desired, after[moved].direction) == (1, 3, "up"), after[moved]
-            report = (f"prefill surge -> 3 replicas after {took:.2f}s, on the {moved + 1}. tick after it "
-                      f"(interval {INTERVAL_S}s + scrape {SCRAPE_S}s; {after[moved].reason})")
+            report = (
+                f"prefill surge -> 3 replicas after {took:.2f}s, on the {moved + 1}. tick after it "
+                f"(interval {INTERVAL_S}s + scrape {SCRAPE_S}s; {after[moved].reason})"
+            )
             decision = kube.get("infdep", NAME, "default")["status"]["lastScalingDecision"]
             assert decision["reason"] and decision["toReplicas"] >= decision["fromReplicas"]
 
@@ -163,8 +188,11 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             # Prometheus down: the queues empty, but nothing is read as zero; the size is held.
             prom.stop()
             queues.set("decode", waiting=0, running=0)
-            kube.wait_for(lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "False",
-                          timeout=10, message="MetricsAvailable=False after Prometheus stopped")
+            kube.wait_for(
+                lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "False",
+                timeout=10,
+                message="MetricsAvailable=False after Prometheus stopped",
+            )
             assert condition(kube, NAME, "MetricsAvailable")["reason"] == "MetricsUnavailable"
             time.sleep(4 * INTERVAL_S)
             assert replicas(kube, NAME) == {"prefill": 1, "decode": 4}
@@ -173,8 +201,11 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
 
             # Prometheus back: fresh queues are read again and decode shrinks to what they need.
             prom.restart()
-            kube.wait_for(lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "True",
-                          timeout=15, message="MetricsAvailable=True after Prometheus restarted")
+            kube.wait_for(
+                lambda: (condition(kube, NAME, "MetricsAvailable") or {}).get("status") == "True",
+                timeout=15,
+                message="MetricsAvailable=True after Prometheus restarted",
+            )
             wait_replicas(kube, NAME, {"prefill": 1, "decode": 1}, timeout=15)
             assert [e["reason"] for e in events(kube, NAME)].count("MetricsAvailable") == 1
             # The other deployment stayed held the whole time.
@@ -186,6 +217,9 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
 
 def _wait_role(kube: Any, name: str, role: str, n: int, timeout: float) -> float:
     start = time.monotonic()
-    kube.wait_for(lambda: replicas(kube, name).get(role) == n, timeout=timeout,
-                  message=f"{name} {role} at {n} replicas (have {replicas(kube, name)})")
+    kube.wait_for(
+        lambda: replicas(kube, name).get(role) == n,
+        timeout=timeout,
+        message=f"{name} {role} at {n} replicas (have {replicas(kube, name)})",
+    )
     return time.monotonic() - start

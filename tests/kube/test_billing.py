@@ -14,8 +14,12 @@ PRICE = 0.99  # l40s-48gb, $/GPU-hour (examples/acceleratorclasses.yaml)
 
 
 def billed(name: str) -> float | None:
-    m = re.search(r'^pdfleet_pool_cost_per_hour\{accelerator="l40s-48gb",deployment="%s",namespace="default",'
-                  r'role="colocated"\} ([\d.e+-]+)$' % name, exporter.text().decode(), re.M)
+    m = re.search(
+        r'^pdfleet_pool_cost_per_hour\{accelerator="l40s-48gb",deployment="%s",namespace="default",'
+        r'role="colocated"\} ([\d.e+-]+)$' % name,
+        exporter.text().decode(),
+        re.M,
+    )
     return float(m.group(1)) if m else None
 
 
@@ -32,5 +36,8 @@ def test_pending_replicas_are_not_billed_until_they_bind(kube) -> None:
         kube.wait_for(lambda: billed("alpha") == 0.0, message="Pending workers billed at $0")
         kube.call(wl.hold, False)
         kube.wait_for(lambda: not pending(kube, ["alpha"]), message="the workers bound")
-        kube.wait_for(lambda: billed("alpha") == round(2 * PRICE, 4) or billed("alpha") == 2 * PRICE, timeout=20,
-                      message=f"two bound workers billed: {billed('alpha')}")
+        kube.wait_for(
+            lambda: billed("alpha") == round(2 * PRICE, 4) or billed("alpha") == 2 * PRICE,
+            timeout=20,
+            message=f"two bound workers billed: {billed('alpha')}",
+        )

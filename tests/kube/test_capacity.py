@@ -56,8 +56,9 @@ def test_two_deployments_racing_for_the_last_gpus_never_pile_up_pending_pods(kub
         kube.apply([fleet("alpha", 2), fleet("beta", 2)])
         crs = {n: wait_reconciled(kube, n) for n in ("alpha", "beta")}
         # Decided before any pod binds: 3 GPUs, 2 + 1 replicas planned.
-        assert sorted(sum(p["desired"] for p in cr["status"]["pools"]) for cr in crs.values()) == [1, 2], \
-            {n: (cr["status"]["pools"], limited(cr)) for n, cr in crs.items()}
+        assert sorted(sum(p["desired"] for p in cr["status"]["pools"]) for cr in crs.values()) == [1, 2], {
+            n: (cr["status"]["pools"], limited(cr)) for n, cr in crs.items()
+        }
         kube.call(wl.hold, False)
         settle(kube)
         crs = {n: wait_reconciled(kube, n) for n in ("alpha", "beta")}
@@ -77,8 +78,10 @@ def test_two_deployments_racing_for_the_last_gpus_never_pile_up_pending_pods(kub
         kube.delete("infdep", winner, "default")
         cr = wait_reconciled(kube, loser, check=lambda cr: limited(cr)["status"] == "False")
         assert [p["desired"] for p in cr["status"]["pools"]] == [2]
-        kube.wait_for(lambda: len([p for p in workers(kube, loser) if p["spec"].get("nodeName")]) == 2,
-                      message=f"{loser}'s second worker bound")
+        kube.wait_for(
+            lambda: len([p for p in workers(kube, loser) if p["spec"].get("nodeName")]) == 2,
+            message=f"{loser}'s second worker bound",
+        )
         settle(kube)
         assert pending(kube, [loser]) == []
         assert unschedulable_workers(wl) == []
@@ -90,15 +93,18 @@ def test_a_scale_up_and_a_new_deployment_share_the_last_units_then_a_new_node(ku
     with running_operator(kube):
         kube.apply(fleet("alpha", 2))
         wait_reconciled(kube, "alpha")
-        kube.wait_for(lambda: len([p for p in workers(kube, "alpha") if p["spec"].get("nodeName")]) == 2,
-                      message="alpha's workers bound")
+        kube.wait_for(
+            lambda: len([p for p in workers(kube, "alpha") if p["spec"].get("nodeName")]) == 2,
+            message="alpha's workers bound",
+        )
         kube.call(wl.hold)
         grown = fleet("alpha", 3)
         kube.apply(grown)
         kube.apply(fleet("gamma", 2))
         crs = {n: wait_reconciled(kube, n, check=lambda cr: cr["status"].get("pools")) for n in ("alpha", "gamma")}
-        assert sum(p["desired"] for cr in crs.values() for p in cr["status"]["pools"]) == 4, \
-            {n: (cr["status"]["pools"], limited(cr)) for n, cr in crs.items()}
+        assert sum(p["desired"] for cr in crs.values() for p in cr["status"]["pools"]) == 4, {
+            n: (cr["status"]["pools"], limited(cr)) for n, cr in crs.items()
+        }
         kube.call(wl.hold, False)
         settle(kube)
         crs = {n: wait_reconciled(kube, n) for n in ("alpha", "gamma")}
@@ -111,7 +117,7 @@ def test_a_scale_up_and_a_new_deployment_share_the_last_units_then_a_new_node(ku
         assert unschedulable_workers(wl) == []
 
         kube.apply(node("l40s-1", "l40s", 4))
-        cr = wait_reconciled(kube, short[0], check=lambda cr: limited(cr)["status"] == "False")
+        wait_reconciled(kube, short[0], check=lambda cr: limited(cr)["status"] == "False")
         settle(kube)
         assert pending(kube, ["alpha", "gamma"]) == []
         assert sum(len(workers(kube, n)) for n in ("alpha", "gamma")) == 5
@@ -134,7 +140,10 @@ def test_a_namespaced_operator_counts_other_namespaces_pods_or_says_it_cannot(ku
         cr = wait_reconciled(kube, "alpha", namespace="team-a")
         cond = {c["type"]: c for c in cr["status"]["conditions"]}
         assert cond["CapacityVisible"]["status"] == "True", cond["CapacityVisible"]
-        assert cond["ScalingLimited"]["status"] == "True" and f"missing 1 x {GPU} on l40s-48gb" in cond["ScalingLimited"]["message"]
+        assert (
+            cond["ScalingLimited"]["status"] == "True"
+            and f"missing 1 x {GPU} on l40s-48gb" in cond["ScalingLimited"]["message"]
+        )
         settle(kube)
         assert kube.list("pods", "team-a", label_selector="pdfleet.io/role=colocated")[0]["spec"].get("nodeName")
         assert not [p for p in kube.list("pods", "team-a") if not p["spec"].get("nodeName")]
@@ -143,9 +152,18 @@ def test_a_namespaced_operator_counts_other_namespaces_pods_or_says_it_cannot(ku
 def test_a_namespaced_operator_that_may_not_list_pods_elsewhere_says_so(kube) -> None:
     prepare_cluster(kube, nodes=cluster(3))
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
-    kube.emulator["get", kmock.path("/api/v1/pods")] << 403 << {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                                             "reason": "Forbidden", "code": 403,
-                                                             "message": 'pods is forbidden: User "op" cannot list resource "pods"'}
+    (
+        kube.emulator["get", kmock.path("/api/v1/pods")]
+        << 403
+        << {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "reason": "Forbidden",
+            "code": 403,
+            "message": 'pods is forbidden: User "op" cannot list resource "pods"',
+        }
+    )
     with running_operator(kube, namespaces=("team-a",)):
         doc = fleet("alpha", 1)
         doc["metadata"]["namespace"] = "team-a"

@@ -18,8 +18,12 @@ APPLY = {"Content-Type": "application/apply-patch+yaml"}
 
 def _child(name: str, owner: dict) -> dict:
     ref = render.Owner(owner["metadata"]["name"], "default", owner["metadata"]["uid"]).reference()
-    return {"apiVersion": "v1", "kind": "ConfigMap", "data": {"k": "v"},
-            "metadata": {"name": name, "namespace": "default", "ownerReferences": [ref]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "data": {"k": "v"},
+        "metadata": {"name": name, "namespace": "default", "ownerReferences": [ref]},
+    }
 
 
 def test_the_operator_service_account_gets_what_the_chart_grants_and_nothing_else(kube) -> None:
@@ -34,18 +38,30 @@ def test_the_operator_service_account_gets_what_the_chart_grants_and_nothing_els
         secret = http.get("/api/v1/namespaces/default/secrets/local-tiny-auth")
         assert secret.status_code == 403 and secret.json()["message"].startswith(
             'secrets "local-tiny-auth" is forbidden: User "system:serviceaccount:pdfleet-system:pdfleet-operator" '
-            'cannot get resource "secrets"')  # the chart grants create only
+            'cannot get resource "secrets"'
+        )  # the chart grants create only
         assert http.delete("/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/x").status_code == 403
         lease = "/apis/coordination.k8s.io/v1/namespaces/pdfleet-system/leases"
         assert http.get(f"{lease}/pdfleet-operator").status_code == 404  # allowed, not there yet
         assert http.get(f"{lease}/someone-elses").status_code == 403  # get/update of its own Lease only
         assert http.get("/apis/coordination.k8s.io/v1/namespaces/default/leases/pdfleet-operator").status_code == 403
         path = "/api/v1/namespaces/default/configmaps"
-        created = http.patch(f"{path}/a", params={"fieldManager": "t"}, headers=APPLY, content=json.dumps(_child("a", owner)))
+        created = http.patch(
+            f"{path}/a", params={"fieldManager": "t"}, headers=APPLY, content=json.dumps(_child("a", owner))
+        )
         assert created.status_code == 201, created.json()
         # Without the finalizers grant (as the chart had it before), creating a child is refused.
-        kube.apply({**cluster_role, "rules": [r for r in cluster_role["rules"]
-                                              if r["resources"] != ["inferencedeployments/finalizers"]]})
-        refused = http.patch(f"{path}/b", params={"fieldManager": "t"}, headers=APPLY, content=json.dumps(_child("b", owner)))
+        kube.apply(
+            {
+                **cluster_role,
+                "rules": [r for r in cluster_role["rules"] if r["resources"] != ["inferencedeployments/finalizers"]],
+            }
+        )
+        refused = http.patch(
+            f"{path}/b", params={"fieldManager": "t"}, headers=APPLY, content=json.dumps(_child("b", owner))
+        )
         assert refused.status_code == 403
-        assert 'cannot update resource "inferencedeployments/finalizers" in API group "pdfleet.io"' in refused.json()["message"]
+        assert (
+            'cannot update resource "inferencedeployments/finalizers" in API group "pdfleet.io"'
+            in refused.json()["message"]
+        )

@@ -17,11 +17,19 @@ def by_name(status: dict[str, dict[str, int]], name: str) -> tuple[int, int, int
 
 
 def test_numbers_follow_nodes_selectors_taints_and_pods() -> None:
-    nodes = [node("ascend-0", "ascend", 8), node("ascend-1", "ascend", 8), node("h100-0", "h100", 8),
-             node("h200-0", "h200", 8), node("ascend-2", "ascend", 8, unschedulable=True)]
-    pods = [pod("a", "ascend-0", {"huawei.com/Ascend910": "3"}), pod("b", "h100-0", {"nvidia.com/gpu": "8"}),
-            pod("done", "ascend-1", {"huawei.com/Ascend910": "8"}, phase="Succeeded"),
-            pod("pending", None, {"huawei.com/Ascend910": "8"})]
+    nodes = [
+        node("ascend-0", "ascend", 8),
+        node("ascend-1", "ascend", 8),
+        node("h100-0", "h100", 8),
+        node("h200-0", "h200", 8),
+        node("ascend-2", "ascend", 8, unschedulable=True),
+    ]
+    pods = [
+        pod("a", "ascend-0", {"huawei.com/Ascend910": "3"}),
+        pod("b", "h100-0", {"nvidia.com/gpu": "8"}),
+        pod("done", "ascend-1", {"huawei.com/Ascend910": "8"}, phase="Succeeded"),
+        pod("pending", None, {"huawei.com/Ascend910": "8"}),
+    ]
     status = class_status.compute(CLASSES, nodes, pods)
     # The cordoned node is not offered to placement either; the Pending pod will take ascend-1's 8 cards.
     assert by_name(status, "ascend-910b") == (2, 16, 5)
@@ -51,7 +59,10 @@ def test_the_operator_writes_class_status_on_change_only_and_not_again_after_a_r
         kube.wait_for(lambda: status_of(kube, "ascend-910b").get("free") == 8, message="ascend-910b free 8")
         kube.wait_for(lambda: status_of(kube, "hygon-dcu-k100").get("free") == 4, message="hygon-dcu-k100 free 4")
         assert status_of(kube, "ascend-910b")["nodes"] == 1 and status_of(kube, "ascend-910b")["allocatable"] == 8
-        assert status_of(kube, "ascend-910b")["observedGeneration"] == kube.get("acc", "ascend-910b")["metadata"]["generation"]
+        assert (
+            status_of(kube, "ascend-910b")["observedGeneration"]
+            == kube.get("acc", "ascend-910b")["metadata"]["generation"]
+        )
         settle(kube, quiet=1.0)
 
         kube.clear_requests()

@@ -42,9 +42,11 @@ def condition(kube, type_: str) -> dict:
 
 def serving(kube) -> dict[str, int]:
     """Ready replicas per worker pool of the deployment, from the Deployments' status."""
-    return {k.split("/", 1)[1]: int((v.get("status") or {}).get("readyReplicas") or 0)
-            for k, v in children(kube, NAME).items()
-            if k.startswith("Deployment/") and v["metadata"]["labels"].get(names.LABEL_ROLE) != names.ROUTER_ROLE}
+    return {
+        k.split("/", 1)[1]: int((v.get("status") or {}).get("readyReplicas") or 0)
+        for k, v in children(kube, NAME).items()
+        if k.startswith("Deployment/") and v["metadata"]["labels"].get(names.LABEL_ROLE) != names.ROUTER_ROLE
+    }
 
 
 def start(kube, doc: dict, nodes: list[dict]) -> Any:
@@ -67,14 +69,19 @@ def test_a_cordon_keeps_the_pool_and_a_drain_waits_for_its_replacement(kube) -> 
         assert ready(kube, POOL) == 1 and deployment_deletes(kube) == []
         # The PDB keeps the role's only replica until a replacement serves: a drain cannot take it now.
         with pytest.raises(Exception, match="429|disruption"):
-            pod = next(p for p in kube.list("pods", "default") if p["metadata"]["labels"].get(names.LABEL_ROLE) == "colocated")
+            pod = next(
+                p for p in kube.list("pods", "default") if p["metadata"]["labels"].get(names.LABEL_ROLE) == "colocated"
+            )
             kube.evict(pod["metadata"]["name"])
         # New capacity: the replacement starts elsewhere while the cordoned replica serves; then the drain goes.
         kube.apply(node("l40s-1", "l40s", 4))
         kube.wait_for(lambda: ready(kube, POOL) == 2, message="the replacement serving beside the cordoned replica")
         kube.drain("l40s-0", timeout=60)
-        kube.wait_for(lambda: kube.get("deployments.apps", POOL)["spec"]["replicas"] == 1 and ready(kube, POOL) == 1,
-                      timeout=30, message="back to one replica, on the healthy node")
+        kube.wait_for(
+            lambda: kube.get("deployments.apps", POOL)["spec"]["replicas"] == 1 and ready(kube, POOL) == 1,
+            timeout=30,
+            message="back to one replica, on the healthy node",
+        )
         settle(kube)
         assert deployment_deletes(kube) == []
         pods = [p for p in kube.list("pods", "default") if p["metadata"]["labels"].get(names.LABEL_ROLE) == "colocated"]
@@ -104,16 +111,20 @@ def test_a_deleted_class_is_held_until_its_pools_have_moved(kube) -> None:
     start(kube, doc, [node("l40s-0", "l40s", 4), node("a100-0", "a100", 1), node("cpu-0", "cpu", 32)])
     with running_operator(kube, class_status_interval=0.2):
         kube.apply(doc)
-        kube.wait_for(lambda: serving(kube) == {POOL: 1} or serving(kube).get(f"{NAME}-colocated-a100-80gb") == 1,
-                      message="the pool serving")
+        kube.wait_for(
+            lambda: serving(kube) == {POOL: 1} or serving(kube).get(f"{NAME}-colocated-a100-80gb") == 1,
+            message="the pool serving",
+        )
         settle(kube)
         first = next(iter(serving(kube)))
         used = first.rsplit("-colocated-", 1)[1]
         other = "a100-80gb" if used == "l40s-48gb" else "l40s-48gb"
         cls = kube.get("acc", used)
         assert names.FINALIZER_CLASS_IN_USE in cls["metadata"]["finalizers"]
-        kube.wait_for(lambda: kube.get("acc", used).get("status", {}).get("usedBy") == [f"default/{NAME} colocated"],
-                      message="the class status naming its user")
+        kube.wait_for(
+            lambda: kube.get("acc", used).get("status", {}).get("usedBy") == [f"default/{NAME} colocated"],
+            message="the class status naming its user",
+        )
         kube.delete("acc", used)
         # Held: it still exists (being deleted) while its pool hands over to the other class.
         kube.wait_for(lambda: serving(kube).get(f"{NAME}-colocated-{other}") == 1, message="the replacement serving")
@@ -141,8 +152,11 @@ def test_a_single_full_pool_never_rolls_to_zero_ready(kube) -> None:
         # Room for a surge replica: the rollout goes, the pool never below one ready.
         kube.apply(node("l40s-1", "l40s", 1))
         kube.wait_for(lambda: condition(kube, "RolloutBlocked")["status"] == "False", message="rollout released")
-        kube.wait_for(lambda: kube.get("deployments.apps", POOL)["status"].get("updatedReplicas") == 1
-                      and ready(kube, POOL) == 1, timeout=30, message="rolled")
+        kube.wait_for(
+            lambda: kube.get("deployments.apps", POOL)["status"].get("updatedReplicas") == 1 and ready(kube, POOL) == 1,
+            timeout=30,
+            message="rolled",
+        )
         image = kube.get("deployments.apps", POOL)["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == "registry.example/pdfleet-worker:v2"
 
@@ -167,8 +181,11 @@ def test_a_move_to_a_cheaper_class_on_the_same_full_hardware_never_deadlocks(kub
         assert serving(kube) == {POOL: 2} and "minimum" in condition(kube, "PlacementDrift")["message"]
         # With a minimum of 1 (the role still sized 2: the last plan's target) the move goes one replica at a time.
         kube.patch("infdep", NAME, {"spec": {"colocated": {"minReplicas": 1}}})
-        kube.wait_for(lambda: serving(kube) == {f"{NAME}-colocated-l40s-spot": 2}, timeout=60,
-                      message="the role moved to l40s-spot")
+        kube.wait_for(
+            lambda: serving(kube) == {f"{NAME}-colocated-l40s-spot": 2},
+            timeout=60,
+            message="the role moved to l40s-spot",
+        )
         settle(kube)
         history = _ready_history(kube, mark)
         assert history and min(history) >= 1, f"the role never dropped to 0 ready: {history}"
@@ -180,6 +197,7 @@ def test_a_move_to_a_cheaper_class_on_the_same_full_hardware_never_deadlocks(kub
 
 def _classes() -> list[dict]:
     from tests.kube.cluster import class_objects
+
     return class_objects()
 
 
@@ -189,7 +207,11 @@ def _max_pending(kube, since: int) -> int:
     most = 0
     for e in kube.call(lambda: list(kube.emulator._events)):
         labels = e.obj["metadata"].get("labels") or {}
-        if e.plural != "pods" or labels.get(names.LABEL_DEPLOYMENT) != NAME or labels.get(names.LABEL_ROLE) != "colocated":
+        if (
+            e.plural != "pods"
+            or labels.get(names.LABEL_DEPLOYMENT) != NAME
+            or labels.get(names.LABEL_ROLE) != "colocated"
+        ):
             continue
         name = e.obj["metadata"]["name"]
         if e.type != "DELETED" and not (e.obj.get("spec") or {}).get("nodeName"):
@@ -208,11 +230,15 @@ def _ready_history(kube, since: int = 0) -> list[int]:
     history = []
     for e in kube.call(lambda: list(kube.emulator._events)):
         labels = e.obj["metadata"].get("labels") or {}
-        if e.plural != "deployments" or labels.get(names.LABEL_DEPLOYMENT) != NAME or \
-                labels.get(names.LABEL_ROLE) != "colocated":
+        if (
+            e.plural != "deployments"
+            or labels.get(names.LABEL_DEPLOYMENT) != NAME
+            or labels.get(names.LABEL_ROLE) != "colocated"
+        ):
             continue
-        totals[e.obj["metadata"]["name"]] = 0 if e.type == "DELETED" else \
-            int((e.obj.get("status") or {}).get("readyReplicas") or 0)
+        totals[e.obj["metadata"]["name"]] = (
+            0 if e.type == "DELETED" else int((e.obj.get("status") or {}).get("readyReplicas") or 0)
+        )
         if e.rv > since:
             history.append(sum(totals.values()))
     return history

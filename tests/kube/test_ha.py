@@ -23,10 +23,14 @@ TINY = EXAMPLES / "local-tiny.yaml"
 
 def _object_writes(requests: list) -> Counter:
     """Writes per object (kind, namespace, name, subresource): not the Lease, Events, or the token Secret's 409."""
-    return Counter((r.resource, r.namespace, r.name or ((r.body or {}).get("metadata") or {}).get("name"), r.subresource)
-                   for r in requests
-                   if r.is_write and r.pod is not None and r.resource not in ("leases", "events")
-                   and not (r.resource == "secrets" and r.status == 409))
+    return Counter(
+        (r.resource, r.namespace, r.name or ((r.body or {}).get("metadata") or {}).get("name"), r.subresource)
+        for r in requests
+        if r.is_write
+        and r.pod is not None
+        and r.resource not in ("leases", "events")
+        and not (r.resource == "secrets" and r.status == 409)
+    )
 
 
 @pytest.mark.slow
@@ -47,7 +51,9 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
         settle(kube)
         assert b.leader_gauge() == 0 and a.leader_gauge() == 1
         # The standby only reads the Lease: no watch, no list, no write.
-        assert {(r.verb, r.resource) for r in kube.requests if r.pod == b.pod} == {("get", "leases")}, Counter((r.pod, r.verb, r.resource) for r in kube.requests)
+        assert {(r.verb, r.resource) for r in kube.requests if r.pod == b.pod} == {("get", "leases")}, Counter(
+            (r.pod, r.verb, r.resource) for r in kube.requests
+        )
         assert not [r.denied for r in kube.requests if r.denied], "the chart's RBAC refused a request"
         created = _object_writes(kube.requests)
         assert created and set(created.values()) == {1}, created
@@ -73,8 +79,11 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
         decode = ("deployments", "default", "llama31-8b-decode-h100-mig-3g-40gb", None)
         pdb = ("poddisruptionbudgets", "default", "llama31-8b-decode", None)  # (its minAvailable follows the size)
         after = _object_writes(kube.requests)
-        assert after[decode] == 2 and {k: v for k, v in after.items() if k[3] != "status"} == {**{
-            k: v for k, v in created.items() if k[3] != "status"}, decode: 2, pdb: 2}, "b applied the edit, once"
+        assert after[decode] == 2 and {k: v for k, v in after.items() if k[3] != "status"} == {
+            **{k: v for k, v in created.items() if k[3] != "status"},
+            decode: 2,
+            pdb: 2,
+        }, "b applied the edit, once"
         assert {r.pod for r in kube.requests if r.is_write and r.resource == "deployments"} == {a.pod, b.pod}
 
         # A rolling update: a new standby, and the leader stopped by SIGTERM releases the Lease at once.
@@ -96,6 +105,7 @@ def test_one_replica_acts_the_other_takes_over_when_it_dies_and_nothing_is_writt
 
 def _seconds(micro_time: str) -> float:
     import datetime as dt
+
     return dt.datetime.strptime(micro_time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
@@ -104,10 +114,27 @@ TRIGGERS = "pdfleet_operator_alert_triggers_total "
 
 
 def _alert(deployment: str) -> str:
-    return json.dumps({"version": "4", "status": "firing", "receiver": "pdfleet", "groupKey": "{}", "alerts": [{
-        "status": "firing", "startsAt": "2026-11-30T10:00:00Z", "fingerprint": "f1",
-        "labels": {"alertname": "PdfleetHigh5xxRatio", "pdfleet_alert": "rollback", "namespace": "default",
-                   "pdfleet_deployment": deployment}}]})
+    return json.dumps(
+        {
+            "version": "4",
+            "status": "firing",
+            "receiver": "pdfleet",
+            "groupKey": "{}",
+            "alerts": [
+                {
+                    "status": "firing",
+                    "startsAt": "2026-11-30T10:00:00Z",
+                    "fingerprint": "f1",
+                    "labels": {
+                        "alertname": "PdfleetHigh5xxRatio",
+                        "pdfleet_alert": "rollback",
+                        "namespace": "default",
+                        "pdfleet_deployment": deployment,
+                    },
+                }
+            ],
+        }
+    )
 
 
 def _until_relayed(replica: ha.Replica, body: str, timeout: float = 30.0):
@@ -133,20 +160,24 @@ def _relayed(replica: ha.Replica, outcome: str) -> float:
 
 @pytest.mark.slow
 def test_an_alert_sent_to_the_standby_reaches_the_leaders_receiver_and_nothing_unauthenticated_is_relayed(
-        kube, tmp_path) -> None:
+    kube, tmp_path
+) -> None:
     prepare_cluster(kube)
     ha.install_chart_rbac(kube)
     a = ha.Replica(kube, "pdfleet-operator-a", tmp_path, alertmanager_token=TOKEN)
     # b leads second with a long lease: once it is killed, c knows it as the (unreachable) leader for 30 s
-    b = ha.Replica(kube, "pdfleet-operator-b", tmp_path, alertmanager_token=TOKEN, lease_duration=30.0,
-                   renew_deadline=20.0)
+    b = ha.Replica(
+        kube, "pdfleet-operator-b", tmp_path, alertmanager_token=TOKEN, lease_duration=30.0, renew_deadline=20.0
+    )
     c = ha.Replica(kube, "pdfleet-operator-c", tmp_path, alertmanager_token=TOKEN)
     try:
         a.start()
         kube.wait_for(lambda: ha.lease_holder(kube) == a.pod, timeout=20, message="a to take the Lease")
         lease = kube.get("leases.coordination.k8s.io", ha.LEASE, ha.NAMESPACE)
-        assert lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION] == \
-            f"http://127.0.0.1:{a.alertmanager_port}"
+        assert (
+            lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION]
+            == f"http://127.0.0.1:{a.alertmanager_port}"
+        )
         b.start()
         kube.apply(TINY)
         wait_reconciled(kube, "local-tiny", timeout=30)
@@ -174,8 +205,10 @@ def test_an_alert_sent_to_the_standby_reaches_the_leaders_receiver_and_nothing_u
         assert resp.status_code == 200 and resp.json() == {"accepted": 1}, (resp.status_code, resp.text, b.log())
         assert b.metric(TRIGGERS) == 1 and _relayed(b, "relayed") == 1
         lease = kube.get("leases.coordination.k8s.io", ha.LEASE, ha.NAMESPACE)
-        assert lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION] == \
-            f"http://127.0.0.1:{b.alertmanager_port}"
+        assert (
+            lease["metadata"]["annotations"][leader.ALERTMANAGER_URL_ANNOTATION]
+            == f"http://127.0.0.1:{b.alertmanager_port}"
+        )
 
         # c stands by and relays to b; b dies (its Lease unexpired for 30 s): c answers 503 with Retry-After.
         c.start()

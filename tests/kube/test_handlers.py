@@ -47,8 +47,13 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         assert pool["spec"]["template"]["metadata"]["labels"][render.LABEL_REVISION] == "7"
         assert pool["spec"]["replicas"] == 2  # sizes still come from the autoscaler
         # Conditions and fields owned by others ride on the same status write.
-        rolled = Condition(type="RolledBack", status="True", reason="ErrorRatio", message="5xx 4% > 1%",
-                           last_transition_time=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))
+        rolled = Condition(
+            type="RolledBack",
+            status="True",
+            reason="ErrorRatio",
+            message="5xx 4% > 1%",
+            last_transition_time=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+        )
         call_in_operator(handlers.RECONCILER.set_status, KEY, conditions=[rolled], failed_revision=8, stable_revision=7)
         cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("failedRevision") == 8)
         assert {c["type"]: c["reason"] for c in cr["status"]["conditions"]}["RolledBack"] == "ErrorRatio"
@@ -61,17 +66,26 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         settle(kube)
         assert len(children(kube, "llama31-8b")) == 12  # 9 + 2 NetworkPolicies + the router PDB
     text = exporter.text().decode()
-    assert 'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",role="decode"} 4.0' in text
+    assert (
+        'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",role="decode"} 4.0'
+        in text
+    )
     # No pod of it runs here (the emulator's controllers are off): planned, not billed (tests/kube/test_billing.py).
-    assert 'pdfleet_pool_cost_per_hour{accelerator="h100-80gb",deployment="llama31-8b",namespace="default",role="prefill"} 0.0' in text
+    assert (
+        'pdfleet_pool_cost_per_hour{accelerator="h100-80gb",deployment="llama31-8b",namespace="default",role="prefill"} 0.0'
+        in text
+    )
 
 
 async def test_invalid_spec_is_permanent_and_api_trouble_is_temporary() -> None:
     handlers.RECONCILER = handlers.Reconciler()
     handlers.RECONCILER.api = client.Api("http://127.0.0.1:9")  # nothing listens on the discard port
-    body = {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
-            "spec": {"model": {"name": "m", "source": {"local": {"path": "/m"}}}, "disaggregation": False}}
+    body = {
+        "apiVersion": "pdfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
+        "spec": {"model": {"name": "m", "source": {"local": {"path": "/m"}}}, "disaggregation": False},
+    }
     with pytest.raises(kopf.PermanentError, match="with disaggregation true set prefill and decode|colocated only"):
         await handlers._reconcile_from_handler("default", "x", body, "created", {})
     body["spec"]["colocated"] = {"acceleratorClasses": ["cpu"]}
@@ -95,12 +109,14 @@ async def test_metrics_endpoint_ignores_openmetrics_accept() -> None:
     import aiohttp
 
     from tests.support.components import free_port
+
     port = free_port()
     runner = await exporter.serve("127.0.0.1", port)
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{port}/metrics",
-                             headers={"Accept": "application/openmetrics-text;version=1.0.0"}) as resp:
+            async with s.get(
+                f"http://127.0.0.1:{port}/metrics", headers={"Accept": "application/openmetrics-text;version=1.0.0"}
+            ) as resp:
                 assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
                 assert "# EOF" not in await resp.text()
     finally:
@@ -113,9 +129,10 @@ async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_wha
     serving pool not ready (a restart rewrote every status that way). The first reconcile waits for all."""
     import asyncio
 
-    router = {"metadata": {"name": "chat-router", "namespace": "default",
-                           "labels": {render.LABEL_DEPLOYMENT: "chat"}}}
-    unlabelled = {"metadata": {"name": "hand-made", "namespace": "default", "labels": {}}}  # never indexed: not waited for
+    router = {"metadata": {"name": "chat-router", "namespace": "default", "labels": {render.LABEL_DEPLOYMENT: "chat"}}}
+    unlabelled = {
+        "metadata": {"name": "hand-made", "namespace": "default", "labels": {}}
+    }  # never indexed: not waited for
 
     class FakeApi:
         async def list(self, kind, namespace, label_selector=None):
@@ -160,10 +177,16 @@ async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:
         assert err.value.code == 504 and err.value.heals
         handlers.RECONCILER = handlers.Reconciler()
         handlers.RECONCILER.api = api
-        body = {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
-                "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
-                "spec": {"model": {"name": "m", "source": {"local": {"path": "/m"}}}, "disaggregation": False,
-                         "colocated": {"acceleratorClasses": ["cpu"]}}}
+        body = {
+            "apiVersion": "pdfleet.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "x", "namespace": "default", "uid": "u", "generation": 1},
+            "spec": {
+                "model": {"name": "m", "source": {"local": {"path": "/m"}}},
+                "disaggregation": False,
+                "colocated": {"acceleratorClasses": ["cpu"]},
+            },
+        }
         with pytest.raises(kopf.TemporaryError, match="504 Timeout"):
             await handlers._reconcile_from_handler("default", "x", body, "created", {})
     finally:

@@ -21,10 +21,15 @@ class Clock:
 
 
 def elector(kube, identity: str, clock, **timing: float) -> leader.LeaderElector:
-    config = leader.LeaseConfig("kube-system", "pdfleet-operator", identity,
-                                **{"lease_duration": 15, "renew_deadline": 10, "retry_period": 2, **timing})
-    return leader.LeaderElector(client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}), config,
-                                clock=clock)
+    config = leader.LeaseConfig(
+        "kube-system",
+        "pdfleet-operator",
+        identity,
+        **{"lease_duration": 15, "renew_deadline": 10, "retry_period": 2, **timing},
+    )
+    return leader.LeaderElector(
+        client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}), config, clock=clock
+    )
 
 
 def run(coro):
@@ -54,6 +59,7 @@ def test_one_holder_a_standby_takes_over_after_the_lease_duration_and_a_release_
         assert await a.try_acquire_or_renew() is True  # released: taken at once, no waiting
         for e in (a, b):
             await e.api.close()
+
     run(scenario())
 
 
@@ -70,6 +76,7 @@ def test_two_standbys_racing_for_an_expired_lease_cannot_both_win(kube) -> None:
         assert sorted(won) == [False, True]
         for e in (old, x, y):
             await e.api.close()
+
     run(scenario())
 
 
@@ -82,6 +89,7 @@ def test_a_holder_that_cannot_renew_gives_up_after_the_renew_deadline(kube) -> N
         await asyncio.wait_for(a.keep(lost.append), 10)
         await a.api.close()
         return lost
+
     lost = run(scenario())
     assert lost == ["could not renew Lease kube-system/pdfleet-operator for 0.3 s"]
 
@@ -96,11 +104,13 @@ def test_timings_are_checked() -> None:
 def test_the_lease_thread_renews_while_the_callers_loop_is_blocked_and_releases_on_stop(kube) -> None:
     # NOTE: a renew deadline of seconds, not tenths: a loaded machine can stall this process (the Lease thread and
     # the emulator's) for half a second, and a holder that gave up here would be the machine, not the code.
-    config = leader.LeaseConfig("kube-system", "pdfleet-operator", "t", lease_duration=4.0, renew_deadline=2.0,
-                                retry_period=0.1)
+    config = leader.LeaseConfig(
+        "kube-system", "pdfleet-operator", "t", lease_duration=4.0, renew_deadline=2.0, retry_period=0.1
+    )
     lost: list[str] = []
-    thread = leader.LeaseThread(lambda: client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}),
-                                config, lost.append)
+    thread = leader.LeaseThread(
+        lambda: client.Api(kube.url, headers={"Authorization": "Bearer emulator-token"}), config, lost.append
+    )
     thread.start()
     assert thread.acquired.wait(10)
     lease = "leases.coordination.k8s.io"
@@ -126,6 +136,7 @@ def test_a_holder_that_finds_another_holder_stops_at_once(kube) -> None:
         await asyncio.wait_for(a.keep(lost.append), 10)
         await a.api.close()
         return lost
+
     assert run(scenario()) == ["Lease kube-system/pdfleet-operator is held by b"]
 
 
@@ -169,6 +180,7 @@ def test_the_holder_publishes_its_receiver_url_in_the_lease_and_a_standby_sees_i
         assert await a.try_acquire_or_renew() is False and a.leader_url() is None
         for e in (a, b, c):
             await e.api.close()
+
     run(scenario())
     assert leader.receiver_url(None, 9443) is None and leader.receiver_url("10.1.2.3", None) is None
     assert leader.receiver_url("fd00::7", 9443) == "http://[fd00::7]:9443"

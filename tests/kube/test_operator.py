@@ -7,10 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
-import pytest
 import yaml
 
 from pdfleet_operator.kube import handlers
@@ -18,7 +16,6 @@ from tests.kube import golden, ha
 from tests.kube.cluster import EXAMPLES, example_deployments, example_files, node, pod
 from tests.kube.harness import (
     CHILD_RESOURCES,
-    changing_writes,
     children,
     events,
     mark_ready,
@@ -71,10 +68,12 @@ def test_spec_edit_changes_only_what_must(kube) -> None:
         settle(kube)
         writes = [(w.verb, w.resource, w.name, w.subresource) for w in kube.writes()]
         # The decode PDB follows the role's size (one disruption at a time, never below minReplicas: now 3).
-        assert writes == [("patch", "poddisruptionbudgets", "llama31-8b-decode", None),
-                          ("patch", "deployments", "llama31-8b-decode-h100-mig-3g-40gb", None),
-                          ("patch", "inferencedeployments", "llama31-8b", "status"),
-                          ("create", "events", None, None)], [(e["reason"], e["message"]) for e in events(kube, "llama31-8b")]
+        assert writes == [
+            ("patch", "poddisruptionbudgets", "llama31-8b-decode", None),
+            ("patch", "deployments", "llama31-8b-decode-h100-mig-3g-40gb", None),
+            ("patch", "inferencedeployments", "llama31-8b", "status"),
+            ("create", "events", None, None),
+        ], [(e["reason"], e["message"]) for e in events(kube, "llama31-8b")]
         ev = events(kube, "llama31-8b")[-1]
         assert ev["reason"] == "Replanned" and "decode 3xh100-mig-3g-40gb" in ev["message"]
 
@@ -82,15 +81,23 @@ def test_spec_edit_changes_only_what_must(kube) -> None:
         kube.patch("infdep", "llama31-8b", {"spec": {"engine": {"maxNumSeqs": 64}}})
         wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["currentRevision"] == 2)
         settle(kube)
-        changed = sorted(w.name for w in kube.writes() if w.resource != "inferencedeployments" and w.resource != "events")
+        changed = sorted(
+            w.name for w in kube.writes() if w.resource != "inferencedeployments" and w.resource != "events"
+        )
         # (plus the superseded revision 1's ControllerRevision, issue 7: revision 2 is on the ConfigMap now)
-        assert changed == ["llama31-8b-decode-h100-mig-3g-40gb", "llama31-8b-engine", "llama31-8b-prefill-h100-80gb",
-                           "llama31-8b-rev-1"]
+        assert changed == [
+            "llama31-8b-decode-h100-mig-3g-40gb",
+            "llama31-8b-engine",
+            "llama31-8b-prefill-h100-80gb",
+            "llama31-8b-rev-1",
+        ]
         after = {k: v["metadata"]["resourceVersion"] for k, v in children(kube, "llama31-8b").items()}
         assert {k for k in before if before[k] != after[k]} == {
-            "ConfigMap/llama31-8b-engine", "Deployment/llama31-8b-decode-h100-mig-3g-40gb",
+            "ConfigMap/llama31-8b-engine",
+            "Deployment/llama31-8b-decode-h100-mig-3g-40gb",
             "Deployment/llama31-8b-prefill-h100-80gb",
-            "PodDisruptionBudget/llama31-8b-decode"}  # (by the minReplicas edit above)
+            "PodDisruptionBudget/llama31-8b-decode",
+        }  # (by the minReplicas edit above)
         pool = kube.get("deployments.apps", "llama31-8b-prefill-h100-80gb")
         assert pool["spec"]["template"]["metadata"]["labels"]["pdfleet.io/revision"] == "2"
 
@@ -99,21 +106,29 @@ def test_spec_edit_changes_only_what_must(kube) -> None:
         settle(kube)
         kube.clear_requests()
         kube.patch("infdep", "llama31-8b", {"spec": {"decode": {"acceleratorClasses": ["h100-80gb"]}}})
-        cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "h100-80gb")
+        wait_reconciled(
+            kube, "llama31-8b", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "h100-80gb"
+        )
         settle(kube)
         assert "Deployment/llama31-8b-decode-h100-80gb" in children(kube, "llama31-8b")
         assert "Deployment/llama31-8b-decode-h100-mig-3g-40gb" in children(kube, "llama31-8b")
         assert not [w for w in kube.writes() if w.verb == "delete"]
         cond = {c["type"]: c for c in kube.get("infdep", "llama31-8b")["status"]["conditions"]}
-        assert "keeping llama31-8b-decode-h100-mig-3g-40gb 3/3 ready until the replacements serve (3 of 3 ready in " \
-               "the role)" in cond["Progressing"]["message"], cond["Progressing"]
+        assert (
+            "keeping llama31-8b-decode-h100-mig-3g-40gb 3/3 ready until the replacements serve (3 of 3 ready in "
+            "the role)" in cond["Progressing"]["message"]
+        ), cond["Progressing"]
         assert "waiting for llama31-8b-decode-h100-80gb 0/3" in cond["Progressing"]["message"]
         assert cond["Ready"]["status"] == "True", cond["Ready"]  # the kept pool serves decode meanwhile
         replanned = [e for e in events(kube, "llama31-8b") if e["reason"] == "Replanned"][-1]
-        assert "keeping llama31-8b-decode-h100-mig-3g-40gb 3/3 ready until the replacements serve" in replanned["message"]
+        assert (
+            "keeping llama31-8b-decode-h100-mig-3g-40gb 3/3 ready until the replacements serve" in replanned["message"]
+        )
         mark_ready(kube, "llama31-8b")
-        kube.wait_for(lambda: "Deployment/llama31-8b-decode-h100-mig-3g-40gb" not in children(kube, "llama31-8b"),
-                      message="the replaced pool deleted once the new one is ready")
+        kube.wait_for(
+            lambda: "Deployment/llama31-8b-decode-h100-mig-3g-40gb" not in children(kube, "llama31-8b"),
+            message="the replaced pool deleted once the new one is ready",
+        )
         settle(kube)
         assert [w.name for w in kube.writes() if w.verb == "delete"] == ["llama31-8b-decode-h100-mig-3g-40gb"]
         retired = [e for e in events(kube, "llama31-8b") if e["reason"] == "PoolRetired"]
@@ -143,12 +158,31 @@ def test_hand_edits_are_reverted(kube) -> None:
         settle(kube)
         name = "llama31-8b-prefill-h100-80gb"
         original = kube.get("deployments.apps", name)
-        kube.patch("deployments.apps", name, {"spec": {"replicas": 7, "template": {"spec": {"containers": [
-            {**original["spec"]["template"]["spec"]["containers"][0], "image": "evil:latest"}]}}}})
+        kube.patch(
+            "deployments.apps",
+            name,
+            {
+                "spec": {
+                    "replicas": 7,
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {**original["spec"]["template"]["spec"]["containers"][0], "image": "evil:latest"}
+                            ]
+                        }
+                    },
+                }
+            },
+        )
         kube.wait_for(lambda: kube.get("deployments.apps", name)["spec"]["replicas"] == 1, message="replicas reverted")
         reverted = kube.get("deployments.apps", name)
-        assert reverted["spec"]["template"]["spec"]["containers"][0]["image"] == original["spec"]["template"]["spec"]["containers"][0]["image"]
-        ev = kube.wait_for(lambda: [e for e in events(kube, "llama31-8b") if e["reason"] == "DriftReverted"], message="event")
+        assert (
+            reverted["spec"]["template"]["spec"]["containers"][0]["image"]
+            == original["spec"]["template"]["spec"]["containers"][0]["image"]
+        )
+        ev = kube.wait_for(
+            lambda: [e for e in events(kube, "llama31-8b") if e["reason"] == "DriftReverted"], message="event"
+        )
         assert f"Deployment/{name}" in ev[0]["message"] and ".spec.replicas" in ev[0]["message"]
         # A child deleted by hand comes back.
         kube.delete("services", "llama31-8b")
@@ -167,18 +201,29 @@ def test_steady_state_resync_and_restart_make_zero_writes(kube) -> None:
         for name in example_deployments():
             mark_ready(kube, name)
         for name in example_deployments():
-            cr = wait_reconciled(kube, name, check=lambda cr: any(
-                c["type"] == "Ready" and c["status"] == "True" for c in cr["status"]["conditions"]))
+            wait_reconciled(
+                kube,
+                name,
+                check=lambda cr: any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in cr["status"]["conditions"]
+                ),
+            )
         settle(kube)
     before = {name: kube.get("infdep", name)["status"] for name in example_deployments()}
     kube.clear_requests()
     with running_operator(kube, resync_interval=0.3):  # a restart (every CR created/resumed again) + resyncs
-        kube.wait_for(lambda: handlers.RECONCILER.reconciles >= 4 * len(example_deployments()), timeout=20,
-                      message="a restart and several resyncs")
+        kube.wait_for(
+            lambda: handlers.RECONCILER.reconciles >= 4 * len(example_deployments()),
+            timeout=20,
+            message="a restart and several resyncs",
+        )
         settle(kube)
-    written = [f"{w.verb} {w.resource}/{w.name}: {_changed(before.get(w.name or '') or {}, (w.body or {}).get('status') or w.body)}"
-               for w in kube.writes()]
+    written = [
+        f"{w.verb} {w.resource}/{w.name}: {_changed(before.get(w.name or '') or {}, (w.body or {}).get('status') or w.body)}"
+        for w in kube.writes()
+    ]
     assert written == [], "a restart writes nothing, not even the token Secret's create (status.tokenSecret)"
+    assert {r.verb for r in kube.requests} - {None} <= {"get", "list", "watch"}  # None: discovery
 
 
 def _changed(before: Any, after: Any, at: str = "") -> list[str]:
@@ -188,7 +233,6 @@ def _changed(before: Any, after: Any, at: str = "") -> list[str]:
     if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
         return [d for i, (b, a) in enumerate(zip(before, after)) for d in _changed(b, a, f"{at}[{i}]")]
     return [] if before == after else [f"{at}: {before!r} -> {after!r}"]
-    assert {r.verb for r in kube.requests} - {None} <= {"get", "list", "watch"}  # None: discovery
 
 
 def test_new_ascend_node_replans_with_an_event(kube) -> None:
@@ -198,21 +242,30 @@ def test_new_ascend_node_replans_with_an_event(kube) -> None:
         kube.apply(cost)
         cr = wait_reconciled(kube, "chat-cost")
         assert [(p["role"], p["acceleratorClass"]) for p in cr["status"]["pools"]] == [
-            ("prefill", "hygon-dcu-k100"), ("decode", "hygon-dcu-k100")]
+            ("prefill", "hygon-dcu-k100"),
+            ("decode", "hygon-dcu-k100"),
+        ]
         mark_ready(kube, "chat-cost")  # (a pool that serves nothing yet would go at once: it holds no traffic)
         settle(kube)
         kube.apply(node("ascend-1", "ascend", 8))
-        cr = wait_reconciled(kube, "chat-cost", check=lambda cr: cr["status"]["pools"][0]["acceleratorClass"] == "ascend-910b")
+        cr = wait_reconciled(
+            kube, "chat-cost", check=lambda cr: cr["status"]["pools"][0]["acceleratorClass"] == "ascend-910b"
+        )
         settle(kube)
         ev = [e for e in events(kube, "chat-cost") if e["reason"] == "Replanned"]
         # (the emulator, like a kubelet, reports a new node's allocatable in a second write: "added" or "changed")
         assert ev and ev[-1]["message"].startswith("node ascend-1 ") and "8 huawei.com/Ascend910" in ev[-1]["message"]
-        assert "allocatable): prefill 1xascend-910b, prefill 1xhygon-dcu-k100, decode 2xhygon-dcu-k100" in ev[-1]["message"]
+        assert (
+            "allocatable): prefill 1xascend-910b, prefill 1xhygon-dcu-k100, decode 2xhygon-dcu-k100"
+            in ev[-1]["message"]
+        )
         # the Hygon prefill pool serves until the Ascend one is ready
         assert "Deployment/chat-cost-prefill-hygon-dcu-k100" in children(kube, "chat-cost")
         mark_ready(kube, "chat-cost")
-        kube.wait_for(lambda: "Deployment/chat-cost-prefill-hygon-dcu-k100" not in children(kube, "chat-cost"),
-                      message="the Hygon prefill pool deleted once the Ascend one is ready")
+        kube.wait_for(
+            lambda: "Deployment/chat-cost-prefill-hygon-dcu-k100" not in children(kube, "chat-cost"),
+            message="the Hygon prefill pool deleted once the Ascend one is ready",
+        )
         settle(kube)
         # A node of an unrelated kind re-plans nothing.
         kube.clear_requests()
@@ -230,7 +283,9 @@ def test_price_change_replans_with_an_event(kube) -> None:
         settle(kube)
         kube.clear_requests()
         kube.patch("acc", "hygon-dcu-k100", {"spec": {"costPerHour": 2.0}})
-        cr = wait_reconciled(kube, "chat-cost", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "ascend-910b")
+        cr = wait_reconciled(
+            kube, "chat-cost", check=lambda cr: cr["status"]["pools"][1]["acceleratorClass"] == "ascend-910b"
+        )
         settle(kube)
         ev = [e for e in events(kube, "chat-cost") if e["reason"] == "Replanned"][-1]
         assert ev["message"].startswith("AcceleratorClass hygon-dcu-k100 changed: costPerHour 0.9 -> 2.0: ")
@@ -250,8 +305,10 @@ def test_full_cluster_is_scaling_limited_until_capacity_frees(kube) -> None:
         assert "missing 1 x nvidia.com/gpu on l40s-48gb" in cond["ScalingLimited"]["message"]
         assert cond["Degraded"]["reason"] == "RoleUnplaced"
         assert not any(k.startswith("Deployment/qwen2-7b-colocated") for k in children(kube, "qwen2-7b"))
-        kube.wait_for(lambda: [e for e in events(kube, "qwen2-7b") if e["reason"] == "ScalingLimited"],
-                      message="a ScalingLimited Event (posted after the status)")
+        kube.wait_for(
+            lambda: [e for e in events(kube, "qwen2-7b") if e["reason"] == "ScalingLimited"],
+            message="a ScalingLimited Event (posted after the status)",
+        )
         kube.delete("pods", "training")
         cr = wait_reconciled(kube, "qwen2-7b", check=lambda cr: cr["status"]["pools"])
         assert cr["status"]["pools"][0]["desired"] == 1
@@ -266,15 +323,28 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
         doc = copy.deepcopy(base)
         doc["metadata"]["name"] = n
         kube.apply(doc)
-    cmd = [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", "0",
-           "--liveness-port", "0", "--resync-interval", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdfleet_operator.kube.operator_cli",
+        "operator",
+        "--metrics-port",
+        "0",
+        "--liveness-port",
+        "0",
+        "--resync-interval",
+        "0",
+    ]
     ha.install_chart_rbac(kube)  # the processes run as the chart's ServiceAccount, its RBAC enforced
     env = kube.env_with(kube.service_account_kubeconfig(ha.NAMESPACE, ha.SERVICE_ACCOUNT, pod="operator-0"))
     log = open(tmp_path / "operator.log", "w")
     first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        kube.wait_for(lambda: len(kube.writes()) >= 40 or first.poll() is not None, timeout=30,
-                      message="the first operator to be mid-way")
+        kube.wait_for(
+            lambda: len(kube.writes()) >= 40 or first.poll() is not None,
+            timeout=30,
+            message="the first operator to be mid-way",
+        )
         assert first.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
     finally:
         os.killpg(first.pid, signal.SIGKILL)
@@ -295,18 +365,31 @@ def test_restart_mid_reconcile_converges_without_duplicates(kube, tmp_path) -> N
     for n in names:
         got = children(kube, n)
         assert sorted(got) == sorted(
-            ["ConfigMap/" + n + "-engine", "Service/" + n, "Service/" + n + "-prefill", "Service/" + n + "-decode",
-             "PodDisruptionBudget/" + n + "-prefill", "PodDisruptionBudget/" + n + "-decode",
-             "PodDisruptionBudget/" + n + "-router",
-             "Deployment/" + n + "-prefill-h100-80gb", "Deployment/" + n + "-decode-h100-mig-3g-40gb",
-             "Deployment/" + n + "-router", "NetworkPolicy/" + n + "-workers", "NetworkPolicy/" + n + "-router"]), n
-    total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + \
-        len([s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"])
+            [
+                "ConfigMap/" + n + "-engine",
+                "Service/" + n,
+                "Service/" + n + "-prefill",
+                "Service/" + n + "-decode",
+                "PodDisruptionBudget/" + n + "-prefill",
+                "PodDisruptionBudget/" + n + "-decode",
+                "PodDisruptionBudget/" + n + "-router",
+                "Deployment/" + n + "-prefill-h100-80gb",
+                "Deployment/" + n + "-decode-h100-mig-3g-40gb",
+                "Deployment/" + n + "-router",
+                "NetworkPolicy/" + n + "-workers",
+                "NetworkPolicy/" + n + "-router",
+            ]
+        ), n
+    total = sum(len(kube.list(r, "default")) for r in CHILD_RESOURCES if r != "services") + len(
+        [s for s in kube.list("services", "default") if s["metadata"]["name"] != "kubernetes"]
+    )
     assert total == 12 * len(names)
     assert [r.denied for r in kube.requests if r.denied] == [] and {r.pod for r in kube.requests} == {"operator-0"}
 
 
-def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(kube, tmp_path) -> None:
+def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_nothing_is_created(
+    kube, tmp_path
+) -> None:
     """decide.runtimes' rules read AcceleratorClasses, which CEL cannot: the operator applies them and says why."""
     prepare_cluster(kube)
     doc = copy.deepcopy(example_deployments()["chat-cost"])
@@ -316,8 +399,10 @@ def test_a_pool_that_cannot_run_is_refused_with_an_event_naming_the_field_and_no
     path.write_text(yaml.safe_dump(doc))
     with running_operator(kube):
         kube.apply(path)
-        ev = kube.wait_for(lambda: [e for e in events(kube, "on-kunlunxin")
-                                    if "spec.decode.acceleratorClasses[0]" in e["message"]], message="an Event naming the field")
+        ev = kube.wait_for(
+            lambda: [e for e in events(kube, "on-kunlunxin") if "spec.decode.acceleratorClasses[0]" in e["message"]],
+            message="an Event naming the field",
+        )
         assert "no PyTorch bridge for kunlunxin" in ev[0]["message"] and ev[0]["type"] != "Normal"
         settle(kube)
         assert children(kube, "on-kunlunxin") == {}
@@ -349,12 +434,17 @@ def test_fields_dropped_from_a_class_leave_the_live_pods(kube) -> None:
         cls = kube.get("acceleratorclasses", "h100-80gb")
         original = copy.deepcopy(cls["spec"])
         for n in kube.list("nodes"):  # the selector key added below must still match the H100 nodes
-            if n["metadata"].get("labels", {}).get("nvidia.com/gpu.product") == original["nodeSelector"]["nvidia.com/gpu.product"]:
+            if (
+                n["metadata"].get("labels", {}).get("nvidia.com/gpu.product")
+                == original["nodeSelector"]["nvidia.com/gpu.product"]
+            ):
                 kube.patch("nodes", n["metadata"]["name"], {"metadata": {"labels": {"pool": "inference"}}})
-        extra = {"tolerations": original["tolerations"] + [{"key": "team", "operator": "Equal", "value": "ml",
-                                                            "effect": "NoSchedule"}],
-                 "nodeSelector": {**original["nodeSelector"], "pool": "inference"},
-                 "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}
+        extra = {
+            "tolerations": original["tolerations"]
+            + [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+            "nodeSelector": {**original["nodeSelector"], "pool": "inference"},
+            "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+        }
         kube.patch("acceleratorclasses", "h100-80gb", {"spec": extra})
         kube.wait_for(lambda: pod_spec()["nodeSelector"].get("pool") == "inference", message="class fields applied")
         assert {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod_spec()["tolerations"]
@@ -379,23 +469,37 @@ def test_the_worker_image_defaults_in_the_operator_not_in_the_crd(kube) -> None:
     """A CRD upgrade must not roll fleets: the schema defaults no image; the operator's --worker-image PLATFORM=IMAGE
     does (the H100 and MIG pools: cuda; the router: cpu), and the status says which images those were."""
     from pdfleet_operator.decide import worker_images
+
     prepare_cluster(kube)
-    images = worker_images.WorkerImages.of({"cpu": "registry.example.com/team/pdfleet-worker:dev-cpu",
-                                            "cuda": "registry.example.com/team/pdfleet-worker:dev-cuda"})
+    images = worker_images.WorkerImages.of(
+        {
+            "cpu": "registry.example.com/team/pdfleet-worker:dev-cpu",
+            "cuda": "registry.example.com/team/pdfleet-worker:dev-cuda",
+        }
+    )
     saved = handlers.OPTIONS.worker_images
     handlers.OPTIONS.worker_images = images
     try:
         with running_operator(kube):
             kube.apply(LLAMA)
             assert "image" not in kube.get("infdep", "llama31-8b")["spec"]["engine"], "the CRD defaults no image"
-            cr = wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == images.describe())
-            pools = {k: o["spec"]["template"]["spec"]["containers"][0]["image"]
-                     for k, o in children(kube, "llama31-8b").items() if k.startswith("Deployment/")}
-            assert pools == {"Deployment/llama31-8b-prefill-h100-80gb": images.get("cuda"),
-                             "Deployment/llama31-8b-decode-h100-mig-3g-40gb": images.get("cuda"),
-                             "Deployment/llama31-8b-router": images.get("cpu")}, pools
+            cr = wait_reconciled(
+                kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == images.describe()
+            )
+            pools = {
+                k: o["spec"]["template"]["spec"]["containers"][0]["image"]
+                for k, o in children(kube, "llama31-8b").items()
+                if k.startswith("Deployment/")
+            }
+            assert pools == {
+                "Deployment/llama31-8b-prefill-h100-80gb": images.get("cuda"),
+                "Deployment/llama31-8b-decode-h100-mig-3g-40gb": images.get("cuda"),
+                "Deployment/llama31-8b-router": images.get("cpu"),
+            }, pools
             kube.patch("infdep", "llama31-8b", {"spec": {"engine": {"image": "registry.example.com/w:1"}}})
-            wait_reconciled(kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == "registry.example.com/w:1")
+            wait_reconciled(
+                kube, "llama31-8b", check=lambda cr: cr["status"].get("workerImage") == "registry.example.com/w:1"
+            )
             settle(kube)
             assert cr["status"]["currentRevision"] == 1
     finally:

@@ -18,12 +18,16 @@ def sample(metrics, name, **labels):
 
 def test_record_counts_decisions_and_sets_desired_and_ratio():
     m = OperatorMetrics()
-    decisions = {"prefill": _decision("prefill", 1, 2, autoscaler.QUEUE_ABOVE_TARGET),
-                 "decode": _decision("decode", 4, 4, autoscaler.WITHIN_TOLERANCE)}
+    decisions = {
+        "prefill": _decision("prefill", 1, 2, autoscaler.QUEUE_ABOVE_TARGET),
+        "decode": _decision("decode", 4, 4, autoscaler.WITHIN_TOLERANCE),
+    }
     m.record("ns", "demo", decisions)
     m.record("ns", "demo", decisions)
-    assert sample(m, names.SCALING_DECISIONS_TOTAL, role="prefill", direction="up",
-                  reason=autoscaler.QUEUE_ABOVE_TARGET) == 2
+    assert (
+        sample(m, names.SCALING_DECISIONS_TOTAL, role="prefill", direction="up", reason=autoscaler.QUEUE_ABOVE_TARGET)
+        == 2
+    )
     assert sample(m, names.DESIRED_REPLICAS, namespace="ns", deployment="demo", role="decode") == 4
     assert sample(m, names.PD_RATIO, namespace="ns", deployment="demo") == 0.5
     m.forget("ns", "demo")

@@ -9,8 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from pdfleet_operator import engine_args
-from pdfleet_operator import api
+from pdfleet_operator import api, engine_args
 from pdfleet_operator.api import names
 from pdfleet_operator.decide import inventory, placement
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
@@ -22,32 +21,94 @@ EXAMPLES = example_deployments()
 OWNER = render.Owner("llama31-8b", "default", "0f6c2a9e-1111-2222-3333-444455556666")
 
 # Hand-checked against prometheus-operator v0.75 CRDs: the fields render() uses, nothing else allowed.
-_RELABEL = {"type": "object", "additionalProperties": False, "properties": {
-    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
-    "targetLabel": {"type": "string"}, "action": {"enum": ["replace", "keep", "drop", "labelmap"]}}}
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+        "targetLabel": {"type": "string"},
+        "action": {"enum": ["replace", "keep", "drop", "labelmap"]},
+    },
+}
 _META = {"type": "object", "required": ["name", "namespace", "ownerReferences"]}
 MONITORING_SCHEMAS = {
-    "PodMonitor": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-                   "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PodMonitor"},
-                                  "metadata": _META, "spec": {
-                                      "type": "object", "required": ["selector", "podMetricsEndpoints"], "additionalProperties": False,
-                                      "properties": {"selector": {"type": "object", "required": ["matchLabels"]},
-                                                     "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                                                         "type": "object", "additionalProperties": False,
-                                                         "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                                                        "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-                                                                        "relabelings": {"type": "array", "items": _RELABEL}}}}}}}},
-    "PrometheusRule": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-                       "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"},
-                                      "metadata": _META, "spec": {
-                                          "type": "object", "additionalProperties": False, "properties": {"groups": {
-                                              "type": "array", "items": {"type": "object", "required": ["name", "rules"], "properties": {
-                                                  "name": {"type": "string", "minLength": 1},
-                                                  "rules": {"type": "array", "items": {"type": "object", "required": ["expr"],
-                                                            "additionalProperties": False, "properties": {
-                                                                "record": {"type": "string"}, "alert": {"type": "string"},
-                                                                "expr": {"type": "string"}, "for": {"type": "string"},
-                                                                "labels": {"type": "object"}, "annotations": {"type": "object"}}}}}}}}}}},
+    "PodMonitor": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PodMonitor"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["selector", "podMetricsEndpoints"],
+                "additionalProperties": False,
+                "properties": {
+                    "selector": {"type": "object", "required": ["matchLabels"]},
+                    "podMetricsEndpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "port": {"type": "string"},
+                                "path": {"type": "string"},
+                                "interval": {
+                                    "type": "string",
+                                    "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                                },
+                                "relabelings": {"type": "array", "items": _RELABEL},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+    "PrometheusRule": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["name", "rules"],
+                            "properties": {
+                                "name": {"type": "string", "minLength": 1},
+                                "rules": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["expr"],
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "record": {"type": "string"},
+                                            "alert": {"type": "string"},
+                                            "expr": {"type": "string"},
+                                            "for": {"type": "string"},
+                                            "labels": {"type": "object"},
+                                            "annotations": {"type": "object"},
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    }
+                },
+            },
+        },
+    },
 }
 
 
@@ -58,7 +119,9 @@ def validate(obj: dict) -> None:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
 
 
-def rendered(name: str, *, desired: dict[str, int] | None = None, monitoring: bool = True, owner_name: str | None = None) -> list[dict]:
+def rendered(
+    name: str, *, desired: dict[str, int] | None = None, monitoring: bool = True, owner_name: str | None = None
+) -> list[dict]:
     spec = spec_of(EXAMPLES[name])
     plan = placement.plan(spec, CLASSES, inventory.build(standard_nodes(), []), desired)
     owner = render.Owner(owner_name or name, "team-a", "uid-" + name)
@@ -73,9 +136,16 @@ def test_every_object_is_valid_and_owned(name: str) -> None:
         meta = obj["metadata"]
         assert meta["namespace"] == "team-a"
         assert len(meta["name"]) <= 63
-        assert meta["ownerReferences"] == [{"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
-                                            "name": name, "uid": "uid-" + name, "controller": True,
-                                            "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "pdfleet.io/v1alpha1",
+                "kind": "InferenceDeployment",
+                "name": name,
+                "uid": "uid-" + name,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "pdfleet-operator"
         assert meta["labels"]["pdfleet.io/deployment"] == name
     kinds = sorted(o["kind"] for o in objs)
@@ -101,8 +171,11 @@ def test_worker_pod_for_a_domestic_class() -> None:
     objs = rendered("chat-cost")
     dep = next(o for o in objs if o["metadata"]["name"] == "chat-cost-prefill-ascend-910b")
     assert dep["spec"]["replicas"] == 1
-    assert dep["spec"]["selector"]["matchLabels"] == {"pdfleet.io/deployment": "chat-cost", "pdfleet.io/role": "prefill",
-                                                      "pdfleet.io/accelerator": "ascend-910b"}
+    assert dep["spec"]["selector"]["matchLabels"] == {
+        "pdfleet.io/deployment": "chat-cost",
+        "pdfleet.io/role": "prefill",
+        "pdfleet.io/accelerator": "ascend-910b",
+    }
     tmpl = dep["spec"]["template"]
     assert tmpl["metadata"]["labels"]["pdfleet.io/revision"] == "3"
     assert tmpl["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
@@ -112,29 +185,63 @@ def test_worker_pod_for_a_domestic_class() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     (c,) = pod["containers"]
     # The device the worker must compute on (it exits when it lacks it) and its class, from the class.
-    assert c["args"] == ["worker", "--model", "/models/Qwen2-7B-Instruct", "--role", "prefill", "--host", "0.0.0.0",
-                         "--port", "8000", "--engine-config", "/etc/pdfleet/engine.json", "--heartbeat-interval", "10s",
-                         "--drain-timeout", "600s", "--auth-token-file", "/var/run/pdfleet/auth/token", "--kv-port", "8001",
-                         "--device", "npu", "--accelerator", "ascend-910b", "--num-threads", "auto"]
+    assert c["args"] == [
+        "worker",
+        "--model",
+        "/models/Qwen2-7B-Instruct",
+        "--role",
+        "prefill",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--engine-config",
+        "/etc/pdfleet/engine.json",
+        "--heartbeat-interval",
+        "10s",
+        "--drain-timeout",
+        "600s",
+        "--auth-token-file",
+        "/var/run/pdfleet/auth/token",
+        "--kv-port",
+        "8001",
+        "--device",
+        "npu",
+        "--accelerator",
+        "ascend-910b",
+        "--num-threads",
+        "auto",
+    ]
     assert {"name": "kv", "containerPort": 8001, "protocol": "TCP"} in c["ports"]  # named in the NetworkPolicy
     assert c["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0-npu", "the image of the class's platform"
     # Host memory: 7.6B bf16 weights (14.2 GiB) + 4 GiB overhead; 2 cores per card; no CPU limit.
-    assert c["resources"] == {"requests": {"cpu": "2", "huawei.com/Ascend910": "1", "memory": "19Gi"},
-                              "limits": {"huawei.com/Ascend910": "1", "memory": "38Gi"}}
+    assert c["resources"] == {
+        "requests": {"cpu": "2", "huawei.com/Ascend910": "1", "memory": "19Gi"},
+        "limits": {"huawei.com/Ascend910": "1", "memory": "38Gi"},
+    }
     # The device plugin sets the visible devices; the driver's userland comes from the class, read-only; HCCL binds
     # the pod's IP; the threads come from the pod's CPU request.
     assert not any(e["name"].endswith("_VISIBLE_DEVICES") for e in c["env"])
     env = {e["name"]: e for e in c["env"]}
     assert env["HCCL_IF_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert env["PDFLEET_CPU_REQUEST"]["valueFrom"] == {"resourceFieldRef": {
-        "containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}}
-    assert {"name": "class-driver-lib64", "mountPath": "/usr/local/Ascend/driver/lib64", "readOnly": True} in c["volumeMounts"]
-    assert {"name": "class-driver-version", "hostPath": {"path": "/usr/local/Ascend/driver/version.info",
-                                                         "type": "File"}} in pod["volumes"]
+    assert env["PDFLEET_CPU_REQUEST"]["valueFrom"] == {
+        "resourceFieldRef": {"containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}
+    }
+    assert {"name": "class-driver-lib64", "mountPath": "/usr/local/Ascend/driver/lib64", "readOnly": True} in c[
+        "volumeMounts"
+    ]
+    assert {
+        "name": "class-driver-version",
+        "hostPath": {"path": "/usr/local/Ascend/driver/version.info", "type": "File"},
+    } in pod["volumes"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                    "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     # The drain lets the longest request finish: 8,192 tokens at the 80 ms ITL target is 655 s, capped at 600 s;
     # 25 s more to shut down.
     assert pod["terminationGracePeriodSeconds"] == 625
@@ -148,10 +255,19 @@ def test_mig_pool_requests_the_slice_and_tolerates_gpu_taint() -> None:
     dep = next(o for o in objs if o["metadata"]["name"] == "llama31-8b-decode-h100-mig-3g-40gb")
     pod = dep["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"memory": "38Gi", "nvidia.com/mig-3g.40gb": "1"}
-    assert pod["containers"][0]["args"][-6:] == ["--device", "cuda", "--accelerator", "h100-mig-3g-40gb",
-                                                 "--num-threads", "auto"]
+    assert pod["containers"][0]["args"][-6:] == [
+        "--device",
+        "cuda",
+        "--accelerator",
+        "h100-mig-3g-40gb",
+        "--num-threads",
+        "auto",
+    ]
     assert pod["containers"][0]["image"] == "ghcr.io/pdfleet/pdfleet-worker:0.1.0-cuda"
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/mig.strategy": "mixed"}
+    assert pod["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/mig.strategy": "mixed",
+    }
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert dep["spec"]["replicas"] == 2
 
@@ -160,10 +276,27 @@ def test_router_services_and_config() -> None:
     objs = {(o["kind"], o["metadata"]["name"]): o for o in rendered("llama31-8b")}
     router = objs[("Deployment", "llama31-8b-router")]
     assert router["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "router", "--prefill", "http://llama31-8b-prefill.team-a.svc:8000",
-        "--decode", "http://llama31-8b-decode.team-a.svc:8000", "--host", "0.0.0.0", "--port", "8000",
-        "--auth-token-file", "/var/run/pdfleet/auth/token", "--api-key-file", "/var/run/pdfleet/api-keys/api-keys",
-        "--api-key-file-optional", "--drain-accept", "5", "--heartbeat-interval", "10", "--drain-timeout", "600"]
+        "router",
+        "--prefill",
+        "http://llama31-8b-prefill.team-a.svc:8000",
+        "--decode",
+        "http://llama31-8b-decode.team-a.svc:8000",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--auth-token-file",
+        "/var/run/pdfleet/auth/token",
+        "--api-key-file",
+        "/var/run/pdfleet/api-keys/api-keys",
+        "--api-key-file-optional",
+        "--drain-accept",
+        "5",
+        "--heartbeat-interval",
+        "10",
+        "--drain-timeout",
+        "600",
+    ]
     assert objs[("Service", "llama31-8b-prefill")]["spec"]["clusterIP"] == "None"
     assert objs[("Service", "llama31-8b")]["spec"]["ports"][0]["port"] == 80
     # One voluntary disruption at a time, never below the role's minimum (2 decode replicas, minReplicas 2).
@@ -171,13 +304,19 @@ def test_router_services_and_config() -> None:
     assert objs[("PodDisruptionBudget", "llama31-8b-router")]["spec"]["minAvailable"] == 1
     spread = router["spec"]["template"]["spec"]["topologySpreadConstraints"]
     assert spread[0]["topologyKey"] == "kubernetes.io/hostname" and router["spec"]["replicas"] == 2
-    assert router["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
+    assert router["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] == {
+        "cpu": "1",
+        "memory": "512Mi",
+    }
     config = json.loads(objs[("ConfigMap", "llama31-8b-engine")]["data"]["engine.json"])
     assert config["max_model_len"] == 16384 and config["max_num_batched_tokens"] == 4096
     assert config["kv_transfer"] == {"timeout_seconds": 5.0, "lease_seconds": 30.0, "on_failure": "recompute"}
     colocated = {(o["kind"], o["metadata"]["name"]): o for o in rendered("qwen2-7b")}
     assert colocated[("Deployment", "qwen2-7b-router")]["spec"]["template"]["spec"]["containers"][0]["args"][:3] == [
-        "router", "--workers", "http://qwen2-7b-colocated.team-a.svc:8000"]
+        "router",
+        "--workers",
+        "http://qwen2-7b-colocated.team-a.svc:8000",
+    ]
     assert names.endpoint("qwen2-7b", "team-a") == "http://qwen2-7b.team-a.svc:80/v1"
 
 
@@ -186,7 +325,9 @@ def test_monitoring_only_when_asked() -> None:
     pm = next(o for o in rendered("qwen2-7b") if o["kind"] == "PodMonitor")
     targets = [r["targetLabel"] for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]]
     assert targets == ["pdfleet_deployment", "pdfleet_role", "pdfleet_accelerator", "namespace"]
-    assert pm["spec"]["podMetricsEndpoints"][0]["relabelings"][1]["sourceLabels"] == ["__meta_kubernetes_pod_label_pdfleet_io_role"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["relabelings"][1]["sourceLabels"] == [
+        "__meta_kubernetes_pod_label_pdfleet_io_role"
+    ]
 
 
 def test_long_names_are_hashed_deterministically() -> None:
@@ -211,6 +352,7 @@ def test_template_hash_changes_with_what_pods_run_only() -> None:
 
     def changed(path: list[str], value: object) -> str:
         import copy
+
         doc = copy.deepcopy(base)
         target = doc["spec"]
         for p in path[:-1]:
@@ -224,6 +366,7 @@ def test_template_hash_changes_with_what_pods_run_only() -> None:
     assert changed(["router", "replicas"], 3) == h
     assert changed(["tier"], "latency") == h, "a tier change restarts no pod (it may re-plan classes, which does)"
     from pdfleet_operator.decide import rollback
+
     assert h == rollback.fingerprint(rollback.template_spec(spec_of(base))), "one identity: pods, revisions, rollback"
     assert changed(["engine", "image"], "ghcr.io/pdfleet/pdfleet-worker:0.2.0") != h
     assert changed(["engine", "maxNumSeqs"], 64) != h
@@ -242,21 +385,27 @@ def test_wrong_calls_raise() -> None:
 
 # Every module of api/ and decide/, and the pure parts of the backends.
 _PKG = Path(__file__).resolve().parents[2] / "operator" / "pdfleet_operator"
-PURE = tuple(sorted(f"{pkg}.{p.stem}" for pkg in ("api", "decide") for p in (_PKG / pkg).glob("*.py")
-                    if p.stem != "__init__")) + ("kube.render", "engine_args")
+PURE = tuple(
+    sorted(f"{pkg}.{p.stem}" for pkg in ("api", "decide") for p in (_PKG / pkg).glob("*.py") if p.stem != "__init__")
+) + ("kube.render", "engine_args")
 
 
 def test_decision_modules_import_no_kopf_kubernetes_or_http() -> None:
     import subprocess
     import sys
-    code = ("import sys\n" + "".join(f"import pdfleet_operator.{m}\n" for m in PURE)
-            + "bad = sorted(m for m in ('kopf', 'kubernetes', 'aiohttp', 'httpx', 'prometheus_client', 'torch') if m in sys.modules)\n"
-            + "assert not bad, bad\n")
+
+    code = (
+        "import sys\n"
+        + "".join(f"import pdfleet_operator.{m}\n" for m in PURE)
+        + "bad = sorted(m for m in ('kopf', 'kubernetes', 'aiohttp', 'httpx', 'prometheus_client', 'torch') if m in sys.modules)\n"
+        + "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_engine_config_keys_are_the_worker_engine_config_fields() -> None:
     import dataclasses
+
     config = pytest.importorskip("pdfleet_worker.config")
     fields = {f.name for f in dataclasses.fields(config.EngineConfig)}
     rendered = set(engine_args.engine_config(spec_of(EXAMPLES["llama31-8b"])))
@@ -266,9 +415,11 @@ def test_engine_config_keys_are_the_worker_engine_config_fields() -> None:
 
 def test_worker_and_router_flags_parse_with_the_worker_cli() -> None:
     import argparse
+
     parser = argparse.ArgumentParser(prog="pdfleet")
     sub = parser.add_subparsers(dest="command")
     from pdfleet_worker import cli
+
     cli.register(sub)
     assert {"worker", "router"} <= set(sub.choices)
     spec = spec_of(EXAMPLES["llama31-8b"])
@@ -280,6 +431,7 @@ def test_worker_and_router_flags_parse_with_the_worker_cli() -> None:
 
 def test_the_worker_reads_the_rendered_engine_config(tmp_path) -> None:
     from pdfleet_worker.server import worker_config
+
     path = tmp_path / "engine.json"
     path.write_text(engine_args.config_text(spec_of(EXAMPLES["llama31-8b"])))
     loaded = worker_config.load_engine_file(str(path))
@@ -287,14 +439,25 @@ def test_the_worker_reads_the_rendered_engine_config(tmp_path) -> None:
     assert loaded["max_num_batched_tokens"] == 4096
 
 
-def _admits(policy: dict, pod_labels: dict, namespace: str, port: int, source_labels: dict, source_ns: str,
-            policy_ns: str = "team-a") -> bool:
+def _admits(
+    policy: dict,
+    pod_labels: dict,
+    namespace: str,
+    port: int,
+    source_labels: dict,
+    source_ns: str,
+    policy_ns: str = "team-a",
+) -> bool:
     """Whether a NetworkPolicy (ingress) lets a pod (source_labels in source_ns) reach port on a pod (pod_labels in
     namespace), by the NetworkPolicy rules for what this operator renders (matchLabels, In, ipBlock-free peers)."""
+
     def matches(sel: dict, labels: dict) -> bool:
         if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
             return False
-        return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions") or [] if e["operator"] == "In")
+        return all(
+            labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions") or [] if e["operator"] == "In"
+        )
+
     spec = policy["spec"]
     if namespace != policy_ns or not matches(spec["podSelector"], pod_labels):
         return True  # not selected: this policy says nothing about the pod
@@ -304,8 +467,11 @@ def _admits(policy: dict, pod_labels: dict, namespace: str, port: int, source_la
         if "from" not in rule:
             return True
         for peer in rule["from"]:
-            ns_ok = (source_ns == policy_ns) if "namespaceSelector" not in peer else \
-                matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_ns})
+            ns_ok = (
+                (source_ns == policy_ns)
+                if "namespaceSelector" not in peer
+                else matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_ns})
+            )
             pod_ok = "podSelector" not in peer or matches(peer["podSelector"], source_labels)
             if "ipBlock" not in peer and ns_ok and pod_ok:
                 return True
@@ -320,8 +486,8 @@ def test_workers_accept_only_their_router_peers_and_scrapers() -> None:
     router = objs[("Deployment", "llama31-8b-router")]["spec"]["template"]["metadata"]["labels"]
     decode = objs[("Deployment", "llama31-8b-decode-h100-mig-3g-40gb")]["spec"]["template"]["metadata"]["labels"]
     other = {"pdfleet.io/deployment": "someone-else", "pdfleet.io/role": "decode"}
-    assert _admits(workers, prefill, "team-a", 8000, router, "team-a")       # router -> prefill
-    assert _admits(workers, prefill, "team-a", 8001, decode, "team-a")       # decode pulls KV from prefill
+    assert _admits(workers, prefill, "team-a", 8000, router, "team-a")  # router -> prefill
+    assert _admits(workers, prefill, "team-a", 8001, decode, "team-a")  # decode pulls KV from prefill
     assert _admits(workers, prefill, "team-a", 8000, {"app": "prometheus"}, "monitoring")  # scrape
     assert not _admits(workers, prefill, "team-a", 8001, {"app": "prometheus"}, "monitoring")  # not the KV port
     # The attacks: another deployment's pod or any pod of another namespace pulling KV or calling a worker.
@@ -331,11 +497,23 @@ def test_workers_accept_only_their_router_peers_and_scrapers() -> None:
     # The router is open to every source by default, and to the listed ones only when spec.router.allowFrom says.
     assert _admits(router_policy, router, "team-a", 8000, {}, "anywhere")
     spec = spec_of(EXAMPLES["llama31-8b"])
-    spec = spec.model_copy(update={"router": spec.router.model_copy(update={"allow_from": [
-        api.NetworkPeer(namespace="gateway", pod_labels={"app": "envoy"}), api.NetworkPeer(cidr="10.0.0.0/8")]})})
+    spec = spec.model_copy(
+        update={
+            "router": spec.router.model_copy(
+                update={
+                    "allow_from": [
+                        api.NetworkPeer(namespace="gateway", pod_labels={"app": "envoy"}),
+                        api.NetworkPeer(cidr="10.0.0.0/8"),
+                    ]
+                }
+            )
+        }
+    )
     plan = placement.plan(spec, CLASSES, inventory.build(standard_nodes(), []))
-    objs = {(o["kind"], o["metadata"]["name"]): o
-            for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)}
+    objs = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)
+    }
     limited = objs[("NetworkPolicy", "llama31-8b-router")]
     assert _admits(limited, router, "team-a", 8000, {"app": "envoy"}, "gateway")
     assert not _admits(limited, router, "team-a", 8000, {"app": "curl"}, "gateway")
@@ -353,8 +531,10 @@ def test_vllm_kv_connectors_get_the_ports_they_need_between_the_deployments_pods
     spec = spec_of(EXAMPLES["llama31-8b"])
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"runtime": "vllm"})}, deep=True)
     plan = placement.plan(spec, CLASSES, inventory.build(standard_nodes(), []))
-    objs = {(o["kind"], o["metadata"]["name"]): o
-            for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)}
+    objs = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in render.render(render.Owner("llama31-8b", "team-a", "u"), spec, plan, CLASSES, revision=1)
+    }
     workers = objs[("NetworkPolicy", "llama31-8b-workers")]
     prefill = objs[("Deployment", "llama31-8b-prefill-h100-80gb")]["spec"]["template"]["metadata"]["labels"]
     decode = objs[("Deployment", "llama31-8b-decode-h100-mig-3g-40gb")]["spec"]["template"]["metadata"]["labels"]
@@ -363,32 +543,47 @@ def test_vllm_kv_connectors_get_the_ports_they_need_between_the_deployments_pods
         assert not _admits(workers, prefill, "team-a", port, {"pdfleet.io/deployment": "x"}, "team-a"), port
         assert not _admits(workers, prefill, "team-a", port, {"app": "prometheus"}, "monitoring"), port
     # The pdfleet engine moves KV over its own fixed port: only 8000 and 8001 between its pods.
-    plain = {(o["kind"], o["metadata"]["name"]): o for o in rendered("llama31-8b")}[("NetworkPolicy", "llama31-8b-workers")]
+    plain = {(o["kind"], o["metadata"]["name"]): o for o in rendered("llama31-8b")}[
+        ("NetworkPolicy", "llama31-8b-workers")
+    ]
     assert not _admits(plain, prefill, "team-a", 5600, decode, "team-a")
 
 
 def test_pools_with_room_roll_without_shrinking_and_the_others_one_pod_at_a_time() -> None:
     from pdfleet_operator.decide import inventory, placement
     from tests.kube.cluster import node
+
     spec = spec_of(EXAMPLES["llama31-8b"])
     free = inventory.build([node("g1", "h100", 8), node("m1", "h100-mig", 2)], [])
     plan = placement.plan(spec, CLASSES, free)
     objs = render.render(OWNER, spec, plan, CLASSES, revision=1, surge=placement.surge_room(plan, CLASSES, free))
-    strategy = {o["metadata"]["name"]: o["spec"]["strategy"]["rollingUpdate"] for o in objs
-                if o["kind"] == "Deployment" and o["metadata"]["labels"].get(render.LABEL_ROLE) in ("prefill", "decode")}
-    assert strategy == {"llama31-8b-prefill-h100-80gb": {"maxSurge": 1, "maxUnavailable": 0},
-                        "llama31-8b-decode-h100-mig-3g-40gb": {"maxSurge": 0, "maxUnavailable": 1}}
+    strategy = {
+        o["metadata"]["name"]: o["spec"]["strategy"]["rollingUpdate"]
+        for o in objs
+        if o["kind"] == "Deployment" and o["metadata"]["labels"].get(render.LABEL_ROLE) in ("prefill", "decode")
+    }
+    assert strategy == {
+        "llama31-8b-prefill-h100-80gb": {"maxSurge": 1, "maxUnavailable": 0},
+        "llama31-8b-decode-h100-mig-3g-40gb": {"maxSurge": 0, "maxUnavailable": 1},
+    }
 
 
 def test_drains_are_sized_from_the_longest_request_and_pdbs_never_break_a_role_below_its_minimum() -> None:
     from pdfleet_operator import engine_args
+
     spec = spec_of(EXAMPLES["qwen2-7b"])
     short = spec.model_copy(update={"model": spec.model.model_copy(update={"max_model_len": 1024})})
-    assert engine_args.drain_seconds(short) == 81.9                  # 1,024 tokens at the 80 ms ITL target (0.1 s steps)
+    assert engine_args.drain_seconds(short) == 81.9  # 1,024 tokens at the 80 ms ITL target (0.1 s steps)
     assert engine_args.grace_seconds(short) == 82 + engine_args.SHUTDOWN_MARGIN_S
-    assert engine_args.drain_seconds(spec) == engine_args.DRAIN_CAP_S   # 655 s capped
+    assert engine_args.drain_seconds(spec) == engine_args.DRAIN_CAP_S  # 655 s capped
     tiny = spec.model_copy(update={"model": spec.model.model_copy(update={"max_model_len": 64})})
     assert engine_args.drain_seconds(tiny) == engine_args.DRAIN_FLOOR_S
     # (planned size, minReplicas) -> minAvailable: one at a time, never below the minimum, never the last replica.
-    assert [render.pdb_min_available(n, m) for n, m in ((1, 1), (1, 0), (2, 1), (4, 1), (4, 4), (0, 0))] == \
-        [1, 1, 1, 3, 4, 0]
+    assert [render.pdb_min_available(n, m) for n, m in ((1, 1), (1, 0), (2, 1), (4, 1), (4, 4), (0, 0))] == [
+        1,
+        1,
+        1,
+        3,
+        4,
+        0,
+    ]

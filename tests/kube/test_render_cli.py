@@ -26,8 +26,9 @@ def test_every_example_renders_to_objects_the_kubernetes_schemas_accept() -> Non
     assert kinds == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
     for o in objs:
         kubernetes_validate.validate(o, "1.30.0", strict=True)
-    engines = {c["name"] for o in objs if o["kind"] == "Deployment"
-               for c in o["spec"]["template"]["spec"]["containers"]}
+    engines = {
+        c["name"] for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]
+    }
     assert engines == {"worker", "vllm", "router"}
 
 
@@ -45,10 +46,20 @@ def test_nodes_decide_the_plan_and_a_full_cluster_is_an_error(tmp_path: Path) ->
 
 def test_bad_input_is_one_clear_line_per_problem_and_exit_1(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({
-        "apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "bad"},
-        "spec": {"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}},
-                 "prefill": {"acceleratorClasses": ["h100-80gb"]}, "decode": {"acceleratorClasses": ["kunlunxin-r200"]}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "pdfleet.io/v1alpha1",
+                "kind": "InferenceDeployment",
+                "metadata": {"name": "bad"},
+                "spec": {
+                    "model": {"name": "m", "source": {"pvc": {"claimName": "models"}}},
+                    "prefill": {"acceleratorClasses": ["h100-80gb"]},
+                    "decode": {"acceleratorClasses": ["kunlunxin-r200"]},
+                },
+            }
+        )
+    )
     done = run(str(bad), "--classes", str(CLASSES_FILE))
     assert done.returncode == 1 and done.stdout == ""
     assert "spec.decode.acceleratorClasses[0]: AcceleratorClass kunlunxin-r200" in done.stderr
@@ -58,7 +69,15 @@ def test_bad_input_is_one_clear_line_per_problem_and_exit_1(tmp_path: Path) -> N
     bad.write_text("spec: [")
     done = run(str(bad))
     assert done.returncode == 1 and "not valid YAML" in done.stderr
-    bad.write_text(yaml.safe_dump({"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
-                                   "metadata": {"name": "bad"}, "spec": {"engine": {"runtime": "tgi"}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "pdfleet.io/v1alpha1",
+                "kind": "InferenceDeployment",
+                "metadata": {"name": "bad"},
+                "spec": {"engine": {"runtime": "tgi"}},
+            }
+        )
+    )
     done = run(str(bad), "--classes", str(CLASSES_FILE))
     assert done.returncode == 1 and "spec.engine.runtime" in done.stderr

@@ -2,6 +2,7 @@
 where it lives in host memory, the host KV offload tier and swap space, for both engines, for every example and
 with the offload tier and swap turned on. The parts are read back from the rendered objects (args, env, the
 engine config), not from the function that sized the limit."""
+
 from __future__ import annotations
 
 import json
@@ -63,13 +64,18 @@ def host_parts(spec: InferenceDeploymentSpec, pod: dict, config: dict) -> dict[s
         swap = engine.get("swap_space_bytes", 0) if engine.get("preemption") == "swap" else 0
         # The worker's own sizing (worker_config.kv_cache_bytes): a fraction of what the limit leaves after the
         # weights, the offload tier and swap.
-        kv = max(0.0, (limit - weights - offload - swap) * engine["kv_cache_memory_fraction"]) \
-            if cls.resource_name == "cpu" else 0
+        kv = (
+            max(0.0, (limit - weights - offload - swap) * engine["kv_cache_memory_fraction"])
+            if cls.resource_name == "cpu"
+            else 0
+        )
     return {"limit": limit, "weights": weights, "kv": kv, "offload": offload, "swap": swap}
 
 
 @pytest.mark.parametrize("name, spec", variants(), ids=[n for n, _ in variants()])
-def test_every_workers_memory_limit_covers_weights_kv_offload_and_swap(name: str, spec: InferenceDeploymentSpec) -> None:
+def test_every_workers_memory_limit_covers_weights_kv_offload_and_swap(
+    name: str, spec: InferenceDeploymentSpec
+) -> None:
     objs = rendered(spec)
     config = next(o for o in objs if o["kind"] == "ConfigMap")
     pools = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["labels"]["pdfleet.io/role"] != "router"]
@@ -77,13 +83,16 @@ def test_every_workers_memory_limit_covers_weights_kv_offload_and_swap(name: str
     for pod in pools:
         p = host_parts(spec, pod, config)
         need = p["weights"] + p["kv"] + p["offload"] + p["swap"] + RUNTIME_FLOOR
-        assert p["limit"] >= need, (f"{pod['metadata']['name']}: limit {p['limit'] / GIB:.1f} GiB < weights "
-                                    f"{p['weights'] / GIB:.1f} + kv {p['kv'] / GIB:.1f} + offload {p['offload'] / GIB:.1f} "
-                                    f"+ swap {p['swap'] / GIB:.1f} + runtime {RUNTIME_FLOOR / GIB:.0f} GiB")
+        assert p["limit"] >= need, (
+            f"{pod['metadata']['name']}: limit {p['limit'] / GIB:.1f} GiB < weights "
+            f"{p['weights'] / GIB:.1f} + kv {p['kv'] / GIB:.1f} + offload {p['offload'] / GIB:.1f} "
+            f"+ swap {p['swap'] / GIB:.1f} + runtime {RUNTIME_FLOOR / GIB:.0f} GiB"
+        )
         (c,) = pod["spec"]["template"]["spec"]["containers"]
         request = parse_quantity(c["resources"]["requests"]["memory"])
-        assert request >= p["weights"] + p["kv"] + p["offload"] + p["swap"], f"{pod['metadata']['name']}: the scheduler " \
-                                                                            f"must reserve what the pod pins"
+        assert request >= p["weights"] + p["kv"] + p["offload"] + p["swap"], (
+            f"{pod['metadata']['name']}: the scheduler must reserve what the pod pins"
+        )
 
 
 def test_the_vllm_offload_case_the_issue_found() -> None:

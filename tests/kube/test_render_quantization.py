@@ -26,11 +26,14 @@ def rendered_engine_config(name: str, spec) -> dict:
 
 def test_int8_reaches_the_rendered_engine_config_and_none_leaves_it_as_before() -> None:
     assert "quantization" not in rendered_engine_config("local-tiny", spec_of(EXAMPLES["local-tiny"]))
-    assert rendered_engine_config("local-tiny", with_engine("local-tiny", quantization="int8"))["quantization"] == "int8"
+    assert (
+        rendered_engine_config("local-tiny", with_engine("local-tiny", quantization="int8"))["quantization"] == "int8"
+    )
 
 
 def test_the_worker_loads_what_pdfleet_up_and_the_pods_are_given(tmp_path) -> None:
     from pdfleet_worker.server import worker_config
+
     path = tmp_path / "engine.json"
     path.write_text(engine_args.config_text(with_engine("local-tiny", quantization="int8")))
     assert worker_config.load_engine_file(str(path))["quantization"] == "int8"

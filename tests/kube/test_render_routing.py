@@ -26,13 +26,29 @@ def test_the_router_routes_to_the_target_service_with_the_rules():
     objs = rendered("qwen2-7b-routed")
     pod = objs[("Deployment", "qwen2-7b-routed-router")]["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
-    tail = args[args.index("--heartbeat-interval"):]
-    assert tail == ["--heartbeat-interval", "10", "--drain-timeout", "600", "--route-to", "http://qwen2-0-5b.team-a.svc:80",
-                    "--route-max-prompt-tokens", "512", "--route-max-tokens", "256",
-                    "--route-exclude-pattern", r"(?i)\b(code|function|sql|proof)\b",
-                    "--route-classifier", "pdfleet_worker.router.classifiers:short_question",
-                    "--route-classifier-timeout", "0.2", "--route-confidence-floor", "0.5",
-                    "--route-tokenizer", "/models/Qwen2-7B-Instruct"]
+    tail = args[args.index("--heartbeat-interval") :]
+    assert tail == [
+        "--heartbeat-interval",
+        "10",
+        "--drain-timeout",
+        "600",
+        "--route-to",
+        "http://qwen2-0-5b.team-a.svc:80",
+        "--route-max-prompt-tokens",
+        "512",
+        "--route-max-tokens",
+        "256",
+        "--route-exclude-pattern",
+        r"(?i)\b(code|function|sql|proof)\b",
+        "--route-classifier",
+        "pdfleet_worker.router.classifiers:short_question",
+        "--route-classifier-timeout",
+        "0.2",
+        "--route-confidence-floor",
+        "0.5",
+        "--route-tokenizer",
+        "/models/Qwen2-7B-Instruct",
+    ]
     # maxPromptTokens: the router reads the model's tokenizer from the model volume, read-only
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
@@ -42,11 +58,14 @@ def test_a_network_policy_lets_this_router_reach_the_target_router():
     objs = rendered("qwen2-7b-routed")
     policy = objs[("NetworkPolicy", "qwen2-7b-routed-routing")]
     assert policy["metadata"]["ownerReferences"][0]["name"] == "qwen2-7b-routed"
-    assert policy["spec"]["podSelector"]["matchLabels"] == {"pdfleet.io/deployment": "qwen2-0-5b",
-                                                            "pdfleet.io/role": "router"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "pdfleet.io/deployment": "qwen2-0-5b",
+        "pdfleet.io/role": "router",
+    }
     (rule,) = policy["spec"]["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": {"pdfleet.io/deployment": "qwen2-7b-routed",
-                                                             "pdfleet.io/role": "router"}}}]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"pdfleet.io/deployment": "qwen2-7b-routed", "pdfleet.io/role": "router"}}}
+    ]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pdfleet_operator.api import parse_duration
 from pdfleet_operator.decide import rollback
-from pdfleet_operator.kube import handlers, render, revisions
+from pdfleet_operator.kube import handlers, render
 from tests.kube.harness import changing_writes, events, prepare_cluster, running_operator, settle, wait_reconciled
 from tests.kube.test_rollback_wiring import BAD, FOR, GOOD, NAME, NEXT, WINDOW, Router, conditions, image_of, spec
 
@@ -33,18 +33,30 @@ def restarted(kube: Any) -> Iterator[None]:
     """A new operator process, entered once it has reconciled the deployment and its analysis had time to act."""
     kube.clear_requests()
     with running_operator(kube, analysis_interval=ANALYSIS_S):
-        kube.wait_for(lambda: handlers.RECONCILER.reconciles >= 1, timeout=30, message="the new process's first reconcile")
+        kube.wait_for(
+            lambda: handlers.RECONCILER.reconciles >= 1, timeout=30, message="the new process's first reconcile"
+        )
         time.sleep(ANALYSIS_SPAN_S)
         settle(kube)
         yield
 
 
 def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_rolls_forward(
-        kube, prometheus_factory) -> None:
+    kube, prometheus_factory
+) -> None:
     router = Router(kube.url)
     try:
-        prom = prometheus_factory(interval="1s", extra_scrape_configs=[{"job_name": "router", "static_configs": [{
-            "targets": [router.target], "labels": {"namespace": "default", "pdfleet_deployment": NAME}}]}])
+        prom = prometheus_factory(
+            interval="1s",
+            extra_scrape_configs=[
+                {
+                    "job_name": "router",
+                    "static_configs": [
+                        {"targets": [router.target], "labels": {"namespace": "default", "pdfleet_deployment": NAME}}
+                    ],
+                }
+            ],
+        )
         prom.wait_for(f'pdfleet_router_requests_total{{pdfleet_deployment="{NAME}"}}')
         prepare_cluster(kube)
 
@@ -55,8 +67,13 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
             kube.patch("infdep", NAME, {"spec": {"engine": {"image": BAD}}})
             kube.wait_for(lambda: router.failing_since is not None, timeout=10, message="the error burst")
             kube.wait_for(lambda: image_of(kube) == GOOD, timeout=40, message="the pools back on revision 1")
-            wait_reconciled(kube, NAME, check=lambda cr: cr["status"].get("failedRevision") == 2
-                            and conditions(cr)["RolledBack"]["status"] == "True")
+            wait_reconciled(
+                kube,
+                NAME,
+                check=lambda cr: (
+                    cr["status"].get("failedRevision") == 2 and conditions(cr)["RolledBack"]["status"] == "True"
+                ),
+            )
             settle(kube)
         assert reasons(kube).count("RolledBack") == 1
 
@@ -66,9 +83,15 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
             assert image_of(kube) == GOOD
             cr = kube.get("infdep", NAME, "default")
             assert cr["spec"]["engine"]["image"] == BAD
-            assert (cr["status"]["currentRevision"], cr["status"]["stableRevision"], cr["status"]["failedRevision"]) \
-                == (1, 1, 2)
-            assert conditions(cr)["RolledBack"]["status"] == "True" and conditions(cr)["Degraded"]["reason"] == "RolledBack"
+            assert (
+                cr["status"]["currentRevision"],
+                cr["status"]["stableRevision"],
+                cr["status"]["failedRevision"],
+            ) == (1, 1, 2)
+            assert (
+                conditions(cr)["RolledBack"]["status"] == "True"
+                and conditions(cr)["Degraded"]["reason"] == "RolledBack"
+            )
             assert changing_writes(kube) == [], [(r.verb, r.resource, r.name) for r in changing_writes(kube)]
             assert reasons(kube).count("RolledBack") == 1 and "RollbackFailed" not in reasons(kube)
 
@@ -98,8 +121,12 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
 
         # With the ConfigMap's record gone too (edited by hand), process 5 holds the pools and pages once;
         # process 6 does not page again.
-        kube.patch("configmaps", render.config_name(NAME),
-                   {"metadata": {"annotations": {render.ANNOTATION_REVISION_SPEC: None}}}, "default")
+        kube.patch(
+            "configmaps",
+            render.config_name(NAME),
+            {"metadata": {"annotations": {render.ANNOTATION_REVISION_SPEC: None}}},
+            "default",
+        )
         for _ in range(2):
             with restarted(kube):
                 assert kube.count_writes("deployments") == 0 and image_of(kube) == BAD
@@ -113,12 +140,20 @@ def test_rollback_state_survives_restarts_and_a_spec_change_made_while_down_roll
         kube.clear_requests()
         with running_operator(kube, analysis_interval=ANALYSIS_S):
             kube.wait_for(lambda: image_of(kube) == NEXT, timeout=30, message="roll forward to revision 3")
-            cr = wait_reconciled(kube, NAME, check=lambda cr: cr["status"]["currentRevision"] == 3
-                                 and conditions(cr)["RolledBack"]["status"] == "False")
+            cr = wait_reconciled(
+                kube,
+                NAME,
+                check=lambda cr: (
+                    cr["status"]["currentRevision"] == 3 and conditions(cr)["RolledBack"]["status"] == "False"
+                ),
+            )
             assert conditions(cr)["RolledBack"]["reason"] == "RolledForward"
             assert conditions(cr)["Degraded"]["status"] == "False"
-            pools = [d for d in kube.list("deployments.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
-                     if d["metadata"]["labels"][render.LABEL_ROLE] != render.ROUTER_ROLE]
+            pools = [
+                d
+                for d in kube.list("deployments.apps", "default", label_selector=f"{render.LABEL_DEPLOYMENT}={NAME}")
+                if d["metadata"]["labels"][render.LABEL_ROLE] != render.ROUTER_ROLE
+            ]
             assert {p["spec"]["template"]["metadata"]["labels"][render.LABEL_REVISION] for p in pools} == {"3"}
             cr = wait_reconciled(kube, NAME, timeout=20, check=lambda cr: cr["status"].get("stableRevision") == 3)
     finally:

@@ -20,13 +20,15 @@ AT = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def spec(image: str, max_replicas: int = 2, soak: str = "2s") -> InferenceDeploymentSpec:
-    return InferenceDeploymentSpec.model_validate({
-        "model": {"name": "tiny", "source": {"local": {"path": "/models/tiny"}}, "maxModelLen": 1024},
-        "engine": {"image": image},
-        "prefill": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": max_replicas},
-        "decode": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": max_replicas},
-        "rollback": {"soakTime": soak},
-    })
+    return InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"name": "tiny", "source": {"local": {"path": "/models/tiny"}}, "maxModelLen": 1024},
+            "engine": {"image": image},
+            "prefill": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": max_replicas},
+            "decode": {"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": max_replicas},
+            "rollback": {"soakTime": soak},
+        }
+    )
 
 
 def stored(*images: str) -> list[dict[str, Any]]:
@@ -41,17 +43,30 @@ def stored(*images: str) -> list[dict[str, Any]]:
 
 
 def cond(type_: str, status: str, reason: str, message: str = "", generation: int | None = 2) -> Condition:
-    return Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=AT,
-                     observed_generation=generation)
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=AT,
+        observed_generation=generation,
+    )
 
 
-def rolled_back(current: int = 1, failed: int | None = 2, generation: int | None = 2,
-                stable: int | None = 1) -> InferenceDeploymentStatus:
+def rolled_back(
+    current: int = 1, failed: int | None = 2, generation: int | None = 2, stable: int | None = 1
+) -> InferenceDeploymentStatus:
     """The status a process writes after rolling revision `failed` back to `current` at `generation`."""
     return InferenceDeploymentStatus(
-        observed_generation=generation, current_revision=current, stable_revision=stable, failed_revision=failed,
-        conditions=[cond("RolledBack", "True", "HighErrorRatio", f"revision {failed} rolled back to {current}", generation),
-                    cond("Degraded", "True", "RolledBack", "", generation)])
+        observed_generation=generation,
+        current_revision=current,
+        stable_revision=stable,
+        failed_revision=failed,
+        conditions=[
+            cond("RolledBack", "True", "HighErrorRatio", f"revision {failed} rolled back to {current}", generation),
+            cond("Degraded", "True", "RolledBack", "", generation),
+        ],
+    )
 
 
 def test_failed_spec_still_in_place_keeps_serving_the_stable_revision() -> None:
@@ -77,8 +92,14 @@ def test_spec_changed_while_no_process_watched_rolls_forward() -> None:
 
 def test_no_status_or_no_rollback_in_force_serves_the_spec() -> None:
     assert rollback.resume(None, 1, spec(GOOD), []) == rollback.Resumed("spec")
-    forward = InferenceDeploymentStatus(current_revision=3, stable_revision=1, failed_revision=2, conditions=[
-        cond("RolledBack", "False", "RolledForward", "the spec changed after revision 2 was rolled back", 3)])
+    forward = InferenceDeploymentStatus(
+        current_revision=3,
+        stable_revision=1,
+        failed_revision=2,
+        conditions=[
+            cond("RolledBack", "False", "RolledForward", "the spec changed after revision 2 was rolled back", 3)
+        ],
+    )
     assert rollback.resume(forward, 3, spec(NEXT), stored(GOOD, BAD, NEXT)).kind == "spec"
     healthy = InferenceDeploymentStatus(current_revision=1, stable_revision=1)
     assert rollback.resume(healthy, 1, spec(GOOD), stored(GOOD)).kind == "spec"
@@ -116,15 +137,28 @@ def test_failed_record_gone_ends_the_rollback_on_any_spec_change_only() -> None:
 
 def test_manual_rollback_resumes_the_revision_it_chose() -> None:
     # `rollback-to=2` while the spec is revision 3: revision 2 served, 3 not re-applied.
-    status = InferenceDeploymentStatus(current_revision=2, stable_revision=3, failed_revision=3, conditions=[
-        cond("RolledBack", "True", "ManualRollback", "revision 3 rolled back to 2 by hand (pdfleet.io/rollback-to)", 5)])
+    status = InferenceDeploymentStatus(
+        current_revision=2,
+        stable_revision=3,
+        failed_revision=3,
+        conditions=[
+            cond(
+                "RolledBack",
+                "True",
+                "ManualRollback",
+                "revision 3 rolled back to 2 by hand (pdfleet.io/rollback-to)",
+                5,
+            )
+        ],
+    )
     got = rollback.resume(status, 5, spec(NEXT), stored(GOOD, BAD, NEXT))
     assert got.kind == "stored" and got.template == 2 and got.spec.engine.image == BAD
 
 
 def test_a_standing_page_and_a_stable_revision_are_not_said_again() -> None:
-    page = rollback.conditions_for(rollback.RollbackAction("page", "RollbackFailed", "not rolling back again", 0.5),
-                                    2, 3, 5, AT)
+    page = rollback.conditions_for(
+        rollback.RollbackAction("page", "RollbackFailed", "not rolling back again", 0.5), 2, 3, 5, AT
+    )
     status = rolled_back(2, 3, 5, stable=1)
     status = status.model_copy(update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + page})
     assert rollback.paged_revision(status) == 2

@@ -45,9 +45,12 @@ class FakeInputs:
 
     def last_plan(self, key: Any) -> FleetPlan:
         """One replica per role on `cpu`, room for 8 (what the reconciler planned last)."""
-        return FleetPlan(pools=(PlannedPool("prefill", "cpu", 1), PlannedPool("decode", "cpu", 1)),
-                         targets={"prefill": 1, "decode": 1}, capacities={"prefill": 8, "decode": 8},
-                         class_capacities={"prefill": (("cpu", 8),), "decode": (("cpu", 8),)})
+        return FleetPlan(
+            pools=(PlannedPool("prefill", "cpu", 1), PlannedPool("decode", "cpu", 1)),
+            targets={"prefill": 1, "decode": 1},
+            capacities={"prefill": 8, "decode": 8},
+            class_capacities={"prefill": (("cpu", 8),), "decode": (("cpu", 8),)},
+        )
 
 
 def body() -> dict[str, Any]:
@@ -77,9 +80,12 @@ def test_a_restart_does_not_rewrite_what_the_last_process_reported() -> None:
 
     # What the reconcile wrote from that report, as a restarted operator reads it back.
     written = inputs.status_writes[0]
-    status = {"conditions": [c.model_dump(mode="json", by_alias=True, exclude_none=True)
-                             for c in written["conditions"].values()],
-              "lastScalingDecision": written["last_scaling_decision"].model_dump(mode="json", by_alias=True)}
+    status = {
+        "conditions": [
+            c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in written["conditions"].values()
+        ],
+        "lastScalingDecision": written["last_scaling_decision"].model_dump(mode="json", by_alias=True),
+    }
     restarted, after = scaling.Scaler(), FakeInputs()
     tick(restarted, after, {**doc, "status": status}, 2000.0)
     assert after.status_writes == [] and after.api.events == []
@@ -88,9 +94,17 @@ def test_a_restart_does_not_rewrite_what_the_last_process_reported() -> None:
 
 def test_a_restart_still_reports_a_change() -> None:
     doc = body()
-    status = {"conditions": [{"type": "MetricsAvailable", "status": "True", "reason": "MetricsFresh",
-                              "message": "queue metrics of every role are fresh",
-                              "lastTransitionTime": "2026-11-30T07:00:00Z"}]}
+    status = {
+        "conditions": [
+            {
+                "type": "MetricsAvailable",
+                "status": "True",
+                "reason": "MetricsFresh",
+                "message": "queue metrics of every role are fresh",
+                "lastTransitionTime": "2026-11-30T07:00:00Z",
+            }
+        ]
+    }
     restarted, inputs = scaling.Scaler(), FakeInputs()
     tick(restarted, inputs, {**doc, "status": status}, 2000.0)
     assert inputs.api.events == [("Warning", "MetricsUnavailable")]

@@ -16,6 +16,7 @@ this wheel's torch (2.13) falls back to `uid_10001` when getpwuid() fails, so th
 builds the issue saw crash in getpwuid() call getpass.getuser() unguarded, and test_render_engines checks the
 USER, LOGNAME, HOME and cache variables that keep them off that path.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,11 @@ def _rendered_pod(model_dir: Path) -> dict:
     cfg = json.loads((model_dir / "config.json").read_text())
     doc["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": model_dir.name}}
     doc["spec"]["model"]["architecture"] = {
-        "parametersBillions": 0.01, "layers": cfg["num_hidden_layers"], "kvHeads": cfg["num_key_value_heads"],
-        "headDim": cfg["head_dim"]}
+        "parametersBillions": 0.01,
+        "layers": cfg["num_hidden_layers"],
+        "kvHeads": cfg["num_key_value_heads"],
+        "headDim": cfg["head_dim"],
+    }
     dep = InferenceDeployment.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": "team-a"}})
     cls = classes()
     plan = placement.plan(dep.spec, cls, inventory.build(standard_nodes(), []))
@@ -60,8 +64,12 @@ def test_the_rendered_vllm_pod_starts_and_serves_as_a_uid_without_a_passwd_entry
     python = vllm.vllm_python()
     pvc = tmp_path / "pvc"
     model = pvc / "tiny"
-    subprocess.run([sys.executable, "-m", "pdfleet_operator.cli", "model", "init", str(model), "--preset", "tiny"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pdfleet_operator.cli", "model", "init", str(model), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     for path in (pvc, model, *model.iterdir()):  # what the pod's fsGroup would read on a PVC
         path.chmod(0o755 if path.is_dir() else 0o644)
 
@@ -74,15 +82,27 @@ def test_the_rendered_vllm_pod_starts_and_serves_as_a_uid_without_a_passwd_entry
     args = list(container["args"][1:])
     args[args.index("--port") + 1] = str(port)
     argv = [python, "-m", vllm.ENTRYPOINT, "--model", container["args"][0], *args]
-    pod = pod_sandbox.Pod(container, template["spec"], volume_sources={"model": str(pvc)},
-                          field_values={"status.podIP": "127.0.0.1", "metadata.name": "local-vllm-colocated-cpu-0",
-                                        "metadata.labels['pdfleet.io/revision']": "1"})
+    pod = pod_sandbox.Pod(
+        container,
+        template["spec"],
+        volume_sources={"model": str(pvc)},
+        field_values={
+            "status.podIP": "127.0.0.1",
+            "metadata.name": "local-vllm-colocated-cpu-0",
+            "metadata.labels['pdfleet.io/revision']": "1",
+        },
+    )
     log = tmp_path / "vllm.log"
     limit = parse_quantity(container["resources"]["limits"]["memory"])
     with pod_sandbox.memory_cgroup(int(limit)) as cgroup:
         with open(log, "wb") as out:
-            proc = subprocess.Popen(pod_sandbox.command(pod, argv, tmp_path / "sandbox", cgroup), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                pod_sandbox.command(pod, argv, tmp_path / "sandbox", cgroup),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         _serve_and_stop(proc, port, log, cgroup)
 
 
@@ -90,7 +110,9 @@ def _serve_and_stop(proc: subprocess.Popen, port: int, log: Path, cgroup: pod_sa
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            assert proc.poll() is None, f"vLLM exited with {proc.returncode}:\n{log.read_text(errors='replace')[-5000:]}"
+            assert proc.poll() is None, (
+                f"vLLM exited with {proc.returncode}:\n{log.read_text(errors='replace')[-5000:]}"
+            )
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
@@ -98,8 +120,11 @@ def _serve_and_stop(proc: subprocess.Popen, port: int, log: Path, cgroup: pod_sa
                 pass
             assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S}s:\n{log.read_text()[-5000:]}"
             time.sleep(1)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": "hello from a pod", "max_tokens": 8, "temperature": 0})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": "hello from a pod", "max_tokens": 8, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
         status = Path(f"/proc/{proc.pid}/status").read_text()

@@ -17,12 +17,30 @@ def _unmanaged(i: int) -> list[dict]:
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"k": "v"}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"ports": [{"port": 80}]}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
-            "selector": select, "template": {"metadata": {"labels": {"app": "someone-else"}},
-                                             "spec": {"containers": [{"name": "c", "image": "x"}]}}}},
-        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
-         "spec": {"maxUnavailable": 1, "selector": select}},
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta, "spec": {"podSelector": select}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "selector": select,
+                "template": {
+                    "metadata": {"labels": {"app": "someone-else"}},
+                    "spec": {"containers": [{"name": "c", "image": "x"}]},
+                },
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta,
+            "spec": {"maxUnavailable": 1, "selector": select},
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta,
+            "spec": {"podSelector": select},
+        },
     ]
 
 
@@ -38,8 +56,14 @@ def test_unmanaged_objects_never_reach_the_operator(kube) -> None:
         # A child whose managed-by label is removed by hand leaves the selection (the watch says DELETED) and the
         # operator puts the label back.
         kube.patch("configmaps", "llama31-8b-engine", {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}})
-        kube.wait_for(lambda: kube.get("configmaps", "llama31-8b-engine")["metadata"]["labels"].get(
-            "app.kubernetes.io/managed-by") == render.MANAGER, timeout=20, message="the label restored")
+        kube.wait_for(
+            lambda: (
+                kube.get("configmaps", "llama31-8b-engine")["metadata"]["labels"].get("app.kubernetes.io/managed-by")
+                == render.MANAGER
+            ),
+            timeout=20,
+            message="the label restored",
+        )
         settle(kube)
     reads = [r for r in kube.requests if r.verb in ("list", "watch") and r.resource in CHILD_PLURALS]
     assert {r.resource for r in reads if r.verb == "watch"} == CHILD_PLURALS

@@ -15,8 +15,15 @@ from tests.support.components import free_port
 class WorkerExporter:
     """One worker replica's /metrics (classic text format), whose queue numbers the test plays."""
 
-    def __init__(self, deployment: str, role: str, namespace: str = "default", model: str = "tiny",
-                 prompt_tokens_gauge: bool = True, accelerator: str | None = None) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        role: str,
+        namespace: str = "default",
+        model: str = "tiny",
+        prompt_tokens_gauge: bool = True,
+        accelerator: str | None = None,
+    ) -> None:
         """`accelerator`: the AcceleratorClass a PodMonitor (or `pdfleet up`) puts on the target as
         `pdfleet_accelerator`; None for a target without it. The series themselves carry only `model_name`,
         as vLLM's do: every label the sources select on is a target label."""
@@ -26,12 +33,17 @@ class WorkerExporter:
         self.waiting = Gauge(names.NUM_REQUESTS_WAITING, "waiting", labels, registry=self.registry).labels(*values)
         self.running = Gauge(names.NUM_REQUESTS_RUNNING, "running", labels, registry=self.registry).labels(*values)
         self.kv = Gauge(names.KV_CACHE_USAGE, "kv usage", labels, registry=self.registry).labels(*values)
-        self.prompt_tokens = Counter(names.PROMPT_TOKENS_TOTAL, "prompt tokens", labels,
-                                     registry=self.registry).labels(*values)
-        self.generation_tokens = Counter(names.GENERATION_TOKENS_TOTAL, "generated tokens", labels,
-                                         registry=self.registry).labels(*values)
-        self.prompt_tokens_waiting = (Gauge(names.PROMPT_TOKENS_WAITING, "prompt tokens waiting", labels,
-                                            registry=self.registry).labels(*values) if prompt_tokens_gauge else None)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS_TOTAL, "prompt tokens", labels, registry=self.registry).labels(
+            *values
+        )
+        self.generation_tokens = Counter(
+            names.GENERATION_TOKENS_TOTAL, "generated tokens", labels, registry=self.registry
+        ).labels(*values)
+        self.prompt_tokens_waiting = (
+            Gauge(names.PROMPT_TOKENS_WAITING, "prompt tokens waiting", labels, registry=self.registry).labels(*values)
+            if prompt_tokens_gauge
+            else None
+        )
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
@@ -83,5 +95,8 @@ class WorkerExporter:
 
 
 def scrape_config(exporters: list[WorkerExporter], interval: str = "1s") -> dict:
-    return {"job_name": "pdfleet-workers", "scrape_interval": interval,
-            "static_configs": [e.static_config() for e in exporters]}
+    return {
+        "job_name": "pdfleet-workers",
+        "scrape_interval": interval,
+        "static_configs": [e.static_config() for e in exporters],
+    }

@@ -1,4 +1,5 @@
 """One label vocabulary for both engines, checked against their real /metrics: a pdfleet worker and a vLLM CPU server (`make vllm`) as two pools of one colocated role, read by the direct-scrape source and by a real Prometheus with the same target labels; each class of the role is seen, with exact token rates from the scrape source."""
+
 from __future__ import annotations
 
 import re
@@ -9,8 +10,8 @@ import pytest
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.prometheus import PrometheusSource, ScrapeSource, ScrapeTarget
 from tests.prometheus.test_sources import until
-from tests.worker.processes import CHILD_ENV, MODEL, PDFLEET, worker
 from tests.support.vllm import VllmServer
+from tests.worker.processes import CHILD_ENV, MODEL, PDFLEET, worker
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -25,8 +26,13 @@ def model_dir(tmp_path_factory) -> str:
     import subprocess
 
     path = tmp_path_factory.mktemp("models") / MODEL
-    subprocess.run(PDFLEET + ["model", "init", str(path), "--preset", "tiny"], check=True, capture_output=True,
-                   env=dict(os.environ, **CHILD_ENV), timeout=300)
+    subprocess.run(
+        PDFLEET + ["model", "init", str(path), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ, **CHILD_ENV),
+        timeout=300,
+    )
     return str(path)
 
 
@@ -46,8 +52,10 @@ def engines(model_dir, tmp_path_factory):
 
 
 def targets(urls: dict[str, str]) -> list[ScrapeTarget]:
-    return [ScrapeTarget(f"{url}/metrics", names.target_labels(NS, DEPLOYMENT, ROLE, CLASSES[engine]), engine)
-            for engine, url in urls.items()]
+    return [
+        ScrapeTarget(f"{url}/metrics", names.target_labels(NS, DEPLOYMENT, ROLE, CLASSES[engine]), engine)
+        for engine, url in urls.items()
+    ]
 
 
 def generate(urls: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -55,8 +63,16 @@ def generate(urls: dict[str, str]) -> dict[str, tuple[int, int]]:
     out = {}
     for engine, url in urls.items():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
-        used = [client.completions.create(model=MODEL, prompt=f"{engine} prompt number {i}", max_tokens=7 + i,
-                                          temperature=0, extra_body={"ignore_eos": True}).usage for i in range(2)]
+        used = [
+            client.completions.create(
+                model=MODEL,
+                prompt=f"{engine} prompt number {i}",
+                max_tokens=7 + i,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            ).usage
+            for i in range(2)
+        ]
         out[engine] = (sum(u.prompt_tokens for u in used), sum(u.completion_tokens for u in used))
     return out
 
@@ -98,18 +114,29 @@ def test_the_scrape_source_splits_a_mixed_role_by_class_with_exact_rates(engines
 
 
 def test_prometheus_with_the_same_target_labels_reads_the_same_role(engines, prometheus_factory):
-    config = {"job_name": "pdfleet-workers", "scrape_interval": "1s", "static_configs": [
-        {"targets": [t.url.removeprefix("http://").removesuffix("/metrics")], "labels": dict(t.labels)}
-        for t in targets(engines)]}
+    config = {
+        "job_name": "pdfleet-workers",
+        "scrape_interval": "1s",
+        "static_configs": [
+            {"targets": [t.url.removeprefix("http://").removesuffix("/metrics")], "labels": dict(t.labels)}
+            for t in targets(engines)
+        ],
+    }
     prom = prometheus_factory(extra_scrape_configs=[config])
     prom.wait_for('count(up{job="pdfleet-workers"} == 1) == 2', timeout=30)
     source = PrometheusSource(prom.url)
-    snap = until(lambda: (s := source.snapshot(DEPLOYMENT, NS, [ROLE], engines={ROLE: ["pdfleet", "vllm"]})).ok and s,
-                 what="ok snapshot")
+    snap = until(
+        lambda: (s := source.snapshot(DEPLOYMENT, NS, [ROLE], engines={ROLE: ["pdfleet", "vllm"]})).ok and s,
+        what="ok snapshot",
+    )
     r = snap.roles[ROLE]
     assert (r.waiting, r.running, r.replicas_reporting) == (0, 0, 2)
     assert r.kv_usage is not None and r.prompt_tokens_waiting is None
     assert {c: m.replicas_reporting for c, m in r.classes.items()} == {"cpu": 1, "cpu-vllm": 1}
     scraped = ScrapeSource(targets(engines), timeout=10.0).snapshot(DEPLOYMENT, NS, [ROLE]).roles[ROLE]
-    assert (scraped.waiting, scraped.running, scraped.replicas_reporting, set(scraped.classes)) == \
-        (r.waiting, r.running, r.replicas_reporting, set(r.classes))
+    assert (scraped.waiting, scraped.running, scraped.replicas_reporting, set(scraped.classes)) == (
+        r.waiting,
+        r.running,
+        r.replicas_reporting,
+        set(r.classes),
+    )

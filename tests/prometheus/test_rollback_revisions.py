@@ -2,6 +2,7 @@
 Prometheus, read back by PrometheusSource. Another revision's 5xx and the router's load shedding do not count;
 answers no worker gave do (an outage while a revision serves is its own); a router without those series is read
 whole."""
+
 from __future__ import annotations
 
 import threading
@@ -40,15 +41,22 @@ def target(address: str, deployment: str) -> dict:
 def test_the_revision_under_test_is_judged_on_its_own_answers_without_shedding(prometheus_factory):
     router = RouterMetrics(["default"], lambda: [], lambda: {"1", "2"})
     legacy_registry = CollectorRegistry()
-    legacy = Counter("pdfleet_router_requests", "a router without per-revision series", ["code", "tier"],
-                     registry=legacy_registry)
+    legacy = Counter(
+        "pdfleet_router_requests", "a router without per-revision series", ["code", "tier"], registry=legacy_registry
+    )
     for code in ("200", "503"):
         legacy.labels(code=code, tier="default")
     servers = [serve(router.exposition), serve(lambda: generate_latest(legacy_registry))]
     try:
-        prom = prometheus_factory(extra_scrape_configs=[{
-            "job_name": "routers", "scrape_interval": "1s",
-            "static_configs": [target(servers[0][1], "demo"), target(servers[1][1], "legacy")]}])
+        prom = prometheus_factory(
+            extra_scrape_configs=[
+                {
+                    "job_name": "routers",
+                    "scrape_interval": "1s",
+                    "static_configs": [target(servers[0][1], "demo"), target(servers[1][1], "legacy")],
+                }
+            ]
+        )
         prom.wait_for('pdfleet_router_revision_requests_total{pdfleet_deployment="demo",revision="2",code="200"}')
         prom.wait_for('pdfleet_router_requests_total{pdfleet_deployment="legacy",code="503"}')
         # Revision 1 (the old pods, draining) fails; revision 2 serves; a burst is shed; no worker answers twice.
@@ -62,7 +70,9 @@ def test_the_revision_under_test_is_judged_on_its_own_answers_without_shedding(p
             router.finished("default", 503, 0.0, NO_REVISION)
         legacy.labels(code="200", tier="default").inc(90)
         legacy.labels(code="503", tier="default").inc(10)
-        prom.wait_for('increase(pdfleet_router_revision_requests_total{pdfleet_deployment="demo",revision="2",code="200"}[6s]) > 0')
+        prom.wait_for(
+            'increase(pdfleet_router_revision_requests_total{pdfleet_deployment="demo",revision="2",code="200"}[6s]) > 0'
+        )
         prom.wait_for('increase(pdfleet_router_requests_total{pdfleet_deployment="legacy",code="200"}[6s]) > 0')
         source = PrometheusSource(prom.url)
 
@@ -75,7 +85,9 @@ def test_the_revision_under_test_is_judged_on_its_own_answers_without_shedding(p
         assert whole_errors / whole > 0.4, "without a revision: every answer, shedding included (today's reading)"
         legacy_total, legacy_errors, why = source.router_requests("legacy", "default", WINDOW, revision=2)
         assert why == "" and 0.05 < legacy_errors / legacy_total < 0.2, "no per-revision series: read whole"
-        assert source.router_requests("absent", "default", WINDOW, revision=2)[2].startswith("no pdfleet_router_requests_total")
+        assert source.router_requests("absent", "default", WINDOW, revision=2)[2].startswith(
+            "no pdfleet_router_requests_total"
+        )
     finally:
         for server, _ in servers:
             server.shutdown()

@@ -66,8 +66,10 @@ def test_prometheus_source_reads_back_what_the_workers_play(prometheus_factory, 
     assert (d.waiting, d.running, d.replicas_reporting) == (3, 16, 2)  # summed over the two decode replicas
     assert d.kv_usage == pytest.approx(0.6)
     # decode split by the replicas' AcceleratorClass; prefill's replica has no class label: no breakdown
-    assert {c: (m.replicas_reporting, m.waiting) for c, m in d.classes.items()} == {"h200": (1, 1),
-                                                                                   "ascend-910b-x2": (1, 2)}
+    assert {c: (m.replicas_reporting, m.waiting) for c, m in d.classes.items()} == {
+        "h200": (1, 1),
+        "ascend-910b-x2": (1, 2),
+    }
     assert p.classes == {}
     assert abs(p.sample_time - time.time()) < 10
     assert "prometheus" in snap.source
@@ -75,8 +77,10 @@ def test_prometheus_source_reads_back_what_the_workers_play(prometheus_factory, 
     # the workers play the next numbers of the script; one scrape later the source reads them
     for waiting in (12.0, 0.0, 31.0):
         fleet["prefill"].play(waiting=waiting, running=2, kv=0.25, prompt_tokens_waiting=waiting * 1000)
-        snap = until(lambda: (s := source.snapshot("demo", "default", ROLES)).ok
-                     and s.roles["prefill"].waiting == waiting and s, what=f"prefill waiting {waiting}")
+        snap = until(
+            lambda: (s := source.snapshot("demo", "default", ROLES)).ok and s.roles["prefill"].waiting == waiting and s,
+            what=f"prefill waiting {waiting}",
+        )
         assert snap.roles["prefill"].prompt_tokens_waiting == waiting * 1000
         assert snap.roles["decode"].running == 16  # never the other deployment's 500
 
@@ -103,10 +107,13 @@ def test_prometheus_down_is_unavailable_and_recovers(prometheus_factory, fleet):
     assert time.monotonic() - started < 5, "an outage must answer within the interval"
     assert not snap.ok and snap.roles == {} and "Connection" in snap.error
     s = spec()
-    decisions, _ = autoscaler.decide(s, autoscaler.ScalerState.initial(s, {"prefill": 2, "decode": 3}), snap,
-                                     time.time(), {})
-    assert {(d.desired, d.reason) for d in decisions.values()} == {(2, autoscaler.METRICS_UNAVAILABLE),
-                                                                   (3, autoscaler.METRICS_UNAVAILABLE)}
+    decisions, _ = autoscaler.decide(
+        s, autoscaler.ScalerState.initial(s, {"prefill": 2, "decode": 3}), snap, time.time(), {}
+    )
+    assert {(d.desired, d.reason) for d in decisions.values()} == {
+        (2, autoscaler.METRICS_UNAVAILABLE),
+        (3, autoscaler.METRICS_UNAVAILABLE),
+    }
 
     prom.restart()
     snap = until(lambda: (s := source.snapshot("demo", "default", ROLES)).ok and s, what="recovery")
@@ -128,8 +135,10 @@ def test_a_role_without_series_or_with_nan_is_unavailable(prometheus_factory, fl
     # every decode replica gone: Prometheus marks their series stale, the role has no queue to read
     fleet["decode-a"].stop()
     fleet["decode-b"].stop()
-    snap = until(lambda: (s := source.snapshot("demo", "default", ROLES)).error and "decode" in s.error and s,
-                 what="decode missing")
+    snap = until(
+        lambda: (s := source.snapshot("demo", "default", ROLES)).error and "decode" in s.error and s,
+        what="decode missing",
+    )
     assert "no series for role decode" in snap.error
 
 
@@ -145,8 +154,10 @@ def test_decisions_follow_the_queues_through_prometheus(prometheus_factory, flee
     assert decisions["prefill"].direction == "hold"
 
     fleet["prefill"].play(waiting=40, running=2, prompt_tokens_waiting=40_000)
-    snap = until(lambda: (x := source.snapshot("demo", "default", ROLES)).ok and x.roles["prefill"].waiting == 40
-                 and x, what="surge visible")
+    snap = until(
+        lambda: (x := source.snapshot("demo", "default", ROLES)).ok and x.roles["prefill"].waiting == 40 and x,
+        what="surge visible",
+    )
     decisions, state = autoscaler.decide(s, state, snap, time.time(), {})
     assert (decisions["prefill"].direction, decisions["prefill"].desired) == ("up", 5)
     assert decisions["decode"].reason == autoscaler.PREFILL_BACKLOG
@@ -155,8 +166,10 @@ def test_decisions_follow_the_queues_through_prometheus(prometheus_factory, flee
     metrics.record("default", "demo", decisions)
     server = serve(metrics, free_port(), host="127.0.0.1")
     try:
-        text = httpx.get(f"http://127.0.0.1:{server.server_address[1]}/metrics",
-                         headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+        text = httpx.get(
+            f"http://127.0.0.1:{server.server_address[1]}/metrics",
+            headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+        ).text
     finally:
         server.shutdown()
     assert f'{names.DESIRED_REPLICAS}{{deployment="demo",namespace="default",role="prefill"}} 5.0' in text
@@ -187,7 +200,9 @@ def test_scrape_source_reads_the_workers_directly(fleet):
     assert snap.roles["decode"].generation_tokens_rate == 40.0
     classes = snap.roles["decode"].classes  # the targets' pdfleet_accelerator label splits decode by class
     assert {c: (m.replicas_reporting, m.waiting, m.generation_tokens_rate) for c, m in classes.items()} == {
-        "h200": (1, 1, 30.0), "ascend-910b-x2": (1, 2, 10.0)}
+        "h200": (1, 1, 30.0),
+        "ascend-910b-x2": (1, 2, 10.0),
+    }
     assert snap.roles["prefill"].classes == {}
 
     fleet["decode-b"].play(waiting=float("nan"))
@@ -218,8 +233,10 @@ def test_scrape_source_reads_each_target_with_its_engines_series(fleet):
 def test_scrape_source_with_a_replica_down_is_unavailable(fleet):
     play_demo(fleet)
     fleet["decode-b"].stop()
-    source = ScrapeSource(lambda deployment, namespace: [fleet[w].scrape_target()
-                                                         for w in ("prefill", "decode-a", "decode-b")], timeout=1.0)
+    source = ScrapeSource(
+        lambda deployment, namespace: [fleet[w].scrape_target() for w in ("prefill", "decode-a", "decode-b")],
+        timeout=1.0,
+    )
     snap = source.snapshot("demo", "default", ROLES)
     assert not snap.ok and fleet["decode-b"].address in snap.error
     assert not (snap := ScrapeSource([fleet["prefill"].scrape_target()]).snapshot("demo", "default", ROLES)).ok
@@ -231,8 +248,17 @@ def test_prometheus_source_reads_each_role_with_its_pools_profile(prometheus_fac
     play_demo(fleet)
     prom = ready_prometheus(prometheus_factory, fleet)
     source = PrometheusSource(prom.url)
-    snap = until(lambda: (s := source.snapshot("demo", "default", ROLES, engines={
-        "prefill": ["pdfleet", "vllm"], "decode": ["vllm"]})).ok and s, what="ok snapshot")
+    snap = until(
+        lambda: (
+            (
+                s := source.snapshot(
+                    "demo", "default", ROLES, engines={"prefill": ["pdfleet", "vllm"], "decode": ["vllm"]}
+                )
+            ).ok
+            and s
+        ),
+        what="ok snapshot",
+    )
     p, d = snap.roles["prefill"], snap.roles["decode"]
     assert (p.waiting, p.running, p.kv_usage, p.prompt_tokens_waiting) == (7, 2, 0.25, None)
     assert (d.waiting, d.running) == (3, 16) and d.kv_usage == pytest.approx(0.6)
@@ -243,6 +269,7 @@ def test_prometheus_source_reads_each_role_with_its_pools_profile(prometheus_fac
 
 def test_prometheus_for_reuses_one_source_per_url_and_rejects_unknown_profiles():
     from pdfleet_operator.prometheus import prometheus_for
+
     assert prometheus_for("http://prom:9090/") is prometheus_for("http://prom:9090")
     assert prometheus_for("http://prom:9090", "vllm").profile.name == "vllm"
     with pytest.raises(ValueError, match="unknown metrics profile"):
@@ -255,9 +282,12 @@ def test_every_profile_query_parses_with_promtool(tmp_path):
     import yaml
 
     from tests.support.components import binary
-    rules = [{"record": f"pdfleet:test_{profile}_{field}", "expr": promql}
-             for profile, p in [*names.PROFILES.items(), ("mixed", names.profile_for(names.PROFILES))]
-             for field, promql in p.queries("demo", 'odd"ns\\').items()]
+
+    rules = [
+        {"record": f"pdfleet:test_{profile}_{field}", "expr": promql}
+        for profile, p in [*names.PROFILES.items(), ("mixed", names.profile_for(names.PROFILES))]
+        for field, promql in p.queries("demo", 'odd"ns\\').items()
+    ]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "autoscaler", "rules": rules}]}))
     out = subprocess.run([binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)

@@ -8,6 +8,7 @@ examples/*.yaml with the example classes (the objects the operator would create,
 included). Exit status 1 when a finding is not allow-listed or an allow-list entry matches nothing (a fixed
 finding leaves the list).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ class Verdict:
         return not self.failed and not self.unused
 
     def summary(self) -> dict:
-        return {"passed": self.passed, "allow_listed": len(self.allowed), "failed": len(self.failed),
-                "unused_allow_list_entries": len(self.unused)}
+        return {
+            "passed": self.passed,
+            "allow_listed": len(self.allowed),
+            "failed": len(self.failed),
+            "unused_allow_list_entries": len(self.unused),
+        }
 
 
 def key(finding: Mapping) -> str:
@@ -91,8 +96,21 @@ def render_all(out: Path) -> list[Path]:
     for spec in sorted((ROOT / "examples").glob("*.yaml")):
         if spec == classes:
             continue
-        done = subprocess.run([sys.executable, "-m", "pdfleet_operator.cli", "render", str(spec), "--classes",
-                               str(classes), "--monitoring"], capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdfleet_operator.cli",
+                "render",
+                str(spec),
+                "--classes",
+                str(classes),
+                "--monitoring",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"pdfleet render {spec.name}: {done.stderr.strip()}")
         path = out / f"example-{spec.stem}.yaml"
@@ -102,8 +120,11 @@ def render_all(out: Path) -> list[Path]:
 
 
 def run_checkov(checkov: str, directory: Path) -> dict:
-    done = subprocess.run([checkov, "-d", str(directory), "--framework", "kubernetes", "-o", "json", "--compact"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [checkov, "-d", str(directory), "--framework", "kubernetes", "-o", "json", "--compact"],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode not in (0, 1):  # 1: findings
         raise RuntimeError(f"checkov failed ({done.returncode}): {done.stderr[-2000:]}")
     report = json.loads(done.stdout)

@@ -26,26 +26,50 @@ BASE: dict[str, Any] = {
     "deployment": {
         "metadata": {"name": "chat"},
         "spec": {
-            "model": {"name": "llama-8b", "source": {"pvc": {"claimName": "models"}}, "maxModelLen": 8192,
-                      "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128}},
+            "model": {
+                "name": "llama-8b",
+                "source": {"pvc": {"claimName": "models"}},
+                "maxModelLen": 8192,
+                "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128},
+            },
             "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
-            "prefill": {"acceleratorClasses": ["h100-80gb"], "minReplicas": 1, "maxReplicas": 4,
-                        "targetQueuePerReplica": 2},
-            "decode": {"acceleratorClasses": ["h100-mig-3g-40gb", "ascend-910b"], "minReplicas": 1,
-                       "maxReplicas": 8, "targetQueuePerReplica": 16},
+            "prefill": {
+                "acceleratorClasses": ["h100-80gb"],
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                "targetQueuePerReplica": 2,
+            },
+            "decode": {
+                "acceleratorClasses": ["h100-mig-3g-40gb", "ascend-910b"],
+                "minReplicas": 1,
+                "maxReplicas": 8,
+                "targetQueuePerReplica": 16,
+            },
             "slo": {"ttft": "1s", "itl": "50ms"},
             "autoscaling": {"interval": "5s", "scaleDownStabilization": "60s", "scaleDownDelayAfterScaleUp": "30s"},
         },
     },
     "policies": [
         {"name": "dynamic", "description": "autoscaled"},
-        {"name": "static", "description": "fixed", "spec": {
-            "autoscaling": {"enabled": False},
-            "prefill": {"minReplicas": 2, "maxReplicas": 2},
-            "decode": {"minReplicas": 2, "maxReplicas": 2}}},
-        {"name": "colocated", "description": "one pool", "spec": {
-            "disaggregation": False, "prefill": None, "decode": None,
-            "colocated": {"acceleratorClasses": ["h100-80gb"], "minReplicas": 1, "maxReplicas": 4}}},
+        {
+            "name": "static",
+            "description": "fixed",
+            "spec": {
+                "autoscaling": {"enabled": False},
+                "prefill": {"minReplicas": 2, "maxReplicas": 2},
+                "decode": {"minReplicas": 2, "maxReplicas": 2},
+            },
+        },
+        {
+            "name": "colocated",
+            "description": "one pool",
+            "spec": {
+                "disaggregation": False,
+                "prefill": None,
+                "decode": None,
+                "colocated": {"acceleratorClasses": ["h100-80gb"], "minReplicas": 1, "maxReplicas": 4},
+            },
+        },
     ],
 }
 

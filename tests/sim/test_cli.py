@@ -21,8 +21,21 @@ def test_register_adds_the_simulate_subcommand() -> None:
 def test_compare_writes_report_json_and_plots(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     csv = tmp_path / "trace.csv"
-    code = cli.main(["simulate", "--fleet", str(EXAMPLE), "--trace", "conversation", "--compare", "--out", str(out),
-                     "--save-trace", str(csv), *SHORT])
+    code = cli.main(
+        [
+            "simulate",
+            "--fleet",
+            str(EXAMPLE),
+            "--trace",
+            "conversation",
+            "--compare",
+            "--out",
+            str(out),
+            "--save-trace",
+            str(csv),
+            *SHORT,
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     doc = json.loads((out / "report.json").read_text())
@@ -41,7 +54,10 @@ def test_compare_writes_report_json_and_plots(tmp_path, capsys) -> None:
     # cost at equal SLO attainment (the fleet file's equalSlo sweep): every policy says its cheapest run that
     # reaches the target's attainment, or None
     eq = doc["equal_slo"]
-    assert eq["target"] == "static-nvidia" and eq["target_attainment"] == doc["policies"]["static-nvidia"]["slo_attainment"]
+    assert (
+        eq["target"] == "static-nvidia"
+        and eq["target_attainment"] == doc["policies"]["static-nvidia"]["slo_attainment"]
+    )
     for name, entry in doc["policies"].items():
         assert "equal_slo_cost_per_1m_tokens" in entry and "equal_slo_attainment" in entry
         if entry["equal_slo_cost_per_1m_tokens"] is not None:
@@ -51,8 +67,26 @@ def test_compare_writes_report_json_and_plots(tmp_path, capsys) -> None:
     assert "cheaper" in printed or "more expensive" in printed
     # The replay path: the same requests from the CSV give the same keys (what `pdfleet up` will be compared on).
     replay = tmp_path / "replay"
-    assert cli.main(["simulate", "--fleet", str(EXAMPLE), "--trace", str(csv), "--policy", "static-nvidia",
-                     "--warmup", "2m", "--out", str(replay), "--no-plots", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--fleet",
+                str(EXAMPLE),
+                "--trace",
+                str(csv),
+                "--policy",
+                "static-nvidia",
+                "--warmup",
+                "2m",
+                "--out",
+                str(replay),
+                "--no-plots",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     again = json.loads((replay / "report.json").read_text())["policies"]["static-nvidia"]
     first = doc["policies"]["static-nvidia"]
     assert set(again) == set(first) - {"equal_slo_cost_per_1m_tokens", "equal_slo_attainment", "equal_slo_variant"}
@@ -66,8 +100,14 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path, capsys) -> None:
     bad.write_text("0,10,5\n1,ten,5\n")
     assert cli.main(["simulate", "--fleet", str(EXAMPLE), "--trace", str(bad), "--out", str(tmp_path), "--quiet"]) == 2
     assert "bad.csv:2: prompt_tokens 'ten' is not a number" in capsys.readouterr().err
-    assert cli.main(["simulate", "--fleet", str(tmp_path / "none.yaml"), "--trace", "code", "--out", str(tmp_path)]) == 2
+    assert (
+        cli.main(["simulate", "--fleet", str(tmp_path / "none.yaml"), "--trace", "code", "--out", str(tmp_path)]) == 2
+    )
     assert "no such fleet file" in capsys.readouterr().err
-    assert cli.main(["simulate", "--fleet", str(EXAMPLE), "--trace", "code", "--policy", "cheapest",
-                     "--out", str(tmp_path)]) == 2
+    assert (
+        cli.main(
+            ["simulate", "--fleet", str(EXAMPLE), "--trace", "code", "--policy", "cheapest", "--out", str(tmp_path)]
+        )
+        == 2
+    )
     assert "no policy 'cheapest'" in capsys.readouterr().err

@@ -50,14 +50,31 @@ SEARCH = [{"name": f"{p}P", "spec": {"prefill": {"minReplicas": p, "maxReplicas"
 
 
 def write_fleet(tmp_path, equal_slo: dict) -> str:  # noqa: ANN001
-    f = doc(equalSlo=equal_slo, trace={"preset": "conversation", "meanRatePerSecond": 6, "duration": "5m"},
-            policies=[{"name": "static", "description": "1 prefill", "spec": {
-                "autoscaling": {"enabled": False}, "prefill": {"minReplicas": 4, "maxReplicas": 4},
-                "decode": {"minReplicas": 2, "maxReplicas": 2}}},
-                {"name": "small", "description": "fewer prefill", "spec": {
-                    "autoscaling": {"enabled": False}, "prefill": {"minReplicas": 1, "maxReplicas": 1},
-                    "decode": {"minReplicas": 2, "maxReplicas": 2}}}],
-            compare=["static", "small"])
+    f = doc(
+        equalSlo=equal_slo,
+        trace={"preset": "conversation", "meanRatePerSecond": 6, "duration": "5m"},
+        policies=[
+            {
+                "name": "static",
+                "description": "1 prefill",
+                "spec": {
+                    "autoscaling": {"enabled": False},
+                    "prefill": {"minReplicas": 4, "maxReplicas": 4},
+                    "decode": {"minReplicas": 2, "maxReplicas": 2},
+                },
+            },
+            {
+                "name": "small",
+                "description": "fewer prefill",
+                "spec": {
+                    "autoscaling": {"enabled": False},
+                    "prefill": {"minReplicas": 1, "maxReplicas": 1},
+                    "decode": {"minReplicas": 2, "maxReplicas": 2},
+                },
+            },
+        ],
+        compare=["static", "small"],
+    )
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(f))
     return str(path)
@@ -65,8 +82,24 @@ def write_fleet(tmp_path, equal_slo: dict) -> str:  # noqa: ANN001
 
 def simulate(tmp_path, name: str, equal_slo: dict) -> dict:  # noqa: ANN001
     out = tmp_path / name
-    args = ["simulate", "--fleet", write_fleet(tmp_path, equal_slo), "--trace", "conversation", "--compare",
-            "--out", str(out), "--warmup", "1m", "--start-hour", "20", "--no-plots", "--quiet", "--jobs", "2"]
+    args = [
+        "simulate",
+        "--fleet",
+        write_fleet(tmp_path, equal_slo),
+        "--trace",
+        "conversation",
+        "--compare",
+        "--out",
+        str(out),
+        "--warmup",
+        "1m",
+        "--start-hour",
+        "20",
+        "--no-plots",
+        "--quiet",
+        "--jobs",
+        "2",
+    ]
     assert cli.main(args) == 0
     return json.loads((out / "report.json").read_text())
 
@@ -99,5 +132,6 @@ def test_search_variants_are_validated_like_policies() -> None:
     with pytest.raises(fleet.FleetError, match="1P both in sweep and search"):
         fleet.parse(doc(equalSlo=twice), source="x.yaml", base_dir=ROOT)
     with pytest.raises(fleet.FleetError, match="variant names must differ"):
-        fleet.parse(doc(equalSlo={"target": "static", "search": {"dynamic": SEARCH[:1] * 2}}), source="x.yaml",
-                    base_dir=ROOT)
+        fleet.parse(
+            doc(equalSlo={"target": "static", "search": {"dynamic": SEARCH[:1] * 2}}), source="x.yaml", base_dir=ROOT
+        )

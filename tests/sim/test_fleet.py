@@ -13,13 +13,19 @@ from tests.sim.support import EXAMPLE, ROOT, doc
 def test_the_example_is_a_100_accelerator_mixed_fleet() -> None:
     f = fleet.load(EXAMPLE)
     assert f.devices == 100
-    vendors = {f.classes[c].vendor for n in f.nodes for c in f.classes
-               if f.classes[c].resource_name in n["status"]["allocatable"]}
+    vendors = {
+        f.classes[c].vendor
+        for n in f.nodes
+        for c in f.classes
+        if f.classes[c].resource_name in n["status"]["allocatable"]
+    }
     assert {"nvidia", "huawei", "hygon", "cambricon", "kunlunxin"} <= vendors
     resources = {r for n in f.nodes for r in n["status"]["allocatable"]}
     assert {"nvidia.com/mig-3g.40gb", "nvidia.com/mig-1g.10gb", "huawei.com/Ascend910"} <= resources
     inv = f.inventory()
-    assert inv.free_units(f.classes["h100-80gb"]) == 24  # the MIG node's product label matches, but it has no whole GPUs
+    assert (
+        inv.free_units(f.classes["h100-80gb"]) == 24
+    )  # the MIG node's product label matches, but it has no whole GPUs
     assert inv.slots(f.classes["ascend-910b-x2"]) == 12
     assert set(f.compare) == set(f.policies) and f.headline == ("static-nvidia", "dynamic-mixed")
     static = f.policy("static-nvidia").deployments[0].spec
@@ -46,28 +52,35 @@ def test_the_example_is_kept_out_of_kubectl_apply() -> None:
     assert fleet.validate_document(raw, str(EXAMPLE), EXAMPLE.parent) == []
 
 
-@pytest.mark.parametrize("patch, message", [
-    ({"kind": "Fleet"}, "expected apiVersion sim.pdfleet.io/v1alpha1 and kind SimulatedFleet"),
-    ({"nodez": []}, "unknown field(s) nodez"),
-    ({"nodes": []}, "nodes must be a non-empty list"),
-    ({"nodes": [{"name": "a", "accelerators": {"b200": 8}}]}, "unknown AcceleratorClass 'b200'"),
-    ({"nodes": [{"name": "a", "count": 0, "accelerators": {"h100-80gb": 8}}]}, "nodes[0].count"),
-    ({"simulation": {"startup": "soon"}}, "simulation.startup: invalid duration 'soon'"),
-    ({"trace": {"preset": "chat"}}, "trace.preset 'chat' is not one of conversation, code"),
-    ({"deployment": {"spec": {"decode": {"maxReplicas": 0}}}}, "spec.decode.maxReplicas"),
-    ({"deployment": {"spec": {"prefill": {"acceleratorClasses": ["b200"]}}}}, "unknown class 'b200'"),
-    ({"deployment": {"spec": {"model": {"architecture": None}}}}, "architecture is required"),
-    ({"compare": ["dynamic", "nope"]}, "compare lists 'nope'"),
-    ({"policies": [{"name": "t", "deployments": [{"name": "a", "share": 0.5}, {"name": "b", "share": 0.4}]}]},
-     "shares sum to 0.9, not 1"),
-    ({"policies": [{"name": "p", "autoscalerPolicy": "hpa"}]}, "autoscalerPolicy: 'hpa' is not one of"),
-    ({"headline": {"baseline": "static", "candidate": "x"}}, "headline.candidate 'x'"),
-])
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"kind": "Fleet"}, "expected apiVersion sim.pdfleet.io/v1alpha1 and kind SimulatedFleet"),
+        ({"nodez": []}, "unknown field(s) nodez"),
+        ({"nodes": []}, "nodes must be a non-empty list"),
+        ({"nodes": [{"name": "a", "accelerators": {"b200": 8}}]}, "unknown AcceleratorClass 'b200'"),
+        ({"nodes": [{"name": "a", "count": 0, "accelerators": {"h100-80gb": 8}}]}, "nodes[0].count"),
+        ({"simulation": {"startup": "soon"}}, "simulation.startup: invalid duration 'soon'"),
+        ({"trace": {"preset": "chat"}}, "trace.preset 'chat' is not one of conversation, code"),
+        ({"deployment": {"spec": {"decode": {"maxReplicas": 0}}}}, "spec.decode.maxReplicas"),
+        ({"deployment": {"spec": {"prefill": {"acceleratorClasses": ["b200"]}}}}, "unknown class 'b200'"),
+        ({"deployment": {"spec": {"model": {"architecture": None}}}}, "architecture is required"),
+        ({"compare": ["dynamic", "nope"]}, "compare lists 'nope'"),
+        (
+            {"policies": [{"name": "t", "deployments": [{"name": "a", "share": 0.5}, {"name": "b", "share": 0.4}]}]},
+            "shares sum to 0.9, not 1",
+        ),
+        ({"policies": [{"name": "p", "autoscalerPolicy": "hpa"}]}, "autoscalerPolicy: 'hpa' is not one of"),
+        ({"headline": {"baseline": "static", "candidate": "x"}}, "headline.candidate 'x'"),
+    ],
+)
 def test_a_broken_fleet_file_names_the_field(patch, message) -> None:
     d = doc(**patch)
     if "policies" in patch:
         d.pop("compare", None)
-    with pytest.raises(fleet.FleetError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        fleet.FleetError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         fleet.parse(d, source="bad.yaml", base_dir=ROOT)
 
 
@@ -94,8 +107,17 @@ def test_the_local_fleet_replay_target_simulates_with_a_calibration(tmp_path) ->
 
     f = fleet.load(EXAMPLE.parent / "local-tiny.yaml")
     cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"kind": calibration.CALIBRATION_KIND, "class": "cpu", "prefill_mfu": 0.05,
-                               "decode_mbu": 0.5, "step_overhead_s": 0.002}))
+    cal.write_text(
+        json.dumps(
+            {
+                "kind": calibration.CALIBRATION_KIND,
+                "class": "cpu",
+                "prefill_mfu": 0.05,
+                "decode_mbu": 0.5,
+                "step_overhead_s": 0.002,
+            }
+        )
+    )
     effs = calibration.load([cal], f.classes)
     t = tr.synthetic("conversation", mean_rate=2.0, duration=120, seed=1)
     t = tr.Trace(t.name, t.arrival, t.prompt.clip(max=600), t.output.clip(max=200), t.duration)

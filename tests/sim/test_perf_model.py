@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdfleet_operator.decide import perf
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
+from pdfleet_operator.decide import perf
 from pdfleet_operator.sim import perf_model as pm
 
 PARAMS = 8.03e9
@@ -13,25 +13,42 @@ KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V x layers x kv heads x head dim x 
 
 
 def spec(**engine) -> InferenceDeploymentSpec:
-    return InferenceDeploymentSpec.model_validate({
-        "model": {"name": "m", "source": {"local": {"path": "m"}}, "maxModelLen": 8192,
-                  "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128}},
-        "engine": {"maxNumSeqs": 256, "maxNumBatchedTokens": 4096, "blockSize": 16, **engine},
-        "prefill": {"acceleratorClasses": ["h100"]}, "decode": {"acceleratorClasses": ["h100"]}})
+    return InferenceDeploymentSpec.model_validate(
+        {
+            "model": {
+                "name": "m",
+                "source": {"local": {"path": "m"}},
+                "maxModelLen": 8192,
+                "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128},
+            },
+            "engine": {"maxNumSeqs": 256, "maxNumBatchedTokens": 4096, "blockSize": 16, **engine},
+            "prefill": {"acceleratorClasses": ["h100"]},
+            "decode": {"acceleratorClasses": ["h100"]},
+        }
+    )
 
 
 def h100(**kw) -> AcceleratorClassSpec:
-    return AcceleratorClassSpec.model_validate({
-        "vendor": "nvidia", "resourceName": "nvidia.com/gpu", "memoryGiB": 80, "peakTflops": 989,
-        "memoryBandwidthGBps": 3350, "networkGBps": 50, "costPerHour": 2.99, **kw})
+    return AcceleratorClassSpec.model_validate(
+        {
+            "vendor": "nvidia",
+            "resourceName": "nvidia.com/gpu",
+            "memoryGiB": 80,
+            "peakTflops": 989,
+            "memoryBandwidthGBps": 3350,
+            "networkGBps": 50,
+            "costPerHour": 2.99,
+            **kw,
+        }
+    )
 
 
 def test_constants_are_the_roofline_by_hand() -> None:
     eff = pm.Efficiency(prefill_mfu=0.5, decode_mbu=0.8, step_overhead_s=0.003)
     rp = pm.replica_perf(spec(), "h100", h100(), eff)
-    assert rp.flop_s_per_token == pytest.approx(2 * PARAMS / (989e12 * 0.5))           # 32.5 us per token
-    assert rp.weights_read_s == pytest.approx(PARAMS * 2 / (3350e9 * 0.8))             # 5.99 ms
-    assert rp.kv_read_s_per_token == pytest.approx(KV_PER_TOKEN / (3350e9 * 0.8))      # 48.9 ns
+    assert rp.flop_s_per_token == pytest.approx(2 * PARAMS / (989e12 * 0.5))  # 32.5 us per token
+    assert rp.weights_read_s == pytest.approx(PARAMS * 2 / (3350e9 * 0.8))  # 5.99 ms
+    assert rp.kv_read_s_per_token == pytest.approx(KV_PER_TOKEN / (3350e9 * 0.8))  # 48.9 ns
     assert rp.kv_bytes_per_token == KV_PER_TOKEN
     # KV slots: (80 GiB - weights - 1 GiB runtime reserve) x 0.85, in whole 16-token blocks.
     weights_gib = PARAMS * 2 / 2**30

@@ -22,7 +22,8 @@ def test_int8_replicas_hold_more_kv_and_decode_faster_at_the_same_compute() -> N
     assert int8.flop_s_per_token == bf16.flop_s_per_token  # the weights are widened to compute: same FLOPs
     extra_gib = PARAMS / 2**30 * 0.85  # the bytes int8 saves, at the KV fraction
     assert int8.kv_capacity_tokens - bf16.kv_capacity_tokens == pytest.approx(
-        extra_gib * 2**30 / bf16.kv_bytes_per_token, rel=0.01)
+        extra_gib * 2**30 / bf16.kv_bytes_per_token, rel=0.01
+    )
     # a batch-1 decode step is the weights' read (plus the fixed step overhead): half of it
     assert int8.step_time(1, 0) - int8.overhead_s == pytest.approx((bf16.step_time(1, 0) - bf16.overhead_s) / 2)
     assert pm.decode_tokens_per_s(int8, 1, 1024) > 1.4 * pm.decode_tokens_per_s(bf16, 1, 1024)

@@ -18,8 +18,17 @@ def exhaustive(role: str, replicas, now: float, turn: int):  # noqa: ANN001, ANN
     """The pick as the router makes it: a fresh `picker.Candidate` per replica, `picker.pick` over all of them;
     with the number of candidates tied for the best score."""
     by_url = {r.url: r for r in replicas}
-    cands = [picker.Candidate(url=r.url, waiting=len(r.waiting), running=r.num_running(), kv_usage=r.kv_usage(now),
-                              prompt_tokens_waiting=r.need_waiting, inflight=r.inflight) for r in replicas]
+    cands = [
+        picker.Candidate(
+            url=r.url,
+            waiting=len(r.waiting),
+            running=r.num_running(),
+            kv_usage=r.kv_usage(now),
+            prompt_tokens_waiting=r.need_waiting,
+            inflight=r.inflight,
+        )
+        for r in replicas
+    ]
     scores = [picker.score(role, c) for c in cands]
     return by_url[picker.pick(role, cands, turn=turn).url], scores.count(min(scores))
 
@@ -64,10 +73,17 @@ def test_a_score_never_falls_as_kv_usage_rises(role: str) -> None:
     """What lets the router keep a fluid replica's score as a lower bound (its KV only grows between events)."""
     rng = random.Random(7)
     for _ in range(2000):
-        base = dict(url="u", waiting=rng.randint(0, 5), running=rng.randint(0, 9), prompt_tokens_waiting=rng.randint(0, 9999),
-                    inflight=rng.randint(0, 3))
+        base = dict(
+            url="u",
+            waiting=rng.randint(0, 5),
+            running=rng.randint(0, 9),
+            prompt_tokens_waiting=rng.randint(0, 9999),
+            inflight=rng.randint(0, 3),
+        )
         lo, hi = sorted(rng.random() for _ in range(2))
-        assert picker.score(role, picker.Candidate(kv_usage=lo, **base)) <= picker.score(role, picker.Candidate(kv_usage=hi, **base))
+        assert picker.score(role, picker.Candidate(kv_usage=lo, **base)) <= picker.score(
+            role, picker.Candidate(kv_usage=hi, **base)
+        )
 
 
 def test_a_picker_that_breaks_ties_otherwise_is_asked_for_every_tie(monkeypatch) -> None:  # noqa: ANN001

@@ -30,19 +30,29 @@ def test_the_simulator_routes_with_the_routers_rules() -> None:
     assert sim_routing.simple(spec, prompt, output).tolist() == [True, False, False, True]
     rules = routing.Rules(max_prompt_tokens=100, max_tokens=50)
     assert [routing.length_decision(rules, int(p), None, int(o)) for p, o in zip(prompt, output)] == [
-        None, routing.Decision("default", "prompt_tokens"), routing.Decision("default", "max_tokens"), None]
+        None,
+        routing.Decision("default", "prompt_tokens"),
+        routing.Decision("default", "max_tokens"),
+        None,
+    ]
 
 
 def _doc() -> dict:
     return yaml.safe_load(EXAMPLE.read_text())
 
 
-@pytest.mark.parametrize("routing_patch, message", [
-    ({"rules": {"maxPromptChars": 100}}, "spec.routing.rules.maxPromptChars: the simulator's requests are token counts"),
-    ({"rules": {"patterns": ["^hi"]}}, "spec.routing.rules.patterns"),
-    ({"classifier": {"entryPoint": "m:f"}}, "spec.routing.classifier"),
-    ({"target": "nowhere"}, "'nowhere' is not a deployment of this policy"),
-])
+@pytest.mark.parametrize(
+    "routing_patch, message",
+    [
+        (
+            {"rules": {"maxPromptChars": 100}},
+            "spec.routing.rules.maxPromptChars: the simulator's requests are token counts",
+        ),
+        ({"rules": {"patterns": ["^hi"]}}, "spec.routing.rules.patterns"),
+        ({"classifier": {"entryPoint": "m:f"}}, "spec.routing.classifier"),
+        ({"target": "nowhere"}, "'nowhere' is not a deployment of this policy"),
+    ],
+)
 def test_what_cannot_be_simulated_is_refused(routing_patch, message) -> None:
     doc = _doc()
     doc["policies"][1]["deployments"][0]["spec"]["routing"].update(routing_patch)
@@ -59,8 +69,26 @@ def test_a_target_has_no_share_of_its_own() -> None:
 
 def test_routing_shows_in_the_cost_of_the_pair(tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    code = cli.main(["simulate", "--fleet", str(EXAMPLE), "--trace", "assistant", "--compare", "--out", str(out),
-                     "--duration", "20m", "--warmup", "5m", "--rate", "4", "--quiet", "--no-plots"])
+    code = cli.main(
+        [
+            "simulate",
+            "--fleet",
+            str(EXAMPLE),
+            "--trace",
+            "assistant",
+            "--compare",
+            "--out",
+            str(out),
+            "--duration",
+            "20m",
+            "--warmup",
+            "5m",
+            "--rate",
+            "4",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     doc = json.loads((out / "report.json").read_text())
     alone, routed = doc["policies"]["big-alone"], doc["policies"]["routed"]

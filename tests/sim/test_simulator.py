@@ -36,8 +36,10 @@ def surge(duration: float = 900.0, low: float = 2.0, high: float = 40.0, seed: i
     """`low` req/s, then `high` from a third of the way in to two thirds, then `low` again."""
     rng = np.random.default_rng(seed)
     third = duration / 3
-    parts = [np.sort(rng.uniform(a, b, rng.poisson(rate * (b - a))))
-             for a, b, rate in ((0, third, low), (third, 2 * third, high), (2 * third, duration, low))]
+    parts = [
+        np.sort(rng.uniform(a, b, rng.poisson(rate * (b - a))))
+        for a, b, rate in ((0, third, low), (third, 2 * third, high), (2 * third, duration, low))
+    ]
     arrival = np.concatenate(parts)
     n = len(arrival)
     return tr.Trace("surge", arrival, rng.integers(200, 2000, n), rng.integers(20, 400, n), duration)
@@ -59,7 +61,7 @@ def test_every_request_ends_and_tokens_are_conserved(policy: str) -> None:
     assert done.mean() > 0.95
     gen = np.asarray(sim.reqs.gen)
     out = np.asarray(sim.reqs.output)
-    assert np.array_equal(gen[done], out[done])                      # each finished request got all its tokens
+    assert np.array_equal(gen[done], out[done])  # each finished request got all its tokens
     assert sum(r.gen_tokens for r in sim.all_replicas) == gen.sum()  # workers counted exactly what requests got
     assert sum(r.prompt_tokens for r in sim.all_replicas) == np.asarray(sim.reqs.prompt)[gen > 0].sum()
     first, doneat = np.asarray(sim.reqs.t_first), np.asarray(sim.reqs.t_done)
@@ -77,8 +79,15 @@ def test_a_surge_grows_the_pools_through_the_autoscaler_and_the_quiet_shrinks_th
     assert {e.role for e in ups} == {"prefill", "decode"}
     assert downs, "the quiet third brings replicas down after the stabilization window"
     # a surge from cold: the queues, or the token rate once a first saturated interval gave it a throughput
-    assert {e.reason for e in ups} <= {"QueueAboveTarget", "QueueGrowing", "PrefillBacklog", "RatioBound", "MaxReplicas",
-                                       "ScalingLimited", "TokenRateAboveCapacity"}
+    assert {e.reason for e in ups} <= {
+        "QueueAboveTarget",
+        "QueueGrowing",
+        "PrefillBacklog",
+        "RatioBound",
+        "MaxReplicas",
+        "ScalingLimited",
+        "TokenRateAboveCapacity",
+    }
     peak = max(sum(v for k, v in s.replicas.items() if "/decode/" in k) for s in sim.samples)
     assert peak > 1
     assert all(e.t >= 400 for e in ups), "nothing grows before the surge starts at 400 s"
@@ -104,21 +113,29 @@ def test_pods_wait_for_start_up_before_serving() -> None:
 
 def test_capacity_bounds_the_pools() -> None:
     # Four H100 units in all: prefill (max 4) and colocated growth can never bind a fifth.
-    f = small(nodes=[{"name": "h100", "count": 1, "accelerators": {"h100-80gb": 2}},
-                     {"name": "mig", "count": 1, "devices": 1, "accelerators": {"h100-mig-3g-40gb": 2}}],
-              deployment={"spec": {"decode": {"acceleratorClasses": ["h100-mig-3g-40gb"]}}})
+    f = small(
+        nodes=[
+            {"name": "h100", "count": 1, "accelerators": {"h100-80gb": 2}},
+            {"name": "mig", "count": 1, "devices": 1, "accelerators": {"h100-mig-3g-40gb": 2}},
+        ],
+        deployment={"spec": {"decode": {"acceleratorClasses": ["h100-mig-3g-40gb"]}}},
+    )
     sim = run("dynamic", surge(duration=900.0, low=1.0, high=60.0), fleet=f)
     assert max(sum(v for k, v in s.replicas.items() if "/prefill/" in k) for s in sim.samples) <= 2
     assert max(sum(v for k, v in s.replicas.items() if "/decode/" in k) for s in sim.samples) <= 2
-    assert any(e.reason == "ScalingLimited" for e in sim.scale_events) or \
-        any(e.reason == "MaxReplicas" for e in sim.scale_events) or sim.scale_events
+    assert (
+        any(e.reason == "ScalingLimited" for e in sim.scale_events)
+        or any(e.reason == "MaxReplicas" for e in sim.scale_events)
+        or sim.scale_events
+    )
 
 
 def test_full_queues_answer_503_and_long_prompts_400() -> None:
     f = small(deployment={"spec": {"engine": {"maxWaitingRequests": 2}}})
     trace = surge(duration=300.0, low=30.0, high=80.0)
-    trace = tr.Trace("t", trace.arrival, np.where(np.arange(len(trace)) % 50 == 0, 9000, trace.prompt),
-                     trace.output, trace.duration)
+    trace = tr.Trace(
+        "t", trace.arrival, np.where(np.arange(len(trace)) % 50 == 0, 9000, trace.prompt), trace.output, trace.duration
+    )
     sim = run("static", trace, fleet=f)
     status = np.asarray(sim.reqs.status)
     assert (status == eng.TOO_LONG).sum() == (np.asarray(sim.reqs.prompt) == 9000).sum()
@@ -130,9 +147,21 @@ def test_full_queues_answer_503_and_long_prompts_400() -> None:
 
 
 def test_traffic_tiers_split_the_trace_between_deployments() -> None:
-    f = small(policies=[{"name": "tiers", "deployments": [
-        {"name": "latency", "share": 0.3, "spec": {"slo": {"ttft": "500ms"}}},
-        {"name": "cost", "share": 0.7, "spec": {"tier": "cost", "decode": {"acceleratorClasses": ["ascend-910b"]}}}]}])
+    f = small(
+        policies=[
+            {
+                "name": "tiers",
+                "deployments": [
+                    {"name": "latency", "share": 0.3, "spec": {"slo": {"ttft": "500ms"}}},
+                    {
+                        "name": "cost",
+                        "share": 0.7,
+                        "spec": {"tier": "cost", "decode": {"acceleratorClasses": ["ascend-910b"]}},
+                    },
+                ],
+            }
+        ]
+    )
     sim = run("tiers", surge(duration=300.0, low=5.0, high=5.0), fleet=f)
     share = np.mean(np.asarray(sim.reqs.deployment) == 0)
     assert 0.25 < share < 0.35

@@ -45,16 +45,21 @@ pytestmark = pytest.mark.measure
 # of a growing queue) and ITL p99 of one engine's slowest steps on a machine other jobs share.
 TOLERANCE = {"ttft_p50_s": 0.35, "ttft_p99_s": 0.35, "itl_p50_s": 0.35, "itl_p99_s": 0.6, "tokens_per_s": 0.2}
 ATTEMPTS = 2
-OFFERED = 1.2   # x the prefill replica's capacity
-BROKEN = 0.5    # the prefill MFU factor of the deliberately wrong model
+OFFERED = 1.2  # x the prefill replica's capacity
+BROKEN = 0.5  # the prefill MFU factor of the deliberately wrong model
 PROMPTS, OUTPUTS, SECONDS = (600, 900), (8, 24), 45.0
 
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("sat-models") / "small"
-    subprocess.run(PDFLEET + ["model", "init", str(path), "--preset", "small"], check=True, capture_output=True,
-                   env={**os.environ, **CHILD_ENV}, timeout=600)
+    subprocess.run(
+        PDFLEET + ["model", "init", str(path), "--preset", "small"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, **CHILD_ENV},
+        timeout=600,
+    )
     return path
 
 
@@ -87,9 +92,15 @@ def sim_fleet(path: Path, model: Path) -> None:
     doc = yaml.safe_load((ROOT / "examples" / "sim" / "local-tiny.yaml").read_text())
     doc["acceleratorClassFiles"] = [str(ROOT / "examples" / "acceleratorclasses.yaml")]
     spec = doc["deployment"]["spec"]
-    spec["model"].update(name="small", architecture={
-        "parametersBillions": cfg.num_params / 1e9, "layers": cfg.num_layers, "kvHeads": cfg.num_kv_heads,
-        "headDim": cfg.head_dim})
+    spec["model"].update(
+        name="small",
+        architecture={
+            "parametersBillions": cfg.num_params / 1e9,
+            "layers": cfg.num_layers,
+            "kvHeads": cfg.num_kv_heads,
+            "headDim": cfg.head_dim,
+        },
+    )
     spec["prefill"].update(minReplicas=1, maxReplicas=1)
     spec["decode"].update(minReplicas=1, maxReplicas=1)
     spec["autoscaling"] = {"enabled": False}
@@ -98,9 +109,25 @@ def sim_fleet(path: Path, model: Path) -> None:
 
 def simulate(workdir: Path, fleet: Path, trace: Path, cal: Path, name: str) -> dict:
     out = workdir / name
-    done = subprocess.run(PDFLEET + ["simulate", "--fleet", str(fleet), "--trace", str(trace), "--calibration",
-                                     str(cal), "--out", str(out), "--no-plots", "--quiet"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        PDFLEET
+        + [
+            "simulate",
+            "--fleet",
+            str(fleet),
+            "--trace",
+            str(trace),
+            "--calibration",
+            str(cal),
+            "--out",
+            str(out),
+            "--no-plots",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return next(iter(json.loads((out / "report.json").read_text())["policies"].values()))
 
@@ -123,19 +150,49 @@ def measure(workdir: Path, model: Path) -> dict:
     load_before = os.getloadavg()[0]
     cal = workdir / "cal.json"
     # one torch thread: what `pdfleet up` gives each worker (--threads-per-worker 1)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sim.py"), "calibrate", "--model", str(model),
-                           "--preset", "small", "--threads", "1", "--stat", "median", "--reps", "3",
-                           "--http-reps", "20", "--out", str(cal)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, **CHILD_ENV})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "sim.py"),
+            "calibrate",
+            "--model",
+            str(model),
+            "--preset",
+            "small",
+            "--threads",
+            "1",
+            "--stat",
+            "median",
+            "--reps",
+            "3",
+            "--http-reps",
+            "20",
+            "--out",
+            str(cal),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **CHILD_ENV},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     calibration = json.loads(cal.read_text())
     capacity = 1.0 / prefill_s(calibration, sum(PROMPTS) / 2)  # requests/s one prefill replica serves
     trace = workdir / "trace.csv"
     n = write_trace(trace, OFFERED * capacity)
 
-    spec = write_spec(workdir, model, **{"model.name": "small", "prefill.minReplicas": 1, "prefill.maxReplicas": 1,
-                                         "decode.minReplicas": 1, "decode.maxReplicas": 1,
-                                         "autoscaling": {"enabled": False}})
+    spec = write_spec(
+        workdir,
+        model,
+        **{
+            "model.name": "small",
+            "prefill.minReplicas": 1,
+            "prefill.maxReplicas": 1,
+            "decode.minReplicas": 1,
+            "decode.maxReplicas": 1,
+            "autoscaling": {"enabled": False},
+        },
+    )
     report = workdir / "up.json"
     up = UpProcess([str(spec), "--port", str(free_port()), "--load", str(trace), "--report", str(report)], cwd=workdir)
     try:
@@ -154,11 +211,19 @@ def measure(workdir: Path, model: Path) -> dict:
     errors, detail = errors_of(real, sim)
     broken_errors, broken_detail = errors_of(real, broken)
     one = prefill_s(calibration, sum(PROMPTS) / 2)
-    return {"errors": errors, "detail": detail, "broken_errors": broken_errors, "broken_detail": broken_detail,
-            "requests": n, "offered_per_s": round(OFFERED * capacity, 3), "prefill_s": round(one, 3),
-            # saturated: a queue made the local TTFT p50 several times one prompt's own prefill
-            "saturated": real["ttft_p50_s"] > 2 * one, "calibration": calibration,
-            "load_average": round(max(load_before, os.getloadavg()[0]), 2)}
+    return {
+        "errors": errors,
+        "detail": detail,
+        "broken_errors": broken_errors,
+        "broken_detail": broken_detail,
+        "requests": n,
+        "offered_per_s": round(OFFERED * capacity, 3),
+        "prefill_s": round(one, 3),
+        # saturated: a queue made the local TTFT p50 several times one prompt's own prefill
+        "saturated": real["ttft_p50_s"] > 2 * one,
+        "calibration": calibration,
+        "load_average": round(max(load_before, os.getloadavg()[0]), 2),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +234,26 @@ def replays(tmp_path_factory, small_model) -> list[dict]:
     for attempt in range(ATTEMPTS):
         got = measure(root / f"attempt-{attempt}", small_model)
         attempts.append(got)
-        print(json.dumps({"attempt": attempt, **{k: v for k, v in got.items() if k not in ("errors", "broken_errors")}}))
+        print(
+            json.dumps({"attempt": attempt, **{k: v for k, v in got.items() if k not in ("errors", "broken_errors")}})
+        )
         if got["saturated"] and within(got["errors"]):
             break
     return attempts
 
 
 def _summary(attempts: list[dict]) -> list[dict]:
-    return [{"ok": a["detail"], "broken": a["broken_detail"], "saturated": a["saturated"], "prefill_s": a["prefill_s"],
-             "offered_per_s": a["offered_per_s"], "load_average": a["load_average"]} for a in attempts]
+    return [
+        {
+            "ok": a["detail"],
+            "broken": a["broken_detail"],
+            "saturated": a["saturated"],
+            "prefill_s": a["prefill_s"],
+            "offered_per_s": a["offered_per_s"],
+            "load_average": a["load_average"],
+        }
+        for a in attempts
+    ]
 
 
 def shared_with_other_jobs(attempts: list[dict]) -> bool:
@@ -189,8 +265,10 @@ def shared_with_other_jobs(attempts: list[dict]) -> bool:
 @pytest.mark.slow
 def test_a_model_with_half_the_prefill_speed_misses_the_saturated_local_fleet(replays):
     for got in replays:
-        assert got["saturated"], ("no queue formed locally: the calibration misjudged the replica's speed",
-                                  _summary(replays))
+        assert got["saturated"], (
+            "no queue formed locally: the calibration misjudged the replica's speed",
+            _summary(replays),
+        )
         assert not within(got["broken_errors"]), ("a model with half the prefill speed passed", _summary(replays))
 
 
@@ -204,6 +282,8 @@ def test_a_model_with_half_the_prefill_speed_misses_the_saturated_local_fleet(re
 @pytest.mark.slow
 def test_the_simulator_reproduces_the_saturated_local_fleet(replays):
     if not within(replays[-1]["errors"]) and shared_with_other_jobs(replays):
-        pytest.xfail(f"other jobs load this machine (load average {[a['load_average'] for a in replays]} on "
-                     f"{os.cpu_count()} cores): the simulator, calibrated on free cores, is optimistic: {_summary(replays)}")
+        pytest.xfail(
+            f"other jobs load this machine (load average {[a['load_average'] for a in replays]} on "
+            f"{os.cpu_count()} cores): the simulator, calibrated on free cores, is optimistic: {_summary(replays)}"
+        )
     assert within(replays[-1]["errors"]), _summary(replays)

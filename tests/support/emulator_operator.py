@@ -33,8 +33,12 @@ def _core() -> kubernetes.client.CoreV1Api:
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 def create_fn(spec, name, namespace, body, logger, **_):
-    data = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-data"},
-            "data": {"size": str(spec.get("size"))}}
+    data = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-data"},
+        "data": {"size": str(spec.get("size"))},
+    }
     kopf.adopt(data)
     _core().create_namespaced_config_map(namespace, data)
     logger.info(f"created {name}-data")

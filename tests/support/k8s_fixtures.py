@@ -41,8 +41,7 @@ import yaml
 
 from tests.support import components
 from tests.support.k8s import drain
-from tests.support.k8s_emulator import ApiError, EmulatorThread, KubernetesApiEmulator, LoggedRequest, \
-    write_kubeconfig
+from tests.support.k8s_emulator import ApiError, EmulatorThread, KubernetesApiEmulator, LoggedRequest, write_kubeconfig
 
 __all__ = ["Kube", "kube", "kubectl_bin", "find_kubectl"]
 
@@ -131,32 +130,53 @@ class Kube:
                 return None
             raise
 
-    def list(self, resource: str, namespace: str | None = None, *, label_selector: str | None = None,
-             field_selector: str | None = None) -> list[dict]:
+    def list(
+        self,
+        resource: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict]:
         res = self.resource(resource)
         return self.call(self.emulator.list_objects, res, namespace, label_selector, field_selector)
 
-    def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None, *,
-              subresource: str | None = None, patch_type: str = "merge") -> dict:
+    def patch(
+        self,
+        resource: str,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+        patch_type: str = "merge",
+    ) -> dict:
         """A merge patch (``patch_type`` also ``json``, ``strategic``, ``apply``)."""
         res = self.resource(resource)
-        return self.call(self.emulator.patch_object, res, name, patch, self._ns(res, namespace),
-                         subresource=subresource, patch_type=patch_type)
+        return self.call(
+            self.emulator.patch_object,
+            res,
+            name,
+            patch,
+            self._ns(res, namespace),
+            subresource=subresource,
+            patch_type=patch_type,
+        )
 
     def patch_status(self, resource: str, name: str, status: dict, namespace: str | None = None) -> dict:
         """Merge-patch ``status`` through the status subresource (what a controller would do)."""
         return self.patch(resource, name, {"status": status}, namespace, subresource="status")
 
-    def delete(self, resource: str, name: str, namespace: str | None = None, *,
-               propagation: str | None = None) -> dict:
+    def delete(self, resource: str, name: str, namespace: str | None = None, *, propagation: str | None = None) -> dict:
         res = self.resource(resource)
         return self.call(self.emulator.delete_object, res, name, self._ns(res, namespace), propagation=propagation)
 
     def resource(self, name: str) -> Any:
         return self.call(self.emulator.find_resource, name)
 
-    def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05,
-                 message: str = "condition") -> Any:
+    def wait_for(
+        self, predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, message: str = "condition"
+    ) -> Any:
         """Poll until ``predicate()`` returns something truthy; return it, or fail the test after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
@@ -193,9 +213,12 @@ class Kube:
     def evict(self, name: str, namespace: str | None = None, *, grace_period: int | None = None) -> dict:
         """POST pods/NAME/eviction (raises :class:`ApiError`: 429 when a PodDisruptionBudget refuses it)."""
         options = {"gracePeriodSeconds": grace_period} if grace_period is not None else {}
-        return self.call(self.emulator.evict_pod, namespace or "default", name,
-                         {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name},
-                          "deleteOptions": options})
+        return self.call(
+            self.emulator.evict_pod,
+            namespace or "default",
+            name,
+            {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name}, "deleteOptions": options},
+        )
 
     def drain(self, node: str, **options: Any) -> list[str]:
         """``kubectl drain`` (cordon, evict every pod but DaemonSets' and mirror pods, retry 429s, wait until they
@@ -208,8 +231,15 @@ class Kube:
         """Every request served so far, in order (a snapshot)."""
         return self.call(lambda: list(self.emulator.log))
 
-    def requests_for(self, *, verb: str | None = None, resource: str | None = None, name: str | None = None,
-                     namespace: str | None = None, subresource: str | None = None) -> list[LoggedRequest]:
+    def requests_for(
+        self,
+        *,
+        verb: str | None = None,
+        resource: str | None = None,
+        name: str | None = None,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> list[LoggedRequest]:
         out = []
         for r in self.requests:
             if verb is not None and r.verb != verb:
@@ -240,12 +270,18 @@ class Kube:
         self.call(self.emulator.log.clear)
 
     # --- kubectl ---
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess:
         """Run kubectl against the emulator; ``check`` raises with its stderr on a non-zero exit."""
         binary = components.binary("kubectl")
-        proc = subprocess.run([binary, *args], input=input, capture_output=True, text=True, env=self.env, timeout=timeout)
+        proc = subprocess.run(
+            [binary, *args], input=input, capture_output=True, text=True, env=self.env, timeout=timeout
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            )
         return proc
 
     # --- internals ---

@@ -12,6 +12,7 @@ chrooted, with no capabilities and no_new_privs. NOTE: /root is 0700 here and th
 under it (pyenv); in the sandbox only, /root is made traversable (0711), as an image's Python is runnable by any
 uid.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -158,6 +159,8 @@ def command(pod: Pod, argv: Sequence[str], scratch: Path, cgroup: MemoryCgroup |
         steps += [f"mkdir -p {target}", f"mount --bind {q(src)} {target}", f"mount -o remount,bind,ro {target}"]
     steps.append(f"mount -o remount,ro {q(str(root))}")
     env = " ".join(q(f"{k}={v}") for k, v in pod.env().items())
-    steps.append(f"exec chroot {q(str(root))} setpriv --reuid={uid} --regid={gid} --groups={groups} --no-new-privs "
-                 f"--inh-caps=-all --bounding-set=-all -- /usr/bin/env -i {env} {' '.join(q(a) for a in argv)}")
+    steps.append(
+        f"exec chroot {q(str(root))} setpriv --reuid={uid} --regid={gid} --groups={groups} --no-new-privs "
+        f"--inh-caps=-all --bounding-set=-all -- /usr/bin/env -i {env} {' '.join(q(a) for a in argv)}"
+    )
     return ["unshare", "-m", "--propagation", "private", "sh", "-euc", " && ".join(steps)]

@@ -48,8 +48,9 @@ class _Server(abc.ABC):
     def start(self) -> "_Server":
         assert self.proc is None, f"{self.name} already started"
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -88,17 +89,22 @@ class PrometheusServer(_Server):
 
     name = "prometheus"
 
-    def __init__(self, targets: dict[str, list[str]] | None = None, rule_files: list[Path] | None = None,
-                 alertmanagers: list[str] | None = None, interval: str = "1s",
-                 extra_scrape_configs: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        targets: dict[str, list[str]] | None = None,
+        rule_files: list[Path] | None = None,
+        alertmanagers: list[str] | None = None,
+        interval: str = "1s",
+        extra_scrape_configs: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         self.binary = binary("prometheus")
         config: dict[str, Any] = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": addrs}]}
-                for job, addrs in (targets or {}).items()
-            ] + list(extra_scrape_configs or []),
+                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in (targets or {}).items()
+            ]
+            + list(extra_scrape_configs or []),
         }
         if rule_files:
             config["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
@@ -108,8 +114,13 @@ class PrometheusServer(_Server):
         self.config_path.write_text(yaml.safe_dump(config))
 
     def _command(self) -> list[str]:
-        return [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"]
+        return [
+            self.binary,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.enable-lifecycle",
+        ]
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """Instant query; the result vector (raises on a Prometheus error)."""
@@ -119,7 +130,9 @@ class PrometheusServer(_Server):
             raise RuntimeError(f"query {promql!r} failed: {body}")
         return body["data"]["result"]
 
-    def wait_for(self, promql: str, predicate=lambda result: bool(result), timeout: float = 20.0) -> list[dict[str, Any]]:
+    def wait_for(
+        self, promql: str, predicate=lambda result: bool(result), timeout: float = 20.0
+    ) -> list[dict[str, Any]]:
         """Poll a query until predicate(result) holds; the last result on success, AssertionError on timeout."""
         deadline = time.monotonic() + timeout
         result: list[dict[str, Any]] = []
@@ -139,25 +152,53 @@ class AlertmanagerServer(_Server):
 
     name = "alertmanager"
 
-    def __init__(self, webhook_urls: list[str], group_wait: str = "1s", group_interval: str = "1s",
-                 repeat_interval: str = "1h", bearer_token: str | None = None) -> None:
+    def __init__(
+        self,
+        webhook_urls: list[str],
+        group_wait: str = "1s",
+        group_interval: str = "1s",
+        repeat_interval: str = "1h",
+        bearer_token: str | None = None,
+    ) -> None:
         super().__init__()
         self.binary = binary("prometheus-alertmanager")
         config = {
-            "route": {"receiver": "hooks", "group_by": ["alertname", "pdfleet_deployment"],
-                      "group_wait": group_wait, "group_interval": group_interval,
-                      "repeat_interval": repeat_interval},
-            "receivers": [{"name": "hooks", "webhook_configs": [
-                {"url": u, "send_resolved": True,
-                 **({"http_config": {"authorization": {"type": "Bearer", "credentials": bearer_token}}}
-                    if bearer_token else {})} for u in webhook_urls]}],
+            "route": {
+                "receiver": "hooks",
+                "group_by": ["alertname", "pdfleet_deployment"],
+                "group_wait": group_wait,
+                "group_interval": group_interval,
+                "repeat_interval": repeat_interval,
+            },
+            "receivers": [
+                {
+                    "name": "hooks",
+                    "webhook_configs": [
+                        {
+                            "url": u,
+                            "send_resolved": True,
+                            **(
+                                {"http_config": {"authorization": {"type": "Bearer", "credentials": bearer_token}}}
+                                if bearer_token
+                                else {}
+                            ),
+                        }
+                        for u in webhook_urls
+                    ],
+                }
+            ],
         }
         self.config_path = self.workdir / "alertmanager.yml"
         self.config_path.write_text(yaml.safe_dump(config))
 
     def _command(self) -> list[str]:
-        return [self.binary, f"--config.file={self.config_path}", f"--storage.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="]
+        return [
+            self.binary,
+            f"--config.file={self.config_path}",
+            f"--storage.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--cluster.listen-address=",
+        ]
 
     @property
     def address(self) -> str:

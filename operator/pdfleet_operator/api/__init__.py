@@ -22,8 +22,24 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KINDS = {"AcceleratorClass": AcceleratorClass, "InferenceDeployment": InferenceDeployment}
 
 __all__ = [
-    "API_VERSION", "GROUP", "KINDS", "ROLES", "VERSION", "WORKER_ROLE",
-    "AcceleratorClass", "AcceleratorClassSpec", "AcceleratorClassStatus", "Condition",
-    "InferenceDeployment", "InferenceDeploymentSpec", "InferenceDeploymentStatus", "NetworkPeer", "PoolStatus",
-    "RoleSpec", "ScalingDecisionStatus", "parse_duration", "parse_quantity", "set_condition",
+    "API_VERSION",
+    "GROUP",
+    "KINDS",
+    "ROLES",
+    "VERSION",
+    "WORKER_ROLE",
+    "AcceleratorClass",
+    "AcceleratorClassSpec",
+    "AcceleratorClassStatus",
+    "Condition",
+    "InferenceDeployment",
+    "InferenceDeploymentSpec",
+    "InferenceDeploymentStatus",
+    "NetworkPeer",
+    "PoolStatus",
+    "RoleSpec",
+    "ScalingDecisionStatus",
+    "parse_duration",
+    "parse_quantity",
+    "set_condition",
 ]

@@ -74,7 +74,8 @@ def name_errors(name: str, *, label: bool = False) -> list[str]:
             msgs.append(
                 "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
                 "and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', "
-                f"regex used for validation is '{DNS1123_LABEL}')")
+                f"regex used for validation is '{DNS1123_LABEL}')"
+            )
         return msgs
     msgs = []
     if len(name) > 253:
@@ -83,7 +84,8 @@ def name_errors(name: str, *, label: bool = False) -> list[str]:
         msgs.append(
             "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
             "and must start and end with an alphanumeric character (e.g. 'example.com', "
-            f"regex used for validation is '{DNS1123_SUBDOMAIN}')")
+            f"regex used for validation is '{DNS1123_SUBDOMAIN}')"
+        )
     return msgs
 
 
@@ -91,6 +93,7 @@ def name_errors(name: str, *, label: bool = False) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # CRD helpers
 # ---------------------------------------------------------------------------------------------
+
 
 def find_version(crd: dict, api_version: str | None) -> dict | None:
     """The CRD's version entry for an object's ``apiVersion`` (``group/version``), if served."""
@@ -159,7 +162,11 @@ def _walk_unknown(schema: dict, value: Any, path: str, found: list[str], prune: 
     """Find (and optionally drop) fields that the structural schema does not specify."""
     if not isinstance(schema, dict):
         return value
-    if schema.get("x-kubernetes-preserve-unknown-fields") and not schema.get("properties") and not isinstance(schema.get("additionalProperties"), dict):
+    if (
+        schema.get("x-kubernetes-preserve-unknown-fields")
+        and not schema.get("properties")
+        and not isinstance(schema.get("additionalProperties"), dict)
+    ):
         return value
     if isinstance(value, dict):
         props = schema.get("properties") or {}
@@ -242,9 +249,13 @@ def apply_defaults(crd: dict, obj: dict) -> dict:
 # Formats Kubernetes checks (kube-openapi's strfmt registry, the useful part of it)
 # ---------------------------------------------------------------------------------------------
 
-_DURATION_RE = re.compile(r"^(?:[-+]?\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h|d|w))+$|^\d+\s*(?:ns|us|ms|s|sec|secs|second|seconds|m|min|mins|minute|minutes|h|hr|hour|hours|d|day|days|w|wk|week|weeks)$")
+_DURATION_RE = re.compile(
+    r"^(?:[-+]?\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h|d|w))+$|^\d+\s*(?:ns|us|ms|s|sec|secs|second|seconds|m|min|mins|minute|minutes|h|hr|hour|hours|d|day|days|w|wk|week|weeks)$"
+)
 _EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*$")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*$"
+)
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _DATETIME_RE = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 _MAC_RE = re.compile(r"^([0-9A-Fa-f]{2}[:-]){5}[0-9A-Fa-f]{2}$")
@@ -296,6 +307,7 @@ def _format_ok(fmt: str, value: str) -> bool:
 # Structural schema validation
 # ---------------------------------------------------------------------------------------------
 
+
 class _Validator:
     def __init__(self) -> None:
         self.errors: list[FieldError] = []
@@ -312,17 +324,27 @@ class _Validator:
             if schema.get("nullable"):
                 return
             if schema.get("type"):
-                self.add(fe.type_invalid(path, "null", f"{body} in body must be of type {schema['type']}: \"null\""))
+                self.add(fe.type_invalid(path, "null", f'{body} in body must be of type {schema["type"]}: "null"'))
             return
 
         int_or_string = bool(schema.get("x-kubernetes-int-or-string"))
         stype = schema.get("type")
         if int_or_string:
             if not (isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))):
-                self.add(fe.type_invalid(path, _type_name(value), f"{body} in body must be of type integer-or-string: \"{_type_name(value)}\""))
+                self.add(
+                    fe.type_invalid(
+                        path,
+                        _type_name(value),
+                        f'{body} in body must be of type integer-or-string: "{_type_name(value)}"',
+                    )
+                )
                 return
         elif stype and not _type_ok(stype, value):
-            self.add(fe.type_invalid(path, _type_name(value), f"{body} in body must be of type {stype}: \"{_type_name(value)}\""))
+            self.add(
+                fe.type_invalid(
+                    path, _type_name(value), f'{body} in body must be of type {stype}: "{_type_name(value)}"'
+                )
+            )
             return
 
         # Combinators (value validations only in structural schemas).
@@ -360,9 +382,15 @@ class _Validator:
                     self.add(fe.invalid(path, value, f"{body} in body should be greater than {fe.num(lo)}"))
             elif not value >= lo:
                 self.add(fe.invalid(path, value, f"{body} in body should be greater than or equal to {fe.num(lo)}"))
-        elif isinstance(schema.get("exclusiveMinimum"), (int, float)) and not isinstance(schema["exclusiveMinimum"], bool):
+        elif isinstance(schema.get("exclusiveMinimum"), (int, float)) and not isinstance(
+            schema["exclusiveMinimum"], bool
+        ):
             if not value > schema["exclusiveMinimum"]:
-                self.add(fe.invalid(path, value, f"{body} in body should be greater than {fe.num(schema['exclusiveMinimum'])}"))
+                self.add(
+                    fe.invalid(
+                        path, value, f"{body} in body should be greater than {fe.num(schema['exclusiveMinimum'])}"
+                    )
+                )
         if "maximum" in schema:
             hi = schema["maximum"]
             if schema.get("exclusiveMaximum") is True:
@@ -370,9 +398,13 @@ class _Validator:
                     self.add(fe.invalid(path, value, f"{body} in body should be less than {fe.num(hi)}"))
             elif not value <= hi:
                 self.add(fe.invalid(path, value, f"{body} in body should be less than or equal to {fe.num(hi)}"))
-        elif isinstance(schema.get("exclusiveMaximum"), (int, float)) and not isinstance(schema["exclusiveMaximum"], bool):
+        elif isinstance(schema.get("exclusiveMaximum"), (int, float)) and not isinstance(
+            schema["exclusiveMaximum"], bool
+        ):
             if not value < schema["exclusiveMaximum"]:
-                self.add(fe.invalid(path, value, f"{body} in body should be less than {fe.num(schema['exclusiveMaximum'])}"))
+                self.add(
+                    fe.invalid(path, value, f"{body} in body should be less than {fe.num(schema['exclusiveMaximum'])}")
+                )
         if schema.get("multipleOf"):
             factor = schema["multipleOf"]
             quotient = value / factor
@@ -427,7 +459,9 @@ class _Validator:
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
             self.add(fe.too_many(path, len(value), schema["maxProperties"]))
         if "minProperties" in schema and len(value) < schema["minProperties"]:
-            self.add(fe.invalid(path, value, f"{body} in body should have at least {schema['minProperties']} properties"))
+            self.add(
+                fe.invalid(path, value, f"{body} in body should have at least {schema['minProperties']} properties")
+            )
         additional = schema.get("additionalProperties")
         for key, sub in value.items():
             if root and key == "metadata":
@@ -453,6 +487,7 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------------
+
 
 def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict | None = None) -> list[FieldError]:
     """Validate a custom resource the way kube-apiserver's admission would for this CRD.
@@ -492,7 +527,7 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
 
     schema = _schema_of(crd, version)
     # Name constraints that a CRD may declare in its schema's metadata.
-    meta_schema = ((schema.get("properties") or {}).get("metadata") or {})
+    meta_schema = (schema.get("properties") or {}).get("metadata") or {}
     if name and isinstance((meta_schema.get("properties") or {}).get("name"), dict):
         v = _Validator()
         v.check(meta_schema["properties"]["name"], name, "metadata.name")
@@ -519,9 +554,14 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
 
     # Like kube-apiserver: CEL rules are not run over values of the wrong type.
     if any(e.reason in ("FieldValueTypeInvalid",) for e in validator.errors) and cel.walk_rules(schema, ""):
-        errors.append(FieldError("", "FieldValueInvalid",
-                                 "some validation rules were not checked because the object was invalid; "
-                                 "correct the existing errors to complete validation"))
+        errors.append(
+            FieldError(
+                "",
+                "FieldValueInvalid",
+                "some validation rules were not checked because the object was invalid; "
+                "correct the existing errors to complete validation",
+            )
+        )
         return errors
     cel_errors: list[FieldError] = []
     root_value = {k: v for k, v in work.items() if k != "metadata"}
@@ -529,7 +569,9 @@ def validate(crd: dict, obj: dict, *, unknown_fields: str = "Strict", old: dict 
     old_root = None
     if old_work is not None:
         old_root = {k: v for k, v in old_work.items() if k != "metadata"}
-        old_root["metadata"] = {k: (old.get("metadata") or {}).get(k) for k in ("name", "generateName") if k in (old.get("metadata") or {})}
+        old_root["metadata"] = {
+            k: (old.get("metadata") or {}).get(k) for k in ("name", "generateName") if k in (old.get("metadata") or {})
+        }
     cel.check_cel(schema, root_value, old_root, old_root is not None, "", cel_errors)
     errors += cel_errors
     return errors
@@ -539,7 +581,9 @@ def check_crd(crd: dict) -> list[FieldError]:
     """Sanity checks a CRD the way the API server does on create: names, versions, CEL compiles."""
     errors: list[FieldError] = []
     if crd.get("apiVersion") != "apiextensions.k8s.io/v1" or crd.get("kind") != "CustomResourceDefinition":
-        errors.append(fe.invalid("apiVersion", crd.get("apiVersion"), "must be apiextensions.k8s.io/v1 CustomResourceDefinition"))
+        errors.append(
+            fe.invalid("apiVersion", crd.get("apiVersion"), "must be apiextensions.k8s.io/v1 CustomResourceDefinition")
+        )
         return errors
     spec = crd.get("spec") or {}
     names = spec.get("names") or {}
@@ -551,14 +595,20 @@ def check_crd(crd: dict) -> list[FieldError]:
             errors.append(fe.required(f"spec.names.{key}"))
     name = (crd.get("metadata") or {}).get("name")
     if names.get("plural") and group and name != f"{names['plural']}.{group}":
-        errors.append(fe.invalid("metadata.name", name, "must be spec.names.plural+\".\"+spec.group"))
+        errors.append(fe.invalid("metadata.name", name, 'must be spec.names.plural+"."+spec.group'))
     if spec.get("scope") not in ("Namespaced", "Cluster"):
         errors.append(fe.not_supported("spec.scope", spec.get("scope"), ["Cluster", "Namespaced"]))
     versions = spec.get("versions") or []
     if not versions:
         errors.append(fe.required("spec.versions", "must have exactly one version marked as storage version"))
     if versions and sum(1 for v in versions if v.get("storage")) != 1:
-        errors.append(fe.invalid("spec.versions", [v.get("name") for v in versions], "must have exactly one version marked as storage version"))
+        errors.append(
+            fe.invalid(
+                "spec.versions",
+                [v.get("name") for v in versions],
+                "must have exactly one version marked as storage version",
+            )
+        )
     for i, version in enumerate(versions):
         schema = (version.get("schema") or {}).get("openAPIV3Schema")
         base = f"spec.versions[{i}].schema.openAPIV3Schema"

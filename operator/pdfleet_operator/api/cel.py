@@ -64,9 +64,18 @@ def _cel_functions() -> dict[str, Any]:
         return ct.StringType(str(s).replace(str(old), str(new), int(n)))
 
     return {
-        "lowerAscii": lower_ascii, "upperAscii": upper_ascii, "trim": trim, "split": split,
-        "join": join, "indexOf": index_of, "lastIndexOf": last_index_of, "isSorted": is_sorted,
-        "sum": cel_sum, "min": cel_min, "max": cel_max, "replace": replace,
+        "lowerAscii": lower_ascii,
+        "upperAscii": upper_ascii,
+        "trim": trim,
+        "split": split,
+        "join": join,
+        "indexOf": index_of,
+        "lastIndexOf": last_index_of,
+        "isSorted": is_sorted,
+        "sum": cel_sum,
+        "min": cel_min,
+        "max": cel_max,
+        "replace": replace,
     }
 
 

@@ -22,6 +22,7 @@ class FieldError:
 # Kubernetes-style error wording
 # ---------------------------------------------------------------------------------------------
 
+
 def value_str(value: Any) -> str:
     """Render a bad value the way apimachinery's field.Error does (close enough for JSON values)."""
     if value is None:
@@ -63,7 +64,9 @@ def duplicate(path: str, value: Any) -> FieldError:
 
 def not_supported(path: str, value: Any, allowed: list[Any]) -> FieldError:
     shown = ", ".join(json.dumps(v) if isinstance(v, str) else value_str(v) for v in allowed)
-    return FieldError(path, "FieldValueNotSupported", f"Unsupported value: {value_str(value)}: supported values: {shown}")
+    return FieldError(
+        path, "FieldValueNotSupported", f"Unsupported value: {value_str(value)}: supported values: {shown}"
+    )
 
 
 def too_long(path: str, maximum: int) -> FieldError:

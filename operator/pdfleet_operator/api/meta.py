@@ -44,8 +44,22 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _QUANTITY_SUFFIX = {
-    "": 1, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-    "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "": 1,
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
 }
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 
@@ -68,7 +82,7 @@ def parse_quantity(value: str | int | float) -> float:
         raise ValueError(f"invalid quantity {text!r}: expected e.g. '512Mi', '1Gi', '500m', '2'")
     number = re.match(r"^[+-]?(\d+(\.\d*)?|\.\d+)", text)
     assert number is not None, text
-    suffix = text[number.end():]
+    suffix = text[number.end() :]
     if suffix[:1] in ("e", "E"):
         return float(text)
     return float(number.group(0)) * _QUANTITY_SUFFIX[suffix]
@@ -93,16 +107,19 @@ Duration = Annotated[
 Quantity = Annotated[
     str | int,
     AfterValidator(_check_quantity),
-    WithJsonSchema({
-        "x-kubernetes-int-or-string": True,
-        "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "pattern": QUANTITY_PATTERN,
-    }),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
 ]
 DnsLabel = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, min_length=1, max_length=63)]
 
 
 # --- CEL -------------------------------------------------------------------------------------------
+
 
 class Rule(BaseModel):
     """A cross-field rule in CEL, evaluated against the object it is attached to (`self`)."""
@@ -141,6 +158,7 @@ def rule_error(field_path: str | None, message: str) -> PydanticCustomError:
 
 # --- base model ------------------------------------------------------------------------------------
 
+
 class ApiModel(BaseModel):
     """Base of all API types: camelCase on the wire, unknown fields are errors, CEL rules enforced."""
 
@@ -170,19 +188,28 @@ class ApiModel(BaseModel):
 class Condition(ApiModel):
     """A Kubernetes-shaped status condition (the same shape as metav1.Condition)."""
 
-    type: str = Field(description="Type of condition in CamelCase, e.g. Ready, Progressing, Degraded.",
-                      pattern=r"^[A-Z][A-Za-z0-9]*$", max_length=316)
+    type: str = Field(
+        description="Type of condition in CamelCase, e.g. Ready, Progressing, Degraded.",
+        pattern=r"^[A-Z][A-Za-z0-9]*$",
+        max_length=316,
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="Status of the condition: True, False or Unknown.")
-    reason: str = Field(description="A machine-readable CamelCase reason for the last transition.",
-                        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", min_length=1, max_length=1024)
-    message: str = Field("", description="A human-readable message with details about the transition.",
-                         max_length=32768)
+    reason: str = Field(
+        description="A machine-readable CamelCase reason for the last transition.",
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        min_length=1,
+        max_length=1024,
+    )
+    message: str = Field(
+        "", description="A human-readable message with details about the transition.", max_length=32768
+    )
     last_transition_time: dt.datetime = Field(
         description="When the condition last changed status (RFC 3339).",
         json_schema_extra={"format": "date-time"},
     )
     observed_generation: int | None = Field(
-        None, ge=0, description="The .metadata.generation the condition was set from.")
+        None, ge=0, description="The .metadata.generation the condition was set from."
+    )
 
 
 def set_condition(conditions: list[Condition], new: Condition) -> list[Condition]:
@@ -227,6 +254,8 @@ class Resource(ApiModel):
         name = getattr(self, "metadata").name
         max_len, pattern = self.name_rule
         if name is not None and (len(name) > max_len or not re.fullmatch(pattern, name)):
-            raise rule_error(".metadata.name", f"{name!r} must be at most {max_len} characters and match {pattern} "
-                                               f"({self.name_rule_why})")
+            raise rule_error(
+                ".metadata.name",
+                f"{name!r} must be at most {max_len} characters and match {pattern} ({self.name_rule_why})",
+            )
         return self

@@ -48,7 +48,7 @@ def child_name(*parts: str) -> str:
     if len(full) <= MAX_NAME:
         return full
     digest = hashlib.sha256(full.encode()).hexdigest()[:HASH_LEN]
-    return full[:MAX_NAME - HASH_LEN - 1].rstrip("-") + "-" + digest
+    return full[: MAX_NAME - HASH_LEN - 1].rstrip("-") + "-" + digest
 
 
 def pool_name(deployment: str, role: str, accelerator_class: str) -> str:

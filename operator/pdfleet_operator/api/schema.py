@@ -137,8 +137,13 @@ class _Converter:
         for name, prop in obj["properties"].items():
             if prop.pop(_NO_DEFAULT, False):
                 continue  # a model whose absence means something (`absent_is_unset`): never defaulted into being
-            if prop.get("type") == "object" and "properties" in prop and "default" not in prop \
-                    and not prop.get("required") and name not in required:
+            if (
+                prop.get("type") == "object"
+                and "properties" in prop
+                and "default" not in prop
+                and not prop.get("required")
+                and name not in required
+            ):
                 prop["default"] = {}
 
     def root_schema(self) -> dict[str, Any]:
@@ -149,9 +154,17 @@ class _Converter:
         # The one place a CRD may constrain metadata: the object's name.
         model = self.models[self.full["title"]]
         max_len, pattern = model.name_rule
-        props["metadata"] = {"type": "object", "properties": {"name": {
-            "type": "string", "maxLength": max_len, "pattern": pattern,
-            "description": f"The object's name: {model.name_rule_why}."}}}
+        props["metadata"] = {
+            "type": "object",
+            "properties": {
+                "name": {
+                    "type": "string",
+                    "maxLength": max_len,
+                    "pattern": pattern,
+                    "description": f"The object's name: {model.name_rule_why}.",
+                }
+            },
+        }
         props.get("status", {}).pop("default", None)
         schema["required"] = ["spec"]
         if model.cel_rules:  # rules over the whole object (they may read metadata.name, as Kubernetes allows)
@@ -183,14 +196,16 @@ def build_crd(kind: str) -> dict[str, Any]:
                 "shortNames": info["shortNames"],
                 "categories": CATEGORIES,
             },
-            "versions": [{
-                "name": api.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": info["columns"],
-                "schema": {"openAPIV3Schema": schema},
-            }],
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": info["columns"],
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
         },
     }
 

@@ -19,9 +19,9 @@ from pdfleet_operator.api import admission, schema
 class Problem:
     """One thing wrong with one object."""
 
-    source: str   # file name (and document index when a file has several)
-    obj: str      # Kind/name
-    field: str    # Kubernetes field path, e.g. spec.decode.maxReplicas
+    source: str  # file name (and document index when a file has several)
+    obj: str  # Kind/name
+    field: str  # Kubernetes field path, e.g. spec.decode.maxReplicas
     message: str
 
     def __str__(self) -> str:
@@ -69,7 +69,14 @@ def validate_object(doc: Any, source: str, crd_by_kind: dict[str, dict[str, Any]
     if kind not in api.KINDS:
         return [Problem(source, label, "kind", f"not a pdfleet kind (expected one of {', '.join(api.KINDS)})")]
     if doc.get("apiVersion") != api.API_VERSION:
-        return [Problem(source, label, "apiVersion", f"unsupported apiVersion {doc.get('apiVersion')!r}, expected {api.API_VERSION!r}")]
+        return [
+            Problem(
+                source,
+                label,
+                "apiVersion",
+                f"unsupported apiVersion {doc.get('apiVersion')!r}, expected {api.API_VERSION!r}",
+            )
+        ]
     if not (doc.get("metadata") or {}).get("name"):
         return [Problem(source, label, "metadata.name", "Required value: every object needs a name")]
 

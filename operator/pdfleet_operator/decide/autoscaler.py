@@ -34,25 +34,41 @@ Direction = Literal["up", "down", "hold"]
 # Machine reasons (ScalingDecision.reason, status.lastScalingDecision.reason, the metric's `reason` label).
 QUEUE_ABOVE_TARGET = "QueueAboveTarget"
 QUEUE_BELOW_TARGET = "QueueBelowTarget"
-PREFILL_BACKLOG = "PrefillBacklog"            # decode grown ahead of work still queued at prefill
-QUEUE_GROWING = "QueueGrowing"                # sized for the queue expected at the next interval
+PREFILL_BACKLOG = "PrefillBacklog"  # decode grown ahead of work still queued at prefill
+QUEUE_GROWING = "QueueGrowing"  # sized for the queue expected at the next interval
 TOKEN_RATE_ABOVE_CAPACITY = "TokenRateAboveCapacity"  # token arrivals need more than the replicas serve
 TOKEN_RATE_BELOW_CAPACITY = "TokenRateBelowCapacity"  # fewer replicas serve the token arrivals (queues empty)
 WITHIN_TOLERANCE = "WithinTolerance"
 SCALE_UP_STABILIZING = "ScaleUpStabilizing"
 SCALE_DOWN_STABILIZING = "ScaleDownStabilizing"
-SCALE_DOWN_DELAYED = "ScaleDownDelayed"       # grace period after a scale-up of the same role
+SCALE_DOWN_DELAYED = "ScaleDownDelayed"  # grace period after a scale-up of the same role
 MIN_REPLICAS = "MinReplicas"
 MAX_REPLICAS = "MaxReplicas"
 RATIO_BOUND = "RatioBound"
-REQUESTS_WAITING = "RequestsWaiting"          # a scale-down held: requests wait, or fewer replicas exceed the target
-SCALING_LIMITED = "ScalingLimited"            # not enough free accelerators for what the queue asks
+REQUESTS_WAITING = "RequestsWaiting"  # a scale-down held: requests wait, or fewer replicas exceed the target
+SCALING_LIMITED = "ScalingLimited"  # not enough free accelerators for what the queue asks
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 AUTOSCALING_DISABLED = "AutoscalingDisabled"
 
-REASONS = (QUEUE_ABOVE_TARGET, QUEUE_BELOW_TARGET, PREFILL_BACKLOG, QUEUE_GROWING, TOKEN_RATE_ABOVE_CAPACITY,
-           TOKEN_RATE_BELOW_CAPACITY, WITHIN_TOLERANCE, SCALE_UP_STABILIZING, SCALE_DOWN_STABILIZING, SCALE_DOWN_DELAYED, MIN_REPLICAS, MAX_REPLICAS, RATIO_BOUND, SCALING_LIMITED,
-           REQUESTS_WAITING, METRICS_UNAVAILABLE, AUTOSCALING_DISABLED)
+REASONS = (
+    QUEUE_ABOVE_TARGET,
+    QUEUE_BELOW_TARGET,
+    PREFILL_BACKLOG,
+    QUEUE_GROWING,
+    TOKEN_RATE_ABOVE_CAPACITY,
+    TOKEN_RATE_BELOW_CAPACITY,
+    WITHIN_TOLERANCE,
+    SCALE_UP_STABILIZING,
+    SCALE_DOWN_STABILIZING,
+    SCALE_DOWN_DELAYED,
+    MIN_REPLICAS,
+    MAX_REPLICAS,
+    RATIO_BOUND,
+    SCALING_LIMITED,
+    REQUESTS_WAITING,
+    METRICS_UNAVAILABLE,
+    AUTOSCALING_DISABLED,
+)
 
 _EPS = 1e-9
 # The queue trend applies only to a surge: a queue at least this many times what the replicas carry at
@@ -84,12 +100,12 @@ DRAINED_FALL = 0.7
 class Policy:
     """Which mechanisms beyond one HPA per role run; the bench switches them off to measure each."""
 
-    prefill_lookahead: bool = True   # decode counts requests queued at prefill beyond its tolerance
-    queue_trend: bool = True         # a queue that grew since the last interval is sized for the next one
-    token_rate: bool = True          # also size prefill/decode for their token arrival rate (`rate_need`)
+    prefill_lookahead: bool = True  # decode counts requests queued at prefill beyond its tolerance
+    queue_trend: bool = True  # a queue that grew since the last interval is sized for the next one
+    token_rate: bool = True  # also size prefill/decode for their token arrival rate (`rate_need`)
     utilization: float | None = None  # the token rate's target share of saturated throughput; None: the spec's
-    ratio_bounds: bool = True        # spec.autoscaling.pdRatio
-    rate_trend: bool = True          # with token_rate: in a surge, size for the rate when new replicas serve
+    ratio_bounds: bool = True  # spec.autoscaling.pdRatio
+    rate_trend: bool = True  # with token_rate: in a surge, size for the rate when new replicas serve
     # with token_rate and a learned throughput: size by the token rate and the time to drain (`rate_tokens`),
     # not by the queue targets
     drain_sizing: bool = True
@@ -99,8 +115,15 @@ class Policy:
 
 PDFLEET = Policy()
 # Each role on its own queue, like one HPA per role (same targets, tolerance, windows, steps, bounds).
-PER_ROLE = Policy(prefill_lookahead=False, queue_trend=False, token_rate=False, ratio_bounds=False, rate_trend=False,
-                  drain_sizing=False, drained_scale_down=False)
+PER_ROLE = Policy(
+    prefill_lookahead=False,
+    queue_trend=False,
+    token_rate=False,
+    ratio_bounds=False,
+    rate_trend=False,
+    drain_sizing=False,
+    drained_scale_down=False,
+)
 
 
 @dataclass(frozen=True)
@@ -134,10 +157,16 @@ class _Draft:
         self.desired, self.reason, self.message = desired, reason, message
 
 
-def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSnapshot, now: float,
-           capacity: Mapping[str, int], current: Mapping[str, int] | None = None, policy: Policy = PDFLEET,
-           order: Mapping[str, Sequence[tuple[str, int]]] | None = None,
-           ) -> tuple[dict[str, ScalingDecision], ScalerState]:
+def decide(
+    spec: InferenceDeploymentSpec,
+    state: ScalerState,
+    snapshot: MetricsSnapshot,
+    now: float,
+    capacity: Mapping[str, int],
+    current: Mapping[str, int] | None = None,
+    policy: Policy = PDFLEET,
+    order: Mapping[str, Sequence[tuple[str, int]]] | None = None,
+) -> tuple[dict[str, ScalingDecision], ScalerState]:
     """Desired replicas per role for this interval, and the state to pass to the next call.
 
     `capacity` is the most replicas of each role placeable on free accelerators (placement's
@@ -159,28 +188,46 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
     auto = spec.autoscaling
 
     if not auto.enabled:
-        drafts = {role: _Draft(cur[role], rs.min_replicas, AUTOSCALING_DISABLED,
-                               f"autoscaling is disabled: running minReplicas ({rs.min_replicas})")
-                  for role, rs in roles.items()}
+        drafts = {
+            role: _Draft(
+                cur[role],
+                rs.min_replicas,
+                AUTOSCALING_DISABLED,
+                f"autoscaling is disabled: running minReplicas ({rs.min_replicas})",
+            )
+            for role, rs in roles.items()
+        }
         return _finish(drafts, state, now, record=None, needs=None, rates=None)
 
     problem = metrics_problem(snapshot, roles, now, parse_duration(auto.metrics_max_age))
     if problem:
-        drafts = {role: _Draft(cur[role], cur[role], METRICS_UNAVAILABLE, f"holding {cur[role]} replicas: {problem}")
-                  for role in roles}
+        drafts = {
+            role: _Draft(cur[role], cur[role], METRICS_UNAVAILABLE, f"holding {cur[role]} replicas: {problem}")
+            for role in roles
+        }
         return _finish(drafts, state, now, record=None, needs=None, rates=None)
 
     down_window = parse_duration(auto.scale_down_stabilization)
-    rates = ({role: observe_rate(role, snapshot.roles[role], state, now, max_num_seqs=spec.engine.max_num_seqs)
-              for role in roles if role in SERVED_TOKENS}
-             if policy.token_rate else {})
+    rates = (
+        {
+            role: observe_rate(role, snapshot.roles[role], state, now, max_num_seqs=spec.engine.max_num_seqs)
+            for role in roles
+            if role in SERVED_TOKENS
+        }
+        if policy.token_rate
+        else {}
+    )
     keep = max(2 * RATE_WINDOW_S, down_window)
-    rate_history = {role: recent(state.rate_history.get(role, ()), now, keep) + ((now, r.served, sum(r.replicas.values())),)
-                    for role, r in rates.items() if r.served is not None}
+    rate_history = {
+        role: recent(state.rate_history.get(role, ()), now, keep) + ((now, r.served, sum(r.replicas.values())),)
+        for role, r in rates.items()
+        if r.served is not None
+    }
     for role, hist in rate_history.items():
         growth = surge_growth(hist, now, spec.interval_seconds()) if policy.rate_trend else 0.0
-        rates[role] = replace(rates[role], growth=growth, floor=rate_floor(hist, now, down_window),
-                              peak=rate_peak(hist, now, down_window))
+        rates[role] = replace(
+            rates[role], growth=growth, floor=rate_floor(hist, now, down_window), peak=rate_peak(hist, now, down_window)
+        )
     ratio = state.generation_per_prompt
     if "prefill" in rates and "decode" in rates:
         ratio = generation_ratio(ratio, rates["prefill"], rates["decode"])
@@ -188,16 +235,26 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         if ratio is not None and p.served is not None:
             arriving = arrival_rate(p.served, p.queued, state.last_queue.get("prefill"), now, spec.interval_seconds())
             # with drain sizing, prefill's backlog reaches decode within drainTime too
-            draining = ((p.queued or 0.0) / parse_duration(auto.drain_time)
-                        if policy.drain_sizing and p.per_replica else 0.0)
+            draining = (
+                (p.queued or 0.0) / parse_duration(auto.drain_time) if policy.drain_sizing and p.per_replica else 0.0
+            )
             rates["decode"] = replace(rates["decode"], ahead=ratio * (arriving + p.growth + draining))
     recommended: dict[str, int] = {}
     needs: dict[str, float] = {}
     drafts = {}
     for role in roles:
-        rec, reason, message, needs[role] = _recommend(spec, role, snapshot.roles, cur, policy,
-                                                        state.last_need.get(role), now, rates.get(role),
-                                                        state.last_queue.get(role), (order or {}).get(role))
+        rec, reason, message, needs[role] = _recommend(
+            spec,
+            role,
+            snapshot.roles,
+            cur,
+            policy,
+            state.last_need.get(role),
+            now,
+            rates.get(role),
+            state.last_queue.get(role),
+            (order or {}).get(role),
+        )
         floor, why = queue_floor(spec, role, snapshot.roles[role], cur[role])
         if rec < floor:  # a partial scale-down keeps the reason that asked for it, as the windows do
             reason = REQUESTS_WAITING if floor == cur[role] else reason
@@ -210,11 +267,24 @@ def decide(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsS
         rs = roles[role]
         window = down_window
         rate = rates.get(role)
-        if (policy.drained_scale_down and rate is not None and rate.per_replica and rate.steady
-                and rate.served is not None and rate.peak and rate.served <= DRAINED_FALL * rate.peak):
+        if (
+            policy.drained_scale_down
+            and rate is not None
+            and rate.per_replica
+            and rate.steady
+            and rate.served is not None
+            and rate.peak
+            and rate.served <= DRAINED_FALL * rate.peak
+        ):
             window = min(down_window, parse_duration(auto.drained_scale_down_stabilization))
-        _stabilize(draft, history[role], now, parse_duration(auto.scale_up_stabilization), window,
-                   state.watching_since.get(role, now))
+        _stabilize(
+            draft,
+            history[role],
+            now,
+            parse_duration(auto.scale_up_stabilization),
+            window,
+            state.watching_since.get(role, now),
+        )
         _grace(draft, state.last_scale_up.get(role), now, parse_duration(auto.scale_down_delay_after_scale_up))
         _step(draft, auto.max_scale_up_step, auto.max_scale_down_step)
         _bounds(draft, rs.min_replicas, rs.max_replicas)
@@ -241,10 +311,18 @@ def metrics_problem(snapshot: MetricsSnapshot, roles: Mapping[str, object], now:
     return ""
 
 
-def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, RoleMetrics],
-               cur: Mapping[str, int], policy: Policy, last: tuple[float, float] | None, now: float,
-               rate: TokenRate | None = None, last_queue: tuple[float, float] | None = None,
-               order: Sequence[tuple[str, int]] | None = None) -> tuple[int, str, str, float]:
+def _recommend(
+    spec: InferenceDeploymentSpec,
+    role: str,
+    metrics: Mapping[str, RoleMetrics],
+    cur: Mapping[str, int],
+    policy: Policy,
+    last: tuple[float, float] | None,
+    now: float,
+    rate: TokenRate | None = None,
+    last_queue: tuple[float, float] | None = None,
+    order: Sequence[tuple[str, int]] | None = None,
+) -> tuple[int, str, str, float]:
     """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance.
 
     With a token rate (`policy.token_rate`), the larger of that and what the token arrival rate asks
@@ -267,8 +345,9 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
     else:
         load = m.running + m.waiting
         if policy.prefill_lookahead and role == "decode" and "prefill" in metrics:
-            lookahead = prefill_backlog(metrics["prefill"].waiting, cur.get("prefill", 0),
-                                        spec.target_queue("prefill"), tolerance)
+            lookahead = prefill_backlog(
+                metrics["prefill"].waiting, cur.get("prefill", 0), spec.target_queue("prefill"), tolerance
+            )
         need = load / target
         what = f"{load:g} running+waiting requests (target {target:g}/replica)"
         if lookahead:
@@ -281,16 +360,18 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
     if rate is not None and rate.served is not None and rate.per_replica:
         arriving = arrival_rate(rate.served, rate.queued, last_queue, now, spec.interval_seconds())
         if rate.growth > 0:
-            what += (f"; arrivals surging: {arriving:.0f} tokens/s + {rate.growth:.0f} expected by when new "
-                     "replicas serve")
+            what += (
+                f"; arrivals surging: {arriving:.0f} tokens/s + {rate.growth:.0f} expected by when new replicas serve"
+            )
             arriving += rate.growth
         if rate.ahead is not None and rate.ahead > arriving:
             what += f"; {rate.ahead:.0f} tokens/s on their way from prefill's arrivals"
             arriving = rate.ahead
         utilization = policy.utilization if policy.utilization is not None else spec.autoscaling.target_utilization
         if policy.drain_sizing:
-            tokens = tokens_needed(arriving, rate.queued, utilization, parse_duration(spec.autoscaling.drain_time),
-                                   floor=rate.floor)
+            tokens = tokens_needed(
+                arriving, rate.queued, utilization, parse_duration(spec.autoscaling.drain_time), floor=rate.floor
+            )
         else:
             tokens = tokens_needed(arriving, rate.queued, utilization)
         token_need = replicas_for(tokens, rate.slots(order))
@@ -306,24 +387,39 @@ def _recommend(spec: InferenceDeploymentSpec, role: str, metrics: Mapping[str, R
             what += "; queue targets yield to the measured rate"
         by_rate = token_need > need
         classes = sorted((k, v) for k, v in rate.per_class.items() if k != WHOLE_ROLE)
-        what += (f"; {arriving:.0f} tokens/s arriving" + (f" + {rate.queued:g} queued" if rate.queued else "")
-                 + f" at {rate.per_replica:.0f} tokens/s per saturated replica"
-                 + (f" ({', '.join(f'{k} {v:.0f}' for k, v in classes)})" if len(classes) > 1 else "")
-                 + f": {token_need:.2f} replicas' worth")
+        what += (
+            f"; {arriving:.0f} tokens/s arriving"
+            + (f" + {rate.queued:g} queued" if rate.queued else "")
+            + f" at {rate.per_replica:.0f} tokens/s per saturated replica"
+            + (f" ({', '.join(f'{k} {v:.0f}' for k, v in classes)})" if len(classes) > 1 else "")
+            + f": {token_need:.2f} replicas' worth"
+        )
         need = max(need, token_need)
 
     if n > 0 and abs(need / n - 1.0) <= tolerance:
         return n, WITHIN_TOLERANCE, f"{what}: {need:.2f} replicas' worth is within {tolerance:g} of {n}", own
     rec = max(0, math.ceil(need - _EPS))
     if rec > n:
-        reason = (TOKEN_RATE_ABOVE_CAPACITY if by_rate else
-                  PREFILL_BACKLOG if math.ceil(own - _EPS) <= n else QUEUE_ABOVE_TARGET)
+        reason = (
+            TOKEN_RATE_ABOVE_CAPACITY
+            if by_rate
+            else PREFILL_BACKLOG
+            if math.ceil(own - _EPS) <= n
+            else QUEUE_ABOVE_TARGET
+        )
         surging = policy.queue_trend and not (drain_sized and role == "prefill") and own >= SURGE * max(n, 1)
         growth = queue_growth(last, now, own, spec.interval_seconds()) if surging else 0.0
         ahead = max(0, math.ceil(queue_need + growth - _EPS))
         if ahead > rec:
-            return ahead, QUEUE_GROWING, (f"{what}: needs {rec}, and the queue grew by {growth:.2f} replicas' "
-                                          f"worth over the last interval: sized for the next, {ahead}"), own
+            return (
+                ahead,
+                QUEUE_GROWING,
+                (
+                    f"{what}: needs {rec}, and the queue grew by {growth:.2f} replicas' "
+                    f"worth over the last interval: sized for the next, {ahead}"
+                ),
+                own,
+            )
         return rec, reason, f"{what}: needs {rec}", own
     if rec < n:
         return rec, TOKEN_RATE_BELOW_CAPACITY if by_rate else QUEUE_BELOW_TARGET, f"{what}: needs {rec}", own
@@ -388,8 +484,9 @@ def prefill_backlog(prefill_waiting: float, prefill_replicas: int, prefill_targe
     return max(0.0, prefill_waiting - (1.0 + tolerance) * prefill_target * prefill_replicas)
 
 
-def _history(state: ScalerState, recommended: Mapping[str, int], now: float, keep: float
-             ) -> dict[str, tuple[tuple[float, int], ...]]:
+def _history(
+    state: ScalerState, recommended: Mapping[str, int], now: float, keep: float
+) -> dict[str, tuple[tuple[float, int], ...]]:
     """Each role's recommendations within the longest window, with this interval's appended."""
     out = {}
     for role, rec in recommended.items():
@@ -398,8 +495,9 @@ def _history(state: ScalerState, recommended: Mapping[str, int], now: float, kee
     return out
 
 
-def _stabilize(d: _Draft, history: tuple[tuple[float, int], ...], now: float, up_window: float,
-               down_window: float, since: float) -> None:
+def _stabilize(
+    d: _Draft, history: tuple[tuple[float, int], ...], now: float, up_window: float, down_window: float, since: float
+) -> None:
     """Scale up to the lowest recommendation of the up window, down to the highest of the down window.
 
     NOTE: a role watched for less than the down window (a fresh state, e.g. after an operator restart
@@ -408,29 +506,40 @@ def _stabilize(d: _Draft, history: tuple[tuple[float, int], ...], now: float, up
     if d.desired > d.current:
         floor = min(n for t, n in history if t == now or now - t < up_window)
         if floor <= d.current:
-            d.set(d.current, SCALE_UP_STABILIZING,
-                  f"{d.message}; holding {d.current}: a recommendation in the last {up_window:g}s was {floor}")
+            d.set(
+                d.current,
+                SCALE_UP_STABILIZING,
+                f"{d.message}; holding {d.current}: a recommendation in the last {up_window:g}s was {floor}",
+            )
         elif floor < d.desired:
             d.set(floor, d.reason, f"{d.message}; stabilized to {floor} over {up_window:g}s")
     elif d.desired < d.current:
         ceiling = max(n for t, n in history if t == now or now - t < down_window)
         if now - since < down_window:
-            d.set(d.current, SCALE_DOWN_STABILIZING,
-                  f"{d.message}; holding {d.current}: watched for {now - since:.0f}s of the {down_window:g}s "
-                  "down window")
+            d.set(
+                d.current,
+                SCALE_DOWN_STABILIZING,
+                f"{d.message}; holding {d.current}: watched for {now - since:.0f}s of the {down_window:g}s down window",
+            )
         elif ceiling >= d.current:
-            d.set(d.current, SCALE_DOWN_STABILIZING,
-                  f"{d.message}; holding {d.current}: the highest recommendation in the last {down_window:g}s "
-                  f"was {ceiling}")
+            d.set(
+                d.current,
+                SCALE_DOWN_STABILIZING,
+                f"{d.message}; holding {d.current}: the highest recommendation in the last {down_window:g}s "
+                f"was {ceiling}",
+            )
         elif ceiling > d.desired:
             d.set(ceiling, d.reason, f"{d.message}; stabilized to {ceiling} over {down_window:g}s")
 
 
 def _grace(d: _Draft, last_up: float | None, now: float, delay: float) -> None:
     if d.desired < d.current and last_up is not None and now - last_up < delay:
-        d.set(d.current, SCALE_DOWN_DELAYED,
-              f"{d.message}; holding {d.current}: scaled up {now - last_up:.0f}s ago, "
-              f"scaleDownDelayAfterScaleUp is {delay:g}s")
+        d.set(
+            d.current,
+            SCALE_DOWN_DELAYED,
+            f"{d.message}; holding {d.current}: scaled up {now - last_up:.0f}s ago, "
+            f"scaleDownDelayAfterScaleUp is {delay:g}s",
+        )
 
 
 def _step(d: _Draft, max_up: int, max_down: int) -> None:
@@ -451,12 +560,12 @@ def _capacity(d: _Draft, cap: int | None) -> None:
     """Never plan beyond free accelerators; a shortage never shrinks what already runs."""
     if cap is not None and d.desired > cap and d.desired > d.current:
         limit = max(cap, d.current)
-        d.set(limit, SCALING_LIMITED,
-              f"{d.message}; only {limit} placeable on free accelerators (asked {d.desired})")
+        d.set(limit, SCALING_LIMITED, f"{d.message}; only {limit} placeable on free accelerators (asked {d.desired})")
 
 
-def _ratio(p: _Draft, d: _Draft, spec: InferenceDeploymentSpec, capacity: Mapping[str, int],
-           lo: float, hi: float) -> None:
+def _ratio(
+    p: _Draft, d: _Draft, spec: InferenceDeploymentSpec, capacity: Mapping[str, int], lo: float, hi: float
+) -> None:
     """Keep prefill/decode within [lo, hi]: grow the smaller side when it may, else shrink the larger."""
     roles = spec.roles()
 
@@ -470,28 +579,48 @@ def _ratio(p: _Draft, d: _Draft, spec: InferenceDeploymentSpec, capacity: Mappin
         need = math.ceil(p.desired / hi - _EPS)
         grown = min(need, ceiling("decode", d))
         if grown > d.desired:
-            d.set(grown, RATIO_BOUND, f"prefill:decode {before} above pdRatio.max {hi:g}; decode raised to {grown} "
-                                      f"(queue alone: {d.message})")
+            d.set(
+                grown,
+                RATIO_BOUND,
+                f"prefill:decode {before} above pdRatio.max {hi:g}; decode raised to {grown} "
+                f"(queue alone: {d.message})",
+            )
         if p.desired > hi * d.desired + _EPS:
             shrunk = max(math.floor(hi * d.desired + _EPS), roles["prefill"].min_replicas)
-            p.set(shrunk, RATIO_BOUND, f"prefill:decode {before} above pdRatio.max {hi:g} and decode cannot grow "
-                                       f"past {d.desired}; prefill lowered to {shrunk} (queue alone: {p.message})")
+            p.set(
+                shrunk,
+                RATIO_BOUND,
+                f"prefill:decode {before} above pdRatio.max {hi:g} and decode cannot grow "
+                f"past {d.desired}; prefill lowered to {shrunk} (queue alone: {p.message})",
+            )
     elif p.desired < lo * d.desired - _EPS:
         need = math.ceil(lo * d.desired - _EPS)
         grown = min(need, ceiling("prefill", p))
         if grown > p.desired:
-            p.set(grown, RATIO_BOUND, f"prefill:decode {before} below pdRatio.min {lo:g}; prefill raised to {grown} "
-                                      f"(queue alone: {p.message})")
+            p.set(
+                grown,
+                RATIO_BOUND,
+                f"prefill:decode {before} below pdRatio.min {lo:g}; prefill raised to {grown} "
+                f"(queue alone: {p.message})",
+            )
         if p.desired < lo * d.desired - _EPS:
             shrunk = max(math.floor(p.desired / lo + _EPS), roles["decode"].min_replicas)
-            d.set(shrunk, RATIO_BOUND, f"prefill:decode {before} below pdRatio.min {lo:g} and prefill cannot grow "
-                                       f"past {p.desired}; decode lowered to {shrunk} (queue alone: {d.message})")
+            d.set(
+                shrunk,
+                RATIO_BOUND,
+                f"prefill:decode {before} below pdRatio.min {lo:g} and prefill cannot grow "
+                f"past {p.desired}; decode lowered to {shrunk} (queue alone: {d.message})",
+            )
 
 
-def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
-            record: Mapping[str, tuple[tuple[float, int], ...]] | None, needs: Mapping[str, float] | None,
-            rates: Mapping[str, TokenRate] | None,
-            ) -> tuple[dict[str, ScalingDecision], ScalerState]:
+def _finish(
+    drafts: Mapping[str, _Draft],
+    state: ScalerState,
+    now: float,
+    record: Mapping[str, tuple[tuple[float, int], ...]] | None,
+    needs: Mapping[str, float] | None,
+    rates: Mapping[str, TokenRate] | None,
+) -> tuple[dict[str, ScalingDecision], ScalerState]:
     decisions = {}
     for role, d in drafts.items():
         direction: Direction = "up" if d.desired > d.current else "down" if d.desired < d.current else "hold"
@@ -505,23 +634,40 @@ def _finish(drafts: Mapping[str, _Draft], state: ScalerState, now: float,
         replicas={**state.replicas, **{role: dec.desired for role, dec in decisions.items()}},
         recommendations=dict(record) if record is not None else state.recommendations,
         last_scale_up={**state.last_scale_up, **ups},
-        throughput={**state.throughput, **{role: r.per_class[WHOLE_ROLE] for role, r in (rates or {}).items()
-                                           if WHOLE_ROLE in r.per_class}},
-        samples={**{role: hist for role, hist in state.samples.items() if role not in (rates or {})},
-                 **{role: r.samples[WHOLE_ROLE] for role, r in (rates or {}).items() if WHOLE_ROLE in r.samples}},
-        class_throughput={**state.class_throughput, **{
-            role: {k: v for k, v in r.per_class.items() if k != WHOLE_ROLE} for role, r in (rates or {}).items()
-            if len(r.per_class) > (WHOLE_ROLE in r.per_class)}},
-        class_samples={**{role: by_class for role, by_class in state.class_samples.items() if role not in (rates or {})},
-                       **{role: {k: v for k, v in r.samples.items() if k != WHOLE_ROLE}
-                          for role, r in (rates or {}).items() if len(r.samples) > (WHOLE_ROLE in r.samples)}},
-        last_queue={**state.last_queue, **{role: (now, r.queued) for role, r in (rates or {}).items()
-                                           if r.queued is not None}},
+        throughput={
+            **state.throughput,
+            **{role: r.per_class[WHOLE_ROLE] for role, r in (rates or {}).items() if WHOLE_ROLE in r.per_class},
+        },
+        samples={
+            **{role: hist for role, hist in state.samples.items() if role not in (rates or {})},
+            **{role: r.samples[WHOLE_ROLE] for role, r in (rates or {}).items() if WHOLE_ROLE in r.samples},
+        },
+        class_throughput={
+            **state.class_throughput,
+            **{
+                role: {k: v for k, v in r.per_class.items() if k != WHOLE_ROLE}
+                for role, r in (rates or {}).items()
+                if len(r.per_class) > (WHOLE_ROLE in r.per_class)
+            },
+        },
+        class_samples={
+            **{role: by_class for role, by_class in state.class_samples.items() if role not in (rates or {})},
+            **{
+                role: {k: v for k, v in r.samples.items() if k != WHOLE_ROLE}
+                for role, r in (rates or {}).items()
+                if len(r.samples) > (WHOLE_ROLE in r.samples)
+            },
+        },
+        last_queue={
+            **state.last_queue,
+            **{role: (now, r.queued) for role, r in (rates or {}).items() if r.queued is not None},
+        },
     )
     return decisions, new_state
 
 
 # --- what the operator shows ------------------------------------------------------------------------
+
 
 def pd_ratio(decisions: Mapping[str, ScalingDecision]) -> float | None:
     """Desired prefill / decode replicas; None when colocated or decode is at zero."""
@@ -555,33 +701,65 @@ def headline(decisions: Mapping[str, ScalingDecision]) -> ScalingDecision:
 def status_decision(decisions: Mapping[str, ScalingDecision], now: float) -> ScalingDecisionStatus:
     """status.lastScalingDecision for this round."""
     d = headline(decisions)
-    return ScalingDecisionStatus(time=dt.datetime.fromtimestamp(now, dt.timezone.utc), role=d.role,  # type: ignore[arg-type]
-                                 from_replicas=d.current, to_replicas=d.desired, reason=d.reason,
-                                 message=d.message[:4096])
+    return ScalingDecisionStatus(
+        time=dt.datetime.fromtimestamp(now, dt.timezone.utc),
+        role=d.role,  # type: ignore[arg-type]
+        from_replicas=d.current,
+        to_replicas=d.desired,
+        reason=d.reason,
+        message=d.message[:4096],
+    )
 
 
-def conditions(decisions: Mapping[str, ScalingDecision], now: float, generation: int | None = None
-               ) -> list[Condition]:
+def conditions(decisions: Mapping[str, ScalingDecision], now: float, generation: int | None = None) -> list[Condition]:
     """MetricsAvailable and ScalingLimited for status.conditions (merge with `set_condition`)."""
     at = dt.datetime.fromtimestamp(now, dt.timezone.utc)
     unavailable = [d for d in decisions.values() if d.reason == METRICS_UNAVAILABLE]
     limited = [d for d in decisions.values() if d.reason == SCALING_LIMITED]
     if unavailable:
-        metrics = Condition(type="MetricsAvailable", status="False", reason=METRICS_UNAVAILABLE,
-                            message=unavailable[0].message, last_transition_time=at, observed_generation=generation)
+        metrics = Condition(
+            type="MetricsAvailable",
+            status="False",
+            reason=METRICS_UNAVAILABLE,
+            message=unavailable[0].message,
+            last_transition_time=at,
+            observed_generation=generation,
+        )
     elif all(d.reason == AUTOSCALING_DISABLED for d in decisions.values()):
-        metrics = Condition(type="MetricsAvailable", status="Unknown", reason=AUTOSCALING_DISABLED,
-                            message="autoscaling is disabled; metrics are not read", last_transition_time=at,
-                            observed_generation=generation)
+        metrics = Condition(
+            type="MetricsAvailable",
+            status="Unknown",
+            reason=AUTOSCALING_DISABLED,
+            message="autoscaling is disabled; metrics are not read",
+            last_transition_time=at,
+            observed_generation=generation,
+        )
     else:
-        metrics = Condition(type="MetricsAvailable", status="True", reason="MetricsFresh",
-                            message="queue metrics of every role are fresh", last_transition_time=at,
-                            observed_generation=generation)
-    scaling = (Condition(type="ScalingLimited", status="True", reason=SCALING_LIMITED,
-                         message="; ".join(f"{d.role}: {d.message}" for d in limited), last_transition_time=at,
-                         observed_generation=generation)
-               if limited else
-               Condition(type="ScalingLimited", status="False", reason="CapacityAvailable",
-                         message="every role fits on free accelerators", last_transition_time=at,
-                         observed_generation=generation))
+        metrics = Condition(
+            type="MetricsAvailable",
+            status="True",
+            reason="MetricsFresh",
+            message="queue metrics of every role are fresh",
+            last_transition_time=at,
+            observed_generation=generation,
+        )
+    scaling = (
+        Condition(
+            type="ScalingLimited",
+            status="True",
+            reason=SCALING_LIMITED,
+            message="; ".join(f"{d.role}: {d.message}" for d in limited),
+            last_transition_time=at,
+            observed_generation=generation,
+        )
+        if limited
+        else Condition(
+            type="ScalingLimited",
+            status="False",
+            reason="CapacityAvailable",
+            message="every role fits on free accelerators",
+            last_transition_time=at,
+            observed_generation=generation,
+        )
+    )
     return [metrics, scaling]

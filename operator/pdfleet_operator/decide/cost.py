@@ -63,21 +63,33 @@ def router_cores(requests: Mapping[str, object]) -> float:
     return parse_quantity(cpu) if cpu is not None else DEFAULT_ROUTER_CORES  # type: ignore[arg-type]
 
 
-def plan_cost(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], *, router_replicas: int = 0,
-              router_cpu: float = DEFAULT_ROUTER_CORES) -> PlanCost:
+def plan_cost(
+    plan: FleetPlan,
+    classes: Mapping[str, AcceleratorClassSpec],
+    *,
+    router_replicas: int = 0,
+    router_cpu: float = DEFAULT_ROUTER_CORES,
+) -> PlanCost:
     """$/h of every pool of the plan plus the router; ValueError for a pool on an unknown class."""
     pools = []
     for pool in plan.pools:
         cls = classes.get(pool.accelerator_class)
         if cls is None:
-            raise ValueError(f"pool {pool.role}/{pool.accelerator_class}: no such AcceleratorClass "
-                             f"(known: {sorted(classes)})")
+            raise ValueError(
+                f"pool {pool.role}/{pool.accelerator_class}: no such AcceleratorClass (known: {sorted(classes)})"
+            )
         pools.append(PoolCost(pool.role, pool.accelerator_class, pool.replicas, pool_cost(pool, cls)))
     return PlanCost(tuple(pools), router_replicas * router_cpu * cpu_core_price(classes))
 
 
-def running_cost(pods: Iterable[Mapping[str, Any]], namespace: str, deployment: str,
-                 classes: Mapping[str, AcceleratorClassSpec], *, router_cpu: float = DEFAULT_ROUTER_CORES) -> PlanCost:
+def running_cost(
+    pods: Iterable[Mapping[str, Any]],
+    namespace: str,
+    deployment: str,
+    classes: Mapping[str, AcceleratorClassSpec],
+    *,
+    router_cpu: float = DEFAULT_ROUTER_CORES,
+) -> PlanCost:
     """$/h of what runs: this deployment's pods bound to a node (inventory.pod_view shapes), per (role, class),
     and its router pods. A pod of a class no longer defined is counted at $0."""
     counts: dict[tuple[str, str], int] = {}
@@ -94,8 +106,10 @@ def running_cost(pods: Iterable[Mapping[str, Any]], namespace: str, deployment: 
             routers += 1
         elif role and acc:
             counts[(role, acc)] = counts.get((role, acc), 0) + 1
-    pools = tuple(PoolCost(role, acc, n, n * classes[acc].count * classes[acc].cost_per_hour if acc in classes else 0.0)
-                  for (role, acc), n in sorted(counts.items()))
+    pools = tuple(
+        PoolCost(role, acc, n, n * classes[acc].count * classes[acc].cost_per_hour if acc in classes else 0.0)
+        for (role, acc), n in sorted(counts.items())
+    )
     return PlanCost(pools, routers * router_cpu * cpu_core_price(classes))
 
 

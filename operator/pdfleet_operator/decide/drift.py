@@ -44,8 +44,9 @@ def contains(actual: Any, desired: Any, *, quantities: bool = False) -> bool:
                     continue  # the server drops empty maps and lists
                 return False
             as_quantity = key in QUANTITY_KEYS or quantities
-            if not contains(actual[key], value, quantities=as_quantity if not isinstance(value, dict)
-                            else key in QUANTITY_PARENTS):
+            if not contains(
+                actual[key], value, quantities=as_quantity if not isinstance(value, dict) else key in QUANTITY_PARENTS
+            ):
                 return False
         return True
     if isinstance(desired, list):
@@ -90,8 +91,13 @@ def with_applied_hash(obj: dict[str, Any]) -> dict[str, Any]:
     """`obj` carrying `pdfleet.io/applied-hash` (what `contains` compares, so removals are seen). NOTE: a shallow
     copy down to the annotations: the rest is shared with `obj`, which neither the caller nor the writer modify."""
     meta = obj.get("metadata") or {}
-    return {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
-                                                        ANNOTATION_APPLIED_HASH: applied_hash(obj)}}}
+    return {
+        **obj,
+        "metadata": {
+            **meta,
+            "annotations": {**(meta.get("annotations") or {}), ANNOTATION_APPLIED_HASH: applied_hash(obj)},
+        },
+    }
 
 
 def pruned_only(actual: Any, desired: dict[str, Any]) -> bool:

@@ -35,21 +35,28 @@ def under(path: str, prefix: str) -> bool:
     return prefix == "/" or path == prefix or path.startswith(prefix + "/")
 
 
-def host_path_problem(spec: InferenceDeploymentSpec, namespace: str, prefixes: Sequence[str],
-                      namespaces: Sequence[str]) -> str | None:
+def host_path_problem(
+    spec: InferenceDeploymentSpec, namespace: str, prefixes: Sequence[str], namespaces: Sequence[str]
+) -> str | None:
     """Why this deployment's hostPath model is not allowed here (None: no hostPath, or allowed)."""
     src = spec.model.source.host_path
     if src is None:
         return None
     path = src.path
-    if not path.startswith("/") or ".." in path.split("/") or posixpath.normpath(path) != (path.rstrip("/") or "/") \
-            or "//" in path:
+    if (
+        not path.startswith("/")
+        or ".." in path.split("/")
+        or posixpath.normpath(path) != (path.rstrip("/") or "/")
+        or "//" in path
+    ):
         return f"{FIELD}: {path!r} must be an absolute, normalized path"
     if namespace in namespaces or any(under(path, p) for p in prefixes):
         return None
     allowed = ", ".join(prefixes) or "none"
-    return (f"{FIELD}: {path!r} is not under a host path the cluster admin allows (prefixes: {allowed}; "
-            f"namespaces: {', '.join(namespaces) or 'none'}); use a PVC (model.source.pvc) or ask the admin")
+    return (
+        f"{FIELD}: {path!r} is not under a host path the cluster admin allows (prefixes: {allowed}; "
+        f"namespaces: {', '.join(namespaces) or 'none'}); use a PVC (model.source.pvc) or ask the admin"
+    )
 
 
 PROMETHEUS_FIELD = "spec.autoscaling.prometheusUrl"
@@ -107,7 +114,7 @@ def url_allowed(url: ParsedUrl, allowed: ParsedUrl) -> bool:
         return False
     if allowed.port is not None and url.effective_port != allowed.effective_port:
         return False
-    return url.segments[:len(allowed.segments)] == allowed.segments
+    return url.segments[: len(allowed.segments)] == allowed.segments
 
 
 def prometheus_url_problem(url: str, default_url: str | None, allowed: Sequence[str]) -> str | None:
@@ -128,8 +135,12 @@ def prometheus_url_problem(url: str, default_url: str | None, allowed: Sequence[
             own = parse_url(default_url)
         except ValueError:
             own = None
-        if own is not None and (own.scheme, own.host, own.effective_port, own.segments) == \
-                (parsed.scheme, parsed.host, parsed.effective_port, parsed.segments):
+        if own is not None and (own.scheme, own.host, own.effective_port, own.segments) == (
+            parsed.scheme,
+            parsed.host,
+            parsed.effective_port,
+            parsed.segments,
+        ):
             return None
     for prefix in allowed:
         try:
@@ -137,8 +148,10 @@ def prometheus_url_problem(url: str, default_url: str | None, allowed: Sequence[
                 return None
         except ValueError:
             continue  # the operator refuses bad prefixes at start (normalize_url_prefix); none reaches here
-    return (f"{PROMETHEUS_FIELD}: {url} is not a Prometheus the operator may read (its --prometheus-url, or "
-            f"--allow-prometheus-url prefixes: {', '.join(allowed) or 'none'}); not fetched")
+    return (
+        f"{PROMETHEUS_FIELD}: {url} is not a Prometheus the operator may read (its --prometheus-url, or "
+        f"--allow-prometheus-url prefixes: {', '.join(allowed) or 'none'}); not fetched"
+    )
 
 
 def check_url_prefix(prefix: str) -> str:
@@ -151,14 +164,56 @@ def check_url_prefix(prefix: str) -> str:
 
 # Node paths no class may mount: the node's identity, credentials and control (a container runtime socket is a
 # root shell on the node), and trees that contain them. A path above one of them would expose it too.
-SENSITIVE_HOST_PATHS = ("/proc", "/sys", "/dev", "/boot", "/root", "/home", "/run", "/var/run", "/var/lib/kubelet",
-                        "/var/lib/docker", "/var/lib/containerd", "/var/lib/etcd", "/var/log", "/etc/kubernetes",
-                        "/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh", "/etc/pki", "/etc/ssl/private")
+SENSITIVE_HOST_PATHS = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/boot",
+    "/root",
+    "/home",
+    "/run",
+    "/var/run",
+    "/var/lib/kubelet",
+    "/var/lib/docker",
+    "/var/lib/containerd",
+    "/var/lib/etcd",
+    "/var/log",
+    "/etc/kubernetes",
+    "/etc/shadow",
+    "/etc/gshadow",
+    "/etc/sudoers",
+    "/etc/ssh",
+    "/etc/pki",
+    "/etc/ssl/private",
+)
 # Container paths a class mount may not cover: the image's own system and pdfleet's volumes.
-RESERVED_MOUNTS = ("/proc", "/sys", "/dev", "/etc/pdfleet", "/var/run/pdfleet", "/models", "/tmp",
-                   "/var/cache/pdfleet", "/home/pdfleet")
-SYSTEM_MOUNTS = ("/", "/bin", "/sbin", "/lib", "/lib64", "/usr", "/usr/bin", "/usr/lib", "/usr/local", "/etc",
-                 "/var", "/opt", "/usr/local/bin", "/usr/local/lib")
+RESERVED_MOUNTS = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/etc/pdfleet",
+    "/var/run/pdfleet",
+    "/models",
+    "/tmp",
+    "/var/cache/pdfleet",
+    "/home/pdfleet",
+)
+SYSTEM_MOUNTS = (
+    "/",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/usr",
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/local",
+    "/etc",
+    "/var",
+    "/opt",
+    "/usr/local/bin",
+    "/usr/local/lib",
+)
 
 
 @dataclass(frozen=True)
@@ -170,8 +225,12 @@ class Problem:
 
 
 def _normalized(path: str) -> bool:
-    return path.startswith("/") and "//" not in path and ".." not in path.split("/") and \
-        posixpath.normpath(path) == (path.rstrip("/") or "/")
+    return (
+        path.startswith("/")
+        and "//" not in path
+        and ".." not in path.split("/")
+        and posixpath.normpath(path) == (path.rstrip("/") or "/")
+    )
 
 
 def _overlaps(path: str, roots: Sequence[str]) -> str | None:
@@ -193,8 +252,13 @@ def class_volume_problems(cls: AcceleratorClassSpec) -> list[Problem]:
         if not _normalized(path):
             out.append(Problem(field, f"{path!r} must be an absolute, normalized path"))
         elif path == "/" or (hit := _overlaps(path, SENSITIVE_HOST_PATHS)) is not None:
-            out.append(Problem(field, f"{path!r} exposes the node's {'root' if path == '/' else hit} (credentials, "
-                                      f"devices or the container runtime): mount the vendor's files one by one"))
+            out.append(
+                Problem(
+                    field,
+                    f"{path!r} exposes the node's {'root' if path == '/' else hit} (credentials, "
+                    f"devices or the container runtime): mount the vendor's files one by one",
+                )
+            )
     names = {v.name for v in cls.volumes}
     for i, m in enumerate(cls.volume_mounts):
         field, path = f"spec.volumeMounts[{i}].mountPath", m.mount_path

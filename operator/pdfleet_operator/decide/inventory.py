@@ -64,7 +64,9 @@ class Reservation:
 class Claim:
     """Resources that a pod not bound yet takes as soon as the scheduler binds it."""
 
-    what: str  # for the notes: "pod ns/name (Pending)" or "3 planned replicas on l40s-48gb of 2 other deployments (...)"
+    what: (
+        str  # for the notes: "pod ns/name (Pending)" or "3 planned replicas on l40s-48gb of 2 other deployments (...)"
+    )
     requests: Mapping[str, float]
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Tolerance, ...] = ()
@@ -86,8 +88,12 @@ class NodeInventory:
         """Whether a pod of this class may land here: selector matches and every blocking taint is tolerated."""
         return self.admits_pod(cls.node_selector, _class_tolerances(cls))
 
-    def admits_pod(self, node_selector: Mapping[str, str], tolerations: tuple[Tolerance, ...],
-                   affinity: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = ()) -> bool:
+    def admits_pod(
+        self,
+        node_selector: Mapping[str, str],
+        tolerations: tuple[Tolerance, ...],
+        affinity: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = (),
+    ) -> bool:
         if any(self.labels.get(k) != v for k, v in node_selector.items()):
             return False
         if affinity and not any(all(_expression_holds(e, self.labels) for e in term) for term in affinity):
@@ -134,9 +140,11 @@ class Inventory:
             free[best.name] -= step * count
             placed += step
         nodes = tuple(
-            n if free[n.name] == n.free.get(resource, 0)
+            n
+            if free[n.name] == n.free.get(resource, 0)
             else NodeInventory(n.name, n.labels, n.taints, {**n.free, resource: free[n.name]})
-            for n in self.nodes)
+            for n in self.nodes
+        )
         return Inventory(nodes, self.notes), placed
 
 
@@ -210,14 +218,16 @@ def pod_requests(pod: dict) -> dict[str, float]:
     for c in spec.get("initContainers") or []:
         for k, v in of(c).items():
             total[k] = max(total.get(k, 0.0), v)
-    for k, v in ((spec.get("overhead") or {}).items()):
+    for k, v in (spec.get("overhead") or {}).items():
         total[k] = total.get(k, 0.0) + _units(k, v)
     return total
 
 
 def taints_of(node: dict) -> tuple[Taint, ...]:
-    return tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
-                 for t in (node.get("spec") or {}).get("taints") or [])
+    return tuple(
+        Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
+        for t in (node.get("spec") or {}).get("taints") or []
+    )
 
 
 # Pods not bound to a node yet are indexed under this key (what they will take is not free).
@@ -233,15 +243,24 @@ def pod_view(pod: Mapping) -> dict | None:
         return None
     meta = pod.get("metadata") or {}
     view: dict = {
-        "metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
-                     "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k in POOL_LABELS}},
-        "spec": {"nodeName": node_name, "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
-                 "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
-                 **({"overhead": spec["overhead"]} if spec.get("overhead") else {})}}
+        "metadata": {
+            "namespace": meta.get("namespace"),
+            "name": meta.get("name"),
+            "labels": {k: v for k, v in (meta.get("labels") or {}).items() if k in POOL_LABELS},
+        },
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []],
+            "initContainers": [{"resources": c.get("resources") or {}} for c in spec.get("initContainers") or []],
+            **({"overhead": spec["overhead"]} if spec.get("overhead") else {}),
+        },
+    }
     if not node_name:  # where the scheduler may bind it, and in which order
         view["metadata"].update({k: meta[k] for k in ("creationTimestamp", "deletionTimestamp") if meta.get(k)})
         view["spec"].update({k: spec[k] for k in ("nodeSelector", "tolerations") if spec.get(k)})
-        required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+        required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
         if required:
             view["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     return view
@@ -250,15 +269,27 @@ def pod_view(pod: Mapping) -> dict | None:
 def pod_claim(pod: dict) -> Claim:
     """What a pod that is not bound yet will take, and where it may land."""
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-    tolerations = tuple(Tolerance(t.get("key") or None, t.get("operator") or "Equal", t.get("value"), t.get("effect") or None)
-                        for t in spec.get("tolerations") or [])
-    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
-    affinity = tuple(tuple((str(e.get("key")), str(e.get("operator")), tuple(str(v) for v in e.get("values") or []))
-                           for e in term.get("matchExpressions") or [])
-                     for term in required.get("nodeSelectorTerms") or [])
-    return Claim(f"pod {meta.get('namespace')}/{meta.get('name')} (Pending)", pod_requests(pod),
-                 dict(spec.get("nodeSelector") or {}), tolerations, affinity)
+    tolerations = tuple(
+        Tolerance(t.get("key") or None, t.get("operator") or "Equal", t.get("value"), t.get("effect") or None)
+        for t in spec.get("tolerations") or []
+    )
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    affinity = tuple(
+        tuple(
+            (str(e.get("key")), str(e.get("operator")), tuple(str(v) for v in e.get("values") or []))
+            for e in term.get("matchExpressions") or []
+        )
+        for term in required.get("nodeSelectorTerms") or []
+    )
+    return Claim(
+        f"pod {meta.get('namespace')}/{meta.get('name')} (Pending)",
+        pod_requests(pod),
+        dict(spec.get("nodeSelector") or {}),
+        tolerations,
+        affinity,
+    )
 
 
 def _pool_of(pod: dict) -> tuple[str | None, str | None, str | None, str | None]:
@@ -267,8 +298,9 @@ def _pool_of(pod: dict) -> tuple[str | None, str | None, str | None, str | None]
     return meta.get("namespace"), labels.get(DEPLOYMENT_LABEL), labels.get(ROLE_LABEL), labels.get(ACCELERATOR_LABEL)
 
 
-def claims(pods: Iterable[dict], reserved: Iterable[Reservation] = (), *,
-           exclude_deployment: tuple[str, str] | None = None) -> list[Claim]:
+def claims(
+    pods: Iterable[dict], reserved: Iterable[Reservation] = (), *, exclude_deployment: tuple[str, str] | None = None
+) -> list[Claim]:
     """Claims on capacity not bound yet: every Pending pod, oldest first, then the replicas of `reserved` plans
     whose pods do not exist yet (a plan's replicas minus its pool's pods, bound or not); never the excluded
     deployment's."""
@@ -284,8 +316,12 @@ def claims(pods: Iterable[dict], reserved: Iterable[Reservation] = (), *,
             continue
         if not (pod.get("spec") or {}).get("nodeName") and not (pod.get("metadata") or {}).get("deletionTimestamp"):
             unbound.append(pod)
-    unbound.sort(key=lambda p: (str((p.get("metadata") or {}).get("creationTimestamp") or ""),
-                                str((p.get("metadata") or {}).get("name") or "")))
+    unbound.sort(
+        key=lambda p: (
+            str((p.get("metadata") or {}).get("creationTimestamp") or ""),
+            str((p.get("metadata") or {}).get("name") or ""),
+        )
+    )
     out += [pod_claim(p) for p in unbound]
     # The unborn replicas of one class are one claim, however many plans hold them (they are alike).
     by_class: dict[str, tuple[AcceleratorClassSpec, list[tuple[str, int]]]] = {}
@@ -295,19 +331,31 @@ def claims(pods: Iterable[dict], reserved: Iterable[Reservation] = (), *,
         unborn = r.replicas - existing.get((r.namespace, r.deployment, r.role, r.accelerator_class), 0)
         if unborn > 0:
             by_class.setdefault(r.accelerator_class, (r.cls, []))[1].append(
-                (f"{r.namespace}/{r.deployment} {unborn} {r.role}", unborn))
+                (f"{r.namespace}/{r.deployment} {unborn} {r.role}", unborn)
+            )
     for name, (cls, holders) in by_class.items():
         total = sum(n for _, n in holders)
         shown = "; ".join(h for h, _ in holders[:3]) + (f"; {len(holders) - 3} more" if len(holders) > 3 else "")
-        out.append(Claim(f"{total} planned replicas on {name} of {len(holders)} other deployment"
-                         f"{'s' if len(holders) > 1 else ''} ({shown})",
-                         {cls.resource_name: float(cls.count)}, dict(cls.node_selector), _class_tolerances(cls),
-                         replicas=total))
+        out.append(
+            Claim(
+                f"{total} planned replicas on {name} of {len(holders)} other deployment"
+                f"{'s' if len(holders) > 1 else ''} ({shown})",
+                {cls.resource_name: float(cls.count)},
+                dict(cls.node_selector),
+                _class_tolerances(cls),
+                replicas=total,
+            )
+        )
     return out
 
 
-def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tuple[str, str] | None = None,
-          reserved: Iterable[Reservation] = ()) -> Inventory:
+def build(
+    nodes: Iterable[dict],
+    pods: Iterable[dict],
+    *,
+    exclude_deployment: tuple[str, str] | None = None,
+    reserved: Iterable[Reservation] = (),
+) -> Inventory:
     """The free capacity: allocatable of Ready, schedulable nodes minus what bound pods request, minus the
     claims of pods not bound yet (Pending pods, `reserved` replicas whose pods do not exist yet).
 
@@ -325,9 +373,11 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name or (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             continue
-        mine = exclude_deployment is not None and \
-            (meta.get("namespace"), (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)) == exclude_deployment
-        for target in ((used, own) if mine else (used,)):
+        mine = (
+            exclude_deployment is not None
+            and (meta.get("namespace"), (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)) == exclude_deployment
+        )
+        for target in (used, own) if mine else (used,):
             acc = target.setdefault(node_name, {})
             for k, v in pod_requests(pod).items():
                 acc[k] = acc.get(k, 0.0) + v
@@ -355,8 +405,17 @@ def build(nodes: Iterable[dict], pods: Iterable[dict], *, exclude_deployment: tu
         out.append(NodeInventory(name, dict((node.get("metadata") or {}).get("labels") or {}), taints_of(node), free))
     nodes_out, held = _place_claims(out, claims(pods, reserved, exclude_deployment=exclude_deployment))
     if own:
-        nodes_out = [n if n.name not in own else NodeInventory(n.name, n.labels, n.taints, {
-            r: q + max(0, math.floor(own[n.name].get(r, 0.0) + 1e-9)) for r, q in n.free.items()}) for n in nodes_out]
+        nodes_out = [
+            n
+            if n.name not in own
+            else NodeInventory(
+                n.name,
+                n.labels,
+                n.taints,
+                {r: q + max(0, math.floor(own[n.name].get(r, 0.0) + 1e-9)) for r, q in n.free.items()},
+            )
+            for n in nodes_out
+        ]
     return Inventory(tuple(nodes_out), tuple(notes) + held)
 
 
@@ -372,8 +431,12 @@ def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[lis
     free: dict[str, dict[str, float]] = {n.name: {k: float(v) for k, v in n.free.items()} for n in nodes}
     groups: dict[tuple, list[Claim]] = {}
     for claim in pending:
-        sig = (tuple(sorted(claim.requests.items())), tuple(sorted(claim.node_selector.items())), claim.tolerations,
-               claim.affinity)
+        sig = (
+            tuple(sorted(claim.requests.items())),
+            tuple(sorted(claim.node_selector.items())),
+            claim.tolerations,
+            claim.affinity,
+        )
         groups.setdefault(sig, []).append(claim)
     held: dict[str, float] = {}
     holders: list[str] = []
@@ -393,8 +456,10 @@ def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[lis
         # Fullest fitting node first, as many as fit there; a node filled so is full for this kind, so one
         # pass over the nodes in that order places the group.
         placed = 0
-        for best in sorted((n for n in admitting if room(n) > 0),
-                           key=lambda n: (tuple(free[n.name].get(k, 0.0) for k in scarce), n.name)):
+        for best in sorted(
+            (n for n in admitting if room(n) > 0),
+            key=lambda n: (tuple(free[n.name].get(k, 0.0) for k in scarce), n.name),
+        ):
             if placed >= want:
                 break
             step = min(room(best), want - placed)
@@ -413,16 +478,27 @@ def _place_claims(nodes: list[NodeInventory], pending: list[Claim]) -> tuple[lis
                         held[k] = held.get(k, 0.0) + v * got
                 holders.append(claim.what)
             if got < claim.replicas and any(k not in COMMON_RESOURCES for k in requests):
-                nowhere.append(claim.what if claim.replicas == 1 else f"{claim.what} ({claim.replicas - got} fit nowhere now)")
+                nowhere.append(
+                    claim.what if claim.replicas == 1 else f"{claim.what} ({claim.replicas - got} fit nowhere now)"
+                )
     out = []
     for n in nodes:
         left = {k: max(0, math.floor(v + 1e-9)) for k, v in free[n.name].items()}
         out.append(n if left == dict(n.free) else NodeInventory(n.name, n.labels, n.taints, left))
     notes: list[str] = []
     if held:
-        notes.append("held by pods not bound yet: " + ", ".join(f"{v:g} x {k}" for k, v in sorted(held.items()))
-                     + " (" + "; ".join(holders[:5]) + (f"; {len(holders) - 5} more" if len(holders) > 5 else "") + ")")
+        notes.append(
+            "held by pods not bound yet: "
+            + ", ".join(f"{v:g} x {k}" for k, v in sorted(held.items()))
+            + " ("
+            + "; ".join(holders[:5])
+            + (f"; {len(holders) - 5} more" if len(holders) > 5 else "")
+            + ")"
+        )
     if nowhere:
-        notes.append("waiting for capacity that is not free now: " + "; ".join(nowhere[:5])
-                     + (f"; {len(nowhere) - 5} more" if len(nowhere) > 5 else ""))
+        notes.append(
+            "waiting for capacity that is not free now: "
+            + "; ".join(nowhere[:5])
+            + (f"; {len(nowhere) - 5} more" if len(nowhere) > 5 else "")
+        )
     return out, tuple(notes)

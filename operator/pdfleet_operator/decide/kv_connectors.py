@@ -26,10 +26,21 @@ from dataclasses import dataclass
 from pdfleet_operator.api import AcceleratorClassSpec
 
 UPSTREAM = "vllm"
-VENDOR_BUILD = {"huawei": "vllm-ascend", "hygon": "vllm-dcu", "cambricon": "vllm-mlu", "kunlunxin": "vllm-kunlun",
-                "moorethreads": "vllm-musa"}
-BUILD_NAMES = {UPSTREAM: "upstream vLLM", "vllm-ascend": "vLLM-Ascend", "vllm-dcu": "Hygon's vLLM (DTK)",
-               "vllm-mlu": "Cambricon's vLLM", "vllm-kunlun": "vllm-kunlun", "vllm-musa": "Moore Threads' vLLM"}
+VENDOR_BUILD = {
+    "huawei": "vllm-ascend",
+    "hygon": "vllm-dcu",
+    "cambricon": "vllm-mlu",
+    "kunlunxin": "vllm-kunlun",
+    "moorethreads": "vllm-musa",
+}
+BUILD_NAMES = {
+    UPSTREAM: "upstream vLLM",
+    "vllm-ascend": "vLLM-Ascend",
+    "vllm-dcu": "Hygon's vLLM (DTK)",
+    "vllm-mlu": "Cambricon's vLLM",
+    "vllm-kunlun": "vllm-kunlun",
+    "vllm-musa": "Moore Threads' vLLM",
+}
 # vLLM-Ascend computes attention on 128-token blocks whenever prefix caching is on.
 ASCEND_PREFIX_CACHING_BLOCK = 128
 
@@ -38,31 +49,46 @@ ASCEND_PREFIX_CACHING_BLOCK = 128
 class Connector:
     """One KV connector of one vLLM build."""
 
-    name: str                                   # as --kv-transfer-config's kv_connector names it
+    name: str  # as --kv-transfer-config's kv_connector names it
     build: str
-    symmetric: bool = False                     # kv_both on both sides (NIXL), else kv_producer / kv_consumer
-    ports: tuple[tuple[str, int], ...] = ()     # (containerPort name, number) its peers connect to
+    symmetric: bool = False  # kv_both on both sides (NIXL), else kv_producer / kv_consumer
+    ports: tuple[tuple[str, int], ...] = ()  # (containerPort name, number) its peers connect to
     port_env: tuple[tuple[str, str], ...] = ()  # env that pins those ports
-    host_env: tuple[str, ...] = ()              # env set to the pod's IP (where peers reach it)
-    dynamic_ports: bool = True                  # its data path also uses ports chosen at run time
-    refused: str | None = None                  # why pdfleet's router cannot drive it (None: it can)
+    host_env: tuple[str, ...] = ()  # env set to the pod's IP (where peers reach it)
+    dynamic_ports: bool = True  # its data path also uses ports chosen at run time
+    refused: str | None = None  # why pdfleet's router cannot drive it (None: it can)
 
 
-NIXL = Connector("NixlConnector", UPSTREAM, symmetric=True, ports=(("kv", 5600),),
-                 port_env=(("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"),), host_env=("VLLM_NIXL_SIDE_CHANNEL_HOST",))
-_MOONCAKE = Connector("MooncakeConnector", UPSTREAM, ports=(("bootstrap", 8998),),
-                      port_env=(("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998"),), host_env=("VLLM_HOST_IP",),
-                      refused="its prefill answers no kv_transfer_params (a proxy must assign transfer ids and the "
-                              "bootstrap address), so pdfleet's router cannot hand a request over through it")
+NIXL = Connector(
+    "NixlConnector",
+    UPSTREAM,
+    symmetric=True,
+    ports=(("kv", 5600),),
+    port_env=(("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"),),
+    host_env=("VLLM_NIXL_SIDE_CHANNEL_HOST",),
+)
+_MOONCAKE = Connector(
+    "MooncakeConnector",
+    UPSTREAM,
+    ports=(("bootstrap", 8998),),
+    port_env=(("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998"),),
+    host_env=("VLLM_HOST_IP",),
+    refused="its prefill answers no kv_transfer_params (a proxy must assign transfer ids and the "
+    "bootstrap address), so pdfleet's router cannot hand a request over through it",
+)
 _ASCEND_MOONCAKE = Connector("MooncakeConnectorV1", "vllm-ascend", host_env=("VLLM_HOST_IP",))
 
 _UPSTREAM_NAMES = (NIXL, _MOONCAKE)
 CONNECTORS: dict[str, tuple[Connector, ...]] = {
     UPSTREAM: _UPSTREAM_NAMES,
     "vllm-ascend": (_ASCEND_MOONCAKE,),
-    **{build: tuple(Connector(c.name, build, c.symmetric, c.ports, c.port_env, c.host_env, c.dynamic_ports, c.refused)
-                    for c in _UPSTREAM_NAMES)
-       for build in ("vllm-dcu", "vllm-mlu", "vllm-kunlun", "vllm-musa")},
+    **{
+        build: tuple(
+            Connector(c.name, build, c.symmetric, c.ports, c.port_env, c.host_env, c.dynamic_ports, c.refused)
+            for c in _UPSTREAM_NAMES
+        )
+        for build in ("vllm-dcu", "vllm-mlu", "vllm-kunlun", "vllm-musa")
+    },
 }
 DEFAULT_CONNECTOR = {build: conns[0].name for build, conns in CONNECTORS.items()}
 
@@ -94,6 +120,8 @@ def cannot_talk(prefill: Connector, decode: Connector) -> str | None:
     if (prefill.build, prefill.name) == (decode.build, decode.name):
         return None
     if prefill.build != decode.build:
-        return (f"{BUILD_NAMES[prefill.build]}'s {prefill.name} and {BUILD_NAMES[decode.build]}'s {decode.name} are two "
-                f"KV transfer implementations (wire protocol and KV layout of their own) that cannot exchange blocks")
+        return (
+            f"{BUILD_NAMES[prefill.build]}'s {prefill.name} and {BUILD_NAMES[decode.build]}'s {decode.name} are two "
+            f"KV transfer implementations (wire protocol and KV layout of their own) that cannot exchange blocks"
+        )
     return f"{prefill.name} on one side and {decode.name} on the other cannot exchange blocks"

@@ -29,40 +29,51 @@ LABEL_CODE = "code"
 LABEL_TIER = "tier"
 
 # --- worker metrics: vLLM-compatible, so vLLM pods are scaled and charted the same way -------------
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"            # gauge: requests queued, not yet scheduled
-NUM_REQUESTS_RUNNING = "vllm:num_requests_running"            # gauge: requests in the running batch
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                   # gauge: fraction of KV blocks in use (0..1)
-KV_CACHE_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"           # the same gauge in vLLM before v1
-PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"              # counter: prompt tokens prefilled
-GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"      # counter: tokens generated
-NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"          # counter: sequences preempted
-REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"          # counter: finished requests (finished_reason)
-TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"      # histogram
-INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"      # histogram
-E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"      # histogram
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge: requests queued, not yet scheduled
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # gauge: requests in the running batch
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge: fraction of KV blocks in use (0..1)
+KV_CACHE_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"  # the same gauge in vLLM before v1
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"  # counter: prompt tokens prefilled
+GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"  # counter: tokens generated
+NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"  # counter: sequences preempted
+REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"  # counter: finished requests (finished_reason)
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"  # histogram
 
 # --- worker and router metrics only pdfleet exports ------------------------------------------------
-PROMPT_TOKENS_WAITING = "pdfleet_prompt_tokens_waiting"       # gauge: prompt tokens of waiting requests
-ROUTER_REQUESTS_TOTAL = "pdfleet_router_requests_total"       # counter {code, tier}
+PROMPT_TOKENS_WAITING = "pdfleet_prompt_tokens_waiting"  # gauge: prompt tokens of waiting requests
+ROUTER_REQUESTS_TOTAL = "pdfleet_router_requests_total"  # counter {code, tier}
 # counter {revision, code, shed}: by the pod template revision of the worker that answered ("none": no worker
 # did), shed="true" for the designed 503 + Retry-After load shedding. Rollback analysis reads this one.
 ROUTER_REVISION_REQUESTS_TOTAL = "pdfleet_router_revision_requests_total"
 NO_REVISION = "none"
 
 # --- the operator's own metrics --------------------------------------------------------------------
-POOL_REPLICAS = "pdfleet_pool_replicas"                       # gauge {deployment, role, accelerator}
-POOL_COST_PER_HOUR = "pdfleet_pool_cost_per_hour"             # gauge {deployment, role, accelerator}
-DESIRED_REPLICAS = "pdfleet_desired_replicas"                 # gauge {deployment, role}
-PD_RATIO = "pdfleet_pd_ratio"                                 # gauge {deployment}: prefill / decode replicas
-SCALING_DECISIONS_TOTAL = "pdfleet_scaling_decisions_total"   # counter {role, direction, reason}
+POOL_REPLICAS = "pdfleet_pool_replicas"  # gauge {deployment, role, accelerator}
+POOL_COST_PER_HOUR = "pdfleet_pool_cost_per_hour"  # gauge {deployment, role, accelerator}
+DESIRED_REPLICAS = "pdfleet_desired_replicas"  # gauge {deployment, role}
+PD_RATIO = "pdfleet_pd_ratio"  # gauge {deployment}: prefill / decode replicas
+SCALING_DECISIONS_TOTAL = "pdfleet_scaling_decisions_total"  # counter {role, direction, reason}
 
-WORKER_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE, PROMPT_TOKENS_TOTAL,
-                  GENERATION_TOKENS_TOTAL, NUM_PREEMPTIONS_TOTAL, REQUEST_SUCCESS_TOTAL, TIME_TO_FIRST_TOKEN,
-                  INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, PROMPT_TOKENS_WAITING)
+WORKER_METRICS = (
+    NUM_REQUESTS_WAITING,
+    NUM_REQUESTS_RUNNING,
+    KV_CACHE_USAGE,
+    PROMPT_TOKENS_TOTAL,
+    GENERATION_TOKENS_TOTAL,
+    NUM_PREEMPTIONS_TOTAL,
+    REQUEST_SUCCESS_TOTAL,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+    PROMPT_TOKENS_WAITING,
+)
 OPERATOR_METRICS = (POOL_REPLICAS, POOL_COST_PER_HOUR, DESIRED_REPLICAS, PD_RATIO, SCALING_DECISIONS_TOTAL)
 
 
 # --- PromQL ----------------------------------------------------------------------------------------
+
 
 def label_value(text: str) -> str:
     """`text` as a double-quoted PromQL string literal."""
@@ -102,19 +113,31 @@ class QueryProfile:
         return f"{self.namespace_label}={label_value(namespace)},{self.deployment_label}={label_value(deployment)}"
 
     def render(self, template: str, deployment: str, namespace: str) -> str:
-        return Template(template).substitute(sel=self.selector(deployment, namespace), by=self.role_label,
-                                             cls=self.accelerator_label)
+        return Template(template).substitute(
+            sel=self.selector(deployment, namespace), by=self.role_label, cls=self.accelerator_label
+        )
 
     def queries(self, deployment: str, namespace: str) -> dict[str, str]:
         """Snapshot field -> PromQL, for the signals this engine exports (`CLASS_FIELDS` by role and class)."""
-        return {f: self.render(getattr(self, f), deployment, namespace)
-                for f in ROLE_FIELDS + CLASS_FIELDS if getattr(self, f) is not None}
+        return {
+            f: self.render(getattr(self, f), deployment, namespace)
+            for f in ROLE_FIELDS + CLASS_FIELDS
+            if getattr(self, f) is not None
+        }
 
 
 # QueryProfile fields answered by role (RoleMetrics), and by role and AcceleratorClass (ClassMetrics,
 # named without the `class_` prefix).
-ROLE_FIELDS = ("waiting", "running", "replicas", "sample_time", "kv_usage", "prompt_tokens_waiting",
-               "prompt_tokens_rate", "generation_tokens_rate")
+ROLE_FIELDS = (
+    "waiting",
+    "running",
+    "replicas",
+    "sample_time",
+    "kv_usage",
+    "prompt_tokens_waiting",
+    "prompt_tokens_rate",
+    "generation_tokens_rate",
+)
 CLASS_FIELDS = ("class_replicas", "class_waiting", "class_prompt_tokens_rate", "class_generation_tokens_rate")
 
 
@@ -151,8 +174,7 @@ PROFILES: dict[str, QueryProfile] = {
     # versions name the KV gauge gpu_cache_usage_perc.
     "vllm": QueryProfile(
         name="vllm",
-        kv_usage=(f"avg by ($by) ({KV_CACHE_USAGE}{{$sel}} "
-                  f"or {KV_CACHE_USAGE_LEGACY}{{$sel}})"),
+        kv_usage=(f"avg by ($by) ({KV_CACHE_USAGE}{{$sel}} or {KV_CACHE_USAGE_LEGACY}{{$sel}})"),
         prompt_tokens_waiting=None,
         **_COMMON,
     ),
@@ -191,19 +213,29 @@ def profile_for(engines: Iterable[str]) -> QueryProfile:
             merged[f] = templates[0]
         else:
             merged[f] = " or ".join(f"({t})" for t in dict.fromkeys(templates))
-    assert merged["waiting"] and merged["running"] and merged["replicas"] and merged["sample_time"], \
+    assert merged["waiting"] and merged["running"] and merged["replicas"] and merged["sample_time"], (
         f"every profile reads the queue: {merged}"
+    )
     return QueryProfile(name="+".join(names), **merged)  # type: ignore[arg-type]
 
 
 # The series the direct-scrape source reads per engine (snapshot field -> names, the first one a replica
 # exports wins), the scrape-side twin of PROFILES. A field an engine lacks is unknown for its role.
 SCRAPED_SERIES: dict[str, dict[str, tuple[str, ...]]] = {
-    "pdfleet": {"waiting": (NUM_REQUESTS_WAITING,), "running": (NUM_REQUESTS_RUNNING,),
-                "kv_usage": (KV_CACHE_USAGE,), "prompt_tokens_waiting": (PROMPT_TOKENS_WAITING,),
-                "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,), "generation_tokens_total": (GENERATION_TOKENS_TOTAL,)},
-    "vllm": {"waiting": (NUM_REQUESTS_WAITING,), "running": (NUM_REQUESTS_RUNNING,),
-             "kv_usage": (KV_CACHE_USAGE, KV_CACHE_USAGE_LEGACY),
-             "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,), "generation_tokens_total": (GENERATION_TOKENS_TOTAL,)},
+    "pdfleet": {
+        "waiting": (NUM_REQUESTS_WAITING,),
+        "running": (NUM_REQUESTS_RUNNING,),
+        "kv_usage": (KV_CACHE_USAGE,),
+        "prompt_tokens_waiting": (PROMPT_TOKENS_WAITING,),
+        "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,),
+        "generation_tokens_total": (GENERATION_TOKENS_TOTAL,),
+    },
+    "vllm": {
+        "waiting": (NUM_REQUESTS_WAITING,),
+        "running": (NUM_REQUESTS_RUNNING,),
+        "kv_usage": (KV_CACHE_USAGE, KV_CACHE_USAGE_LEGACY),
+        "prompt_tokens_total": (PROMPT_TOKENS_TOTAL,),
+        "generation_tokens_total": (GENERATION_TOKENS_TOTAL,),
+    },
 }
 assert set(SCRAPED_SERIES) == set(PROFILES), "a scrape twin for every query profile"

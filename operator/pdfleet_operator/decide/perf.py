@@ -74,14 +74,18 @@ def fit(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> Fit:
     left = mem - w_gib - RUNTIME_RESERVE_GIB * cls.count
     kv_avail = max(0.0, left) * spec.engine.kv_cache_memory_fraction
     if left <= 0:
-        return Fit(False, True, w_gib, kv_need, 0.0,
-                   f"weights {w_gib:.1f} GiB do not fit {mem:g} GiB")
+        return Fit(False, True, w_gib, kv_need, 0.0, f"weights {w_gib:.1f} GiB do not fit {mem:g} GiB")
     if kv_avail < kv_need:
-        return Fit(False, True, w_gib, kv_need, kv_avail,
-                   f"KV for one {spec.model.max_model_len}-token sequence needs {kv_need:.1f} GiB, "
-                   f"{kv_avail:.1f} GiB left after {w_gib:.1f} GiB of weights")
-    return Fit(True, True, w_gib, kv_need, kv_avail,
-               f"{w_gib:.1f} GiB weights + {kv_avail:.1f} GiB KV in {mem:g} GiB")
+        return Fit(
+            False,
+            True,
+            w_gib,
+            kv_need,
+            kv_avail,
+            f"KV for one {spec.model.max_model_len}-token sequence needs {kv_need:.1f} GiB, "
+            f"{kv_avail:.1f} GiB left after {w_gib:.1f} GiB of weights",
+        )
+    return Fit(True, True, w_gib, kv_need, kv_avail, f"{w_gib:.1f} GiB weights + {kv_avail:.1f} GiB KV in {mem:g} GiB")
 
 
 def ttft_seconds(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec) -> float | None:

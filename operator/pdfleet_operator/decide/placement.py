@@ -112,8 +112,9 @@ def _meets_slo(role: str, spec: InferenceDeploymentSpec, cls: AcceleratorClassSp
     return True, "meets the SLO: " + ", ".join(f"{w} ~{e * 1000:.0f}ms" for w, e, _ in checks)
 
 
-def rank(role: str, spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec],
-         reasons: list[str]) -> list[Candidate]:
+def rank(
+    role: str, spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], reasons: list[str]
+) -> list[Candidate]:
     """The classes `role` may use, best first; appends why each was skipped or ranked to `reasons`."""
     role_spec = spec.roles()[role]
     found: list[Candidate] = []
@@ -141,14 +142,22 @@ def rank(role: str, spec: InferenceDeploymentSpec, classes: Mapping[str, Acceler
         eligible = [Candidate(c.name, c.spec, False, _speed(role, c.spec), c.preference) for c in found]
     eligible.sort(key=lambda c: (-_bucket(c.score), c.preference))
     unit = "TFLOP/s" if role == "prefill" else "GB/s"
-    how = "fastest (SLO fallback)" if fallback else f"{spec.tier} tier, by {unit}" + (" per $/h" if spec.tier == "cost" else "")
+    how = (
+        "fastest (SLO fallback)"
+        if fallback
+        else f"{spec.tier} tier, by {unit}" + (" per $/h" if spec.tier == "cost" else "")
+    )
     if eligible:
         reasons.append(f"{role}: order {', '.join(c.name for c in eligible)} ({how})")
     return eligible
 
 
-def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], inventory: Inventory,
-         desired: Mapping[str, int] | None = None) -> FleetPlan:
+def plan(
+    spec: InferenceDeploymentSpec,
+    classes: Mapping[str, AcceleratorClassSpec],
+    inventory: Inventory,
+    desired: Mapping[str, int] | None = None,
+) -> FleetPlan:
     """Pools per role sized to `desired` (each role's minReplicas when None), within free capacity.
 
     Every role first gets up to its minimum, then up to its target, so that one role's growth never
@@ -167,7 +176,9 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
             raise ValueError(f"desired replicas for {role} must be >= 0, got {want}")
         clamped = min(max(want, rs.min_replicas), rs.max_replicas)
         if clamped != want:
-            reasons.append(f"{role}: {want} replicas asked, clamped to {clamped} (min {rs.min_replicas}, max {rs.max_replicas})")
+            reasons.append(
+                f"{role}: {want} replicas asked, clamped to {clamped} (min {rs.min_replicas}, max {rs.max_replicas})"
+            )
         targets[role] = clamped
 
     ranking = {role: rank(role, spec, classes, reasons) for role in roles}
@@ -199,17 +210,29 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
         assert missing >= 0, f"placed {have} {role} replicas for a target of {targets[role]}"
         if missing and not ranking[role]:
             listed = ", ".join(roles[role].accelerator_classes)
-            shortfalls.append(Shortfall(role, None, missing, "FitsNowhere",
-                                        f"{role}: no usable AcceleratorClass among {listed}; {missing} replicas unplaced"))
+            shortfalls.append(
+                Shortfall(
+                    role,
+                    None,
+                    missing,
+                    "FitsNowhere",
+                    f"{role}: no usable AcceleratorClass among {listed}; {missing} replicas unplaced",
+                )
+            )
         elif missing:
             first = ranking[role][0]
             units = missing * first.spec.count
             free = {c.name: inventory.free_units(c.spec) for c in ranking[role]}
-            shortfalls.append(Shortfall(
-                role, first.name, units, "InsufficientCapacity",
-                f"{role}: {have}/{targets[role]} replicas placed; missing {units} x {first.spec.resource_name} "
-                f"on {first.name} (free before planning: "
-                + ", ".join(f"{k}={v}" for k, v in free.items()) + ")"))
+            shortfalls.append(
+                Shortfall(
+                    role,
+                    first.name,
+                    units,
+                    "InsufficientCapacity",
+                    f"{role}: {have}/{targets[role]} replicas placed; missing {units} x {first.spec.resource_name} "
+                    f"on {first.name} (free before planning: " + ", ".join(f"{k}={v}" for k, v in free.items()) + ")",
+                )
+            )
         # What the autoscaler may grow to: the plan's replicas plus what still fits after it.
         extra, spare = 0, inv
         cap = roles[role].max_replicas
@@ -223,15 +246,31 @@ def plan(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSp
                 slots.append((cand.name, placed.get((role, cand.name), 0) + got))
         capacities[role] = have + extra
         by_class[role] = tuple(slots)
-        reasons.append(f"{role}: {have} of {targets[role]} replicas placed"
-                       + (": " + ", ".join(f"{p.replicas} on {p.accelerator_class}" for p in pools if p.role == role)
-                          if have else ""))
-    return FleetPlan(tuple(pools), tuple(shortfalls), tuple(reasons) + inventory.notes, targets, capacities,
-                     {r: tuple(c.name for c in ranking[r]) for r in ranking}, by_class)
+        reasons.append(
+            f"{role}: {have} of {targets[role]} replicas placed"
+            + (
+                ": " + ", ".join(f"{p.replicas} on {p.accelerator_class}" for p in pools if p.role == role)
+                if have
+                else ""
+            )
+        )
+    return FleetPlan(
+        tuple(pools),
+        tuple(shortfalls),
+        tuple(reasons) + inventory.notes,
+        targets,
+        capacities,
+        {r: tuple(c.name for c in ranking[r]) for r in ranking},
+        by_class,
+    )
 
 
-def surge_room(plan: FleetPlan, classes: Mapping[str, AcceleratorClassSpec], inventory: Inventory,
-               held: Mapping[tuple[str, str], int] | None = None) -> frozenset[tuple[str, str]]:
+def surge_room(
+    plan: FleetPlan,
+    classes: Mapping[str, AcceleratorClassSpec],
+    inventory: Inventory,
+    held: Mapping[tuple[str, str], int] | None = None,
+) -> frozenset[tuple[str, str]]:
     """The pools (role, class) that may roll with one surge replica: after every pool of `plan` has its
     replicas on `inventory`, one more replica of the pool still fits. `held`: replicas per pool that already
     hold their units outside `inventory` (a live pool's, when `inventory` is what is free now); they are not

@@ -62,7 +62,9 @@ def offload_bytes(spec: InferenceDeploymentSpec) -> int:
 
 
 def swap_bytes(spec: InferenceDeploymentSpec, engine: str) -> int:
-    return int(parse_quantity(spec.engine.swap_space)) if engine == "pdfleet" and spec.engine.preemption == "swap" else 0
+    return (
+        int(parse_quantity(spec.engine.swap_space)) if engine == "pdfleet" and spec.engine.preemption == "swap" else 0
+    )
 
 
 def budget(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec, engine: str) -> PodMemory:

@@ -50,13 +50,13 @@ PLACEMENT_DRIFT = "PlacementDrift"
 class Inputs:
     """What the operator process holds for the deployment between reconciles (its `DeploymentMemory`)."""
 
-    desired: Mapping[str, int] | None = None          # the autoscaler's latest ask (total replicas per role)
-    targets: Mapping[str, int] | None = None          # what the last plan was made for
+    desired: Mapping[str, int] | None = None  # the autoscaler's latest ask (total replicas per role)
+    targets: Mapping[str, int] | None = None  # what the last plan was made for
     rollback: rollback.RollbackState = field(default_factory=rollback.RollbackState)
     extra_conditions: Mapping[str, Condition] = field(default_factory=dict)  # the autoscaler's and rollback's
     extra_status: Mapping[str, Any] = field(default_factory=dict)
-    last_status: Mapping[str, Any] | None = None      # the status this process last wrote (the index may lag)
-    last_status_version: str | None = None            # the CR's resourceVersion that write was made on
+    last_status: Mapping[str, Any] | None = None  # the status this process last wrote (the index may lag)
+    last_status_version: str | None = None  # the CR's resourceVersion that write was made on
     rendered: Mapping[str, str] = field(default_factory=dict)  # child -> digest of what was last applied
 
 
@@ -64,24 +64,24 @@ class Inputs:
 class Observed:
     """Everything one reconcile decides from, gathered once."""
 
-    dep: InferenceDeployment                          # spec and status as stored
+    dep: InferenceDeployment  # spec and status as stored
     uid: str
     resource_version: str | None
     annotations: Mapping[str, str]
-    classes: Mapping[str, AcceleratorClassSpec]       # every valid AcceleratorClass, those being deleted included
-    deleting: frozenset[str]                          # classes with a deletionTimestamp (held by the in-use finalizer)
-    nodes: Sequence[Mapping[str, Any]]                # node views (`kube.handlers._node_view`)
-    pods: Sequence[Mapping[str, Any]]                 # pod views (`inventory.pod_view`) of every namespace seen
-    children: Sequence[Mapping[str, Any]]             # the objects this deployment controls
-    stored: Sequence[Mapping[str, Any]]               # its ControllerRevisions
-    served_record: Mapping[str, Any] | None           # the revision its ConfigMap says is served, as a record
-    reserved: Sequence[Reservation]                   # what other deployments' pools hold or will hold
+    classes: Mapping[str, AcceleratorClassSpec]  # every valid AcceleratorClass, those being deleted included
+    deleting: frozenset[str]  # classes with a deletionTimestamp (held by the in-use finalizer)
+    nodes: Sequence[Mapping[str, Any]]  # node views (`kube.handlers._node_view`)
+    pods: Sequence[Mapping[str, Any]]  # pod views (`inventory.pod_view`) of every namespace seen
+    children: Sequence[Mapping[str, Any]]  # the objects this deployment controls
+    stored: Sequence[Mapping[str, Any]]  # its ControllerRevisions
+    served_record: Mapping[str, Any] | None  # the revision its ConfigMap says is served, as a record
+    reserved: Sequence[Reservation]  # what other deployments' pools hold or will hold
     inputs: Inputs
     now: dt.datetime
-    why: str = "reconciled"                           # what triggered this reconcile (for Events)
+    why: str = "reconciled"  # what triggered this reconcile (for Events)
     router_cpu: float = cost.DEFAULT_ROUTER_CORES
-    worker_image: str | None = None                   # the operator's default pdfleet worker image (status)
-    token_secret: str | None = None                   # the token Secret the writer makes sure of before the status
+    worker_image: str | None = None  # the operator's default pdfleet worker image (status)
+    token_secret: str | None = None  # the token Secret the writer makes sure of before the status
 
     @property
     def key(self) -> tuple[str, str]:
@@ -94,15 +94,15 @@ class Desired:
     """What one reconcile wants: the objects, the status, the Events and the process's new memory."""
 
     serving: rollback.Serving
-    plan: FleetPlan | None                            # None while held (the pools are left as they are)
-    objects: tuple[dict[str, Any], ...] = ()          # to apply where the live object does not contain them
-    delete: tuple[str, ...] = ()                      # children ("Kind/name") to delete
-    untouched: tuple[str, ...] = ()                   # children neither applied nor deleted
-    status: InferenceDeploymentStatus | None = None   # None: unchanged
+    plan: FleetPlan | None  # None while held (the pools are left as they are)
+    objects: tuple[dict[str, Any], ...] = ()  # to apply where the live object does not contain them
+    delete: tuple[str, ...] = ()  # children ("Kind/name") to delete
+    untouched: tuple[str, ...] = ()  # children neither applied nor deleted
+    status: InferenceDeploymentStatus | None = None  # None: unchanged
     notices: tuple[Notice, ...] = ()
     engines: Mapping[str, list[str]] = field(default_factory=dict)  # role -> engines its planned pools run
     step: transition.Step | None = None
-    blocked: tuple[str, ...] = ()                     # pools whose rollout is held, with why
+    blocked: tuple[str, ...] = ()  # pools whose rollout is held, with why
 
     @property
     def revision(self) -> int:
@@ -131,18 +131,44 @@ def decide(obs: Observed, render: Renderer) -> Desired:
     objects, delete, untouched = _objects(obs, objects, plan, live, held)
     new_status = _status(obs, serving, plan, step, blocked)
     notices = serving.notices + _notices(obs, new_status, plan, step, blocked, delete)
-    engines = {role: sorted({_engine(spec, obs.classes[p.accelerator_class]) for p in plan.pools_for(role)
-                             if p.accelerator_class in obs.classes}) for role in plan.roles()}
-    return Desired(serving, plan, tuple(objects), tuple(delete), tuple(untouched), new_status, notices, engines,
-                   step, tuple(blocked))
+    engines = {
+        role: sorted(
+            {
+                _engine(spec, obs.classes[p.accelerator_class])
+                for p in plan.pools_for(role)
+                if p.accelerator_class in obs.classes
+            }
+        )
+        for role in plan.roles()
+    }
+    return Desired(
+        serving,
+        plan,
+        tuple(objects),
+        tuple(delete),
+        tuple(untouched),
+        new_status,
+        notices,
+        engines,
+        step,
+        tuple(blocked),
+    )
 
 
 # --- stages ---------------------------------------------------------------------------------------------------
 
+
 def _serve(obs: Observed) -> rollback.Serving:
-    return rollback.serve(obs.inputs.rollback, obs.dep, stored=obs.stored, served_record=obs.served_record,
-                          children=obs.children, annotation=obs.annotations.get(rollback.ANNOTATION_ROLLBACK_TO),
-                          resource_version=obs.resource_version, now=obs.now)
+    return rollback.serve(
+        obs.inputs.rollback,
+        obs.dep,
+        stored=obs.stored,
+        served_record=obs.served_record,
+        children=obs.children,
+        annotation=obs.annotations.get(rollback.ANNOTATION_ROLLBACK_TO),
+        resource_version=obs.resource_version,
+        now=obs.now,
+    )
 
 
 def _held(obs: Observed, serving: rollback.Serving) -> Desired:
@@ -152,15 +178,25 @@ def _held(obs: Observed, serving: rollback.Serving) -> Desired:
     means an earlier process posted the Event too."""
     message = serving.held
     assert message is not None
-    page = Condition(type="Degraded", status="True", reason=rollback.REASON_REVISION_MISSING, message=message,
-                     last_transition_time=obs.now, observed_generation=obs.dep.metadata.generation)
+    page = Condition(
+        type="Degraded",
+        status="True",
+        reason=rollback.REASON_REVISION_MISSING,
+        message=message,
+        last_transition_time=obs.now,
+        observed_generation=obs.dep.metadata.generation,
+    )
     said = rollback.condition(obs.dep.status, "Degraded")
     if said is not None and (said.status, said.reason, said.message) == (page.status, page.reason, page.message):
         return Desired(serving, None, notices=serving.notices)
     previous = obs.dep.status or InferenceDeploymentStatus()
     new = previous.model_copy(update={"conditions": set_condition(list(previous.conditions), page)})
-    return Desired(serving, None, status=new,
-                   notices=serving.notices + (Notice("Warning", rollback.REASON_REVISION_MISSING, message),))
+    return Desired(
+        serving,
+        None,
+        status=new,
+        notices=serving.notices + (Notice("Warning", rollback.REASON_REVISION_MISSING, message),),
+    )
 
 
 def _targets(obs: Observed, spec: InferenceDeploymentSpec) -> dict[str, int] | None:
@@ -176,8 +212,11 @@ def _targets(obs: Observed, spec: InferenceDeploymentSpec) -> dict[str, int] | N
     st = obs.dep.status
     if st is not None and st.decode_replicas is not None:
         # NOTE: the status's sizes leave out replicas kept during a hand-over, which the pools' sum counts.
-        sized = {"colocated": st.decode_replicas} if "colocated" in roles else \
-            {"prefill": st.prefill_replicas, "decode": st.decode_replicas}
+        sized = (
+            {"colocated": st.decode_replicas}
+            if "colocated" in roles
+            else {"prefill": st.prefill_replicas, "decode": st.decode_replicas}
+        )
         if all(r in roles and n is not None for r, n in sized.items()):
             return {r: int(n) for r, n in sized.items() if n is not None}
     running: dict[str, int] = {}
@@ -190,14 +229,22 @@ def _targets(obs: Observed, spec: InferenceDeploymentSpec) -> dict[str, int] | N
 
 def _usable(obs: Observed) -> tuple[dict[str, AcceleratorClassSpec], dict[str, tuple[str, str]]]:
     """The classes placement may plan new replicas on, and why the others may not (being deleted)."""
-    unusable = {name: (transition.CLASS_DELETED, f"AcceleratorClass {name} is being deleted (held by "
-                                                 f"{names.FINALIZER_CLASS_IN_USE} until no pool uses it)")
-                for name in obs.deleting}
+    unusable = {
+        name: (
+            transition.CLASS_DELETED,
+            f"AcceleratorClass {name} is being deleted (held by {names.FINALIZER_CLASS_IN_USE} until no pool uses it)",
+        )
+        for name in obs.deleting
+    }
     return {n: c for n, c in obs.classes.items() if n not in unusable}, unusable
 
 
-def _ideal(obs: Observed, spec: InferenceDeploymentSpec, usable: Mapping[str, AcceleratorClassSpec],
-           targets: Mapping[str, int] | None) -> FleetPlan:
+def _ideal(
+    obs: Observed,
+    spec: InferenceDeploymentSpec,
+    usable: Mapping[str, AcceleratorClassSpec],
+    targets: Mapping[str, int] | None,
+) -> FleetPlan:
     """Placement from scratch: healthy nodes, this deployment's own units counted as free."""
     free = inventory.build(list(obs.nodes), list(obs.pods), exclude_deployment=obs.key, reserved=obs.reserved)
     return placement.plan(spec, usable, free, targets)
@@ -205,8 +252,11 @@ def _ideal(obs: Observed, spec: InferenceDeploymentSpec, usable: Mapping[str, Ac
 
 def _free_now(obs: Observed) -> inventory.Inventory:
     """Capacity free for new replicas now: this deployment's pods and its Deployments' unborn replicas hold theirs."""
-    own = [Reservation(obs.key[0], obs.key[1], p.role, p.accelerator_class, obs.classes[p.accelerator_class], p.replicas)
-           for p in _live_pools(obs) if p.accelerator_class in obs.classes]
+    own = [
+        Reservation(obs.key[0], obs.key[1], p.role, p.accelerator_class, obs.classes[p.accelerator_class], p.replicas)
+        for p in _live_pools(obs)
+        if p.accelerator_class in obs.classes
+    ]
     return inventory.build(list(obs.nodes), list(obs.pods), reserved=list(obs.reserved) + own)
 
 
@@ -240,13 +290,31 @@ def _live_pools(obs: Observed) -> list[LivePool]:
         generation, observed = c["metadata"].get("generation"), st.get("observedGeneration")
         stale = generation is not None and observed is not None and int(observed) < int(generation)
         rolling = stale or int(st.get("updatedReplicas") or 0) < replicas  # (the API omits zero counts)
-        out.append(LivePool(c["metadata"]["name"], role, acc, replicas, int(st.get("readyReplicas") or 0),
-                            len(why), tuple(why), rolling))
+        out.append(
+            LivePool(
+                c["metadata"]["name"],
+                role,
+                acc,
+                replicas,
+                int(st.get("readyReplicas") or 0),
+                len(why),
+                tuple(why),
+                rolling,
+            )
+        )
     return out
 
 
-def _step(spec: InferenceDeploymentSpec, ideal: FleetPlan, live: Sequence[LivePool], free_now: inventory.Inventory,
-          obs: Observed, unusable: Mapping[str, tuple[str, str]], *, bridges: Mapping[Pool, int]) -> transition.Step:
+def _step(
+    spec: InferenceDeploymentSpec,
+    ideal: FleetPlan,
+    live: Sequence[LivePool],
+    free_now: inventory.Inventory,
+    obs: Observed,
+    unusable: Mapping[str, tuple[str, str]],
+    *,
+    bridges: Mapping[Pool, int],
+) -> transition.Step:
     wanted = {(p.role, p.accelerator_class): p.replicas for p in ideal.pools}
     for pool, n in bridges.items():
         wanted[pool] = wanted.get(pool, 0) + n
@@ -256,30 +324,45 @@ def _step(spec: InferenceDeploymentSpec, ideal: FleetPlan, live: Sequence[LivePo
             ranking[role] = ranking.get(role, ()) + (c,)
     minimums = {role: rs.min_replicas for role, rs in spec.roles().items()}
     holding = frozenset(p.role for p in live if p.rolling)
-    return transition.step(dict(ideal.targets), minimums, wanted, ranking, live, free_now, obs.classes,
-                           unusable=unusable, holding=holding)
+    return transition.step(
+        dict(ideal.targets), minimums, wanted, ranking, live, free_now, obs.classes, unusable=unusable, holding=holding
+    )
 
 
 def _plan(ideal: FleetPlan, step: transition.Step) -> FleetPlan:
     """The ideal plan's targets, shortfalls and capacities with the pools the step runs."""
     order = {(r, c): i for i, (r, c) in enumerate((r, c) for r in ideal.roles() for c in ideal.ranking.get(r, ()))}
-    pools = sorted((PlannedPool(r, c, n) for (r, c), n in step.replicas.items() if n > 0),
-                   key=lambda p: (ROLES.index(p.role), order.get((p.role, p.accelerator_class), 1 << 20),
-                                  p.accelerator_class))
+    pools = sorted(
+        (PlannedPool(r, c, n) for (r, c), n in step.replicas.items() if n > 0),
+        key=lambda p: (ROLES.index(p.role), order.get((p.role, p.accelerator_class), 1 << 20), p.accelerator_class),
+    )
     return dataclasses.replace(ideal, pools=tuple(pools), reasons=ideal.reasons + step.moving + step.stuck)
 
 
-def _render(render: Renderer, obs: Observed, serving: rollback.Serving, plan: FleetPlan, live: Sequence[LivePool],
-            free_now: inventory.Inventory) -> list[dict[str, Any]]:
+def _render(
+    render: Renderer,
+    obs: Observed,
+    serving: rollback.Serving,
+    plan: FleetPlan,
+    live: Sequence[LivePool],
+    free_now: inventory.Inventory,
+) -> list[dict[str, Any]]:
     """The children of the plan's pools whose class exists (a pool whose class is gone is left as it runs)."""
     renderable = dataclasses.replace(plan, pools=tuple(p for p in plan.pools if p.accelerator_class in obs.classes))
     surge = placement.surge_room(renderable, obs.classes, free_now, held={p.key: p.replicas for p in live})
     return render(serving.spec, renderable, serving.revision, surge)
 
 
-def _rollouts(obs: Observed, spec: InferenceDeploymentSpec, ideal: FleetPlan, plan: FleetPlan,
-              live: Sequence[LivePool], objects: Sequence[Mapping[str, Any]], free_now: inventory.Inventory,
-              usable: Mapping[str, AcceleratorClassSpec]) -> tuple[dict[Pool, int], set[str], list[str]]:
+def _rollouts(
+    obs: Observed,
+    spec: InferenceDeploymentSpec,
+    ideal: FleetPlan,
+    plan: FleetPlan,
+    live: Sequence[LivePool],
+    objects: Sequence[Mapping[str, Any]],
+    free_now: inventory.Inventory,
+    usable: Mapping[str, AcceleratorClassSpec],
+) -> tuple[dict[Pool, int], set[str], list[str]]:
     """Rule 4, no rollout takes a pool to 0 Ready: for each pool whose pod template changes (or is still rolling)
     and that rolls one replica down (no room for a surge replica on its class), check that the role keeps another
     ready replica. If not: a bridge replica on another class the role allows (kept until the rollout ends); else
@@ -319,16 +402,25 @@ def _rollouts(obs: Observed, spec: InferenceDeploymentSpec, ideal: FleetPlan, pl
             continue
         if changes:
             held.add(p.name)
-            via = (f"a bridge replica on {next(c for r, c in bridges if r == p.role)} is starting"
-                   if any(r == p.role for r, _ in bridges) else
-                   f"no room for a surge replica on {p.accelerator_class} nor on another class the role allows")
-            blocked.append(f"{p.name}: its only ready replica would go down to roll to revision "
-                           f"{_revision_of(new)}; {via} (set spec.rollout.allowUnavailable to roll anyway)")
+            via = (
+                f"a bridge replica on {next(c for r, c in bridges if r == p.role)} is starting"
+                if any(r == p.role for r, _ in bridges)
+                else f"no room for a surge replica on {p.accelerator_class} nor on another class the role allows"
+            )
+            blocked.append(
+                f"{p.name}: its only ready replica would go down to roll to revision "
+                f"{_revision_of(new)}; {via} (set spec.rollout.allowUnavailable to roll anyway)"
+            )
     return bridges, held, blocked
 
 
-def _bridge(p: LivePool, plan: FleetPlan, ideal: FleetPlan, usable: Mapping[str, AcceleratorClassSpec],
-            spare: inventory.Inventory) -> Pool | None:
+def _bridge(
+    p: LivePool,
+    plan: FleetPlan,
+    ideal: FleetPlan,
+    usable: Mapping[str, AcceleratorClassSpec],
+    spare: inventory.Inventory,
+) -> Pool | None:
     """Another class of the role with room for one replica now, in placement order."""
     for c in ideal.ranking.get(p.role, ()):
         if c != p.accelerator_class and c in usable and spare.take(usable[c], 1)[1]:
@@ -340,8 +432,9 @@ def _revision_of(obj: Mapping[str, Any]) -> str:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_REVISION, "?")
 
 
-def _objects(obs: Observed, objects: list[dict[str, Any]], plan: FleetPlan, live: Sequence[LivePool],
-             held: set[str]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+def _objects(
+    obs: Observed, objects: list[dict[str, Any]], plan: FleetPlan, live: Sequence[LivePool], held: set[str]
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """The rendered children, with held pools keeping their live template; the children to delete (a pool the
     plan runs with 0 replicas, anything no longer rendered); the children left untouched (a live pool whose class
     is gone: it cannot be rendered)."""
@@ -351,14 +444,23 @@ def _objects(obs: Observed, objects: list[dict[str, Any]], plan: FleetPlan, live
         name = obj["metadata"]["name"]
         if obj["kind"] == "Deployment" and name in held:
             live_obj = children[_key(obj)]
-            obj = {**obj, "metadata": {**obj["metadata"], "labels": dict(live_obj["metadata"].get("labels") or {}),
-                                       "annotations": {**(obj["metadata"].get("annotations") or {}),
-                                                       **_template_annotations(live_obj)}},
-                   "spec": {**obj["spec"], "template": live_obj["spec"]["template"]}}
+            obj = {
+                **obj,
+                "metadata": {
+                    **obj["metadata"],
+                    "labels": dict(live_obj["metadata"].get("labels") or {}),
+                    "annotations": {**(obj["metadata"].get("annotations") or {}), **_template_annotations(live_obj)},
+                },
+                "spec": {**obj["spec"], "template": live_obj["spec"]["template"]},
+            }
         out.append(obj)
     rendered = {_key(o) for o in out}
-    kept = {f"Deployment/{p.name}" for p in live if p.accelerator_class not in obs.classes
-            and any(pp.role == p.role and pp.accelerator_class == p.accelerator_class for pp in plan.pools)}
+    kept = {
+        f"Deployment/{p.name}"
+        for p in live
+        if p.accelerator_class not in obs.classes
+        and any(pp.role == p.role and pp.accelerator_class == p.accelerator_class for pp in plan.pools)
+    }
     delete = sorted(k for k in children if k not in rendered and k not in kept)
     return out, delete, sorted(kept)
 
@@ -383,32 +485,61 @@ def previous_status(obs: Observed) -> InferenceDeploymentStatus | None:
     return obs.dep.status
 
 
-def _status(obs: Observed, serving: rollback.Serving, plan: FleetPlan, step: transition.Step,
-            blocked: Sequence[str]) -> InferenceDeploymentStatus:
+def _status(
+    obs: Observed, serving: rollback.Serving, plan: FleetPlan, step: transition.Step, blocked: Sequence[str]
+) -> InferenceDeploymentStatus:
     spec = serving.spec
     classes = {n: c for n, c in obs.classes.items()}
-    plan_cost = cost.plan_cost(dataclasses.replace(plan, pools=tuple(p for p in plan.pools if p.accelerator_class in classes)),
-                               classes, router_replicas=spec.router.replicas, router_cpu=obs.router_cpu)
-    ready = {c["metadata"]["name"]: int((c.get("status") or {}).get("readyReplicas") or 0)
-             for c in obs.children if c["kind"] == "Deployment"}
-    seen = status.Observed(ready=ready, router_ready=ready.get(names.router_name(obs.key[1]), 0),
-                           drift=step.drift, moving=step.moving, stuck=step.stuck, blocked=tuple(blocked))
+    plan_cost = cost.plan_cost(
+        dataclasses.replace(plan, pools=tuple(p for p in plan.pools if p.accelerator_class in classes)),
+        classes,
+        router_replicas=spec.router.replicas,
+        router_cpu=obs.router_cpu,
+    )
+    ready = {
+        c["metadata"]["name"]: int((c.get("status") or {}).get("readyReplicas") or 0)
+        for c in obs.children
+        if c["kind"] == "Deployment"
+    }
+    seen = status.Observed(
+        ready=ready,
+        router_ready=ready.get(names.router_name(obs.key[1]), 0),
+        drift=step.drift,
+        moving=step.moving,
+        stuck=step.stuck,
+        blocked=tuple(blocked),
+    )
     extra = dict(obs.inputs.extra_conditions)
     for c in serving.conditions:
         extra[c.type] = c
     for t in serving.cleared:
         extra.pop(t, None)
-    new = status.compute(name=obs.key[1], namespace=obs.key[0], plan=plan, cost=plan_cost, observed=seen,
-                         previous=previous_status(obs), generation=obs.dep.metadata.generation,
-                         revision=serving.revision, router_replicas=spec.router.replicas, now=obs.now,
-                         extra_conditions=list(extra.values()),
-                         worker_image=spec.engine.image or obs.worker_image)
+    new = status.compute(
+        name=obs.key[1],
+        namespace=obs.key[0],
+        plan=plan,
+        cost=plan_cost,
+        observed=seen,
+        previous=previous_status(obs),
+        generation=obs.dep.metadata.generation,
+        revision=serving.revision,
+        router_replicas=spec.router.replicas,
+        now=obs.now,
+        extra_conditions=list(extra.values()),
+        worker_image=spec.engine.image or obs.worker_image,
+    )
     fields = {**obs.inputs.extra_status, **serving.fields, "token_secret": obs.token_secret}
     return new.model_copy(update=fields)
 
 
-def _notices(obs: Observed, new: InferenceDeploymentStatus, plan: FleetPlan, step: transition.Step,
-             blocked: Sequence[str], delete: Sequence[str]) -> tuple[Notice, ...]:
+def _notices(
+    obs: Observed,
+    new: InferenceDeploymentStatus,
+    plan: FleetPlan,
+    step: transition.Step,
+    blocked: Sequence[str],
+    delete: Sequence[str],
+) -> tuple[Notice, ...]:
     """Events for what changed since the previous status (each said once)."""
     previous = previous_status(obs)
     out: list[Notice] = []
@@ -422,24 +553,44 @@ def _notices(obs: Observed, new: InferenceDeploymentStatus, plan: FleetPlan, ste
     if before != after or (old_cost is not None and old_cost != new.cost_per_hour):
         desc = ", ".join(f"{r} {n}x{a}" for r, a, n in after) or "no pools"
         reason = "Planned" if previous is None or not previous.pools else "Replanned"
-        out.append(Notice("Normal", reason, f"{why}: {desc}, ${new.cost_per_hour:.2f}/h, P:D {new.pd_ratio}"
-                          + "".join(f"; {m}" for m in step.moving)))
+        out.append(
+            Notice(
+                "Normal",
+                reason,
+                f"{why}: {desc}, ${new.cost_per_hour:.2f}/h, P:D {new.pd_ratio}"
+                + "".join(f"; {m}" for m in step.moving),
+            )
+        )
     retired = [k.split("/", 1)[1] for k in delete if k.startswith("Deployment/")]
     if retired:
         out.append(Notice("Normal", "PoolRetired", f"deleted {', '.join(retired)} ({why})"))
-    for type_, reason in ((PLACEMENT_DRIFT, "PlacementDrift"), (ROLLOUT_BLOCKED, ROLLOUT_BLOCKED),
-                          ("ScalingLimited", "ScalingLimited")):
+    for type_, reason in (
+        (PLACEMENT_DRIFT, "PlacementDrift"),
+        (ROLLOUT_BLOCKED, ROLLOUT_BLOCKED),
+        ("ScalingLimited", "ScalingLimited"),
+    ):
         was, now = rollback.condition(previous, type_), rollback.condition(new, type_)
-        if now is not None and now.status == "True" and (was is None or was.status != "True" or was.message != now.message):
+        if (
+            now is not None
+            and now.status == "True"
+            and (was is None or was.status != "True" or was.message != now.message)
+        ):
             out.append(Notice("Warning", reason, now.message or ""))
     return tuple(out)
 
 
-def apply_failed(new: InferenceDeploymentStatus, problems: Sequence[str], now: dt.datetime,
-                 generation: int | None) -> InferenceDeploymentStatus:
+def apply_failed(
+    new: InferenceDeploymentStatus, problems: Sequence[str], now: dt.datetime, generation: int | None
+) -> InferenceDeploymentStatus:
     """The status once some children could not be applied (a name taken by another owner, a rejection)."""
-    failed = Condition(type="Degraded", status="True", reason="ApplyFailed", message="; ".join(problems)[:32000],
-                       last_transition_time=now, observed_generation=generation)
+    failed = Condition(
+        type="Degraded",
+        status="True",
+        reason="ApplyFailed",
+        message="; ".join(problems)[:32000],
+        last_transition_time=now,
+        observed_generation=generation,
+    )
     return new.model_copy(update={"conditions": set_condition(list(new.conditions), failed)})
 
 
@@ -448,8 +599,13 @@ def apply_notices(result: Any, why: str) -> tuple[Notice, ...]:
     `result`: a `kube.client.ApplyResult` (drifted: child -> fields; problems)."""
     out = []
     if result.drifted:
-        out.append(Notice("Normal", "DriftReverted", "; ".join(
-            f"{k} ({', '.join(v[:4])})" for k, v in result.drifted.items()) + f" ({why})"))
+        out.append(
+            Notice(
+                "Normal",
+                "DriftReverted",
+                "; ".join(f"{k} ({', '.join(v[:4])})" for k, v in result.drifted.items()) + f" ({why})",
+            )
+        )
     if result.problems:
         out.append(Notice("Warning", "ApplyFailed", "; ".join(result.problems)))
     return tuple(out)

@@ -41,9 +41,9 @@ class RatioSample:
     """Requests and 5xx responses of one revision over the analysis window, measured at `time`."""
 
     time: float
-    requests: float | None      # increase of pdfleet_router_requests_total over the window
-    errors: float | None        # the same restricted to code=~"5.."
-    error: str = ""             # why the measurement is missing, when it is
+    requests: float | None  # increase of pdfleet_router_requests_total over the window
+    errors: float | None  # the same restricted to code=~"5.."
+    error: str = ""  # why the measurement is missing, when it is
 
     @property
     def ratio(self) -> float | None:
@@ -58,11 +58,11 @@ class RevisionHealth:
 
     revision: int
     started_at: float
-    rollback_target: bool = False      # this revision is being served because of a rollback
+    rollback_target: bool = False  # this revision is being served because of a rollback
     failing_since: float | None = None
     healthy_since: float | None = None
     stable: bool = False
-    done: bool = False                 # rolled back or paged: no further action for this revision
+    done: bool = False  # rolled back or paged: no further action for this revision
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -75,7 +75,7 @@ class RevisionHealth:
 @dataclass(frozen=True)
 class RollbackAction:
     kind: ActionKind
-    reason: str                        # machine reason for conditions and events
+    reason: str  # machine reason for conditions and events
     message: str
     ratio: float | None = None
 
@@ -91,8 +91,9 @@ def classify(sample: RatioSample, spec: RollbackSpec) -> Verdict:
     return "failing" if sample.errors / sample.requests > spec.error_ratio_threshold else "healthy"
 
 
-def analyze(health: RevisionHealth, sample: RatioSample, spec: RollbackSpec,
-            stable_revision: int | None) -> tuple[RevisionHealth, RollbackAction]:
+def analyze(
+    health: RevisionHealth, sample: RatioSample, spec: RollbackSpec, stable_revision: int | None
+) -> tuple[RevisionHealth, RollbackAction]:
     """Advance the revision's health by one measurement and say what the operator must do."""
     verdict = classify(sample, spec)
     now, ratio = sample.time, sample.ratio
@@ -100,40 +101,58 @@ def analyze(health: RevisionHealth, sample: RatioSample, spec: RollbackSpec,
     if health.done or not spec.enabled:
         return health, RollbackAction("none", "AnalysisInactive", "no analysis for this revision", ratio)
     if verdict == "unknown":
-        return health, RollbackAction("none", "MetricsUnavailable",
-                                      f"5xx ratio not measurable ({sample.error or 'no data'}); holding", None)
+        return health, RollbackAction(
+            "none", "MetricsUnavailable", f"5xx ratio not measurable ({sample.error or 'no data'}); holding", None
+        )
     if verdict == "inconclusive":
         held = replace(health, failing_since=None, healthy_since=None)
-        return held, RollbackAction("none", "Inconclusive",
-                                    f"{sample.requests:.0f} requests in the window, fewer than minRequests "
-                                    f"{spec.min_requests}: neither healthy nor failing", ratio)
+        return held, RollbackAction(
+            "none",
+            "Inconclusive",
+            f"{sample.requests:.0f} requests in the window, fewer than minRequests "
+            f"{spec.min_requests}: neither healthy nor failing",
+            ratio,
+        )
     if verdict == "healthy":
         since = health.healthy_since if health.healthy_since is not None else now
         health = replace(health, failing_since=None, healthy_since=since)
         if not health.stable and now - since >= parse_duration(spec.soak_time):
             return replace(health, stable=True), RollbackAction(
-                "mark_stable", "RevisionStable",
-                f"revision {health.revision} healthy for {spec.soak_time} (5xx ratio {shown})", ratio)
+                "mark_stable",
+                "RevisionStable",
+                f"revision {health.revision} healthy for {spec.soak_time} (5xx ratio {shown})",
+                ratio,
+            )
         return health, RollbackAction("none", "Healthy", f"5xx ratio {shown}", ratio)
 
     since = health.failing_since if health.failing_since is not None else now
     health = replace(health, failing_since=since, healthy_since=None)
     if now - since < parse_duration(spec.for_):
         return health, RollbackAction(
-            "none", "FailingPending",
-            f"5xx ratio {shown} above {spec.error_ratio_threshold:.2%} for {now - since:.0f}s of {spec.for_}", ratio)
+            "none",
+            "FailingPending",
+            f"5xx ratio {shown} above {spec.error_ratio_threshold:.2%} for {now - since:.0f}s of {spec.for_}",
+            ratio,
+        )
     health = replace(health, done=True)
     if health.rollback_target or stable_revision is None or stable_revision == health.revision:
-        why = ("it is itself the result of a rollback" if health.rollback_target
-               else "there is no earlier stable revision")
+        why = (
+            "it is itself the result of a rollback" if health.rollback_target else "there is no earlier stable revision"
+        )
         return health, RollbackAction(
-            "page", "RollbackFailed",
+            "page",
+            "RollbackFailed",
             f"revision {health.revision} has 5xx ratio {shown} above {spec.error_ratio_threshold:.2%} for "
-            f"{spec.for_}, and {why}: not rolling back again, a human must look", ratio)
+            f"{spec.for_}, and {why}: not rolling back again, a human must look",
+            ratio,
+        )
     return health, RollbackAction(
-        "rollback", "HighErrorRatio",
+        "rollback",
+        "HighErrorRatio",
         f"revision {health.revision} had 5xx ratio {shown} above {spec.error_ratio_threshold:.2%} for {spec.for_}; "
-        f"rolling back to stable revision {stable_revision}", ratio)
+        f"rolling back to stable revision {stable_revision}",
+        ratio,
+    )
 
 
 def health_from_alert(health: RevisionHealth, starts_at: float, spec: RollbackSpec) -> RevisionHealth:
@@ -150,6 +169,7 @@ def health_from_alert(health: RevisionHealth, starts_at: float, spec: RollbackSp
 
 # --- revisions ---------------------------------------------------------------------------------------
 
+
 def template_spec(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     """The part of a spec that decides what the pods run: a change here is a new revision.
 
@@ -161,8 +181,11 @@ def template_spec(spec: InferenceDeploymentSpec) -> dict[str, Any]:
 
 def template_of(wire: dict[str, Any]) -> dict[str, Any]:
     """`template_spec` of a spec's wire form, or of its `revision_wire`."""
-    roles = {role: {"acceleratorClasses": wire[role]["acceleratorClasses"], "resources": wire[role].get("resources", {})}
-             for role in ("prefill", "decode", "colocated") if role in wire}
+    roles = {
+        role: {"acceleratorClasses": wire[role]["acceleratorClasses"], "resources": wire[role].get("resources", {})}
+        for role in ("prefill", "decode", "colocated")
+        if role in wire
+    }
     return {
         "model": wire["model"],
         "engine": wire["engine"],
@@ -231,9 +254,9 @@ class Template:
 class Failed:
     """A rolled-back revision: not served again until a new generation brings a different template."""
 
-    revision: int               # the spec's revision when it was rolled back (status.failedRevision)
-    generation: int | None      # the generation rolled back (the RolledBack condition's observedGeneration)
-    fingerprint: str | None     # the spec's template then; None: not known (its ControllerRevision is gone)
+    revision: int  # the spec's revision when it was rolled back (status.failedRevision)
+    generation: int | None  # the generation rolled back (the RolledBack condition's observedGeneration)
+    fingerprint: str | None  # the spec's template then; None: not known (its ControllerRevision is gone)
 
 
 @dataclass(frozen=True)
@@ -242,12 +265,12 @@ class RollbackState:
 
     Every transition returns a new state: `serve` (each reconcile) and `act` (each analysis action)."""
 
-    template: Template | None = None   # the stored revision served instead of the spec
+    template: Template | None = None  # the stored revision served instead of the spec
     failed: Failed | None = None
     health: RevisionHealth | None = None
-    manual: str | None = None          # resourceVersion whose rollback-to was acted on
-    resumed: bool = False              # rebuilt from the cluster in this process (`resume`)
-    held: str | None = None            # pools left as they are, with the page's message
+    manual: str | None = None  # resourceVersion whose rollback-to was acted on
+    resumed: bool = False  # rebuilt from the cluster in this process (`resume`)
+    held: str | None = None  # pools left as they are, with the page's message
 
     def spec_moved_on(self, dep: InferenceDeployment) -> bool:
         """A rollback ends when the user changes the spec again to another template."""
@@ -325,8 +348,9 @@ def running_revisions(children: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
-def number_for(spec: InferenceDeploymentSpec, stored: Sequence[Mapping[str, Any]], running: Mapping[str, int],
-               fallback: int) -> int:
+def number_for(
+    spec: InferenceDeploymentSpec, stored: Sequence[Mapping[str, Any]], running: Mapping[str, int], fallback: int
+) -> int:
     """The revision number of this spec's pod template.
 
     `running`: template hash -> revision of what the pools and the ConfigMap run now; `fallback`: the
@@ -369,8 +393,13 @@ def condition(status: InferenceDeploymentStatus | None, type_: str) -> Condition
     return next((c for c in (status.conditions if status else []) if c.type == type_), None)
 
 
-def resume(status: InferenceDeploymentStatus | None, generation: int | None, spec: InferenceDeploymentSpec,
-           stored: Sequence[Mapping[str, Any]], serving: Mapping[str, Any] | None = None) -> Resumed:
+def resume(
+    status: InferenceDeploymentStatus | None,
+    generation: int | None,
+    spec: InferenceDeploymentSpec,
+    stored: Sequence[Mapping[str, Any]],
+    serving: Mapping[str, Any] | None = None,
+) -> Resumed:
     """The rollback state a previous process left in the cluster: `RolledBack=True` (its observedGeneration
     is the generation rolled back), status.currentRevision (the revision served instead of the spec),
     status.failedRevision and its ControllerRevision (the template not to re-apply). `serving`: the
@@ -394,10 +423,15 @@ def resume(status: InferenceDeploymentStatus | None, generation: int | None, spe
         why = "its ControllerRevision is gone (deleted by hand?)"
     except ValueError as exc:
         why = f"its ControllerRevision is unusable ({exc})"
-    return Resumed("hold", failed, message=(
-        f"revision {served}, served since revision {failed.revision} was rolled back, cannot be rendered: {why}. "
-        f"The pools are left as they are; change the spec, or annotate {ANNOTATION_ROLLBACK_TO}=N with a stored "
-        f"revision ({', '.join(str(number_of(r)) for r in stored) or 'none'})"))
+    return Resumed(
+        "hold",
+        failed,
+        message=(
+            f"revision {served}, served since revision {failed.revision} was rolled back, cannot be rendered: {why}. "
+            f"The pools are left as they are; change the spec, or annotate {ANNOTATION_ROLLBACK_TO}=N with a stored "
+            f"revision ({', '.join(str(number_of(r)) for r in stored) or 'none'})"
+        ),
+    )
 
 
 def paged_revision(status: InferenceDeploymentStatus | None) -> int | None:
@@ -413,27 +447,56 @@ def paged_revision(status: InferenceDeploymentStatus | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def health_for(revision: int, now: float, rollback_target: bool, stable: int | None,
-               status: InferenceDeploymentStatus | None) -> RevisionHealth:
+def health_for(
+    revision: int, now: float, rollback_target: bool, stable: int | None, status: InferenceDeploymentStatus | None
+) -> RevisionHealth:
     """The analysis state of a revision this process starts watching: what the status already says (it is
     the stable revision, it has paged) is not said again by a new process."""
-    return RevisionHealth(revision, now, rollback_target=rollback_target, stable=stable == revision,
-                          done=paged_revision(status) == revision)
+    return RevisionHealth(
+        revision,
+        now,
+        rollback_target=rollback_target,
+        stable=stable == revision,
+        done=paged_revision(status) == revision,
+    )
 
 
-def conditions_for(action: RollbackAction, failed: int, stable: int | None, generation: int | None,
-                   at: dt.datetime) -> list[Condition]:
+def conditions_for(
+    action: RollbackAction, failed: int, stable: int | None, generation: int | None, at: dt.datetime
+) -> list[Condition]:
     """RolledBack and Degraded for a rollback; Degraded for a page."""
     ratio = f"{action.ratio:.2%}" if action.ratio is not None else "n/a"
     if action.kind == "rollback":
         message = f"revision {failed} rolled back to {stable}: 5xx ratio {ratio}. {action.message}"
-        return [Condition(type="RolledBack", status="True", reason=action.reason, message=message,
-                          last_transition_time=at, observed_generation=generation),
-                Condition(type="Degraded", status="True", reason="RolledBack", message=message,
-                          last_transition_time=at, observed_generation=generation)]
+        return [
+            Condition(
+                type="RolledBack",
+                status="True",
+                reason=action.reason,
+                message=message,
+                last_transition_time=at,
+                observed_generation=generation,
+            ),
+            Condition(
+                type="Degraded",
+                status="True",
+                reason="RolledBack",
+                message=message,
+                last_transition_time=at,
+                observed_generation=generation,
+            ),
+        ]
     message = f"revision {failed}: 5xx ratio {ratio}. {action.message}"
-    return [Condition(type="Degraded", status="True", reason=action.reason, message=message,
-                      last_transition_time=at, observed_generation=generation)]
+    return [
+        Condition(
+            type="Degraded",
+            status="True",
+            reason=action.reason,
+            message=message,
+            last_transition_time=at,
+            observed_generation=generation,
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -451,23 +514,31 @@ class Serving:
 
     spec: InferenceDeploymentSpec
     revision: int
-    spec_revision: int                 # the revision of the user's spec (what a roll forward serves)
+    spec_revision: int  # the revision of the user's spec (what a roll forward serves)
     state: RollbackState
-    conditions: tuple[Condition, ...] = ()   # set on the status (and kept set) from now on
-    cleared: tuple[str, ...] = ()            # condition types no longer set by rollback
+    conditions: tuple[Condition, ...] = ()  # set on the status (and kept set) from now on
+    cleared: tuple[str, ...] = ()  # condition types no longer set by rollback
     fields: Mapping[str, Any] = field(default_factory=dict)  # status fields (failed_revision)
     notices: tuple[Notice, ...] = ()
-    remove_annotation: bool = False          # the one-shot rollback-to annotation was acted on
-    held: str | None = None                  # the pools are left as they are; page with this message
+    remove_annotation: bool = False  # the one-shot rollback-to annotation was acted on
+    held: str | None = None  # the pools are left as they are; page with this message
 
     @property
     def template(self) -> Template | None:
         return self.state.template
 
 
-def serve(state: RollbackState, dep: InferenceDeployment, *, stored: Sequence[Mapping[str, Any]],
-          served_record: Mapping[str, Any] | None, children: Sequence[Mapping[str, Any]],
-          annotation: str | None, resource_version: str | None, now: dt.datetime) -> Serving:
+def serve(
+    state: RollbackState,
+    dep: InferenceDeployment,
+    *,
+    stored: Sequence[Mapping[str, Any]],
+    served_record: Mapping[str, Any] | None,
+    children: Sequence[Mapping[str, Any]],
+    annotation: str | None,
+    resource_version: str | None,
+    now: dt.datetime,
+) -> Serving:
     """One reconcile's step of the state machine: resume (once per process), roll forward when the spec moved on,
     a rollback by hand (`pdfleet.io/rollback-to=N`, once per version of the object), hold when the revision
     to serve cannot be rendered."""
@@ -480,10 +551,16 @@ def serve(state: RollbackState, dep: InferenceDeployment, *, stored: Sequence[Ma
         state = _resumed(state, resume(dep.status, generation, dep.spec, stored, served_record))
     if state.spec_moved_on(dep):
         assert state.failed is not None
-        conditions.append(Condition(
-            type="RolledBack", status="False", reason="RolledForward",
-            message=f"the spec changed after revision {state.failed.revision} was rolled back",
-            last_transition_time=now, observed_generation=generation))
+        conditions.append(
+            Condition(
+                type="RolledBack",
+                status="False",
+                reason="RolledForward",
+                message=f"the spec changed after revision {state.failed.revision} was rolled back",
+                last_transition_time=now,
+                observed_generation=generation,
+            )
+        )
         cleared.append("Degraded")
         state = replace(state, template=None, held=None, failed=None)
     fallback = dep.status.current_revision if dep.status and dep.status.current_revision else 1
@@ -497,12 +574,31 @@ def serve(state: RollbackState, dep: InferenceDeployment, *, stored: Sequence[Ma
         notices.append(said)
     if state.held is not None:
         if state.template is None:
-            return Serving(dep.spec, spec_revision, spec_revision, state, tuple(conditions), tuple(cleared), fields,
-                           tuple(notices), remove, held=state.held)
+            return Serving(
+                dep.spec,
+                spec_revision,
+                spec_revision,
+                state,
+                tuple(conditions),
+                tuple(cleared),
+                fields,
+                tuple(notices),
+                remove,
+                held=state.held,
+            )
         state = replace(state, held=None)  # a rollback by hand named a stored revision
     template = state.template
-    return Serving(template.spec if template else dep.spec, template.revision if template else spec_revision,
-                   spec_revision, state, tuple(conditions), tuple(cleared), fields, tuple(notices), remove)
+    return Serving(
+        template.spec if template else dep.spec,
+        template.revision if template else spec_revision,
+        spec_revision,
+        state,
+        tuple(conditions),
+        tuple(cleared),
+        fields,
+        tuple(notices),
+        remove,
+    )
 
 
 def _resumed(state: RollbackState, resumed: Resumed) -> RollbackState:
@@ -521,27 +617,47 @@ def _resumed(state: RollbackState, resumed: Resumed) -> RollbackState:
     return state  # "roll_forward": the failed revision is remembered only for spec_moved_on to end the rollback
 
 
-def _by_hand(state: RollbackState, dep: InferenceDeployment, wanted: str, stored: Sequence[Mapping[str, Any]],
-             spec_revision: int, now: dt.datetime, conditions: list[Condition], fields: dict[str, Any]
-             ) -> tuple[RollbackState, Notice]:
+def _by_hand(
+    state: RollbackState,
+    dep: InferenceDeployment,
+    wanted: str,
+    stored: Sequence[Mapping[str, Any]],
+    spec_revision: int,
+    now: dt.datetime,
+    conditions: list[Condition],
+    fields: dict[str, Any],
+) -> tuple[RollbackState, Notice]:
     """`kubectl annotate infdep X pdfleet.io/rollback-to=N`: serve revision N until the spec changes again.
     The annotation is a one-shot command, removed once acted on (or rejected with a Warning Event)."""
     target = find(stored, int(wanted)) if wanted.isdigit() else None
     current = state.template.revision if state.template is not None else spec_revision
     if target is None:
         known = ", ".join(str(number_of(r)) for r in stored) or "none"
-        return state, Notice("Warning", "RollbackRejected",
-                             f"{ANNOTATION_ROLLBACK_TO}={wanted!r} names no stored revision (stored: {known}; "
-                             f"serving: {current})")
+        return state, Notice(
+            "Warning",
+            "RollbackRejected",
+            f"{ANNOTATION_ROLLBACK_TO}={wanted!r} names no stored revision (stored: {known}; serving: {current})",
+        )
     number = number_of(target)
     # What is not re-applied until the spec changes is the spec's own revision (status.failedRevision, which
     # a restart reads back), whichever revision was being served.
-    state = replace(state, template=Template(number, spec_for_rollback(target, dep.spec)),
-                    failed=Failed(spec_revision, dep.metadata.generation, fingerprint(template_spec(dep.spec))))
+    state = replace(
+        state,
+        template=Template(number, spec_for_rollback(target, dep.spec)),
+        failed=Failed(spec_revision, dep.metadata.generation, fingerprint(template_spec(dep.spec))),
+    )
     fields["failed_revision"] = spec_revision
     message = f"revision {current} rolled back to {number} by hand ({ANNOTATION_ROLLBACK_TO})"
-    conditions.append(Condition(type="RolledBack", status="True", reason="ManualRollback", message=message,
-                                last_transition_time=now, observed_generation=dep.metadata.generation))
+    conditions.append(
+        Condition(
+            type="RolledBack",
+            status="True",
+            reason="ManualRollback",
+            message=message,
+            last_transition_time=now,
+            observed_generation=dep.metadata.generation,
+        )
+    )
     return state, Notice("Normal", "RolledBack", message)
 
 
@@ -556,8 +672,16 @@ class Acted:
     template_changed: bool = False
 
 
-def act(state: RollbackState, action: RollbackAction, dep: InferenceDeployment, served: int, stable: int | None,
-        stable_record: Mapping[str, Any] | None, source: str, now: dt.datetime) -> Acted:
+def act(
+    state: RollbackState,
+    action: RollbackAction,
+    dep: InferenceDeployment,
+    served: int,
+    stable: int | None,
+    stable_record: Mapping[str, Any] | None,
+    source: str,
+    now: dt.datetime,
+) -> Acted:
     """The analysis said `action` about revision `served`: mark it stable, roll back to `stable` (whose stored
     record is `stable_record`, None when it is gone: then page instead), or page."""
     generation = dep.metadata.generation
@@ -566,17 +690,31 @@ def act(state: RollbackState, action: RollbackAction, dep: InferenceDeployment, 
     if action.kind == "rollback":
         assert stable is not None, "a rollback needs a stable revision"
         if stable_record is None:
-            action = RollbackAction("page", "RollbackFailed", f"stable revision {stable} is not stored "
-                                    f"(pruned or deleted); {action.message}", action.ratio)
+            action = RollbackAction(
+                "page",
+                "RollbackFailed",
+                f"stable revision {stable} is not stored (pruned or deleted); {action.message}",
+                action.ratio,
+            )
         else:
-            state = replace(state, failed=Failed(served, generation, fingerprint(template_spec(dep.spec))),
-                            template=Template(stable, spec_for_rollback(stable_record, dep.spec)))
-            return Acted(state, tuple(conditions_for(action, served, stable, generation, now)),
-                         {"failed_revision": served},
-                         Notice("Warning", "RolledBack",
-                                f"revision {served} rolled back to {stable} ({source}): {action.message}"),
-                         template_changed=True)
+            state = replace(
+                state,
+                failed=Failed(served, generation, fingerprint(template_spec(dep.spec))),
+                template=Template(stable, spec_for_rollback(stable_record, dep.spec)),
+            )
+            return Acted(
+                state,
+                tuple(conditions_for(action, served, stable, generation, now)),
+                {"failed_revision": served},
+                Notice(
+                    "Warning", "RolledBack", f"revision {served} rolled back to {stable} ({source}): {action.message}"
+                ),
+                template_changed=True,
+            )
     if action.kind == "page":
-        return Acted(state, tuple(conditions_for(action, served, stable, generation, now)),
-                     notice=Notice("Warning", action.reason, action.message))
+        return Acted(
+            state,
+            tuple(conditions_for(action, served, stable, generation, now)),
+            notice=Notice("Warning", action.reason, action.message),
+        )
     return Acted(state)

@@ -56,21 +56,27 @@ class ScalerState:
         return cls(replicas=sizes)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "replicas": dict(self.replicas),
-            "recommendations": {role: [list(p) for p in hist] for role, hist in self.recommendations.items()},
-            "lastScaleUp": dict(self.last_scale_up),
-            "watchingSince": dict(self.watching_since),
-            "lastNeed": {role: list(p) for role, p in self.last_need.items()},
-            "throughput": dict(self.throughput),
-            "samples": {role: [list(x) for x in hist] for role, hist in self.samples.items()},
-            "lastQueue": {role: list(p) for role, p in self.last_queue.items()},
-            "generationPerPrompt": self.generation_per_prompt,
-            "classThroughput": {role: dict(by_class) for role, by_class in self.class_throughput.items()},
-            "classSamples": {role: {cls: [list(x) for x in hist] for cls, hist in by_class.items()}
-                             for role, by_class in self.class_samples.items()},
-            "rateHistory": {role: [list(p) for p in hist] for role, hist in self.rate_history.items()},
-        }, sort_keys=True, separators=(",", ":"))
+        return json.dumps(
+            {
+                "replicas": dict(self.replicas),
+                "recommendations": {role: [list(p) for p in hist] for role, hist in self.recommendations.items()},
+                "lastScaleUp": dict(self.last_scale_up),
+                "watchingSince": dict(self.watching_since),
+                "lastNeed": {role: list(p) for role, p in self.last_need.items()},
+                "throughput": dict(self.throughput),
+                "samples": {role: [list(x) for x in hist] for role, hist in self.samples.items()},
+                "lastQueue": {role: list(p) for role, p in self.last_queue.items()},
+                "generationPerPrompt": self.generation_per_prompt,
+                "classThroughput": {role: dict(by_class) for role, by_class in self.class_throughput.items()},
+                "classSamples": {
+                    role: {cls: [list(x) for x in hist] for cls, hist in by_class.items()}
+                    for role, by_class in self.class_samples.items()
+                },
+                "rateHistory": {role: [list(p) for p in hist] for role, hist in self.rate_history.items()},
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "ScalerState":
@@ -84,25 +90,39 @@ class ScalerState:
             raw = json.loads(text)
             return cls(
                 replicas={str(r): int(n) for r, n in raw["replicas"].items()},
-                recommendations={str(r): tuple((float(t), int(n)) for t, n in hist)
-                                 for r, hist in raw["recommendations"].items()},
+                recommendations={
+                    str(r): tuple((float(t), int(n)) for t, n in hist) for r, hist in raw["recommendations"].items()
+                },
                 last_scale_up={str(r): float(t) for r, t in raw["lastScaleUp"].items()},
                 watching_since={str(r): float(t) for r, t in raw["watchingSince"].items()},
                 last_need={str(r): (float(t), float(n)) for r, (t, n) in raw["lastNeed"].items()},
                 throughput={str(r): float(c) for r, c in raw.get("throughput", {}).items()},
-                samples={str(r): tuple((float(t), int(n), bool(sat)) for t, n, sat in hist)
-                         for r, hist in raw.get("samples", {}).items()},
+                samples={
+                    str(r): tuple((float(t), int(n), bool(sat)) for t, n, sat in hist)
+                    for r, hist in raw.get("samples", {}).items()
+                },
                 last_queue={str(r): (float(t), float(q)) for r, (t, q) in raw.get("lastQueue", {}).items()},
-                generation_per_prompt=(None if raw.get("generationPerPrompt") is None
-                                       else float(raw["generationPerPrompt"])),
-                class_throughput={str(r): {str(k): float(c) for k, c in by_class.items()}
-                                  for r, by_class in raw.get("classThroughput", {}).items()},
-                class_samples={str(r): {str(k): tuple((float(t), int(n), bool(sat)) for t, n, sat in hist)
-                                        for k, hist in by_class.items()}
-                               for r, by_class in raw.get("classSamples", {}).items()},
-                rate_history={str(r): tuple((float(t), float(v), int(n)) for t, v, n in hist)
-                              for r, hist in raw.get("rateHistory", {}).items()},
+                generation_per_prompt=(
+                    None if raw.get("generationPerPrompt") is None else float(raw["generationPerPrompt"])
+                ),
+                class_throughput={
+                    str(r): {str(k): float(c) for k, c in by_class.items()}
+                    for r, by_class in raw.get("classThroughput", {}).items()
+                },
+                class_samples={
+                    str(r): {
+                        str(k): tuple((float(t), int(n), bool(sat)) for t, n, sat in hist)
+                        for k, hist in by_class.items()
+                    }
+                    for r, by_class in raw.get("classSamples", {}).items()
+                },
+                rate_history={
+                    str(r): tuple((float(t), float(v), int(n)) for t, v, n in hist)
+                    for r, hist in raw.get("rateHistory", {}).items()
+                },
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"invalid autoscaler state {text[:200]!r}: {exc}") from exc
+
+
 Samples = tuple[tuple[float, int, bool], ...]  # (time, replicas reporting, saturated) per decision

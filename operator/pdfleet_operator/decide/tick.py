@@ -42,9 +42,16 @@ class ScalingTick:
         return ", ".join(f"{d.role} {d.current}->{d.desired} ({d.reason})" for d in self.moved)
 
 
-def scale(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSnapshot, now: float,
-          plan: FleetPlan | None, *, current: Mapping[str, int] | None = None,
-          policy: Policy = autoscaler.PDFLEET) -> ScalingTick:
+def scale(
+    spec: InferenceDeploymentSpec,
+    state: ScalerState,
+    snapshot: MetricsSnapshot,
+    now: float,
+    plan: FleetPlan | None,
+    *,
+    current: Mapping[str, int] | None = None,
+    policy: Policy = autoscaler.PDFLEET,
+) -> ScalingTick:
     """Decide every role's size from `snapshot` against `plan`, the deployment's last plan (None before the first).
 
     Capacity and the order in which classes fill come from `plan` (no plan: unbounded, no order).
@@ -56,6 +63,7 @@ def scale(spec: InferenceDeploymentSpec, state: ScalerState, snapshot: MetricsSn
     order = {role: plan.class_capacity(role) for role in roles} or None
     if current is None:
         current = {role: plan.replicas(role) for role in roles}
-    decisions, state = autoscaler.decide(spec, state, snapshot, now, capacity, current=dict(current) or None,
-                                         policy=policy, order=order)
+    decisions, state = autoscaler.decide(
+        spec, state, snapshot, now, capacity, current=dict(current) or None, policy=policy, order=order
+    )
     return ScalingTick(decisions, state)

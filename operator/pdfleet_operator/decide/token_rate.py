@@ -59,16 +59,16 @@ class TokenRate:
     per-class breakdown); a class not learned yet is assumed to serve like the learned replicas.
     """
 
-    served: float | None       # tokens/s served over the rate window (None: the engine does not export it)
-    queued: float | None       # tokens waiting to be served (prefill's prompt tokens; None where unknown)
-    per_class: Mapping[str, float]   # class -> tokens/s one replica serves when saturated (learned ones only)
-    replicas: Mapping[str, int]      # class -> replicas reporting now
-    samples: Mapping[str, Samples]   # class -> its samples over the rate window
-    steady: bool = False       # no request waiting at this decision nor at the one before
+    served: float | None  # tokens/s served over the rate window (None: the engine does not export it)
+    queued: float | None  # tokens waiting to be served (prefill's prompt tokens; None where unknown)
+    per_class: Mapping[str, float]  # class -> tokens/s one replica serves when saturated (learned ones only)
+    replicas: Mapping[str, int]  # class -> replicas reporting now
+    samples: Mapping[str, Samples]  # class -> its samples over the rate window
+    steady: bool = False  # no request waiting at this decision nor at the one before
     ahead: float | None = None  # tokens/s on their way (decode: what prefill's arrivals will generate)
-    growth: float = 0.0        # tokens/s a surge of arrivals adds by when new replicas serve (`arrival_trend`)
+    growth: float = 0.0  # tokens/s a surge of arrivals adds by when new replicas serve (`arrival_trend`)
     floor: float | None = None  # the lowest served rate over the scale-down window (`rate_floor`)
-    peak: float | None = None   # the highest served rate over the scale-down window (`rate_peak`)
+    peak: float | None = None  # the highest served rate over the scale-down window (`rate_peak`)
 
     @property
     def per_replica(self) -> float | None:
@@ -96,7 +96,9 @@ class TokenRate:
         return tuple(self.per_class.get(cls, default) for cls, cap in order for _ in range(cap))
 
 
-def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float, max_num_seqs: int | None = None) -> TokenRate:
+def observe_rate(
+    role: str, m: RoleMetrics, state: ScalerState, now: float, max_num_seqs: int | None = None
+) -> TokenRate:
     """The role's token rate, queue and learned per-replica throughput of each class, after this snapshot.
 
     A class is saturated while requests wait on its replicas (its engines run full token budgets or
@@ -127,19 +129,33 @@ def observe_rate(role: str, m: RoleMetrics, state: ScalerState, now: float, max_
     before = [x for hist in window.values() for x in hist[:-1]]
     last = max((t for t, _, _ in before), default=None)
     steady = last is not None and m.waiting == 0 and not any(sat for t, _, sat in before if t == last)
-    return TokenRate(served=served, queued=queued, per_class=learned,
-                     replicas={cls: n for cls, (n, _, _) in parts.items()}, samples=window, steady=steady)
+    return TokenRate(
+        served=served,
+        queued=queued,
+        per_class=learned,
+        replicas={cls: n for cls, (n, _, _) in parts.items()},
+        samples=window,
+        steady=steady,
+    )
 
 
-def class_parts(role: str, m: RoleMetrics, max_num_seqs: int | None = None) -> dict[str, tuple[int, bool, float | None]]:
+def class_parts(
+    role: str, m: RoleMetrics, max_num_seqs: int | None = None
+) -> dict[str, tuple[int, bool, float | None]]:
     """class -> (replicas reporting, saturated, tokens/s served) of the role; the whole role as one
     class (`WHOLE_ROLE`) when the snapshot has no per-class breakdown or one without the served rate."""
     name = SERVED_TOKENS[role]
     whole = getattr(m, name)
     full = room_used_up(role, m, max_num_seqs)
     if m.classes and (whole is None or all(getattr(c, name) is not None for c in m.classes.values())):
-        return {cls: (c.replicas_reporting, full and c.waiting >= SATURATED_WAITING * c.replicas_reporting,
-                      getattr(c, name)) for cls, c in m.classes.items()}
+        return {
+            cls: (
+                c.replicas_reporting,
+                full and c.waiting >= SATURATED_WAITING * c.replicas_reporting,
+                getattr(c, name),
+            )
+            for cls, c in m.classes.items()
+        }
     return {WHOLE_ROLE: (m.replicas_reporting, full and m.waiting >= SATURATED_WAITING * m.replicas_reporting, whole)}
 
 
@@ -217,8 +233,9 @@ def generation_ratio(previous: float | None, prefill: TokenRate, decode: TokenRa
     return observed if previous is None else previous + THROUGHPUT_WEIGHT * (observed - previous)
 
 
-def arrival_rate(served: float, queued: float | None, last: tuple[float, float] | None, now: float,
-                 interval: float) -> float:
+def arrival_rate(
+    served: float, queued: float | None, last: tuple[float, float] | None, now: float, interval: float
+) -> float:
     """Tokens/s arriving: those served plus the queue's growth since the last decision (flow conservation).
 
     NOTE: a saturated role serves at its capacity whatever arrives, so its served rate alone never asks
@@ -228,6 +245,8 @@ def arrival_rate(served: float, queued: float | None, last: tuple[float, float] 
     if queued is None or last is None or not 0 < now - last[0] <= 3 * interval:
         return served
     return max(0.0, served + (queued - last[1]) / (now - last[0]))
+
+
 RateHistory = tuple[tuple[float, float, int], ...]  # (time, tokens/s served, replicas reporting) per decision
 
 
@@ -264,8 +283,11 @@ def surge_growth(history: RateHistory, now: float, interval: float) -> float:
     arrivals rose at least as much.
     """
     history = tuple(x for x in history if now - x[0] <= 2 * RATE_WINDOW_S)
-    if not history or history[0][0] > now - RATE_WINDOW_S - TREND_INTERVALS * interval + _EPS \
-            or len({n for _, _, n in history}) > 1:
+    if (
+        not history
+        or history[0][0] > now - RATE_WINDOW_S - TREND_INTERVALS * interval + _EPS
+        or len({n for _, _, n in history}) > 1
+    ):
         return 0.0
     return arrival_trend(tuple((t, v) for t, v, _ in history), now, interval) * (RATE_WINDOW_S / 2 + TREND_HORIZON_S)
 
@@ -282,15 +304,20 @@ def arrival_trend(history: Sequence[tuple[float, float]], now: float, interval: 
     pts = [x for x in history if now - x[0] <= TREND_INTERVALS * interval + _EPS]
     if len(pts) < TREND_INTERVALS + 1 or pts[-1][0] != now:
         return 0.0
-    pts = pts[-(TREND_INTERVALS + 1):]
+    pts = pts[-(TREND_INTERVALS + 1) :]
     (t0, first), (t1, last) = pts[0], pts[-1]
     if first <= 0 or any(b <= a for (_, a), (_, b) in zip(pts, pts[1:])) or last - first < SURGE_RISE * first:
         return 0.0
     return (last - first) / (t1 - t0)
 
 
-def tokens_needed(arriving: float, queued: float | None, utilization: float,
-                  drain_s: float = RATE_WINDOW_S, floor: float | None = None) -> float:
+def tokens_needed(
+    arriving: float,
+    queued: float | None,
+    utilization: float,
+    drain_s: float = RATE_WINDOW_S,
+    floor: float | None = None,
+) -> float:
     """Saturated tokens/s a role needs, by Little's law: the arrivals, a headroom of (1 / utilization - 1)
     times the arrivals (or times `floor`, when given and lower), plus what drains the queued tokens
     within `drain_s` (one rate window by default, so the next window measures arrivals rather than
@@ -321,8 +348,9 @@ def replicas_for(tokens_per_s: float, slots: Sequence[float]) -> float:
     return need + left / slots[-1]
 
 
-def rate_need(arriving: float, queued: float | None, per_replica: float, utilization: float,
-              drain_s: float = RATE_WINDOW_S) -> float:
+def rate_need(
+    arriving: float, queued: float | None, per_replica: float, utilization: float, drain_s: float = RATE_WINDOW_S
+) -> float:
     """Replicas' worth of token work for replicas that all serve `per_replica` tokens/s when saturated."""
     if per_replica <= 0 or not 0 < utilization <= 1:
         raise ValueError(f"rate_need: per_replica {per_replica} must be > 0 and utilization {utilization} in (0, 1]")

@@ -50,11 +50,11 @@ class LivePool:
     name: str
     role: str
     accelerator_class: str
-    replicas: int                   # spec.replicas
-    ready: int                      # pods passing readiness, whichever template: they serve
-    displaced: int = 0              # pods on a cordoned, NotReady or vanished node (not being deleted)
+    replicas: int  # spec.replicas
+    ready: int  # pods passing readiness, whichever template: they serve
+    displaced: int = 0  # pods on a cordoned, NotReady or vanished node (not being deleted)
     displaced_why: tuple[str, ...] = ()  # NODE_CORDONED, NODE_NOT_READY, NODE_GONE: one per such pod's node state
-    rolling: bool = False           # not every replica runs the Deployment's current template and is ready
+    rolling: bool = False  # not every replica runs the Deployment's current template and is ready
 
     @property
     def key(self) -> Pool:
@@ -81,18 +81,26 @@ class Step:
 
     replicas: Mapping[Pool, int]
     drift: tuple[Drift, ...] = ()
-    moving: tuple[str, ...] = ()   # what is being handed over, one line per role (Progressing)
-    stuck: tuple[str, ...] = ()    # roles whose move cannot progress, with why (PlacementDrift message)
+    moving: tuple[str, ...] = ()  # what is being handed over, one line per role (Progressing)
+    stuck: tuple[str, ...] = ()  # roles whose move cannot progress, with why (PlacementDrift message)
     released: tuple[Pool, ...] = ()  # pools that gave up a serving replica for one-at-a-time moves
 
     def of(self, role: str) -> dict[str, int]:
         return {c: n for (r, c), n in self.replicas.items() if r == role}
 
 
-def step(targets: Mapping[str, int], minimums: Mapping[str, int], ideal: Mapping[Pool, int],
-         ranking: Mapping[str, Sequence[str]], live: Sequence[LivePool], free_now: Inventory,
-         classes: Mapping[str, AcceleratorClassSpec], *, unusable: Mapping[str, tuple[str, str]] | None = None,
-         holding: frozenset[str] = frozenset()) -> Step:
+def step(
+    targets: Mapping[str, int],
+    minimums: Mapping[str, int],
+    ideal: Mapping[Pool, int],
+    ranking: Mapping[str, Sequence[str]],
+    live: Sequence[LivePool],
+    free_now: Inventory,
+    classes: Mapping[str, AcceleratorClassSpec],
+    *,
+    unusable: Mapping[str, tuple[str, str]] | None = None,
+    holding: frozenset[str] = frozenset(),
+) -> Step:
     """The next pools of every role in `targets`.
 
     `ideal`: replicas per pool placement would plan on capacity that counts this deployment's own units as free
@@ -106,16 +114,41 @@ def step(targets: Mapping[str, int], minimums: Mapping[str, int], ideal: Mapping
     for role, target in targets.items():
         pools = {p.accelerator_class: p for p in live if p.role == role}
         order = list(ranking.get(role, ())) + sorted(c for c in pools if c not in ranking.get(role, ()))
-        role_step, free = _role_step(role, target, minimums.get(role, 0), order, ideal, pools, free, classes,
-                                     dict(unusable or {}), holding=role in holding)
-        out = Step({**out.replicas, **role_step.replicas}, out.drift + role_step.drift, out.moving + role_step.moving,
-                   out.stuck + role_step.stuck, out.released + role_step.released)
+        role_step, free = _role_step(
+            role,
+            target,
+            minimums.get(role, 0),
+            order,
+            ideal,
+            pools,
+            free,
+            classes,
+            dict(unusable or {}),
+            holding=role in holding,
+        )
+        out = Step(
+            {**out.replicas, **role_step.replicas},
+            out.drift + role_step.drift,
+            out.moving + role_step.moving,
+            out.stuck + role_step.stuck,
+            out.released + role_step.released,
+        )
     return out
 
 
-def _role_step(role: str, target: int, minimum: int, order: Sequence[str], ideal: Mapping[Pool, int],
-               pools: Mapping[str, LivePool], free: Inventory, classes: Mapping[str, AcceleratorClassSpec],
-               unusable: Mapping[str, tuple[str, str]], *, holding: bool) -> tuple[Step, Inventory]:
+def _role_step(
+    role: str,
+    target: int,
+    minimum: int,
+    order: Sequence[str],
+    ideal: Mapping[Pool, int],
+    pools: Mapping[str, LivePool],
+    free: Inventory,
+    classes: Mapping[str, AcceleratorClassSpec],
+    unusable: Mapping[str, tuple[str, str]],
+    *,
+    holding: bool,
+) -> tuple[Step, Inventory]:
     """One role: grow towards the ideal, shed what neither serves nor is needed, shed serving surplus above the
     target, then (nothing else in flight) move one replica where the only room is what an old replica holds."""
     replicas, free = _grow(role, order, ideal, pools, free, classes)
@@ -126,21 +159,25 @@ def _role_step(role: str, target: int, minimum: int, order: Sequence[str], ideal
     missing = sum(max(0, want[c] - (replicas[c] - _displaced(pools, c))) for c in order)
     # Replicas on their way to serving: starting ones (not those stuck on a NotReady node) and new ones.
     in_flight = sum(max(0, p.unready - p.displaced) for p in pools.values()) + sum(
-        max(0, replicas[c] - (pools[c].replicas if c in pools else 0)) for c in order)
+        max(0, replicas[c] - (pools[c].replicas if c in pools else 0)) for c in order
+    )
     surplus = {c: replicas[c] - want[c] - p.displaced for c, p in pools.items() if replicas[c] > want[c] + p.displaced}
     moving: list[str] = []
     stuck: list[str] = []
     released: list[Pool] = []
     if missing and surplus:
-        move = _one_at_a_time(order, want, replicas, pools, surplus, classes, free, minimum, in_flight=in_flight,
-                              holding=holding)
+        move = _one_at_a_time(
+            order, want, replicas, pools, surplus, classes, free, minimum, in_flight=in_flight, holding=holding
+        )
         if move is not None and move[0] is not None:
             victim, replacement = move
             replicas[victim] -= 1
             replicas[replacement] += 1
             released.append((role, victim))
-            moving.append(f"{role}: moving one replica from {pools[victim].name} to {replacement} (the only "
-                          f"capacity for it is what the old replica holds)")
+            moving.append(
+                f"{role}: moving one replica from {pools[victim].name} to {replacement} (the only "
+                f"capacity for it is what the old replica holds)"
+            )
         elif move is not None:
             stuck.append(f"{role}: {move[1]}")
     displaced = sum(p.displaced for p in pools.values())
@@ -149,10 +186,12 @@ def _role_step(role: str, target: int, minimum: int, order: Sequence[str], ideal
     drift = [d for c, p in pools.items() for d in _drift(p, want.get(c, 0), replicas[c], unusable, classes)]
     kept = [c for c in order if c in pools and replicas[c] > want[c] + pools[c].displaced]
     if kept:
-        moving.append(f"{role}: keeping " + ", ".join(f"{pools[c].name} {pools[c].ready}/{replicas[c]} ready"
-                                                      for c in kept)
-                      + f" until the replacements serve ({sum(p.ready for p in pools.values())} of {target} "
-                        f"ready in the role)")
+        moving.append(
+            f"{role}: keeping "
+            + ", ".join(f"{pools[c].name} {pools[c].ready}/{replicas[c]} ready" for c in kept)
+            + f" until the replacements serve ({sum(p.ready for p in pools.values())} of {target} "
+            f"ready in the role)"
+        )
     runs = {(role, c): n for c, n in replicas.items() if n > 0 or c in pools}
     return Step(runs, tuple(drift), tuple(moving), tuple(stuck), tuple(released)), free
 
@@ -161,8 +200,14 @@ def _displaced(pools: Mapping[str, LivePool], c: str) -> int:
     return pools[c].displaced if c in pools else 0
 
 
-def _grow(role: str, order: Sequence[str], ideal: Mapping[Pool, int], pools: Mapping[str, LivePool],
-          free: Inventory, classes: Mapping[str, AcceleratorClassSpec]) -> tuple[dict[str, int], Inventory]:
+def _grow(
+    role: str,
+    order: Sequence[str],
+    ideal: Mapping[Pool, int],
+    pools: Mapping[str, LivePool],
+    free: Inventory,
+    classes: Mapping[str, AcceleratorClassSpec],
+) -> tuple[dict[str, int], Inventory]:
     """Each class up to what the ideal wants of it on healthy nodes, within capacity free now."""
     replicas: dict[str, int] = {}
     for c in order:
@@ -177,8 +222,13 @@ def _grow(role: str, order: Sequence[str], ideal: Mapping[Pool, int], pools: Map
     return replicas, free
 
 
-def _shed_idle(replicas: dict[str, int], want: Mapping[str, int], pools: Mapping[str, LivePool],
-               classes: Mapping[str, AcceleratorClassSpec], target: int) -> None:
+def _shed_idle(
+    replicas: dict[str, int],
+    want: Mapping[str, int],
+    pools: Mapping[str, LivePool],
+    classes: Mapping[str, AcceleratorClassSpec],
+    target: int,
+) -> None:
     """Surplus replicas that do not serve go at once (a ReplicaSet removes its not-ready pods first), but never
     below the role's target: where the ideal is short of capacity (a NotReady node's pods evicted, their
     replacements Pending) those replicas are how the role comes back, not surplus."""
@@ -192,8 +242,14 @@ def _shed_idle(replicas: dict[str, int], want: Mapping[str, int], pools: Mapping
         budget -= cut
 
 
-def _shed_serving(replicas: dict[str, int], want: Mapping[str, int], pools: Mapping[str, LivePool],
-                  order: Sequence[str], excess: int, classes: Mapping[str, AcceleratorClassSpec]) -> None:
+def _shed_serving(
+    replicas: dict[str, int],
+    want: Mapping[str, int],
+    pools: Mapping[str, LivePool],
+    order: Sequence[str],
+    excess: int,
+    classes: Mapping[str, AcceleratorClassSpec],
+) -> None:
     """Serving surplus goes worst class first, only as far as the role's ready replicas exceed its target."""
     for c in reversed(order):
         if excess <= 0:
@@ -215,9 +271,19 @@ def _shed_serving(replicas: dict[str, int], want: Mapping[str, int], pools: Mapp
         excess -= cut
 
 
-def _one_at_a_time(order: Sequence[str], want: Mapping[str, int], replicas: Mapping[str, int],
-                   pools: Mapping[str, LivePool], surplus: Mapping[str, int], classes: Mapping[str, AcceleratorClassSpec],
-                   free: Inventory, minimum: int, *, in_flight: int, holding: bool) -> tuple[str | None, str] | None:
+def _one_at_a_time(
+    order: Sequence[str],
+    want: Mapping[str, int],
+    replicas: Mapping[str, int],
+    pools: Mapping[str, LivePool],
+    surplus: Mapping[str, int],
+    classes: Mapping[str, AcceleratorClassSpec],
+    free: Inventory,
+    minimum: int,
+    *,
+    in_flight: int,
+    holding: bool,
+) -> tuple[str | None, str] | None:
     """(class to release one serving replica of, class of its replacement, which binds in the released units); None
     to wait (a move is in flight); (None, why) when no move can progress."""
     if in_flight or holding:
@@ -226,14 +292,23 @@ def _one_at_a_time(order: Sequence[str], want: Mapping[str, int], replicas: Mapp
     wanted = [c for c in order if want[c] > replicas[c] - _displaced(pools, c) and c in classes]
     victims = [c for c in reversed(order) if surplus.get(c, 0) > 0 and c in classes and pools[c].ready > 0]
     if ready - 1 < max(1, minimum):
-        return (None, f"its {ready} ready replica(s) are its minimum ({max(1, minimum)}): no replica can be moved "
-                      f"without a free accelerator for its replacement")
+        return (
+            None,
+            f"its {ready} ready replica(s) are its minimum ({max(1, minimum)}): no replica can be moved "
+            f"without a free accelerator for its replacement",
+        )
     for victim in victims:
         for target in wanted:
             if _frees_room_for(classes[victim], classes[target], free):
                 return victim, target
-    return (None, "no free capacity for " + ", ".join(wanted) + ", and releasing a replica of "
-            + ", ".join(victims) + " would not make room for one")
+    return (
+        None,
+        "no free capacity for "
+        + ", ".join(wanted)
+        + ", and releasing a replica of "
+        + ", ".join(victims)
+        + " would not make room for one",
+    )
 
 
 def _frees_room_for(old: AcceleratorClassSpec, new: AcceleratorClassSpec, free: Inventory) -> bool:
@@ -248,24 +323,47 @@ def _frees_room_for(old: AcceleratorClassSpec, new: AcceleratorClassSpec, free: 
     return any(n.admits(old) and n.admits(new) for n in free.nodes)
 
 
-def _drift(p: LivePool, want: int, keep: int, unusable: Mapping[str, tuple[str, str]],
-           classes: Mapping[str, AcceleratorClassSpec]) -> list[Drift]:
+def _drift(
+    p: LivePool,
+    want: int,
+    keep: int,
+    unusable: Mapping[str, tuple[str, str]],
+    classes: Mapping[str, AcceleratorClassSpec],
+) -> list[Drift]:
     out = []
     if p.accelerator_class not in classes:
-        out.append(Drift(p.name, CLASS_MISSING, f"{p.name}: AcceleratorClass {p.accelerator_class} no longer exists; "
-                                                f"the pool keeps running unchanged until its role's other pools "
-                                                f"can take its place"))
+        out.append(
+            Drift(
+                p.name,
+                CLASS_MISSING,
+                f"{p.name}: AcceleratorClass {p.accelerator_class} no longer exists; "
+                f"the pool keeps running unchanged until its role's other pools "
+                f"can take its place",
+            )
+        )
     elif p.accelerator_class in unusable:
         reason, why = unusable[p.accelerator_class]
         out.append(Drift(p.name, reason, f"{p.name}: {why}; kept with {p.ready} ready until replacements serve"))
     if p.displaced:
         why = sorted(set(p.displaced_why))
-        out.append(Drift(p.name, why[0], f"{p.name}: {p.displaced} replica(s) on "
-                                         + " / ".join(_NODE_TEXT[w] for w in why)
-                                         + " node(s); kept serving while replacements start elsewhere"))
+        out.append(
+            Drift(
+                p.name,
+                why[0],
+                f"{p.name}: {p.displaced} replica(s) on "
+                + " / ".join(_NODE_TEXT[w] for w in why)
+                + " node(s); kept serving while replacements start elsewhere",
+            )
+        )
     elif want < keep and p.accelerator_class in classes and p.accelerator_class not in unusable:
-        out.append(Drift(p.name, BETTER_PLACEMENT, f"{p.name}: placement now prefers other classes for {keep - want} "
-                                                   f"of its replicas; kept until they serve"))
+        out.append(
+            Drift(
+                p.name,
+                BETTER_PLACEMENT,
+                f"{p.name}: placement now prefers other classes for {keep - want} "
+                f"of its replicas; kept until they serve",
+            )
+        )
     return out
 
 

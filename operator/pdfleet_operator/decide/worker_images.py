@@ -28,10 +28,24 @@ from dataclasses import dataclass
 from pdfleet_operator.api import AcceleratorClassSpec
 
 PLATFORMS = ("cpu", "cuda", "dtk", "npu", "mlu", "xpu", "rocm")
-VENDOR_PLATFORM = {"cpu": "cpu", "nvidia": "cuda", "hygon": "dtk", "huawei": "npu", "cambricon": "mlu",
-                   "intel": "xpu", "amd": "rocm"}
-WHAT = {"cpu": "CPU torch", "cuda": "NVIDIA's CUDA torch", "dtk": "Hygon DTK's torch", "npu": "torch_npu (CANN)",
-        "mlu": "torch_mlu (Neuware)", "xpu": "torch for Intel XPUs", "rocm": "ROCm torch"}
+VENDOR_PLATFORM = {
+    "cpu": "cpu",
+    "nvidia": "cuda",
+    "hygon": "dtk",
+    "huawei": "npu",
+    "cambricon": "mlu",
+    "intel": "xpu",
+    "amd": "rocm",
+}
+WHAT = {
+    "cpu": "CPU torch",
+    "cuda": "NVIDIA's CUDA torch",
+    "dtk": "Hygon DTK's torch",
+    "npu": "torch_npu (CANN)",
+    "mlu": "torch_mlu (Neuware)",
+    "xpu": "torch for Intel XPUs",
+    "rocm": "ROCm torch",
+}
 DEFAULT_REPOSITORY = "ghcr.io/pdfleet/pdfleet-worker"
 DEFAULT_VERSION = "0.1.0"  # pdfleet_operator.__version__ (tests keep them equal)
 # What `make images` builds with no vendor base image given, and so the chart's default workerImage.platforms.
@@ -83,8 +97,9 @@ class WorkerImages:
             if not sep:
                 image, platform = flag, image_platform(flag) or ""
                 if not platform:
-                    raise ValueError(f"{flag}: name the platform it drives, e.g. cuda={flag} (platforms: "
-                                     f"{', '.join(PLATFORMS)})")
+                    raise ValueError(
+                        f"{flag}: name the platform it drives, e.g. cuda={flag} (platforms: {', '.join(PLATFORMS)})"
+                    )
             if platform in out:
                 raise ValueError(f"two worker images for {platform}: {out[platform]} and {image}")
             out[platform.strip()] = image.strip()
@@ -102,8 +117,11 @@ class WorkerImages:
         return ", ".join(f"{p}={i}" for p, i in self.images)
 
 
-def defaults(repository: str = DEFAULT_REPOSITORY, version: str = DEFAULT_VERSION,
-             platforms: Iterable[str] = BUILT_BY_DEFAULT + ("dtk", "npu", "mlu")) -> WorkerImages:
+def defaults(
+    repository: str = DEFAULT_REPOSITORY,
+    version: str = DEFAULT_VERSION,
+    platforms: Iterable[str] = BUILT_BY_DEFAULT + ("dtk", "npu", "mlu"),
+) -> WorkerImages:
     """The operator's defaults without --worker-image: the unpublished ghcr.io names of every platform with a worker
     build recipe (the Dockerfile's worker and vendor targets)."""
     return WorkerImages.of({p: tagged(repository, version, p) for p in platforms})

@@ -47,10 +47,14 @@ def rollback_rules(rule: RollbackRule = RollbackRule()) -> dict[str, Any]:
     """Rule group: the 5xx ratio per deployment and the alert that triggers rollback analysis."""
     # Without the router's load shedding (shed="true": every busy worker answered 503 + Retry-After, a traffic
     # burst, not a fault); routers that export no per-revision series are read whole (`or`).
-    requests = (f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{shed!="true"}}[{rule.window}])) or '
-                f"{_by()} (increase({ROUTER_REQUESTS}[{rule.window}])))")
-    errors = (f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{code=~"5..",shed!="true"}}[{rule.window}])) or '
-              f'{_by()} (increase({ROUTER_REQUESTS}{{code=~"5.."}}[{rule.window}])))')
+    requests = (
+        f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{shed!="true"}}[{rule.window}])) or '
+        f"{_by()} (increase({ROUTER_REQUESTS}[{rule.window}])))"
+    )
+    errors = (
+        f'({_by()} (increase({ROUTER_REVISION_REQUESTS}{{code=~"5..",shed!="true"}}[{rule.window}])) or '
+        f'{_by()} (increase({ROUTER_REQUESTS}{{code=~"5.."}}[{rule.window}])))'
+    )
     ratio_record = f"pdfleet:router_5xx_ratio:{rule.window}"
     return {
         "name": "pdfleet-rollback",
@@ -59,15 +63,15 @@ def rollback_rules(rule: RollbackRule = RollbackRule()) -> dict[str, Any]:
             {
                 "alert": ROLLBACK_ALERT,
                 "expr": f"({ratio_record} > {rule.threshold}) and on ({', '.join(DEPLOYMENT_LABELS)}) "
-                        f"({requests} >= {rule.min_requests})",
+                f"({requests} >= {rule.min_requests})",
                 "for": rule.for_,
                 "labels": {"severity": "critical", "pdfleet_alert": "rollback"},
                 "annotations": {
                     "summary": "5xx ratio of {{ $labels.namespace }}/{{ $labels.pdfleet_deployment }} "
-                               f"above {rule.threshold:.0%} for {rule.for_}",
+                    f"above {rule.threshold:.0%} for {rule.for_}",
                     "description": f"More than {rule.threshold:.0%} of requests through the router failed with "
-                                   f"5xx for {rule.for_}; the pdfleet operator rolls the deployment back to its "
-                                   "last stable revision.",
+                    f"5xx for {rule.for_}; the pdfleet operator rolls the deployment back to its "
+                    "last stable revision.",
                 },
             },
         ],
@@ -80,23 +84,27 @@ def slo_rules(quantile: float = 0.99) -> dict[str, Any]:
     on = f"on ({', '.join(DEPLOYMENT_LABELS)})"
     for short, metric, target in (("ttft", TTFT, SLO_TTFT), ("itl", ITL, SLO_ITL)):
         for window in ("5m", "30m", "1h", "6h"):
-            rules.append({
-                "record": f"pdfleet:{short}_p99:{window}",
-                "expr": f"histogram_quantile({quantile}, sum by ({', '.join(DEPLOYMENT_LABELS)}, le) "
-                        f"(rate({metric}_bucket[{window}])))",
-            })
+            rules.append(
+                {
+                    "record": f"pdfleet:{short}_p99:{window}",
+                    "expr": f"histogram_quantile({quantile}, sum by ({', '.join(DEPLOYMENT_LABELS)}, le) "
+                    f"(rate({metric}_bucket[{window}])))",
+                }
+            )
         for severity, (w_short, w_long), for_ in (("critical", ("5m", "1h"), "2m"), ("warning", ("30m", "6h"), "15m")):
-            rules.append({
-                "alert": f"Pdfleet{short.upper()}SloBurn" + ("Fast" if severity == "critical" else "Slow"),
-                "expr": f"(pdfleet:{short}_p99:{w_short} > {on} {target}) "
-                        f"and (pdfleet:{short}_p99:{w_long} > {on} {target})",
-                "for": for_,
-                "labels": {"severity": severity, "pdfleet_alert": f"slo-{short}"},
-                "annotations": {
-                    "summary": f"p99 {short.upper()} of {{{{ $labels.namespace }}}}/{{{{ $labels.pdfleet_deployment }}}} "
-                               f"above its SLO over {w_short} and {w_long}",
-                },
-            })
+            rules.append(
+                {
+                    "alert": f"Pdfleet{short.upper()}SloBurn" + ("Fast" if severity == "critical" else "Slow"),
+                    "expr": f"(pdfleet:{short}_p99:{w_short} > {on} {target}) "
+                    f"and (pdfleet:{short}_p99:{w_long} > {on} {target})",
+                    "for": for_,
+                    "labels": {"severity": severity, "pdfleet_alert": f"slo-{short}"},
+                    "annotations": {
+                        "summary": f"p99 {short.upper()} of {{{{ $labels.namespace }}}}/{{{{ $labels.pdfleet_deployment }}}} "
+                        f"above its SLO over {w_short} and {w_long}",
+                    },
+                }
+            )
     return {"name": "pdfleet-slo", "rules": rules}
 
 

@@ -38,6 +38,7 @@ OPERATOR_ALERTS_PORT = 9443
 
 # --- the values, defined once -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Value:
     """One key of values.yaml: its default, the JSON schema it must satisfy and the comment above it."""
@@ -68,8 +69,11 @@ def _int(default: int, doc: str, **schema: Any) -> Value:
 
 
 def _labels(doc: str, default: dict[str, str] | None = None) -> Value:
-    return Value(default or {}, doc, {"type": "object", "additionalProperties": {"type": "string"},
-                                      "propertyNames": {"maxLength": 316}})
+    return Value(
+        default or {},
+        doc,
+        {"type": "object", "additionalProperties": {"type": "string"}, "propertyNames": {"maxLength": 316}},
+    )
 
 
 def _free_object(doc: str, default: Any = None) -> Value:
@@ -88,8 +92,10 @@ def _port(default: int, doc: str) -> Value:
 def _monitor(kind: str, doc: str, interval: str | None) -> Group:
     keys: dict[str, Value | Group] = {
         "enabled": _bool(True, f"Create the {kind}."),
-        "labels": _labels(f"Labels on the {kind}, for your Prometheus' selector (kube-prometheus-stack selects "
-                          "`release: <its release name>` unless told otherwise)."),
+        "labels": _labels(
+            f"Labels on the {kind}, for your Prometheus' selector (kube-prometheus-stack selects "
+            "`release: <its release name>` unless told otherwise)."
+        ),
     }
     if interval is not None:
         keys["interval"] = _string(interval, "Scrape interval.", pattern=DURATION)
@@ -108,215 +114,383 @@ def _class_defaults(root: Path = ROOT) -> dict[str, Any]:
 def values_tree(root: Path = ROOT) -> Group:
     """Every value the chart reads, with its default, schema and documentation."""
     class_spec = _class_spec_schema()
-    return Group("", {
-        "nameOverride": _string("", "Replaces the chart name in object names.", maxLength=40),
-        "fullnameOverride": _string("", "Replaces `<release>-<chart>` in object names.", maxLength=52),
-        "crds": Group(
-            "The CustomResourceDefinitions (AcceleratorClass, InferenceDeployment), generated from the API models.",
-            {"install": _bool(True, "Install the CRDs with the chart (they live in the `crds` subchart, which this "
-                                    "switch enables). Helm installs them before anything else, so the default "
-                                    "AcceleratorClasses below can be created in the same install; it never deletes "
-                                    "them (uninstalling keeps every InferenceDeployment) and never upgrades them: "
-                                    "after `helm upgrade` to a new pdfleet run "
-                                    "`kubectl apply --server-side -f charts/pdfleet/charts/crds/crds/`. Set false "
-                                    "when the CRDs are managed elsewhere (`helm install --skip-crds` does the same).")}),
-        "image": Group("The operator image (`make images REGISTRY=<your registry>` builds and pushes it with the "
-                       "worker image; it has no torch). Nobody publishes the default repository: point it at your "
-                       "build.", {
-                           "repository": _string("ghcr.io/pdfleet/pdfleet-operator", "Image repository (or the "
-                                                 "registry you pushed your build to).", minLength=1),
-                           "tag": _string("", "Image tag; empty means the chart's appVersion."),
-                           "digest": _string("", "Image digest (sha256:...); when set it wins over the tag.",
-                                             pattern="^(sha256:[a-f0-9]{64})?$"),
-                           "pullPolicy": Value("IfNotPresent", "When the kubelet pulls the image.",
-                                               {"enum": ["Always", "IfNotPresent", "Never"]}),
-                       }),
-        "workerImage": Group("The pdfleet worker (and router) images, one per platform: `make images` tags them "
-                             "<repository>:<tag>-<platform>. A pool whose InferenceDeployment (`spec.engine.image`) "
-                             "and AcceleratorClass (`spec.runtimes.pdfleet.image`) name none runs the image of its "
-                             "class's platform (the operator's `--worker-image PLATFORM=IMAGE`), recorded in each "
-                             "`status.workerImage`; a class whose platform is not listed is refused with a message "
-                             "naming what to build. vLLM pools use their class's `spec.runtimes.vllm.image`.", {
-                           "repository": _string("ghcr.io/pdfleet/pdfleet-worker", "Image repository (or the "
-                                                 "registry you pushed your build to).", minLength=1),
-                           "tag": _string("", "Image tag before the -<platform> suffix; empty means the chart's "
-                                              "appVersion."),
-                           "platforms": Value(list(worker_images.BUILT_BY_DEFAULT),
-                                              "The platforms you built (`make images WORKER_PLATFORMS=...`): cpu "
-                                              "(CPU torch; also the router's), cuda (NVIDIA, MIG), and the vendors' "
-                                              "builds on their PyTorch images: npu (Ascend, torch_npu), mlu "
-                                              "(Cambricon, torch_mlu), dtk (Hygon), xpu, rocm.",
-                                              {"type": "array", "uniqueItems": True, "minItems": 1,
-                                               "items": {"enum": list(worker_images.PLATFORMS)}}),
-                       }),
-        "imagePullSecrets": _list("Secrets for pulling the operator image from a private registry "
-                                  "(`[{name: regcred}]`).",
-                                  {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}},
-                                   "additionalProperties": False}),
-        "operator": Group("The operator process (`pdfleet operator`): `replicas` pods, of which the one holding the "
-                          "leader Lease acts and the others stand by.", {
-            "replicas": _int(2, "Operator pods. With leader election (below) one acts and the others stand by, taking "
-                                "over within the lease duration when it dies; more than 1 needs leader election.",
-                             minimum=1, maximum=5),
-            "leaderElection": Group(
-                "A coordination.k8s.io Lease in the release namespace (named like the operator) decides which replica "
-                "acts (client-go's semantics). A leader that cannot renew for renewDeadline exits; a standby takes "
-                "over after seeing the Lease unrenewed for leaseDuration, or at once when the leader released it on "
-                "shutdown (so a rolling update hands over within retryPeriod).", {
-                    "enabled": _bool(True, "Elect a leader (false: one replica only, replaced with Recreate)."),
-                    "leaseDuration": Value(15, "Seconds a standby waits, after the Lease's last renewal it saw, "
-                                               "before taking over.", {"type": "number", "exclusiveMinimum": 0}),
-                    "renewDeadline": Value(10, "Seconds the leader keeps trying to renew before it exits (less than "
-                                               "leaseDuration).", {"type": "number", "exclusiveMinimum": 0}),
-                    "retryPeriod": Value(2, "Seconds between attempts on the Lease (less than renewDeadline).",
-                                         {"type": "number", "exclusiveMinimum": 0}),
-                }),
-            "watchNamespaces": Value([], "Namespaces whose InferenceDeployments the operator manages. Empty: every "
-                                         "namespace, with a ClusterRole. Names: only those, with a Role in each "
-                                         "(plus a ClusterRole to read Nodes and AcceleratorClasses, which are "
-                                         "cluster-scoped and which placement needs).",
-                                     {"type": "array", "uniqueItems": True,
-                                      "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
-            "resyncInterval": Value(300, "Seconds between full re-reconciles of every InferenceDeployment "
-                                         "(0: only on changes).", {"type": "number", "minimum": 0}),
-            "prometheusUrl": _string("", "Prometheus the autoscaler and the rollback analysis read when an "
-                                         "InferenceDeployment names none in spec.autoscaling.prometheusUrl, e.g. "
-                                         "http://kube-prometheus-stack-prometheus.monitoring.svc:9090. Empty and "
-                                         "unnamed: autoscaled deployments hold their size (MetricsAvailable=False).",
-                                     pattern="^(https?://[^\\s]+)?$", maxLength=2048),
-            "metricsProfile": Value("pdfleet", "The queue queries of the worker engine: pdfleet, or vllm for "
-                                               "vLLM pods.", {"enum": sorted(metric_names.PROFILES)}),
-            "autoscaler": _bool(True, "Run the autoscaler (false: pools stay at what the spec and placement give)."),
-            "scraperNamespaces": Value(["monitoring"], "Namespaces whose pods may scrape worker /metrics: each "
-                                                       "deployment's workers' NetworkPolicy lets them in on the HTTP "
-                                                       "port (put your Prometheus' namespace here).",
-                                       {"type": "array", "uniqueItems": True, "minItems": 1,
-                                        "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
-            "analysisInterval": Value(15, "Seconds between rollback analyses from Prometheus (0: only on alerts).",
-                                      {"type": "number", "minimum": 0}),
-            "alertmanagerPort": _int(OPERATOR_ALERTS_PORT, "Port of the Alertmanager webhook receiver (POST /alerts) "
-                                                           "that triggers rollback analysis at once; 0 turns it off. "
-                                                           "Point an Alertmanager receiver at "
-                                                           "http://<release>-operator.<namespace>.svc:<port>/alerts.",
-                                     minimum=0, maximum=65535),
-            "allowedPrometheusUrls": Value([], "URL prefixes an InferenceDeployment's spec.autoscaling.prometheusUrl "
-                                               "may name (whole path segments; a bare host covers its ports). Others "
-                                               "are not fetched: the deployment holds its size and says why. "
-                                               "operator.prometheusUrl is always allowed.",
-                                           {"type": "array", "uniqueItems": True,
-                                            "items": {"type": "string", "pattern": "^https?://[^\\s]+$", "maxLength": 2048}}),
-            "prometheusCaSecret": _string("", "Secret (key ca.crt) with the CA that verifies https Prometheus "
-                                              "certificates; empty: the image's system CAs. Verification is always on.",
-                                          pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
-            "hostPath": Group(
-                "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author otherwise "
-                "could mount the node's root. The operator refuses other hostPath models, and a "
-                "ValidatingAdmissionPolicy refuses them at the API server (Kubernetes 1.30+).", {
-                    "allowedPrefixes": Value([], "Absolute node paths under which hostPath models are allowed, "
-                                                 "e.g. [/srv/models].",
-                                             {"type": "array", "uniqueItems": True,
-                                              "items": {"type": "string", "pattern": "^/[^\\s]*$", "maxLength": 1024}}),
-                    "allowedNamespaces": Value([], "Namespaces where any hostPath model is allowed.",
-                                               {"type": "array", "uniqueItems": True,
-                                                "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
-                    "admissionPolicy": _bool(True, "Install the ValidatingAdmissionPolicy (and its binding) that "
-                                                   "enforces this at admission."),
-                }),
-            "alertmanagerTokenSecret": _string("", "Name of a Secret (key `token`) in the release namespace holding "
-                                                   "the bearer token Alertmanager must send (its receiver's "
-                                                   "http_config.authorization.credentials_file); the receiver answers "
-                                                   "401 without it. Empty: the chart makes one, "
-                                                   "<release>-pdfleet-operator-alertmanager, with a random token it "
-                                                   "keeps across upgrades. The receiver is never unauthenticated.",
-                                               pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=253),
-            "alertmanagerNamespaces": Value(["monitoring"], "Namespaces whose pods may reach the Alertmanager receiver "
-                                                            "through the operator's NetworkPolicy (your "
-                                                            "Alertmanager's).",
-                                            {"type": "array", "uniqueItems": True,
-                                             "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}}),
-            "networkPolicy": _bool(True, "A NetworkPolicy on the operator pods: the Alertmanager receiver only from "
-                                         "alertmanagerNamespaces and the other operator replicas (a standby relays to "
-                                         "the leader), /metrics only from scraperNamespaces; nothing else comes in "
-                                         "(kubelet's probes are the node's own traffic)."),
-            "metricsPort": _port(OPERATOR_METRICS_PORT, "Port of the operator's /metrics (pool replicas, $/h, "
-                                                        "SLO targets, reconciles)."),
-            "livenessPort": _port(OPERATOR_LIVENESS_PORT, "Port of the operator's /healthz (liveness probe)."),
-            "verbose": _bool(False, "Debug logging."),
-            "resources": _free_object("CPU and memory for the operator container.",
-                                      {"requests": {"cpu": "100m", "memory": "256Mi"},
-                                       "limits": {"cpu": "1", "memory": "512Mi"}}),
-            "podAnnotations": _labels("Extra annotations on the operator pod."),
-            "podLabels": _labels("Extra labels on the operator pod."),
-            "nodeSelector": _labels("Node labels the operator pod must match."),
-            "tolerations": _list("Tolerations of the operator pod."),
-            "affinity": _free_object("Affinity of the operator pod."),
-            "priorityClassName": _string("", "PriorityClass of the operator pod."),
-            "extraEnv": _list("Extra environment variables of the operator container (`[{name, value}]`).",
-                              {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}),
-        }),
-        "serviceAccount": Group("The operator's ServiceAccount.", {
-            "create": _bool(True, "Create it (false: use an existing one, named below)."),
-            "name": _string("", "Its name; empty means the release's full name.", pattern=f"^({DNS_SUBDOMAIN[1:-1]})?$"),
-            "annotations": _labels("Annotations, e.g. for workload identity."),
-        }),
-        "rbac": Group("What the operator may do: exactly the verbs it uses (a test compares them); on Secrets "
-                      "only create (each deployment's data-plane token, SECURITY.md).", {
-            "create": _bool(True, "Create the ClusterRole/Roles and their bindings."),
-        }),
-        "acceleratorClasses": Group(
-            "AcceleratorClasses with prices. Prices are USD per unit-hour; the defaults are EXAMPLES: replace them "
-            "with what you pay. Manage them here (`helm upgrade`) rather than with `kubectl edit`, which the next "
-            "upgrade would undo, or set `create: false` and manage them yourself.", {
-                "create": _bool(True, "Create AcceleratorClasses from this chart."),
-                "includeDefaults": _bool(True, "Create the classes of `defaultClasses` (false: only `classes`)."),
-                "classes": Value({}, "Your classes: name -> AcceleratorClass spec. A name that is also in "
-                                     "`defaultClasses` replaces that class entirely.",
-                                 {"type": "object", "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
-                                  "additionalProperties": class_spec}),
-                "defaultClasses": Value(_class_defaults(root),
-                                        "pdfleet's default classes (examples/acceleratorclasses.yaml): NVIDIA GPUs, "
-                                        "MIG slices, Ascend, Cambricon, Hygon, Kunlunxin and plain CPU. Change a "
-                                        "price with `defaultClasses.<name>.costPerHour`; set a class to null to leave "
-                                        "it out. Each spec follows the CRD: vendor, resourceName, "
-                                        "count, memoryGiB, peakTflops, memoryBandwidthGBps, costPerHour, "
-                                        "nodeSelector, tolerations, env, ...",
-                                        {"type": "object", "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
-                                         "additionalProperties": {"anyOf": [class_spec, {"type": "null"}]}}),
-            }),
-        "monitoring": Group(
-            "Prometheus Operator objects (monitoring.coreos.com/v1). Turn off where its CRDs are not installed. "
-            "One PodMonitor scrapes the workers: the chart's (below) while it is enabled, and then the operator "
-            "runs with --no-pod-monitors; with podMonitor disabled the operator creates one PodMonitor per "
-            "InferenceDeployment instead (when the CRDs exist). Never both: every queue would count twice and "
-            "$ per 1M tokens would halve.", {
-                "enabled": _bool(True, "Create the ServiceMonitor, PodMonitor and PrometheusRule below."),
-                "serviceMonitor": _monitor("ServiceMonitor", "Scrapes the operator's /metrics (honorLabels: its "
-                                                             "series carry each deployment's namespace).", "30s"),
-                "podMonitor": _monitor("PodMonitor", "Scrapes every pdfleet worker and router in the watched "
-                                                     "namespaces, turning pod labels into the namespace, "
-                                                     "pdfleet_deployment, pdfleet_role, pdfleet_accelerator and "
-                                                     "pdfleet_revision target labels the autoscaler and the "
-                                                     "dashboards query.", "15s"),
-                "prometheusRule": _monitor("PrometheusRule", "The alert rules rollback and SLO burn run on "
-                                                             "(`pdfleet rules`).", None),
-            }),
-        "dashboards": Group("Grafana dashboards (fleet cost, deployment, operator) as ConfigMaps for Grafana's "
-                            "dashboard sidecar.", {
-                                "enabled": _bool(True, "Create the dashboard ConfigMaps."),
-                                "namespace": _string("", "Namespace of the ConfigMaps (the sidecar's); empty: the "
-                                                         "release namespace.", pattern=f"^({DNS_LABEL[1:-1]})?$"),
-                                "label": _string("grafana_dashboard", "Label the sidecar selects ConfigMaps by.",
-                                                 minLength=1),
-                                "labelValue": _string("1", "Value of that label.", pattern=LABEL_VALUE),
-                                "folderAnnotation": _string("grafana_folder", "Annotation the sidecar reads the "
-                                                                              "folder from (empty: none)."),
-                                "folder": _string("pdfleet", "Grafana folder of the dashboards."),
-                                "labels": _labels("Extra labels on the ConfigMaps."),
-                            }),
-    })
+    return Group(
+        "",
+        {
+            "nameOverride": _string("", "Replaces the chart name in object names.", maxLength=40),
+            "fullnameOverride": _string("", "Replaces `<release>-<chart>` in object names.", maxLength=52),
+            "crds": Group(
+                "The CustomResourceDefinitions (AcceleratorClass, InferenceDeployment), generated from the API models.",
+                {
+                    "install": _bool(
+                        True,
+                        "Install the CRDs with the chart (they live in the `crds` subchart, which this "
+                        "switch enables). Helm installs them before anything else, so the default "
+                        "AcceleratorClasses below can be created in the same install; it never deletes "
+                        "them (uninstalling keeps every InferenceDeployment) and never upgrades them: "
+                        "after `helm upgrade` to a new pdfleet run "
+                        "`kubectl apply --server-side -f charts/pdfleet/charts/crds/crds/`. Set false "
+                        "when the CRDs are managed elsewhere (`helm install --skip-crds` does the same).",
+                    )
+                },
+            ),
+            "image": Group(
+                "The operator image (`make images REGISTRY=<your registry>` builds and pushes it with the "
+                "worker image; it has no torch). Nobody publishes the default repository: point it at your "
+                "build.",
+                {
+                    "repository": _string(
+                        "ghcr.io/pdfleet/pdfleet-operator",
+                        "Image repository (or the registry you pushed your build to).",
+                        minLength=1,
+                    ),
+                    "tag": _string("", "Image tag; empty means the chart's appVersion."),
+                    "digest": _string(
+                        "",
+                        "Image digest (sha256:...); when set it wins over the tag.",
+                        pattern="^(sha256:[a-f0-9]{64})?$",
+                    ),
+                    "pullPolicy": Value(
+                        "IfNotPresent",
+                        "When the kubelet pulls the image.",
+                        {"enum": ["Always", "IfNotPresent", "Never"]},
+                    ),
+                },
+            ),
+            "workerImage": Group(
+                "The pdfleet worker (and router) images, one per platform: `make images` tags them "
+                "<repository>:<tag>-<platform>. A pool whose InferenceDeployment (`spec.engine.image`) "
+                "and AcceleratorClass (`spec.runtimes.pdfleet.image`) name none runs the image of its "
+                "class's platform (the operator's `--worker-image PLATFORM=IMAGE`), recorded in each "
+                "`status.workerImage`; a class whose platform is not listed is refused with a message "
+                "naming what to build. vLLM pools use their class's `spec.runtimes.vllm.image`.",
+                {
+                    "repository": _string(
+                        "ghcr.io/pdfleet/pdfleet-worker",
+                        "Image repository (or the registry you pushed your build to).",
+                        minLength=1,
+                    ),
+                    "tag": _string("", "Image tag before the -<platform> suffix; empty means the chart's appVersion."),
+                    "platforms": Value(
+                        list(worker_images.BUILT_BY_DEFAULT),
+                        "The platforms you built (`make images WORKER_PLATFORMS=...`): cpu "
+                        "(CPU torch; also the router's), cuda (NVIDIA, MIG), and the vendors' "
+                        "builds on their PyTorch images: npu (Ascend, torch_npu), mlu "
+                        "(Cambricon, torch_mlu), dtk (Hygon), xpu, rocm.",
+                        {
+                            "type": "array",
+                            "uniqueItems": True,
+                            "minItems": 1,
+                            "items": {"enum": list(worker_images.PLATFORMS)},
+                        },
+                    ),
+                },
+            ),
+            "imagePullSecrets": _list(
+                "Secrets for pulling the operator image from a private registry (`[{name: regcred}]`).",
+                {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                    "additionalProperties": False,
+                },
+            ),
+            "operator": Group(
+                "The operator process (`pdfleet operator`): `replicas` pods, of which the one holding the "
+                "leader Lease acts and the others stand by.",
+                {
+                    "replicas": _int(
+                        2,
+                        "Operator pods. With leader election (below) one acts and the others stand by, taking "
+                        "over within the lease duration when it dies; more than 1 needs leader election.",
+                        minimum=1,
+                        maximum=5,
+                    ),
+                    "leaderElection": Group(
+                        "A coordination.k8s.io Lease in the release namespace (named like the operator) decides which replica "
+                        "acts (client-go's semantics). A leader that cannot renew for renewDeadline exits; a standby takes "
+                        "over after seeing the Lease unrenewed for leaseDuration, or at once when the leader released it on "
+                        "shutdown (so a rolling update hands over within retryPeriod).",
+                        {
+                            "enabled": _bool(True, "Elect a leader (false: one replica only, replaced with Recreate)."),
+                            "leaseDuration": Value(
+                                15,
+                                "Seconds a standby waits, after the Lease's last renewal it saw, before taking over.",
+                                {"type": "number", "exclusiveMinimum": 0},
+                            ),
+                            "renewDeadline": Value(
+                                10,
+                                "Seconds the leader keeps trying to renew before it exits (less than leaseDuration).",
+                                {"type": "number", "exclusiveMinimum": 0},
+                            ),
+                            "retryPeriod": Value(
+                                2,
+                                "Seconds between attempts on the Lease (less than renewDeadline).",
+                                {"type": "number", "exclusiveMinimum": 0},
+                            ),
+                        },
+                    ),
+                    "watchNamespaces": Value(
+                        [],
+                        "Namespaces whose InferenceDeployments the operator manages. Empty: every "
+                        "namespace, with a ClusterRole. Names: only those, with a Role in each "
+                        "(plus a ClusterRole to read Nodes and AcceleratorClasses, which are "
+                        "cluster-scoped and which placement needs).",
+                        {
+                            "type": "array",
+                            "uniqueItems": True,
+                            "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+                        },
+                    ),
+                    "resyncInterval": Value(
+                        300,
+                        "Seconds between full re-reconciles of every InferenceDeployment (0: only on changes).",
+                        {"type": "number", "minimum": 0},
+                    ),
+                    "prometheusUrl": _string(
+                        "",
+                        "Prometheus the autoscaler and the rollback analysis read when an "
+                        "InferenceDeployment names none in spec.autoscaling.prometheusUrl, e.g. "
+                        "http://kube-prometheus-stack-prometheus.monitoring.svc:9090. Empty and "
+                        "unnamed: autoscaled deployments hold their size (MetricsAvailable=False).",
+                        pattern="^(https?://[^\\s]+)?$",
+                        maxLength=2048,
+                    ),
+                    "metricsProfile": Value(
+                        "pdfleet",
+                        "The queue queries of the worker engine: pdfleet, or vllm for vLLM pods.",
+                        {"enum": sorted(metric_names.PROFILES)},
+                    ),
+                    "autoscaler": _bool(
+                        True, "Run the autoscaler (false: pools stay at what the spec and placement give)."
+                    ),
+                    "scraperNamespaces": Value(
+                        ["monitoring"],
+                        "Namespaces whose pods may scrape worker /metrics: each "
+                        "deployment's workers' NetworkPolicy lets them in on the HTTP "
+                        "port (put your Prometheus' namespace here).",
+                        {
+                            "type": "array",
+                            "uniqueItems": True,
+                            "minItems": 1,
+                            "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+                        },
+                    ),
+                    "analysisInterval": Value(
+                        15,
+                        "Seconds between rollback analyses from Prometheus (0: only on alerts).",
+                        {"type": "number", "minimum": 0},
+                    ),
+                    "alertmanagerPort": _int(
+                        OPERATOR_ALERTS_PORT,
+                        "Port of the Alertmanager webhook receiver (POST /alerts) "
+                        "that triggers rollback analysis at once; 0 turns it off. "
+                        "Point an Alertmanager receiver at "
+                        "http://<release>-operator.<namespace>.svc:<port>/alerts.",
+                        minimum=0,
+                        maximum=65535,
+                    ),
+                    "allowedPrometheusUrls": Value(
+                        [],
+                        "URL prefixes an InferenceDeployment's spec.autoscaling.prometheusUrl "
+                        "may name (whole path segments; a bare host covers its ports). Others "
+                        "are not fetched: the deployment holds its size and says why. "
+                        "operator.prometheusUrl is always allowed.",
+                        {
+                            "type": "array",
+                            "uniqueItems": True,
+                            "items": {"type": "string", "pattern": "^https?://[^\\s]+$", "maxLength": 2048},
+                        },
+                    ),
+                    "prometheusCaSecret": _string(
+                        "",
+                        "Secret (key ca.crt) with the CA that verifies https Prometheus "
+                        "certificates; empty: the image's system CAs. Verification is always on.",
+                        pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+                        maxLength=253,
+                    ),
+                    "hostPath": Group(
+                        "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author otherwise "
+                        "could mount the node's root. The operator refuses other hostPath models, and a "
+                        "ValidatingAdmissionPolicy refuses them at the API server (Kubernetes 1.30+).",
+                        {
+                            "allowedPrefixes": Value(
+                                [],
+                                "Absolute node paths under which hostPath models are allowed, e.g. [/srv/models].",
+                                {
+                                    "type": "array",
+                                    "uniqueItems": True,
+                                    "items": {"type": "string", "pattern": "^/[^\\s]*$", "maxLength": 1024},
+                                },
+                            ),
+                            "allowedNamespaces": Value(
+                                [],
+                                "Namespaces where any hostPath model is allowed.",
+                                {
+                                    "type": "array",
+                                    "uniqueItems": True,
+                                    "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+                                },
+                            ),
+                            "admissionPolicy": _bool(
+                                True,
+                                "Install the ValidatingAdmissionPolicy (and its binding) that "
+                                "enforces this at admission.",
+                            ),
+                        },
+                    ),
+                    "alertmanagerTokenSecret": _string(
+                        "",
+                        "Name of a Secret (key `token`) in the release namespace holding "
+                        "the bearer token Alertmanager must send (its receiver's "
+                        "http_config.authorization.credentials_file); the receiver answers "
+                        "401 without it. Empty: the chart makes one, "
+                        "<release>-pdfleet-operator-alertmanager, with a random token it "
+                        "keeps across upgrades. The receiver is never unauthenticated.",
+                        pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+                        maxLength=253,
+                    ),
+                    "alertmanagerNamespaces": Value(
+                        ["monitoring"],
+                        "Namespaces whose pods may reach the Alertmanager receiver "
+                        "through the operator's NetworkPolicy (your "
+                        "Alertmanager's).",
+                        {
+                            "type": "array",
+                            "uniqueItems": True,
+                            "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+                        },
+                    ),
+                    "networkPolicy": _bool(
+                        True,
+                        "A NetworkPolicy on the operator pods: the Alertmanager receiver only from "
+                        "alertmanagerNamespaces and the other operator replicas (a standby relays to "
+                        "the leader), /metrics only from scraperNamespaces; nothing else comes in "
+                        "(kubelet's probes are the node's own traffic).",
+                    ),
+                    "metricsPort": _port(
+                        OPERATOR_METRICS_PORT,
+                        "Port of the operator's /metrics (pool replicas, $/h, SLO targets, reconciles).",
+                    ),
+                    "livenessPort": _port(OPERATOR_LIVENESS_PORT, "Port of the operator's /healthz (liveness probe)."),
+                    "verbose": _bool(False, "Debug logging."),
+                    "resources": _free_object(
+                        "CPU and memory for the operator container.",
+                        {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
+                    ),
+                    "podAnnotations": _labels("Extra annotations on the operator pod."),
+                    "podLabels": _labels("Extra labels on the operator pod."),
+                    "nodeSelector": _labels("Node labels the operator pod must match."),
+                    "tolerations": _list("Tolerations of the operator pod."),
+                    "affinity": _free_object("Affinity of the operator pod."),
+                    "priorityClassName": _string("", "PriorityClass of the operator pod."),
+                    "extraEnv": _list(
+                        "Extra environment variables of the operator container (`[{name, value}]`).",
+                        {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                    ),
+                },
+            ),
+            "serviceAccount": Group(
+                "The operator's ServiceAccount.",
+                {
+                    "create": _bool(True, "Create it (false: use an existing one, named below)."),
+                    "name": _string(
+                        "", "Its name; empty means the release's full name.", pattern=f"^({DNS_SUBDOMAIN[1:-1]})?$"
+                    ),
+                    "annotations": _labels("Annotations, e.g. for workload identity."),
+                },
+            ),
+            "rbac": Group(
+                "What the operator may do: exactly the verbs it uses (a test compares them); on Secrets "
+                "only create (each deployment's data-plane token, SECURITY.md).",
+                {
+                    "create": _bool(True, "Create the ClusterRole/Roles and their bindings."),
+                },
+            ),
+            "acceleratorClasses": Group(
+                "AcceleratorClasses with prices. Prices are USD per unit-hour; the defaults are EXAMPLES: replace them "
+                "with what you pay. Manage them here (`helm upgrade`) rather than with `kubectl edit`, which the next "
+                "upgrade would undo, or set `create: false` and manage them yourself.",
+                {
+                    "create": _bool(True, "Create AcceleratorClasses from this chart."),
+                    "includeDefaults": _bool(True, "Create the classes of `defaultClasses` (false: only `classes`)."),
+                    "classes": Value(
+                        {},
+                        "Your classes: name -> AcceleratorClass spec. A name that is also in "
+                        "`defaultClasses` replaces that class entirely.",
+                        {
+                            "type": "object",
+                            "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
+                            "additionalProperties": class_spec,
+                        },
+                    ),
+                    "defaultClasses": Value(
+                        _class_defaults(root),
+                        "pdfleet's default classes (examples/acceleratorclasses.yaml): NVIDIA GPUs, "
+                        "MIG slices, Ascend, Cambricon, Hygon, Kunlunxin and plain CPU. Change a "
+                        "price with `defaultClasses.<name>.costPerHour`; set a class to null to leave "
+                        "it out. Each spec follows the CRD: vendor, resourceName, "
+                        "count, memoryGiB, peakTflops, memoryBandwidthGBps, costPerHour, "
+                        "nodeSelector, tolerations, env, ...",
+                        {
+                            "type": "object",
+                            "propertyNames": {"pattern": DNS_LABEL, "maxLength": 63},
+                            "additionalProperties": {"anyOf": [class_spec, {"type": "null"}]},
+                        },
+                    ),
+                },
+            ),
+            "monitoring": Group(
+                "Prometheus Operator objects (monitoring.coreos.com/v1). Turn off where its CRDs are not installed. "
+                "One PodMonitor scrapes the workers: the chart's (below) while it is enabled, and then the operator "
+                "runs with --no-pod-monitors; with podMonitor disabled the operator creates one PodMonitor per "
+                "InferenceDeployment instead (when the CRDs exist). Never both: every queue would count twice and "
+                "$ per 1M tokens would halve.",
+                {
+                    "enabled": _bool(True, "Create the ServiceMonitor, PodMonitor and PrometheusRule below."),
+                    "serviceMonitor": _monitor(
+                        "ServiceMonitor",
+                        "Scrapes the operator's /metrics (honorLabels: its series carry each deployment's namespace).",
+                        "30s",
+                    ),
+                    "podMonitor": _monitor(
+                        "PodMonitor",
+                        "Scrapes every pdfleet worker and router in the watched "
+                        "namespaces, turning pod labels into the namespace, "
+                        "pdfleet_deployment, pdfleet_role, pdfleet_accelerator and "
+                        "pdfleet_revision target labels the autoscaler and the "
+                        "dashboards query.",
+                        "15s",
+                    ),
+                    "prometheusRule": _monitor(
+                        "PrometheusRule", "The alert rules rollback and SLO burn run on (`pdfleet rules`).", None
+                    ),
+                },
+            ),
+            "dashboards": Group(
+                "Grafana dashboards (fleet cost, deployment, operator) as ConfigMaps for Grafana's dashboard sidecar.",
+                {
+                    "enabled": _bool(True, "Create the dashboard ConfigMaps."),
+                    "namespace": _string(
+                        "",
+                        "Namespace of the ConfigMaps (the sidecar's); empty: the release namespace.",
+                        pattern=f"^({DNS_LABEL[1:-1]})?$",
+                    ),
+                    "label": _string("grafana_dashboard", "Label the sidecar selects ConfigMaps by.", minLength=1),
+                    "labelValue": _string("1", "Value of that label.", pattern=LABEL_VALUE),
+                    "folderAnnotation": _string(
+                        "grafana_folder", "Annotation the sidecar reads the folder from (empty: none)."
+                    ),
+                    "folder": _string("pdfleet", "Grafana folder of the dashboards."),
+                    "labels": _labels("Extra labels on the ConfigMaps."),
+                },
+            ),
+        },
+    )
 
 
 # --- the AcceleratorClass spec schema as draft-07 JSON schema -----------------------------------------------
+
 
 def _to_json_schema(node: Any) -> Any:
     """OpenAPI v3 (CRD) schema -> JSON schema Helm's validator reads: no x-kubernetes-*, numeric
@@ -382,6 +556,7 @@ def defaults(node: Value | Group | None = None) -> Any:
 
 # --- values.yaml -------------------------------------------------------------------------------------------
 
+
 def _comment(text: str, indent: str) -> list[str]:
     return [f"{indent}# {line}" if line else f"{indent}#" for line in textwrap.wrap(text, 100 - len(indent) - 2)]
 
@@ -412,14 +587,16 @@ def _yaml_lines(node: Value | Group, indent: str) -> list[str]:
 def values_yaml(tree: Group | None = None) -> str:
     tree = tree or values_tree()
     body = "\n".join(_yaml_lines(tree, "")).lstrip("\n")
-    text = (HEADER + "# pdfleet chart values. Every key is documented; values.schema.json (generated from the same\n"
-            "# definition) rejects unknown keys and wrong types at `helm install`/`helm upgrade` time.\n\n"
-            + body + "\n")
+    text = (
+        HEADER + "# pdfleet chart values. Every key is documented; values.schema.json (generated from the same\n"
+        "# definition) rejects unknown keys and wrong types at `helm install`/`helm upgrade` time.\n\n" + body + "\n"
+    )
     assert yaml.safe_load(text) == defaults(tree), "values.yaml does not parse back to the defaults"
     return text
 
 
 # --- every generated file ------------------------------------------------------------------------------------
+
 
 def generated_files(root: Path = ROOT) -> dict[Path, str]:
     """Path (relative to the repository root) -> content, for every file `pdfleet chart` owns."""
@@ -469,9 +646,11 @@ def write(root: Path = ROOT) -> list[Path]:
 
 # --- the command ------------------------------------------------------------------------------------------
 
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("chart", help="regenerate the Helm chart's generated files (values, schema, CRDs, "
-                                            "rules, dashboards)")
+    p = subparsers.add_parser(
+        "chart", help="regenerate the Helm chart's generated files (values, schema, CRDs, rules, dashboards)"
+    )
     p.add_argument("--root", default=str(ROOT), help="repository root (default: this checkout)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
     p.set_defaults(func=_run)

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
-def regenerate(command: str, check: bool, stale: Callable[[], Iterable[Path]], write: Callable[[], Iterable[Path]]) -> int:
+def regenerate(
+    command: str, check: bool, stale: Callable[[], Iterable[Path]], write: Callable[[], Iterable[Path]]
+) -> int:
     if check:
         found = list(stale())
         for path in found:

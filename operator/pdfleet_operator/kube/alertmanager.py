@@ -25,19 +25,19 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hmac
-import math
 import json
-import time
 import logging
+import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
-from yarl import URL as yarl_url
 import pydantic
 from aiohttp import web
+from yarl import URL as yarl_url
 
 from pdfleet_operator.api.meta import DNS_LABEL_PATTERN
 from pdfleet_operator.gen import alerts
@@ -84,7 +84,7 @@ class RollbackTrigger:
     namespace: str
     deployment: str
     firing: bool
-    starts_at: float   # unix seconds: when the alert went from pending to firing
+    starts_at: float  # unix seconds: when the alert went from pending to firing
     fingerprint: str
 
 
@@ -116,24 +116,30 @@ def parse(body: bytes, received_at: float | None = None) -> list[RollbackTrigger
             continue
         namespace, deployment = labels.get("namespace", ""), labels.get("pdfleet_deployment", "")
         if not (_is_label(namespace) and _is_label(deployment)):
-            raise PayloadError(f"alert {alerts.ROLLBACK_ALERT} must carry namespace and pdfleet_deployment labels "
-                               f"naming a deployment, got {namespace!r}/{deployment!r}")
+            raise PayloadError(
+                f"alert {alerts.ROLLBACK_ALERT} must carry namespace and pdfleet_deployment labels "
+                f"naming a deployment, got {namespace!r}/{deployment!r}"
+            )
         starts_at = alert.starts_at.timestamp()
         if received_at is not None:
             starts_at = min(max(starts_at, received_at - ALERT_CREDIT_S), received_at)
         triggers.append(RollbackTrigger(namespace, deployment, alert.status == "firing", starts_at, alert.fingerprint))
     if not triggers:
-        raise PayloadError(f"no pdfleet rollback alert in the payload (got {', '.join(sorted(set(unknown)))}); "
-                           f"route only {alerts.ROLLBACK_ALERT} to this receiver")
+        raise PayloadError(
+            f"no pdfleet rollback alert in the payload (got {', '.join(sorted(set(unknown)))}); "
+            f"route only {alerts.ROLLBACK_ALERT} to this receiver"
+        )
     return triggers
 
 
 def check_receiver(port: int | None, token_file: str | None, unauthenticated: bool) -> None:
     """ValueError when the receiver would serve without a bearer token and nobody asked for that explicitly."""
     if port and not token_file and not unauthenticated:
-        raise ValueError(f"--alertmanager-port {port} without --alertmanager-token-file: the receiver would act on "
-                         f"alerts from anyone who reaches it; give it a token file (the chart mounts one), or pass "
-                         f"--alertmanager-unauthenticated to accept that")
+        raise ValueError(
+            f"--alertmanager-port {port} without --alertmanager-token-file: the receiver would act on "
+            f"alerts from anyone who reaches it; give it a token file (the chart mounts one), or pass "
+            f"--alertmanager-unauthenticated to accept that"
+        )
     if token_file and unauthenticated:
         raise ValueError("--alertmanager-token-file and --alertmanager-unauthenticated contradict each other")
 
@@ -156,8 +162,9 @@ def _refuse_unauthorized(request: web.Request, expected: bytes | None) -> web.Re
     """401 unless the request carries `Authorization: Bearer <token>` (None: it does, or no token is configured)."""
     if expected is not None and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
         log.warning("rejected an Alertmanager payload without the bearer token from %s", request.remote)
-        return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                                 headers={"WWW-Authenticate": "Bearer"})
+        return web.json_response(
+            {"error": "missing or wrong bearer token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+        )
     return None
 
 
@@ -180,14 +187,23 @@ def relay_target(url: str | None) -> str | None:
         parsed = yarl_url(url)
     except ValueError:
         return None
-    if parsed.scheme != "http" or not parsed.host or parsed.explicit_port is None or parsed.user or parsed.password \
-            or parsed.path not in ("", "/") or parsed.query_string or parsed.fragment:
+    if (
+        parsed.scheme != "http"
+        or not parsed.host
+        or parsed.explicit_port is None
+        or parsed.user
+        or parsed.password
+        or parsed.path not in ("", "/")
+        or parsed.query_string
+        or parsed.fragment
+    ):
         return None
     return f"http://{parsed.raw_authority}/alerts"
 
 
-def make_relay_app(leader_url: Callable[[], str | None], token: str | None, retry_after: float = 2.0,
-                   timeout: float = RELAY_TIMEOUT_S) -> web.Application:
+def make_relay_app(
+    leader_url: Callable[[], str | None], token: str | None, retry_after: float = 2.0, timeout: float = RELAY_TIMEOUT_S
+) -> web.Application:
     """A standby's `POST /alerts` (and `GET /healthz`): the same bearer-token check as `make_app`, then the body and
     Authorization header posted to `leader_url()` + /alerts, answering with the leader's status and body; 503 with
     Retry-After when no leader is known, its URL is malformed, or it cannot be reached. Without `token` nothing is
@@ -202,8 +218,7 @@ def make_relay_app(leader_url: Callable[[], str | None], token: str | None, retr
 
     async def relay(request: web.Request) -> web.Response:
         if expected is None:
-            return unavailable("relays only authenticated alerts, but no --alertmanager-token-file is set",
-                               "no_token")
+            return unavailable("relays only authenticated alerts, but no --alertmanager-token-file is set", "no_token")
         refused = _refuse_unauthorized(request, expected)
         if refused is not None:
             exporter.ALERTS_RELAYED.labels("unauthorized").inc()
@@ -216,17 +231,23 @@ def make_relay_app(leader_url: Callable[[], str | None], token: str | None, retr
         published = leader_url()
         target = relay_target(published)
         if target is None:
-            return unavailable("no leader is known" if published is None else
-                               f"the leader published a malformed receiver URL {published!r}", "no_leader")
-        headers = {"Authorization": request.headers["Authorization"], RELAYED_HEADER: "standby",
-                   "Content-Type": request.headers.get("Content-Type", "application/json")}
+            return unavailable(
+                "no leader is known"
+                if published is None
+                else f"the leader published a malformed receiver URL {published!r}",
+                "no_leader",
+            )
+        headers = {
+            "Authorization": request.headers["Authorization"],
+            RELAYED_HEADER: "standby",
+            "Content-Type": request.headers.get("Content-Type", "application/json"),
+        }
         try:
             async with request.app[_SESSION].post(target, data=body, headers=headers, allow_redirects=False) as resp:
                 answer = await resp.read()
                 status, content_type = resp.status, resp.headers.get("Content-Type", "application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return unavailable(f"the leader at {target} cannot be reached ({type(exc).__name__}: {exc})",
-                               "unreachable")
+            return unavailable(f"the leader at {target} cannot be reached ({type(exc).__name__}: {exc})", "unreachable")
         exporter.ALERTS_RELAYED.labels("relayed").inc()
         log.info("standby: relayed an Alertmanager payload to the leader at %s: %d", target, status)
         return web.Response(status=status, body=answer, headers={"Content-Type": content_type})

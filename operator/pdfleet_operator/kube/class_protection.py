@@ -43,7 +43,10 @@ def users(rec: Reconciler) -> dict[str, list[str]]:
 async def sync(api: client.Api, rec: Reconciler, plan: FleetPlan, obs: Observed) -> None:
     """After a reconcile: protect the classes this deployment's pools run on, release deleted ones nobody uses."""
     running = {p.accelerator_class for p in plan.pools} | {
-        (c["metadata"].get("labels") or {}).get(names.LABEL_ACCELERATOR) for c in obs.children if c["kind"] == "Deployment"}
+        (c["metadata"].get("labels") or {}).get(names.LABEL_ACCELERATOR)
+        for c in obs.children
+        if c["kind"] == "Deployment"
+    }
     await protect(api, rec, (c for c in running if c))
     await release(api, rec)
 
@@ -79,7 +82,9 @@ async def release(api: client.Api, rec: Reconciler) -> list[str]:
         if used.get(name):
             continue
         m = meta[name]
-        await _set_finalizers(api, name, [f for f in m.get("finalizers", ()) if f != FINALIZER], m.get("resourceVersion"))
+        await _set_finalizers(
+            api, name, [f for f in m.get("finalizers", ()) if f != FINALIZER], m.get("resourceVersion")
+        )
         logger.info("AcceleratorClass %s: no pool uses it any more; released for deletion", name)
         out.append(name)
     return out
@@ -92,8 +97,9 @@ async def _set_finalizers(api: client.Api, name: str, finalizers: list[str], res
     if resource_version:
         body["metadata"]["resourceVersion"] = resource_version
     try:
-        await api.request("PATCH", client.path("AcceleratorClass", None, name), body=body,
-                          content_type="application/merge-patch+json")
+        await api.request(
+            "PATCH", client.path("AcceleratorClass", None, name), body=body, content_type="application/merge-patch+json"
+        )
     except client.ApiError as exc:
         if exc.code in (404, 409):
             return  # deleted, or changed since the index saw it: the resulting event brings another try
@@ -103,5 +109,8 @@ async def _set_finalizers(api: client.Api, name: str, finalizers: list[str], res
 def meta_view(body: Mapping[str, Any]) -> dict[str, Any]:
     """What the class_meta index keeps of an AcceleratorClass."""
     meta = body.get("metadata") or {}
-    return {"finalizers": list(meta.get("finalizers") or []), "deleting": bool(meta.get("deletionTimestamp")),
-            "resourceVersion": meta.get("resourceVersion")}
+    return {
+        "finalizers": list(meta.get("finalizers") or []),
+        "deleting": bool(meta.get("deletionTimestamp")),
+        "resourceVersion": meta.get("resourceVersion"),
+    }

@@ -25,8 +25,12 @@ logger = logging.getLogger(__name__)
 FIELDS = ("observedGeneration", "nodes", "allocatable", "free", "usedBy")
 
 
-def compute(classes: Iterable[Mapping[str, Any]], nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
-            users: Mapping[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
+def compute(
+    classes: Iterable[Mapping[str, Any]],
+    nodes: Iterable[dict[str, Any]],
+    pods: Iterable[dict[str, Any]],
+    users: Mapping[str, list[str]] | None = None,
+) -> dict[str, dict[str, Any]]:
     """{class name: {observedGeneration, nodes, allocatable, free, usedBy}} for every valid AcceleratorClass object
     (`users`: class -> the pools on it, `class_protection.users`)."""
     nodes = list(nodes)
@@ -36,12 +40,18 @@ def compute(classes: Iterable[Mapping[str, Any]], nodes: Iterable[dict[str, Any]
     for obj in classes:
         meta = obj.get("metadata") or {}
         try:
-            cls = AcceleratorClass.model_validate({"metadata": {"name": meta.get("name")}, "spec": obj.get("spec") or {}}).spec
+            cls = AcceleratorClass.model_validate(
+                {"metadata": {"name": meta.get("name")}, "spec": obj.get("spec") or {}}
+            ).spec
         except pydantic.ValidationError:
             continue  # the reconcile ignores it too (logged by the class index)
         carrying = [n for n in whole.nodes_for(cls) if n.free.get(cls.resource_name, 0) > 0]
-        status: dict[str, Any] = {"nodes": len(carrying), "allocatable": whole.free_units(cls),
-                                  "free": left.free_units(cls), "usedBy": list((users or {}).get(meta["name"], []))}
+        status: dict[str, Any] = {
+            "nodes": len(carrying),
+            "allocatable": whole.free_units(cls),
+            "free": left.free_units(cls),
+            "usedBy": list((users or {}).get(meta["name"], [])),
+        }
         if meta.get("generation") is not None:
             status = {"observedGeneration": int(meta["generation"]), **status}
         out[meta["name"]] = status
@@ -54,8 +64,13 @@ class ClassStatusWriter:
     def __init__(self) -> None:
         self.writes = 0
 
-    async def sync(self, api: client.Api, nodes: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
-                   users: Mapping[str, list[str]] | None = None) -> list[str]:
+    async def sync(
+        self,
+        api: client.Api,
+        nodes: Iterable[dict[str, Any]],
+        pods: Iterable[dict[str, Any]],
+        users: Mapping[str, list[str]] | None = None,
+    ) -> list[str]:
         """Patch the status of every class whose numbers or users changed; returns their names."""
         listed = await api.list("AcceleratorClass", None)
         wanted = compute(listed, nodes, pods, users)
@@ -75,6 +90,8 @@ class ClassStatusWriter:
             self.writes += 1
             changed.append(name)
         if changed:
-            logger.info("AcceleratorClass status updated: %s", ", ".join(
-                f"{n} free {wanted[n]['free']}/{wanted[n]['allocatable']}" for n in changed))
+            logger.info(
+                "AcceleratorClass status updated: %s",
+                ", ".join(f"{n} free {wanted[n]['free']}/{wanted[n]['allocatable']}" for n in changed),
+            )
         return changed

@@ -16,7 +16,6 @@ import secrets
 import ssl
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,10 +107,11 @@ class Api:
     """A small async client for the few calls the operator makes; counts its writes."""
 
     connect_timeout_s = 10.0  # to open a TCP (and TLS) connection
-    read_timeout_s = 30.0     # of silence from the server while a response is due
+    read_timeout_s = 30.0  # of silence from the server while a response is due
 
-    def __init__(self, server: str, *, headers: dict[str, str] | None = None,
-                 ssl_context: ssl.SSLContext | bool | None = None) -> None:
+    def __init__(
+        self, server: str, *, headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | bool | None = None
+    ) -> None:
         self.server = server.rstrip("/")
         self._headers = {"Accept": "application/json", **(headers or {})}
         self._ssl = ssl_context
@@ -132,15 +132,20 @@ class Api:
             headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
         elif info.username and info.password:
             import base64
+
             headers["Authorization"] = "Basic " + base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
         context: ssl.SSLContext | bool | None = None
         if info.server.startswith("https"):
             if info.insecure:
                 context = False
             else:
-                context = ssl.create_default_context(cafile=info.ca_path) if info.ca_path else ssl.create_default_context()
+                context = (
+                    ssl.create_default_context(cafile=info.ca_path) if info.ca_path else ssl.create_default_context()
+                )
                 if info.ca_data:
-                    context.load_verify_locations(cadata=info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data)
+                    context.load_verify_locations(
+                        cadata=info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+                    )
                 if info.certificate_path or info.certificate_data:
                     context.load_cert_chain(*_cert_files(info))
         return cls(info.server, headers=headers, ssl_context=context)
@@ -152,17 +157,27 @@ class Api:
             # not answer is still cut off after sock_read seconds of silence.
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
-                                              sock_read=self.read_timeout_s),
-                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True, limit=32))
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+                ),
+                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True, limit=32),
+            )
         return self._session
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None, body: Any = None,
-                      content_type: str = "application/json", counted: bool = True) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        counted: bool = True,
+    ) -> Any:
         session = await self._client()
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
@@ -231,9 +246,12 @@ class Api:
         """Server-side apply with our field manager, forcing ownership of the fields we render."""
         meta = obj["metadata"]
         result = await self.request(
-            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]),
-            params={"fieldManager": FIELD_MANAGER, "force": "true"}, body=obj,
-            content_type="application/apply-patch+yaml")
+            "PATCH",
+            path(obj["kind"], meta.get("namespace"), meta["name"]),
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
         result.setdefault("kind", obj["kind"])
         self._remember(result)
         self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = result
@@ -255,8 +273,16 @@ class Api:
 
     async def delete(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background",
-                "preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
+        body = (
+            {
+                "kind": "DeleteOptions",
+                "apiVersion": "v1",
+                "propagationPolicy": "Background",
+                "preconditions": {"uid": meta["uid"]},
+            }
+            if meta.get("uid")
+            else None
+        )
         self.written[(obj["kind"], meta.get("namespace", ""), meta["name"])] = DELETED
         self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = {"deletedUid": meta.get("uid")}
         try:
@@ -268,30 +294,53 @@ class Api:
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         return await self.patch_status_of("InferenceDeployment", namespace, name, status)
 
-    async def patch_status_of(self, kind: str, namespace: str | None, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    async def patch_status_of(
+        self, kind: str, namespace: str | None, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
         """A merge patch of the status subresource (the only way the operator writes a status)."""
-        return await self.request("PATCH", path(kind, namespace, name, "status"),
-                                  body={"status": status}, content_type="application/merge-patch+json")
+        return await self.request(
+            "PATCH",
+            path(kind, namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
 
     async def remove_annotation(self, kind: str, namespace: str, name: str, key: str) -> None:
         """Drop one annotation (a one-shot command such as pdfleet.io/rollback-to, once acted on)."""
-        await self.request("PATCH", path(kind, namespace, name), body={"metadata": {"annotations": {key: None}}},
-                           content_type="application/merge-patch+json")
+        await self.request(
+            "PATCH",
+            path(kind, namespace, name),
+            body={"metadata": {"annotations": {key: None}}},
+            content_type="application/merge-patch+json",
+        )
 
     async def event(self, meta: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about the InferenceDeployment whose metadata is `meta` (what `kubectl describe` shows)."""
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{int(time.time() * 1e6):x}{secrets.token_hex(2)}",
-                         "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": render.API_VERSION, "kind": "InferenceDeployment", "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta.get("uid"),
-                               "resourceVersion": meta.get("resourceVersion")},
-            "type": type_, "reason": reason, "message": message[:1024],
-            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta['name']}.{int(time.time() * 1e6):x}{secrets.token_hex(2)}",
+                "namespace": meta["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": render.API_VERSION,
+                "kind": "InferenceDeployment",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
             "reportingInstance": FIELD_MANAGER,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
         }
         try:
             await self.request("POST", path("Event", meta["namespace"]), body=body)
@@ -322,8 +371,15 @@ async def list_children(api: Api, owner: render.Owner, kinds: Iterable[str]) -> 
     return out
 
 
-async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, Any]], existing: list[dict[str, Any]],
-                         *, delete: Iterable[str] = (), untouched: Iterable[str] = ()) -> ApplyResult:
+async def apply_children(
+    api: Api,
+    owner: render.Owner,
+    desired: list[dict[str, Any]],
+    existing: list[dict[str, Any]],
+    *,
+    delete: Iterable[str] = (),
+    untouched: Iterable[str] = (),
+) -> ApplyResult:
     """Apply each child of `desired` the live object does not already contain, then delete the children named in
     `delete` (the reconcile chain decided which: `decide.reconcile`); `untouched` ones are neither.
 
@@ -357,8 +413,11 @@ async def apply_children(api: Api, owner: render.Owner, desired: list[dict[str, 
             result.pruned.append(key)  # a field the render no longer produces, or a child applied before the stamp
         else:
             result.applied.append(key)
-            result.drifted[key] = [d for d in drift.differences(cur, obj)
-                                   if not d.endswith(f".annotations.{names.ANNOTATION_APPLIED_HASH}")] or ["."]
+            result.drifted[key] = [
+                d
+                for d in drift.differences(cur, obj)
+                if not d.endswith(f".annotations.{names.ANNOTATION_APPLIED_HASH}")
+            ] or ["."]
     result.retained = {k: "untouched" for k in untouched}
     for key in delete:
         if key in current and key not in result.retained:

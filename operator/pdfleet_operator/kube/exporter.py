@@ -20,33 +20,49 @@ REGISTRY = prometheus_client.CollectorRegistry()
 _POOL = ["namespace", names.LABEL_DEPLOYMENT_OWN, names.LABEL_ROLE_OWN, "accelerator"]
 _DEP = [names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT]
 
-POOL_REPLICAS = prometheus_client.Gauge(names.POOL_REPLICAS, "Replicas the operator asks for, per pool.", _POOL,
-                                        registry=REGISTRY)
-POOL_COST = prometheus_client.Gauge(names.POOL_COST_PER_HOUR, "USD per hour of each pool at its desired size.", _POOL,
-                                    registry=REGISTRY)
-SLO_TTFT = prometheus_client.Gauge("pdfleet_slo_ttft_seconds", "Each deployment's p99 TTFT target.", _DEP, registry=REGISTRY)
-SLO_ITL = prometheus_client.Gauge("pdfleet_slo_itl_seconds", "Each deployment's p99 inter-token latency target.", _DEP,
-                                  registry=REGISTRY)
-RECONCILES = prometheus_client.Counter("pdfleet_operator_reconciles_total", "Reconciles of InferenceDeployments by result.",
-                                       ["result"], registry=REGISTRY)
-LEADER = prometheus_client.Gauge("pdfleet_operator_leader", "1 while this replica acts (it holds the leader Lease, or "
-                                 "runs without leader election), 0 while it is a standby.", registry=REGISTRY)
-API_WRITES = prometheus_client.Counter("pdfleet_operator_api_writes_total", "Writes the operator sent to the API server.",
-                                       ["kind"], registry=REGISTRY)
-ALERT_TRIGGERS = prometheus_client.Counter("pdfleet_operator_alert_triggers_total",
-                                           "Rollback triggers the leader's Alertmanager receiver took in.",
-                                           registry=REGISTRY)
-ALERTS_RELAYED = prometheus_client.Counter("pdfleet_operator_alerts_relayed_total",
-                                           "Alertmanager posts a standby took in, by outcome (relayed to the leader; "
-                                           "unauthorized; no_leader, unreachable, no_token, loop: answered 503).",
-                                           ["outcome"], registry=REGISTRY)
+POOL_REPLICAS = prometheus_client.Gauge(
+    names.POOL_REPLICAS, "Replicas the operator asks for, per pool.", _POOL, registry=REGISTRY
+)
+POOL_COST = prometheus_client.Gauge(
+    names.POOL_COST_PER_HOUR, "USD per hour of each pool at its desired size.", _POOL, registry=REGISTRY
+)
+SLO_TTFT = prometheus_client.Gauge(
+    "pdfleet_slo_ttft_seconds", "Each deployment's p99 TTFT target.", _DEP, registry=REGISTRY
+)
+SLO_ITL = prometheus_client.Gauge(
+    "pdfleet_slo_itl_seconds", "Each deployment's p99 inter-token latency target.", _DEP, registry=REGISTRY
+)
+RECONCILES = prometheus_client.Counter(
+    "pdfleet_operator_reconciles_total", "Reconciles of InferenceDeployments by result.", ["result"], registry=REGISTRY
+)
+LEADER = prometheus_client.Gauge(
+    "pdfleet_operator_leader",
+    "1 while this replica acts (it holds the leader Lease, or runs without leader election), 0 while it is a standby.",
+    registry=REGISTRY,
+)
+API_WRITES = prometheus_client.Counter(
+    "pdfleet_operator_api_writes_total", "Writes the operator sent to the API server.", ["kind"], registry=REGISTRY
+)
+ALERT_TRIGGERS = prometheus_client.Counter(
+    "pdfleet_operator_alert_triggers_total",
+    "Rollback triggers the leader's Alertmanager receiver took in.",
+    registry=REGISTRY,
+)
+ALERTS_RELAYED = prometheus_client.Counter(
+    "pdfleet_operator_alerts_relayed_total",
+    "Alertmanager posts a standby took in, by outcome (relayed to the leader; "
+    "unauthorized; no_leader, unreachable, no_token, loop: answered 503).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 
 # (namespace, deployment) -> pool label tuples currently exported, so vanished pools are removed.
 _exported: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
 
-def set_pools(namespace: str, deployment: str, pools: Iterable[tuple[str, str, int, float]],
-              slo_ttft: float, slo_itl: float) -> None:
+def set_pools(
+    namespace: str, deployment: str, pools: Iterable[tuple[str, str, int, float]], slo_ttft: float, slo_itl: float
+) -> None:
     """Export (role, accelerator, replicas, $/h) for one deployment, dropping pools it no longer has."""
     now: set[tuple[str, str]] = set()
     for role, acc, replicas, dollars in pools:
@@ -66,9 +82,24 @@ def bill(namespace: str, deployment: str, plan: FleetPlan, running: PlanCost, sl
     hand-over, a surge pod), not the plan (whose Pending replicas hold nothing)."""
     planned = {(p.role, p.accelerator_class): p.replicas for p in plan.pools}
     pools = sorted(set(planned) | {(p.role, p.accelerator_class) for p in running.pools})
-    set_pools(namespace, deployment, ((role, acc, planned.get((role, acc), next(
-        (p.replicas for p in running.pools if (p.role, p.accelerator_class) == (role, acc)), 0)),
-        running.of(role, acc)) for role, acc in pools), slo_ttft, slo_itl)
+    set_pools(
+        namespace,
+        deployment,
+        (
+            (
+                role,
+                acc,
+                planned.get(
+                    (role, acc),
+                    next((p.replicas for p in running.pools if (p.role, p.accelerator_class) == (role, acc)), 0),
+                ),
+                running.of(role, acc),
+            )
+            for role, acc in pools
+        ),
+        slo_ttft,
+        slo_itl,
+    )
 
 
 def forget(namespace: str, deployment: str) -> None:
@@ -87,6 +118,7 @@ def text() -> bytes:
 
 async def serve(host: str, port: int) -> web.AppRunner:
     """Start /metrics on host:port in the running event loop; returns the runner to clean up."""
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=text(), headers={"Content-Type": CONTENT_TYPE})
 

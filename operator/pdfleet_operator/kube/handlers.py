@@ -28,23 +28,38 @@ import pydantic
 from aiohttp import web
 
 from pdfleet_operator.api import GROUP, VERSION, AcceleratorClass, AcceleratorClassSpec
-from pdfleet_operator.decide import inventory, status
-from pdfleet_operator.kube import alertmanager, class_protection, class_status, client, exporter, loops, reconciler, render
-from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
-from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
-from pdfleet_operator.kube.indexes import CHILD_INDEXES
 from pdfleet_operator.api.names import LABEL_DEPLOYMENT
+from pdfleet_operator.decide import inventory, status
+from pdfleet_operator.decide.rollback import ANNOTATION_ROLLBACK_TO
+from pdfleet_operator.kube import (
+    alertmanager,
+    class_protection,
+    class_status,
+    client,
+    exporter,
+    loops,
+    reconciler,
+    render,
+)
+from pdfleet_operator.kube.indexes import CHILD_INDEXES
+from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
 from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN, Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
 logger = logging.getLogger("pdfleet.operator")
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 MANAGED_SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED.items())
 # (group, version, plural) of every child kind the operator watches; each watch is label-selected server-side.
-CHILD_WATCHES = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"),
-                 ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"))
+CHILD_WATCHES = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
 
 
 # --- kopf's state in memory --------------------------------------------------------------------------
+
 
 class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
     """Last-handled essence per object uid, in this process only."""
@@ -77,11 +92,11 @@ class MemoryProgressStorage(kopf.AnnotationsProgressStorage):
         self._records.pop((body.metadata.uid, str(key)), None)
 
 
-
 RECONCILER = Reconciler()
 
 
 # --- kopf wiring -----------------------------------------------------------------------------------------
+
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -158,11 +173,15 @@ async def _class_status_loop() -> None:
         if api is not None and RECONCILER.indexed:  # (usedBy and releases need the complete pool index)
             try:
                 await RECONCILER.sync(api, OPTIONS.namespaces)
-                for _ in await writer.sync(api, RECONCILER.nodes(), RECONCILER.pods(), class_protection.users(RECONCILER)):
+                for _ in await writer.sync(
+                    api, RECONCILER.nodes(), RECONCILER.pods(), class_protection.users(RECONCILER)
+                ):
                     exporter.API_WRITES.labels("AcceleratorClass/status").inc()
                 await class_protection.release(api, RECONCILER)
             except client.ApiError as exc:
-                logger.warning("AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval)
+                logger.warning(
+                    "AcceleratorClass status round failed: %s; next in %ss", exc, OPTIONS.class_status_interval
+                )
             except Exception:  # NOTE: a bug here must not end the loop (or the operator)
                 logger.exception("AcceleratorClass status round failed")
         await asyncio.sleep(OPTIONS.class_status_interval if api is not None and RECONCILER.indexed else 0.2)
@@ -173,14 +192,17 @@ async def _resync_loop() -> None:
     longer than the interval (a large fleet, a slow API server) does not stack the next one on top."""
     while True:
         await asyncio.sleep(OPTIONS.resync_interval)
-        done = await asyncio.gather(*(RECONCILER._background(key, "periodic resync") for key in sorted(RECONCILER.bodies())),
-                                    return_exceptions=True)
+        done = await asyncio.gather(
+            *(RECONCILER._background(key, "periodic resync") for key in sorted(RECONCILER.bodies())),
+            return_exceptions=True,
+        )
         for failed in (d for d in done if isinstance(d, Exception)):
             logger.error("periodic resync: %r", failed)
 
 
 # Indexes: kopf fills them before any resource handler runs, so the first plan after a start sees the
 # whole cluster (an empty inventory would scale everything down).
+
 
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
 def class_meta_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
@@ -196,9 +218,15 @@ def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any
     role, acc = labels.get(render.LABEL_ROLE), labels.get(render.LABEL_ACCELERATOR)
     if not role or role == render.ROUTER_ROLE or not acc or not labels.get(render.LABEL_DEPLOYMENT):
         return None
-    return {(meta.get("namespace"), meta.get("name")): {
-        "namespace": meta.get("namespace"), "deployment": labels[render.LABEL_DEPLOYMENT], "role": role, "class": acc,
-        "replicas": int((body.get("spec") or {}).get("replicas") or 0)}}
+    return {
+        (meta.get("namespace"), meta.get("name")): {
+            "namespace": meta.get("namespace"),
+            "deployment": labels[render.LABEL_DEPLOYMENT],
+            "role": role,
+            "class": acc,
+            "replicas": int((body.get("spec") or {}).get("replicas") or 0),
+        }
+    }
 
 
 def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None:
@@ -213,20 +241,27 @@ def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None
 
 def _index_children(group: str, version: str, plural: str, name: str) -> None:
     """Declare kopf's index `name` of one child kind (the names `indexes.CHILD_INDEXES` reads)."""
+
     def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
         return _child_view(body)
+
     kopf.index(group, version, plural, id=name)(index)
 
 
-for (_group, _version, _plural), _kind in zip(CHILD_WATCHES, ("Deployment", "Service", "ConfigMap", "NetworkPolicy",
-                                                             "PodDisruptionBudget"), strict=True):
+for (_group, _version, _plural), _kind in zip(
+    CHILD_WATCHES, ("Deployment", "Service", "ConfigMap", "NetworkPolicy", "PodDisruptionBudget"), strict=True
+):
     _index_children(_group, _version, _plural, CHILD_INDEXES[_kind])
 
 
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
 def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[str, AcceleratorClassSpec] | None:
     try:
-        return {name: AcceleratorClass.model_validate({"metadata": {"name": name}, "spec": dict(body.get("spec") or {})}).spec}
+        return {
+            name: AcceleratorClass.model_validate(
+                {"metadata": {"name": name}, "spec": dict(body.get("spec") or {})}
+            ).spec
+        }
     except pydantic.ValidationError as exc:
         logger.error("AcceleratorClass %s is invalid and ignored: %s", name, exc)
         return None
@@ -258,10 +293,14 @@ def _keep_indexes(kwargs: Mapping[str, Any]) -> None:
 
 def _node_view(body: Mapping[str, Any]) -> dict[str, Any]:
     meta, spec, st = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
-    return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
-            "spec": {"taints": list(spec.get("taints") or []), "unschedulable": bool(spec.get("unschedulable"))},
-            "status": {"allocatable": dict(st.get("allocatable") or {}),
-                       "conditions": [c for c in st.get("conditions") or [] if c.get("type") == "Ready"][:1]}}
+    return {
+        "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+        "spec": {"taints": list(spec.get("taints") or []), "unschedulable": bool(spec.get("unschedulable"))},
+        "status": {
+            "allocatable": dict(st.get("allocatable") or {}),
+            "conditions": [c for c in st.get("conditions") or [] if c.get("type") == "Ready"][:1],
+        },
+    }
 
 
 def _digest(value: Any) -> str:
@@ -270,7 +309,10 @@ def _digest(value: Any) -> str:
 
 # --- the InferenceDeployment itself --------------------------------------------------------------------------
 
-async def _reconcile_from_handler(namespace: str, name: str, body: kopf.Body, why: str, kwargs: Mapping[str, Any]) -> None:
+
+async def _reconcile_from_handler(
+    namespace: str, name: str, body: kopf.Body, why: str, kwargs: Mapping[str, Any]
+) -> None:
     _keep_indexes(kwargs)
     try:
         outcome = await RECONCILER.reconcile((namespace, name), why, body=json.loads(json.dumps(dict(body))))
@@ -296,8 +338,9 @@ async def _say_invalid(body: kopf.Body, message: str) -> None:
     if api is None:
         return
     meta = body["metadata"]
-    conditions = status.refused(body.get("status"), message, meta.get("generation"),
-                                dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    conditions = status.refused(
+        body.get("status"), message, meta.get("generation"), dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    )
     try:
         await api.event(meta, "Warning", "InvalidSpec", message)
         if conditions is not None:  # (`kubectl get infdep` shows it, not only `kubectl describe`)
@@ -331,8 +374,9 @@ async def on_rollback_annotation(namespace: str, name: str, event: Mapping[str, 
 
 
 @kopf.on.event(GROUP, VERSION, "inferencedeployments", annotations={ANNOTATION_RECREATE_TOKEN: kopf.PRESENT})
-async def on_recreate_token_annotation(namespace: str, name: str, body: kopf.Body, event: Mapping[str, Any],
-                                       **kwargs: Any) -> None:
+async def on_recreate_token_annotation(
+    namespace: str, name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any
+) -> None:
     """`pdfleet.io/recreate-token` set by hand after deleting the token Secret (rotation): a new Secret with a fresh
     token now, not at the next new pod; the annotation is removed once acted on."""
     _keep_indexes(kwargs)
@@ -340,12 +384,18 @@ async def on_recreate_token_annotation(namespace: str, name: str, body: kopf.Bod
     if event.get("type") not in (None, "ADDED", "MODIFIED") or api is None:
         return
     key = (namespace, name)
-    created = await RECONCILER.check_auth_secret(api, key, render.Owner(name, namespace, body["metadata"]["uid"]),
-                                                 f"annotation {ANNOTATION_RECREATE_TOKEN}")
+    created = await RECONCILER.check_auth_secret(
+        api, key, render.Owner(name, namespace, body["metadata"]["uid"]), f"annotation {ANNOTATION_RECREATE_TOKEN}"
+    )
     secret = render.auth_secret_name(name)
-    await api.event(body["metadata"], "Normal", "TokenSecretCreated" if created else "TokenSecretKept",
-                    f"created Secret {secret} with a new token" if created else
-                    f"Secret {secret} exists: its token is kept (delete the Secret first to rotate it)")
+    await api.event(
+        body["metadata"],
+        "Normal",
+        "TokenSecretCreated" if created else "TokenSecretKept",
+        f"created Secret {secret} with a new token"
+        if created
+        else f"Secret {secret} exists: its token is kept (delete the Secret first to rotate it)",
+    )
     await api.remove_annotation("InferenceDeployment", namespace, name, ANNOTATION_RECREATE_TOKEN)
 
 
@@ -356,6 +406,7 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
 
 
 # --- what else re-plans a deployment --------------------------------------------------------------------------
+
 
 @kopf.on.event(GROUP, VERSION, "acceleratorclasses")
 async def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
@@ -383,9 +434,11 @@ async def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], *
         else:
             changed = sorted(k for k in set(before) | set(spec) if before.get(k) != spec.get(k))
             why = f"AcceleratorClass {name} changed: " + ", ".join(
-                f"{k} {before.get(k)!r} -> {spec.get(k)!r}" if k in ("costPerHour", "count", "memoryGiB", "peakTflops",
-                                                                     "memoryBandwidthGBps", "resourceName")
-                else k for k in changed)
+                f"{k} {before.get(k)!r} -> {spec.get(k)!r}"
+                if k in ("costPerHour", "count", "memoryGiB", "peakTflops", "memoryBandwidthGBps", "resourceName")
+                else k
+                for k in changed
+            )
     for key in RECONCILER.keys_using({name}):
         RECONCILER.request(key, why)
 
@@ -407,9 +460,10 @@ async def on_node_event(name: str, body: kopf.Body, event: Mapping[str, Any], **
     affected = _classes_on(view)
     if not affected:
         return
-    free = ", ".join(f"{view['status']['allocatable'].get(c.resource_name, 0)} {c.resource_name}"
-                     for c in sorted({c.resource_name: c for c in affected.values()}.values(),
-                                     key=lambda c: c.resource_name))
+    free = ", ".join(
+        f"{view['status']['allocatable'].get(c.resource_name, 0)} {c.resource_name}"
+        for c in sorted({c.resource_name: c for c in affected.values()}.values(), key=lambda c: c.resource_name)
+    )
     for key in RECONCILER.keys_using(set(affected)):
         RECONCILER.request(key, f"{what} ({free} allocatable)")
 
@@ -438,10 +492,15 @@ async def on_pod_event(body: kopf.Body, event: Mapping[str, Any], **kwargs: Any)
     classes = RECONCILER.classes()
     for key in limited:
         spec = (RECONCILER.body(key) or {}).get("spec") or {}
-        listed = {c for r in ("prefill", "decode", "colocated") for c in (spec.get(r) or {}).get("acceleratorClasses", [])}
+        listed = {
+            c for r in ("prefill", "decode", "colocated") for c in (spec.get(r) or {}).get("acceleratorClasses", [])
+        }
         if any(classes[c].resource_name in freed for c in listed if c in classes):
-            RECONCILER.request(key, f"pod {body['metadata'].get('namespace')}/{body['metadata'].get('name')} freed "
-                                    + ", ".join(sorted(freed)))
+            RECONCILER.request(
+                key,
+                f"pod {body['metadata'].get('namespace')}/{body['metadata'].get('name')} freed "
+                + ", ".join(sorted(freed)),
+            )
 
 
 async def _new_pod_needs_the_token(body: kopf.Body) -> None:
@@ -454,8 +513,13 @@ async def _new_pod_needs_the_token(body: kopf.Body) -> None:
     if dep is None or RECONCILER.api is None:
         return
     try:
-        await RECONCILER.check_auth_secret(RECONCILER.api, key, render.Owner(owner, key[0], dep["metadata"]["uid"]),
-                                           f"new pod {meta.get('name')}", at_most_every=reconciler.AUTH_SECRET_CHECK_S)
+        await RECONCILER.check_auth_secret(
+            RECONCILER.api,
+            key,
+            render.Owner(owner, key[0], dep["metadata"]["uid"]),
+            f"new pod {meta.get('name')}",
+            at_most_every=reconciler.AUTH_SECRET_CHECK_S,
+        )
     except client.ApiError as exc:
         logger.warning("could not check the token Secret of %s/%s: %s", *key, exc)
 
@@ -473,8 +537,12 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     if not owner or RECONCILER.body(key) is None:
         return
     api = RECONCILER.api
-    if api is not None and api.is_own_write(kind, meta.get("namespace"), meta.get("name"),
-                                            client.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion")):
+    if api is not None and api.is_own_write(
+        kind,
+        meta.get("namespace"),
+        meta.get("name"),
+        client.DELETED if event.get("type") == "DELETED" else meta.get("resourceVersion"),
+    ):
         return  # the echo of our own write or delete
     if api is not None and event.get("type") == "DELETED":
         # Deleted by someone else: what our last apply returned must not stand in for it any more.

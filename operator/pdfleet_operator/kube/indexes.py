@@ -23,10 +23,22 @@ Key = tuple[str, str]  # (namespace, name)
 # How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
 INDEX_SYNC_TIMEOUT_S = 10.0
 # kind -> the index of that child kind (handlers.py declares them; each holds whole objects by (namespace, owner))
-CHILD_INDEXES = {"Deployment": "deployment_children", "Service": "service_children", "ConfigMap": "configmap_children",
-                 "NetworkPolicy": "networkpolicy_children", "PodDisruptionBudget": "pdb_children"}
-INDEXES = ("class_index", "class_meta_index", "node_index", "pod_index", "infdep_index", "pool_index",
-           *CHILD_INDEXES.values())
+CHILD_INDEXES = {
+    "Deployment": "deployment_children",
+    "Service": "service_children",
+    "ConfigMap": "configmap_children",
+    "NetworkPolicy": "networkpolicy_children",
+    "PodDisruptionBudget": "pdb_children",
+}
+INDEXES = (
+    "class_index",
+    "class_meta_index",
+    "node_index",
+    "pod_index",
+    "infdep_index",
+    "pool_index",
+    *CHILD_INDEXES.values(),
+)
 
 
 class Cluster:
@@ -82,8 +94,9 @@ class Cluster:
         """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas}."""
         return [p for s in (self.indexes.get("pool_index") or {}).values() for p in s]
 
-    def children(self, key: Key, uid: str, written: Mapping[tuple[str, str, str], Mapping[str, Any]]
-                 ) -> list[dict[str, Any]]:
+    def children(
+        self, key: Key, uid: str, written: Mapping[tuple[str, str, str], Mapping[str, Any]]
+    ) -> list[dict[str, Any]]:
         """The children `key` controls (its uid), from kopf's indexes, with this process's own writes laid over them
         (`written`: `client.Api.last`: (kind, namespace, name) -> the object an apply returned, or {"deletedUid"}).
 
@@ -94,7 +107,7 @@ class Cluster:
         out: dict[tuple[str, str], dict[str, Any]] = {}
         for kind, index_name in CHILD_INDEXES.items():
             index = self.indexes.get(index_name) or {}
-            for obj in (index[key] if key in index else ()):
+            for obj in index[key] if key in index else ():
                 obj = {**obj, "kind": kind}
                 out[(kind, obj["metadata"]["name"])] = obj
         for (kind, namespace, name), mine in written.items():
@@ -137,18 +150,24 @@ class Cluster:
     async def _sync(self, api: client.Api, namespaces: tuple[str, ...]) -> None:
         listed: dict[str, set] = {
             "class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
-            "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)}}
+            "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)},
+        }
         # NOTE: namespaced mode lists the namespaces named literally; a glob's children are not waited for.
         scopes: tuple[str | None, ...] = tuple(n for n in namespaces if not _is_glob(n)) if namespaces else (None,)
         selector = f"app.kubernetes.io/managed-by={names.MANAGER}"
         for kind, index_name in CHILD_INDEXES.items():
-            listed[index_name] = {(o["metadata"]["namespace"], o["metadata"]["name"])
-                                  for ns in scopes for o in await api.list(kind, ns, selector)
-                                  if (o["metadata"].get("labels") or {}).get(names.LABEL_DEPLOYMENT)}
+            listed[index_name] = {
+                (o["metadata"]["namespace"], o["metadata"]["name"])
+                for ns in scopes
+                for o in await api.list(kind, ns, selector)
+                if (o["metadata"].get("labels") or {}).get(names.LABEL_DEPLOYMENT)
+            }
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
         while True:
-            missing = {name: sorted(want - _indexed(self.indexes.get(name) or {}, name in CHILD_INDEXES.values()))
-                       for name, want in listed.items()}
+            missing = {
+                name: sorted(want - _indexed(self.indexes.get(name) or {}, name in CHILD_INDEXES.values()))
+                for name, want in listed.items()
+            }
             if not any(missing.values()):
                 return
             if asyncio.get_running_loop().time() > deadline:
@@ -177,19 +196,27 @@ class Cluster:
     async def _list_foreign(self, api: client.Api, namespaces: tuple[str, ...]) -> None:
         now = asyncio.get_running_loop().time()
         try:
-            listed = await api.request("GET", "/api/v1/pods",
-                                       params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
+            listed = await api.request(
+                "GET", "/api/v1/pods", params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"}
+            )
         except client.ApiError as exc:
             if exc.code not in (401, 403):
                 raise  # the reconcile retries; the last list (if any) stays in use meanwhile
-            self._foreign = (now, [], f"cannot list pods outside the watched namespaces ({exc.code} {exc.reason}: "
-                                      f"{exc.message}): accelerators that other namespaces' pods hold count as free; "
-                                      f"grant list on pods cluster-wide (the chart's ClusterRole does)")
+            self._foreign = (
+                now,
+                [],
+                f"cannot list pods outside the watched namespaces ({exc.code} {exc.reason}: "
+                f"{exc.message}): accelerators that other namespaces' pods hold count as free; "
+                f"grant list on pods cluster-wide (the chart's ClusterRole does)",
+            )
             logger.warning("capacity: %s", self._foreign[2])
             return
-        views = [v for p in (listed or {}).get("items") or []
-                 if not watched((p.get("metadata") or {}).get("namespace") or "", namespaces)
-                 and (v := inventory.pod_view(p)) is not None]
+        views = [
+            v
+            for p in (listed or {}).get("items") or []
+            if not watched((p.get("metadata") or {}).get("namespace") or "", namespaces)
+            and (v := inventory.pod_view(p)) is not None
+        ]
         self._foreign = (now, views, None)
 
 
@@ -203,13 +230,17 @@ def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def _controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    return any(ref.get("controller") and ref.get("uid") == uid for ref in (obj["metadata"].get("ownerReferences") or []))
+    return any(
+        ref.get("controller") and ref.get("uid") == uid for ref in (obj["metadata"].get("ownerReferences") or [])
+    )
 
 
 def classes_listed(body: Mapping[str, Any]) -> set[str]:
     """The AcceleratorClasses an InferenceDeployment's roles list."""
     spec = body.get("spec") or {}
-    return {c for role in ("prefill", "decode", "colocated") for c in (spec.get(role) or {}).get("acceleratorClasses", [])}
+    return {
+        c for role in ("prefill", "decode", "colocated") for c in (spec.get(role) or {}).get("acceleratorClasses", [])
+    }
 
 
 def watched(namespace: str, patterns: tuple[str, ...]) -> bool:
@@ -220,16 +251,27 @@ def watched(namespace: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(namespace, p) for p in positive)
 
 
-def capacity_condition(blind: str | None, namespaces: Iterable[str], interval: float, generation: int | None,
-                       now: Any) -> Condition:
+def capacity_condition(
+    blind: str | None, namespaces: Iterable[str], interval: float, generation: int | None, now: Any
+) -> Condition:
     """CapacityVisible: whether the other namespaces' pods are counted (namespaced mode)."""
     if blind is not None:
-        return Condition(type="CapacityVisible", status="False", reason="PodsForbidden", message=blind,
-                         last_transition_time=now, observed_generation=generation)
-    return Condition(type="CapacityVisible", status="True", reason="AllNamespaces",
-                     message=f"pods outside {', '.join(namespaces)} are counted too (listed at most every "
-                             f"{interval:g} s)",
-                     last_transition_time=now, observed_generation=generation)
+        return Condition(
+            type="CapacityVisible",
+            status="False",
+            reason="PodsForbidden",
+            message=blind,
+            last_transition_time=now,
+            observed_generation=generation,
+        )
+    return Condition(
+        type="CapacityVisible",
+        status="True",
+        reason="AllNamespaces",
+        message=f"pods outside {', '.join(namespaces)} are counted too (listed at most every {interval:g} s)",
+        last_transition_time=now,
+        observed_generation=generation,
+    )
 
 
 def _is_glob(pattern: str) -> bool:

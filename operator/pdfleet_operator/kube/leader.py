@@ -53,7 +53,7 @@ class LeaseConfig:
     identity: str
     lease_duration: float = 15.0  # a standby takes over after seeing the record unchanged this long
     renew_deadline: float = 10.0  # the holder gives up (exits) when it could not renew for this long
-    retry_period: float = 2.0     # between attempts, holder and standby
+    retry_period: float = 2.0  # between attempts, holder and standby
     alertmanager_url: str | None = None  # published in the Lease while holding it (None: the annotation is removed)
 
     def __post_init__(self) -> None:
@@ -62,9 +62,11 @@ class LeaseConfig:
         if not self.name:
             raise ValueError("leader election: the Lease's name is empty (--leader-election-name)")
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
-            raise ValueError(f"leader election: need 0 < --leader-election-retry-period ({self.retry_period}) < "
-                             f"--leader-election-renew-deadline ({self.renew_deadline}) < "
-                             f"--leader-election-lease-duration ({self.lease_duration})")
+            raise ValueError(
+                f"leader election: need 0 < --leader-election-retry-period ({self.retry_period}) < "
+                f"--leader-election-renew-deadline ({self.renew_deadline}) < "
+                f"--leader-election-lease-duration ({self.lease_duration})"
+            )
 
 
 def default_identity() -> str:
@@ -127,10 +129,13 @@ class LeaderElector:
         now = _micro_time(time.time())
         before = previous or {}
         ours = before.get("holderIdentity") == self.config.identity
-        return {"holderIdentity": self.config.identity, "leaseDurationSeconds": max(1, round(self.config.lease_duration)),
-                "acquireTime": before.get("acquireTime") if ours and before.get("acquireTime") else now,
-                "renewTime": now,
-                "leaseTransitions": int(before.get("leaseTransitions") or 0) + (0 if ours or previous is None else 1)}
+        return {
+            "holderIdentity": self.config.identity,
+            "leaseDurationSeconds": max(1, round(self.config.lease_duration)),
+            "acquireTime": before.get("acquireTime") if ours and before.get("acquireTime") else now,
+            "renewTime": now,
+            "leaseTransitions": int(before.get("leaseTransitions") or 0) + (0 if ours or previous is None else 1),
+        }
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt (client-go's tryAcquireOrRenew): True when this replica holds the Lease afterwards."""
@@ -138,17 +143,27 @@ class LeaderElector:
             lease = await self.api.request("GET", f"{self._path}/{self.config.name}")
         except client.ApiError as exc:
             if exc.code != 404:
-                logger.warning("leader election: reading Lease %s/%s failed: %s", self.config.namespace, self.config.name, exc)
+                logger.warning(
+                    "leader election: reading Lease %s/%s failed: %s", self.config.namespace, self.config.name, exc
+                )
                 return False
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.config.name, "namespace": self.config.namespace}, "spec": self._spec(None)}
+            body = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.config.name, "namespace": self.config.namespace},
+                "spec": self._spec(None),
+            }
             _annotate(body["metadata"], self.config.alertmanager_url)
             try:
                 await self.api.request("POST", self._path, body=body)
             except client.ApiError as exc2:
                 if exc2.code != 409:  # 409: another replica created it first
-                    logger.warning("leader election: creating Lease %s/%s failed: %s", self.config.namespace,
-                                   self.config.name, exc2)
+                    logger.warning(
+                        "leader election: creating Lease %s/%s failed: %s",
+                        self.config.namespace,
+                        self.config.name,
+                        exc2,
+                    )
                 return False
             self._became(None)
             return True
@@ -171,8 +186,9 @@ class LeaderElector:
             await self.api.request("PUT", f"{self._path}/{self.config.name}", body=lease)
         except client.ApiError as exc:
             if exc.code != 409:
-                logger.warning("leader election: updating Lease %s/%s failed: %s", self.config.namespace,
-                               self.config.name, exc)
+                logger.warning(
+                    "leader election: updating Lease %s/%s failed: %s", self.config.namespace, self.config.name, exc
+                )
             return False
         self._became(holder)
         return True
@@ -181,8 +197,13 @@ class LeaderElector:
         self._last_renew = self.clock()
         if not self.holding:
             self.transitions += 1
-            logger.info("leader election: %s holds Lease %s/%s now (previous holder: %s)", self.config.identity,
-                        self.config.namespace, self.config.name, previous_holder or "none")
+            logger.info(
+                "leader election: %s holds Lease %s/%s now (previous holder: %s)",
+                self.config.identity,
+                self.config.namespace,
+                self.config.name,
+                previous_holder or "none",
+            )
         self.holding = True
 
     def leader_url(self) -> str | None:
@@ -195,8 +216,9 @@ class LeaderElector:
 
     async def acquire(self, stop: asyncio.Event | None = None) -> bool:
         """Try every retry period (with client-go's jitter) until this replica leads (True) or `stop` is set (False)."""
-        logger.info("leader election: %s waiting for Lease %s/%s", self.config.identity, self.config.namespace,
-                    self.config.name)
+        logger.info(
+            "leader election: %s waiting for Lease %s/%s", self.config.identity, self.config.namespace, self.config.name
+        )
         while stop is None or not stop.is_set():
             if await self.try_acquire_or_renew():
                 return True
@@ -215,17 +237,23 @@ class LeaderElector:
         while True:
             await asyncio.sleep(self.config.retry_period)
             try:
-                renewed = await asyncio.wait_for(self.try_acquire_or_renew(),
-                                                 max(0.1, self.config.renew_deadline - (self.clock() - self._last_renew)))
+                renewed = await asyncio.wait_for(
+                    self.try_acquire_or_renew(),
+                    max(0.1, self.config.renew_deadline - (self.clock() - self._last_renew)),
+                )
             except asyncio.TimeoutError:
                 renewed = False
             if not renewed and not self.holding:  # another replica holds it now (we were cut off): stop at once
-                on_lost(f"Lease {self.config.namespace}/{self.config.name} is held by {self._observed[0] if self._observed else '?'}")
+                on_lost(
+                    f"Lease {self.config.namespace}/{self.config.name} is held by {self._observed[0] if self._observed else '?'}"
+                )
                 return
             if not renewed and self.clock() - self._last_renew >= self.config.renew_deadline:
                 self.holding = False
-                on_lost(f"could not renew Lease {self.config.namespace}/{self.config.name} for "
-                        f"{self.config.renew_deadline:g} s")
+                on_lost(
+                    f"could not renew Lease {self.config.namespace}/{self.config.name} for "
+                    f"{self.config.renew_deadline:g} s"
+                )
                 return
 
     async def release(self) -> None:
@@ -242,11 +270,20 @@ class LeaderElector:
             lease["metadata"] = dict(lease.get("metadata") or {})
             _annotate(lease["metadata"], None)
             await self.api.request("PUT", f"{self._path}/{self.config.name}", body=lease)
-            logger.info("leader election: %s released Lease %s/%s", self.config.identity, self.config.namespace,
-                        self.config.name)
+            logger.info(
+                "leader election: %s released Lease %s/%s",
+                self.config.identity,
+                self.config.namespace,
+                self.config.name,
+            )
         except client.ApiError as exc:
-            logger.warning("leader election: releasing Lease %s/%s failed (a standby takes over after %g s): %s",
-                           self.config.namespace, self.config.name, self.config.lease_duration, exc)
+            logger.warning(
+                "leader election: releasing Lease %s/%s failed (a standby takes over after %g s): %s",
+                self.config.namespace,
+                self.config.name,
+                self.config.lease_duration,
+                exc,
+            )
 
 
 class LeaseThread(threading.Thread):
@@ -254,8 +291,12 @@ class LeaseThread(threading.Thread):
     operator's own work (kopf taking in 500 objects at start keeps its loop busy for seconds, longer than a
     renew deadline). `acquired` is set once this replica leads; `stop()` releases the Lease and ends the thread."""
 
-    def __init__(self, make_api: Callable[[], client.Api], config: LeaseConfig,
-                 on_lost: Callable[[str], None] = lambda reason: exit_lost(reason)) -> None:
+    def __init__(
+        self,
+        make_api: Callable[[], client.Api],
+        config: LeaseConfig,
+        on_lost: Callable[[str], None] = lambda reason: exit_lost(reason),
+    ) -> None:
         super().__init__(name="leader-election", daemon=True)
         self.make_api, self.config, self.on_lost = make_api, config, on_lost
         self.acquired = threading.Event()
@@ -302,13 +343,19 @@ class LeaseThread(threading.Thread):
         self.done.wait(timeout)
 
 
-async def serve_standby(host: str, liveness_port: int | None, metrics_port: int | None,
-                        alertmanager_port: int | None = None, alertmanager_token: str | None = None,
-                        leader_url: Callable[[], str | None] = lambda: None,
-                        retry_after: float = 2.0) -> list[web.AppRunner]:
+async def serve_standby(
+    host: str,
+    liveness_port: int | None,
+    metrics_port: int | None,
+    alertmanager_port: int | None = None,
+    alertmanager_token: str | None = None,
+    leader_url: Callable[[], str | None] = lambda: None,
+    retry_after: float = 2.0,
+) -> list[web.AppRunner]:
     """/healthz (200: a standby is healthy) and /metrics (`pdfleet_operator_leader 0`) while waiting for the Lease, and
     on `alertmanager_port` the relay of authenticated alerts to the URL the leader published (`leader_url()`); all
     cleaned up before kopf, the operator's exporter and its receiver take the same ports."""
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"standby": True})
 
@@ -327,8 +374,11 @@ async def serve_standby(host: str, liveness_port: int | None, metrics_port: int 
         runners.append(runner)
     if alertmanager_port:
         # (a relay in flight when this replica takes over is cut after 1 s: the receiver must bind the port)
-        runner = web.AppRunner(alertmanager.make_relay_app(leader_url, alertmanager_token, retry_after), access_log=None,
-                               shutdown_timeout=1.0)
+        runner = web.AppRunner(
+            alertmanager.make_relay_app(leader_url, alertmanager_token, retry_after),
+            access_log=None,
+            shutdown_timeout=1.0,
+        )
         await runner.setup()
         await web.TCPSite(runner, host, alertmanager_port, reuse_address=True).start()
         runners.append(runner)

@@ -43,6 +43,7 @@ def start(rec: Reconciler, key: Key, m: DeploymentMemory) -> None:
 
 # --- the autoscaler --------------------------------------------------------------------------------------
 
+
 async def autoscale(rec: Reconciler, key: Key) -> None:
     """One `scaling` tick per spec.autoscaling.interval while the deployment exists."""
     while True:
@@ -62,8 +63,9 @@ async def autoscale(rec: Reconciler, key: Key) -> None:
             delay = dep.spec.interval_seconds()
             if dep.spec.autoscaling.enabled and (m.scaler.started or not starting(dep)):
                 try:
-                    await m.scaler.tick(rec, key, dep, body, default_url=OPTIONS.prometheus_url,
-                                        profile=OPTIONS.metrics_profile)
+                    await m.scaler.tick(
+                        rec, key, dep, body, default_url=OPTIONS.prometheus_url, profile=OPTIONS.metrics_profile
+                    )
                 except client.ApiError as exc:
                     logger.warning("autoscaler tick of %s/%s failed: %s; next in %ss", *key, exc, delay)
                 except Exception:  # NOTE: a bug in one tick must not end the deployment's autoscaling
@@ -82,6 +84,7 @@ def starting(dep: InferenceDeployment) -> bool:
 
 
 # --- rollback analysis -------------------------------------------------------------------------------------
+
 
 async def analyze_periodically(rec: Reconciler, key: Key) -> None:
     """Rollback analysis from Prometheus every OPTIONS.analysis_interval while the deployment exists."""
@@ -108,8 +111,9 @@ async def on_alert(rec: Reconciler, trigger: alertmanager.RollbackTrigger) -> No
     await analyze(rec, key, "alertmanager", trigger)
 
 
-async def analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None = None
-                  ) -> rollback.RollbackAction | None:
+async def analyze(
+    rec: Reconciler, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None = None
+) -> rollback.RollbackAction | None:
     """One analysis of the served revision; the timer and Alertmanager take turns per deployment.
 
     NOTE: an analysis awaits Prometheus between reading and storing the revision's health; two
@@ -119,8 +123,9 @@ async def analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager.
         return await _analyze(rec, key, source, trigger)
 
 
-async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None
-                   ) -> rollback.RollbackAction | None:
+async def _analyze(
+    rec: Reconciler, key: Key, source: str, trigger: alertmanager.RollbackTrigger | None
+) -> rollback.RollbackAction | None:
     body = rec.body(key)
     m = rec.memory(key)
     if body is None or m.plan is None:
@@ -151,12 +156,17 @@ async def _analyze(rec: Reconciler, key: Key, source: str, trigger: alertmanager
     record = None
     if action.kind == "rollback" and stable is not None:
         record = rollback.find(await client.list_revisions(rec.api, rec.owner(key, body)), stable)
-    acted = rollback.act(m.rollback, action, dep, served, stable, record, source,
-                         dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    acted = rollback.act(
+        m.rollback, action, dep, served, stable, record, source, dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    )
     m.rollback = acted.state
     if acted.conditions or acted.fields:
-        rec.set_status(key, conditions=list(acted.conditions), why=f"rollback analysis of revision {served} ({source}): "
-                       f"{action.kind}", **acted.fields)
+        rec.set_status(
+            key,
+            conditions=list(acted.conditions),
+            why=f"rollback analysis of revision {served} ({source}): {action.kind}",
+            **acted.fields,
+        )
     if acted.template_changed:
         rec.request(key, f"rollback of revision {served} to {stable} ({source})")
     if acted.notice is not None:

@@ -39,13 +39,19 @@ class DeploymentMemory:
     extra_conditions: dict[str, Condition] = dataclasses.field(default_factory=dict)
     extra_status: dict[str, Any] = dataclasses.field(default_factory=dict)
     # What this process last saw or wrote.
-    parsed: tuple[tuple[Any, Any], InferenceDeployment] | None = None  # ((uid, generation), model): CEL once per generation
-    plan: FleetPlan | None = None             # the last plan
+    parsed: tuple[tuple[Any, Any], InferenceDeployment] | None = (
+        None  # ((uid, generation), model): CEL once per generation
+    )
+    plan: FleetPlan | None = None  # the last plan
     engines: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # role -> engines its planned pools run
-    targets: dict[str, int] | None = None     # replicas per role the last plan was made for
-    rendered: dict[str, str] = dataclasses.field(default_factory=dict)  # child -> digest: an unchanged rendering re-applied is a revert
-    last_status: tuple[dict[str, Any], str | None, str | None] | None = None  # (status, CR version before, after our write)
-    limited: bool = False                     # the last plan fell short of accelerators (a freed pod re-plans it)
+    targets: dict[str, int] | None = None  # replicas per role the last plan was made for
+    rendered: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # child -> digest: an unchanged rendering re-applied is a revert
+    last_status: tuple[dict[str, Any], str | None, str | None] | None = (
+        None  # (status, CR version before, after our write)
+    )
+    limited: bool = False  # the last plan fell short of accelerators (a freed pod re-plans it)
     # The two background loops and their memory.
     scaler: scaling.Scaler = dataclasses.field(default_factory=scaling.Scaler)
     analysis_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -60,9 +66,16 @@ class DeploymentMemory:
     def inputs(self) -> reconcile.Inputs:
         """What the reconcile chain reads of this memory."""
         last, version = (self.last_status[0], self.last_status[1]) if self.last_status else (None, None)
-        return reconcile.Inputs(desired=self.desired, targets=self.targets, rollback=self.rollback,
-                                extra_conditions=dict(self.extra_conditions), extra_status=dict(self.extra_status),
-                                last_status=last, last_status_version=version, rendered=dict(self.rendered))
+        return reconcile.Inputs(
+            desired=self.desired,
+            targets=self.targets,
+            rollback=self.rollback,
+            extra_conditions=dict(self.extra_conditions),
+            extra_status=dict(self.extra_status),
+            last_status=last,
+            last_status_version=version,
+            rendered=dict(self.rendered),
+        )
 
     def stop(self) -> None:
         """Cancel the deployment's background loops."""

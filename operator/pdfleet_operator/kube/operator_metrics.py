@@ -21,13 +21,23 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.decisions = Counter(
-            names.SCALING_DECISIONS_TOTAL, "Autoscaler decisions by role, direction (up, down, hold) and reason.",
-            [names.LABEL_ROLE_OWN, names.LABEL_DIRECTION, names.LABEL_REASON], registry=self.registry)
-        self.desired = Gauge(names.DESIRED_REPLICAS, "Replicas the autoscaler asks for, per deployment and role.",
-                             [names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT_OWN, names.LABEL_ROLE_OWN],
-                             registry=self.registry)
-        self.ratio = Gauge(names.PD_RATIO, "Desired prefill replicas / desired decode replicas.",
-                           [names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT_OWN], registry=self.registry)
+            names.SCALING_DECISIONS_TOTAL,
+            "Autoscaler decisions by role, direction (up, down, hold) and reason.",
+            [names.LABEL_ROLE_OWN, names.LABEL_DIRECTION, names.LABEL_REASON],
+            registry=self.registry,
+        )
+        self.desired = Gauge(
+            names.DESIRED_REPLICAS,
+            "Replicas the autoscaler asks for, per deployment and role.",
+            [names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT_OWN, names.LABEL_ROLE_OWN],
+            registry=self.registry,
+        )
+        self.ratio = Gauge(
+            names.PD_RATIO,
+            "Desired prefill replicas / desired decode replicas.",
+            [names.LABEL_NAMESPACE, names.LABEL_DEPLOYMENT_OWN],
+            registry=self.registry,
+        )
 
     def record(self, namespace: str, deployment: str, decisions: Mapping[str, ScalingDecision]) -> None:
         """Count one round of decisions and set the deployment's desired replicas and P:D ratio."""
@@ -40,8 +50,9 @@ class OperatorMetrics:
         else:
             self.ratio.labels(namespace, deployment).set(ratio)
 
-    def forget(self, namespace: str, deployment: str, roles: tuple[str, ...] = ("prefill", "decode", "colocated")
-               ) -> None:
+    def forget(
+        self, namespace: str, deployment: str, roles: tuple[str, ...] = ("prefill", "decode", "colocated")
+    ) -> None:
         """Drop a deleted deployment's series (the counter is per role, not per deployment, and stays)."""
         for role in roles:
             try:

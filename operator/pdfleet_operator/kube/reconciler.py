@@ -211,10 +211,15 @@ class Reconciler(Cluster):
             for p in m.plan.pools:
                 pk = (k[0], k[1], p.role, p.accelerator_class)
                 held[pk] = max(held.get(pk, 0), p.replicas)
-        return [inventory.Reservation(ns, dep, role, acc, classes[acc], n) for (ns, dep, role, acc), n in sorted(held.items())
-                if (ns, dep) != exclude and acc in classes and n > 0]
+        return [
+            inventory.Reservation(ns, dep, role, acc, classes[acc], n)
+            for (ns, dep, role, acc), n in sorted(held.items())
+            if (ns, dep) != exclude and acc in classes and n > 0
+        ]
 
-    def _release(self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str) -> None:
+    def _release(
+        self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str
+    ) -> None:
         """Re-plan the deployments short of capacity when `key`'s plan gave up units of a resource they use."""
         if before is None:
             return
@@ -222,7 +227,7 @@ class Reconciler(Cluster):
 
         def units(plan: placement.FleetPlan | None) -> dict[str, int]:
             out: dict[str, int] = {}
-            for p in (plan.pools if plan is not None else ()):
+            for p in plan.pools if plan is not None else ():
                 cls = classes.get(p.accelerator_class)
                 if cls is not None:
                     out[cls.resource_name] = out.get(cls.resource_name, 0) + p.replicas * cls.count
@@ -248,10 +253,16 @@ class Reconciler(Cluster):
         m = self.memory(key)
         cached = m.parsed
         if cached is None or cached[0] != version:
-            dep = InferenceDeployment.model_validate({
-                "apiVersion": body.get("apiVersion", render.API_VERSION), "kind": "InferenceDeployment",
-                "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None},
-                "spec": body.get("spec") or {}})
+            dep = InferenceDeployment.model_validate(
+                {
+                    "apiVersion": body.get("apiVersion", render.API_VERSION),
+                    "kind": "InferenceDeployment",
+                    "metadata": {
+                        k: meta.get(k) for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None
+                    },
+                    "spec": body.get("spec") or {},
+                }
+            )
             m.parsed = cached = (version, dep)
         st = InferenceDeploymentStatus.model_validate(body["status"]) if body.get("status") else None
         return cached[1].model_copy(update={"status": st})
@@ -282,8 +293,12 @@ class Reconciler(Cluster):
         # it); the generation decides which spec is newer, the index wins ties.
         indexed = self.body(key)
         body = indexed if indexed is not None else given
-        if given is not None and indexed is not None and \
-                (given.get("metadata") or {}).get("generation", 0) > (indexed.get("metadata") or {}).get("generation", 0):
+        if (
+            given is not None
+            and indexed is not None
+            and (given.get("metadata") or {}).get("generation", 0)
+            > (indexed.get("metadata") or {}).get("generation", 0)
+        ):
             body = given
         if body is None:
             return Outcome(skipped="gone")
@@ -307,11 +322,14 @@ class Reconciler(Cluster):
             self._release(key, before, desired.plan, "re-planned")
         return await self._write(api, key, body, obs, desired, owner)
 
-    async def _gather(self, api: client.Api, key: Key, why: str, body: Mapping[str, Any]
-                      ) -> tuple[reconcile.Observed, bool]:
+    async def _gather(
+        self, api: client.Api, key: Key, why: str, body: Mapping[str, Any]
+    ) -> tuple[reconcile.Observed, bool]:
         meta = body.get("metadata") or {}
         dep = self.parse(key, body)
-        refused = guardrails.host_path_problem(dep.spec, key[0], OPTIONS.host_path_prefixes, OPTIONS.host_path_namespaces)
+        refused = guardrails.host_path_problem(
+            dep.spec, key[0], OPTIONS.host_path_prefixes, OPTIONS.host_path_namespaces
+        )
         if refused:
             raise ValueError(refused)
         await self.sync(api, OPTIONS.namespaces)
@@ -328,19 +346,40 @@ class Reconciler(Cluster):
         if OPTIONS.namespaces:
             blind = await self.refresh_foreign(api, OPTIONS.namespaces, OPTIONS.foreign_pods_interval)
             m.extra_conditions["CapacityVisible"] = capacity_condition(
-                blind, OPTIONS.namespaces, OPTIONS.foreign_pods_interval, dep.metadata.generation, now)
+                blind, OPTIONS.namespaces, OPTIONS.foreign_pods_interval, dep.metadata.generation, now
+            )
         config = next((c for c in children if c["kind"] == "ConfigMap"), None)
         obs = reconcile.Observed(
-            dep=dep, uid=meta["uid"], resource_version=meta.get("resourceVersion"),
-            annotations=dict(meta.get("annotations") or {}), classes=self.classes(), deleting=self.deleting(),
-            nodes=self.nodes(), pods=self.pods(), children=children, stored=stored,
-            served_record=revisions.served_record(config, owner), reserved=self.reservations(exclude=key),
-            inputs=m.inputs(), now=now, why=why, router_cpu=cost.router_cores(dep.spec.router.resources.requests),
-            worker_image=OPTIONS.worker_images.describe(), token_secret=render.auth_secret_name(key[1]))
+            dep=dep,
+            uid=meta["uid"],
+            resource_version=meta.get("resourceVersion"),
+            annotations=dict(meta.get("annotations") or {}),
+            classes=self.classes(),
+            deleting=self.deleting(),
+            nodes=self.nodes(),
+            pods=self.pods(),
+            children=children,
+            stored=stored,
+            served_record=revisions.served_record(config, owner),
+            reserved=self.reservations(exclude=key),
+            inputs=m.inputs(),
+            now=now,
+            why=why,
+            router_cpu=cost.router_cores(dep.spec.router.resources.requests),
+            worker_image=OPTIONS.worker_images.describe(),
+            token_secret=render.auth_secret_name(key[1]),
+        )
         return obs, monitoring
 
-    async def _write(self, api: client.Api, key: Key, body: Mapping[str, Any], obs: reconcile.Observed,
-                     desired: reconcile.Desired, owner: render.Owner) -> Outcome:
+    async def _write(
+        self,
+        api: client.Api,
+        key: Key,
+        body: Mapping[str, Any],
+        obs: reconcile.Observed,
+        desired: reconcile.Desired,
+        owner: render.Owner,
+    ) -> Outcome:
         m = self.memory(key)
         writes_before = api.writes
         if desired.serving.remove_annotation:
@@ -348,12 +387,20 @@ class Reconciler(Cluster):
         result = None
         new = desired.status
         if desired.plan is not None:
-            stable = m.extra_status.get("stable_revision") or (obs.dep.status.stable_revision if obs.dep.status else None)
+            stable = m.extra_status.get("stable_revision") or (
+                obs.dep.status.stable_revision if obs.dep.status else None
+            )
             for k in await revisions.record_superseded(api, owner, obs, desired.revision, stable, m.rollback.failed):
                 exporter.API_WRITES.labels(k.split("/")[0]).inc()
             await self._ensure_auth_secret(api, key, owner, obs.dep.status)  # before the pods that mount it
-            result = await client.apply_children(api, owner, list(desired.objects), list(obs.children),
-                                                 delete=desired.delete, untouched=desired.untouched)
+            result = await client.apply_children(
+                api,
+                owner,
+                list(desired.objects),
+                list(obs.children),
+                delete=desired.delete,
+                untouched=desired.untouched,
+            )
             result.drifted = {k: v for k, v in result.drifted.items() if m.rendered.get(k) == result.hashes[k]}
             m.rendered = dict(result.hashes)
             for k in result.applied + result.created + result.deleted:
@@ -373,21 +420,40 @@ class Reconciler(Cluster):
         if desired.plan is not None:
             await class_protection.sync(api, self, desired.plan, obs)
             spec = desired.serving.spec
-            exporter.bill(key[0], key[1], desired.plan, cost.running_cost(
-                [p for views in (self.indexes.get("pod_index") or {}).values() for p in views], key[0], key[1],
-                obs.classes, router_cpu=obs.router_cpu), parse_duration(spec.slo.ttft), parse_duration(spec.slo.itl))
-        return Outcome(writes=api.writes - writes_before, plan=desired.plan, result=result, status_written=written,
-                       skipped="" if desired.plan is not None else f"held: {desired.serving.held}", desired=desired)
+            exporter.bill(
+                key[0],
+                key[1],
+                desired.plan,
+                cost.running_cost(
+                    [p for views in (self.indexes.get("pod_index") or {}).values() for p in views],
+                    key[0],
+                    key[1],
+                    obs.classes,
+                    router_cpu=obs.router_cpu,
+                ),
+                parse_duration(spec.slo.ttft),
+                parse_duration(spec.slo.itl),
+            )
+        return Outcome(
+            writes=api.writes - writes_before,
+            plan=desired.plan,
+            result=result,
+            status_written=written,
+            skipped="" if desired.plan is not None else f"held: {desired.serving.held}",
+            desired=desired,
+        )
 
-    async def _ensure_auth_secret(self, api: client.Api, key: Key, owner: render.Owner,
-                                  st: InferenceDeploymentStatus | None) -> None:
+    async def _ensure_auth_secret(
+        self, api: client.Api, key: Key, owner: render.Owner, st: InferenceDeploymentStatus | None
+    ) -> None:
         """The token Secret, created unless status.tokenSecret says it was (so a restart writes nothing)."""
         if key in self._auth_checked or (st is not None and st.token_secret == render.auth_secret_name(owner.name)):
             return
         await self.check_auth_secret(api, key, owner, "first reconcile")
 
-    async def check_auth_secret(self, api: client.Api, key: Key, owner: render.Owner, why: str, *,
-                                at_most_every: float = 0.0) -> bool | None:
+    async def check_auth_secret(
+        self, api: client.Api, key: Key, owner: render.Owner, why: str, *, at_most_every: float = 0.0
+    ) -> bool | None:
         """Create the token Secret if it is missing (True), find it there (False), or skip a check made less than
         `at_most_every` seconds ago (None)."""
         now = asyncio.get_running_loop().time()
@@ -397,16 +463,28 @@ class Reconciler(Cluster):
         self._auth_checked[key] = now
         created = await client.ensure_auth_secret(api, owner)
         if created:
-            logger.info("created the deployment token Secret %s/%s (%s)", key[0], render.auth_secret_name(owner.name), why)
+            logger.info(
+                "created the deployment token Secret %s/%s (%s)", key[0], render.auth_secret_name(owner.name), why
+            )
             exporter.API_WRITES.labels("Secret").inc()
         return created
 
 
-def _renderer(owner: render.Owner, classes: Mapping[str, AcceleratorClassSpec], monitoring: bool
-              ) -> reconcile.Renderer:
+def _renderer(owner: render.Owner, classes: Mapping[str, AcceleratorClassSpec], monitoring: bool) -> reconcile.Renderer:
     """`render.render` with this operator's settings, as the chain calls it."""
+
     def run(spec, plan, revision, surge):
-        return render.render(owner, spec, plan, classes, revision=revision, monitoring=monitoring,
-                             scrapers=OPTIONS.scraper_namespaces, images=OPTIONS.worker_images,
-                             own_pod_monitor=OPTIONS.pod_monitors, surge=surge)
+        return render.render(
+            owner,
+            spec,
+            plan,
+            classes,
+            revision=revision,
+            monitoring=monitoring,
+            scrapers=OPTIONS.scraper_namespaces,
+            images=OPTIONS.worker_images,
+            own_pod_monitor=OPTIONS.pod_monitors,
+            surge=surge,
+        )
+
     return run

@@ -72,8 +72,14 @@ USER = "pdfleet"  # $USER and $LOGNAME: a uid without a passwd entry makes getpa
 # vLLM pods: a writable home and cache tree (emptyDirs) under the read-only root filesystem.
 HOME_MOUNT = "/home/pdfleet"
 CACHE_MOUNT = "/var/cache/pdfleet"
-VLLM_CACHE_ENV = (("XDG_CACHE_HOME", ""), ("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                  ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "huggingface"), ("NUMBA_CACHE_DIR", "numba"))
+VLLM_CACHE_ENV = (
+    ("XDG_CACHE_HOME", ""),
+    ("VLLM_CACHE_ROOT", "vllm"),
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+    ("TRITON_CACHE_DIR", "triton"),
+    ("HF_HOME", "huggingface"),
+    ("NUMBA_CACHE_DIR", "numba"),
+)
 # The pdfleet worker's torch threads: sized in the pod from its CPU quota, affinity mask and this (its request).
 CPU_REQUEST_ENV = "PDFLEET_CPU_REQUEST"
 # The deployment token: a Secret per InferenceDeployment (created by the operator when missing) in every router
@@ -105,8 +111,14 @@ class Owner:
     uid: str
 
     def reference(self) -> dict[str, Any]:
-        return {"apiVersion": API_VERSION, "kind": "InferenceDeployment", "name": self.name, "uid": self.uid,
-                "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "InferenceDeployment",
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
 
 def _digest(value: Any) -> str:
@@ -123,8 +135,15 @@ def template_hash(spec: InferenceDeploymentSpec) -> str:
     return rollback.fingerprint(rollback.template_spec(spec))
 
 
-def labels(owner: Owner, component: str, *, role: str | None = None, accelerator: str | None = None,
-           revision: int | None = None, engine: str | None = None) -> dict[str, str]:
+def labels(
+    owner: Owner,
+    component: str,
+    *,
+    role: str | None = None,
+    accelerator: str | None = None,
+    revision: int | None = None,
+    engine: str | None = None,
+) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "pdfleet-router" if component == ROUTER_ROLE else "pdfleet-worker",
         "app.kubernetes.io/instance": owner.name,
@@ -153,8 +172,12 @@ def selector(owner: Owner, role: str, accelerator: str | None = None) -> dict[st
 
 
 def _meta(owner: Owner, name: str, lbls: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": lbls,
-                            "ownerReferences": [owner.reference()]}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": lbls,
+        "ownerReferences": [owner.reference()],
+    }
     if annotations:
         meta["annotations"] = annotations
     return meta
@@ -217,8 +240,10 @@ def _secret_volume(name: str, secret: str, key: str, *, optional: bool = False) 
 
 def _auth_volume(owner: Owner) -> tuple[dict[str, Any], dict[str, Any]]:
     # NOTE: no subPath: kubelet updates a Secret volume in place only without one (the rotation needs that).
-    return (_secret_volume("auth", auth_secret_name(owner.name), AUTH_TOKEN_KEY),
-            {"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    return (
+        _secret_volume("auth", auth_secret_name(owner.name), AUTH_TOKEN_KEY),
+        {"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True},
+    )
 
 
 def kv_peers(owner: Owner) -> str:
@@ -226,8 +251,13 @@ def kv_peers(owner: Owner) -> str:
     return f"{role_service_name(owner.name, 'prefill')}.{owner.namespace}.svc:{KV_PORT}"
 
 
-def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime | None = None,
-                accelerator: str | None = None, owner: Owner | None = None) -> list[str]:
+def worker_args(
+    spec: InferenceDeploymentSpec,
+    role: str,
+    runtime: runtimes.PoolRuntime | None = None,
+    accelerator: str | None = None,
+    owner: Owner | None = None,
+) -> list[str]:
     """`pdfleet worker` flags in a pod (issue 4's contract plus the engine config file and extra args); with a
     pool's runtime, the device it must compute on and its class (a worker without the device exits, loudly);
     with its owner, the deployment token and (decode) the prefill peers it may pull from."""
@@ -244,16 +274,31 @@ def worker_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.Pool
         flags += ["--accelerator", accelerator]
     # torch threads from the container's CPUs (quota, affinity, $PDFLEET_CPU_REQUEST), one core kept for the server
     flags += ["--num-threads", "auto"]
-    return engine_args.worker_args(spec, role, model_dir=model_dir(spec), host="0.0.0.0", port=HTTP_PORT,
-                                   engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY), flags=flags)
+    return engine_args.worker_args(
+        spec,
+        role,
+        model_dir=model_dir(spec),
+        host="0.0.0.0",
+        port=HTTP_PORT,
+        engine_config=posixpath.join(CONFIG_MOUNT, CONFIG_KEY),
+        flags=flags,
+    )
 
 
 def vllm_args(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime) -> list[str]:
     """`vllm serve` arguments in a pod: the model directory, then the spec's engine settings."""
-    return [model_dir(spec), *engine_args.vllm_args(spec, role, host="0.0.0.0", port=HTTP_PORT,
-                                                    tensor_parallel=runtime.tensor_parallel,
-                                                    kv_connector=runtime.kv_connector,
-                                                    block_size=runtime.block_size)]
+    return [
+        model_dir(spec),
+        *engine_args.vllm_args(
+            spec,
+            role,
+            host="0.0.0.0",
+            port=HTTP_PORT,
+            tensor_parallel=runtime.tensor_parallel,
+            kv_connector=runtime.kv_connector,
+            block_size=runtime.block_size,
+        ),
+    ]
 
 
 # Seconds a draining router keeps answering new requests (kube-proxy and ingress controllers stop sending to a
@@ -264,6 +309,7 @@ ROUTER_DRAIN_ACCEPT_S = 5.0
 def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | None = None) -> list[str]:
     """`pdfleet router` flags: each role's headless Service, whose DNS name resolves to every ready worker;
     a role whose pools run vLLM is named `vllm@URL` (the router probes and drives each engine its own way)."""
+
     def url(role: str) -> str:
         engine = (engines or {}).get(role, runtimes.PDFLEET)
         prefix = "" if engine == runtimes.PDFLEET else f"{engine}@"
@@ -274,15 +320,25 @@ def router_args(owner: Owner, roles: list[str], engines: Mapping[str, str] | Non
         args += ["--workers", url("colocated")]
     else:
         args += ["--prefill", url("prefill"), "--decode", url("decode")]
-    return args + ["--host", "0.0.0.0", "--port", str(HTTP_PORT),
-                   "--auth-token-file", posixpath.join(AUTH_MOUNT, AUTH_TOKEN_KEY),
-                   "--api-key-file", posixpath.join(API_KEYS_MOUNT, API_KEYS_KEY), "--api-key-file-optional",
-                   # endpoint removal lags SIGTERM: what the Service still sends for a moment is answered
-                   "--drain-accept", f"{ROUTER_DRAIN_ACCEPT_S:g}"]
+    return args + [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--auth-token-file",
+        posixpath.join(AUTH_MOUNT, AUTH_TOKEN_KEY),
+        "--api-key-file",
+        posixpath.join(API_KEYS_MOUNT, API_KEYS_KEY),
+        "--api-key-file-optional",
+        # endpoint removal lags SIGTERM: what the Service still sends for a moment is answered
+        "--drain-accept",
+        f"{ROUTER_DRAIN_ACCEPT_S:g}",
+    ]
 
 
 def _probes(ready: str = "/ready") -> dict[str, Any]:
     """The pdfleet worker and router: ready at /ready (after warm-up); vLLM serves only /health."""
+
     def get(path: str) -> dict[str, Any]:
         return {"path": path, "port": "http"}
 
@@ -295,13 +351,22 @@ def _probes(ready: str = "/ready") -> dict[str, Any]:
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _scrape_annotations() -> dict[str, str]:
@@ -312,8 +377,9 @@ def _scrape_annotations() -> dict[str, str]:
 CORES_PER_UNIT = 2
 
 
-def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec,
-                      memory: pod_memory.PodMemory | None = None) -> tuple[dict[str, str], dict[str, str]]:
+def derived_resources(
+    spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec, memory: pod_memory.PodMemory | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """CPU and memory requests and limits of one worker, from the model and the class (the role's own win).
 
     Memory: `decide.pod_memory` (weights, host KV, the offload tier, swap and the runtime, both engines). CPU on an
@@ -327,13 +393,16 @@ def derived_resources(spec: InferenceDeploymentSpec, cls: AcceleratorClassSpec,
     return requests, limits
 
 
-def _resources(role_resources: Any, cls: AcceleratorClassSpec | None,
-               derived: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> dict[str, Any]:
+def _resources(
+    role_resources: Any, cls: AcceleratorClassSpec | None, derived: tuple[dict[str, str], dict[str, str]] = ({}, {})
+) -> dict[str, Any]:
     own_requests, own_limits = role_resources.requests, role_resources.limits
     requests = {**derived[0], **{k: _quantity(v) for k, v in own_requests.items()}}
     # A derived limit goes only with a derived request: next to a request of the user's own it could be lower.
-    limits = {**{k: v for k, v in derived[1].items() if k not in own_requests},
-              **{k: _quantity(v) for k, v in own_limits.items()}}
+    limits = {
+        **{k: v for k, v in derived[1].items() if k not in own_requests},
+        **{k: _quantity(v) for k, v in own_limits.items()},
+    }
     if cls is not None:
         units = str(cls.count)
         requests[cls.resource_name] = units
@@ -347,8 +416,9 @@ def _resources(role_resources: Any, cls: AcceleratorClassSpec | None,
     return out
 
 
-def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[str, str]],
-             home: str = "/tmp") -> list[dict[str, Any]]:
+def _pod_env(
+    owner: Owner, role: str, accelerator: str | None, extra: list[dict[str, str]], home: str = "/tmp"
+) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "PDFLEET_DEPLOYMENT", "value": owner.name},
         {"name": "PDFLEET_ROLE", "value": role},
@@ -358,7 +428,12 @@ def _pod_env(owner: Owner, role: str, accelerator: str | None, extra: list[dict[
     if role != ROUTER_ROLE:
         # The revision the pod runs (its template's label): the worker reports it in /load and the router labels
         # each answer with the revision that served it, which rollback analysis reads.
-        env.append({"name": "PDFLEET_REVISION", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_REVISION}']"}}})
+        env.append(
+            {
+                "name": "PDFLEET_REVISION",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_REVISION}']"}},
+            }
+        )
     env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -375,21 +450,38 @@ def _pod_ip(name: str) -> dict[str, Any]:
 
 def _class_volumes(cls: AcceleratorClassSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The class's host paths (the vendor's driver userland), read-only; runtimes refused unsafe ones already."""
-    volumes = [{"name": f"class-{v.name}", "hostPath": {"path": v.host_path.path, "type": v.host_path.type}}
-               for v in cls.volumes]
+    volumes = [
+        {"name": f"class-{v.name}", "hostPath": {"path": v.host_path.path, "type": v.host_path.type}}
+        for v in cls.volumes
+    ]
     mounts = [{"name": f"class-{m.name}", "mountPath": m.mount_path, "readOnly": True} for m in cls.volume_mounts]
     return volumes, mounts
 
 
-def _vllm_container(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.PoolRuntime, cls: AcceleratorClassSpec,
-                    env: list[dict[str, Any]], memory: pod_memory.PodMemory) -> tuple[dict[str, Any], list, list]:
+def _vllm_container(
+    spec: InferenceDeploymentSpec,
+    role: str,
+    runtime: runtimes.PoolRuntime,
+    cls: AcceleratorClassSpec,
+    env: list[dict[str, Any]],
+    memory: pod_memory.PodMemory,
+) -> tuple[dict[str, Any], list, list]:
     """vLLM as the pod runs it: the non-root uid with no passwd entry (USER, LOGNAME), a writable HOME and cache
     tree (emptyDirs) for its compile and model caches under the read-only root, no usage reports and no hub
     (weights come from the volume), the connector's ports and host, and on the `cpu` class its KV space."""
-    env = [e for e in env if e["name"] != "HOME"] + [{"name": "HOME", "value": HOME_MOUNT}, {"name": "TMPDIR", "value": "/tmp"}]
-    env += [{"name": name, "value": posixpath.join(CACHE_MOUNT, sub) if sub else CACHE_MOUNT} for name, sub in VLLM_CACHE_ENV]
-    env += [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
-            {"name": "DO_NOT_TRACK", "value": "1"}]
+    env = [e for e in env if e["name"] != "HOME"] + [
+        {"name": "HOME", "value": HOME_MOUNT},
+        {"name": "TMPDIR", "value": "/tmp"},
+    ]
+    env += [
+        {"name": name, "value": posixpath.join(CACHE_MOUNT, sub) if sub else CACHE_MOUNT}
+        for name, sub in VLLM_CACHE_ENV
+    ]
+    env += [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        {"name": "DO_NOT_TRACK", "value": "1"},
+    ]
     if cls.resource_name == "cpu":
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(memory.vllm_cpu_kv_gib)})
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
@@ -398,13 +490,29 @@ def _vllm_container(spec: InferenceDeploymentSpec, role: str, runtime: runtimes.
         env += [{"name": k, "value": v} for k, v in runtime.connector.port_env]
     mounts = [{"name": "home", "mountPath": HOME_MOUNT}, {"name": "cache", "mountPath": CACHE_MOUNT}]
     volumes = [{"name": "home", "emptyDir": {"sizeLimit": "1Gi"}}, {"name": "cache", "emptyDir": {"sizeLimit": "8Gi"}}]
-    return ({"name": "vllm", "image": runtime.image, "command": ["vllm", "serve"],
-             "args": vllm_args(spec, role, runtime), "ports": ports, "env": env, **_probes(ready="/health")},
-            volumes, mounts)
+    return (
+        {
+            "name": "vllm",
+            "image": runtime.image,
+            "command": ["vllm", "serve"],
+            "args": vllm_args(spec, role, runtime),
+            "ports": ports,
+            "env": env,
+            **_probes(ready="/health"),
+        },
+        volumes,
+        mounts,
+    )
 
 
-def _worker_container(owner: Owner, spec: InferenceDeploymentSpec, role: str, acc: str,
-                      runtime: runtimes.PoolRuntime, env: list[dict[str, Any]]) -> tuple[dict[str, Any], list, list]:
+def _worker_container(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    role: str,
+    acc: str,
+    runtime: runtimes.PoolRuntime,
+    env: list[dict[str, Any]],
+) -> tuple[dict[str, Any], list, list]:
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if role == "prefill":
         ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
@@ -416,15 +524,37 @@ def _worker_container(owner: Owner, spec: InferenceDeploymentSpec, role: str, ac
         mounts.append({"name": "kv-offload", "mountPath": offload.disk_path})
         volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": _quantity(offload.disk)}})
     # The pod's CPU request, for --num-threads auto (a pod without a CPU limit has no quota to read).
-    env = env + [{"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
-        "containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}}}]
-    return ({"name": "worker", "image": runtime.image, "command": ["pdfleet"],
-             "args": worker_args(spec, role, runtime, acc, owner), "ports": ports, "env": env, **_probes()},
-            volumes, mounts)
+    env = env + [
+        {
+            "name": CPU_REQUEST_ENV,
+            "valueFrom": {"resourceFieldRef": {"containerName": "worker", "resource": "requests.cpu", "divisor": "1m"}},
+        }
+    ]
+    return (
+        {
+            "name": "worker",
+            "image": runtime.image,
+            "command": ["pdfleet"],
+            "args": worker_args(spec, role, runtime, acc, owner),
+            "ports": ports,
+            "env": env,
+            **_probes(),
+        },
+        volumes,
+        mounts,
+    )
 
 
-def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPool, cls: AcceleratorClassSpec,
-                    *, revision: int, images: WorkerImages = worker_images.DEFAULTS, surge: bool = False) -> dict[str, Any]:
+def pool_deployment(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    pool: PlannedPool,
+    cls: AcceleratorClassSpec,
+    *,
+    revision: int,
+    images: WorkerImages = worker_images.DEFAULTS,
+    surge: bool = False,
+) -> dict[str, Any]:
     role, acc = pool.role, pool.accelerator_class
     role_spec = spec.roles()[role]
     runtime = runtimes.for_pool(spec, role, acc, cls, images=images)
@@ -439,14 +569,23 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     else:
         container, own_vols, own_mounts = _worker_container(owner, spec, role, acc, runtime, env)
     container["securityContext"] = _container_security()
-    container["volumeMounts"] = [*own_mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"},
-                                 *model_mounts, *class_mounts]
+    container["volumeMounts"] = [
+        *own_mounts,
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+        *model_mounts,
+        *class_mounts,
+    ]
     resources = _resources(role_spec.resources, cls, derived_resources(spec, cls, memory))
     if resources:
         container["resources"] = resources
-    volumes = [*own_vols, {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
-               *model_vols, *class_vols]
+    volumes = [
+        *own_vols,
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(spec.engine.shm_size)}},
+        *model_vols,
+        *class_vols,
+    ]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -467,8 +606,12 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner, name, labels(owner, role, role=role, accelerator=acc, revision=revision),
-                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec)}),
+        "metadata": _meta(
+            owner,
+            name,
+            labels(owner, role, role=role, accelerator=acc, revision=revision),
+            {ANNOTATION_TEMPLATE_HASH: template_hash(spec)},
+        ),
         "spec": {
             "replicas": pool.replicas,
             "revisionHistoryLimit": 2,
@@ -476,8 +619,12 @@ def pool_deployment(owner: Owner, spec: InferenceDeploymentSpec, pool: PlannedPo
             # NOTE: accelerators are scarce: with a spare replica's room (`surge`, placement.surge_room) a rolling
             # update starts the new pod before stopping an old one, so the pool never shrinks; without it one
             # pod goes first (a surge pod would sit Pending and stall the rollout).
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0} if surge
-                         else {"maxSurge": 0, "maxUnavailable": 1}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}
+                if surge
+                else {"maxSurge": 0, "maxUnavailable": 1},
+            },
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": pod_spec,
@@ -498,13 +645,19 @@ def router_image(spec: InferenceDeploymentSpec, images: WorkerImages) -> str:
     default = images.get("cpu") or (images.images[0][1] if images.images else None)
     image = spec.router.image or spec.engine.image or default
     if image is None:
-        raise ValueError("spec.router.image: the operator has no worker image to run the router in (--worker-image "
-                         "cpu=IMAGE); name one")
+        raise ValueError(
+            "spec.router.image: the operator has no worker image to run the router in (--worker-image "
+            "cpu=IMAGE); name one"
+        )
     return image
 
 
-def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapping[str, str] | None = None,
-                      images: WorkerImages = worker_images.DEFAULTS) -> dict[str, Any]:
+def router_deployment(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    engines: Mapping[str, str] | None = None,
+    images: WorkerImages = worker_images.DEFAULTS,
+) -> dict[str, Any]:
     roles = list(spec.roles())
     # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
     tokenizer = spec.routing is not None and spec.routing.rules.max_prompt_tokens is not None
@@ -513,14 +666,20 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
         "name": "router",
         "image": router_image(spec, images),
         "command": ["pdfleet"],
-        "args": router_args(owner, roles, engines) + engine_args.router_args(
-            spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None),
+        "args": router_args(owner, roles, engines)
+        + engine_args.router_args(
+            spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None
+        ),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
         **_probes(),
         "securityContext": _container_security(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, _auth_volume(owner)[1],
-                         {"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}, *model_mounts],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            _auth_volume(owner)[1],
+            {"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True},
+            *model_mounts,
+        ],
     }
     resources = _resources(spec.router.resources, None)
     if resources:
@@ -537,22 +696,32 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, engines: Mapp
             "selector": {"matchLabels": selector(owner, ROUTER_ROLE)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(owner, ROUTER_ROLE, role=ROUTER_ROLE),
-                             "annotations": _scrape_annotations()},
+                "metadata": {
+                    "labels": labels(owner, ROUTER_ROLE, role=ROUTER_ROLE),
+                    "annotations": _scrape_annotations(),
+                },
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": engine_args.grace_seconds(spec),
                     "securityContext": _pod_security(),
                     # One router per node where the nodes allow: a node drain or failure takes one of them.
-                    "topologySpreadConstraints": [{
-                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-                        "labelSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}}],
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": selector(owner, ROUTER_ROLE)},
+                        }
+                    ],
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, _auth_volume(owner)[0],
-                                # absent until an admin creates it: then /v1/* needs a key (no restart)
-                                _secret_volume("api-keys", api_keys_secret_name(owner.name), API_KEYS_KEY,
-                                               optional=True), *model_volumes],
+                    "volumes": [
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                        _auth_volume(owner)[0],
+                        # absent until an admin creates it: then /v1/* needs a key (no restart)
+                        _secret_volume("api-keys", api_keys_secret_name(owner.name), API_KEYS_KEY, optional=True),
+                        *model_volumes,
+                    ],
                 },
             },
         },
@@ -630,8 +799,9 @@ def router_pdb(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequence[str],
-                     connectors: Sequence[Connector] = ()) -> list[dict[str, Any]]:
+def network_policies(
+    owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequence[str], connectors: Sequence[Connector] = ()
+) -> list[dict[str, Any]]:
     """Who may talk to this deployment's pods. Workers: only its own router and workers (HTTP, the pdfleet KV
     endpoint, and what the vLLM pools' KV `connectors` need: their fixed ports, or every port between the
     deployment's own pods where a transfer also uses ports chosen at run time, as UCX over TCP and Mooncake's
@@ -642,8 +812,10 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
     own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}}}
     fixed = sorted({HTTP_PORT, KV_PORT} | {port for c in connectors for _, port in c.ports})
     ingress: list[dict[str, Any]] = [
-        {"from": [own]} if any(c.dynamic_ports for c in connectors)
-        else {"from": [own], "ports": [{"protocol": "TCP", "port": p} for p in fixed]}]
+        {"from": [own]}
+        if any(c.dynamic_ports for c in connectors)
+        else {"from": [own], "ports": [{"protocol": "TCP", "port": p} for p in fixed]}
+    ]
     scraper_peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in scrapers]
     if scrapers:
         ingress.append({"from": scraper_peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
@@ -651,9 +823,14 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, child_name(owner.name, "workers"), labels(owner, "network")),
-        "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name},
-                                 "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": roles}]},
-                 "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {
+            "podSelector": {
+                "matchLabels": {LABEL_DEPLOYMENT: owner.name},
+                "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": roles}],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
     }
     router_rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
     peers = []
@@ -674,8 +851,11 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, router_name(owner.name), labels(owner, "network")),
-        "spec": {"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
-                 "ingress": router_ingress},
+        "spec": {
+            "podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)},
+            "policyTypes": ["Ingress"],
+            "ingress": router_ingress,
+        },
     }
     if spec.routing is None:
         return [workers, router]
@@ -686,9 +866,16 @@ def network_policies(owner: Owner, spec: InferenceDeploymentSpec, scrapers: Sequ
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, child_name(owner.name, "routing"), labels(owner, "network")),
-        "spec": {"podSelector": {"matchLabels": selector(target, ROUTER_ROLE)}, "policyTypes": ["Ingress"],
-                 "ingress": [{"from": [{"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}}],
-                              "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]},
+        "spec": {
+            "podSelector": {"matchLabels": selector(target, ROUTER_ROLE)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": selector(owner, ROUTER_ROLE)}}],
+                    "ports": [{"protocol": "TCP", "port": HTTP_PORT}],
+                }
+            ],
+        },
     }
     return [workers, router, routing]
 
@@ -700,14 +887,19 @@ def config_map(owner: Owner, spec: InferenceDeploymentSpec, revision: int) -> di
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(owner, config_name(owner.name), labels(owner, "config", revision=revision),
-                          {ANNOTATION_TEMPLATE_HASH: template_hash(spec), ANNOTATION_REVISION_SPEC: revision_spec}),
+        "metadata": _meta(
+            owner,
+            config_name(owner.name),
+            labels(owner, "config", revision=revision),
+            {ANNOTATION_TEMPLATE_HASH: template_hash(spec), ANNOTATION_REVISION_SPEC: revision_spec},
+        ),
         "data": {CONFIG_KEY: engine_args.config_text(spec)},
     }
 
 
 def pod_monitor(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     """Scrapes workers and router; pod labels become the pdfleet_* target labels the autoscaler queries."""
+
     def relabel(label: str, target: str) -> dict[str, Any]:
         source = "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
         return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
@@ -718,18 +910,23 @@ def pod_monitor(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
         "metadata": _meta(owner, owner.name, labels(owner, "monitoring")),
         "spec": {
             "selector": {"matchLabels": {LABEL_DEPLOYMENT: owner.name}},
-            "podMetricsEndpoints": [{
-                "port": "http",
-                "path": "/metrics",
-                "interval": spec.autoscaling.interval,
-                "relabelings": [
-                    relabel(LABEL_DEPLOYMENT, names.LABEL_DEPLOYMENT),
-                    relabel(LABEL_ROLE, names.LABEL_ROLE),
-                    relabel(LABEL_ACCELERATOR, names.LABEL_ACCELERATOR),
-                    {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": names.LABEL_NAMESPACE,
-                     "action": "replace"},
-                ],
-            }],
+            "podMetricsEndpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": spec.autoscaling.interval,
+                    "relabelings": [
+                        relabel(LABEL_DEPLOYMENT, names.LABEL_DEPLOYMENT),
+                        relabel(LABEL_ROLE, names.LABEL_ROLE),
+                        relabel(LABEL_ACCELERATOR, names.LABEL_ACCELERATOR),
+                        {
+                            "sourceLabels": ["__meta_kubernetes_namespace"],
+                            "targetLabel": names.LABEL_NAMESPACE,
+                            "action": "replace",
+                        },
+                    ],
+                }
+            ],
         },
     }
 
@@ -742,22 +939,37 @@ def prometheus_rule(owner: Owner) -> dict[str, Any]:
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": _meta(owner, owner.name, labels(owner, "monitoring")),
-        "spec": {"groups": [{
-            "name": f"pdfleet-{owner.namespace}-{owner.name}",
-            "rules": [{
-                "record": "pdfleet:cost_per_million_tokens",
-                "expr": f"sum({names.POOL_COST_PER_HOUR}{{{own}}}) / "
-                        f"(sum(rate({names.GENERATION_TOKENS_TOTAL}{{{workers}}}[5m])) * 3600 / 1e6)",
-                "labels": {names.LABEL_NAMESPACE: owner.namespace, names.LABEL_DEPLOYMENT: owner.name},
-            }],
-        }]},
+        "spec": {
+            "groups": [
+                {
+                    "name": f"pdfleet-{owner.namespace}-{owner.name}",
+                    "rules": [
+                        {
+                            "record": "pdfleet:cost_per_million_tokens",
+                            "expr": f"sum({names.POOL_COST_PER_HOUR}{{{own}}}) / "
+                            f"(sum(rate({names.GENERATION_TOKENS_TOTAL}{{{workers}}}[5m])) * 3600 / 1e6)",
+                            "labels": {names.LABEL_NAMESPACE: owner.namespace, names.LABEL_DEPLOYMENT: owner.name},
+                        }
+                    ],
+                }
+            ]
+        },
     }
 
 
-def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
-           classes: Mapping[str, AcceleratorClassSpec], *, revision: int, monitoring: bool = False,
-           scrapers: Sequence[str] = ("monitoring",), images: WorkerImages = worker_images.DEFAULTS,
-           own_pod_monitor: bool = True, surge: Collection[tuple[str, str]] = ()) -> list[dict[str, Any]]:
+def render(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    plan: FleetPlan,
+    classes: Mapping[str, AcceleratorClassSpec],
+    *,
+    revision: int,
+    monitoring: bool = False,
+    scrapers: Sequence[str] = ("monitoring",),
+    images: WorkerImages = worker_images.DEFAULTS,
+    own_pod_monitor: bool = True,
+    surge: Collection[tuple[str, str]] = (),
+) -> list[dict[str, Any]]:
     """Every child object, in apply order (config and discovery before the pods that use them).
     `images`: the operator's pdfleet worker image per platform (a class's spec.runtimes.pdfleet.image and the spec's
     engine.image win; one the class's platform cannot use is refused, as is a platform without one).
@@ -784,16 +996,37 @@ def render(owner: Owner, spec: InferenceDeploymentSpec, plan: FleetPlan,
     out += [role_service(owner, role) for role in roles]
     out.append(router_service(owner))
     role_specs = spec.roles()
-    out += [role_pdb(owner, role, min(plan.targets.get(role, plan.replicas(role)), plan.replicas(role)),
-                     role_specs[role].min_replicas) for role in roles]
+    out += [
+        role_pdb(
+            owner,
+            role,
+            min(plan.targets.get(role, plan.replicas(role)), plan.replicas(role)),
+            role_specs[role].min_replicas,
+        )
+        for role in roles
+    ]
     out.append(router_pdb(owner, spec))
-    connectors = [rt.connector for p in plan.pools
-                  if (rt := runtimes.for_pool(spec, p.role, p.accelerator_class, classes[p.accelerator_class],
-                                              images=images)).connector is not None]
+    connectors = [
+        rt.connector
+        for p in plan.pools
+        if (
+            rt := runtimes.for_pool(spec, p.role, p.accelerator_class, classes[p.accelerator_class], images=images)
+        ).connector
+        is not None
+    ]
     out += network_policies(owner, spec, scrapers, connectors)
-    out += [pool_deployment(owner, spec, pool, classes[pool.accelerator_class], revision=revision,
-                            images=images, surge=(pool.role, pool.accelerator_class) in surge)
-            for pool in plan.pools]
+    out += [
+        pool_deployment(
+            owner,
+            spec,
+            pool,
+            classes[pool.accelerator_class],
+            revision=revision,
+            images=images,
+            surge=(pool.role, pool.accelerator_class) in surge,
+        )
+        for pool in plan.pools
+    ]
     out.append(router_deployment(owner, spec, engines, images))
     if monitoring:
         out += ([pod_monitor(owner, spec)] if own_pod_monitor else []) + [prometheus_rule(owner)]

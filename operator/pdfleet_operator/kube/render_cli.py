@@ -41,7 +41,9 @@ def _documents(paths: list[Path]) -> list[tuple[str, Any]]:
     return out
 
 
-def roomy_inventory(deployments: list[InferenceDeployment], classes: dict[str, AcceleratorClassSpec]) -> inventory.Inventory:
+def roomy_inventory(
+    deployments: list[InferenceDeployment], classes: dict[str, AcceleratorClassSpec]
+) -> inventory.Inventory:
     """One node per listed class with room for every role at its maxReplicas: placement is then limited
     only by the spec (preferences, tier, SLO), as on a cluster with free accelerators."""
     need: dict[str, int] = {}
@@ -54,29 +56,41 @@ def roomy_inventory(deployments: list[InferenceDeployment], classes: dict[str, A
         cls = classes.get(name)
         if cls is None:
             continue
-        nodes.append(inventory.NodeInventory(f"room-for-{name}", dict(cls.node_selector), (),
-                                             {cls.resource_name: cls.count * replicas}))
+        nodes.append(
+            inventory.NodeInventory(
+                f"room-for-{name}", dict(cls.node_selector), (), {cls.resource_name: cls.count * replicas}
+            )
+        )
     return inventory.Inventory(tuple(nodes))
 
 
-def render_files(specs: list[Path], class_paths: list[Path], nodes_path: Path | None = None,
-                 *, monitoring: bool = False) -> list[dict[str, Any]]:
+def render_files(
+    specs: list[Path], class_paths: list[Path], nodes_path: Path | None = None, *, monitoring: bool = False
+) -> list[dict[str, Any]]:
     """Every object for every InferenceDeployment in `specs`; RenderError listing each problem."""
     docs = _documents(specs) + _documents(class_paths)
     problems = [str(p) for source, doc in docs for p in validate.validate_object(doc, source)]
     if problems:
         raise RenderError("\n".join(problems))
-    classes = {d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
-               for _, d in docs if d.get("kind") == "AcceleratorClass"}
-    deployments = [(source, InferenceDeployment.model_validate(d)) for source, d in _documents(specs)
-                   if d.get("kind") == "InferenceDeployment"]
+    classes = {
+        d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
+        for _, d in docs
+        if d.get("kind") == "AcceleratorClass"
+    }
+    deployments = [
+        (source, InferenceDeployment.model_validate(d))
+        for source, d in _documents(specs)
+        if d.get("kind") == "InferenceDeployment"
+    ]
     if not deployments:
         raise RenderError(f"no InferenceDeployment in {', '.join(map(str, specs))}")
     for source, dep in deployments:
         missing = sorted({c for rs in dep.spec.roles().values() for c in rs.accelerator_classes} - set(classes))
         if missing:
-            problems.append(f"{source}: InferenceDeployment/{dep.name}: AcceleratorClass {', '.join(missing)} not "
-                            f"found (give the file that defines it with --classes)")
+            problems.append(
+                f"{source}: InferenceDeployment/{dep.name}: AcceleratorClass {', '.join(missing)} not "
+                f"found (give the file that defines it with --classes)"
+            )
         problems += [f"{source}: InferenceDeployment/{dep.name}: {p}" for p in runtimes.check(dep.spec, classes)]
     if problems:
         raise RenderError("\n".join(problems))
@@ -90,8 +104,9 @@ def render_files(specs: list[Path], class_paths: list[Path], nodes_path: Path | 
     for source, dep in deployments:
         plan = placement.plan(dep.spec, classes, inv)
         if plan.shortfalls:
-            problems += [f"{source}: InferenceDeployment/{dep.name}: {s.role}: {s.message or s.reason}"
-                         for s in plan.shortfalls]
+            problems += [
+                f"{source}: InferenceDeployment/{dep.name}: {s.role}: {s.message or s.reason}" for s in plan.shortfalls
+            ]
             continue
         owner = render.Owner(dep.name, dep.metadata.namespace or "default", "<uid>")
         out += render.render(owner, dep.spec, plan, classes, revision=1, monitoring=monitoring)
@@ -102,8 +117,12 @@ def render_files(specs: list[Path], class_paths: list[Path], nodes_path: Path | 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        objects = render_files([Path(p) for p in args.specs], [Path(p) for p in args.classes or []],
-                               Path(args.nodes) if args.nodes else None, monitoring=args.monitoring)
+        objects = render_files(
+            [Path(p) for p in args.specs],
+            [Path(p) for p in args.classes or []],
+            Path(args.nodes) if args.nodes else None,
+            monitoring=args.monitoring,
+        )
     except RenderError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -112,11 +131,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("render", help="print the objects the operator would create for InferenceDeployments",
-                       description=__doc__.splitlines()[0])
+    p = sub.add_parser(
+        "render",
+        help="print the objects the operator would create for InferenceDeployments",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("specs", nargs="+", metavar="SPEC", help="YAML files (or directories) with InferenceDeployments")
-    p.add_argument("--classes", action="append", metavar="FILE",
-                   help="YAML file or directory with the AcceleratorClasses (repeatable; also read from SPEC)")
+    p.add_argument(
+        "--classes",
+        action="append",
+        metavar="FILE",
+        help="YAML file or directory with the AcceleratorClasses (repeatable; also read from SPEC)",
+    )
     p.add_argument("--nodes", metavar="FILE", help="plan on these Node objects instead of room for every class")
     p.add_argument("--monitoring", action="store_true", help="also render the PodMonitor and PrometheusRule")
     p.set_defaults(func=_run)

@@ -33,12 +33,18 @@ def revision_object(owner: render.Owner, number: int, wire: Mapping[str, Any], t
     """The ControllerRevision of revision `number`: its template (`wire`, a `rollback.revision_wire`)."""
     template = rollback.template_of(dict(wire))
     return {
-        "apiVersion": "apps/v1", "kind": "ControllerRevision",
-        "metadata": {"name": names.child_name(owner.name, "rev", str(number)), "namespace": owner.namespace,
-                     "labels": render.labels(owner, "revision", revision=number),
-                     "annotations": {render.ANNOTATION_TEMPLATE_HASH: template_hash,
-                                     ANNOTATION_FINGERPRINT: rollback.fingerprint(template)},
-                     "ownerReferences": [owner.reference()]},
+        "apiVersion": "apps/v1",
+        "kind": "ControllerRevision",
+        "metadata": {
+            "name": names.child_name(owner.name, "rev", str(number)),
+            "namespace": owner.namespace,
+            "labels": render.labels(owner, "revision", revision=number),
+            "annotations": {
+                render.ANNOTATION_TEMPLATE_HASH: template_hash,
+                ANNOTATION_FINGERPRINT: rollback.fingerprint(template),
+            },
+            "ownerReferences": [owner.reference()],
+        },
         "revision": number,
         "data": {"template": template, "spec": dict(wire)},
     }
@@ -70,8 +76,9 @@ def served_number(config_map: Mapping[str, Any] | None) -> int | None:
         return None
 
 
-def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, serving: int,
-               stored: list[dict[str, Any]]) -> dict[str, Any] | None:
+def superseded(
+    config_map: Mapping[str, Any] | None, owner: render.Owner, serving: int, stored: list[dict[str, Any]]
+) -> dict[str, Any] | None:
     """The ControllerRevision to store before the pools move to revision `serving`: the revision the
     ConfigMap says is served now, when it is another one and not stored yet; else None.
 
@@ -85,14 +92,19 @@ def superseded(config_map: Mapping[str, Any] | None, owner: render.Owner, servin
     return served_record(config_map, owner)
 
 
-async def record(api: client.Api, revision: dict[str, Any] | None, stored: list[dict[str, Any]], limit: int,
-                 keep: set[int]) -> list[str]:
+async def record(
+    api: client.Api, revision: dict[str, Any] | None, stored: list[dict[str, Any]], limit: int, keep: set[int]
+) -> list[str]:
     """Store a superseded revision (`superseded`), drop older copies of its template (not kept ones) and
     prune beyond the history limit (never one in `keep`: served, stable, failed); the keys written."""
     written = []
     if revision is not None:
         obj = await client.save_revision(api, revision)
-        duplicates = [r for r in stored if _template_hash(r) == _template_hash(obj) and number_of(r) not in keep | {number_of(obj)}]
+        duplicates = [
+            r
+            for r in stored
+            if _template_hash(r) == _template_hash(obj) and number_of(r) not in keep | {number_of(obj)}
+        ]
         await client.delete_revisions(api, duplicates)
         written += [client.key_of(obj)] + [client.key_of(r) for r in duplicates]
         stored = [r for r in stored if r not in duplicates] + [obj]
@@ -102,15 +114,26 @@ async def record(api: client.Api, revision: dict[str, Any] | None, stored: list[
     return written + [client.key_of(r) for r in gone]
 
 
-async def record_superseded(api: client.Api, owner: render.Owner, obs: reconcile.Observed, serving: int,
-                            stable: int | None, failed: rollback.Failed | None) -> list[str]:
+async def record_superseded(
+    api: client.Api,
+    owner: render.Owner,
+    obs: reconcile.Observed,
+    serving: int,
+    stable: int | None,
+    failed: rollback.Failed | None,
+) -> list[str]:
     """Before a reconcile applies revision `serving`: store the revision served until now (the ConfigMap stops
     describing it) and prune the history. Kept: the served revision, the stable one, and the failed one (after a
     restart it is how the rollback is recognised)."""
     config = next((c for c in obs.children if c["kind"] == "ConfigMap"), None)
     keep = {n for n in (serving, stable, failed.revision if failed is not None else None) if n}
-    return await record(api, superseded(config, owner, serving, list(obs.stored)), list(obs.stored),
-                        obs.dep.spec.rollback.revision_history_limit, keep)
+    return await record(
+        api,
+        superseded(config, owner, serving, list(obs.stored)),
+        list(obs.stored),
+        obs.dep.spec.rollback.revision_history_limit,
+        keep,
+    )
 
 
 def _template_hash(obj: Mapping[str, Any]) -> str | None:
@@ -122,24 +145,28 @@ class AnalysisLog:
     """What the rollback analysis of this process received and did, across deployments (tests and logs)."""
 
     triggers: list[tuple[float, Any]] = field(default_factory=list)  # (monotonic time, RollbackTrigger) received
-    actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(default_factory=list)  # (time, key, source, action)
+    actions: list[tuple[float, Key, str, rollback.RollbackAction]] = field(
+        default_factory=list
+    )  # (time, key, source, action)
 
 
-async def sample(dep: InferenceDeployment, default_url: str | None, profile: str, revision: int | None = None
-                 ) -> rollback.RatioSample:
+async def sample(
+    dep: InferenceDeployment, default_url: str | None, profile: str, revision: int | None = None
+) -> rollback.RatioSample:
     """The 5xx ratio of the deployment's router over the rollback window (missing -> held, never healthy):
     of `revision` (its workers' answers and those no worker gave, shedding excluded) where the router says."""
     now = time.time()
     url = dep.spec.autoscaling.prometheus_url or default_url
     if not url:
-        return rollback.RatioSample(now, None, None, "no Prometheus URL (spec.autoscaling.prometheusUrl / --prometheus-url)")
+        return rollback.RatioSample(
+            now, None, None, "no Prometheus URL (spec.autoscaling.prometheusUrl / --prometheus-url)"
+        )
     refused = guardrails.prometheus_url_problem(url, default_url, OPTIONS.prometheus_allowed)
     if refused:
         return rollback.RatioSample(now, None, None, refused)
     source = prometheus.prometheus_for(url, profile, OPTIONS.prometheus_verify)
     assert dep.metadata.name and dep.metadata.namespace
-    requests, errors, why = await asyncio.to_thread(source.router_requests, dep.metadata.name, dep.metadata.namespace,
-                                                    dep.spec.rollback.window, revision)
+    requests, errors, why = await asyncio.to_thread(
+        source.router_requests, dep.metadata.name, dep.metadata.namespace, dep.spec.rollback.window, revision
+    )
     return rollback.RatioSample(now, requests, errors, why)
-
-

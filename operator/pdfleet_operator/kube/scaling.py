@@ -28,8 +28,10 @@ from pdfleet_operator.kube.options import OPTIONS
 
 logger = logging.getLogger("pdfleet.scaling")
 
-NO_URL = ("no Prometheus to read queue metrics from: set spec.autoscaling.prometheusUrl or start the "
-          "operator with --prometheus-url")
+NO_URL = (
+    "no Prometheus to read queue metrics from: set spec.autoscaling.prometheusUrl or start the "
+    "operator with --prometheus-url"
+)
 # The decision series live next to the pool series, on the operator's one /metrics.
 METRICS = operator_metrics.OperatorMetrics(exporter.REGISTRY)
 
@@ -51,9 +53,9 @@ class Memory:
     """What the autoscaler keeps per deployment in this process."""
 
     state: ScalerState
-    available: bool | None = None                        # MetricsAvailable as last reported
+    available: bool | None = None  # MetricsAvailable as last reported
     conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, message)
-    headline: tuple[str, int, int, str] | None = None    # (role, from, to, reason) of the last reported decision
+    headline: tuple[str, int, int, str] | None = None  # (role, from, to, reason) of the last reported decision
 
     def seed_from(self, dep: InferenceDeployment) -> None:
         """What an earlier process already reported (status), so a restart re-reports only what changed.
@@ -91,8 +93,17 @@ class Scaler:
         self.memory = None
         METRICS.forget(*key)
 
-    async def tick(self, inputs: Inputs, key: Key, dep: InferenceDeployment, body: Mapping[str, Any], *,
-                   default_url: str | None, profile: str, now: float | None = None) -> dict[str, ScalingDecision]:
+    async def tick(
+        self,
+        inputs: Inputs,
+        key: Key,
+        dep: InferenceDeployment,
+        body: Mapping[str, Any],
+        *,
+        default_url: str | None,
+        profile: str,
+        now: float | None = None,
+    ) -> dict[str, ScalingDecision]:
         """One interval of one deployment; returns the decisions (tests and logs)."""
         spec = dep.spec
         last = inputs.last_plan(key)
@@ -114,8 +125,16 @@ class Scaler:
         await self._report(inputs, key, dep, body, decisions, at, mem)
         return decisions
 
-    async def _report(self, inputs: Inputs, key: Key, dep: InferenceDeployment, body: Mapping[str, Any],
-                      decisions: Mapping[str, ScalingDecision], now: float, mem: Memory) -> None:
+    async def _report(
+        self,
+        inputs: Inputs,
+        key: Key,
+        dep: InferenceDeployment,
+        body: Mapping[str, Any],
+        decisions: Mapping[str, ScalingDecision],
+        now: float,
+        mem: Memory,
+    ) -> None:
         metrics_cond, limited_cond = autoscaler.conditions(decisions, now, dep.metadata.generation)
         conditions: list[Condition] = []
         seen = (metrics_cond.status, metrics_cond.reason or "", metrics_cond.message or "")
@@ -144,16 +163,25 @@ class Scaler:
         available = metrics_cond.status == "True"
         if available != mem.available and inputs.api is not None:
             if not available:
-                await inputs.api.event(body["metadata"], "Warning", autoscaler.METRICS_UNAVAILABLE,
-                                       f"{metrics_cond.message} (P:D {autoscaler.ratio_text(decisions)} held)")
+                await inputs.api.event(
+                    body["metadata"],
+                    "Warning",
+                    autoscaler.METRICS_UNAVAILABLE,
+                    f"{metrics_cond.message} (P:D {autoscaler.ratio_text(decisions)} held)",
+                )
             elif mem.available is False:
-                await inputs.api.event(body["metadata"], "Normal", "MetricsAvailable",
-                                       f"queue metrics are back; P:D {autoscaler.ratio_text(decisions)}")
+                await inputs.api.event(
+                    body["metadata"],
+                    "Normal",
+                    "MetricsAvailable",
+                    f"queue metrics are back; P:D {autoscaler.ratio_text(decisions)}",
+                )
         mem.available = available
 
 
-async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: str,
-                   engines: Mapping[str, list[str]] | None = None) -> MetricsSnapshot:
+async def snapshot(
+    dep: InferenceDeployment, default_url: str | None, profile: str, engines: Mapping[str, list[str]] | None = None
+) -> MetricsSnapshot:
     """The deployment's queue metrics now; an unavailable snapshot (never an exception) when they cannot be read.
 
     Each role is read with the metric names of the engines its pools run (`engines`, from the last plan),
@@ -166,5 +194,6 @@ async def snapshot(dep: InferenceDeployment, default_url: str | None, profile: s
         return MetricsSnapshot.unavailable(time.time(), refused)
     source = prometheus.prometheus_for(url, profile, OPTIONS.prometheus_verify)
     assert dep.metadata.name and dep.metadata.namespace, "a stored InferenceDeployment has a name and namespace"
-    return await asyncio.to_thread(source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()),
-                                   engines or None)
+    return await asyncio.to_thread(
+        source.snapshot, dep.metadata.name, dep.metadata.namespace, list(dep.spec.roles()), engines or None
+    )

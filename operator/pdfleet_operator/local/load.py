@@ -52,8 +52,9 @@ def default_burst(factor: float, duration: float) -> Burst:
     return Burst(factor, round(0.20 * duration, 3), round(0.55 * duration, 3))
 
 
-def poisson(rate: float, duration: float, *, prompt_tokens: int, output_tokens: int, burst: Burst | None = None,
-            seed: int = 0) -> list[Arrival]:
+def poisson(
+    rate: float, duration: float, *, prompt_tokens: int, output_tokens: int, burst: Burst | None = None, seed: int = 0
+) -> list[Arrival]:
     """Poisson arrivals at `rate`/s (x burst.factor inside the burst) for `duration` seconds."""
     if not rate > 0 or not duration > 0:
         raise ValueError(f"rate and duration must be > 0, got {rate} and {duration}")
@@ -84,8 +85,10 @@ def from_trace(path: str | Path, *, duration: float | None = None, speedup: floa
     if not speedup > 0:
         raise ValueError(f"--speedup must be > 0, got {speedup}")
     got = tr.read_csv(path)  # TraceFileError (a ValueError) names the line and column
-    out = [Arrival(float(t) / speedup, int(p), int(o))
-           for t, p, o in zip(got.arrival.tolist(), got.prompt.tolist(), got.output.tolist())]
+    out = [
+        Arrival(float(t) / speedup, int(p), int(o))
+        for t, p, o in zip(got.arrival.tolist(), got.prompt.tolist(), got.output.tolist())
+    ]
     return [a for a in out if duration is None or a.t < duration]
 
 
@@ -96,10 +99,10 @@ class Result:
     arrival: Arrival
     status: str = UNFINISHED
     http_status: int | None = None
-    ttft: float | None = None             # scheduled arrival -> first token
+    ttft: float | None = None  # scheduled arrival -> first token
     token_times: list[float] = field(default_factory=list)  # arrival-relative time of every streamed chunk
     completion_tokens: int = 0
-    lag: float = 0.0                      # how late the request left the client (its event loop was busy)
+    lag: float = 0.0  # how late the request left the client (its event loop was busy)
     error: str = ""
 
     def gaps(self) -> list[float]:
@@ -124,8 +127,17 @@ class LoadGenerator:
     delayed: delaying them would turn the open loop into a closed one and hide the overload.
     """
 
-    def __init__(self, url: str, arrivals: Sequence[Arrival], *, model: str | None = None, max_concurrency: int = 256,
-                 timeout: float = 300.0, on_result: Callable[[Result], None] | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        arrivals: Sequence[Arrival],
+        *,
+        model: str | None = None,
+        max_concurrency: int = 256,
+        timeout: float = 300.0,
+        on_result: Callable[[Result], None] | None = None,
+        api_key: str | None = None,
+    ):
         self.base = base_url(url)
         self.api_key = api_key  # sent as `Authorization: Bearer` (a router with --api-key-file needs one)
         self.arrivals = list(arrivals)
@@ -152,8 +164,9 @@ class LoadGenerator:
         stop = stop or asyncio.Event()
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0), limits=limits,
-                                     headers=headers) as client:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout, connect=10.0), limits=limits, headers=headers
+        ) as client:
             if self.model is None:
                 self.model = await self.discover_model(client)
             tasks: set[asyncio.Task] = set()
@@ -191,8 +204,15 @@ class LoadGenerator:
         self.sent += 1
         due = start + r.arrival.t
         r.lag = max(0.0, time.monotonic() - due)
-        body = {"model": self.model, "prompt": prompt_ids(r.arrival), "max_tokens": r.arrival.output_tokens,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids(r.arrival),
+            "max_tokens": r.arrival.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
         try:
             async with client.stream("POST", f"{self.base}/v1/completions", json=body) as resp:
                 r.http_status = resp.status_code
@@ -257,6 +277,7 @@ def base_url(url: str) -> str:
 
 # --- the summary -------------------------------------------------------------------------------------
 
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """q-th percentile (0..100) with linear interpolation, as numpy's default (the simulator's)."""
     v = sorted(x for x in values if x is not None and math.isfinite(x))
@@ -272,8 +293,9 @@ def _round(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def summarize(results: Sequence[Result], duration: float, *, slo_ttft: float | None = None,
-              slo_itl: float | None = None) -> dict[str, Any]:
+def summarize(
+    results: Sequence[Result], duration: float, *, slo_ttft: float | None = None, slo_itl: float | None = None
+) -> dict[str, Any]:
     """The run's numbers under the keys `pdfleet simulate` writes to report.json (`sim.report.summarize`).
 
     `duration` is the measured span (first arrival to the last answer); tokens/s divides by it.
@@ -321,6 +343,7 @@ def summarize(results: Sequence[Result], duration: float, *, slo_ttft: float | N
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
     """The summary for a terminal: requests, latency percentiles, tokens/s."""
+
     def sec(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}s"
 

@@ -40,8 +40,10 @@ class Machine:
     def why_not(self, cls: AcceleratorClassSpec) -> str:
         if cls.vendor == "nvidia" and cls.resource_name == GPU and cls.partition is None:
             return f"needs {cls.count} NVIDIA GPU(s) per replica and this machine has {self.gpus}"
-        return (f"requests {cls.resource_name} ({cls.vendor}), which `pdfleet up` cannot give a local process "
-                f"(it runs on CPU cores and whole NVIDIA GPUs)")
+        return (
+            f"requests {cls.resource_name} ({cls.vendor}), which `pdfleet up` cannot give a local process "
+            f"(it runs on CPU cores and whole NVIDIA GPUs)"
+        )
 
 
 def nvidia_gpus() -> int:
@@ -64,7 +66,9 @@ def local_classes(classes: Mapping[str, AcceleratorClassSpec]) -> dict[str, Acce
     return {name: c.model_copy(update={"node_selector": {}, "tolerations": []}) for name, c in classes.items()}
 
 
-def inventory(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], machine: Machine) -> Inventory:
+def inventory(
+    spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], machine: Machine
+) -> Inventory:
     """One node with the CPU units and GPUs this spec may use.
 
     NOTE: CPU cores are time-shared, not reserved: every worker is a process the kernel schedules on
@@ -73,24 +77,31 @@ def inventory(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorCl
     """
     cpu_units = machine.cores
     for rs in spec.roles().values():
-        per_replica = max((classes[c].count for c in rs.accelerator_classes
-                           if c in classes and classes[c].resource_name == CPU), default=0)
+        per_replica = max(
+            (classes[c].count for c in rs.accelerator_classes if c in classes and classes[c].resource_name == CPU),
+            default=0,
+        )
         cpu_units += rs.max_replicas * per_replica
     free = {CPU: cpu_units, GPU: machine.gpus}
-    return Inventory((NodeInventory(NODE, {"kubernetes.io/hostname": NODE}, (), free),),
-                     (f"{machine.cores} CPU cores (shared by every worker), {machine.gpus} NVIDIA GPU(s)",))
+    return Inventory(
+        (NodeInventory(NODE, {"kubernetes.io/hostname": NODE}, (), free),),
+        (f"{machine.cores} CPU cores (shared by every worker), {machine.gpus} NVIDIA GPU(s)",),
+    )
 
 
-def check_placeable(spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], machine: Machine,
-                    source: str) -> placement.FleetPlan:
+def check_placeable(
+    spec: InferenceDeploymentSpec, classes: Mapping[str, AcceleratorClassSpec], machine: Machine, source: str
+) -> placement.FleetPlan:
     """The plan at every role's minimum; UpError in one line when a role has no class this machine runs."""
     for role, rs in spec.roles().items():
         known = [(n, classes[n]) for n in rs.accelerator_classes if n in classes]
         if known and not any(machine.provides(c) for _, c in known):
             name, cls = known[0]
             others = f" (nor can {', '.join(n for n, _ in known[1:])})" if len(known) > 1 else ""
-            raise UpError(f"{source}: spec.{role}.acceleratorClasses: this machine cannot provide AcceleratorClass "
-                          f"{name}: it {machine.why_not(cls)}{others}")
+            raise UpError(
+                f"{source}: spec.{role}.acceleratorClasses: this machine cannot provide AcceleratorClass "
+                f"{name}: it {machine.why_not(cls)}{others}"
+            )
     usable = {n: c for n, c in local_classes(classes).items() if machine.provides(c)}
     plan = placement.plan(spec, usable, inventory(spec, usable, machine))
     for short in plan.shortfalls:

@@ -56,10 +56,10 @@ class LocalSpec:
 
     name: str
     namespace: str
-    spec: InferenceDeploymentSpec        # with model.architecture filled in from config.json when absent
+    spec: InferenceDeploymentSpec  # with model.architecture filled in from config.json when absent
     classes: dict[str, AcceleratorClassSpec]
     model_dir: Path
-    source: Path                          # the spec file
+    source: Path  # the spec file
     # (role, class) -> what that pool runs, for every class a role lists that is defined
     pools: dict[tuple[str, str], runtimes.PoolRuntime]
 
@@ -104,18 +104,27 @@ def load(path: str | Path, classes_path: str | Path | None = None) -> LocalSpec:
     for role, rs in dep.spec.roles().items():
         missing = [c for c in rs.accelerator_classes if c not in classes]
         if len(missing) == len(rs.accelerator_classes):
-            raise UpError(f"{path}: spec.{role}.acceleratorClasses: {', '.join(missing)} not defined "
-                          f"(known: {', '.join(sorted(classes))}); pass --classes FILE with their AcceleratorClasses")
+            raise UpError(
+                f"{path}: spec.{role}.acceleratorClasses: {', '.join(missing)} not defined "
+                f"(known: {', '.join(sorted(classes))}); pass --classes FILE with their AcceleratorClasses"
+            )
         if rs.min_replicas < 1:
-            raise UpError(f"{path}: spec.{role}.minReplicas: 0 is not supported by `pdfleet up` "
-                          "(a pool at zero has no queue to scale it back up from); use 1 or more")
+            raise UpError(
+                f"{path}: spec.{role}.minReplicas: 0 is not supported by `pdfleet up` "
+                "(a pool at zero has no queue to scale it back up from); use 1 or more"
+            )
 
     wrong = runtimes.check(dep.spec, classes)
     if wrong:  # as `pdfleet validate` and the operator word them
-        raise SpecInvalid([validate.Problem(str(path), f"InferenceDeployment/{dep.name}", p.field, p.message)
-                           for p in wrong])
-    pools = {(role, name): runtimes.for_pool(dep.spec, role, name, classes[name])
-             for role, rs in dep.spec.roles().items() for name in rs.accelerator_classes if name in classes}
+        raise SpecInvalid(
+            [validate.Problem(str(path), f"InferenceDeployment/{dep.name}", p.field, p.message) for p in wrong]
+        )
+    pools = {
+        (role, name): runtimes.for_pool(dep.spec, role, name, classes[name])
+        for role, rs in dep.spec.roles().items()
+        for name in rs.accelerator_classes
+        if name in classes
+    }
 
     model_dir = model_directory(dep.spec, path)
     spec = dep.spec
@@ -145,8 +154,10 @@ def model_directory(spec: InferenceDeploymentSpec, spec_file: Path) -> Path:
     """The weights on this machine: source.local (relative to the spec file) or source.hostPath."""
     src = spec.model.source
     if src.pvc is not None:
-        raise UpError(f"{spec_file}: spec.model.source.pvc: a PersistentVolumeClaim cannot be read on this machine; "
-                      "use source.local.path (relative to the spec file) or source.hostPath.path")
+        raise UpError(
+            f"{spec_file}: spec.model.source.pvc: a PersistentVolumeClaim cannot be read on this machine; "
+            "use source.local.path (relative to the spec file) or source.hostPath.path"
+        )
     if src.local is not None:
         where, field = spec_file.parent / src.local.path, "spec.model.source.local.path"
     else:

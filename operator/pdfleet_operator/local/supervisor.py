@@ -49,9 +49,9 @@ PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
 class Event:
     """Something that happened to a process, for the live view and the summary."""
 
-    at: float        # seconds since the fleet started
-    kind: str        # started, ready, crashed, restarted, draining, stopped, killed
-    subject: str     # replica name, e.g. decode-1, or router
+    at: float  # seconds since the fleet started
+    kind: str  # started, ready, crashed, restarted, draining, stopped, killed
+    subject: str  # replica name, e.g. decode-1, or router
     message: str
 
 
@@ -60,22 +60,22 @@ class Replica:
     """One process slot (a worker of one pool, or the router) and where it is in its life."""
 
     name: str
-    role: str                                 # prefill, decode, colocated, or router
-    accelerator_class: str                    # "" for the router
+    role: str  # prefill, decode, colocated, or router
+    accelerator_class: str  # "" for the router
     port: int
-    devices: tuple[int, ...] = ()             # GPU indices (CUDA_VISIBLE_DEVICES)
+    devices: tuple[int, ...] = ()  # GPU indices (CUDA_VISIBLE_DEVICES)
     child: Child | None = None
     state: str = STARTING
     restarts: int = 0
     backoff_s: float = 0.0
     restart_at: float = 0.0
     ready_since: float | None = None
-    term_at: float | None = None              # when a draining replica gets its SIGTERM
-    kill_at: float | None = None              # when a draining replica that has not exited gets SIGKILL
+    term_at: float | None = None  # when a draining replica gets its SIGTERM
+    kill_at: float | None = None  # when a draining replica that has not exited gets SIGKILL
     load: dict = field(default_factory=dict)  # the worker's last /load answer
-    host: str = "127.0.0.1"                   # where we reach it
-    engine: str = runtimes.PDFLEET            # what the pool runs: pdfleet or vllm
-    index: int = 0                            # the n of role-n (which cores a vLLM replica binds)
+    host: str = "127.0.0.1"  # where we reach it
+    engine: str = runtimes.PDFLEET  # what the pool runs: pdfleet or vllm
+    index: int = 0  # the n of role-n (which cores a vLLM replica binds)
 
     @property
     def url(self) -> str:
@@ -86,14 +86,26 @@ class Supervisor:
     """Starts, watches, restarts and drains the processes of one local fleet. Single-threaded: every
     method runs on the event loop of `pdfleet up`'s main thread (children die with that thread)."""
 
-    def __init__(self, local: LocalSpec, run_dir: Path, router_port: int, *, threads: int,
-                 machine: mach.Machine, router_host: str = "127.0.0.1", vllm: vllm_runtime.VllmPython | None = None,
-                 on_event: Callable[[Event], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 api_key: str | None = None, route_to: str | None = None, drain_s: float | None = None):
+    def __init__(
+        self,
+        local: LocalSpec,
+        run_dir: Path,
+        router_port: int,
+        *,
+        threads: int,
+        machine: mach.Machine,
+        router_host: str = "127.0.0.1",
+        vllm: vllm_runtime.VllmPython | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        api_key: str | None = None,
+        route_to: str | None = None,
+        drain_s: float | None = None,
+    ):
         self.local, self.run_dir, self.threads, self.machine = local, run_dir, threads, machine
         self.drain_override = drain_s  # every worker's drain instead of its own (tests)
         self.route_to = route_to  # spec.routing: the target deployment's router
-        self.vllm = vllm                       # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
+        self.vllm = vllm  # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
         self.memory_bytes = vllm_runtime.available_memory()
         self.router_host = router_host
@@ -105,13 +117,15 @@ class Supervisor:
         reach = "127.0.0.1" if router_host in ("0.0.0.0", "::", "") else router_host
         self.router = Replica("router", "router", "", router_port, host=reach)
         self.counters: dict[str, int] = {}
-        self.startup = True                    # any exit before the fleet was first ready is fatal
+        self.startup = True  # any exit before the fleet was first ready is fatal
         self.spent_usd = 0.0
         self._cost_at = clock()
         self.classes = mach.local_classes(local.classes)
         # NOTE: one router process runs here whatever spec.router.replicas says (a cluster's spread and PDB have
         # no meaning on one machine): it is what is billed.
-        self.router_per_hour = cost.router_cores(local.spec.router.resources.requests) * cost.cpu_core_price(self.classes)
+        self.router_per_hour = cost.router_cores(local.spec.router.resources.requests) * cost.cpu_core_price(
+            self.classes
+        )
         self.engine_config = run_dir / "engine.json"
         self.workers_path = run_dir / "workers.json"
         self.targets_path = run_dir / "prometheus-targets.json"
@@ -146,13 +160,18 @@ class Supervisor:
 
     def target_labels(self, r: Replica) -> dict[str, str]:
         """The labels Prometheus (from the targets file) and the direct-scrape source put on a worker's series."""
-        return {**names.target_labels(self.local.namespace, self.local.name, r.role, r.accelerator_class),
-                "replica": r.name}
+        return {
+            **names.target_labels(self.local.namespace, self.local.name, r.role, r.accelerator_class),
+            "replica": r.name,
+        }
 
     def scrape_targets(self) -> list[ScrapeTarget]:
         """The ready workers' /metrics, labelled (a starting or crashed one has no queue yet)."""
-        return [ScrapeTarget(f"{r.url}/metrics", self.target_labels(r), r.engine)
-                for role in self.local.spec.roles() for r in self.ready(role)]
+        return [
+            ScrapeTarget(f"{r.url}/metrics", self.target_labels(r), r.engine)
+            for role in self.local.spec.roles()
+            for r in self.ready(role)
+        ]
 
     def cost_per_hour(self) -> float:
         """$/h of every worker process alive now (starting and draining ones too) plus the router."""
@@ -192,11 +211,29 @@ class Supervisor:
         rt, cls = self._pool(r)
         if rt.name == runtimes.VLLM:
             assert self.vllm is not None, f"{r.name} runs vllm and no vLLM runtime was found"
-            return vllm_runtime.argv(self.vllm, self.local.spec, r.role, rt, cls, model_dir=str(self.local.model_dir),
-                                     port=r.port, drain_s=self.drain_s(r))
+            return vllm_runtime.argv(
+                self.vllm,
+                self.local.spec,
+                r.role,
+                rt,
+                cls,
+                model_dir=str(self.local.model_dir),
+                port=r.port,
+                drain_s=self.drain_s(r),
+            )
         # (--kv-peers: the default, loopback: every prefill worker of this fleet advertises 127.0.0.1)
-        flags = ["--kv-host", "127.0.0.1", "--num-threads", str(self.threads), "--accelerator", r.accelerator_class,
-                 "--log-level", "warning", "--auth-token-file", str(self.token_path)]
+        flags = [
+            "--kv-host",
+            "127.0.0.1",
+            "--num-threads",
+            str(self.threads),
+            "--accelerator",
+            r.accelerator_class,
+            "--log-level",
+            "warning",
+            "--auth-token-file",
+            str(self.token_path),
+        ]
         if self.drain_override is not None:  # (worker_args passes the spec's)
             flags += ["--drain-timeout", f"{self.drain_override:g}s"]
         if rt.device:
@@ -204,23 +241,52 @@ class Supervisor:
         offload = self.local.spec.engine.kv_offload
         if offload is not None and offload.disk is not None:  # the disk tier's file under the run directory
             flags += ["--kv-offload-disk-path", str(self.engine_config.parent / "kv-offload")]
-        return PDFLEET + engine_args.worker_args(self.local.spec, r.role, model_dir=str(self.local.model_dir),
-                                             host="127.0.0.1", port=r.port, engine_config=str(self.engine_config),
-                                             flags=flags)
+        return PDFLEET + engine_args.worker_args(
+            self.local.spec,
+            r.role,
+            model_dir=str(self.local.model_dir),
+            host="127.0.0.1",
+            port=r.port,
+            engine_config=str(self.engine_config),
+            flags=flags,
+        )
 
     def _router_argv(self) -> list[str]:
-        return PDFLEET + ["router", "--workers-file", str(self.workers_path), "--discovery", "static",
-                          "--host", self.router_host, "--port", str(self.router.port),
-                          "--discovery-interval", f"{ROUTER_DISCOVERY_S:g}", "--health-interval", f"{ROUTER_HEALTH_S:g}",
-                          "--log-level", "warning", "--auth-token-file", str(self.token_path)] + \
-            (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else []) + \
-            engine_args.router_args(self.local.spec, route_to=self.route_to, tokenizer_dir=str(self.local.model_dir))
+        return (
+            PDFLEET
+            + [
+                "router",
+                "--workers-file",
+                str(self.workers_path),
+                "--discovery",
+                "static",
+                "--host",
+                self.router_host,
+                "--port",
+                str(self.router.port),
+                "--discovery-interval",
+                f"{ROUTER_DISCOVERY_S:g}",
+                "--health-interval",
+                f"{ROUTER_HEALTH_S:g}",
+                "--log-level",
+                "warning",
+                "--auth-token-file",
+                str(self.token_path),
+            ]
+            + (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else [])
+            + engine_args.router_args(self.local.spec, route_to=self.route_to, tokenizer_dir=str(self.local.model_dir))
+        )
 
     def _env(self, r: Replica) -> dict[str, str]:
         env = dict(os.environ)
         threads = str(self.threads)
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
-                   PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(str(d) for d in r.devices))
+        env.update(
+            OMP_NUM_THREADS=threads,
+            MKL_NUM_THREADS=threads,
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+            CUDA_VISIBLE_DEVICES=",".join(str(d) for d in r.devices),
+        )
         if not r.accelerator_class:
             return env
         rt, cls = self._pool(r)
@@ -267,7 +333,7 @@ class Supervisor:
         free = [d for d in range(self.machine.gpus) if d not in taken]
         if len(free) < cls.count:
             raise UpError(f"{cls_name}: {cls.count} GPU(s) per replica, {len(free)} free")
-        return tuple(free[:cls.count])
+        return tuple(free[: cls.count])
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self, plan: FleetPlan) -> None:
@@ -312,15 +378,24 @@ class Supervisor:
             for _ in range(want - len(have)):
                 n = self.counters.get(role, 0)
                 self.counters[role] = n + 1
-                r = Replica(f"{role}-{n}", role, cls_name, mach.free_port(avoid=self._ports()), self._gpus_for(cls_name),
-                            engine=self.local.engine(role, cls_name), index=n)
+                r = Replica(
+                    f"{role}-{n}",
+                    role,
+                    cls_name,
+                    mach.free_port(avoid=self._ports()),
+                    self._gpus_for(cls_name),
+                    engine=self.local.engine(role, cls_name),
+                    index=n,
+                )
                 self.workers.append(r)
                 self._spawn(r)
-                self.event("started", r.name, f"pid {r.child.pid}, :{r.port} on {cls_name}" + (f" ({why})" if why else ""))
+                self.event(
+                    "started", r.name, f"pid {r.child.pid}, :{r.port} on {cls_name}" + (f" ({why})" if why else "")
+                )
                 changed = True
             # Drain what serves least first: a crashed one, then one still starting, then the newest.
             order = {BACKOFF: 0, STARTING: 1, READY: 2}
-            victims = sorted(have, key=lambda r: (order[r.state], -self.workers.index(r)))[:max(0, len(have) - want)]
+            victims = sorted(have, key=lambda r: (order[r.state], -self.workers.index(r)))[: max(0, len(have) - want)]
             for r in victims:
                 self._drain(r, why)
                 changed = True
@@ -368,8 +443,11 @@ class Supervisor:
             why = tail.splitlines()[-1] if tail else ""
             if r.engine == runtimes.VLLM and r.child is not None:
                 why = vllm_runtime.root_cause(r.child.log_tail(400)) or why
-            raise UpError(f"{r.name} {how} while the fleet was starting" + (f": {why}" if why else "")
-                          + f" (log: {r.child.log_path if r.child else '-'})")
+            raise UpError(
+                f"{r.name} {how} while the fleet was starting"
+                + (f": {why}" if why else "")
+                + f" (log: {r.child.log_path if r.child else '-'})"
+            )
         served = r.ready_since is not None and now - r.ready_since >= BACKOFF_RESET_S
         r.backoff_s = BACKOFF_FIRST_S if served or r.backoff_s == 0 else min(BACKOFF_MAX_S, r.backoff_s * 2)
         r.state, r.restart_at, r.ready_since, r.load = BACKOFF, now + r.backoff_s, None, {}
@@ -381,8 +459,10 @@ class Supervisor:
             # (it serves no /ready; healthy once the engine is up).
             plain = r.role == "router" or r.engine == runtimes.VLLM
             try:
-                resp = await self.http.get(f"{r.url}{'/health' if plain else '/load'}",
-                                           headers={} if plain else {"Authorization": f"Bearer {self.token}"})
+                resp = await self.http.get(
+                    f"{r.url}{'/health' if plain else '/load'}",
+                    headers={} if plain else {"Authorization": f"Bearer {self.token}"},
+                )
                 body = resp.json() if not plain else {}
                 ok = resp.status_code == 200 and (plain or body.get("ready") is True)
             except (httpx.HTTPError, ValueError):
@@ -391,7 +471,9 @@ class Supervisor:
                 r.load = body
             if ok and r.state == STARTING and r.child is not None and r.child.alive():
                 r.state, r.ready_since = READY, self.clock()
-                self.event("ready", r.name, f"serving on :{r.port}" + (f" after restart {r.restarts}" if r.restarts else ""))
+                self.event(
+                    "ready", r.name, f"serving on :{r.port}" + (f" after restart {r.restarts}" if r.restarts else "")
+                )
 
         await asyncio.gather(*(one(r) for r in replicas))
 
@@ -400,8 +482,10 @@ class Supervisor:
         if timeout is None:
             timeout = max((self.drain_s(r) for r in self.workers), default=0.0) + KILL_GRACE_S
         # (the router's drain is the spec's, engine_args.router_args)
-        for group, grace in (([self.router], engine_args.drain_seconds(self.local.spec) + KILL_GRACE_S),
-                             (list(self.workers), timeout)):
+        for group, grace in (
+            ([self.router], engine_args.drain_seconds(self.local.spec) + KILL_GRACE_S),
+            (list(self.workers), timeout),
+        ):
             live = [r for r in group if r.child is not None and r.child.alive()]
             for r in live:
                 # NOTE: not twice: a worker already draining would take a second SIGTERM as "exit now" and cut the

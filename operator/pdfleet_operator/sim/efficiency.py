@@ -36,12 +36,18 @@ CPU, ACCELERATOR = "cpu", "accelerator"
 # engines here is a measured one.
 MEASURED: Mapping[tuple[str, str], Efficiency] = {
     (runtimes.PDFLEET, CPU): Efficiency(
-        prefill_mfu=0.33, decode_mbu=0.76, step_overhead_s=DEFAULT_STEP_OVERHEAD_S,
+        prefill_mfu=0.33,
+        decode_mbu=0.76,
+        step_overhead_s=DEFAULT_STEP_OVERHEAD_S,
         source="measured: bench/engine.py 2026-11-30, pdfleet engine, 149.8M fp32, 2 threads "
-               "(step overhead 3 ms assumed)"),
+        "(step overhead 3 ms assumed)",
+    ),
     (runtimes.VLLM, CPU): Efficiency(
-        prefill_mfu=0.253, decode_mbu=0.546, step_overhead_s=0.0,
-        source="measured: bench/sim.py calibrate --engine vllm, vLLM 0.32.0 CPU, 149.8M fp32, 2 threads"),
+        prefill_mfu=0.253,
+        decode_mbu=0.546,
+        step_overhead_s=0.0,
+        source="measured: bench/sim.py calibrate --engine vllm, vLLM 0.32.0 CPU, 149.8M fp32, 2 threads",
+    ),
 }
 # NOTE: an assumption, not a measurement: tensor parallelism over `count` devices (vLLM, count > 1)
 # reaches this share of count x one device's roofline (an all-reduce of every layer's activations over
@@ -55,8 +61,9 @@ def kind(cls: AcceleratorClassSpec) -> str:
     return CPU if cls.vendor == "cpu" else ACCELERATOR
 
 
-def for_pool(engine: str, name: str, cls: AcceleratorClassSpec,
-             calibrated: Mapping[tuple[str, str], Efficiency] | None = None) -> Efficiency:
+def for_pool(
+    engine: str, name: str, cls: AcceleratorClassSpec, calibrated: Mapping[tuple[str, str], Efficiency] | None = None
+) -> Efficiency:
     """The efficiency of `engine` on class `name`: a calibration of that (engine, class) if given, else the
     engine's measured CPU fractions (on an accelerator: carried by the roofline, an assumption), with
     the tensor-parallel scaling of a vLLM replica over `count` devices."""
@@ -66,11 +73,17 @@ def for_pool(engine: str, name: str, cls: AcceleratorClassSpec,
     if got is None:
         got = MEASURED[(engine, CPU)]
         if kind(cls) != CPU:
-            got = replace(got, step_overhead_s=max(got.step_overhead_s, DEFAULT_STEP_OVERHEAD_S),
-                          source=f"assumption: {engine}'s fractions measured on this CPU, carried to {name}'s "
-                                 f"roofline ({got.source.removeprefix('measured: ')}); step overhead "
-                                 f"{DEFAULT_STEP_OVERHEAD_S * 1000:g} ms assumed")
+            got = replace(
+                got,
+                step_overhead_s=max(got.step_overhead_s, DEFAULT_STEP_OVERHEAD_S),
+                source=f"assumption: {engine}'s fractions measured on this CPU, carried to {name}'s "
+                f"roofline ({got.source.removeprefix('measured: ')}); step overhead "
+                f"{DEFAULT_STEP_OVERHEAD_S * 1000:g} ms assumed",
+            )
     if engine == runtimes.VLLM and cls.count > 1 and kind(cls) != CPU and got.tensor_parallel_scaling == 1.0:
-        got = replace(got, tensor_parallel_scaling=TENSOR_PARALLEL_SCALING,
-                      source=f"{got.source}; TP{cls.count} scaling {TENSOR_PARALLEL_SCALING} (assumption)")
+        got = replace(
+            got,
+            tensor_parallel_scaling=TENSOR_PARALLEL_SCALING,
+            source=f"{got.source}; TP{cls.count} scaling {TENSOR_PARALLEL_SCALING} (assumption)",
+        )
     return got

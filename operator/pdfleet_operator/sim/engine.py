@@ -46,24 +46,39 @@ _EPS = 1e-6
 class Requests:
     """Per-request state as parallel lists (list indexing is what a Python DES does fastest)."""
 
-    __slots__ = ("arrival", "prompt", "output", "t_first", "t_done", "status", "gen", "need", "ctx",
-                 "epoch", "v0", "c0", "preemptions", "second_gap", "deployment")
+    __slots__ = (
+        "arrival",
+        "prompt",
+        "output",
+        "t_first",
+        "t_done",
+        "status",
+        "gen",
+        "need",
+        "ctx",
+        "epoch",
+        "v0",
+        "c0",
+        "preemptions",
+        "second_gap",
+        "deployment",
+    )
 
     def __init__(self, arrival: list[float], prompt: list[int], output: list[int], deployment: list[int]) -> None:
         n = len(arrival)
         self.arrival, self.prompt, self.output, self.deployment = arrival, prompt, output, deployment
         nan = math.nan
-        self.t_first = [nan] * n      # when the first token was produced
+        self.t_first = [nan] * n  # when the first token was produced
         self.t_done = [nan] * n
         self.status = [ACTIVE] * n
-        self.gen = [0] * n            # output tokens produced so far
-        self.need = [0] * n           # prompt tokens this request still has to compute where it waits
-        self.ctx = [0] * n            # KV tokens it needs where it waits (or holds where it runs)
-        self.epoch = [0] * n          # bumped on preemption: invalidates its entries in a running heap
-        self.v0 = [0.0] * n           # replica V when it joined the running batch
-        self.c0 = [0] * n             # its context when it joined
+        self.gen = [0] * n  # output tokens produced so far
+        self.need = [0] * n  # prompt tokens this request still has to compute where it waits
+        self.ctx = [0] * n  # KV tokens it needs where it waits (or holds where it runs)
+        self.epoch = [0] * n  # bumped on preemption: invalidates its entries in a running heap
+        self.v0 = [0.0] * n  # replica V when it joined the running batch
+        self.c0 = [0] * n  # its context when it joined
         self.preemptions = [0] * n
-        self.second_gap = [nan] * n   # first token -> second token (the KV hand-off, in PD)
+        self.second_gap = [nan] * n  # first token -> second token (the KV hand-off, in PD)
         self.deployment = deployment
 
     def __len__(self) -> int:
@@ -77,17 +92,75 @@ class Replica:
     (`heapq.heappush` bound to the heap): an event whose version is no longer the replica's is stale.
     """
 
-    __slots__ = ("id", "deployment", "role", "accelerator_class", "perf", "reqs", "push", "seq", "itl",
-                 "on_prefilled", "max_waiting", "created_at", "ready_at", "node", "draining", "removed_at",
-                 "waiting", "need_waiting", "prefilling", "running", "order", "B", "S0", "V", "kv_fixed",
-                 "t_last", "mode", "st", "st_bin", "version", "step_end", "step_chunks", "step_decode", "inflight",
-                 "url", "prompt_tokens", "gen_tokens", "preempted", "busy_s", "V0", "swapped", "swapped_tokens",
-                 "swap_fallbacks", "dirty", "load", "route_score", "route_at", "pool", "grouped")
+    __slots__ = (
+        "id",
+        "deployment",
+        "role",
+        "accelerator_class",
+        "perf",
+        "reqs",
+        "push",
+        "seq",
+        "itl",
+        "on_prefilled",
+        "max_waiting",
+        "created_at",
+        "ready_at",
+        "node",
+        "draining",
+        "removed_at",
+        "waiting",
+        "need_waiting",
+        "prefilling",
+        "running",
+        "order",
+        "B",
+        "S0",
+        "V",
+        "kv_fixed",
+        "t_last",
+        "mode",
+        "st",
+        "st_bin",
+        "version",
+        "step_end",
+        "step_chunks",
+        "step_decode",
+        "inflight",
+        "url",
+        "prompt_tokens",
+        "gen_tokens",
+        "preempted",
+        "busy_s",
+        "V0",
+        "swapped",
+        "swapped_tokens",
+        "swap_fallbacks",
+        "dirty",
+        "load",
+        "route_score",
+        "route_at",
+        "pool",
+        "grouped",
+    )
 
-    def __init__(self, rid: int, deployment: int, role: str, accelerator_class: str, perf: ReplicaPerf,
-                 reqs: Requests, push: Callable[[tuple], None], seq: Iterator[int], itl: "Histogram",
-                 on_prefilled: Callable[["Replica", int, float], None],
-                 max_waiting: int, created_at: float, ready_at: float, node: str) -> None:
+    def __init__(
+        self,
+        rid: int,
+        deployment: int,
+        role: str,
+        accelerator_class: str,
+        perf: ReplicaPerf,
+        reqs: Requests,
+        push: Callable[[tuple], None],
+        seq: Iterator[int],
+        itl: "Histogram",
+        on_prefilled: Callable[["Replica", int, float], None],
+        max_waiting: int,
+        created_at: float,
+        ready_at: float,
+        node: str,
+    ) -> None:
         self.id, self.deployment, self.role, self.accelerator_class = rid, deployment, role, accelerator_class
         self.perf, self.reqs, self.push, self.seq, self.itl = perf, reqs, push, seq, itl
         self.on_prefilled = on_prefilled
@@ -96,26 +169,26 @@ class Replica:
         self.draining = False
         self.removed_at: float | None = None
         self.waiting: deque[int] = deque()
-        self.need_waiting = 0               # prompt tokens of the waiting requests
-        self.prefilling: list[int] = []     # admitted, prompt partly computed (FIFO)
+        self.need_waiting = 0  # prompt tokens of the waiting requests
+        self.prefilling: list[int] = []  # admitted, prompt partly computed (FIFO)
         self.running: list[tuple[float, int, int]] = []  # heap of (V at which it finishes, epoch, id)
-        self.order: list[tuple[int, int]] = []           # (id, epoch) in admission order: the preemption victim is last
-        self.B = 0                          # running (decoding) sequences
-        self.S0 = 0.0                       # KV of the running batch is S0 + B * V
-        self.V = 0.0                        # decode steps done (fractional while fluid)
-        self.V0 = 0.0                       # sum of V at which each running sequence joined
-        self.kv_fixed = 0                   # KV of prefilling requests and of prompts held for a KV pull
+        self.order: list[tuple[int, int]] = []  # (id, epoch) in admission order: the preemption victim is last
+        self.B = 0  # running (decoding) sequences
+        self.S0 = 0.0  # KV of the running batch is S0 + B * V
+        self.V = 0.0  # decode steps done (fractional while fluid)
+        self.V0 = 0.0  # sum of V at which each running sequence joined
+        self.kv_fixed = 0  # KV of prefilling requests and of prompts held for a KV pull
         self.t_last = 0.0
         self.mode = IDLE
-        self.st = 0.0                       # step time while fluid
-        self.st_bin = 0                     # its bin in the ITL histogram
-        self.version = 0                    # bumps invalidate scheduled events
+        self.st = 0.0  # step time while fluid
+        self.st_bin = 0  # its bin in the ITL histogram
+        self.version = 0  # bumps invalidate scheduled events
         self.step_end = 0.0
         self.step_chunks: list[tuple[int, int]] = []
         self.step_decode = 0
-        self.inflight = 0                   # requests routed here whose KV is still in transfer
+        self.inflight = 0  # requests routed here whose KV is still in transfer
         self.url = f"sim://replica-{rid:06d}"  # the router's name for it
-        self.prompt_tokens = 0              # counters, as the worker's /metrics has them
+        self.prompt_tokens = 0  # counters, as the worker's /metrics has them
         self.gen_tokens = 0
         self.preempted = 0
         self.swapped: dict[int, int] = {}  # preempted to swap space: request id -> KV tokens parked
@@ -127,8 +200,8 @@ class Replica:
         self.route_score: tuple = ()
         self.route_at = created_at
         self.dirty = True
-        self.pool = None                    # the router's `Pool` this replica is routable in
-        self.grouped = False                # whether the pool holds it under `route_score`
+        self.pool = None  # the router's `Pool` this replica is routable in
+        self.grouped = False  # whether the pool holds it under `route_score`
 
     def touch(self) -> None:
         """What the router reads of this replica changed: its pool rescores it before the next pick."""
@@ -320,7 +393,9 @@ class Replica:
         if reqs.gen[rid] == 1 and reqs.second_gap[rid] != reqs.second_gap[rid]:
             # NOTE: the first decode token comes one step after joining; the step time here is the
             # batch's current one, so the hand-off gap is exact up to that step's length.
-            reqs.second_gap[rid] = now - reqs.t_first[rid] + self.perf.step_time(self.B, self.kv_fixed + self.S0 + self.B * self.V)
+            reqs.second_gap[rid] = (
+                now - reqs.t_first[rid] + self.perf.step_time(self.B, self.kv_fixed + self.S0 + self.B * self.V)
+            )
 
     def _admit_transferred(self, now: float) -> None:
         """Waiting requests whose KV arrived (need 0) join the batch while seats and KV allow, FIFO."""

@@ -32,8 +32,21 @@ from pdfleet_operator.decide import autoscaler, inventory, runtimes
 API_VERSION = "sim.pdfleet.io/v1alpha1"
 KIND = "SimulatedFleet"
 AUTOSCALER_POLICIES = {"pdfleet": autoscaler.PDFLEET, "per-role": autoscaler.PER_ROLE}
-TOP_LEVEL = {"apiVersion", "kind", "metadata", "acceleratorClassFiles", "acceleratorClasses", "nodes",
-             "simulation", "trace", "deployment", "policies", "compare", "headline", "equalSlo"}
+TOP_LEVEL = {
+    "apiVersion",
+    "kind",
+    "metadata",
+    "acceleratorClassFiles",
+    "acceleratorClasses",
+    "nodes",
+    "simulation",
+    "trace",
+    "deployment",
+    "policies",
+    "compare",
+    "headline",
+    "equalSlo",
+}
 
 
 class FleetError(ValueError):
@@ -44,12 +57,12 @@ class FleetError(ValueError):
 class Settings:
     """How the simulated cluster behaves beyond what the API objects say."""
 
-    startup_s: float = 120.0                 # pod scheduled -> serving (image pull, weights load, warm-up)
+    startup_s: float = 120.0  # pod scheduled -> serving (image pull, weights load, warm-up)
     startup_s_by_class: Mapping[str, float] = field(default_factory=dict)
-    scrape_interval_s: float = 5.0           # Prometheus scrape interval of the workers
+    scrape_interval_s: float = 5.0  # Prometheus scrape interval of the workers
     kv_transfer_latency_s: float = 0.002
-    sample_interval_s: float = 60.0          # time series resolution of the report and plots
-    drain_timeout_s: float = 1800.0          # after the trace ends, how long in-flight requests may finish
+    sample_interval_s: float = 60.0  # time series resolution of the report and plots
+    drain_timeout_s: float = 1800.0  # after the trace ends, how long in-flight requests may finish
 
     def startup(self, cls: str) -> float:
         return self.startup_s_by_class.get(cls, self.startup_s)
@@ -71,7 +84,7 @@ class Policy:
     description: str
     deployments: tuple[DeploymentPlan, ...]
     autoscaler_policy: autoscaler.Policy
-    variant: str = ""   # a sweep variant of the policy (`equalSlo.sweep`): what it changes, e.g. "targetUtilization 0.6"
+    variant: str = ""  # a sweep variant of the policy (`equalSlo.sweep`): what it changes, e.g. "targetUtilization 0.6"
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,8 @@ class EqualSlo:
     `variants` (`sweep`) all run; `search` variants are ordered from least to most headroom and only those
     a bisection for the first that reaches the target needs are run (`sim.search`)."""
 
-    target: str                                         # the policy whose attainment the others must reach
-    variants: Mapping[str, tuple[Policy, ...]]          # policy -> its sweep variants (not itself)
+    target: str  # the policy whose attainment the others must reach
+    variants: Mapping[str, tuple[Policy, ...]]  # policy -> its sweep variants (not itself)
     search: Mapping[str, tuple[Policy, ...]] = field(default_factory=dict)  # policy -> ordered variants
 
 
@@ -99,13 +112,13 @@ class Fleet:
     name: str
     source: str
     classes: Mapping[str, AcceleratorClassSpec]
-    nodes: tuple[dict[str, Any], ...]          # Node objects (what the API server would return)
-    devices: int                               # physical accelerators (a MIG-partitioned GPU is one)
+    nodes: tuple[dict[str, Any], ...]  # Node objects (what the API server would return)
+    devices: int  # physical accelerators (a MIG-partitioned GPU is one)
     settings: Settings
     trace: TraceDefaults
     policies: Mapping[str, Policy]
     compare: tuple[str, ...]
-    headline: tuple[str, str] | None           # (baseline, candidate) for the one-line comparison
+    headline: tuple[str, str] | None  # (baseline, candidate) for the one-line comparison
     equal_slo: EqualSlo | None = None
 
     def inventory(self) -> inventory.Inventory:
@@ -135,8 +148,10 @@ def parse(doc: Any, *, source: str = "<fleet>", base_dir: Path = Path(".")) -> F
     if not isinstance(doc, dict):
         raise FleetError(f"{source}: expected a mapping, got {type(doc).__name__}")
     if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
-        raise FleetError(f"{source}: expected apiVersion {API_VERSION} and kind {KIND}, "
-                         f"got {doc.get('apiVersion')!r} / {doc.get('kind')!r}")
+        raise FleetError(
+            f"{source}: expected apiVersion {API_VERSION} and kind {KIND}, "
+            f"got {doc.get('apiVersion')!r} / {doc.get('kind')!r}"
+        )
     unknown = sorted(set(doc) - TOP_LEVEL)
     if unknown:
         raise FleetError(f"{source}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(TOP_LEVEL))})")
@@ -165,6 +180,7 @@ def parse(doc: Any, *, source: str = "<fleet>", base_dir: Path = Path(".")) -> F
 
 # --- parts ------------------------------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=1)
 def _crds() -> dict[str, dict[str, Any]]:
     return schema.load_crds()
@@ -188,8 +204,12 @@ def _classes(doc: dict[str, Any], source: str, base_dir: Path) -> dict[str, Acce
     for i, d in enumerate(doc.get("acceleratorClasses") or []):
         if not isinstance(d, dict):
             raise FleetError(f"{source}: acceleratorClasses[{i}] must be an AcceleratorClass object")
-        objects.append((f"{source}: acceleratorClasses[{i}]",
-                        {"apiVersion": "pdfleet.io/v1alpha1", "kind": "AcceleratorClass", **d}))
+        objects.append(
+            (
+                f"{source}: acceleratorClasses[{i}]",
+                {"apiVersion": "pdfleet.io/v1alpha1", "kind": "AcceleratorClass", **d},
+            )
+        )
     out: dict[str, AcceleratorClassSpec] = {}
     for where, obj in objects:
         _check_object(obj, where)
@@ -200,7 +220,9 @@ def _classes(doc: dict[str, Any], source: str, base_dir: Path) -> dict[str, Acce
     return out
 
 
-def _nodes(raw: Any, classes: Mapping[str, AcceleratorClassSpec], source: str) -> tuple[tuple[dict[str, Any], ...], int]:
+def _nodes(
+    raw: Any, classes: Mapping[str, AcceleratorClassSpec], source: str
+) -> tuple[tuple[dict[str, Any], ...], int]:
     """Node objects from node groups: `{name, count, accelerators: {class: units}, devices, labels, taints}`."""
     if not isinstance(raw, list) or not raw:
         raise FleetError(f"{source}: nodes must be a non-empty list of node groups")
@@ -228,7 +250,9 @@ def _nodes(raw: Any, classes: Mapping[str, AcceleratorClassSpec], source: str) -
         allocatable: dict[str, str] = {}
         for cname, units in accs.items():
             if cname not in classes:
-                raise FleetError(f"{where}.accelerators: unknown AcceleratorClass {cname!r} (known: {', '.join(sorted(classes))})")
+                raise FleetError(
+                    f"{where}.accelerators: unknown AcceleratorClass {cname!r} (known: {', '.join(sorted(classes))})"
+                )
             if not isinstance(units, int) or units < 1:
                 raise FleetError(f"{where}.accelerators.{cname}: units must be a whole number >= 1, got {units!r}")
             cls = classes[cname]
@@ -245,11 +269,13 @@ def _nodes(raw: Any, classes: Mapping[str, AcceleratorClassSpec], source: str) -
         devices += per_node * count
         taints = group.get("taints") or []
         for j in range(count):
-            node = {"apiVersion": "v1", "kind": "Node",
-                    "metadata": {"name": f"{gname}-{j}", "labels": dict(labels)},
-                    "spec": {"taints": copy.deepcopy(taints)},
-                    "status": {"allocatable": dict(allocatable),
-                               "conditions": [{"type": "Ready", "status": "True"}]}}
+            node = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": f"{gname}-{j}", "labels": dict(labels)},
+                "spec": {"taints": copy.deepcopy(taints)},
+                "status": {"allocatable": dict(allocatable), "conditions": [{"type": "Ready", "status": "True"}]},
+            }
             nodes.append(node)
     try:
         inventory.build(nodes, [])
@@ -269,16 +295,28 @@ def _settings(raw: dict[str, Any], source: str) -> Settings:
     known = {"startup", "startupByClass", "scrapeInterval", "kvTransferLatency", "sampleInterval", "drainTimeout"}
     extra = sorted(set(raw) - known)
     if extra:
-        raise FleetError(f"{source}: simulation: unknown field(s) {', '.join(extra)} (known: {', '.join(sorted(known))})")
+        raise FleetError(
+            f"{source}: simulation: unknown field(s) {', '.join(extra)} (known: {', '.join(sorted(known))})"
+        )
     s = Settings()
-    by_class = {k: _seconds(v, f"{source}: simulation.startupByClass.{k}") for k, v in (raw.get("startupByClass") or {}).items()}
+    by_class = {
+        k: _seconds(v, f"{source}: simulation.startupByClass.{k}") for k, v in (raw.get("startupByClass") or {}).items()
+    }
     return Settings(
         startup_s=_seconds(raw["startup"], f"{source}: simulation.startup") if "startup" in raw else s.startup_s,
         startup_s_by_class=by_class,
-        scrape_interval_s=_seconds(raw["scrapeInterval"], f"{source}: simulation.scrapeInterval") if "scrapeInterval" in raw else s.scrape_interval_s,
-        kv_transfer_latency_s=_seconds(raw["kvTransferLatency"], f"{source}: simulation.kvTransferLatency") if "kvTransferLatency" in raw else s.kv_transfer_latency_s,
-        sample_interval_s=_seconds(raw["sampleInterval"], f"{source}: simulation.sampleInterval") if "sampleInterval" in raw else s.sample_interval_s,
-        drain_timeout_s=_seconds(raw["drainTimeout"], f"{source}: simulation.drainTimeout") if "drainTimeout" in raw else s.drain_timeout_s,
+        scrape_interval_s=_seconds(raw["scrapeInterval"], f"{source}: simulation.scrapeInterval")
+        if "scrapeInterval" in raw
+        else s.scrape_interval_s,
+        kv_transfer_latency_s=_seconds(raw["kvTransferLatency"], f"{source}: simulation.kvTransferLatency")
+        if "kvTransferLatency" in raw
+        else s.kv_transfer_latency_s,
+        sample_interval_s=_seconds(raw["sampleInterval"], f"{source}: simulation.sampleInterval")
+        if "sampleInterval" in raw
+        else s.sample_interval_s,
+        drain_timeout_s=_seconds(raw["drainTimeout"], f"{source}: simulation.drainTimeout")
+        if "drainTimeout" in raw
+        else s.drain_timeout_s,
     )
 
 
@@ -297,9 +335,12 @@ def _trace(raw: dict[str, Any], source: str) -> TraceDefaults:
     start = raw.get("startHour", 0.0)
     if not isinstance(start, (int, float)) or not 0 <= start < 24:
         raise FleetError(f"{source}: trace.startHour must be in [0, 24), got {start!r}")
-    return TraceDefaults(preset, float(rate),
-                         _seconds(raw["duration"], f"{source}: trace.duration") if "duration" in raw else d.duration_s,
-                         float(start))
+    return TraceDefaults(
+        preset,
+        float(rate),
+        _seconds(raw["duration"], f"{source}: trace.duration") if "duration" in raw else d.duration_s,
+        float(start),
+    )
 
 
 def merge(base: Any, patch: Any) -> Any:
@@ -354,8 +395,9 @@ def _policies(doc: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], 
     return out
 
 
-def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], where: str,
-            variant: str = "") -> Policy:
+def _policy(
+    p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, AcceleratorClassSpec], where: str, variant: str = ""
+) -> Policy:
     """One policy: the base deployment with the policy's spec (or each tier's) merged over it."""
     extra = sorted(set(p) - {"name", "description", "spec", "deployments", "autoscalerPolicy"})
     if extra:
@@ -368,10 +410,14 @@ def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, Accel
     tiers = p.get("deployments") or [{"share": 1.0, "spec": p.get("spec") or {}}]
     deps: list[DeploymentPlan] = []
     targets = _routing_targets(tiers, base)
-    names = [(t.get("name") if isinstance(t, dict) else None) or (base.get("metadata") or {}).get("name") for t in tiers]
+    names = [
+        (t.get("name") if isinstance(t, dict) else None) or (base.get("metadata") or {}).get("name") for t in tiers
+    ]
     for target in sorted(targets - set(names)):
-        raise FleetError(f"{where}: spec.routing.target: {target!r} is not a deployment of this policy "
-                         f"({', '.join(str(n) for n in names)})")
+        raise FleetError(
+            f"{where}: spec.routing.target: {target!r} is not a deployment of this policy "
+            f"({', '.join(str(n) for n in names)})"
+        )
     for j, tier in enumerate(tiers):
         twhere = f"{where}.deployments[{j}]" if "deployments" in p else where
         if not isinstance(tier, dict):
@@ -380,8 +426,10 @@ def _policy(p: dict[str, Any], base: dict[str, Any], classes: Mapping[str, Accel
         if meta.get("name") in targets:
             # a routing target gets what its router sends it, no share of the trace of its own
             if "share" in tier:
-                raise FleetError(f"{twhere}.share: {meta['name']!r} is a spec.routing.target: it serves the "
-                                 "requests routed to it, not a share of the trace")
+                raise FleetError(
+                    f"{twhere}.share: {meta['name']!r} is a spec.routing.target: it serves the "
+                    "requests routed to it, not a share of the trace"
+                )
             share = 0.0
         else:
             share = tier.get("share", 1.0 if len(tiers) - len(targets) == 1 else None)
@@ -418,24 +466,34 @@ def _check_routing(d: DeploymentPlan, deps: list[DeploymentPlan], where: str) ->
         return
     names = {x.name: x for x in deps}
     if routing.target not in names:
-        raise FleetError(f"{where}: spec.routing.target: {routing.target!r} is not a deployment of this policy "
-                         f"({', '.join(sorted(names))})")
+        raise FleetError(
+            f"{where}: spec.routing.target: {routing.target!r} is not a deployment of this policy "
+            f"({', '.join(sorted(names))})"
+        )
     if names[routing.target].spec.routing is not None:
-        raise FleetError(f"{where}: spec.routing.target: {routing.target!r} routes further; the router sends a "
-                         "routed request on no further, so the simulator does not either")
+        raise FleetError(
+            f"{where}: spec.routing.target: {routing.target!r} routes further; the router sends a "
+            "routed request on no further, so the simulator does not either"
+        )
     rules = routing.rules
     # NOTE: a trace has token counts, not text: what reads text (characters, patterns, a classifier) is refused,
     # not ignored, since ignoring it would route more requests than the real router does.
-    for field, set_ in (("rules.maxPromptChars", rules.max_prompt_chars is not None),
-                        ("rules.patterns", bool(rules.patterns)), ("rules.excludePatterns", bool(rules.exclude_patterns)),
-                        ("classifier", routing.classifier is not None)):
+    for name, set_ in (
+        ("rules.maxPromptChars", rules.max_prompt_chars is not None),
+        ("rules.patterns", bool(rules.patterns)),
+        ("rules.excludePatterns", bool(rules.exclude_patterns)),
+        ("classifier", routing.classifier is not None),
+    ):
         if set_:
-            raise FleetError(f"{where}: spec.routing.{field}: the simulator's requests are token counts, not text; "
-                             "simulate with rules.maxPromptTokens and rules.maxTokens")
+            raise FleetError(
+                f"{where}: spec.routing.{name}: the simulator's requests are token counts, not text; "
+                "simulate with rules.maxPromptTokens and rules.maxTokens"
+            )
 
 
-def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Mapping[str, AcceleratorClassSpec],
-               source: str) -> EqualSlo | None:
+def _equal_slo(
+    doc: dict[str, Any], policies: Mapping[str, Policy], classes: Mapping[str, AcceleratorClassSpec], source: str
+) -> EqualSlo | None:
     """`equalSlo: {target: POLICY, sweep: {POLICY: [{name, spec}, ...]}, search: {POLICY: [...]}}`: each
     variant's spec is merged over its policy's (over the base deployment's), validated like a policy;
     a search's variants are ordered from least to most headroom."""
@@ -444,11 +502,15 @@ def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Map
         return None
     where = f"{source}: equalSlo"
     if not isinstance(raw, dict) or set(raw) - {"target", "sweep", "search"} or "target" not in raw:
-        raise FleetError(f"{where}: expected {{target: POLICY, sweep: {{POLICY: [{{name, spec}}, ...]}}, "
-                         f"search: {{POLICY: [{{name, spec}}, ...]}}}}")
+        raise FleetError(
+            f"{where}: expected {{target: POLICY, sweep: {{POLICY: [{{name, spec}}, ...]}}, "
+            f"search: {{POLICY: [{{name, spec}}, ...]}}}}"
+        )
     if raw["target"] not in policies:
         raise FleetError(f"{where}.target: {raw['target']!r} is not a policy of this fleet")
-    variants = {kind: _variants(doc, raw.get(kind), policies, classes, f"{where}.{kind}") for kind in ("sweep", "search")}
+    variants = {
+        kind: _variants(doc, raw.get(kind), policies, classes, f"{where}.{kind}") for kind in ("sweep", "search")
+    }
     for name in sorted(set(variants["sweep"]) & set(variants["search"])):
         names = {v.variant for v in variants["sweep"][name]} & {v.variant for v in variants["search"][name]}
         if names:
@@ -456,8 +518,13 @@ def _equal_slo(doc: dict[str, Any], policies: Mapping[str, Policy], classes: Map
     return EqualSlo(raw["target"], variants["sweep"], variants["search"])
 
 
-def _variants(doc: dict[str, Any], raw: Any, policies: Mapping[str, Policy],
-              classes: Mapping[str, AcceleratorClassSpec], where: str) -> dict[str, tuple[Policy, ...]]:
+def _variants(
+    doc: dict[str, Any],
+    raw: Any,
+    policies: Mapping[str, Policy],
+    classes: Mapping[str, AcceleratorClassSpec],
+    where: str,
+) -> dict[str, tuple[Policy, ...]]:
     """`{POLICY: [{name, spec}, ...]}`: each variant as a Policy (its spec over the policy's)."""
     if raw is None:
         return {}
@@ -493,4 +560,3 @@ def validate_document(doc: Any, source: str, base_dir: Path) -> list[str]:
     except FleetError as exc:
         return str(exc).splitlines()
     return []
-

@@ -27,9 +27,9 @@ class _Gauges:
     replicas: int
     waiting: float
     running: float
-    kv_usage: float                              # mean over the replicas
+    kv_usage: float  # mean over the replicas
     prompt_tokens_waiting: float
-    by_class: dict[str, tuple[int, float]]       # AcceleratorClass -> (replicas, requests waiting)
+    by_class: dict[str, tuple[int, float]]  # AcceleratorClass -> (replicas, requests waiting)
 
 
 class SimulatedMetricsSource:
@@ -39,8 +39,9 @@ class SimulatedMetricsSource:
     the autoscaler asks (once per interval, where scrapes come every few seconds for the rate window).
     """
 
-    def __init__(self, deployment: str, replicas: Callable[[], Mapping[str, Sequence[Replica]]],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, deployment: str, replicas: Callable[[], Mapping[str, Sequence[Replica]]], clock: Callable[[], float]
+    ) -> None:
         self.deployment = deployment
         self.replicas = replicas
         self.clock = clock
@@ -91,19 +92,33 @@ class SimulatedMetricsSource:
             if now > t0:
                 for cname, (count, waiting) in g.by_class.items():
                     prompt, gen = self._rates(old, totals, (role, cname), now - t0)
-                    classes[cname] = ClassMetrics(replicas_reporting=count, waiting=waiting,
-                                                  prompt_tokens_rate=prompt, generation_tokens_rate=gen)
+                    classes[cname] = ClassMetrics(
+                        replicas_reporting=count, waiting=waiting, prompt_tokens_rate=prompt, generation_tokens_rate=gen
+                    )
                 keys = [k for k in totals if k[0] == role]
-                rates = {"prompt_tokens_rate": sum(self._rates(old, totals, k, now - t0)[0] for k in keys),
-                         "generation_tokens_rate": sum(self._rates(old, totals, k, now - t0)[1] for k in keys)}
-            latest[role] = RoleMetrics(waiting=g.waiting, running=g.running, replicas_reporting=g.replicas,
-                                       sample_time=now, kv_usage=g.kv_usage,
-                                       prompt_tokens_waiting=g.prompt_tokens_waiting, classes=classes, **rates)
+                rates = {
+                    "prompt_tokens_rate": sum(self._rates(old, totals, k, now - t0)[0] for k in keys),
+                    "generation_tokens_rate": sum(self._rates(old, totals, k, now - t0)[1] for k in keys),
+                }
+            latest[role] = RoleMetrics(
+                waiting=g.waiting,
+                running=g.running,
+                replicas_reporting=g.replicas,
+                sample_time=now,
+                kv_usage=g.kv_usage,
+                prompt_tokens_waiting=g.prompt_tokens_waiting,
+                classes=classes,
+                **rates,
+            )
         return latest
 
     @staticmethod
-    def _rates(old: Mapping[tuple[str, str], tuple[float, float]], new: Mapping[tuple[str, str], tuple[float, float]],
-               key: tuple[str, str], span: float) -> tuple[float, float]:
+    def _rates(
+        old: Mapping[tuple[str, str], tuple[float, float]],
+        new: Mapping[tuple[str, str], tuple[float, float]],
+        key: tuple[str, str],
+        span: float,
+    ) -> tuple[float, float]:
         """(prompt, generated) tokens/s of one (role, class) over `span` seconds (a new series counts from 0)."""
         p0, g0 = old.get(key, (0.0, 0.0))
         p1, g1 = new.get(key, (0.0, 0.0))
@@ -115,8 +130,9 @@ class SimulatedMetricsSource:
             return MetricsSnapshot.unavailable(now, f"no simulated deployment {deployment!r}", source=self.name)
         wanted = list(roles)
         last = self.last
-        return MetricsSnapshot(taken_at=now, source=self.name,
-                               roles={role: last[role] for role in wanted if role in last})
+        return MetricsSnapshot(
+            taken_at=now, source=self.name, roles={role: last[role] for role in wanted if role in last}
+        )
 
 
 def _gauges(shown: list[Replica], now: float) -> _Gauges:
@@ -124,7 +140,11 @@ def _gauges(shown: list[Replica], now: float) -> _Gauges:
     for cname in sorted({r.accelerator_class for r in shown}):
         of_class = [r for r in shown if r.accelerator_class == cname]
         by_class[cname] = (len(of_class), float(sum(len(r.waiting) for r in of_class)))
-    return _Gauges(replicas=len(shown), waiting=float(sum([len(r.waiting) for r in shown])),
-                   running=float(sum([r.num_running() for r in shown])),
-                   kv_usage=sum([r.kv_usage(now) for r in shown]) / len(shown),
-                   prompt_tokens_waiting=float(sum([r.need_waiting for r in shown])), by_class=by_class)
+    return _Gauges(
+        replicas=len(shown),
+        waiting=float(sum([len(r.waiting) for r in shown])),
+        running=float(sum([r.num_running() for r in shown])),
+        kv_usage=sum([r.kv_usage(now) for r in shown]) / len(shown),
+        prompt_tokens_waiting=float(sum([r.need_waiting for r in shown])),
+        by_class=by_class,
+    )

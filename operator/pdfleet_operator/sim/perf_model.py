@@ -40,9 +40,9 @@ class Efficiency:
     prefill_mfu: float = perf.PREFILL_MFU
     decode_mbu: float = perf.DECODE_MBU
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
-    kv_transfer_gbps: float | None = None   # measured KV link; None: the class's networkGBps
-    http_hop_s: float = 0.0                  # one HTTP round trip to first byte on this class's host (measured)
-    tensor_parallel_scaling: float = 1.0     # a replica over `count` devices reaches this share of count x one
+    kv_transfer_gbps: float | None = None  # measured KV link; None: the class's networkGBps
+    http_hop_s: float = 0.0  # one HTTP round trip to first byte on this class's host (measured)
+    tensor_parallel_scaling: float = 1.0  # a replica over `count` devices reaches this share of count x one
     source: str = "default (pdfleet_operator.decide.perf)"
 
     def __post_init__(self) -> None:
@@ -55,7 +55,9 @@ class Efficiency:
         if not 0 <= self.http_hop_s < 10:
             raise ValueError(f"Efficiency.http_hop_s must be in [0, 10) seconds, got {self.http_hop_s}")
         if not 0 < self.tensor_parallel_scaling <= 1:
-            raise ValueError(f"Efficiency.tensor_parallel_scaling must be in (0, 1], got {self.tensor_parallel_scaling}")
+            raise ValueError(
+                f"Efficiency.tensor_parallel_scaling must be in (0, 1], got {self.tensor_parallel_scaling}"
+            )
 
 
 @dataclass(frozen=True)
@@ -63,18 +65,18 @@ class ReplicaPerf:
     """One replica of a deployment on one class, reduced to the constants a step time needs."""
 
     accelerator_class: str
-    flop_s_per_token: float        # seconds of compute per token through the model
-    weights_read_s: float          # seconds to read the weights once
-    kv_read_s_per_token: float     # seconds to read one token's KV once
+    flop_s_per_token: float  # seconds of compute per token through the model
+    weights_read_s: float  # seconds to read the weights once
+    kv_read_s_per_token: float  # seconds to read one token's KV once
     overhead_s: float
-    kv_capacity_tokens: int        # KV slots of the replica (whole blocks)
+    kv_capacity_tokens: int  # KV slots of the replica (whole blocks)
     kv_bytes_per_token: float
     network_gbps: float
     max_num_batched_tokens: int
     max_num_seqs: int
     block_size: int
-    http_hop_s: float = 0.0        # one HTTP round trip to a worker of this class (first byte)
-    swap_space_tokens: int = 0     # engine.preemption swap: KV tokens the swap space holds (0: recompute)
+    http_hop_s: float = 0.0  # one HTTP round trip to a worker of this class (first byte)
+    swap_space_tokens: int = 0  # engine.preemption swap: KV tokens the swap space holds (0: recompute)
 
     def step_time(self, tokens: float, context: float) -> float:
         """One engine step computing `tokens` tokens over a batch whose KV holds `context` tokens."""
@@ -88,22 +90,26 @@ class ReplicaPerf:
         return budget / self.step_time(budget, budget)
 
 
-def kv_transfer_s(tokens: float, src: ReplicaPerf, dst: ReplicaPerf,
-                  latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S) -> float:
+def kv_transfer_s(
+    tokens: float, src: ReplicaPerf, dst: ReplicaPerf, latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S
+) -> float:
     """Seconds to move `tokens` tokens of KV from a prefill replica to a decode replica."""
     gbps = min(src.network_gbps, dst.network_gbps)
     return latency_s + tokens * src.kv_bytes_per_token / (gbps * 1e9)
 
 
-def replica_perf(spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClassSpec,
-                 eff: Efficiency | None = None) -> ReplicaPerf:
+def replica_perf(
+    spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClassSpec, eff: Efficiency | None = None
+) -> ReplicaPerf:
     """The step-time constants of one replica; ValueError when the model does not fit or has no architecture."""
     eff = eff or Efficiency()
     arch = spec.model.architecture
     weights, per_token = perf.weights_bytes(spec), perf.kv_bytes_per_token(spec)
     if arch is None or weights is None or per_token is None:
-        raise ValueError(f"model {spec.model.name}: spec.model.architecture is required to simulate it "
-                         "(parametersBillions, layers, kvHeads, headDim)")
+        raise ValueError(
+            f"model {spec.model.name}: spec.model.architecture is required to simulate it "
+            "(parametersBillions, layers, kvHeads, headDim)"
+        )
     fit = perf.fit(spec, cls)
     if not fit.fits:
         raise ValueError(f"model {spec.model.name} does not fit {name}: {fit.message}")
@@ -125,8 +131,9 @@ def replica_perf(spec: InferenceDeploymentSpec, name: str, cls: AcceleratorClass
         max_num_seqs=spec.engine.max_num_seqs,
         block_size=block,
         http_hop_s=eff.http_hop_s,
-        swap_space_tokens=(int(parse_quantity(spec.engine.swap_space) / per_token)
-                           if spec.engine.preemption == "swap" else 0),
+        swap_space_tokens=(
+            int(parse_quantity(spec.engine.swap_space) / per_token) if spec.engine.preemption == "swap" else 0
+        ),
     )
 
 

@@ -82,16 +82,20 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         spend[rep.accelerator_class] = spend.get(rep.accelerator_class, 0.0) + life * cls.count * cls.cost_per_hour
         busy[rep.accelerator_class] = busy.get(rep.accelerator_class, 0.0) + rep.busy_s / 3600.0 * cls.count
     router_per_hour = sum(
-        d.spec.router.replicas * costs.router_cores(d.spec.router.resources.requests) * costs.cpu_core_price(sim.classes)
-        for d in sim.deps)
+        d.spec.router.replicas
+        * costs.router_cores(d.spec.router.resources.requests)
+        * costs.cpu_core_price(sim.classes)
+        for d in sim.deps
+    )
     span = sim.end - sim.warmup
     router_cost = router_per_hour * span / 3600.0
     total_cost = sum(spend.values()) + router_cost
     generated = float(sum(rep.gen_tokens for rep in sim.all_replicas) - sim.gen_at_warmup)
     prompt_done = float(prompt[done].sum())
     per_1m = costs.per_million_tokens(total_cost / (span / 3600.0), generated / span) if span > 0 else None
-    per_1m_all = (costs.per_million_tokens(total_cost / (span / 3600.0), (generated + prompt_done) / span)
-                  if span > 0 else None)
+    per_1m_all = (
+        costs.per_million_tokens(total_cost / (span / 3600.0), (generated + prompt_done) / span) if span > 0 else None
+    )
 
     ups = [e for e in sim.scale_events if e.desired > e.current]
     downs = [e for e in sim.scale_events if e.desired < e.current]
@@ -108,11 +112,18 @@ def summarize(sim: Simulator) -> dict[str, Any]:
     return {
         "name": sim.policy.name,
         "description": sim.policy.description,
-        "deployments": [{"name": d.name, "share": d.plan.share, "tier": d.spec.tier,
-                         "disaggregation": d.spec.disaggregation, "autoscaling": d.spec.autoscaling.enabled,
-                         "slo": {"ttft_s": parse_duration(d.spec.slo.ttft), "itl_s": parse_duration(d.spec.slo.itl)},
-                         "classes": {role: list(rs.accelerator_classes) for role, rs in d.spec.roles().items()}}
-                        for d in sim.deps],
+        "deployments": [
+            {
+                "name": d.name,
+                "share": d.plan.share,
+                "tier": d.spec.tier,
+                "disaggregation": d.spec.disaggregation,
+                "autoscaling": d.spec.autoscaling.enabled,
+                "slo": {"ttft_s": parse_duration(d.spec.slo.ttft), "itl_s": parse_duration(d.spec.slo.itl)},
+                "classes": {role: list(rs.accelerator_classes) for role, rs in d.spec.roles().items()},
+            }
+            for d in sim.deps
+        ],
         "cost_per_1m_tokens": _round(per_1m, 5),
         "cost_per_1m_total_tokens": _round(per_1m_all, 5),
         "cost_usd": _round(total_cost, 2),
@@ -140,10 +151,14 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         "warmup_s": _round(sim.warmup, 1),
         "scale_events": {"up": len(ups), "down": len(downs), "decisions": sim.decisions, "by_reason": reasons},
         "pools": pools,
-        "pd_ratio": {"mean": _round(float(np.mean(ratios)), 3) if len(ratios) else None,
-                     "min": _round(float(np.min(ratios)), 3) if len(ratios) else None,
-                     "max": _round(float(np.max(ratios)), 3) if len(ratios) else None},
-        "rollback_actions": [{"t": _round(t, 1), "kind": k, "message": m} for d in sim.deps for t, k, m in d.rollback_actions],
+        "pd_ratio": {
+            "mean": _round(float(np.mean(ratios)), 3) if len(ratios) else None,
+            "min": _round(float(np.min(ratios)), 3) if len(ratios) else None,
+            "max": _round(float(np.max(ratios)), 3) if len(ratios) else None,
+        },
+        "rollback_actions": [
+            {"t": _round(t, 1), "kind": k, "message": m} for d in sim.deps for t, k, m in d.rollback_actions
+        ],
     }
 
 
@@ -171,20 +186,27 @@ def cost_series(sim: Simulator) -> tuple[np.ndarray, np.ndarray]:
     times = np.array([s.t for s in sim.samples])
     created = np.array([max(r.created_at, sim.warmup) for r in sim.all_replicas])
     ended = np.array([r.removed_at if r.removed_at is not None else sim.end for r in sim.all_replicas])
-    price = np.array([sim.classes[r.accelerator_class].count * sim.classes[r.accelerator_class].cost_per_hour
-                      for r in sim.all_replicas])
+    price = np.array(
+        [
+            sim.classes[r.accelerator_class].count * sim.classes[r.accelerator_class].cost_per_hour
+            for r in sim.all_replicas
+        ]
+    )
     if not len(price):
         return times, np.zeros_like(times)
     overlap = np.clip(np.minimum(ended[None, :], times[:, None]) - created[None, :], 0.0, None)
-    router = sum(d.spec.router.replicas * costs.router_cores(d.spec.router.resources.requests)
-                 for d in sim.deps) * costs.cpu_core_price(sim.classes)
+    router = sum(
+        d.spec.router.replicas * costs.router_cores(d.spec.router.resources.requests) for d in sim.deps
+    ) * costs.cpu_core_price(sim.classes)
     return times, (overlap * price[None, :]).sum(axis=1) / 3600.0 + router * (times - sim.warmup) / 3600.0
 
 
 # --- comparison ----------------------------------------------------------------------------------------
 
-def compare(entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: str,
-            goal: float | None = None) -> dict[str, Any]:
+
+def compare(
+    entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: str, goal: float | None = None
+) -> dict[str, Any]:
     """How much cheaper per 1M generated tokens `candidate` is than `baseline`, and at what SLO attainment;
     with the equal-SLO fields (`equal_slo`, whose target attainment is `goal`), how much at equal attainment."""
     b, c = entries[baseline], entries[candidate]
@@ -192,23 +214,30 @@ def compare(entries: Mapping[str, Mapping[str, Any]], baseline: str, candidate: 
     if b["cost_per_1m_tokens"] and c["cost_per_1m_tokens"] is not None:
         saving = 1.0 - c["cost_per_1m_tokens"] / b["cost_per_1m_tokens"]
     out = {
-        "baseline": baseline, "candidate": candidate,
-        "baseline_cost_per_1m_tokens": b["cost_per_1m_tokens"], "candidate_cost_per_1m_tokens": c["cost_per_1m_tokens"],
+        "baseline": baseline,
+        "candidate": candidate,
+        "baseline_cost_per_1m_tokens": b["cost_per_1m_tokens"],
+        "candidate_cost_per_1m_tokens": c["cost_per_1m_tokens"],
         "saving": _round(saving, 4),
         "cost_ratio": _round(1.0 - saving, 4) if saving is not None else None,
-        "baseline_slo_attainment": b["slo_attainment"], "candidate_slo_attainment": c["slo_attainment"],
+        "baseline_slo_attainment": b["slo_attainment"],
+        "candidate_slo_attainment": c["slo_attainment"],
         "slo_attainment_gap": _round((c["slo_attainment"] or 0) - (b["slo_attainment"] or 0), 4),
     }
     if "equal_slo_cost_per_1m_tokens" in b and "equal_slo_cost_per_1m_tokens" in c:
         be, ce = b["equal_slo_cost_per_1m_tokens"], c["equal_slo_cost_per_1m_tokens"]
-        out.update(baseline_equal_slo_cost_per_1m_tokens=be, candidate_equal_slo_cost_per_1m_tokens=ce,
-                   equal_slo_attainment=goal,
-                   equal_slo_saving=_round(1.0 - ce / be, 4) if be and ce is not None else None)
+        out.update(
+            baseline_equal_slo_cost_per_1m_tokens=be,
+            candidate_equal_slo_cost_per_1m_tokens=ce,
+            equal_slo_attainment=goal,
+            equal_slo_saving=_round(1.0 - ce / be, 4) if be and ce is not None else None,
+        )
     return out
 
 
-def equal_slo(entries: Mapping[str, Mapping[str, Any]], variants: Mapping[str, Sequence[Mapping[str, Any]]],
-              target: str) -> dict[str, Any]:
+def equal_slo(
+    entries: Mapping[str, Mapping[str, Any]], variants: Mapping[str, Sequence[Mapping[str, Any]]], target: str
+) -> dict[str, Any]:
     """Each policy's cheapest run (itself or one of its sweep `variants`) whose SLO attainment reaches
     `target`'s: {"target", "target_attainment", "policies": {name: {cost, attainment, variant, runs}}}.
 
@@ -218,15 +247,33 @@ def equal_slo(entries: Mapping[str, Mapping[str, Any]], variants: Mapping[str, S
     goal = entries[target]["slo_attainment"]
     out: dict[str, Any] = {"target": target, "target_attainment": goal, "policies": {}}
     for name, e in entries.items():
-        runs = [{"variant": "as configured", "cost_per_1m_tokens": e["cost_per_1m_tokens"],
-                 "slo_attainment": e["slo_attainment"]}]
-        runs += [{"variant": v["variant"], "cost_per_1m_tokens": v["cost_per_1m_tokens"],
-                  "slo_attainment": v["slo_attainment"]} for v in variants.get(name, ())]
-        ok = [r for r in runs if goal is not None and r["slo_attainment"] is not None
-              and r["cost_per_1m_tokens"] is not None and r["slo_attainment"] >= goal]
+        runs = [
+            {
+                "variant": "as configured",
+                "cost_per_1m_tokens": e["cost_per_1m_tokens"],
+                "slo_attainment": e["slo_attainment"],
+            }
+        ]
+        runs += [
+            {
+                "variant": v["variant"],
+                "cost_per_1m_tokens": v["cost_per_1m_tokens"],
+                "slo_attainment": v["slo_attainment"],
+            }
+            for v in variants.get(name, ())
+        ]
+        ok = [
+            r
+            for r in runs
+            if goal is not None
+            and r["slo_attainment"] is not None
+            and r["cost_per_1m_tokens"] is not None
+            and r["slo_attainment"] >= goal
+        ]
         best = min(ok, key=lambda r: r["cost_per_1m_tokens"]) if ok else None
-        closest = max((r for r in runs if r["slo_attainment"] is not None), key=lambda r: r["slo_attainment"],
-                      default=None)
+        closest = max(
+            (r for r in runs if r["slo_attainment"] is not None), key=lambda r: r["slo_attainment"], default=None
+        )
         out["policies"][name] = {
             "cost_per_1m_tokens": best["cost_per_1m_tokens"] if best else None,
             "attainment": best["slo_attainment"] if best else None,
@@ -242,10 +289,12 @@ def search_summary(variants: Sequence[Any], ran: Mapping[int, tuple], goal: floa
     attainment) in the order of the list, the first that reaches `goal`, and whether the runs kept the order."""
     b = search.Bisection(len(variants), goal, {i: got[0]["slo_attainment"] for i, got in ran.items()})
     found = b.found()
-    return {"variants": [v.variant for v in variants],
-            "ran": [{"variant": variants[i].variant, "slo_attainment": ran[i][0]["slo_attainment"]} for i in sorted(ran)],
-            "first_reaching": variants[found].variant if found is not None else None,
-            "monotone": b.monotone()}
+    return {
+        "variants": [v.variant for v in variants],
+        "ran": [{"variant": variants[i].variant, "slo_attainment": ran[i][0]["slo_attainment"]} for i in sorted(ran)],
+        "first_reaching": variants[found].variant if found is not None else None,
+        "monotone": b.monotone(),
+    }
 
 
 def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
@@ -253,21 +302,26 @@ def comparison_text(cmp: Mapping[str, Any], conditions: str) -> str:
     if saving is None:
         return f"{cmp['candidate']} vs {cmp['baseline']}: no tokens served, no comparison.\n"
     word = "cheaper" if saving >= 0 else "more expensive"
-    text = (f"{cmp['candidate']} costs ${cmp['candidate_cost_per_1m_tokens']:.4f} per 1M generated tokens against "
-            f"${cmp['baseline_cost_per_1m_tokens']:.4f} for {cmp['baseline']} ({1 - saving:.3f}x): {abs(saving):.1%} "
-            f"{word}, at SLO "
-            f"attainment {cmp['candidate_slo_attainment']:.2%} vs {cmp['baseline_slo_attainment']:.2%}. ")
+    text = (
+        f"{cmp['candidate']} costs ${cmp['candidate_cost_per_1m_tokens']:.4f} per 1M generated tokens against "
+        f"${cmp['baseline_cost_per_1m_tokens']:.4f} for {cmp['baseline']} ({1 - saving:.3f}x): {abs(saving):.1%} "
+        f"{word}, at SLO "
+        f"attainment {cmp['candidate_slo_attainment']:.2%} vs {cmp['baseline_slo_attainment']:.2%}. "
+    )
     eq = cmp.get("equal_slo_saving")
     if "equal_slo_saving" in cmp:
-        text += (f"At equal SLO attainment (>= {cmp['equal_slo_attainment']:.2%}): "
-                 + (f"{abs(eq):.1%} {'cheaper' if eq >= 0 else 'more expensive'} "
-                    f"(${cmp['candidate_equal_slo_cost_per_1m_tokens']:.4f} against "
-                    f"${cmp['baseline_equal_slo_cost_per_1m_tokens']:.4f}). " if eq is not None
-                    else "no configuration swept reaches it for one of the two. "))
+        text += f"At equal SLO attainment (>= {cmp['equal_slo_attainment']:.2%}): " + (
+            f"{abs(eq):.1%} {'cheaper' if eq >= 0 else 'more expensive'} "
+            f"(${cmp['candidate_equal_slo_cost_per_1m_tokens']:.4f} against "
+            f"${cmp['baseline_equal_slo_cost_per_1m_tokens']:.4f}). "
+            if eq is not None
+            else "no configuration swept reaches it for one of the two. "
+        )
     return text + f"Conditions: {conditions}\n"
 
 
 # --- output ----------------------------------------------------------------------------------------------
+
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
@@ -279,21 +333,32 @@ def print_equal_slo(eq: Mapping[str, Any], console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=f"equal SLO attainment: the cheapest run reaching {eq['target']}'s "
-                    f"{_fmt(eq['target_attainment'], '{:.2%}')}")
+    t = Table(
+        title=f"equal SLO attainment: the cheapest run reaching {eq['target']}'s "
+        f"{_fmt(eq['target_attainment'], '{:.2%}')}"
+    )
     for col in ("policy", "variant", "$/1M tok", "SLO att.", "chosen"):
         t.add_column(col)
     for name, p in eq["policies"].items():
         for r in p["runs"]:
-            t.add_row(name, r["variant"], _fmt(r["cost_per_1m_tokens"], "${:.4f}"), _fmt(r["slo_attainment"], "{:.2%}"),
-                      "<-" if p["variant"] == r["variant"] else "")
+            t.add_row(
+                name,
+                r["variant"],
+                _fmt(r["cost_per_1m_tokens"], "${:.4f}"),
+                _fmt(r["slo_attainment"], "{:.2%}"),
+                "<-" if p["variant"] == r["variant"] else "",
+            )
     console.print(t)
     for name, got in (eq.get("search") or {}).items():
         skipped = [v for v in got["variants"] if v not in {r["variant"] for r in got["ran"]}]
-        console.print(f"search {name}: {len(got['ran'])} of {len(got['variants'])} variants run (bisection, least to "
-                      f"most headroom); the first reaching the target: {got['first_reaching'] or 'none'}"
-                      + ("" if got["monotone"] else "; NOTE the runs contradict the list's order")
-                      + (f"; not run: {', '.join(skipped)}" if skipped else ""), highlight=False, markup=False)
+        console.print(
+            f"search {name}: {len(got['ran'])} of {len(got['variants'])} variants run (bisection, least to "
+            f"most headroom); the first reaching the target: {got['first_reaching'] or 'none'}"
+            + ("" if got["monotone"] else "; NOTE the runs contradict the list's order")
+            + (f"; not run: {', '.join(skipped)}" if skipped else ""),
+            highlight=False,
+            markup=False,
+        )
 
 
 def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:
@@ -303,16 +368,36 @@ def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) 
 
     console = console or Console()
     t = Table(title="pdfleet simulate: per policy", show_lines=False)
-    for col in ("policy", "$/1M tok", "$ total", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "SLO att.",
-                "scale up/down", "P:D mean", "rejected", "requests"):
+    for col in (
+        "policy",
+        "$/1M tok",
+        "$ total",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "SLO att.",
+        "scale up/down",
+        "P:D mean",
+        "rejected",
+        "requests",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, e in entries.items():
-        t.add_row(name, _fmt(e["cost_per_1m_tokens"], "${:.4f}"), _fmt(e["cost_usd"], "${:,.0f}"),
-                  _fmt(e["ttft_p50_s"], "{:.3f}s"), _fmt(e["ttft_p99_s"], "{:.3f}s"),
-                  _fmt(e["itl_p50_s"], "{:.1f}ms", 1000), _fmt(e["itl_p99_s"], "{:.1f}ms", 1000),
-                  _fmt(e["slo_attainment"], "{:.2%}"),
-                  f"{e['scale_events']['up']}/{e['scale_events']['down']}",
-                  _fmt(e["pd_ratio"]["mean"], "{:.2f}"), f"{e['rejected']:,}", f"{e['requests']:,}")
+        t.add_row(
+            name,
+            _fmt(e["cost_per_1m_tokens"], "${:.4f}"),
+            _fmt(e["cost_usd"], "${:,.0f}"),
+            _fmt(e["ttft_p50_s"], "{:.3f}s"),
+            _fmt(e["ttft_p99_s"], "{:.3f}s"),
+            _fmt(e["itl_p50_s"], "{:.1f}ms", 1000),
+            _fmt(e["itl_p99_s"], "{:.1f}ms", 1000),
+            _fmt(e["slo_attainment"], "{:.2%}"),
+            f"{e['scale_events']['up']}/{e['scale_events']['down']}",
+            _fmt(e["pd_ratio"]["mean"], "{:.2f}"),
+            f"{e['rejected']:,}",
+            f"{e['requests']:,}",
+        )
     console.print(t)
     classes = sorted({c for e in entries.values() for c in e["accelerator_hours"]})
     h = Table(title="accelerator-hours by class (units x hours; $ in brackets)")
@@ -320,8 +405,17 @@ def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) 
     for name in entries:
         h.add_column(name, justify="right")
     for c in classes:
-        h.add_row(c, *[(f"{e['accelerator_hours'][c]:,.1f} (${e['cost_by_class_usd'][c]:,.0f})"
-                        if c in e["accelerator_hours"] else "-") for e in entries.values()])
+        h.add_row(
+            c,
+            *[
+                (
+                    f"{e['accelerator_hours'][c]:,.1f} (${e['cost_by_class_usd'][c]:,.0f})"
+                    if c in e["accelerator_hours"]
+                    else "-"
+                )
+                for e in entries.values()
+            ],
+        )
     console.print(h)
 
 
@@ -334,13 +428,13 @@ class PlotData:
     """What the plots need of one run, small enough to come back from a worker process."""
 
     name: str
-    hours: np.ndarray                       # sample times, hours since the measured start
-    replicas: dict[str, np.ndarray]         # "deployment/role/class" -> pods at each sample
-    waiting: dict[str, np.ndarray]          # "deployment/role" -> requests waiting at each sample
+    hours: np.ndarray  # sample times, hours since the measured start
+    replicas: dict[str, np.ndarray]  # "deployment/role/class" -> pods at each sample
+    waiting: dict[str, np.ndarray]  # "deployment/role" -> requests waiting at each sample
     cost_per_hour: np.ndarray
     cumulative_hours: np.ndarray
     cumulative_cost: np.ndarray
-    trace_hours: np.ndarray                 # the trace's request rate (the same for every policy)
+    trace_hours: np.ndarray  # the trace's request rate (the same for every policy)
     trace_rate: np.ndarray
 
 
@@ -351,11 +445,17 @@ def plot_data(sim: Simulator) -> PlotData:
     ct, cum = cost_series(sim)
     tt, rate = sim.trace.rate_series(max(60.0, sim.trace.duration / 400))
     keep = tt >= sim.warmup
-    return PlotData(sim.policy.name, t,
-                    {k: np.array([s.replicas.get(k, 0) for s in sim.samples], dtype=float) for k in keys},
-                    {k: np.array([s.waiting.get(k, 0.0) for s in sim.samples]) for k in queues},
-                    np.array([s.cost_per_hour for s in sim.samples]), (ct - sim.warmup) / 3600.0, cum,
-                    (tt[keep] - sim.warmup) / 3600.0, rate[keep])
+    return PlotData(
+        sim.policy.name,
+        t,
+        {k: np.array([s.replicas.get(k, 0) for s in sim.samples], dtype=float) for k in keys},
+        {k: np.array([s.waiting.get(k, 0.0) for s in sim.samples]) for k in queues},
+        np.array([s.cost_per_hour for s in sim.samples]),
+        (ct - sim.warmup) / 3600.0,
+        cum,
+        (tt[keep] - sim.warmup) / 3600.0,
+        rate[keep],
+    )
 
 
 def plot(runs: Sequence[Simulator | PlotData], out: Path) -> list[Path]:

@@ -42,8 +42,14 @@ class Load:
         self.kv_usage = 0.0
 
     def candidate(self) -> picker.Candidate:
-        return picker.Candidate(url=self.url, waiting=self.waiting, running=self.running, kv_usage=self.kv_usage,
-                                prompt_tokens_waiting=self.prompt_tokens_waiting, inflight=self.inflight)
+        return picker.Candidate(
+            url=self.url,
+            waiting=self.waiting,
+            running=self.running,
+            kv_usage=self.kv_usage,
+            prompt_tokens_waiting=self.prompt_tokens_waiting,
+            inflight=self.inflight,
+        )
 
 
 def ties_round_robin_by_url() -> bool:
@@ -66,7 +72,7 @@ class Pool:
 
     def __init__(self, replicas: Sequence[Replica] = ()) -> None:
         self.replicas = sorted(replicas, key=_URL)
-        self.groups: dict[tuple, list[Replica]] = {}   # kept score -> replicas with it, url order
+        self.groups: dict[tuple, list[Replica]] = {}  # kept score -> replicas with it, url order
         self.touched: list[Replica] = []
         for r in self.replicas:
             r.pool = self

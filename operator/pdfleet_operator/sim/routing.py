@@ -14,13 +14,17 @@ from pdfleet_worker.router import routing
 
 def rules_of(spec: RoutingSpec) -> routing.Rules:
     r = spec.rules
-    assert r.max_prompt_chars is None and not r.patterns and not r.exclude_patterns and spec.classifier is None, \
+    assert r.max_prompt_chars is None and not r.patterns and not r.exclude_patterns and spec.classifier is None, (
         "text rules reached the simulator (sim/fleet.py refuses them)"
+    )
     return routing.Rules(max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens)
 
 
 def simple(spec: RoutingSpec, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
     """Per request: whether the router would route it to the target."""
     rules = rules_of(spec)
-    return np.fromiter((routing.length_decision(rules, int(p), None, int(o)) is None for p, o in zip(prompt, output)),
-                       dtype=bool, count=len(prompt))
+    return np.fromiter(
+        (routing.length_decision(rules, int(p), None, int(o)) is None for p, o in zip(prompt, output)),
+        dtype=bool,
+        count=len(prompt),
+    )

@@ -26,8 +26,8 @@ from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
 from pdfleet_operator.decide import autoscaler, placement, rollback, runtimes, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import efficiency, perf_model
-from pdfleet_operator.sim import routing as sim_routing
 from pdfleet_operator.sim import engine as eng
+from pdfleet_operator.sim import routing as sim_routing
 from pdfleet_operator.sim.fleet import DeploymentPlan, Fleet, Policy
 from pdfleet_operator.sim.metrics_source import SimulatedMetricsSource
 from pdfleet_operator.sim.perf_model import Efficiency, ReplicaPerf
@@ -56,9 +56,9 @@ class Sample:
     """The fleet at one moment, for the plots and the cost-over-time series."""
 
     t: float
-    replicas: dict[str, int]            # "deployment/role/class" -> pods holding accelerators
+    replicas: dict[str, int]  # "deployment/role/class" -> pods holding accelerators
     ready: dict[str, int]
-    waiting: dict[str, float]           # "deployment/role" -> requests waiting
+    waiting: dict[str, float]  # "deployment/role" -> requests waiting
     running: dict[str, float]
     cost_per_hour: float
     generated_so_far: float
@@ -76,18 +76,18 @@ class DeploymentState:
     source: SimulatedMetricsSource
     health: rollback.RevisionHealth
     fleet_plan: placement.FleetPlan | None = None
-    replicas: list[eng.Replica] = field(default_factory=list)        # live (not removed)
-    routable: dict[str, Pool] = field(default_factory=dict)                # role -> its ready replicas
+    replicas: list[eng.Replica] = field(default_factory=list)  # live (not removed)
+    routable: dict[str, Pool] = field(default_factory=dict)  # role -> its ready replicas
     pending: dict[tuple[str, str], int] = field(default_factory=dict)  # pods without a node
-    used: dict[str, dict[str, int]] = field(default_factory=dict)      # node -> resource -> units
+    used: dict[str, dict[str, int]] = field(default_factory=dict)  # node -> resource -> units
     max_len: int = 0
     requests: int = 0
     errors: int = 0
-    window: deque = field(default_factory=deque)                       # (t, requests, errors)
+    window: deque = field(default_factory=deque)  # (t, requests, errors)
     last_others: int = -1
     rollback_actions: list[tuple[float, str, str]] = field(default_factory=list)
-    interval_s: float = 0.0                                            # autoscaling.interval
-    rollback_window_s: float = 0.0                                     # rollback.window
+    interval_s: float = 0.0  # autoscaling.interval
+    rollback_window_s: float = 0.0  # rollback.window
 
     @property
     def name(self) -> str:
@@ -107,10 +107,17 @@ class DeploymentState:
 class Simulator:
     """One policy on one trace; `run()` returns itself with results filled in (read by `sim.report`)."""
 
-    def __init__(self, fleet: Fleet, policy: Policy, trace: Trace, *,
-                 efficiencies: Mapping[tuple[str, str], Efficiency] | None = None, seed: int = 0,
-                 warmup_s: float = 0.0,
-                 progress: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: Policy,
+        trace: Trace,
+        *,
+        efficiencies: Mapping[tuple[str, str], Efficiency] | None = None,
+        seed: int = 0,
+        warmup_s: float = 0.0,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         """`warmup_s`: the trace's first seconds bring the fleet to a steady state and are not measured
         (requests arriving then, cost, samples and scale events before it are left out of the report)."""
         if not 0 <= warmup_s < trace.duration:
@@ -132,8 +139,11 @@ class Simulator:
         self.changes = [0] * len(policy.deployments)
         rng = np.random.default_rng(seed + 7919)
         shares = np.array([d.share for d in policy.deployments])
-        assign = (rng.choice(len(shares), size=len(trace), p=shares / shares.sum()) if len(shares) > 1
-                  else np.zeros(len(trace), dtype=np.int64))
+        assign = (
+            rng.choice(len(shares), size=len(trace), p=shares / shares.sum())
+            if len(shares) > 1
+            else np.zeros(len(trace), dtype=np.int64)
+        )
         # query routing: what a deployment's router judges simple goes to its target (the router's own rules)
         self.routed = np.zeros(len(trace), dtype=bool)
         index = {d.name: i for i, d in enumerate(policy.deployments)}
@@ -167,11 +177,15 @@ class Simulator:
                 except ValueError:
                     continue  # placement skips a class the model does not fit, with the reason in its plan
         state = DeploymentState(
-            idx=idx, plan=d, perfs=perfs, itl=Histogram(),
+            idx=idx,
+            plan=d,
+            perfs=perfs,
+            itl=Histogram(),
             scaler=autoscaler.ScalerState.initial(d.spec),
             source=None,  # type: ignore[arg-type]
             health=rollback.RevisionHealth(revision=1, started_at=0.0),
-            interval_s=d.spec.interval_seconds(), rollback_window_s=parse_duration(d.spec.rollback.window),
+            interval_s=d.spec.interval_seconds(),
+            rollback_window_s=parse_duration(d.spec.rollback.window),
         )
         state.source = SimulatedMetricsSource(d.name, state.by_role, lambda: self.now)
         caps = [p.kv_capacity_tokens for p in perfs.values()]
@@ -211,9 +225,22 @@ class Simulator:
             table[cls.resource_name] = table.get(cls.resource_name, 0) + cls.count
         self.changes[d.idx] += 1
         ready_at = t if warm else t + self.settings.startup(cname)
-        rep = eng.Replica(next(self._next_replica_id), d.idx, role, cname, d.perfs[cname], self.reqs,
-                          self._push_event, self._seq, d.itl, self._prefilled,
-                          d.spec.engine.max_waiting_requests, t, ready_at, node)
+        rep = eng.Replica(
+            next(self._next_replica_id),
+            d.idx,
+            role,
+            cname,
+            d.perfs[cname],
+            self.reqs,
+            self._push_event,
+            self._seq,
+            d.itl,
+            self._prefilled,
+            d.spec.engine.max_waiting_requests,
+            t,
+            ready_at,
+            node,
+        )
         d.replicas.append(rep)
         self.all_replicas.append(rep)
         if warm:
@@ -293,10 +320,12 @@ class Simulator:
         roles = d.spec.roles()
         snapshot = d.source.snapshot(d.name, d.plan.namespace, roles)
         # NOTE: pods still starting count as running: the plan holds only the placed ones.
-        current = {role: d.fleet_plan.replicas(role) + sum(v for (r, _), v in d.pending.items() if r == role)
-                   for role in roles}
-        step = tick.scale(d.spec, d.scaler, snapshot, t, d.fleet_plan, current=current,
-                          policy=self.policy.autoscaler_policy)
+        current = {
+            role: d.fleet_plan.replicas(role) + sum(v for (r, _), v in d.pending.items() if r == role) for role in roles
+        }
+        step = tick.scale(
+            d.spec, d.scaler, snapshot, t, d.fleet_plan, current=current, policy=self.policy.autoscaler_policy
+        )
         d.scaler, desired = step.state, step.desired
         for dec in step.moved:
             self.scale_events.append(ScaleEvent(t, d.name, dec.role, dec.current, dec.desired, dec.reason, dec.message))
@@ -367,8 +396,9 @@ class Simulator:
         rep.hold(prompt)
         dst.add_inflight(1)
         # the router's call to the decode worker (one HTTP hop), then the pull
-        delay = dst.perf.http_hop_s + perf_model.kv_transfer_s(prompt, rep.perf, dst.perf,
-                                                               self.settings.kv_transfer_latency_s)
+        delay = dst.perf.http_hop_s + perf_model.kv_transfer_s(
+            prompt, rep.perf, dst.perf, self.settings.kv_transfer_latency_s
+        )
         self._push(t + delay, TRANSFER, rid, (rep, dst))
 
     def _transferred(self, rid: int, src: eng.Replica, dst: eng.Replica, t: float) -> None:
@@ -469,8 +499,9 @@ class Simulator:
             d.rollback_actions = [a for a in d.rollback_actions if a[0] >= t]
 
     def _in_flight(self) -> bool:
-        return any(r.waiting or r.prefilling or r.B or r.inflight for d in self.deps for r in d.replicas) or \
-            any(k == TRANSFER or k == ENTER for _, _, k, _, _ in self.heap)
+        return any(r.waiting or r.prefilling or r.B or r.inflight for d in self.deps for r in d.replicas) or any(
+            k == TRANSFER or k == ENTER for _, _, k, _, _ in self.heap
+        )
 
     def _cost_rate(self) -> float:
         """$/h of every pod holding accelerators now (starting and draining pods are billed too)."""

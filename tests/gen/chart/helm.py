@@ -33,37 +33,77 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
     "cluster-wide": {
-        "operator": {"watchNamespaces": [], "resyncInterval": 60, "verbose": True, "metricsProfile": "vllm",
-                     "prometheusUrl": "http://kube-prometheus-stack-prometheus.monitoring.svc:9090",
-                     "nodeSelector": {"kubernetes.io/os": "linux"},
-                     "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}]},
-        "image": {"repository": "registry.example.com/pdfleet/pdfleet-operator",
-                  "digest": "sha256:" + "ab" * 32},
+        "operator": {
+            "watchNamespaces": [],
+            "resyncInterval": 60,
+            "verbose": True,
+            "metricsProfile": "vllm",
+            "prometheusUrl": "http://kube-prometheus-stack-prometheus.monitoring.svc:9090",
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+        },
+        "image": {"repository": "registry.example.com/pdfleet/pdfleet-operator", "digest": "sha256:" + "ab" * 32},
         "serviceAccount": {"name": "pdfleet-controller", "annotations": {"iam.example.com/role": "pdfleet"}},
-        "monitoring": {"serviceMonitor": {"labels": {"release": "kube-prometheus-stack"}},
-                       "podMonitor": {"labels": {"release": "kube-prometheus-stack"}, "interval": "5s"},
-                       "prometheusRule": {"labels": {"release": "kube-prometheus-stack"}}},
+        "monitoring": {
+            "serviceMonitor": {"labels": {"release": "kube-prometheus-stack"}},
+            "podMonitor": {"labels": {"release": "kube-prometheus-stack"}, "interval": "5s"},
+            "prometheusRule": {"labels": {"release": "kube-prometheus-stack"}},
+        },
         "dashboards": {"namespace": "monitoring", "folder": "Inference"},
     },
-    "monitoring-off": {"monitoring": {"enabled": False}, "dashboards": {"enabled": False},
-                       "operator": {"autoscaler": False, "alertmanagerPort": 0, "analysisInterval": 0}},
-    "custom-classes": {"acceleratorClasses": {"includeDefaults": False, "classes": {
-        "h20-96gb": {"vendor": "nvidia", "model": "H20 96GB", "resourceName": "nvidia.com/gpu", "memoryGiB": 96,
-                     "peakTflops": 148, "memoryBandwidthGBps": 4000, "costPerHour": 1.35,
-                     "costSource": "our contract", "costAsOf": "2026-01-15",
-                     "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
-        "ascend-910c": {"vendor": "huawei", "model": "Ascend 910C", "resourceName": "huawei.com/Ascend910",
-                        "count": 2, "memoryGiB": 64, "peakTflops": 400, "memoryBandwidthGBps": 1600,
-                        "costPerHour": 1.1, "env": [{"name": "LD_LIBRARY_PATH", "value": "/usr/local/Ascend/driver/lib64"}],
-                        "volumes": [{"name": "driver", "hostPath": {"path": "/usr/local/Ascend/driver/lib64"}}],
-                        "volumeMounts": [{"name": "driver", "mountPath": "/usr/local/Ascend/driver/lib64"}]},
-        "cpu": {"vendor": "cpu", "resourceName": "cpu", "count": 4, "memoryGiB": 16, "peakTflops": 1,
-                "memoryBandwidthGBps": 40, "costPerHour": 0.05},
-    }}},
-    "bring-your-own": {"crds": {"install": False}, "rbac": {"create": False},
-                       "serviceAccount": {"create": False, "name": "platform-pdfleet"},
-                       "acceleratorClasses": {"create": False}},
+    "monitoring-off": {
+        "monitoring": {"enabled": False},
+        "dashboards": {"enabled": False},
+        "operator": {"autoscaler": False, "alertmanagerPort": 0, "analysisInterval": 0},
+    },
+    "custom-classes": {
+        "acceleratorClasses": {
+            "includeDefaults": False,
+            "classes": {
+                "h20-96gb": {
+                    "vendor": "nvidia",
+                    "model": "H20 96GB",
+                    "resourceName": "nvidia.com/gpu",
+                    "memoryGiB": 96,
+                    "peakTflops": 148,
+                    "memoryBandwidthGBps": 4000,
+                    "costPerHour": 1.35,
+                    "costSource": "our contract",
+                    "costAsOf": "2026-01-15",
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                },
+                "ascend-910c": {
+                    "vendor": "huawei",
+                    "model": "Ascend 910C",
+                    "resourceName": "huawei.com/Ascend910",
+                    "count": 2,
+                    "memoryGiB": 64,
+                    "peakTflops": 400,
+                    "memoryBandwidthGBps": 1600,
+                    "costPerHour": 1.1,
+                    "env": [{"name": "LD_LIBRARY_PATH", "value": "/usr/local/Ascend/driver/lib64"}],
+                    "volumes": [{"name": "driver", "hostPath": {"path": "/usr/local/Ascend/driver/lib64"}}],
+                    "volumeMounts": [{"name": "driver", "mountPath": "/usr/local/Ascend/driver/lib64"}],
+                },
+                "cpu": {
+                    "vendor": "cpu",
+                    "resourceName": "cpu",
+                    "count": 4,
+                    "memoryGiB": 16,
+                    "peakTflops": 1,
+                    "memoryBandwidthGBps": 40,
+                    "costPerHour": 0.05,
+                },
+            },
+        }
+    },
+    "bring-your-own": {
+        "crds": {"install": False},
+        "rbac": {"create": False},
+        "serviceAccount": {"create": False, "name": "platform-pdfleet"},
+        "acceleratorClasses": {"create": False},
+    },
     # What e2e/run.sh installs on kind (NOTE: not named "e2e": a test id is a keyword, and that one is opt-in).
     "kind": yaml.safe_load((ROOT / "e2e" / "values.yaml").read_text()),
 }
@@ -73,8 +113,9 @@ def chart() -> helm_python.Chart:
     return helm_python.Chart.load(CHART)
 
 
-def render(values: dict[str, Any] | None = None, *, namespace: str = NAMESPACE,
-           loaded: helm_python.Chart | None = None) -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any] | None = None, *, namespace: str = NAMESPACE, loaded: helm_python.Chart | None = None
+) -> list[dict[str, Any]]:
     """Every object `helm template` would print for these values (NOTES.txt left out)."""
     manifests = (loaded or chart()).render(values or {}, name=RELEASE, namespace=namespace)
     objects = []
@@ -114,82 +155,207 @@ def install(kube: Any, values: dict[str, Any], namespaces: list[str]) -> helm_py
     # One fleet of Nodes per namespace the tests fill (and one for `default`): capacity is shared by every
     # namespace, so each namespace's examples need their own room to all become Ready.
     for i in range(len(namespaces) + 1):
-        kube.apply(standard_nodes() if i == 0 else [_renamed(n, f"{n['metadata']['name']}-{i}") for n in standard_nodes()])
+        kube.apply(
+            standard_nodes() if i == 0 else [_renamed(n, f"{n['metadata']['name']}-{i}") for n in standard_nodes()]
+        )
     config = helm_python.Config(kubeconfig_path=kube.kubeconfig, namespace=NAMESPACE, storage_driver="memory")
-    release = config.install(CHART, RELEASE, values, namespace=NAMESPACE, create_namespace=True,
-                             timeout=60)
+    release = config.install(CHART, RELEASE, values, namespace=NAMESPACE, create_namespace=True, timeout=60)
     assert release["status"] == "deployed", release
     return config
 
 
 # --- monitoring.coreos.com/v1, as documented -------------------------------------------------------------
 
-_DURATION = {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
-                                         "(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_DURATION = {
+    "type": "string",
+    "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 _LABEL_NAME = {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _LABEL_SELECTOR = {
-    "type": "object", "additionalProperties": False,
-    "properties": {"matchLabels": _STRING_MAP, "matchExpressions": {"type": "array", "items": {
-        "type": "object", "required": ["key", "operator"], "additionalProperties": False,
-        "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                       "values": {"type": "array", "items": {"type": "string"}}}}}}}
-_NAMESPACE_SELECTOR = {"type": "object", "additionalProperties": False,
-                       "properties": {"any": {"type": "boolean"},
-                                      "matchNames": {"type": "array", "items": {"type": "string"}}}}
-_RELABEL_ACTIONS = ["replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep", "lowercase",
-                    "uppercase", "keepequal", "dropequal"]
-_RELABEL = {"type": "object", "additionalProperties": False, "properties": {
-    "sourceLabels": {"type": "array", "items": _LABEL_NAME}, "separator": {"type": "string"},
-    "targetLabel": {"type": "string"}, "regex": {"type": "string"}, "modulus": {"type": "integer", "minimum": 0},
-    "replacement": {"type": "string"},
-    "action": {"enum": _RELABEL_ACTIONS + [a.capitalize() for a in _RELABEL_ACTIONS]}}}
-_ENDPOINT_COMMON = {"path": {"type": "string"}, "scheme": {"enum": ["http", "https"]}, "interval": _DURATION,
-                    "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"}, "honorTimestamps": {"type": "boolean"},
-                    "relabelings": {"type": "array", "items": _RELABEL},
-                    "metricRelabelings": {"type": "array", "items": _RELABEL}}
-_META = {"type": "object", "required": ["name", "namespace"], "properties": {
-    "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-    "namespace": {"type": "string"}, "labels": _STRING_MAP, "annotations": _STRING_MAP}}
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": _STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "additionalProperties": False,
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+_NAMESPACE_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+}
+_RELABEL_ACTIONS = [
+    "replace",
+    "keep",
+    "drop",
+    "hashmod",
+    "labelmap",
+    "labeldrop",
+    "labelkeep",
+    "lowercase",
+    "uppercase",
+    "keepequal",
+    "dropequal",
+]
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": _LABEL_NAME},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "modulus": {"type": "integer", "minimum": 0},
+        "replacement": {"type": "string"},
+        "action": {"enum": _RELABEL_ACTIONS + [a.capitalize() for a in _RELABEL_ACTIONS]},
+    },
+}
+_ENDPOINT_COMMON = {
+    "path": {"type": "string"},
+    "scheme": {"enum": ["http", "https"]},
+    "interval": _DURATION,
+    "scrapeTimeout": _DURATION,
+    "honorLabels": {"type": "boolean"},
+    "honorTimestamps": {"type": "boolean"},
+    "relabelings": {"type": "array", "items": _RELABEL},
+    "metricRelabelings": {"type": "array", "items": _RELABEL},
+}
+_META = {
+    "type": "object",
+    "required": ["name", "namespace"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
 
 
 def _kind(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-            "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
-                           "metadata": _META, "spec": spec}}
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _META,
+            "spec": spec,
+        },
+    }
 
 
 MONITORING_SCHEMAS: dict[str, dict[str, Any]] = {
-    "ServiceMonitor": _kind("ServiceMonitor", {
-        "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-        "properties": {"selector": _LABEL_SELECTOR, "namespaceSelector": _NAMESPACE_SELECTOR,
-                       "jobLabel": {"type": "string"}, "targetLabels": {"type": "array", "items": {"type": "string"}},
-                       "endpoints": {"type": "array", "minItems": 1, "items": {
-                           "type": "object", "additionalProperties": False,
-                           "properties": {"port": {"type": "string"}, "targetPort": {"type": ["string", "integer"]},
-                                          **_ENDPOINT_COMMON}}}}}),
-    "PodMonitor": _kind("PodMonitor", {
-        "type": "object", "required": ["selector", "podMetricsEndpoints"], "additionalProperties": False,
-        "properties": {"selector": _LABEL_SELECTOR, "namespaceSelector": _NAMESPACE_SELECTOR,
-                       "jobLabel": {"type": "string"}, "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                       "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                           "type": "object", "additionalProperties": False,
-                           "properties": {"port": {"type": "string"}, **_ENDPOINT_COMMON}}}}}),
-    "PrometheusRule": _kind("PrometheusRule", {
-        "type": "object", "required": ["groups"], "additionalProperties": False,
-        "properties": {"groups": {"type": "array", "items": {
-            "type": "object", "required": ["name", "rules"], "additionalProperties": False,
-            "properties": {"name": {"type": "string", "minLength": 1}, "interval": _DURATION,
-                           "rules": {"type": "array", "items": {
-                               "type": "object", "required": ["expr"], "additionalProperties": False,
-                               "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
-                               "properties": {"record": {"type": "string"}, "alert": {"type": "string"},
-                                              "expr": {"type": ["string", "integer"]}, "for": _DURATION,
-                                              "keep_firing_for": _DURATION, "labels": _STRING_MAP,
-                                              "annotations": _STRING_MAP}}}}}}}}),
+    "ServiceMonitor": _kind(
+        "ServiceMonitor",
+        {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": _NAMESPACE_SELECTOR,
+                "jobLabel": {"type": "string"},
+                "targetLabels": {"type": "array", "items": {"type": "string"}},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "targetPort": {"type": ["string", "integer"]},
+                            **_ENDPOINT_COMMON,
+                        },
+                    },
+                },
+            },
+        },
+    ),
+    "PodMonitor": _kind(
+        "PodMonitor",
+        {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": _NAMESPACE_SELECTOR,
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"port": {"type": "string"}, **_ENDPOINT_COMMON},
+                    },
+                },
+            },
+        },
+    ),
+    "PrometheusRule": _kind(
+        "PrometheusRule",
+        {
+            "type": "object",
+            "required": ["groups"],
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "rules"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": _DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["expr"],
+                                    "additionalProperties": False,
+                                    "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
+                                    "properties": {
+                                        "record": {"type": "string"},
+                                        "alert": {"type": "string"},
+                                        "expr": {"type": ["string", "integer"]},
+                                        "for": _DURATION,
+                                        "keep_firing_for": _DURATION,
+                                        "labels": _STRING_MAP,
+                                        "annotations": _STRING_MAP,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    ),
 }
-MONITORING_PLURALS = {"ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors",
-                      "PrometheusRule": "prometheusrules"}
+MONITORING_PLURALS = {
+    "ServiceMonitor": "servicemonitors",
+    "PodMonitor": "podmonitors",
+    "PrometheusRule": "prometheusrules",
+}
 
 
 def monitoring_crds() -> list[dict[str, Any]]:
@@ -197,15 +363,33 @@ def monitoring_crds() -> list[dict[str, Any]]:
     validate them with MONITORING_SCHEMAS)."""
     out = []
     for kind, plural in MONITORING_PLURALS.items():
-        out.append({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-            "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-                     "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                         "type": "object", "properties": {"spec": {"type": "object",
-                                                                   "x-kubernetes-preserve-unknown-fields": True}}}}}]},
-        })
+        out.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+                "spec": {
+                    "group": "monitoring.coreos.com",
+                    "scope": "Namespaced",
+                    "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                                    },
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
     return out
 
 

@@ -39,16 +39,20 @@ def free_ports() -> dict[str, int]:
 class OperatorProcess:
     """The operator container's command line as a local process; stopped by PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, deployment: dict[str, Any], kubeconfig: Path, log_path: Path,
-                 ports: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, deployment: dict[str, Any], kubeconfig: Path, log_path: Path, ports: dict[str, int] | None = None
+    ) -> None:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["command"] == ["pdfleet"], container["command"]
         self.ports = ports or free_ports()
         self.token_file = log_path.with_suffix(".alertmanager-token")
         self.token_file.write_text(ALERTMANAGER_TOKEN + "\n")
         self.args = [self._local(self._port(a)) for a in container["args"]]
-        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig),
-                    **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e},
+        }
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -68,9 +72,14 @@ class OperatorProcess:
         return f"http://127.0.0.1:{self.ports['--metrics-port']}/metrics"
 
     def start(self, timeout: float = 30.0) -> OperatorProcess:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdfleet_operator.cli", *self.args], env=self.env,
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdfleet_operator.cli", *self.args],
+            env=self.env,
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -103,11 +112,23 @@ STALE_KINDS = {  # kind -> (apiVersion, a minimal valid spec part)
     "ConfigMap": ("v1", {"data": {"engine.json": "{}"}}),
     "Service": ("v1", {"spec": {"clusterIP": "None", "ports": [{"name": "http", "port": 8000}]}}),
     "PodDisruptionBudget": ("policy/v1", {"spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"x": "y"}}}}),
-    "Deployment": ("apps/v1", {"spec": {"replicas": 0, "selector": {"matchLabels": {"x": "y"}},
-                                        "template": {"metadata": {"labels": {"x": "y"}},
-                                                     "spec": {"containers": [{"name": "c", "image": "old"}]}}}}),
-    "PodMonitor": ("monitoring.coreos.com/v1", {"spec": {"selector": {"matchLabels": {"x": "y"}},
-                                                         "podMetricsEndpoints": [{"port": "http"}]}}),
+    "Deployment": (
+        "apps/v1",
+        {
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": {"x": "y"}},
+                "template": {
+                    "metadata": {"labels": {"x": "y"}},
+                    "spec": {"containers": [{"name": "c", "image": "old"}]},
+                },
+            }
+        },
+    ),
+    "PodMonitor": (
+        "monitoring.coreos.com/v1",
+        {"spec": {"selector": {"matchLabels": {"x": "y"}}, "podMetricsEndpoints": [{"port": "http"}]}},
+    ),
     "PrometheusRule": ("monitoring.coreos.com/v1", {"spec": {"groups": []}}),
 }
 
@@ -125,33 +146,64 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
         harness.wait_reconciled(kube, name, namespace=namespace)
         harness.mark_ready(kube, name, namespace)
     for name in examples:
-        harness.wait_reconciled(kube, name, namespace=namespace, check=lambda o: any(
-            c["type"] == "Ready" and c["status"] == "True" for c in o["status"].get("conditions", [])))
+        harness.wait_reconciled(
+            kube,
+            name,
+            namespace=namespace,
+            check=lambda o: any(
+                c["type"] == "Ready" and c["status"] == "True" for c in o["status"].get("conditions", [])
+            ),
+        )
 
     # Children an older operator left behind (owned, labelled, no longer rendered) are deleted.
     target = "llama31-8b"
     owner = kube.get("infdep", target, namespace)
-    meta = {"namespace": namespace, "labels": {render.LABEL_DEPLOYMENT: target,
-                                               "app.kubernetes.io/managed-by": render.MANAGER},
-            "ownerReferences": [render.Owner(target, namespace, owner["metadata"]["uid"]).reference()]}
+    meta = {
+        "namespace": namespace,
+        "labels": {render.LABEL_DEPLOYMENT: target, "app.kubernetes.io/managed-by": render.MANAGER},
+        "ownerReferences": [render.Owner(target, namespace, owner["metadata"]["uid"]).reference()],
+    }
     kinds = [k for k in STALE_KINDS if monitoring or k not in render.MONITORING_KINDS]
     kinds.sort(key=lambda k: k not in render.MONITORING_KINDS)  # unwatched kinds first: a watched one triggers
     for kind in kinds:
         api_version, body = STALE_KINDS[kind]
-        kube.apply({"apiVersion": api_version, "kind": kind, "metadata": {"name": f"{target}-old-{kind.lower()}", **meta},
-                    **body})
-    plural = {"ConfigMap": "configmaps", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets.policy",
-              "Deployment": "deployments.apps", "PodMonitor": "podmonitors.monitoring.coreos.com",
-              "PrometheusRule": "prometheusrules.monitoring.coreos.com"}
-    kube.wait_for(lambda: all(kube.get(plural[k], f"{target}-old-{k.lower()}", namespace) is None for k in kinds),
-                  timeout=20, message="stale children deleted")
+        kube.apply(
+            {
+                "apiVersion": api_version,
+                "kind": kind,
+                "metadata": {"name": f"{target}-old-{kind.lower()}", **meta},
+                **body,
+            }
+        )
+    plural = {
+        "ConfigMap": "configmaps",
+        "Service": "services",
+        "PodDisruptionBudget": "poddisruptionbudgets.policy",
+        "Deployment": "deployments.apps",
+        "PodMonitor": "podmonitors.monitoring.coreos.com",
+        "PrometheusRule": "prometheusrules.monitoring.coreos.com",
+    }
+    kube.wait_for(
+        lambda: all(kube.get(plural[k], f"{target}-old-{k.lower()}", namespace) is None for k in kinds),
+        timeout=20,
+        message="stale children deleted",
+    )
 
     # A hand edit of a child is reverted; a child deleted by hand comes back.
-    worker = next(d for d in kube.list("deployments.apps", namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={target}")
-                  if d["metadata"]["labels"].get(render.LABEL_ROLE) == "decode")
+    worker = next(
+        d
+        for d in kube.list("deployments.apps", namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={target}")
+        if d["metadata"]["labels"].get(render.LABEL_ROLE) == "decode"
+    )
     kube.patch("deployments.apps", worker["metadata"]["name"], {"spec": {"replicas": 9}}, namespace)
-    kube.wait_for(lambda: kube.get("deployments.apps", worker["metadata"]["name"], namespace)["spec"]["replicas"]
-                  == worker["spec"]["replicas"], timeout=20, message="hand edit reverted")
+    kube.wait_for(
+        lambda: (
+            kube.get("deployments.apps", worker["metadata"]["name"], namespace)["spec"]["replicas"]
+            == worker["spec"]["replicas"]
+        ),
+        timeout=20,
+        message="hand edit reverted",
+    )
     service = target  # the router Service carries the deployment's name
     kube.delete("services", service, namespace)
     kube.wait_for(lambda: kube.get("services", service, namespace) is not None, timeout=20, message="Service recreated")
@@ -159,14 +211,21 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
     # API trouble: while applying the new revision's Deployment answers 503, the handler fails temporarily;
     # kopf waits and then marks the CR (a patch) to wake itself up, and the retry converges.
     failing = threading.Event()
-    kube.emulator["patch", kmock.resource("apps", "v1", "deployments"), kmock.namespace(namespace), failing.is_set] << 503
+    (
+        kube.emulator["patch", kmock.resource("apps", "v1", "deployments"), kmock.namespace(namespace), failing.is_set]
+        << 503
+    )
     failing.set()
     current = kube.get("infdep", target, namespace)
-    kube.patch("infdep", target, {"spec": {"engine": {"maxNumSeqs": current["spec"]["engine"]["maxNumSeqs"] + 1}}},
-               namespace)
+    kube.patch(
+        "infdep", target, {"spec": {"engine": {"maxNumSeqs": current["spec"]["engine"]["maxNumSeqs"] + 1}}}, namespace
+    )
+
     def marked() -> bool:
-        return any(r.subresource is None for r in kube.requests_for(verb="patch", resource="inferencedeployments",
-                                                                    namespace=namespace, name=target))
+        return any(
+            r.subresource is None
+            for r in kube.requests_for(verb="patch", resource="inferencedeployments", namespace=namespace, name=target)
+        )
 
     try:
         kube.wait_for(marked, timeout=20, message="kopf's retry mark on the CR")
@@ -178,22 +237,34 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
     # the two superseded revisions, and a limit of 1 keeps the newer one.
     before = kube.get("infdep", target, namespace)
     seqs, served = before["spec"]["engine"]["maxNumSeqs"], before["status"]["currentRevision"]
-    kube.patch("infdep", target, {"spec": {"rollback": {"revisionHistoryLimit": 1}, "engine": {"maxNumSeqs": seqs + 1}}},
-               namespace)
-    harness.wait_reconciled(kube, target, namespace=namespace, timeout=20,
-                            check=lambda cr: cr["status"]["currentRevision"] == served + 1)
+    kube.patch(
+        "infdep",
+        target,
+        {"spec": {"rollback": {"revisionHistoryLimit": 1}, "engine": {"maxNumSeqs": seqs + 1}}},
+        namespace,
+    )
+    harness.wait_reconciled(
+        kube, target, namespace=namespace, timeout=20, check=lambda cr: cr["status"]["currentRevision"] == served + 1
+    )
     kube.patch("infdep", target, {"spec": {"engine": {"maxNumSeqs": seqs + 2}}}, namespace)
 
     def history() -> list[int]:
-        return sorted(r["revision"] for r in kube.list("controllerrevisions.apps", namespace,
-                                                       label_selector=f"{render.LABEL_DEPLOYMENT}={target}"))
+        return sorted(
+            r["revision"]
+            for r in kube.list(
+                "controllerrevisions.apps", namespace, label_selector=f"{render.LABEL_DEPLOYMENT}={target}"
+            )
+        )
 
     kube.wait_for(lambda: history() == [served + 1], timeout=20, message=f"revision history pruned to 1: {history()}")
 
     # A price change re-plans; deleting the CR lets garbage collection take the children.
     kube.patch("acceleratorclass", "cpu", {"spec": {"costPerHour": 0.11}})
-    kube.wait_for(lambda: any(e["reason"] == "Replanned" for e in harness.events(kube, "local-tiny", namespace)),
-                  timeout=20, message="price change re-planned local-tiny")
+    kube.wait_for(
+        lambda: any(e["reason"] == "Replanned" for e in harness.events(kube, "local-tiny", namespace)),
+        timeout=20,
+        message="price change re-planned local-tiny",
+    )
     kube.delete("infdep", "qwen2-7b", namespace)
     kube.wait_for(lambda: harness.children(kube, "qwen2-7b", namespace) == {}, timeout=20, message="children gone")
     kube.patch("acceleratorclass", "cpu", {"spec": {"costPerHour": 0.10}})

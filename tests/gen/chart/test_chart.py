@@ -49,8 +49,9 @@ def test_app_version_is_the_package_version(loaded) -> None:
 
 @pytest.mark.parametrize("name", sorted(helm.VALUE_SETS))
 def test_strict_lint_passes(name: str) -> None:
-    report = helm_python.lint(helm.CHART, helm.VALUE_SETS[name], strict=True, namespace=helm.NAMESPACE,
-                              kube_version="v1.30.0")
+    report = helm_python.lint(
+        helm.CHART, helm.VALUE_SETS[name], strict=True, namespace=helm.NAMESPACE, kube_version="v1.30.0"
+    )
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     assert problems == [], problems
     assert [m["error"] for m in report["messages"]] in ([], ["icon is recommended"])
@@ -90,18 +91,55 @@ def test_validation_catches_what_the_api_server_would_refuse(rendered) -> None:
 def test_what_each_value_set_creates(rendered) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in rendered.items()}
     # (Role: the leader Lease; Secret: the Alertmanager receiver's token; NetworkPolicy: the operator's own)
-    everything = ["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "NetworkPolicy",
-                  "PodMonitor", "PrometheusRule", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount",
-                  "ServiceMonitor", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    everything = [
+        "AcceleratorClass",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PodMonitor",
+        "PrometheusRule",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
     policy = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert kinds["defaults"] == everything
     assert kinds["cluster-wide"] == everything
     assert kinds["namespaced"] == everything
-    assert kinds["monitoring-off"] == sorted(["AcceleratorClass", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                              "NetworkPolicy", "Role", "RoleBinding", "Service", "ServiceAccount"]
-                                             + policy)
-    assert kinds["bring-your-own"] == sorted(["ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule",
-                                              "Secret", "Service", "ServiceMonitor"] + policy)
+    assert kinds["monitoring-off"] == sorted(
+        [
+            "AcceleratorClass",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "NetworkPolicy",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount",
+        ]
+        + policy
+    )
+    assert kinds["bring-your-own"] == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "PodMonitor",
+            "PrometheusRule",
+            "Secret",
+            "Service",
+            "ServiceMonitor",
+        ]
+        + policy
+    )
     classes = {o["metadata"]["name"]: o["spec"] for o in helm.by_kind(rendered["defaults"], "AcceleratorClass")}
     examples = chart._class_defaults()
     assert classes == examples and len(classes) == 11
@@ -109,9 +147,14 @@ def test_what_each_value_set_creates(rendered) -> None:
     assert custom == helm.VALUE_SETS["custom-classes"]["acceleratorClasses"]["classes"]
     assert custom["h20-96gb"]["costPerHour"] == 1.35
     # A class of your own replaces the default of that name entirely; a null default is left out.
-    mixed = helm.render({"acceleratorClasses": {"classes": {"cpu": custom["cpu"]},
-                                                "defaultClasses": {"kunlunxin-r200": None,
-                                                                   "h200-141gb": {"costPerHour": 3.1}}}})
+    mixed = helm.render(
+        {
+            "acceleratorClasses": {
+                "classes": {"cpu": custom["cpu"]},
+                "defaultClasses": {"kunlunxin-r200": None, "h200-141gb": {"costPerHour": 3.1}},
+            }
+        }
+    )
     mixed_classes = {o["metadata"]["name"]: o["spec"] for o in helm.by_kind(mixed, "AcceleratorClass")}
     assert mixed_classes["cpu"] == custom["cpu"] and "kunlunxin-r200" not in mixed_classes
     assert len(mixed_classes) == 10 and mixed_classes["h100-80gb"] == examples["h100-80gb"]
@@ -126,15 +169,25 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         sc = container["securityContext"]
-        assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-                      "capabilities": {"drop": ["ALL"]}}
+        assert sc == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         assert container["command"] == ["pdfleet"] and container["args"][0] == "operator"
         # Two replicas by default, one acting (the leader Lease's holder); a new pod of a rolling update stands by
         # until the old leader releases the Lease.
         assert dep["spec"]["replicas"] == 2
-        assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-        assert {"--leader-elect", f"--leader-election-namespace={helm.NAMESPACE}",
-                f"--leader-election-name={helm.RELEASE}-operator"} <= set(container["args"])
+        assert dep["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
+        assert {
+            "--leader-elect",
+            f"--leader-election-namespace={helm.NAMESPACE}",
+            f"--leader-election-name={helm.RELEASE}-operator",
+        } <= set(container["args"])
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
         # the leader publishes its receiver (http://POD_IP:port) in the Lease; a standby relays alerts there
         assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
@@ -145,12 +198,14 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
         if "alerts" in ports:
             assert f"--alertmanager-port={ports['alerts']}" in container["args"]
             service = helm.the(objects, "Service")
-            assert {"name": "alerts", "port": ports["alerts"], "targetPort": "alerts", "protocol": "TCP"} in \
-                service["spec"]["ports"]
+            assert {"name": "alerts", "port": ports["alerts"], "targetPort": "alerts", "protocol": "TCP"} in service[
+                "spec"
+            ]["ports"]
         else:
             assert "--alertmanager-port=0" in container["args"] and "--no-autoscaler" in container["args"]
         # Every flag the chart passes is one `pdfleet operator` accepts (parsed by its own parser).
         from pdfleet_operator.kube import operator_cli
+
         parser = argparse.ArgumentParser()
         operator_cli.register(parser.add_subparsers(dest="command"))
         parser.parse_args(container["args"])
@@ -161,32 +216,56 @@ def test_operator_pod_is_locked_down_and_runs_the_operator_command(rendered) -> 
     assert "--prometheus-url=http://kube-prometheus-stack-prometheus.monitoring.svc:9090" in cw["containers"][0]["args"]
     assert "--metrics-profile=vllm" in cw["containers"][0]["args"]
     assert cw["containers"][0]["image"] == "registry.example.com/pdfleet/pdfleet-operator@sha256:" + "ab" * 32
-    assert helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"] == \
-        f"ghcr.io/pdfleet/pdfleet-operator:{__version__}"
+    assert (
+        helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"ghcr.io/pdfleet/pdfleet-operator:{__version__}"
+    )
 
 
 def test_watch_scope_matches_rbac_scope(rendered) -> None:
     args = helm.the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
-    lease_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                  "metadata": {"name": f"{helm.RELEASE}-operator-leader-election", "namespace": helm.NAMESPACE},
-                  "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-                            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                             "resourceNames": [f"{helm.RELEASE}-operator"], "verbs": ["get", "update"]}]}
+    lease_role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": f"{helm.RELEASE}-operator-leader-election", "namespace": helm.NAMESPACE},
+        "rules": [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [f"{helm.RELEASE}-operator"],
+                "verbs": ["get", "update"],
+            },
+        ],
+    }
     (role,) = helm.by_kind(rendered["defaults"], "Role")  # only the leader Lease's, in the release namespace
     assert {**role, "metadata": {k: role["metadata"][k] for k in ("name", "namespace")}} == lease_role
     namespaced = rendered["namespaced"]
     args = helm.the(namespaced, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     assert sorted(r["metadata"]["namespace"] for r in helm.by_kind(namespaced, "Role")) == [
-        helm.NAMESPACE, "team-a", "team-b"]
+        helm.NAMESPACE,
+        "team-a",
+        "team-b",
+    ]
     cluster_role = helm.the(namespaced, "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "acceleratorclasses", "acceleratorclasses/status", "customresourcedefinitions", "namespaces", "pods"}, \
-        "namespaced mode reads only cluster-scoped kinds and lists pods everywhere (capacity), writes the class status"
+        "nodes",
+        "acceleratorclasses",
+        "acceleratorclasses/status",
+        "customresourcedefinitions",
+        "namespaces",
+        "pods",
+    }, "namespaced mode reads only cluster-scoped kinds and lists pods everywhere (capacity), writes the class status"
     assert [rule["verbs"] for rule in cluster_role["rules"] if "pods" in rule["resources"]] == [["list"]]
-    writes = {(r, v) for rule in cluster_role["rules"] for r in rule["resources"] for v in rule["verbs"]
-              if v not in ("get", "list", "watch")}
+    writes = {
+        (r, v)
+        for rule in cluster_role["rules"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+        if v not in ("get", "list", "watch")
+    }
     # (the class patch is the pdfleet.io/in-use finalizer of a class a pool runs on: issue 24, rule 3)
     assert writes == {("acceleratorclasses/status", "patch"), ("acceleratorclasses", "patch")}
     for objects in rendered.values():
@@ -220,8 +299,10 @@ def test_pod_monitor_turns_pod_labels_into_the_labels_the_operator_queries(rende
     # It selects what the operator renders: worker and router pods, not the operator's own pod.
     selector = pm["spec"]["selector"]["matchLabels"]
     owner = render.Owner("d", "ns", "uid")
-    for pod_labels in (render.labels(owner, "prefill", role="prefill", accelerator="a", revision=1),
-                       render.labels(owner, render.ROUTER_ROLE, role=render.ROUTER_ROLE)):
+    for pod_labels in (
+        render.labels(owner, "prefill", role="prefill", accelerator="a", revision=1),
+        render.labels(owner, render.ROUTER_ROLE, role=render.ROUTER_ROLE),
+    ):
         assert selector.items() <= pod_labels.items() and render.LABEL_DEPLOYMENT in pod_labels
     operator_pod = helm.the(rendered["cluster-wide"], "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert not selector.items() <= operator_pod.items()
@@ -245,7 +326,10 @@ def test_prometheus_rule_is_the_generated_rule_file(rendered) -> None:
 def test_dashboards_ship_as_sidecar_configmaps(rendered) -> None:
     cms = helm.by_kind(rendered["cluster-wide"], "ConfigMap")
     assert sorted(c["metadata"]["name"] for c in cms) == [
-        "pdfleet-dashboard-deployment", "pdfleet-dashboard-fleet-cost", "pdfleet-dashboard-operator"]
+        "pdfleet-dashboard-deployment",
+        "pdfleet-dashboard-fleet-cost",
+        "pdfleet-dashboard-operator",
+    ]
     for cm in cms:
         assert cm["metadata"]["namespace"] == "monitoring"
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -266,10 +350,13 @@ def test_unpublished_default_images_are_named_at_install_and_the_worker_image_re
     text = helm.notes()
     assert "WARNING: image.repository=ghcr.io/pdfleet/pdfleet-operator" in text and "ImagePullBackOff" in text
     assert "make images REGISTRY=" in text
-    own = {"image": {"repository": "reg.example.com/t/pdfleet-operator"},
-           "workerImage": {"repository": "reg.example.com/t/pdfleet-worker", "tag": "dev"}}
+    own = {
+        "image": {"repository": "reg.example.com/t/pdfleet-operator"},
+        "workerImage": {"repository": "reg.example.com/t/pdfleet-worker", "tag": "dev"},
+    }
     assert "WARNING: image.repository" not in helm.notes(own)
     assert "ImagePullBackOff" in helm.notes({"image": own["image"]}), "one unpublished default is enough to warn"
+
     def operator_args(values: dict) -> list[str]:
         deployment = next(o for o in helm.render(values) if o["kind"] == "Deployment")
         return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -277,31 +364,66 @@ def test_unpublished_default_images_are_named_at_install_and_the_worker_image_re
     args = operator_args(own)
     assert [a for a in args if a.startswith("--worker-image")] == [
         "--worker-image=cpu=reg.example.com/t/pdfleet-worker:dev-cpu",
-        "--worker-image=cuda=reg.example.com/t/pdfleet-worker:dev-cuda"], "one image per platform make images built"
+        "--worker-image=cuda=reg.example.com/t/pdfleet-worker:dev-cuda",
+    ], "one image per platform make images built"
     default = operator_args({})
     from pdfleet_operator.decide import worker_images
+
     flags = [a.removeprefix("--worker-image=") for a in default if a.startswith("--worker-image=")]
-    assert worker_images.WorkerImages.parse(flags) == worker_images.defaults(platforms=("cpu", "cuda")), \
+    assert worker_images.WorkerImages.parse(flags) == worker_images.defaults(platforms=("cpu", "cuda")), (
         "the operator's own default names, for the platforms make images builds"
+    )
     vendors = operator_args({"workerImage": {"platforms": ["cpu", "cuda", "npu"]}})
     assert "--worker-image=npu=ghcr.io/pdfleet/pdfleet-worker:0.1.0-npu" in vendors
 
 
-@pytest.mark.parametrize("values, field", [
-    ({"operator": {"watchNamespace": ["a"]}}, "watchNamespace"),
-    ({"operator": {"resyncInterval": "often"}}, "resyncInterval"),
-    ({"operator": {"watchNamespaces": ["Team_A"]}}, "watchNamespaces"),
-    ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
-    ({"monitoring": {"podMonitor": {"interval": "15 seconds"}}}, "interval"),
-    ({"acceleratorClasses": {"classes": {"x": {"vendor": "nvidia", "resourceName": "nvidia.com/gpu", "memoryGiB": 80,
-                                                "peakTflops": 1, "memoryBandwidthGBps": 1, "costPerHour": -1}}}},
-     "costPerHour"),
-    ({"acceleratorClasses": {"classes": {"x": {"vendor": "nvidia", "resourceName": "nvidia.com/gpu", "memoryGiB": 80,
-                                                "peakTflops": 1, "memoryBandwidthGBps": 1, "costPerHour": 1,
-                                                "costPerHoure": 2}}}}, "costPerHoure"),
-    ({"acceleratorClasses": {"classes": {"Bad_Name": {}}}}, "Bad_Name"),
-    ({"acceleratorClasses": {"defaultClasses": {"cpu": {"costPerHour": "cheap"}}}}, "costPerHour"),
-])
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"operator": {"watchNamespace": ["a"]}}, "watchNamespace"),
+        ({"operator": {"resyncInterval": "often"}}, "resyncInterval"),
+        ({"operator": {"watchNamespaces": ["Team_A"]}}, "watchNamespaces"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+        ({"monitoring": {"podMonitor": {"interval": "15 seconds"}}}, "interval"),
+        (
+            {
+                "acceleratorClasses": {
+                    "classes": {
+                        "x": {
+                            "vendor": "nvidia",
+                            "resourceName": "nvidia.com/gpu",
+                            "memoryGiB": 80,
+                            "peakTflops": 1,
+                            "memoryBandwidthGBps": 1,
+                            "costPerHour": -1,
+                        }
+                    }
+                }
+            },
+            "costPerHour",
+        ),
+        (
+            {
+                "acceleratorClasses": {
+                    "classes": {
+                        "x": {
+                            "vendor": "nvidia",
+                            "resourceName": "nvidia.com/gpu",
+                            "memoryGiB": 80,
+                            "peakTflops": 1,
+                            "memoryBandwidthGBps": 1,
+                            "costPerHour": 1,
+                            "costPerHoure": 2,
+                        }
+                    }
+                }
+            },
+            "costPerHoure",
+        ),
+        ({"acceleratorClasses": {"classes": {"Bad_Name": {}}}}, "Bad_Name"),
+        ({"acceleratorClasses": {"defaultClasses": {"cpu": {"costPerHour": "cheap"}}}}, "costPerHour"),
+    ],
+)
 def test_values_violating_the_schema_are_rejected_naming_the_field(values, field, loaded) -> None:
     with pytest.raises(helm_python.HelmValuesError) as err:
         loaded.validate_schema(values)
@@ -320,6 +442,7 @@ def test_every_value_is_documented_and_typed() -> None:
         else:
             assert node.schema, f"{path} has no schema"
             yield path
+
     keys = list(walk(chart.values_tree(), ""))
     assert len(keys) > 40
     text = (helm.CHART / "values.yaml").read_text()
@@ -333,8 +456,9 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
     import sys
 
     for module, command in (("pdfleet_operator.gen.chart", "chart"), ("pdfleet_operator.gen.dashboards", "dashboards")):
-        ok = subprocess.run([sys.executable, "-m", module, command, "--check"], capture_output=True, text=True,
-                            timeout=120)
+        ok = subprocess.run(
+            [sys.executable, "-m", module, command, "--check"], capture_output=True, text=True, timeout=120
+        )
         assert ok.returncode == 0, ok.stderr
     root = tmp_path / "repo"
     shutil.copytree(helm.ROOT / "charts", root / "charts")
@@ -342,47 +466,67 @@ def test_check_commands_name_stale_files(tmp_path) -> None:
     shutil.copytree(helm.ROOT / "dashboards", root / "dashboards")
     (root / "charts/pdfleet/values.yaml").write_text("# edited by hand\n")
     (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").write_text("{}")
-    stale = subprocess.run([sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--check", "--root", str(root)],
-                           capture_output=True, text=True, timeout=120)
+    stale = subprocess.run(
+        [sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--check", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert stale.returncode == 1
     assert "charts/pdfleet/values.yaml" in stale.stderr and "pdfleet-old.json" in stale.stderr
-    fixed = subprocess.run([sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--root", str(root)],
-                           capture_output=True, text=True, timeout=120)
+    fixed = subprocess.run(
+        [sys.executable, "-m", "pdfleet_operator.gen.chart", "chart", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fixed.returncode == 0 and not (root / "charts/pdfleet/files/dashboards/pdfleet-old.json").exists()
     assert chart.stale_files(root) == []
 
 
 def test_the_alertmanager_receiver_is_authenticated_by_default_with_a_token_the_chart_makes(loaded) -> None:
     """HEAD: no operator.alertmanagerTokenSecret meant an unauthenticated receiver on every address."""
+
     def operator(values):
         objs = helm.render(values, loaded=loaded)
         dep = next(o for o in objs if o["kind"] == "Deployment")
         return dep["spec"]["template"]["spec"], [o for o in objs if o["kind"] == "Secret"]
+
     pod, secrets = operator({})
     (c,) = pod["containers"]
     assert "--alertmanager-token-file=/etc/pdfleet/alertmanager/token" in c["args"]
     (made,) = [o for o in secrets if o["metadata"]["name"] == f"{helm.RELEASE}-operator-alertmanager"]
     import base64
+
     assert len(base64.b64decode(made["data"]["token"])) == 48
-    assert {"name": "alertmanager-token", "secret": {"secretName": made["metadata"]["name"],
-                                                     "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    assert {
+        "name": "alertmanager-token",
+        "secret": {"secretName": made["metadata"]["name"], "items": [{"key": "token", "path": "token"}]},
+    } in pod["volumes"]
     pod, secrets = operator({"operator": {"alertmanagerTokenSecret": "am-token"}})
     (c,) = pod["containers"]
     assert "--alertmanager-token-file=/etc/pdfleet/alertmanager/token" in c["args"]
-    assert {"name": "alertmanager-token", "mountPath": "/etc/pdfleet/alertmanager", "readOnly": True} in c["volumeMounts"]
-    assert {"name": "alertmanager-token", "secret": {"secretName": "am-token", "items": [{"key": "token", "path": "token"}]}} \
-        in pod["volumes"]
+    assert {"name": "alertmanager-token", "mountPath": "/etc/pdfleet/alertmanager", "readOnly": True} in c[
+        "volumeMounts"
+    ]
+    assert {
+        "name": "alertmanager-token",
+        "secret": {"secretName": "am-token", "items": [{"key": "token", "path": "token"}]},
+    } in pod["volumes"]
     assert not any(o["metadata"]["name"].endswith("-alertmanager") for o in secrets), "the admin's Secret, none of ours"
     off, secrets = operator({"operator": {"alertmanagerPort": 0}})
-    assert not any(a.startswith("--alertmanager-token-file") for a in off["containers"][0]["args"]) and not \
-        any(o["metadata"]["name"].endswith("-alertmanager") for o in secrets)
+    assert not any(a.startswith("--alertmanager-token-file") for a in off["containers"][0]["args"]) and not any(
+        o["metadata"]["name"].endswith("-alertmanager") for o in secrets
+    )
     # The operator itself refuses an unauthenticated receiver unless told so in as many words.
     from pdfleet_operator.kube import alertmanager
+
     with pytest.raises(ValueError, match="without --alertmanager-token-file"):
         alertmanager.check_receiver(9443, None, unauthenticated=False)
     alertmanager.check_receiver(9443, None, unauthenticated=True)
     alertmanager.check_receiver(0, None, unauthenticated=False)
     from pdfleet_operator.cli import build_parser
+
     args = build_parser(["operator"]).parse_args(["operator", "--alertmanager-token-file=/x"])
     assert args.alertmanager_token_file == "/x"
 
@@ -399,12 +543,21 @@ def test_the_operator_pods_have_a_network_policy_a_readiness_probe_and_cpu_and_m
     rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert set(rules) == {ports["metrics"], ports["alerts"]}, "nothing else comes in"
-    ns = lambda peers: {p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]  # noqa: E731
-                        for p in peers if "namespaceSelector" in p}
+
+    def ns(peers: list[dict]) -> set[str]:
+        return {
+            p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+            for p in peers
+            if "namespaceSelector" in p
+        }
+
     assert ns(rules[ports["metrics"]]) == {"monitoring"} and ns(rules[ports["alerts"]]) == {"monitoring"}
-    assert {"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}} in rules[ports["alerts"]], \
+    assert {"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}} in rules[ports["alerts"]], (
         "a standby relays alerts to the leader"
-    assert not [o for o in helm.render({"operator": {"networkPolicy": False}}, loaded=loaded) if o["kind"] == "NetworkPolicy"]
+    )
+    assert not [
+        o for o in helm.render({"operator": {"networkPolicy": False}}, loaded=loaded) if o["kind"] == "NetworkPolicy"
+    ]
 
 
 def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(loaded) -> None:
@@ -413,8 +566,10 @@ def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(lo
     import celpy
     import kubernetes_validate
 
-    objs = helm.render({"operator": {"hostPath": {"allowedPrefixes": ["/srv/models"], "allowedNamespaces": ["ml-admin"]}}},
-                       loaded=loaded)
+    objs = helm.render(
+        {"operator": {"hostPath": {"allowedPrefixes": ["/srv/models"], "allowedNamespaces": ["ml-admin"]}}},
+        loaded=loaded,
+    )
     policy = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy")
     binding = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding")
     for o in (policy, binding):
@@ -427,26 +582,42 @@ def test_the_host_path_admission_policy_refuses_what_the_admin_does_not_allow(lo
         (var,) = policy["spec"]["variables"]
         path = env.program(env.compile(var["expression"])).evaluate({"object": obj})
         (rule,) = policy["spec"]["validations"]
-        return bool(env.program(env.compile(rule["expression"])).evaluate(
-            {"object": obj, "variables": celpy.celtypes.MapType({celpy.celtypes.StringType("path"): path})}))
+        return bool(
+            env.program(env.compile(rule["expression"])).evaluate(
+                {"object": obj, "variables": celpy.celtypes.MapType({celpy.celtypes.StringType("path"): path})}
+            )
+        )
 
     assert admitted("team-a", {"pvc": {"claimName": "models"}})
     assert admitted("team-a", {"hostPath": {"path": "/srv/models/qwen"}})
     assert admitted("ml-admin", {"hostPath": {"path": "/etc"}})
     for attack in ("/", "/etc/kubernetes", "/srv/models2", "/srv/models/../../etc"):
         assert not admitted("team-a", {"hostPath": {"path": attack}}), attack
-    assert not any(o["kind"] == "ValidatingAdmissionPolicy" for o in
-                   helm.render({"operator": {"hostPath": {"admissionPolicy": False}}}, loaded=loaded))
+    assert not any(
+        o["kind"] == "ValidatingAdmissionPolicy"
+        for o in helm.render({"operator": {"hostPath": {"admissionPolicy": False}}}, loaded=loaded)
+    )
 
 
 def test_allowed_prometheus_urls_and_its_ca_reach_the_operator(loaded) -> None:
-    dep = next(o for o in helm.render({"operator": {"allowedPrometheusUrls": ["http://prom.monitoring.svc:9090"],
-                                                    "prometheusCaSecret": "prom-ca"}}, loaded=loaded)
-               if o["kind"] == "Deployment")
+    dep = next(
+        o
+        for o in helm.render(
+            {
+                "operator": {
+                    "allowedPrometheusUrls": ["http://prom.monitoring.svc:9090"],
+                    "prometheusCaSecret": "prom-ca",
+                }
+            },
+            loaded=loaded,
+        )
+        if o["kind"] == "Deployment"
+    )
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--allow-prometheus-url=http://prom.monitoring.svc:9090" in c["args"]
     assert "--prometheus-ca=/etc/pdfleet/prometheus-ca/ca.crt" in c["args"]
     from pdfleet_operator.cli import build_parser
+
     args = build_parser(["operator"]).parse_args(["operator", *c["args"][1:]])
     assert args.allow_prometheus_url == ["http://prom.monitoring.svc:9090"] and args.prometheus_ca.endswith("ca.crt")
 
@@ -464,9 +635,21 @@ def test_several_replicas_need_leader_election_and_spread_over_nodes() -> None:
     spread = helm.the(helm.render({}), "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
-    own = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}}
-    assert helm.the(helm.render({"operator": own}), "Deployment")["spec"]["template"]["spec"]["affinity"] == own["affinity"]
+    own = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}
+                    ]
+                }
+            }
+        }
+    }
+    assert (
+        helm.the(helm.render({"operator": own}), "Deployment")["spec"]["template"]["spec"]["affinity"]
+        == own["affinity"]
+    )
 
 
 @pytest.mark.parametrize("chart_pod_monitor", [True, False])
@@ -489,8 +672,15 @@ def test_exactly_one_pod_monitor_scrapes_each_worker(chart_pod_monitor) -> None:
 
     spec, cls = spec_of(example_deployments()["llama31-8b"]), classes()
     plan = placement.plan(spec, cls, inventory.build(standard_nodes(), []))
-    objects = render.render(render.Owner("llama31-8b", "team-a", "uid"), spec, plan, cls, revision=1,
-                            monitoring=True, own_pod_monitor=args.pod_monitors)
+    objects = render.render(
+        render.Owner("llama31-8b", "team-a", "uid"),
+        spec,
+        plan,
+        cls,
+        revision=1,
+        monitoring=True,
+        own_pod_monitor=args.pod_monitors,
+    )
     worker = next(o for o in objects if o["kind"] == "Deployment" and "prefill" in o["metadata"]["name"])
     pod_labels = worker["spec"]["template"]["metadata"]["labels"]
 

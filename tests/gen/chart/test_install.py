@@ -60,8 +60,13 @@ def required(requests: list[LoggedRequest], kube: Any = None) -> dict[tuple[str 
 
 
 def grants(role: dict[str, Any]) -> set[Grant]:
-    return {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
-            for v in rule["verbs"]}
+    return {
+        (g, res, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for res in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
@@ -90,26 +95,36 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
     config = helm.install(kube, EVERY_EXAMPLE, ["team-a"])
     installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render(EVERY_EXAMPLE)}
     for kind, name in installed:
-        resource = {"ClusterRole": "clusterroles.rbac.authorization.k8s.io",
-                    "ClusterRoleBinding": "clusterrolebindings.rbac.authorization.k8s.io"}.get(kind, kind)
+        resource = {
+            "ClusterRole": "clusterroles.rbac.authorization.k8s.io",
+            "ClusterRoleBinding": "clusterrolebindings.rbac.authorization.k8s.io",
+        }.get(kind, kind)
         namespace = None if kind in ("ClusterRole", "ClusterRoleBinding", "AcceleratorClass") else helm.NAMESPACE
         assert kube.get(resource, name, namespace) is not None, f"{kind}/{name} not installed"
     assert kube.get("crd", "inferencedeployments.pdfleet.io") is not None
 
     kube.clear_requests()  # from here on, every logged request is the operator's
-    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
-                               service_account_kubeconfig(kube), tmp_path / "operator.log")
+    operator = OperatorProcess(
+        kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+        service_account_kubeconfig(kube),
+        tmp_path / "operator.log",
+    )
     assert "--all-namespaces" in operator.args and "--leader-elect" in operator.args
     operator.start()
     try:
         for ns in ("default", "team-a"):
             exercise(kube, ns, monitoring=True)
         metrics = httpx.get(operator.metrics_url, timeout=5).text
-        assert 'pdfleet_pool_cost_per_hour{accelerator="cpu",deployment="local-tiny",namespace="team-a",role="decode"}' \
+        assert (
+            'pdfleet_pool_cost_per_hour{accelerator="cpu",deployment="local-tiny",namespace="team-a",role="decode"}'
             in metrics
-        assert not kube.list("podmonitors.monitoring.coreos.com", "team-a"), \
+        )
+        assert not kube.list("podmonitors.monitoring.coreos.com", "team-a"), (
             "the chart's PodMonitor scrapes every deployment: no per-deployment one (--no-pod-monitors)"
-        assert kube.list("prometheusrules.monitoring.coreos.com", "team-a"), "monitoring CRDs exist: per-deployment rules"
+        )
+        assert kube.list("prometheusrules.monitoring.coreos.com", "team-a"), (
+            "monitoring CRDs exist: per-deployment rules"
+        )
     finally:
         operator.stop()
     assert operator.proc.returncode == 0, operator.log()
@@ -137,8 +152,11 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
 def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
     helm.install(kube, {**helm.VALUE_SETS["namespaced"], **EVERY_EXAMPLE}, ["team-a", "team-b", "elsewhere"])
     kube.clear_requests()
-    operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
-                               service_account_kubeconfig(kube), tmp_path / "operator.log")
+    operator = OperatorProcess(
+        kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+        service_account_kubeconfig(kube),
+        tmp_path / "operator.log",
+    )
     assert [a for a in operator.args if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     operator.start()
     try:

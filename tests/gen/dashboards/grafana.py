@@ -27,10 +27,24 @@ def exprs(model: dict[str, Any], *, annotations: bool = False) -> list[tuple[str
     return found
 
 
-def substitute(expr: str, *, namespace: str = ".*", deployment: str = ".*", job: str = ".*",
-               rate_interval: str = "1m", range_s: int = 3600) -> str:
+def substitute(
+    expr: str,
+    *,
+    namespace: str = ".*",
+    deployment: str = ".*",
+    job: str = ".*",
+    rate_interval: str = "1m",
+    range_s: int = 3600,
+) -> str:
     """Grafana's interpolation of the variables the dashboards use. `$1` (label_replace) is not a variable and stays."""
-    values = {"__rate_interval": rate_interval, "__range_s": str(range_s), "__range": f"{range_s}s",
-              "namespace": namespace, "deployment": deployment, "job": job}
-    return re.sub(r"\$(__rate_interval|__range_s|__range|namespace|deployment|job)\b",
-                  lambda m: values[m.group(1)], expr)
+    values = {
+        "__rate_interval": rate_interval,
+        "__range_s": str(range_s),
+        "__range": f"{range_s}s",
+        "namespace": namespace,
+        "deployment": deployment,
+        "job": job,
+    }
+    return re.sub(
+        r"\$(__rate_interval|__range_s|__range|namespace|deployment|job)\b", lambda m: values[m.group(1)], expr
+    )

@@ -84,12 +84,20 @@ def test_every_metric_a_panel_reads_is_one_pdfleet_exports() -> None:
             read |= {re.sub(r"_bucket$", "", m) for m in re.findall(r"\b(?:vllm:|pdfleet_)[a-z_:]+(?=[{\[)\s])", expr)}
     read -= {names.LABEL_DEPLOYMENT, names.LABEL_ROLE, names.LABEL_ACCELERATOR, dashboards.REVISION_LABEL}
     assert read and read <= known, f"panels read metrics nobody exports: {sorted(read - known)}"
-    assert {names.POOL_COST_PER_HOUR, names.GENERATION_TOKENS_TOTAL, names.PD_RATIO, dashboards.KV_TRANSFER_SECONDS,
-            dashboards.RECONCILES, dashboards.API_WRITES} <= read
+    assert {
+        names.POOL_COST_PER_HOUR,
+        names.GENERATION_TOKENS_TOTAL,
+        names.PD_RATIO,
+        dashboards.KV_TRANSFER_SECONDS,
+        dashboards.RECONCILES,
+        dashboards.API_WRITES,
+    } <= read
 
 
 def test_substitution_keeps_label_replace_references() -> None:
     expr = 'label_replace(x{namespace=~"$namespace"}[$__range], "d", "$1", "s", "(.*)") * $__range_s'
-    assert grafana.substitute(expr, namespace="ns", range_s=60) == \
-        'label_replace(x{namespace=~"ns"}[60s], "d", "$1", "s", "(.*)") * 60'
+    assert (
+        grafana.substitute(expr, namespace="ns", range_s=60)
+        == 'label_replace(x{namespace=~"ns"}[60s], "d", "$1", "s", "(.*)") * 60'
+    )
     assert json.dumps(grafana.models()["pdfleet-fleet-cost"]).count("$__range_s") >= 3

@@ -50,9 +50,14 @@ class Child:
     def __init__(self, name: str, args: list[str], logdir) -> None:
         self.name, self.port = name, free_port()
         self.log_path = logdir / f"{name}.log"
-        self.proc = subprocess.Popen(PDFLEET + args + ["--host", "127.0.0.1", "--port", str(self.port)],
-                                     env={**os.environ, **CHILD_ENV}, stdout=open(self.log_path, "wb"),
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            PDFLEET + args + ["--host", "127.0.0.1", "--port", str(self.port)],
+            env={**os.environ, **CHILD_ENV},
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     @property
     def url(self) -> str:
@@ -104,8 +109,11 @@ def pod_labels_of_local_tiny() -> dict[str, dict[str, str]]:
     spec = InferenceDeployment.model_validate(doc).spec
     plan = placement.plan(spec, classes(), inventory.build(standard_nodes(), []))
     objs = render.render(render.Owner(NAME, NAMESPACE, "uid"), spec, plan, classes(), revision=1)
-    return {o["metadata"]["labels"][render.LABEL_ROLE]: o["spec"]["template"]["metadata"]["labels"]
-            for o in objs if o["kind"] == "Deployment"}
+    return {
+        o["metadata"]["labels"][render.LABEL_ROLE]: o["spec"]["template"]["metadata"]["labels"]
+        for o in objs
+        if o["kind"] == "Deployment"
+    }
 
 
 def query_at(prom: Any, promql: str, at: float | None = None) -> list[dict[str, Any]]:
@@ -121,9 +129,14 @@ def complete(router_url: str, i: int) -> int:
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0, timeout=120)
     usage = None
-    stream = client.completions.create(model="tiny", prompt=f"request {i}: " + "tell me about fleets " * (1 + i % 5),
-                                       max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=f"request {i}: " + "tell me about fleets " * (1 + i % 5),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -138,17 +151,35 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
     try:
         # --- the data plane ---
         model = tmp_path / "tiny"
-        subprocess.run(PDFLEET + ["model", "init", str(model), "--preset", "tiny"], check=True, capture_output=True,
-                       env={**os.environ, **CHILD_ENV}, timeout=300)
-        common = ["--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256", "--num-threads", "1",
-                  "--log-level", "warning", "--accelerator", "cpu"]
+        subprocess.run(
+            PDFLEET + ["model", "init", str(model), "--preset", "tiny"],
+            check=True,
+            capture_output=True,
+            env={**os.environ, **CHILD_ENV},
+            timeout=300,
+        )
+        common = [
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--num-kv-blocks",
+            "256",
+            "--num-threads",
+            "1",
+            "--log-level",
+            "warning",
+            "--accelerator",
+            "cpu",
+        ]
         prefill = Child("prefill", ["worker", "--role", "prefill", *common], tmp_path)
         decode = Child("decode", ["worker", "--role", "decode", *common], tmp_path)
         children += [prefill, decode]
         for c in (prefill, decode):
             c.wait_ready()
-        router = Child("router", ["router", "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning"],
-                       tmp_path)
+        router = Child(
+            "router", ["router", "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning"], tmp_path
+        )
         children.append(router)
         router.wait_ready()
 
@@ -157,15 +188,26 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         relabelings = helm.the(rendered, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["relabelings"]
         pods = pod_labels_of_local_tiny()
         targets = {"prefill": prefill, "decode": decode, render.ROUTER_ROLE: router}
-        worker_job = {"job_name": "pdfleet-workers", "static_configs": [
-            {"targets": [f"127.0.0.1:{child.port}"], "labels": scrape_labels(pods[role], relabelings)}
-            for role, child in targets.items()]}
+        worker_job = {
+            "job_name": "pdfleet-workers",
+            "static_configs": [
+                {"targets": [f"127.0.0.1:{child.port}"], "labels": scrape_labels(pods[role], relabelings)}
+                for role, child in targets.items()
+            ],
+        }
         assert worker_job["static_configs"][1]["labels"] == {
-            "namespace": NAMESPACE, "pdfleet_deployment": NAME, "pdfleet_role": "decode", "pdfleet_accelerator": "cpu",
-            "pdfleet_revision": "1"}
+            "namespace": NAMESPACE,
+            "pdfleet_deployment": NAME,
+            "pdfleet_role": "decode",
+            "pdfleet_accelerator": "cpu",
+            "pdfleet_revision": "1",
+        }
         ports = free_ports()
-        operator_job = {"job_name": "pdfleet-operator", "honor_labels": True,  # as the chart's ServiceMonitor
-                        "static_configs": [{"targets": [f"127.0.0.1:{ports['--metrics-port']}"]}]}
+        operator_job = {
+            "job_name": "pdfleet-operator",
+            "honor_labels": True,  # as the chart's ServiceMonitor
+            "static_configs": [{"targets": [f"127.0.0.1:{ports['--metrics-port']}"]}],
+        }
         started = time.time()
         prom = prometheus_factory(extra_scrape_configs=[worker_job, operator_job])
 
@@ -185,19 +227,27 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         kube.apply(node("cpu-0", "cpu", 32))
         for role in ("prefill", "decode"):
             kube.apply(pod(f"{NAME}-{role}-0", "cpu-0", {"cpu": "2"}, namespace=NAMESPACE, labels=pods[role]))
-        operator = OperatorProcess(kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
-                                   kube.kubeconfig, tmp_path / "operator.log", ports=ports)
+        operator = OperatorProcess(
+            kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
+            kube.kubeconfig,
+            tmp_path / "operator.log",
+            ports=ports,
+        )
         assert f"--prometheus-url={prom.url}" in operator.args
         operator.start()
         cr = harness.wait_reconciled(kube, NAME)
         # The workers above are the pools' replicas: their Deployments report ready (the autoscaler waits for that).
         harness.mark_ready(kube, NAME)
         planned = {p["role"]: p["desired"] for p in cr["status"]["pools"]}
-        assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {"cpu"}
+        assert planned == {"prefill": 1, "decode": 1} and {p["acceleratorClass"] for p in cr["status"]["pools"]} == {
+            "cpu"
+        }
         prom.wait_for('count(up{job=~"pdfleet-.*"} == 1) == 4', timeout=30)
         prom.wait_for('vllm:generation_tokens_total{pdfleet_role="decode"} == 0', timeout=30)
         # The autoscaler's first tick waits until the status says a pool serves (loops.starting).
-        harness.wait_reconciled(kube, NAME, timeout=60, check=lambda cr: all(p.get("ready", 0) >= 1 for p in cr["status"]["pools"]))
+        harness.wait_reconciled(
+            kube, NAME, timeout=60, check=lambda cr: all(p.get("ready", 0) >= 1 for p in cr["status"]["pools"])
+        )
         try:
             prom.wait_for(f'{names.SCALING_DECISIONS_TOTAL}{{direction="hold"}}', timeout=60)
         except AssertionError as exc:
@@ -214,7 +264,7 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         prom.wait_for(f'sum(vllm:generation_tokens_total{{pdfleet_role="decode"}}) == {served}', timeout=20)
         # NOTE: every request counted, whatever its code: the router can count a stream the client closed right
         # after [DONE] as 499 (its code is settled only when the worker's stream ends), which is not this test's.
-        prom.wait_for('sum(pdfleet_router_requests_total) == %d' % (REQUESTS + 1), timeout=20)
+        prom.wait_for("sum(pdfleet_router_requests_total) == %d" % (REQUESTS + 1), timeout=20)
         time.sleep(3)  # a few more scrapes: counters flat, decisions seen again
 
         # --- every panel of every dashboard returns data ---
@@ -223,8 +273,14 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         empty = []
         for uid, model_json in grafana.models().items():
             for title, expr in grafana.exprs(model_json):
-                promql = grafana.substitute(expr, namespace=NAMESPACE, deployment=NAME, job="pdfleet-operator",
-                                            rate_interval=f"{range_s}s", range_s=range_s)
+                promql = grafana.substitute(
+                    expr,
+                    namespace=NAMESPACE,
+                    deployment=NAME,
+                    job="pdfleet-operator",
+                    rate_interval=f"{range_s}s",
+                    range_s=range_s,
+                )
                 result = query_at(prom, promql)
                 values = [float(s["value"][1]) for s in result]
                 if not values or not any(math.isfinite(v) for v in values):
@@ -239,15 +295,19 @@ def test_every_panel_has_data_and_cost_per_million_tokens_is_exact(kube, tmp_pat
         dollars_per_hour = sum(planned.values()) * cpu["count"] * cpu["costPerHour"]  # 2 replicas x 2 cores x $0.10
         by_hand = dollars_per_hour * range_s / 3600 / (served / 1e6)
         panels = dict(grafana.exprs(grafana.models()["pdfleet-fleet-cost"]))
-        overall = grafana.substitute(panels["$ per 1M served tokens (time range)"], namespace=NAMESPACE,
-                                     range_s=range_s)
-        per_deployment = grafana.substitute(panels["$ per 1M served tokens by deployment (time range)"],
-                                            namespace=NAMESPACE, range_s=range_s)
+        overall = grafana.substitute(
+            panels["$ per 1M served tokens (time range)"], namespace=NAMESPACE, range_s=range_s
+        )
+        per_deployment = grafana.substitute(
+            panels["$ per 1M served tokens by deployment (time range)"], namespace=NAMESPACE, range_s=range_s
+        )
         (value,) = [float(s["value"][1]) for s in query_at(prom, overall, at)]
         (row,) = query_at(prom, per_deployment, at)
         assert row["metric"] == {"namespace": NAMESPACE, "deployment": NAME}
-        print(f"served {served} tokens; ${dollars_per_hour:.2f}/h over {range_s}s; by hand ${by_hand:.4f}/1M, "
-              f"panel ${value:.4f}/1M")
+        print(
+            f"served {served} tokens; ${dollars_per_hour:.2f}/h over {range_s}s; by hand ${by_hand:.4f}/1M, "
+            f"panel ${value:.4f}/1M"
+        )
         assert value == pytest.approx(by_hand, rel=1e-9)
         assert float(row["value"][1]) == pytest.approx(by_hand, rel=1e-9)
     finally:

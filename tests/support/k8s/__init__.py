@@ -114,8 +114,23 @@ from tests.support.k8s.selectors import parse_field_selector, parse_label_select
 from tests.support.k8s.server import EmulatorThread, write_kubeconfig
 
 __all__ = [
-    "ApiError", "Forbidden", "Requester", "ApiResource", "LoggedRequest", "KubernetesApiEmulator", "EmulatorThread",
-    "write_kubeconfig", "Clock", "human_duration", "jsonpath", "json_merge_patch", "json_patch",
-    "strategic_merge_patch", "rule_allows", "service_account_user", "parse_field_selector", "parse_label_selector",
+    "ApiError",
+    "Forbidden",
+    "Requester",
+    "ApiResource",
+    "LoggedRequest",
+    "KubernetesApiEmulator",
+    "EmulatorThread",
+    "write_kubeconfig",
+    "Clock",
+    "human_duration",
+    "jsonpath",
+    "json_merge_patch",
+    "json_patch",
+    "strategic_merge_patch",
+    "rule_allows",
+    "service_account_user",
+    "parse_field_selector",
+    "parse_label_selector",
     "selector_matches",
 ]

@@ -17,8 +17,7 @@ from tests.support.k8s.resources import ApiResource
 class AdmissionMixin:
     """Validation, pruning and defaulting of would-be stored objects."""
 
-    def _admit(self, res: ApiResource, obj: dict, old: dict | None, field_validation: str,
-               warnings: list[str]) -> dict:
+    def _admit(self, res: ApiResource, obj: dict, old: dict | None, field_validation: str, warnings: list[str]) -> dict:
         """Validate/prune/default a would-be stored object; returns the object to store."""
         self._check_owner_references(res, obj, old)
         name = obj["metadata"].get("name") or obj["metadata"].get("generateName") or ""
@@ -42,9 +41,17 @@ class AdmissionMixin:
             label = res.group == "" and res.plural in ("namespaces", "services")
             msgs = crd_admission.name_errors(obj["metadata"]["name"], label=label)
             if msgs:
-                raise invalid(res, name, [crd_admission.FieldError(
-                    "metadata.name", "FieldValueInvalid",
-                    f'Invalid value: {json.dumps(obj["metadata"]["name"])}: {msgs[0]}')])
+                raise invalid(
+                    res,
+                    name,
+                    [
+                        crd_admission.FieldError(
+                            "metadata.name",
+                            "FieldValueInvalid",
+                            f"Invalid value: {json.dumps(obj['metadata']['name'])}: {msgs[0]}",
+                        )
+                    ],
+                )
         if (res.group, res.plural) == ("apps", "deployments"):
             errors = deployment_strategy_errors(obj)
             if errors:
@@ -58,13 +65,17 @@ class AdmissionMixin:
             raise bad_request("the body of the request must be a JSON/YAML object")
         obj = copy.deepcopy(body)
         if obj.get("kind") not in (None, res.kind):
-            raise bad_request(f'the kind of the object ({obj.get("kind")}) does not match the expected kind ({res.kind})')
+            raise bad_request(
+                f"the kind of the object ({obj.get('kind')}) does not match the expected kind ({res.kind})"
+            )
         api_version = obj.get("apiVersion")
         if api_version not in (None, res.api_version):
             known = {r.api_version for r in self._api.values() if r.group == res.group and r.plural == res.plural}
             if api_version not in known:
-                raise bad_request(f"the API version in the data ({api_version}) does not match the "
-                                   f"expected API version ({res.api_version})")
+                raise bad_request(
+                    f"the API version in the data ({api_version}) does not match the "
+                    f"expected API version ({res.api_version})"
+                )
         obj["apiVersion"], obj["kind"] = res.api_version, res.kind
         meta = obj.get("metadata")
         if meta is None:
@@ -73,14 +84,18 @@ class AdmissionMixin:
             raise bad_request("metadata must be an object")
         if res.namespaced:
             if namespace and meta.get("namespace") and meta["namespace"] != namespace:
-                raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+                raise bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             if namespace:
                 meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
         if name is not None:
             if meta.get("name") and meta["name"] != name:
-                raise bad_request(f"the name of the object ({meta['name']}) does not match the name on the URL ({name})")
+                raise bad_request(
+                    f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
+                )
             meta["name"] = name
         for key in ("selfLink", "managedFields"):
             meta.pop(key, None)
@@ -112,11 +127,17 @@ def default_toleration_seconds(pod: dict) -> dict:
     tolerations = spec.get("tolerations") or []
 
     def tolerated(taint: str) -> bool:
-        return any((t.get("key") in (taint, None, "")) and (t.get("effect") in ("NoExecute", None, ""))
-                   for t in tolerations if isinstance(t, dict))
+        return any(
+            (t.get("key") in (taint, None, "")) and (t.get("effect") in ("NoExecute", None, ""))
+            for t in tolerations
+            if isinstance(t, dict)
+        )
 
-    added = [{"key": taint, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": DEFAULT_TOLERATION_S}
-             for taint in (NOT_READY_TAINT, UNREACHABLE_TAINT) if not tolerated(taint)]
+    added = [
+        {"key": taint, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": DEFAULT_TOLERATION_S}
+        for taint in (NOT_READY_TAINT, UNREACHABLE_TAINT)
+        if not tolerated(taint)
+    ]
     if not added:
         return pod
     pod = copy.deepcopy(pod)
@@ -130,13 +151,28 @@ def deployment_strategy_errors(deployment: dict) -> list[crd_admission.FieldErro
     strategy = (deployment.get("spec") or {}).get("strategy") or {}
     kind = strategy.get("type") or "RollingUpdate"
     if kind not in ("RollingUpdate", "Recreate"):
-        return [_invalid_value("spec.strategy.type", kind, 'supported values: "Recreate", "RollingUpdate"',
-                               reason="FieldValueNotSupported", prefix="Unsupported value")]
+        return [
+            _invalid_value(
+                "spec.strategy.type",
+                kind,
+                'supported values: "Recreate", "RollingUpdate"',
+                reason="FieldValueNotSupported",
+                prefix="Unsupported value",
+            )
+        ]
     rolling = strategy.get("rollingUpdate")
     if kind == "Recreate":
-        return [] if rolling is None else [crd_admission.FieldError(
-            "spec.strategy.rollingUpdate", "FieldValueForbidden",
-            "Forbidden: may not be specified when strategy `type` is 'Recreate'")]
+        return (
+            []
+            if rolling is None
+            else [
+                crd_admission.FieldError(
+                    "spec.strategy.rollingUpdate",
+                    "FieldValueForbidden",
+                    "Forbidden: may not be specified when strategy `type` is 'Recreate'",
+                )
+            ]
+        )
     errors, values = [], {}
     for name, value in ((n, (rolling or {}).get(n)) for n in ("maxUnavailable", "maxSurge")):
         where = f"spec.strategy.rollingUpdate.{name}"
@@ -152,18 +188,25 @@ def deployment_strategy_errors(deployment: dict) -> list[crd_admission.FieldErro
             values[name] = int(value[:-1]) if isinstance(value, str) else value
     unavailable = (rolling or {}).get("maxUnavailable")
     if isinstance(unavailable, str) and values.get("maxUnavailable", 0) > 100:
-        errors.append(_invalid_value("spec.strategy.rollingUpdate.maxUnavailable", unavailable,
-                                     "must not be greater than 100%"))
+        errors.append(
+            _invalid_value("spec.strategy.rollingUpdate.maxUnavailable", unavailable, "must not be greater than 100%")
+        )
     if values.get("maxUnavailable", 1) == 0 and values.get("maxSurge", 1) == 0:
-        errors.append(_invalid_value("spec.strategy.rollingUpdate.maxUnavailable", unavailable,
-                                     "may not be 0 when `maxSurge` is 0"))
+        errors.append(
+            _invalid_value(
+                "spec.strategy.rollingUpdate.maxUnavailable", unavailable, "may not be 0 when `maxSurge` is 0"
+            )
+        )
     return errors
 
 
-_PERCENT_MESSAGE = ("a valid percent string must be a numeric string followed by an ending '%' "
-                    "(e.g. '1%',  or '93%', regex used for validation is '[0-9]+%')")
+_PERCENT_MESSAGE = (
+    "a valid percent string must be a numeric string followed by an ending '%' "
+    "(e.g. '1%',  or '93%', regex used for validation is '[0-9]+%')"
+)
 
 
-def _invalid_value(field: str, value: object, detail: str, *, reason: str = "FieldValueInvalid",
-                   prefix: str = "Invalid value") -> crd_admission.FieldError:
+def _invalid_value(
+    field: str, value: object, detail: str, *, reason: str = "FieldValueInvalid", prefix: str = "Invalid value"
+) -> crd_admission.FieldError:
     return crd_admission.FieldError(field, reason, f"{prefix}: {json.dumps(value)}: {detail}")

@@ -24,9 +24,19 @@ class DrainError(RuntimeError):
     """A pod kubectl drain would refuse to remove without a flag, or a timeout."""
 
 
-def drain(call: Callable[..., Any], emulator: Any, node: str, *, timeout: float = 60.0, retry_interval: float = 0.1,
-          grace_period: int | None = None, ignore_daemonsets: bool = True, delete_emptydir_data: bool = True,
-          force: bool = False, wait: bool = True) -> list[str]:
+def drain(
+    call: Callable[..., Any],
+    emulator: Any,
+    node: str,
+    *,
+    timeout: float = 60.0,
+    retry_interval: float = 0.1,
+    grace_period: int | None = None,
+    ignore_daemonsets: bool = True,
+    delete_emptydir_data: bool = True,
+    force: bool = False,
+    wait: bool = True,
+) -> list[str]:
     """Drain `node`; returns ``namespace/name`` of the pods evicted or deleted. `call` runs a function on the
     emulator's loop (``EmulatorThread.call``). With `wait`, returns once they are gone (pods terminating
     gracefully go when their grace period has passed on the emulator's clock: advance it)."""
@@ -39,10 +49,19 @@ def drain(call: Callable[..., Any], emulator: Any, node: str, *, timeout: float 
     remaining = {(p["metadata"]["namespace"], p["metadata"]["name"]): p["metadata"]["uid"] for p in targets}
     last: dict[tuple[str, str], str] = {}
     while True:
-        for (ns, name) in list(remaining):
+        for ns, name in list(remaining):
             try:
-                call(emulator.evict_pod, ns, name, {"apiVersion": "policy/v1", "kind": "Eviction",
-                                                     "metadata": {"name": name, "namespace": ns}, "deleteOptions": options})
+                call(
+                    emulator.evict_pod,
+                    ns,
+                    name,
+                    {
+                        "apiVersion": "policy/v1",
+                        "kind": "Eviction",
+                        "metadata": {"name": name, "namespace": ns},
+                        "deleteOptions": options,
+                    },
+                )
                 del remaining[(ns, name)]
             except ApiError as exc:
                 if exc.code == 404:
@@ -79,8 +98,9 @@ def _removable(pod: dict, ignore_daemonsets: bool, delete_emptydir_data: bool, f
     return True
 
 
-def _wait_gone(call: Callable[..., Any], emulator: Any, pods_res: Any, targets: list[dict], deadline: float,
-               node: str) -> None:
+def _wait_gone(
+    call: Callable[..., Any], emulator: Any, pods_res: Any, targets: list[dict], deadline: float, node: str
+) -> None:
     def still_there() -> list[str]:
         out = []
         for p in targets:

@@ -29,8 +29,19 @@ from tests.support.k8s.watches import WatchesMixin
 
 
 @attrs.define(kw_only=True)
-class KubernetesApiEmulator(StoreMixin, RegistryMixin, AdmissionMixin, VerbsMixin, EvictionMixin, RbacMixin, HttpMixin,
-                            DiscoveryMixin, TablesMixin, WatchesMixin, kmock.KubernetesEmulator):
+class KubernetesApiEmulator(
+    StoreMixin,
+    RegistryMixin,
+    AdmissionMixin,
+    VerbsMixin,
+    EvictionMixin,
+    RbacMixin,
+    HttpMixin,
+    DiscoveryMixin,
+    TablesMixin,
+    WatchesMixin,
+    kmock.KubernetesEmulator,
+):
     """A stateful Kubernetes API for tests. See the package docstring (:mod:`tests.support.k8s`) for what it does and does not do.
 
     User-defined kmock reactions (``emulator['get', kmock.resource(...)] << 500``) still take
@@ -66,8 +77,12 @@ class KubernetesApiEmulator(StoreMixin, RegistryMixin, AdmissionMixin, VerbsMixi
         for res in builtin_resources():
             self._api[(res.group, res.version, res.plural)] = res
         for ns in DEFAULT_NAMESPACES:
-            self._create(self.resource_for("", "v1", "namespaces"), None,
-                         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            self._create(
+                self.resource_for("", "v1", "namespaces"),
+                None,
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            )
+
     # ---- controllers (opt-in: tests.support.k8s.workloads) and time -----------------------------
 
     def enable_workloads(self, *, graceful_termination: bool | None = None) -> k8s_workloads.Workloads:
@@ -137,7 +152,10 @@ class KubernetesApiEmulator(StoreMixin, RegistryMixin, AdmissionMixin, VerbsMixi
         """Create or server-side-apply one object, as ``kubectl apply --server-side`` would."""
         api_version = obj.get("apiVersion") or ""
         group, _, version = api_version.rpartition("/")
-        res = next((r for r in self._api.values() if r.group == group and r.version == version and r.kind == obj.get("kind")), None)
+        res = next(
+            (r for r in self._api.values() if r.group == group and r.version == version and r.kind == obj.get("kind")),
+            None,
+        )
         if res is None:
             raise ApiError(404, "NotFound", f'no matches for kind "{obj.get("kind")}" in version "{api_version}"')
         ns = (namespace or (obj.get("metadata") or {}).get("namespace") or "default") if res.namespaced else None
@@ -153,18 +171,29 @@ class KubernetesApiEmulator(StoreMixin, RegistryMixin, AdmissionMixin, VerbsMixi
     def create_object(self, res: ApiResource, obj: dict, namespace: str | None = None) -> dict:
         return self._create(res, namespace, obj, field_validation="Strict")
 
-    def patch_object(self, res: ApiResource, name: str, patch: Any, namespace: str | None = None, *,
-                     subresource: str | None = None, patch_type: str = "merge") -> dict:
+    def patch_object(
+        self,
+        res: ApiResource,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+        patch_type: str = "merge",
+    ) -> dict:
         return self._patch(res, namespace, name, patch_type, patch, subresource=subresource)[0]
 
-    def delete_object(self, res: ApiResource, name: str, namespace: str | None = None, *,
-                      propagation: str | None = None) -> dict:
+    def delete_object(
+        self, res: ApiResource, name: str, namespace: str | None = None, *, propagation: str | None = None
+    ) -> dict:
         return self._delete(res, namespace, name, {"propagationPolicy": propagation} if propagation else {})[0]
 
     def cordon(self, node: str, unschedulable: bool = True) -> dict:
         """``kubectl cordon`` (``uncordon`` with False): the node's ``spec.unschedulable``."""
         res = self.resource_for("", "v1", "nodes")
-        return self._patch(res, None, node, "strategic", {"spec": {"unschedulable": True if unschedulable else None}})[0]
+        return self._patch(res, None, node, "strategic", {"spec": {"unschedulable": True if unschedulable else None}})[
+            0
+        ]
 
     def set_node_ready(self, node: str, status: str = "True", *, reason: str | None = None) -> dict:
         """Set the node's Ready condition ("True", "False" or "Unknown"), as its kubelet (or, for Unknown, the node
@@ -174,9 +203,13 @@ class KubernetesApiEmulator(StoreMixin, RegistryMixin, AdmissionMixin, VerbsMixi
         res = self.resource_for("", "v1", "nodes")
         current = self.get_object(res, None, node)
         conditions = [c for c in (current.get("status") or {}).get("conditions") or [] if c.get("type") != "Ready"]
-        ready = {"type": "Ready", "status": status, "lastTransitionTime": self.clock.iso(),
-                 "reason": reason or {"True": "KubeletReady", "False": "KubeletNotReady",
-                                      "Unknown": "NodeStatusUnknown"}[status]}
-        return self._patch(res, None, node, "merge", {"status": {"conditions": conditions + [ready]}},
-                           subresource="status")[0]
-
+        ready = {
+            "type": "Ready",
+            "status": status,
+            "lastTransitionTime": self.clock.iso(),
+            "reason": reason
+            or {"True": "KubeletReady", "False": "KubeletNotReady", "Unknown": "NodeStatusUnknown"}[status],
+        }
+        return self._patch(
+            res, None, node, "merge", {"status": {"conditions": conditions + [ready]}}, subresource="status"
+        )[0]

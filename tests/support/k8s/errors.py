@@ -23,8 +23,13 @@ class ApiError(Exception):
 
     def status(self) -> dict:
         body: dict[str, Any] = {
-            "kind": "Status", "apiVersion": "v1", "metadata": {},
-            "status": "Failure", "message": self.message, "reason": self.reason, "code": self.code,
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
         }
         if self.details is not None:
             body["details"] = self.details
@@ -32,15 +37,22 @@ class ApiError(Exception):
 
 
 def not_found(res: ApiResource, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{res.group_resource} "{name}" not found',
-                    {"name": name, "group": res.group, "kind": res.plural})
+    return ApiError(
+        404,
+        "NotFound",
+        f'{res.group_resource} "{name}" not found',
+        {"name": name, "group": res.group, "kind": res.plural},
+    )
 
 
 def conflict(res: ApiResource, name: str) -> ApiError:
-    return ApiError(409, "Conflict",
-                    f'Operation cannot be fulfilled on {res.group_resource} "{name}": the object has been '
-                    "modified; please apply your changes to the latest version and try again",
-                    {"name": name, "group": res.group, "kind": res.plural})
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {res.group_resource} "{name}": the object has been '
+        "modified; please apply your changes to the latest version and try again",
+        {"name": name, "group": res.group, "kind": res.plural},
+    )
 
 
 def bad_request(message: str) -> ApiError:
@@ -48,18 +60,25 @@ def bad_request(message: str) -> ApiError:
 
 
 def invalid(res: ApiResource, name: str, errors: list[crd_admission.FieldError]) -> ApiError:
-    return ApiError(422, "Invalid", crd_admission.status_message(res.kind, res.group, name, errors), {
-        "name": name, "group": res.group, "kind": res.kind,
-        "causes": [{"reason": e.reason, "message": e.message, "field": e.field} for e in errors],
-    })
+    return ApiError(
+        422,
+        "Invalid",
+        crd_admission.status_message(res.kind, res.group, name, errors),
+        {
+            "name": name,
+            "group": res.group,
+            "kind": res.kind,
+            "causes": [{"reason": e.reason, "message": e.message, "field": e.field} for e in errors],
+        },
+    )
 
 
 def unprocessable(message: str) -> ApiError:
     return ApiError(422, "Invalid", message)
 
+
 class Forbidden(ApiError):
     """403 from the emulator's RBAC or its OwnerReferencesPermissionEnforcement (``LoggedRequest.denied``)."""
-
 
 
 def too_many_requests(message: str, causes: list[dict] | None = None, retry_after: int = 0) -> ApiError:

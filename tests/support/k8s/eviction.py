@@ -50,16 +50,25 @@ class EvictionMixin:
     @staticmethod
     def _ignores_budgets(pod: dict) -> bool:
         """``canIgnorePDB``: a pod that does not run (Pending, finished) or is already being deleted."""
-        return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Pending") \
-            or bool(pod["metadata"].get("deletionTimestamp"))
+        return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Pending") or bool(
+            pod["metadata"].get("deletionTimestamp")
+        )
 
     def _budget_of(self, pod: dict) -> tuple[tuple[str, str, str, str], dict] | None:
         ns = pod["metadata"]["namespace"]
-        budgets = [(k, o) for k, o in sorted(self._store.items()) if k[:2] == PDB_KEY and k[2] == ns
-                   and selector_matches((o.get("spec") or {}).get("selector"), pod["metadata"].get("labels"))]
+        budgets = [
+            (k, o)
+            for k, o in sorted(self._store.items())
+            if k[:2] == PDB_KEY
+            and k[2] == ns
+            and selector_matches((o.get("spec") or {}).get("selector"), pod["metadata"].get("labels"))
+        ]
         if len(budgets) > 1:
-            raise ApiError(500, "InternalError",
-                           "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.")
+            raise ApiError(
+                500,
+                "InternalError",
+                "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
+            )
         return budgets[0] if budgets else None
 
     @staticmethod
@@ -77,17 +86,33 @@ class EvictionMixin:
         key, pdb = budget
         st, name = pdb.get("status") or {}, pdb["metadata"]["name"]
         if int(st.get("observedGeneration") or 0) < pdb["metadata"].get("generation", 1):
-            raise too_many_requests(VIOLATES, [{"type": "DisruptionBudget",
-                                                "message": f"The disruption budget {name} is still being processed by the server."}])
+            raise too_many_requests(
+                VIOLATES,
+                [
+                    {
+                        "type": "DisruptionBudget",
+                        "message": f"The disruption budget {name} is still being processed by the server.",
+                    }
+                ],
+            )
         allowed = int(st.get("disruptionsAllowed") or 0)
         if allowed < 0:
             raise Forbidden(403, "Forbidden", "pdb disruptions allowed is negative")
         if len(st.get("disruptedPods") or {}) > MAX_DISRUPTED_PODS:
-            raise Forbidden(403, "Forbidden", "DisruptedPods map too big - too many evictions not confirmed by PDB controller")
+            raise Forbidden(
+                403, "Forbidden", "DisruptedPods map too big - too many evictions not confirmed by PDB controller"
+            )
         if allowed == 0:
-            raise too_many_requests(VIOLATES, [{"type": "DisruptionBudget", "message":
-                                                f"The disruption budget {name} needs {int(st.get('desiredHealthy') or 0)} "
-                                                f"healthy pods and has {int(st.get('currentHealthy') or 0)} currently"}])
+            raise too_many_requests(
+                VIOLATES,
+                [
+                    {
+                        "type": "DisruptionBudget",
+                        "message": f"The disruption budget {name} needs {int(st.get('desiredHealthy') or 0)} "
+                        f"healthy pods and has {int(st.get('currentHealthy') or 0)} currently",
+                    }
+                ],
+            )
         if dry_run:
             return
         new = copy.deepcopy(pdb)
@@ -99,8 +124,15 @@ class EvictionMixin:
         pod = self._store[key]
         new = copy.deepcopy(pod)
         status = new.setdefault("status", {})
-        status["conditions"] = with_condition(status.get("conditions") or [], {
-            "type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
-            "message": "Eviction API: evicting"}, self.clock.iso())
+        status["conditions"] = with_condition(
+            status.get("conditions") or [],
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "EvictionByEvictionAPI",
+                "message": "Eviction API: evicting",
+            },
+            self.clock.iso(),
+        )
         if new != pod:
             self._put(key, new, "MODIFIED", pod)

@@ -10,9 +10,9 @@ from typing import Any
 
 import aiohttp.web
 import kmock
+import yaml
 from kmock._internal import apps as _kmock_apps
 from kmock._internal import rendering as _kmock_rendering
-import yaml
 
 from pdfleet_operator.api import admission as crd_admission
 from tests.support.k8s.errors import ApiError, Forbidden, bad_request, invalid
@@ -25,9 +25,16 @@ JSON = "application/json"
 class HttpMixin:
     """Serving requests."""
 
-    _ACTIONS = {"get": kmock.action.FETCH, "list": kmock.action.LIST, "watch": kmock.action.WATCH,
-                "create": kmock.action.CREATE, "update": kmock.action.UPDATE, "patch": kmock.action.UPDATE,
-                "delete": kmock.action.DELETE, "deletecollection": kmock.action.DELETE}
+    _ACTIONS = {
+        "get": kmock.action.FETCH,
+        "list": kmock.action.LIST,
+        "watch": kmock.action.WATCH,
+        "create": kmock.action.CREATE,
+        "update": kmock.action.UPDATE,
+        "patch": kmock.action.UPDATE,
+        "delete": kmock.action.DELETE,
+        "deletecollection": kmock.action.DELETE,
+    }
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         # Replaces kmock's entry point: its path parser crashes on /api/v1/namespaces and knows no PUT.
@@ -41,16 +48,32 @@ class HttpMixin:
         if parsed and not parsed.get("invalid") and parsed["plural"]:
             watch = raw_request.query.get("watch") in ("true", "1") or parsed["legacy_watch"]
             method = raw_request.method.upper()
-            verb = ("watch" if watch else "get" if parsed["name"] else "list") if method == "GET" else \
-                {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method) or \
-                (("delete" if parsed["name"] else "deletecollection") if method == "DELETE" else None)
-            fields = dict(action=self._ACTIONS.get(verb or ""),
-                          resource=kmock.resource(parsed["group"], parsed["version"], parsed["plural"]),
-                          namespace=parsed["namespace"], name=parsed["name"], subresource=parsed["subresource"])
+            verb = (
+                ("watch" if watch else "get" if parsed["name"] else "list")
+                if method == "GET"
+                else {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method)
+                or (("delete" if parsed["name"] else "deletecollection") if method == "DELETE" else None)
+            )
+            fields = dict(
+                action=self._ACTIONS.get(verb or ""),
+                resource=kmock.resource(parsed["group"], parsed["version"], parsed["plural"]),
+                namespace=parsed["namespace"],
+                name=parsed["name"],
+                subresource=parsed["subresource"],
+            )
         request = kmock.Request(
-            id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
-            params=dict(raw_request.query), headers=dict(raw_request.headers), cookies=dict(raw_request.cookies),
-            body=body, text=body.decode("utf-8", "replace"), data=data, **fields)
+            id=len(self._requests),
+            raw_request=raw_request,
+            url=raw_request.url,
+            method=raw_request.method,
+            params=dict(raw_request.query),
+            headers=dict(raw_request.headers),
+            cookies=dict(raw_request.cookies),
+            body=body,
+            text=body.decode("utf-8", "replace"),
+            data=data,
+            **fields,
+        )
         self._requests.append(request)
         try:
             return await self._handle(request)
@@ -60,8 +83,12 @@ class HttpMixin:
             await response.write_eof()
             return response
         except Exception as exc:
-            return self._json(ApiError(500, "InternalError", f"emulator error: {exc!r}",
-                                       {"causes": [{"message": traceback.format_exc()}]}).status(), status=500)
+            return self._json(
+                ApiError(
+                    500, "InternalError", f"emulator error: {exc!r}", {"causes": [{"message": traceback.format_exc()}]}
+                ).status(),
+                status=500,
+            )
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -91,15 +118,20 @@ class HttpMixin:
                 entry.denied = exc.message
             response = self._json(exc.status(), status=exc.code)
         except Exception as exc:  # a bug in the emulator: say so loudly, as an InternalError Status
-            response = self._json(ApiError(500, "InternalError", f"emulator error: {exc!r}",
-                                           {"causes": [{"message": traceback.format_exc()}]}).status(), status=500)
+            response = self._json(
+                ApiError(
+                    500, "InternalError", f"emulator error: {exc!r}", {"causes": [{"message": traceback.format_exc()}]}
+                ).status(),
+                status=500,
+            )
         entry.status = response.status
         return response
 
     @staticmethod
     def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> aiohttp.web.Response:
-        return aiohttp.web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON,
-                                    headers=headers or {})
+        return aiohttp.web.Response(
+            body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers or {}
+        )
 
     @staticmethod
     def _split_path(path: str) -> dict | None:
@@ -118,9 +150,15 @@ class HttpMixin:
             namespace, rest = rest[1], rest[2:]
         if len(rest) > 3:
             return {"invalid": True}
-        return {"group": group, "version": version, "namespace": namespace, "legacy_watch": legacy_watch,
-                "plural": rest[0] if rest else None, "name": rest[1] if len(rest) > 1 else None,
-                "subresource": rest[2] if len(rest) > 2 else None}
+        return {
+            "group": group,
+            "version": version,
+            "namespace": namespace,
+            "legacy_watch": legacy_watch,
+            "plural": rest[0] if rest else None,
+            "name": rest[1] if len(rest) > 1 else None,
+            "subresource": rest[2] if len(rest) > 2 else None,
+        }
 
     def _log_entry(self, request: kmock.Request) -> LoggedRequest:
         raw = request._raw_request
@@ -128,9 +166,14 @@ class HttpMixin:
         query = dict(raw.query)
         parsed = self._split_path(raw.path)
         method = raw.method.upper()
-        entry = LoggedRequest(method=method, path=raw.path, verb=None, query=query,
-                              content_type=(raw.headers.get("Content-Type") or "").split(";")[0].strip() or None,
-                              user_agent=raw.headers.get("User-Agent"))
+        entry = LoggedRequest(
+            method=method,
+            path=raw.path,
+            verb=None,
+            query=query,
+            content_type=(raw.headers.get("Content-Type") or "").split(";")[0].strip() or None,
+            user_agent=raw.headers.get("User-Agent"),
+        )
         if parsed and not parsed.get("invalid") and parsed["plural"]:
             entry.group, entry.version, entry.resource = parsed["group"], parsed["version"], parsed["plural"]
             entry.namespace, entry.name, entry.subresource = parsed["namespace"], parsed["name"], parsed["subresource"]
@@ -154,9 +197,12 @@ class HttpMixin:
         if content_type and "protobuf" in content_type:
             if quiet:
                 return None
-            raise ApiError(415, "UnsupportedMediaType",
-                           "the emulator does not speak protobuf (send JSON: e.g. use `kubectl apply` rather than "
-                           "`kubectl create <typed resource>`)")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                "the emulator does not speak protobuf (send JSON: e.g. use `kubectl apply` rather than "
+                "`kubectl create <typed resource>`)",
+            )
         if not body:
             return None
         try:
@@ -210,8 +256,14 @@ class HttpMixin:
             entry.objects = [object_ref(o) for o in items]
             if table:
                 return self._json(self._table(res, items, query.get("includeObject")))
-            return self._json({"apiVersion": res.api_version, "kind": f"{res.kind}List",
-                               "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+            return self._json(
+                {
+                    "apiVersion": res.api_version,
+                    "kind": f"{res.kind}List",
+                    "metadata": {"resourceVersion": str(self._rv)},
+                    "items": items,
+                }
+            )
         if entry.verb == "get":
             obj = self.get_object(res, namespace, name)
             if table:
@@ -221,31 +273,63 @@ class HttpMixin:
         body = self._decode(request.body, entry.content_type)
         if entry.verb == "create":
             if name:
-                raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
-            obj = self._create(res, namespace, body, dry_run=dry_run, field_validation=field_validation, warnings=warnings)
+                raise ApiError(
+                    405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+                )
+            obj = self._create(
+                res, namespace, body, dry_run=dry_run, field_validation=field_validation, warnings=warnings
+            )
             return self._json(self._as_version(res, obj), 201, self._warning_headers(warnings))
         if entry.verb == "update":
             sent_rv = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("resourceVersion")
             if res.crd is not None and isinstance(body, dict) and not sent_rv:
                 # Custom resources do not allow unconditional updates (AllowUnconditionalUpdate is false).
-                raise invalid(res, name or "", [crd_admission.FieldError(
-                    "metadata.resourceVersion", "FieldValueInvalid",
-                    "Invalid value: 0x0: must be specified for an update")])
-            obj = self._update(res, namespace, name, body, subresource=sub, dry_run=dry_run,
-                               field_validation=field_validation, warnings=warnings)
+                raise invalid(
+                    res,
+                    name or "",
+                    [
+                        crd_admission.FieldError(
+                            "metadata.resourceVersion",
+                            "FieldValueInvalid",
+                            "Invalid value: 0x0: must be specified for an update",
+                        )
+                    ],
+                )
+            obj = self._update(
+                res,
+                namespace,
+                name,
+                body,
+                subresource=sub,
+                dry_run=dry_run,
+                field_validation=field_validation,
+                warnings=warnings,
+            )
             return self._json(self._as_version(res, obj), 200, self._warning_headers(warnings))
         if entry.verb == "patch":
             patch_type = entry.patch_type
             if patch_type not in ("merge", "json", "strategic", "apply"):
-                raise ApiError(415, "UnsupportedMediaType",
-                               f"the body of the request was in an unknown format - accepted media types include: "
-                               f"application/json-patch+json, application/merge-patch+json, "
-                               f"application/apply-patch+yaml, application/strategic-merge-patch+json")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - accepted media types include: "
+                    "application/json-patch+json, application/merge-patch+json, "
+                    "application/apply-patch+yaml, application/strategic-merge-patch+json",
+                )
             if body is None:
                 raise bad_request("the patch body is empty")
-            obj, created = self._patch(res, namespace, name, patch_type, body, subresource=sub, dry_run=dry_run,
-                                       field_validation=field_validation if patch_type != "apply" or "fieldValidation" in query else "Strict",
-                                       field_manager=query.get("fieldManager"), warnings=warnings)
+            obj, created = self._patch(
+                res,
+                namespace,
+                name,
+                patch_type,
+                body,
+                subresource=sub,
+                dry_run=dry_run,
+                field_validation=field_validation if patch_type != "apply" or "fieldValidation" in query else "Strict",
+                field_manager=query.get("fieldManager"),
+                warnings=warnings,
+            )
             return self._json(self._as_version(res, obj), 201 if created else 200, self._warning_headers(warnings))
         if entry.verb == "delete":
             options = body if isinstance(body, dict) else {}
@@ -257,9 +341,20 @@ class HttpMixin:
             dry_run = dry_run or "All" in (options.get("dryRun") or [])
             obj, gone = self._delete(res, namespace, name, options, dry_run=dry_run)
             if gone:
-                return self._json({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                                   "details": {"name": name, "group": res.group, "kind": res.plural,
-                                               "uid": obj.get("metadata", {}).get("uid")}})
+                return self._json(
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Success",
+                        "details": {
+                            "name": name,
+                            "group": res.group,
+                            "kind": res.plural,
+                            "uid": obj.get("metadata", {}).get("uid"),
+                        },
+                    }
+                )
             return self._json(self._as_version(res, obj))
         if entry.verb == "deletecollection":
             options = body if isinstance(body, dict) else {}
@@ -268,15 +363,24 @@ class HttpMixin:
             for item in items:
                 key = self._key(res, item["metadata"].get("namespace"), item["metadata"]["name"])
                 if key in self._store and not dry_run:
-                    self._delete_key(key, propagation=options.get("propagationPolicy") or query.get("propagationPolicy"),
-                                     grace=options.get("gracePeriodSeconds", query.get("gracePeriodSeconds")))
+                    self._delete_key(
+                        key,
+                        propagation=options.get("propagationPolicy") or query.get("propagationPolicy"),
+                        grace=options.get("gracePeriodSeconds", query.get("gracePeriodSeconds")),
+                    )
                 deleted.append(item)
-            return self._json({"apiVersion": res.api_version, "kind": f"{res.kind}List",
-                               "metadata": {"resourceVersion": str(self._rv)}, "items": deleted})
+            return self._json(
+                {
+                    "apiVersion": res.api_version,
+                    "kind": f"{res.kind}List",
+                    "metadata": {"resourceVersion": str(self._rv)},
+                    "items": deleted,
+                }
+            )
         raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
 
     @staticmethod
     def _warning_headers(warnings: list[str]) -> dict[str, str]:
         if not warnings:
             return {}
-        return {"Warning": ", ".join('299 - ' + json.dumps(w) for w in warnings)}
+        return {"Warning": ", ".join("299 - " + json.dumps(w) for w in warnings)}

@@ -43,6 +43,7 @@ def jsonpath(obj: Any, expression: str) -> list[Any]:
                 elif isinstance(node, list):
                     for v in node:
                         walk(v)
+
             for c in current:
                 walk(c)
         elif m.group("index") is not None:
@@ -56,7 +57,11 @@ def jsonpath(obj: Any, expression: str) -> list[Any]:
                     got: Any = item
                     for part in m.group("fpath").split("."):
                         got = got.get(part) if isinstance(got, dict) else None
-                    same = (str(got).lower() if isinstance(got, bool) else str(got)) == str(want) if got is not None else False
+                    same = (
+                        (str(got).lower() if isinstance(got, bool) else str(got)) == str(want)
+                        if got is not None
+                        else False
+                    )
                     if same == (m.group("fop") == "=="):
                         nxt.append(item)
         else:  # [*] or .*

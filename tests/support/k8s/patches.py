@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+
 def json_merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386."""
     if not isinstance(patch, dict):
@@ -20,10 +21,22 @@ def json_merge_patch(target: Any, patch: Any) -> Any:
 
 
 _SMP_MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "env": "name",
-    "volumes": "name", "volumeMounts": "mountPath", "volumeDevices": "devicePath", "ports": "containerPort",
-    "imagePullSecrets": "name", "conditions": "type", "hostAliases": "ip", "topologySpreadConstraints": "topologyKey",
-    "ownerReferences": "uid", "resourceClaims": "name", "envFrom": None, "tolerations": None,
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
+    "conditions": "type",
+    "hostAliases": "ip",
+    "topologySpreadConstraints": "topologyKey",
+    "ownerReferences": "uid",
+    "resourceClaims": "name",
+    "envFrom": None,
+    "tolerations": None,
 }
 
 
@@ -47,13 +60,23 @@ def strategic_merge_patch(target: Any, patch: Any, field_name: str | None = None
                 result.pop(key, None)
             else:
                 result[key] = merged
-        elif isinstance(value, list) and _SMP_MERGE_KEYS.get(key) and isinstance(result.get(key), list) \
-                and all(isinstance(v, dict) for v in value):
+        elif (
+            isinstance(value, list)
+            and _SMP_MERGE_KEYS.get(key)
+            and isinstance(result.get(key), list)
+            and all(isinstance(v, dict) for v in value)
+        ):
             merge_key = _SMP_MERGE_KEYS[key]
             items = [copy.deepcopy(v) for v in result[key]]
             for item in value:
-                idx = next((i for i, old in enumerate(items)
-                            if isinstance(old, dict) and old.get(merge_key) == item.get(merge_key)), None)
+                idx = next(
+                    (
+                        i
+                        for i, old in enumerate(items)
+                        if isinstance(old, dict) and old.get(merge_key) == item.get(merge_key)
+                    ),
+                    None,
+                )
                 if item.get("$patch") == "delete":
                     if idx is not None:
                         items.pop(idx)
@@ -63,8 +86,11 @@ def strategic_merge_patch(target: Any, patch: Any, field_name: str | None = None
                     items[idx] = strategic_merge_patch(items[idx], item, None)
             result[key] = items
         else:
-            result[key] = [{k: v for k, v in i.items() if not k.startswith("$")} if isinstance(i, dict) else i
-                           for i in value] if isinstance(value, list) else copy.deepcopy(value)
+            result[key] = (
+                [{k: v for k, v in i.items() if not k.startswith("$")} if isinstance(i, dict) else i for i in value]
+                if isinstance(value, list)
+                else copy.deepcopy(value)
+            )
     return result
 
 
@@ -90,7 +116,7 @@ def json_patch(doc: Any, operations: Any) -> Any:
             elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
                 cur = cur[int(part)]
             else:
-                raise ValueError(f"{op} operation does not apply: doc is missing path: \"{path}\"")
+                raise ValueError(f'{op} operation does not apply: doc is missing path: "{path}"')
         return cur, parts[-1]
 
     def get(d: Any, path: str, op: str) -> Any:
@@ -101,7 +127,7 @@ def json_patch(doc: Any, operations: Any) -> Any:
             elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
                 cur = cur[int(part)]
             else:
-                raise ValueError(f"{op} operation does not apply: doc is missing path: \"{path}\"")
+                raise ValueError(f'{op} operation does not apply: doc is missing path: "{path}"')
         return cur
 
     def remove(d: Any, path: str, op: str) -> Any:
@@ -113,7 +139,7 @@ def json_patch(doc: Any, operations: Any) -> Any:
             return parent.pop(last)
         if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
             return parent.pop(int(last))
-        raise ValueError(f"{op} operation does not apply: doc is missing path: \"{path}\"")
+        raise ValueError(f'{op} operation does not apply: doc is missing path: "{path}"')
 
     def add(d: Any, path: str, value: Any, op: str) -> Any:
         parts = _pointer(path)
@@ -128,9 +154,9 @@ def json_patch(doc: Any, operations: Any) -> Any:
             elif last.isdigit() and int(last) <= len(parent):
                 parent.insert(int(last), value)
             else:
-                raise ValueError(f"{op} operation does not apply: index out of range: \"{path}\"")
+                raise ValueError(f'{op} operation does not apply: index out of range: "{path}"')
         else:
-            raise ValueError(f"{op} operation does not apply: doc is missing path: \"{path}\"")
+            raise ValueError(f'{op} operation does not apply: doc is missing path: "{path}"')
         return d
 
     for operation in operations:
@@ -195,4 +221,3 @@ def delete_path(obj: dict, path: tuple) -> None:
         cur = cur[part]
     if isinstance(cur, dict):
         cur.pop(path[-1], None)
-

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tests.support.k8s.requestlog import LoggedRequest
     from tests.support.k8s.resources import ApiResource
 
+
 @dataclass(frozen=True)
 class Requester:
     """Who sent a request: the user name and groups its token stands for (``KubernetesApiEmulator.users``), and
@@ -36,8 +37,11 @@ RBAC_GROUP = "rbac.authorization.k8s.io"
 
 def service_account_user(namespace: str, name: str, pod: str | None = None) -> Requester:
     """What a ServiceAccount token (bound to `pod`, when given) authenticates as on a real cluster."""
-    return Requester(f"system:serviceaccount:{namespace}:{name}",
-                     ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"), pod)
+    return Requester(
+        f"system:serviceaccount:{namespace}:{name}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"),
+        pod,
+    )
 
 
 def rule_allows(rule: dict, group: str, resource: str, subresource: str | None, verb: str, name: str | None) -> bool:
@@ -67,8 +71,16 @@ def subject_matches(subject: dict, who: Requester) -> bool:
     return False
 
 
-def forbidden(who: Requester, verb: str, group: str, resource: str, subresource: str | None, namespace: str | None,
-              name: str | None, prefix: str = "") -> ApiError:
+def forbidden(
+    who: Requester,
+    verb: str,
+    group: str,
+    resource: str,
+    subresource: str | None,
+    namespace: str | None,
+    name: str | None,
+    prefix: str = "",
+) -> ApiError:
     """kube-apiserver's 403 Status for a request no rule allows."""
     full = f"{resource}/{subresource}" if subresource else resource
     group_resource = f"{resource}.{group}" if group else resource
@@ -77,8 +89,13 @@ def forbidden(who: Requester, verb: str, group: str, resource: str, subresource:
     details: dict[str, Any] = {"group": group, "kind": resource}
     if name:
         details["name"] = name
-    return Forbidden(403, "Forbidden", f'{what} is forbidden: {prefix}User "{who.user}" cannot {verb} resource '
-                                      f'"{full}" in API group "{group}" {where}', details)
+    return Forbidden(
+        403,
+        "Forbidden",
+        f'{what} is forbidden: {prefix}User "{who.user}" cannot {verb} resource '
+        f'"{full}" in API group "{group}" {where}',
+        details,
+    )
 
 
 class RbacMixin:
@@ -125,8 +142,16 @@ class RbacMixin:
                 if any(subject_matches(s, who) for s in binding.get("subjects") or []):
                     yield from role_rules(binding["roleRef"]["kind"], namespace, binding["roleRef"]["name"])
 
-    def allowed(self, who: Requester, verb: str, group: str, resource: str, subresource: str | None = None,
-                namespace: str | None = None, name: str | None = None) -> bool:
+    def allowed(
+        self,
+        who: Requester,
+        verb: str,
+        group: str,
+        resource: str,
+        subresource: str | None = None,
+        namespace: str | None = None,
+        name: str | None = None,
+    ) -> bool:
         """Whether the stored Roles/ClusterRoles and their bindings let `who` do this (system:masters may do anything)."""
         if "system:masters" in who.groups:
             return True
@@ -161,21 +186,43 @@ class RbacMixin:
         meta = obj.get("metadata") or {}
         namespace, name = meta.get("namespace"), meta.get("name")
         if old is not None and not self.allowed(who, "delete", res.group, res.plural, None, namespace, name):
-            raise forbidden(who, "delete", res.group, res.plural, None, namespace, name,
-                             prefix="cannot set an ownerRef on a resource you can't delete: ")
+            raise forbidden(
+                who,
+                "delete",
+                res.group,
+                res.plural,
+                None,
+                namespace,
+                name,
+                prefix="cannot set an ownerRef on a resource you can't delete: ",
+            )
         blocking_before = {r.get("uid") for r in before if r.get("blockOwnerDeletion")}
         for ref in refs:
             if not ref.get("blockOwnerDeletion") or ref.get("uid") in blocking_before:
                 continue
             group, _, version = str(ref.get("apiVersion") or "").rpartition("/")
-            owners = [r for r in self._api.values() if r.group == group and r.version == version and r.kind == ref.get("kind")]
+            owners = [
+                r for r in self._api.values() if r.group == group and r.version == version and r.kind == ref.get("kind")
+            ]
             if not owners:
-                raise Forbidden(403, "Forbidden", f'{res.group_resource} "{name}" is forbidden: cannot set '
-                                f'blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion '
-                                f'{ref.get("apiVersion")} Kind {ref.get("kind")}')
+                raise Forbidden(
+                    403,
+                    "Forbidden",
+                    f'{res.group_resource} "{name}" is forbidden: cannot set '
+                    f"blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion "
+                    f"{ref.get('apiVersion')} Kind {ref.get('kind')}",
+                )
             for owner in owners:
                 owner_ns = namespace if owner.namespaced else None
                 if not self.allowed(who, "update", owner.group, owner.plural, "finalizers", owner_ns, ref.get("name")):
-                    raise forbidden(who, "update", owner.group, owner.plural, "finalizers", owner_ns, ref.get("name"),
-                                     prefix="cannot set blockOwnerDeletion if an ownerReference refers to a resource "
-                                            "you can't set finalizers on: ")
+                    raise forbidden(
+                        who,
+                        "update",
+                        owner.group,
+                        owner.plural,
+                        "finalizers",
+                        owner_ns,
+                        ref.get("name"),
+                        prefix="cannot set blockOwnerDeletion if an ownerReference refers to a resource "
+                        "you can't set finalizers on: ",
+                    )

@@ -15,8 +15,9 @@ class RegistryMixin:
     def resource_for(self, group: str, version: str, plural: str) -> ApiResource:
         res = self._api.get((group, version, plural))
         if res is None:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource",
-                           {"group": group, "kind": plural})
+            raise ApiError(
+                404, "NotFound", "the server could not find the requested resource", {"group": group, "kind": plural}
+            )
         return res
 
     def find_resource(self, name: str) -> ApiResource:
@@ -62,11 +63,17 @@ class RegistryMixin:
                 continue
             subs = set((entry.get("subresources") or spec.get("subresources") or {}).keys())
             res = ApiResource(
-                group=spec["group"], version=entry["name"], plural=names["plural"], kind=names["kind"],
+                group=spec["group"],
+                version=entry["name"],
+                plural=names["plural"],
+                kind=names["kind"],
                 singular=names.get("singular") or names["kind"].lower(),
-                namespaced=spec.get("scope", "Namespaced") == "Namespaced", verbs=list(CRD_VERBS),
-                shortnames=list(names.get("shortNames") or []), categories=list(names.get("categories") or []),
-                subresources=subs, crd=crd,
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                verbs=list(CRD_VERBS),
+                shortnames=list(names.get("shortNames") or []),
+                categories=list(names.get("categories") or []),
+                subresources=subs,
+                crd=crd,
             )
             self._api[(res.group, res.version, res.plural)] = res
 
@@ -79,6 +86,7 @@ class RegistryMixin:
             for key in [k for k in self._store if k[0] == group and k[1] == plural]:
                 obj = self._store[key]
                 self._remove(key, obj)
+
     def _crd_status(self, crd: dict) -> dict:
         names = copy.deepcopy(crd["spec"]["names"])
         names.setdefault("singular", names["kind"].lower())
@@ -87,10 +95,20 @@ class RegistryMixin:
         return {
             "acceptedNames": names,
             "conditions": [
-                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts",
-                 "message": "no conflicts found", "lastTransitionTime": now},
-                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                 "message": "the initial names have been accepted", "lastTransitionTime": now},
+                {
+                    "type": "NamesAccepted",
+                    "status": "True",
+                    "reason": "NoConflicts",
+                    "message": "no conflicts found",
+                    "lastTransitionTime": now,
+                },
+                {
+                    "type": "Established",
+                    "status": "True",
+                    "reason": "InitialNamesAccepted",
+                    "message": "the initial names have been accepted",
+                    "lastTransitionTime": now,
+                },
             ],
             "storedVersions": [v["name"] for v in crd["spec"].get("versions") or [] if v.get("storage")],
         }

@@ -40,12 +40,14 @@ class LoggedRequest:
     def patch_type(self) -> str | None:
         if self.method != "PATCH" or not self.content_type:
             return None
-        return {"application/merge-patch+json": "merge", "application/json-patch+json": "json",
-                "application/strategic-merge-patch+json": "strategic",
-                "application/apply-patch+yaml": "apply"}.get(self.content_type, self.content_type)
+        return {
+            "application/merge-patch+json": "merge",
+            "application/json-patch+json": "json",
+            "application/strategic-merge-patch+json": "strategic",
+            "application/apply-patch+yaml": "apply",
+        }.get(self.content_type, self.content_type)
 
 
 def object_ref(obj: dict) -> str:
     meta = obj.get("metadata") or {}
     return f"{meta.get('namespace') or ''}/{meta.get('name')}"
-

@@ -81,13 +81,20 @@ def builtin_resources() -> list[ApiResource]:
                 continue
             if group == "metrics.k8s.io":
                 continue  # served by an aggregated API server, not by kube-apiserver
-            result.append(ApiResource(
-                group=group, version=version, plural=entry["name"], kind=entry["kind"],
-                singular=entry.get("singularName") or entry["kind"].lower(),
-                namespaced=bool(entry.get("namespaced")), verbs=list(entry.get("verbs") or []),
-                shortnames=list(entry.get("shortNames") or []), categories=list(entry.get("categories") or []),
-                subresources=subs.get(entry["name"], set()),
-            ))
+            result.append(
+                ApiResource(
+                    group=group,
+                    version=version,
+                    plural=entry["name"],
+                    kind=entry["kind"],
+                    singular=entry.get("singularName") or entry["kind"].lower(),
+                    namespaced=bool(entry.get("namespaced")),
+                    verbs=list(entry.get("verbs") or []),
+                    shortnames=list(entry.get("shortNames") or []),
+                    categories=list(entry.get("categories") or []),
+                    subresources=subs.get(entry["name"], set()),
+                )
+            )
     return result
 
 
@@ -102,4 +109,3 @@ def version_priority(version: str) -> tuple:
     major, stage, minor = int(m.group(1)), m.group(2), int(m.group(3) or 0)
     rank = {None: 0, "beta": 1, "alpha": 2}[stage]
     return (rank, -major, -minor, version)
-

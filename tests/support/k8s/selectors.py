@@ -86,7 +86,6 @@ def parse_field_selector(text: str) -> Callable[[dict], bool]:
     return lambda obj: all(check(obj) for check in checks)
 
 
-
 def selector_matches(selector: dict | None, labels: dict[str, str] | None) -> bool:
     """A ``LabelSelector`` object against a labels dict, as apimachinery's ``LabelSelectorAsSelector`` builds it:
     every ``matchLabels`` pair and every ``matchExpressions`` requirement (In, NotIn, Exists, DoesNotExist) must

@@ -19,7 +19,9 @@ from tests.support.k8s.emulator import KubernetesApiEmulator
 class EmulatorThread:
     """Serve a :class:`KubernetesApiEmulator` on a free loopback port from a background thread."""
 
-    def __init__(self, emulator: KubernetesApiEmulator | None = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, emulator: KubernetesApiEmulator | None = None, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self._kwargs = {"emulator": emulator, "host": host, "port": port}
         self.emulator: KubernetesApiEmulator | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -94,10 +96,14 @@ def write_kubeconfig(path: Any, server_url: str, *, namespace: str = "default", 
     """Write a kubeconfig for the emulator (a token user: kopf and clients need some credentials; the default
     token is the tests' administrator, one from ``KubernetesApiEmulator.service_account`` is authorized by RBAC)."""
     config = {
-        "apiVersion": "v1", "kind": "Config", "preferences": {},
+        "apiVersion": "v1",
+        "kind": "Config",
+        "preferences": {},
         "clusters": [{"name": "emulator", "cluster": {"server": server_url}}],
         "users": [{"name": "emulator", "user": {"token": token}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}],
+        "contexts": [
+            {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}
+        ],
         "current-context": "emulator",
     }
     with open(path, "w", encoding="utf-8") as f:

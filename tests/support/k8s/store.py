@@ -105,8 +105,11 @@ class StoreMixin:
                 self._put(key, new, "MODIFIED", obj)
 
     def _dependents(self, owner_uid: str) -> list[Key]:
-        return [key for key, obj in self._store.items()
-                if any(ref.get("uid") == owner_uid for ref in obj["metadata"].get("ownerReferences") or [])]
+        return [
+            key
+            for key, obj in self._store.items()
+            if any(ref.get("uid") == owner_uid for ref in obj["metadata"].get("ownerReferences") or [])
+        ]
 
     def _maybe_finish_namespace(self, namespace: str) -> None:
         ns_key = ("", "namespaces", "", namespace)
@@ -158,8 +161,11 @@ class StoreMixin:
             return None
         if current is not None and grace >= current:
             return obj
-        requested_at = self.clock.time() if current is None else \
-            (parse_time(meta["deletionTimestamp"]) or self.clock.time()) - current
+        requested_at = (
+            self.clock.time()
+            if current is None
+            else (parse_time(meta["deletionTimestamp"]) or self.clock.time()) - current
+        )
         new = copy.deepcopy(obj)
         new["metadata"]["deletionTimestamp"] = self.clock.iso(requested_at + grace)
         new["metadata"]["deletionGracePeriodSeconds"] = grace
@@ -198,16 +204,24 @@ class StoreMixin:
         ns = self._store.get(("", "namespaces", "", namespace))
         if ns is None:
             if self.auto_create_namespaces:
-                self._create(self.resource_for("", "v1", "namespaces"), None,
-                             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+                self._create(
+                    self.resource_for("", "v1", "namespaces"),
+                    None,
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+                )
                 return
-            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found',
-                           {"name": namespace, "kind": "namespaces"})
+            raise ApiError(
+                404, "NotFound", f'namespaces "{namespace}" not found', {"name": namespace, "kind": "namespaces"}
+            )
         if ns["metadata"].get("deletionTimestamp"):
-            raise ApiError(403, "Forbidden",
-                           f'{res.group_resource} is forbidden: unable to create new content in namespace '
-                           f'{namespace} because it is being terminated',
-                           {"group": res.group, "kind": res.plural})
+            raise ApiError(
+                403,
+                "Forbidden",
+                f"{res.group_resource} is forbidden: unable to create new content in namespace "
+                f"{namespace} because it is being terminated",
+                {"group": res.group, "kind": res.plural},
+            )
+
     def compact(self) -> int:
         """Forget the event history: watches from an older resourceVersion get 410 Gone (like etcd compaction)."""
         self._compacted_rv = self._rv
@@ -227,8 +241,9 @@ def pod_grace_period(pod: dict, requested: int | str | None) -> int:
     if not spec.get("nodeName") or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return 0
     try:
-        grace = int(requested) if requested is not None else int(spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+        grace = (
+            int(requested) if requested is not None else int(spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+        )
     except (TypeError, ValueError):
         raise bad_request(f"gracePeriodSeconds must be an integer, not {requested!r}") from None
     return max(0, grace)
-

@@ -13,8 +13,14 @@ from typing import Any
 
 from pdfleet_operator.api import admission as crd_admission
 from tests.support.k8s.errors import ApiError, bad_request, conflict, invalid, not_found, unprocessable
-from tests.support.k8s.patches import delete_path, deep_merge, json_merge_patch, json_patch, leaf_paths, \
-    strategic_merge_patch
+from tests.support.k8s.patches import (
+    deep_merge,
+    delete_path,
+    json_merge_patch,
+    json_patch,
+    leaf_paths,
+    strategic_merge_patch,
+)
 from tests.support.k8s.resources import ApiResource
 from tests.support.k8s.selectors import parse_field_selector, parse_label_selector
 
@@ -22,8 +28,16 @@ from tests.support.k8s.selectors import parse_field_selector, parse_label_select
 class VerbsMixin:
     """The API's verbs on the store."""
 
-    def _create(self, res: ApiResource, namespace: str | None, body: Any, *, dry_run: bool = False,
-                field_validation: str = "Warn", warnings: list[str] | None = None) -> dict:
+    def _create(
+        self,
+        res: ApiResource,
+        namespace: str | None,
+        body: Any,
+        *,
+        dry_run: bool = False,
+        field_validation: str = "Warn",
+        warnings: list[str] | None = None,
+    ) -> dict:
         warnings = warnings if warnings is not None else []
         obj = self._normalize(res, body, namespace, None)
         meta = obj["metadata"]
@@ -36,12 +50,23 @@ class VerbsMixin:
                 alphabet = string.ascii_lowercase + string.digits
                 meta["name"] = meta["generateName"] + "".join(secrets.choice(alphabet) for _ in range(5))
             else:
-                raise invalid(res, "", [crd_admission.FieldError("metadata.name", "FieldValueRequired",
-                                                             "Required value: name or generateName is required")])
+                raise invalid(
+                    res,
+                    "",
+                    [
+                        crd_admission.FieldError(
+                            "metadata.name", "FieldValueRequired", "Required value: name or generateName is required"
+                        )
+                    ],
+                )
         key = self._key(res, namespace, meta["name"])
         if key in self._store:
-            raise ApiError(409, "AlreadyExists", f'{res.group_resource} "{meta["name"]}" already exists',
-                           {"name": meta["name"], "group": res.group, "kind": res.plural})
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'{res.group_resource} "{meta["name"]}" already exists',
+                {"name": meta["name"], "group": res.group, "kind": res.plural},
+            )
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
             meta.pop(k, None)
         if res.has_status:
@@ -67,9 +92,19 @@ class VerbsMixin:
             self._register_crd(obj)
         return copy.deepcopy(obj)
 
-    def _update(self, res: ApiResource, namespace: str | None, name: str, body: Any, *,
-                subresource: str | None = None, dry_run: bool = False, field_validation: str = "Warn",
-                warnings: list[str] | None = None, old: dict | None = None) -> dict:
+    def _update(
+        self,
+        res: ApiResource,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+        field_validation: str = "Warn",
+        warnings: list[str] | None = None,
+        old: dict | None = None,
+    ) -> dict:
         warnings = warnings if warnings is not None else []
         key = self._key(res, namespace, name)
         if old is None:
@@ -106,9 +141,17 @@ class VerbsMixin:
         if old_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(old_meta.get("finalizers") or [])
             if added:
-                raise invalid(res, name, [crd_admission.FieldError(
-                    "metadata.finalizers", "FieldValueForbidden",
-                    f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}")])
+                raise invalid(
+                    res,
+                    name,
+                    [
+                        crd_admission.FieldError(
+                            "metadata.finalizers",
+                            "FieldValueForbidden",
+                            f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}",
+                        )
+                    ],
+                )
         if key[:2] == ("", "namespaces"):
             new["spec"] = copy.deepcopy(old.get("spec", {}))
             meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = name
@@ -134,9 +177,20 @@ class VerbsMixin:
             self._register_crd(new)
         return copy.deepcopy(new)
 
-    def _patch(self, res: ApiResource, namespace: str | None, name: str, patch_type: str, patch: Any, *,
-               subresource: str | None = None, dry_run: bool = False, field_validation: str = "Warn",
-               field_manager: str | None = None, warnings: list[str] | None = None) -> tuple[dict, bool]:
+    def _patch(
+        self,
+        res: ApiResource,
+        namespace: str | None,
+        name: str,
+        patch_type: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+        field_validation: str = "Warn",
+        field_manager: str | None = None,
+        warnings: list[str] | None = None,
+    ) -> tuple[dict, bool]:
         """Returns (object, created)."""
         warnings = warnings if warnings is not None else []
         key = self._key(res, namespace, name)
@@ -154,9 +208,12 @@ class VerbsMixin:
                 if res.namespaced:
                     body["metadata"].setdefault("namespace", namespace)
                 if body["metadata"]["name"] != name:
-                    raise bad_request(f"the name of the object ({body['metadata']['name']}) does not match the name on the URL ({name})")
-                created = self._create(res, namespace, body, dry_run=dry_run, field_validation=field_validation,
-                                       warnings=warnings)
+                    raise bad_request(
+                        f"the name of the object ({body['metadata']['name']}) does not match the name on the URL ({name})"
+                    )
+                created = self._create(
+                    res, namespace, body, dry_run=dry_run, field_validation=field_validation, warnings=warnings
+                )
                 if res.has_status and patch.get("status") is not None and not dry_run:
                     pass  # status in an apply on the main resource is ignored, as on a real server
                 if not dry_run:
@@ -166,16 +223,29 @@ class VerbsMixin:
             previous = self._applied.get(key, {}).get(field_manager)
             if previous is not None:
                 for path in leaf_paths(previous) - leaf_paths(patch):
-                    if path and path[0] not in ("apiVersion", "kind") and path[:2] != ("metadata", "name") \
-                            and path[:2] != ("metadata", "namespace"):
-                        still = any(p[:len(path)] == path for p in leaf_paths(patch))
+                    if (
+                        path
+                        and path[0] not in ("apiVersion", "kind")
+                        and path[:2] != ("metadata", "name")
+                        and path[:2] != ("metadata", "namespace")
+                    ):
+                        still = any(p[: len(path)] == path for p in leaf_paths(patch))
                         if not still:
                             delete_path(merged, path)
             new = merged
             if "resourceVersion" not in (patch.get("metadata") or {}):
                 new["metadata"].pop("resourceVersion", None)
-            result = self._update(res, namespace, name, new, subresource=subresource, dry_run=dry_run,
-                                  field_validation=field_validation, warnings=warnings, old=old)
+            result = self._update(
+                res,
+                namespace,
+                name,
+                new,
+                subresource=subresource,
+                dry_run=dry_run,
+                field_validation=field_validation,
+                warnings=warnings,
+                old=old,
+            )
             if not dry_run:
                 self._applied.setdefault(key, {})[field_manager] = copy.deepcopy(patch)
             return result, False
@@ -189,12 +259,17 @@ class VerbsMixin:
                 new = json_merge_patch(current, patch)
             elif patch_type == "strategic":
                 if res.crd is not None:
-                    raise ApiError(415, "UnsupportedMediaType",
-                                   "the body of the request was in an unknown format - accepted media types include: "
-                                   "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml")
+                    raise ApiError(
+                        415,
+                        "UnsupportedMediaType",
+                        "the body of the request was in an unknown format - accepted media types include: "
+                        "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml",
+                    )
                 new = strategic_merge_patch(current, patch)
             else:
-                raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - {patch_type}")
+                raise ApiError(
+                    415, "UnsupportedMediaType", f"the body of the request was in an unknown format - {patch_type}"
+                )
         except TypeError as exc:
             raise bad_request(str(exc)) from None
         except ValueError as exc:
@@ -206,11 +281,21 @@ class VerbsMixin:
         if patched_rv != old["metadata"]["resourceVersion"]:
             if patched_rv:
                 raise conflict(res, name)
-        return self._update(res, namespace, name, new, subresource=subresource, dry_run=dry_run,
-                            field_validation=field_validation, warnings=warnings, old=old), False
+        return self._update(
+            res,
+            namespace,
+            name,
+            new,
+            subresource=subresource,
+            dry_run=dry_run,
+            field_validation=field_validation,
+            warnings=warnings,
+            old=old,
+        ), False
 
-    def _delete(self, res: ApiResource, namespace: str | None, name: str, options: dict, *,
-                dry_run: bool = False) -> tuple[dict, bool]:
+    def _delete(
+        self, res: ApiResource, namespace: str | None, name: str, options: dict, *, dry_run: bool = False
+    ) -> tuple[dict, bool]:
         """Returns (object, gone_now)."""
         key = self._key(res, namespace, name)
         obj = self._store.get(key)
@@ -218,12 +303,20 @@ class VerbsMixin:
             raise not_found(res, name)
         pre = options.get("preconditions") or {}
         if pre.get("uid") and pre["uid"] != obj["metadata"]["uid"]:
-            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.group_resource} "{name}": '
-                           f'Precondition failed: UID in precondition: {pre["uid"]}, UID in object meta: {obj["metadata"]["uid"]}')
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {res.group_resource} "{name}": '
+                f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {obj['metadata']['uid']}",
+            )
         if pre.get("resourceVersion") and pre["resourceVersion"] != obj["metadata"]["resourceVersion"]:
-            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.group_resource} "{name}": '
-                           f'Precondition failed: ResourceVersion in precondition: {pre["resourceVersion"]}, '
-                           f'ResourceVersion in object meta: {obj["metadata"]["resourceVersion"]}')
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {res.group_resource} "{name}": '
+                f"Precondition failed: ResourceVersion in precondition: {pre['resourceVersion']}, "
+                f"ResourceVersion in object meta: {obj['metadata']['resourceVersion']}",
+            )
         if dry_run:
             return copy.deepcopy(obj), not obj["metadata"].get("finalizers")
         propagation = options.get("propagationPolicy")
@@ -234,8 +327,13 @@ class VerbsMixin:
 
     # ---- reading -----------------------------------------------------------------------------
 
-    def _matching(self, res: ApiResource, namespace: str | None, label_sel: Callable[[dict], bool] | None,
-                  field_sel: Callable[[dict], bool] | None) -> list[dict]:
+    def _matching(
+        self,
+        res: ApiResource,
+        namespace: str | None,
+        label_sel: Callable[[dict], bool] | None,
+        field_sel: Callable[[dict], bool] | None,
+    ) -> list[dict]:
         items = []
         for key in sorted(k for k in self._store if k[0] == res.group and k[1] == res.plural):
             if res.namespaced and namespace and key[2] != namespace:
@@ -246,7 +344,9 @@ class VerbsMixin:
         return items
 
     @staticmethod
-    def _selected(obj: dict, label_sel: Callable[[dict], bool] | None, field_sel: Callable[[dict], bool] | None) -> bool:
+    def _selected(
+        obj: dict, label_sel: Callable[[dict], bool] | None, field_sel: Callable[[dict], bool] | None
+    ) -> bool:
         if label_sel is not None and not label_sel(obj["metadata"].get("labels") or {}):
             return False
         if field_sel is not None and not field_sel(obj):
@@ -265,7 +365,16 @@ class VerbsMixin:
             raise not_found(res, name)
         return self._as_version(res, obj)
 
-    def list_objects(self, res: ApiResource, namespace: str | None = None, label_selector: str | None = None,
-                     field_selector: str | None = None) -> list[dict]:
-        return self._matching(res, namespace, parse_label_selector(label_selector) if label_selector else None,
-                              parse_field_selector(field_selector) if field_selector else None)
+    def list_objects(
+        self,
+        res: ApiResource,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict]:
+        return self._matching(
+            res,
+            namespace,
+            parse_label_selector(label_selector) if label_selector else None,
+            parse_field_selector(field_selector) if field_selector else None,
+        )

@@ -22,8 +22,15 @@ CLOSE = object()  # put on a watch's queue: end the stream
 class WatchesMixin:
     """Watch streams."""
 
-    async def _serve_watch(self, raw: aiohttp.web.BaseRequest, res: ApiResource, namespace: str | None,
-                           query: dict[str, str], table: bool, entry: LoggedRequest | None = None) -> aiohttp.web.StreamResponse:
+    async def _serve_watch(
+        self,
+        raw: aiohttp.web.BaseRequest,
+        res: ApiResource,
+        namespace: str | None,
+        query: dict[str, str],
+        table: bool,
+        entry: LoggedRequest | None = None,
+    ) -> aiohttp.web.StreamResponse:
         label_sel = parse_label_selector(query["labelSelector"]) if query.get("labelSelector") else None
         field_sel = parse_field_selector(query["fieldSelector"]) if query.get("fieldSelector") else None
         rv_param = query.get("resourceVersion") or ""
@@ -70,14 +77,17 @@ class WatchesMixin:
                     if event.rv > since and (t := translate(event)) is not None:
                         initial.append(t)
         self._watchers.add(queue)
-        response = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": JSON, "Cache-Control": "no-cache, private"})
+        response = aiohttp.web.StreamResponse(
+            status=200, headers={"Content-Type": JSON, "Cache-Control": "no-cache, private"}
+        )
         first_table = True
 
         async def send(type_: str, obj: dict) -> None:
             nonlocal first_table
             if table and type_ not in ("BOOKMARK", "ERROR"):
-                payload = self._table(res, [self._as_version(res, obj)], query.get("includeObject"),
-                                      with_columns=first_table)
+                payload = self._table(
+                    res, [self._as_version(res, obj)], query.get("includeObject"), with_columns=first_table
+                )
                 first_table = False
             elif type_ in ("BOOKMARK", "ERROR"):
                 payload = obj
@@ -92,16 +102,34 @@ class WatchesMixin:
             if entry is not None:
                 entry.status = 200  # streaming from now on
             if gone:
-                await send("ERROR", {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                     "message": f"too old resource version: {rv_param} ({self._compacted_rv})",
-                                     "reason": "Expired", "code": 410})
+                await send(
+                    "ERROR",
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Failure",
+                        "message": f"too old resource version: {rv_param} ({self._compacted_rv})",
+                        "reason": "Expired",
+                        "code": 410,
+                    },
+                )
                 await response.write_eof()
                 return response
             for type_, obj in initial:
                 await send(type_, obj)
             if send_initial:
-                await send("BOOKMARK", {"kind": res.kind, "apiVersion": res.api_version, "metadata": {
-                    "resourceVersion": str(self._rv), "annotations": {"k8s.io/initial-events-end": "true"}}})
+                await send(
+                    "BOOKMARK",
+                    {
+                        "kind": res.kind,
+                        "apiVersion": res.api_version,
+                        "metadata": {
+                            "resourceVersion": str(self._rv),
+                            "annotations": {"k8s.io/initial-events-end": "true"},
+                        },
+                    },
+                )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout if timeout is not None else None
             while True:

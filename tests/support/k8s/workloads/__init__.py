@@ -40,8 +40,19 @@ from tests.support.k8s.workloads.deployments import DeploymentController
 from tests.support.k8s.workloads.disruption import DisruptionController
 from tests.support.k8s.workloads.kubelet import Kubelet
 from tests.support.k8s.workloads.nodes import NodeLifecycle
-from tests.support.k8s.workloads.objects import DEPLOYMENT_KEY, FINISHED, HASH_LABEL, NODE_KEY, POD_KEY, WATCHED, \
-    Key, Store, requests_of, template_hash, with_condition
+from tests.support.k8s.workloads.objects import (
+    DEPLOYMENT_KEY,
+    FINISHED,
+    HASH_LABEL,
+    NODE_KEY,
+    POD_KEY,
+    WATCHED,
+    Key,
+    Store,
+    requests_of,
+    template_hash,
+    with_condition,
+)
 from tests.support.k8s.workloads.podgc import PodGC
 from tests.support.k8s.workloads.replicasets import ReplicaSetController
 from tests.support.k8s.workloads.scheduler import Scheduler
@@ -49,8 +60,18 @@ from tests.support.k8s.workloads.scheduler import Scheduler
 if TYPE_CHECKING:  # pragma: no cover
     from tests.support.k8s.emulator import KubernetesApiEmulator
 
-__all__ = ["Workloads", "ReadinessRule", "MAX_PASSES", "WATCHED", "FINISHED", "POD_KEY", "NODE_KEY", "DEPLOYMENT_KEY",
-           "requests_of", "template_hash"]
+__all__ = [
+    "Workloads",
+    "ReadinessRule",
+    "MAX_PASSES",
+    "WATCHED",
+    "FINISHED",
+    "POD_KEY",
+    "NODE_KEY",
+    "DEPLOYMENT_KEY",
+    "requests_of",
+    "template_hash",
+]
 
 MAX_PASSES = 200  # a pass moves every rollout one step; a burst of changes converges long before this
 PodPredicate = Callable[[dict], bool]
@@ -77,10 +98,10 @@ class Workloads:
     def __init__(self, emulator: KubernetesApiEmulator, *, graceful_termination: bool = False) -> None:
         self.kube = emulator
         self.store = Store(emulator)
-        self.bound = 0          # pods bound so far (for tests and benches)
+        self.bound = 0  # pods bound so far (for tests and benches)
         self.unschedulable = 0  # times a pod was marked Unschedulable
         self.unschedulable_pods: set[str] = set()  # `namespace/name` of every pod ever marked Unschedulable
-        self.taint_evictions: list[str] = []      # `namespace/name` of every pod a NoExecute taint evicted
+        self.taint_evictions: list[str] = []  # `namespace/name` of every pod a NoExecute taint evicted
         # False: the scheduler is held (pods stay unbound, as while kube-scheduler lags behind); `hold(False)` resumes.
         self.scheduling = True
         # Deleted pods of a node stay (deletionTimestamp, not ready, holding resources) for their grace period.
@@ -137,17 +158,21 @@ class Workloads:
     def selecting(label_selector: str, namespace: str | None = None) -> PodPredicate:
         """Pods matching a label selector (``app=x,tier in (a,b)``), in one namespace or any."""
         matches = parse_label_selector(label_selector)
-        return lambda pod: (namespace is None or pod["metadata"].get("namespace") == namespace) \
+        return lambda pod: (
+            (namespace is None or pod["metadata"].get("namespace") == namespace)
             and matches(pod["metadata"].get("labels") or {})
+        )
 
     def updated_pods_of(self, deployment: str, namespace: str = "default") -> PodPredicate:
         """Pods of the Deployment's current template (its new ReplicaSet's), whatever the template is when asked."""
+
         def predicate(pod: dict) -> bool:
             d = self.store.get(DEPLOYMENT_KEY + (namespace, deployment))
             if d is None or pod["metadata"].get("namespace") != namespace:
                 return False
             want = template_hash((d.get("spec") or {}).get("template") or {})
             return (pod["metadata"].get("labels") or {}).get(HASH_LABEL) == want
+
         return predicate
 
     # --- what the controllers ask ------------------------------------------------------------------------
@@ -155,18 +180,24 @@ class Workloads:
         """Whether the kubelet reports this running pod Ready."""
         if any(r.mode == "fail" and r.predicate(pod) for r in self.rules):
             return False
-        current = any(c.get("type") == "Ready" and c.get("status") == "True"
-                      for c in (pod.get("status") or {}).get("conditions") or [])
+        current = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
         if current:
             return True
-        return not any(r.mode == "hold" and r.predicate(pod) and (r.seconds is None or now < started + r.seconds)
-                       for r in self.rules)
+        return not any(
+            r.mode == "hold" and r.predicate(pod) and (r.seconds is None or now < started + r.seconds)
+            for r in self.rules
+        )
 
     def readiness_due(self, pod: dict, started: float | None) -> list[float]:
         """When holds with seconds on this not-ready pod run out."""
         if started is None:
             return []
-        return [started + r.seconds for r in self.rules if r.mode == "hold" and r.seconds is not None and r.predicate(pod)]
+        return [
+            started + r.seconds for r in self.rules if r.mode == "hold" and r.seconds is not None and r.predicate(pod)
+        ]
 
     def mark_disruption(self, key: Key, pod: dict, reason: str, message: str) -> None:
         """The ``DisruptionTarget`` condition a pod gets before a controller or the Eviction API deletes it."""
@@ -175,8 +206,11 @@ class Workloads:
             return
         new = copy.deepcopy(current)
         status = new.setdefault("status", {})
-        status["conditions"] = with_condition(status.get("conditions") or [], {
-            "type": "DisruptionTarget", "status": "True", "reason": reason, "message": message}, self.store.iso())
+        status["conditions"] = with_condition(
+            status.get("conditions") or [],
+            {"type": "DisruptionTarget", "status": "True", "reason": reason, "message": message},
+            self.store.iso(),
+        )
         self.store.write_status(key, new)
 
     def free_by_node(self) -> dict[str, dict[str, float]]:
@@ -199,7 +233,16 @@ class Workloads:
 
     def next_due(self) -> float | None:
         """The emulator time at which a controller has something to do next, if any."""
-        due = [d for d in (self.nodes.next_due(), self.podgc.next_due(), self.deployments.next_due(),
-                           self.replicasets.next_due(), self.kubelet.next_due(), self.disruption.next_due())
-               if d is not None and d > self.store.now()]
+        due = [
+            d
+            for d in (
+                self.nodes.next_due(),
+                self.podgc.next_due(),
+                self.deployments.next_due(),
+                self.replicasets.next_due(),
+                self.kubelet.next_due(),
+                self.disruption.next_due(),
+            )
+            if d is not None and d > self.store.now()
+        ]
         return min(due) if due else None

@@ -9,16 +9,33 @@ import copy
 from typing import Any
 
 from tests.support.k8s.clock import parse_time
-from tests.support.k8s.workloads.objects import DEPLOYMENT_KEY, HASH_LABEL, POD_KEY, REPLICASET_KEY, Key, Store, \
-    condition, template_hash, with_condition
-from tests.support.k8s.workloads.rollout import Set, is_rolling, max_surge, max_unavailable, new_set_replicas, \
-    old_scale_down, proportional, replicas_of
+from tests.support.k8s.workloads.objects import (
+    DEPLOYMENT_KEY,
+    HASH_LABEL,
+    POD_KEY,
+    REPLICASET_KEY,
+    Key,
+    Store,
+    condition,
+    template_hash,
+    with_condition,
+)
+from tests.support.k8s.workloads.rollout import (
+    Set,
+    is_rolling,
+    max_surge,
+    max_unavailable,
+    new_set_replicas,
+    old_scale_down,
+    proportional,
+    replicas_of,
+)
 
 REVISION = "deployment.kubernetes.io/revision"
 DESIRED = "deployment.kubernetes.io/desired-replicas"
 MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
 DEFAULT_DEADLINE_S = 600  # spec.progressDeadlineSeconds as the API server defaults it
-DEFAULT_HISTORY = 10      # spec.revisionHistoryLimit as the API server defaults it
+DEFAULT_HISTORY = 10  # spec.revisionHistoryLimit as the API server defaults it
 COMPLETE = "NewReplicaSetAvailable"
 TIMED_OUT = "ProgressDeadlineExceeded"
 
@@ -43,8 +60,13 @@ def _revision(rs: dict) -> int:
 
 def _as_set(rs: dict) -> Set:
     annotated = (rs["metadata"].get("annotations") or {}).get(MAX_REPLICAS)
-    return Set(rs["metadata"]["name"], _spec_replicas(rs), _status(rs, "availableReplicas"),
-               rs["metadata"].get("creationTimestamp") or "", int(annotated) if annotated and annotated.isdigit() else None)
+    return Set(
+        rs["metadata"]["name"],
+        _spec_replicas(rs),
+        _status(rs, "availableReplicas"),
+        rs["metadata"].get("creationTimestamp") or "",
+        int(annotated) if annotated and annotated.isdigit() else None,
+    )
 
 
 class DeploymentController:
@@ -99,8 +121,9 @@ class DeploymentController:
                 return self._resize(new, d, target), hint
         sizes = old_scale_down(d, _as_set(new[1]), [_as_set(rs) for _, rs in old])
         if sizes:
-            return any([self._resize(o, d, sizes[o[1]["metadata"]["name"]]) for o in old
-                        if o[1]["metadata"]["name"] in sizes]), hint
+            return any(
+                [self._resize(o, d, sizes[o[1]["metadata"]["name"]]) for o in old if o[1]["metadata"]["name"] in sizes]
+            ), hint
         if self._complete(d, d.get("status") or {}):
             return self._cleanup(d, old), hint
         return False, hint
@@ -128,7 +151,9 @@ class DeploymentController:
         new = next(((k, rs) for k, rs in sets if (rs["metadata"].get("labels") or {}).get(HASH_LABEL) == want), None)
         return new, [(k, rs) for k, rs in sets if new is None or k != new[0]]
 
-    def _new_set(self, key: Key, d: dict, new: Owned | None, old: list[Owned]) -> tuple[Owned | None, dict | None, bool]:
+    def _new_set(
+        self, key: Key, d: dict, new: Owned | None, old: list[Owned]
+    ) -> tuple[Owned | None, dict | None, bool]:
         """Find or create the ReplicaSet of the current template; sync its revision and minReadySeconds and the
         Deployment's revision annotation. Returns it, the Progressing condition it calls for, and whether it wrote."""
         revision = max([_revision(rs) for _, rs in old], default=0) + 1
@@ -139,8 +164,12 @@ class DeploymentController:
             rs = self._replica_set(d, new_set_replicas(d, [_as_set(rs) for _, rs in old], 0), revision)
             created = self.s.create(REPLICASET_KEY, key[2], rs)
             new = (REPLICASET_KEY + (key[2], created["metadata"]["name"]), created)
-            hint = {"type": "Progressing", "status": "True", "reason": "NewReplicaSetCreated",
-                    "message": f'Created new replica set "{created["metadata"]["name"]}"'}
+            hint = {
+                "type": "Progressing",
+                "status": "True",
+                "reason": "NewReplicaSetCreated",
+                "message": f'Created new replica set "{created["metadata"]["name"]}"',
+            }
             changed = True
         else:
             rs = copy.deepcopy(new[1])
@@ -152,8 +181,12 @@ class DeploymentController:
                 changed = self.s.update(new[0], rs) or changed
                 new = (new[0], self.s.get(new[0]) or rs)
             if condition(d, "Progressing") is None:
-                hint = {"type": "Progressing", "status": "True", "reason": "FoundNewReplicaSet",
-                        "message": f'Found new replica set "{rs["metadata"]["name"]}"'}
+                hint = {
+                    "type": "Progressing",
+                    "status": "True",
+                    "reason": "FoundNewReplicaSet",
+                    "message": f'Found new replica set "{rs["metadata"]["name"]}"',
+                }
         current = (d["metadata"].get("annotations") or {}).get(REVISION)
         wanted = (new[1]["metadata"].get("annotations") or {}).get(REVISION)
         if wanted and current != wanted:
@@ -171,15 +204,36 @@ class DeploymentController:
         selector = copy.deepcopy(spec.get("selector") or {})
         selector["matchLabels"] = {**(selector.get("matchLabels") or {}), HASH_LABEL: hash_}
         name, ns = d["metadata"]["name"], d["metadata"]["namespace"]
-        return {"apiVersion": "apps/v1", "kind": "ReplicaSet",
-                "metadata": {"name": f"{name}-{hash_}", "namespace": ns, "labels": labels,
-                             "annotations": {REVISION: str(revision), DESIRED: str(replicas_of(d)),
-                                             MAX_REPLICAS: str(replicas_of(d) + max_surge(d))},
-                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": name,
-                                                  "uid": d["metadata"]["uid"], "controller": True,
-                                                  "blockOwnerDeletion": True}]},
-                "spec": {"replicas": replicas, "minReadySeconds": int(spec.get("minReadySeconds") or 0),
-                         "selector": selector, "template": template}}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": f"{name}-{hash_}",
+                "namespace": ns,
+                "labels": labels,
+                "annotations": {
+                    REVISION: str(revision),
+                    DESIRED: str(replicas_of(d)),
+                    MAX_REPLICAS: str(replicas_of(d) + max_surge(d)),
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": name,
+                        "uid": d["metadata"]["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": {
+                "replicas": replicas,
+                "minReadySeconds": int(spec.get("minReadySeconds") or 0),
+                "selector": selector,
+                "template": template,
+            },
+        }
 
     def _resize(self, owned: Owned, d: dict, size: int) -> bool:
         """``scaleReplicaSet``: the new size and the replicas annotations of the Deployment it serves."""
@@ -202,16 +256,24 @@ class DeploymentController:
         sets = old + ([new] if new else [])
         running = [o for o in sets if _spec_replicas(o[1]) > 0]
         if len(running) <= 1:
-            target = running[0] if running else new or max(old, key=lambda o: o[1]["metadata"].get("creationTimestamp") or "",
-                                                          default=None)
+            target = (
+                running[0]
+                if running
+                else new or max(old, key=lambda o: o[1]["metadata"].get("creationTimestamp") or "", default=None)
+            )
             return target is not None and self._resize(target, d, replicas_of(d))
-        if new is not None and _spec_replicas(new[1]) == replicas_of(d) \
-                and _status(new[1], "availableReplicas") == replicas_of(d):
+        if (
+            new is not None
+            and _spec_replicas(new[1]) == replicas_of(d)
+            and _status(new[1], "availableReplicas") == replicas_of(d)
+        ):
             return any([self._resize(o, d, 0) for o in old if _spec_replicas(o[1]) > 0])
         if not is_rolling(d):
             return False
-        newest_first = [o[1]["metadata"]["name"] for o in sorted(
-            running, key=lambda o: o[1]["metadata"].get("creationTimestamp") or "", reverse=True)]
+        newest_first = [
+            o[1]["metadata"]["name"]
+            for o in sorted(running, key=lambda o: o[1]["metadata"].get("creationTimestamp") or "", reverse=True)
+        ]
         sizes = proportional(d, [_as_set(rs) for _, rs in running], _status(d, "replicas"), newest_first=newest_first)
         return any([self._resize(o, d, sizes[o[1]["metadata"]["name"]]) for o in running])
 
@@ -232,9 +294,13 @@ class DeploymentController:
         limit = DEFAULT_HISTORY if limit is None else int(limit)
         cleanable = sorted(old, key=lambda o: _revision(o[1]))
         changed = False
-        for key, rs in cleanable[:max(0, len(cleanable) - limit)]:
+        for key, rs in cleanable[: max(0, len(cleanable) - limit)]:
             st = rs.get("status") or {}
-            if st.get("replicas") or _spec_replicas(rs) or rs["metadata"].get("generation", 1) > st.get("observedGeneration", 0):
+            if (
+                st.get("replicas")
+                or _spec_replicas(rs)
+                or rs["metadata"].get("generation", 1) > st.get("observedGeneration", 0)
+            ):
                 continue
             self.s.delete(key)
             changed = True
@@ -248,21 +314,31 @@ class DeploymentController:
         sets = [rs for _, rs in old] + ([new[1]] if new else [])
         replicas = replicas_of(d)
         available = sum(_status(rs, "availableReplicas") for rs in sets)
-        counts = {"observedGeneration": d["metadata"].get("generation", 1),
-                  "replicas": sum(_status(rs, "replicas") for rs in sets),
-                  "updatedReplicas": _status(new[1], "replicas") if new else 0,
-                  "readyReplicas": sum(_status(rs, "readyReplicas") for rs in sets),
-                  "availableReplicas": available,
-                  "unavailableReplicas": max(0, sum(_spec_replicas(rs) for rs in sets) - available)}
+        counts = {
+            "observedGeneration": d["metadata"].get("generation", 1),
+            "replicas": sum(_status(rs, "replicas") for rs in sets),
+            "updatedReplicas": _status(new[1], "replicas") if new else 0,
+            "readyReplicas": sum(_status(rs, "readyReplicas") for rs in sets),
+            "availableReplicas": available,
+            "unavailableReplicas": max(0, sum(_spec_replicas(rs) for rs in sets) - available),
+        }
         before = d.get("status") or {}
         now = self.s.iso()
         conditions = list(before.get("conditions") or [])
         if available >= replicas - max_unavailable(d):
-            avail = {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable",
-                     "message": "Deployment has minimum availability."}
+            avail = {
+                "type": "Available",
+                "status": "True",
+                "reason": "MinimumReplicasAvailable",
+                "message": "Deployment has minimum availability.",
+            }
         else:
-            avail = {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable",
-                     "message": "Deployment does not have minimum availability."}
+            avail = {
+                "type": "Available",
+                "status": "False",
+                "reason": "MinimumReplicasUnavailable",
+                "message": "Deployment does not have minimum availability.",
+            }
         conditions = with_condition(conditions, avail, now, update_time=True)
         if hint is not None:
             conditions = with_condition(conditions, hint, now, update_time=True)
@@ -284,40 +360,73 @@ class DeploymentController:
         False with ProgressDeadlineExceeded when nothing moved for progressDeadlineSeconds."""
         current = next((c for c in conditions if c.get("type") == "Progressing"), None)
         name = new["metadata"]["name"]
-        if counts["replicas"] == counts["updatedReplicas"] and current is not None and current.get("reason") == COMPLETE:
+        if (
+            counts["replicas"] == counts["updatedReplicas"]
+            and current is not None
+            and current.get("reason") == COMPLETE
+        ):
             return conditions
         if self._complete(d, counts):
-            return with_condition(conditions, {"type": "Progressing", "status": "True", "reason": COMPLETE,
-                                               "message": f'ReplicaSet "{name}" has successfully progressed.'},
-                                  now, update_time=True)
+            return with_condition(
+                conditions,
+                {
+                    "type": "Progressing",
+                    "status": "True",
+                    "reason": COMPLETE,
+                    "message": f'ReplicaSet "{name}" has successfully progressed.',
+                },
+                now,
+                update_time=True,
+            )
         if self._moved(before, counts):
-            cond = {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated",
-                    "message": f'ReplicaSet "{name}" is progressing.', "lastUpdateTime": now,
-                    "lastTransitionTime": current.get("lastTransitionTime", now)
-                    if current is not None and current.get("status") == "True" else now}
+            cond = {
+                "type": "Progressing",
+                "status": "True",
+                "reason": "ReplicaSetUpdated",
+                "message": f'ReplicaSet "{name}" is progressing.',
+                "lastUpdateTime": now,
+                "lastTransitionTime": current.get("lastTransitionTime", now)
+                if current is not None and current.get("status") == "True"
+                else now,
+            }
             return [c for c in conditions if c.get("type") != "Progressing"] + [cond]
         if current is not None and self._timed_out(d, current):
-            return with_condition(conditions, {"type": "Progressing", "status": "False", "reason": TIMED_OUT,
-                                               "message": f'ReplicaSet "{name}" has timed out progressing.'},
-                                  now, update_time=True)
+            return with_condition(
+                conditions,
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": TIMED_OUT,
+                    "message": f'ReplicaSet "{name}" has timed out progressing.',
+                },
+                now,
+                update_time=True,
+            )
         return conditions
 
     @staticmethod
     def _complete(d: dict, status: dict) -> bool:
         replicas = replicas_of(d)
-        return (int(status.get("updatedReplicas") or 0) == replicas and int(status.get("replicas") or 0) == replicas
-                and int(status.get("availableReplicas") or 0) == replicas
-                and int(status.get("observedGeneration") or 0) >= d["metadata"].get("generation", 1))
+        return (
+            int(status.get("updatedReplicas") or 0) == replicas
+            and int(status.get("replicas") or 0) == replicas
+            and int(status.get("availableReplicas") or 0) == replicas
+            and int(status.get("observedGeneration") or 0) >= d["metadata"].get("generation", 1)
+        )
 
     @staticmethod
     def _moved(before: dict, after: dict) -> bool:
         def get(st: dict, field: str) -> int:
             return int(st.get(field) or 0)
+
         old_before = get(before, "replicas") - get(before, "updatedReplicas")
         old_after = get(after, "replicas") - get(after, "updatedReplicas")
-        return (get(after, "updatedReplicas") > get(before, "updatedReplicas") or old_after < old_before
-                or get(after, "readyReplicas") > get(before, "readyReplicas")
-                or get(after, "availableReplicas") > get(before, "availableReplicas"))
+        return (
+            get(after, "updatedReplicas") > get(before, "updatedReplicas")
+            or old_after < old_before
+            or get(after, "readyReplicas") > get(before, "readyReplicas")
+            or get(after, "availableReplicas") > get(before, "availableReplicas")
+        )
 
     def _timed_out(self, d: dict, current: dict) -> bool:
         if current.get("reason") == TIMED_OUT:

@@ -50,25 +50,41 @@ class DisruptionController:
 
     def _sync(self, key: Key, pdb: dict) -> bool:
         selector = (pdb.get("spec") or {}).get("selector")
-        pods = [(k, p) for k, p in self.s.objects(POD_KEY)
-                if k[2] == key[2] and selector_matches(selector, p["metadata"].get("labels"))]
+        pods = [
+            (k, p)
+            for k, p in self.s.objects(POD_KEY)
+            if k[2] == key[2] and selector_matches(selector, p["metadata"].get("labels"))
+        ]
         generation = pdb["metadata"].get("generation", 1)
         before = pdb.get("status") or {}
         try:
             expected, desired = self._expected(pdb, [p for _, p in pods])
         except SyncFailed as exc:
-            status = {"disruptionsAllowed": 0, "currentHealthy": 0, "desiredHealthy": 0, "expectedPods": 0,
-                      "observedGeneration": generation,
-                      "conditions": self._condition(before, "False", "SyncFailed", str(exc), generation)}
+            status = {
+                "disruptionsAllowed": 0,
+                "currentHealthy": 0,
+                "desiredHealthy": 0,
+                "expectedPods": 0,
+                "observedGeneration": generation,
+                "conditions": self._condition(before, "False", "SyncFailed", str(exc), generation),
+            }
             return self._write(key, pdb, status)
         disrupted = self._disrupted(before, {k[3]: p for k, p in pods})
-        healthy = sum(1 for _, p in pods if not p["metadata"].get("deletionTimestamp")
-                      and p["metadata"]["name"] not in disrupted and pod_ready(p))
+        healthy = sum(
+            1
+            for _, p in pods
+            if not p["metadata"].get("deletionTimestamp") and p["metadata"]["name"] not in disrupted and pod_ready(p)
+        )
         allowed = healthy - desired
         if expected <= 0 or allowed <= 0:
             allowed = 0
-        status: dict[str, Any] = {"disruptionsAllowed": allowed, "currentHealthy": healthy, "desiredHealthy": desired,
-                                  "expectedPods": expected, "observedGeneration": generation}
+        status: dict[str, Any] = {
+            "disruptionsAllowed": allowed,
+            "currentHealthy": healthy,
+            "desiredHealthy": desired,
+            "expectedPods": expected,
+            "observedGeneration": generation,
+        }
         if disrupted:
             status["disruptedPods"] = disrupted
         reason = ("True", "SufficientPods") if allowed > 0 else ("False", "InsufficientPods")
@@ -126,8 +142,14 @@ class DisruptionController:
     def _condition(self, before: dict, status: str, reason: str, message: str, generation: int) -> list[dict]:
         current = next((c for c in before.get("conditions") or [] if c.get("type") == "DisruptionAllowed"), None)
         since = current.get("lastTransitionTime") if current is not None and current.get("status") == status else None
-        cond = {"type": "DisruptionAllowed", "status": status, "reason": reason, "message": message,
-                "observedGeneration": generation, "lastTransitionTime": since or self.s.iso()}
+        cond = {
+            "type": "DisruptionAllowed",
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "observedGeneration": generation,
+            "lastTransitionTime": since or self.s.iso(),
+        }
         return [c for c in before.get("conditions") or [] if c.get("type") != "DisruptionAllowed"] + [cond]
 
     def _write(self, key: Key, pdb: dict, status: dict) -> bool:

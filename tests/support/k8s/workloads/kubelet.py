@@ -51,8 +51,12 @@ class Kubelet:
             if node is None:
                 continue
             deleting = pod["metadata"].get("deletionTimestamp")
-            if deleting and self.wl.graceful_termination and pod["metadata"].get("deletionGracePeriodSeconds") \
-                    and node_ready(node) != "Unknown":
+            if (
+                deleting
+                and self.wl.graceful_termination
+                and pod["metadata"].get("deletionGracePeriodSeconds")
+                and node_ready(node) != "Unknown"
+            ):
                 at = parse_time(deleting)
                 if at is not None and at > now:
                     due.append(at)
@@ -67,9 +71,14 @@ class Kubelet:
             return False
         start = st.get("startTime") or self.s.iso(now)
         ready = self.wl.ready(pod, parse_time(start) or now, now)
-        status = {**st, "phase": "Running", "hostIP": st.get("hostIP") or HOST_IP, "startTime": start,
-                  "conditions": self._conditions(pod, ready, now),
-                  "containerStatuses": self._containers(pod, ready, start)}
+        status = {
+            **st,
+            "phase": "Running",
+            "hostIP": st.get("hostIP") or HOST_IP,
+            "startTime": start,
+            "conditions": self._conditions(pod, ready, now),
+            "containerStatuses": self._containers(pod, ready, start),
+        }
         return self._write(key, pod, status)
 
     def _terminate(self, key: Key, pod: dict, node: dict, now: float) -> bool:
@@ -99,8 +108,9 @@ class Kubelet:
                 cond["message"] = f"containers with unready status: [{' '.join(str(n) for n in names)}]"
             before = current.get(type_) or {}
             same = before.get("status") == cond["status"]
-            cond["lastTransitionTime"] = before.get("lastTransitionTime") if same and before.get("lastTransitionTime") \
-                else self.s.iso(now)
+            cond["lastTransitionTime"] = (
+                before.get("lastTransitionTime") if same and before.get("lastTransitionTime") else self.s.iso(now)
+            )
             out.append(cond)
         return out
 
@@ -108,8 +118,17 @@ class Kubelet:
     def _containers(pod: dict, ready: bool, start: str) -> list[dict]:
         out = []
         for c in (pod.get("spec") or {}).get("containers") or []:
-            out.append({"name": c.get("name"), "image": c.get("image"), "imageID": "", "ready": ready,
-                        "started": True, "restartCount": 0, "state": {"running": {"startedAt": start}}})
+            out.append(
+                {
+                    "name": c.get("name"),
+                    "image": c.get("image"),
+                    "imageID": "",
+                    "ready": ready,
+                    "started": True,
+                    "restartCount": 0,
+                    "state": {"running": {"startedAt": start}},
+                }
+            )
         return out
 
     def _write(self, key: Key, pod: dict, status: dict) -> bool:

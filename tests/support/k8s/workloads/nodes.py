@@ -86,7 +86,9 @@ class NodeLifecycle:
                 present.add(pair)
         for k, effect in wanted:
             if (k, effect) not in present:
-                kept.append({"key": k, "effect": effect, **({"timeAdded": self.s.iso()} if effect == "NoExecute" else {})})
+                kept.append(
+                    {"key": k, "effect": effect, **({"timeAdded": self.s.iso()} if effect == "NoExecute" else {})}
+                )
         if kept == ((node.get("spec") or {}).get("taints") or []):
             return False
         new = copy.deepcopy(node)
@@ -116,7 +118,11 @@ class NodeLifecycle:
         now = self.s.now()
         if any(tol is None for tol in used):
             return self._evict(key, pod)
-        seconds = [int(tol["tolerationSeconds"]) for tol in used if tol is not None and tol.get("tolerationSeconds") is not None]
+        seconds = [
+            int(tol["tolerationSeconds"])
+            for tol in used
+            if tol is not None and tol.get("tolerationSeconds") is not None
+        ]
         if not seconds:
             self.scheduled.pop(key, None)  # tolerated for ever
             return False

@@ -37,8 +37,14 @@ def deletion_rank(pod: dict) -> tuple:
     """``ActivePodsWithRanks``: the pods a scale-down removes first sort first."""
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     since = ready_since(pod)
-    return (bool(spec.get("nodeName")), PHASE_RANK.get(status.get("phase") or "Pending", 0), since is not None,
-            -(since or 0.0), _negated(pod["metadata"].get("creationTimestamp") or ""), pod["metadata"]["name"])
+    return (
+        bool(spec.get("nodeName")),
+        PHASE_RANK.get(status.get("phase") or "Pending", 0),
+        since is not None,
+        -(since or 0.0),
+        _negated(pod["metadata"].get("creationTimestamp") or ""),
+        pod["metadata"]["name"],
+    )
 
 
 def _negated(timestamp: str) -> tuple[int, ...]:
@@ -65,12 +71,15 @@ class ReplicaSetController:
             pods = [p for _, p in self.s.owned(POD_KEY, rs) if active(p)]
             min_ready = int((rs.get("spec") or {}).get("minReadySeconds") or 0)
             labels = ((rs.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
-            status = {"replicas": len(pods),
-                      "fullyLabeledReplicas": sum(all((p["metadata"].get("labels") or {}).get(k) == v
-                                                      for k, v in labels.items()) for p in pods),
-                      "readyReplicas": sum(pod_ready(p) for p in pods),
-                      "availableReplicas": sum(available(p, min_ready, now) for p in pods),
-                      "observedGeneration": rs["metadata"].get("generation", 1)}
+            status = {
+                "replicas": len(pods),
+                "fullyLabeledReplicas": sum(
+                    all((p["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items()) for p in pods
+                ),
+                "readyReplicas": sum(pod_ready(p) for p in pods),
+                "availableReplicas": sum(available(p, min_ready, now) for p in pods),
+                "observedGeneration": rs["metadata"].get("generation", 1),
+            }
             status = {k: v for k, v in status.items() if v or k == "replicas"}  # (replicas is not omitempty)
             if rs.get("status", {}).get("conditions"):
                 status["conditions"] = rs["status"]["conditions"]
@@ -111,6 +120,14 @@ class ReplicaSetController:
         suffix = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(5))
         meta["name"] = f"{name}-{suffix}"
         meta["namespace"] = rs["metadata"]["namespace"]
-        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": name,
-                                    "uid": rs["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "name": name,
+                "uid": rs["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": copy.deepcopy(template.get("spec") or {})}

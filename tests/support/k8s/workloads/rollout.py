@@ -18,9 +18,9 @@ class Set:
     """One ReplicaSet as the arithmetic sees it."""
 
     name: str
-    spec: int           # spec.replicas
+    spec: int  # spec.replicas
     available: int = 0  # status.availableReplicas
-    created: str = ""   # creationTimestamp (then name) orders old sets oldest first
+    created: str = ""  # creationTimestamp (then name) orders old sets oldest first
     max_replicas: int | None = None  # the deployment.kubernetes.io/max-replicas annotation
 
 

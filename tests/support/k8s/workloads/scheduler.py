@@ -66,8 +66,9 @@ def _expression_holds(expr: dict, labels: dict[str, str]) -> bool:
 
 
 def _affinity_matches(pod_spec: dict, labels: dict[str, str]) -> bool:
-    required = (((pod_spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = required.get("nodeSelectorTerms") or []
     if not terms:
         return True
@@ -103,10 +104,16 @@ class Scheduler:
         changed = False
         nodes = self.s.objects(NODE_KEY)
         free = self.free_by_node()
-        pending = [(k, p) for k, p in self.s.objects(POD_KEY)
-                   if not (p.get("spec") or {}).get("nodeName") and not p["metadata"].get("deletionTimestamp")
-                   and (p.get("status") or {}).get("phase") not in FINISHED]
-        pending.sort(key=lambda kp: (kp[1]["metadata"].get("creationTimestamp", ""), int(kp[1]["metadata"]["resourceVersion"])))
+        pending = [
+            (k, p)
+            for k, p in self.s.objects(POD_KEY)
+            if not (p.get("spec") or {}).get("nodeName")
+            and not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in FINISHED
+        ]
+        pending.sort(
+            key=lambda kp: (kp[1]["metadata"].get("creationTimestamp", ""), int(kp[1]["metadata"]["resourceVersion"]))
+        )
         for key, pod in pending:
             try:
                 want = requests_of(pod)
@@ -125,15 +132,21 @@ class Scheduler:
                 if not node_ready(node) == "True":
                     miss("node(s) were not Ready")
                     continue
-                if (node.get("spec") or {}).get("unschedulable") and not tolerates(spec.get("tolerations") or [], UNSCHEDULABLE):
+                if (node.get("spec") or {}).get("unschedulable") and not tolerates(
+                    spec.get("tolerations") or [], UNSCHEDULABLE
+                ):
                     miss("node(s) were unschedulable")
                     continue
-                if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) \
-                        or not _affinity_matches(spec, labels):
+                if any(
+                    labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()
+                ) or not _affinity_matches(spec, labels):
                     miss("node(s) didn't match Pod's node affinity/selector")
                     continue
-                untolerated = [t for t in (node.get("spec") or {}).get("taints") or []
-                               if t.get("effect") in BLOCKING and not tolerates(spec.get("tolerations") or [], t)]
+                untolerated = [
+                    t
+                    for t in (node.get("spec") or {}).get("taints") or []
+                    if t.get("effect") in BLOCKING and not tolerates(spec.get("tolerations") or [], t)
+                ]
                 if untolerated:
                     t = untolerated[0]
                     miss(f"node(s) had untolerated taint {{{t.get('key')}: {t.get('value') or ''}}}")
@@ -146,7 +159,11 @@ class Scheduler:
                 fits.append(name)
             if not fits:
                 reasons = ", ".join(f"{n} {r}" for r, n in sorted(why.items()))
-                message = f"0/{len(nodes)} nodes are available: {reasons}." if nodes else "no nodes available to schedule pods"
+                message = (
+                    f"0/{len(nodes)} nodes are available: {reasons}."
+                    if nodes
+                    else "no nodes available to schedule pods"
+                )
                 changed = self._unschedulable(key, pod, message) or changed
                 continue
             extended = [r for r in want if r not in ("cpu", "memory", "pods", "ephemeral-storage")]
@@ -163,8 +180,10 @@ class Scheduler:
         return changed
 
     def _unschedulable(self, key: Key, pod: dict, message: str) -> bool:
-        status = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
-                                                      "reason": "Unschedulable", "message": message}]}
+        status = {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}],
+        }
         if (pod.get("status") or {}) == status:
             return False
         new = copy.deepcopy(pod)
