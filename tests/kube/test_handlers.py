@@ -126,19 +126,21 @@ async def test_metrics_endpoint_ignores_openmetrics_accept() -> None:
 async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_what_the_api_lists() -> None:
     """At start-up kopf runs handlers while its indexes still fill; planning then would see a missing
     class or node and move or delete serving pools, and a status computed without a child Deployment calls a
-    serving pool not ready (a restart rewrote every status that way). The first reconcile waits for all."""
+    serving pool not ready (a restart rewrote every status that way). The first reconcile waits for the classes and
+    nodes, and each deployment's first reconcile for its own children."""
     import asyncio
 
-    router = {"metadata": {"name": "chat-router", "namespace": "default", "labels": {render.LABEL_DEPLOYMENT: "chat"}}}
-    unlabelled = {
-        "metadata": {"name": "hand-made", "namespace": "default", "labels": {}}
-    }  # never indexed: not waited for
+    def deployment(name: str, owner: str | None) -> dict:
+        labels = {render.LABEL_DEPLOYMENT: owner} if owner else {}
+        return {"metadata": {"name": name, "namespace": "default", "labels": labels}}
+
+    router, other = deployment("chat-router", "chat"), deployment("code-router", "code")
 
     class FakeApi:
         async def list(self, kind, namespace, label_selector=None):
             if kind == "Deployment":
                 assert label_selector == "app.kubernetes.io/managed-by=pdfleet-operator"
-                return [router, unlabelled]
+                return [router, other, deployment("hand-made", None)]  # (unlabelled: never indexed, not waited for)
             if kind in ("AcceleratorClass", "Node"):
                 names = {"AcceleratorClass": ["h100-80gb", "h200-141gb"], "Node": ["n1", "n2"]}[kind]
                 return [{"metadata": {"name": n}} for n in names]
@@ -151,11 +153,18 @@ async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_wha
     assert not waiting.done(), "planned before h200-141gb and n2 were indexed"
     rec.indexes["class_index"]["h200-141gb"] = [object()]
     rec.indexes["node_index"]["n2"] = [object()]
-    await asyncio.sleep(0.2)
-    assert not waiting.done(), "planned before the router's Deployment was indexed"
-    rec.indexes["deployment_children"] = {("default", "chat"): [router]}
     await asyncio.wait_for(waiting, timeout=2)
     await asyncio.wait_for(rec.sync(FakeApi()), timeout=0.1)  # once per process
+
+    chat = asyncio.ensure_future(rec.children_indexed(("default", "chat")))
+    await asyncio.sleep(0.2)
+    assert not chat.done(), "reconciled chat before its router's Deployment was indexed"
+    rec.indexes["deployment_children"] = {("default", "code"): [other]}
+    await asyncio.wait_for(rec.children_indexed(("default", "code")), timeout=0.1)  # code waits for its own only
+    assert not chat.done()
+    rec.indexes["deployment_children"][("default", "chat")] = [router]
+    await asyncio.wait_for(chat, timeout=2)
+    await asyncio.wait_for(rec.children_indexed(("default", "new")), timeout=0.1)  # nothing listed: no wait
 
 
 async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:

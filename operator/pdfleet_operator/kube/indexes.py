@@ -20,8 +20,10 @@ from pdfleet_operator.kube import client
 
 logger = logging.getLogger("pdfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
-# How long the first reconcile of a process waits for kopf's class and node indexes to be complete.
+# How long the first reconcile of a process waits for kopf's class and node indexes to be complete, and how long
+# after start a deployment's first reconcile waits for its children to be indexed (thousands of them at 500 CRs).
 INDEX_SYNC_TIMEOUT_S = 10.0
+CHILD_SYNC_TIMEOUT_S = 120.0
 # kind -> the index of that child kind (handlers.py declares them; each holds whole objects by (namespace, owner))
 CHILD_INDEXES = {
     "Deployment": "deployment_children",
@@ -48,6 +50,9 @@ class Cluster:
         self.indexes: dict[str, Any] = {}
         self.indexed = False  # every index holds its initial listing (set by the first resource handler)
         self._synced: asyncio.Task | None = None
+        # What the API listed at start per deployment and kopf had not indexed yet: key -> {(index name, object name)}
+        self._unindexed: dict[Key, set[tuple[str, str]]] = {}
+        self._children_deadline = 0.0
         # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
         # (monotonic time, pod views, why they could not be listed or None).
         self._foreign: tuple[float, list[dict[str, Any]], str | None] | None = None
@@ -130,14 +135,13 @@ class Cluster:
 
     # --- once per process ------------------------------------------------------------------------------------
     async def sync(self, api: client.Api, namespaces: tuple[str, ...] = ()) -> None:
-        """Wait until kopf's class, node and child indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S).
+        """Wait until kopf's class and node indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S), and note
+        the children the API lists per deployment (`children_indexed` waits for those).
 
         NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
         start-up among them) already run. A plan made before every AcceleratorClass and Node is
-        indexed sees less capacity or a missing class and would move serving pools, and a status
-        computed before every child Deployment is indexed says a serving pool is not ready (a restart
-        rewrote each deployment's status twice that way), so the first reconcile of a process waits
-        for all of them.
+        indexed sees less capacity or a missing class and would move serving pools, so the first
+        reconcile of a process waits for both to be complete.
         """
         if self._synced is None:
             self._synced = asyncio.get_running_loop().create_task(self._sync(api, namespaces))
@@ -155,25 +159,48 @@ class Cluster:
         # NOTE: namespaced mode lists the namespaces named literally; a glob's children are not waited for.
         scopes: tuple[str | None, ...] = tuple(n for n in namespaces if not _is_glob(n)) if namespaces else (None,)
         selector = f"app.kubernetes.io/managed-by={names.MANAGER}"
+        unindexed: dict[Key, set[tuple[str, str]]] = {}
         for kind, index_name in CHILD_INDEXES.items():
-            listed[index_name] = {
-                (o["metadata"]["namespace"], o["metadata"]["name"])
-                for ns in scopes
-                for o in await api.list(kind, ns, selector)
-                if (o["metadata"].get("labels") or {}).get(names.LABEL_DEPLOYMENT)
-            }
+            for ns in scopes:
+                for o in await api.list(kind, ns, selector):
+                    meta = o["metadata"]
+                    owner = (meta.get("labels") or {}).get(names.LABEL_DEPLOYMENT)
+                    if owner:
+                        unindexed.setdefault((meta["namespace"], owner), set()).add((index_name, meta["name"]))
+        self._unindexed = unindexed
+        self._children_deadline = asyncio.get_running_loop().time() + CHILD_SYNC_TIMEOUT_S
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
         while True:
-            missing = {
-                name: sorted(want - _indexed(self.indexes.get(name) or {}, name in CHILD_INDEXES.values()))
-                for name, want in listed.items()
-            }
+            missing = {name: sorted(want - set(self.indexes.get(name) or {})) for name, want in listed.items()}
             if not any(missing.values()):
                 return
             if asyncio.get_running_loop().time() > deadline:
                 logger.warning("planning with incomplete indexes after %ss: %s", INDEX_SYNC_TIMEOUT_S, missing)
                 return
             await asyncio.sleep(0.05)
+
+    async def children_indexed(self, key: Key) -> None:
+        """Wait until kopf's child indexes hold every child of `key` the API listed at start (up to
+        CHILD_SYNC_TIMEOUT_S after start).
+
+        NOTE: a status computed before the router's Deployment is indexed says the deployment is not serving, and
+        a plan without its pools' Deployments recreates them (a create answered 409 and a GET each): a restart at
+        500 CRs rewrote 374 statuses that way. Each deployment waits for its own children only.
+        """
+        want = self._unindexed.get(key)
+        while want:
+            want = {(index, name) for index, name in want if not self._holds(index, key, name)}
+            if not want:
+                break
+            if asyncio.get_running_loop().time() > self._children_deadline:
+                logger.warning("reconciling %s/%s before kopf indexed %s", *key, sorted(want))
+                break
+            await asyncio.sleep(0.05)
+        self._unindexed.pop(key, None)
+
+    def _holds(self, index_name: str, key: Key, name: str) -> bool:
+        index = self.indexes.get(index_name) or {}
+        return key in index and any(o["metadata"]["name"] == name for o in index[key])
 
     # --- namespaced mode: the other namespaces' pods ---------------------------------------------------------
     async def refresh_foreign(self, api: client.Api, namespaces: tuple[str, ...], interval: float) -> str | None:
@@ -276,10 +303,3 @@ def capacity_condition(
 
 def _is_glob(pattern: str) -> bool:
     return any(ch in pattern for ch in "*?[")
-
-
-def _indexed(index: Mapping[Any, Any], children: bool) -> set:
-    """What an index holds: names (classes, nodes) or, for a child index, (namespace, name) of every object."""
-    if not children:
-        return set(index)
-    return {(o["metadata"]["namespace"], o["metadata"]["name"]) for k in index for o in index[k]}
