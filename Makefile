@@ -96,7 +96,7 @@ up: venv
 clean:
 	rm -rf $(VENV) models .pytest_cache
 
-# Build and push the operator image and one worker image per platform (README, "On a cluster"), tagged
+# Build and push the operator image and one worker image per platform (docs/cluster.md), tagged
 # <registry>/pdfleet-worker:<tag>-<platform>: the operator gives each AcceleratorClass the image of its platform
 # (--worker-image PLATFORM=IMAGE, chart workerImage.platforms) and refuses a class whose platform has none.
 #   make images REGISTRY=registry.example.com/team [TAG=0.1.0]                  # operator, cpu and cuda workers
