@@ -1,4 +1,5 @@
-"""The Kubernetes API emulator (tests/support/k8s/, formerly tests/support/k8s_emulator.py) behaves enough like kube-apiserver.
+"""The Kubernetes API emulator (tests/support/k8s/, formerly tests/support/k8s_emulator.py) behaves enough like
+kube-apiserver.
 
 Raw HTTP checks pin the semantics (metadata, generation, watches, patches, conflicts, dry runs,
 apply, status, finalizers, garbage collection, admission); then the real clients prove it:

@@ -1,4 +1,5 @@
-"""The only reader of worker metrics: Prometheus (prometheus-api-client) or worker /metrics scrapes, into `MetricsSnapshot`s."""
+"""The only reader of worker metrics: Prometheus (prometheus-api-client) or worker /metrics scrapes, into
+`MetricsSnapshot`s."""
 
 from __future__ import annotations
 

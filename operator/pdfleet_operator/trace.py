@@ -1,4 +1,5 @@
-"""Request traces for `pdfleet simulate` and `pdfleet load`: bursty diurnal synthetic presets and CSV import/export of real logs.
+"""Request traces for `pdfleet simulate` and `pdfleet load`: bursty diurnal synthetic presets and CSV import/export of
+real logs.
 
 A trace is three aligned arrays: arrival time (seconds from the trace start, sorted), prompt tokens
 and output tokens per request. The synthetic generator draws a non-homogeneous Poisson process

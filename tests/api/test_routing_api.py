@@ -1,4 +1,5 @@
-"""spec.routing and spec.router.heartbeatInterval as admission and the operator's models see them: each refusal names its field."""
+"""spec.routing and spec.router.heartbeatInterval as admission and the operator's models see them: each refusal names
+its field."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The deployment token in Kubernetes: rendered mounts and flags (router and pdfleet workers get the token, decode workers pull only from the prefill Service, vLLM pods get nothing, client API keys from an optional Secret), the Secret itself, and the operator creating it when missing without ever overwriting it (a 409 keeps the token; deleting it rotates it)."""
+"""The deployment token in Kubernetes: rendered mounts and flags (router and pdfleet workers get the token, decode
+workers pull only from the prefill Service, vLLM pods get nothing, client API keys from an optional Secret), the Secret
+itself, and the operator creating it when missing without ever overwriting it (a 409 keeps the token; deleting it
+rotates it)."""
 
 from __future__ import annotations
 

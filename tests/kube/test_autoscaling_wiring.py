@@ -1,4 +1,5 @@
-"""The autoscaler wired into the running operator: real Prometheus scraping scripted queue exporters, kopf against the emulator.
+"""The autoscaler wired into the running operator: real Prometheus scraping scripted queue exporters, kopf against the
+emulator.
 
 The exporters play the queues of one deployment (labels namespace / pdfleet_deployment /
 pdfleet_role, classic text format); Prometheus scrapes them every second; the operator's daemon
@@ -150,7 +151,8 @@ def test_replicas_follow_the_queues_hold_without_prometheus_and_recover(kube, pr
             assert "prometheusUrl" in condition(kube, "unscraped", "MetricsAvailable")["message"]
 
             # A prefill surge: 6 waiting at 2 per replica -> 3 prefill replicas, on the first tick that reads it.
-            # What an empty queue at the minimum gives (never ScaleUpStabilizing, the hold of a queue read and waited on).
+            # What an empty queue at the minimum gives (never ScaleUpStabilizing, the hold of a queue read and waited
+            # on).
             idle = (autoscaler.MIN_REPLICAS, autoscaler.SCALE_DOWN_STABILIZING, autoscaler.WITHIN_TOLERANCE)
             held = ticks.decisions[-1]["prefill"]
             assert (held.current, held.desired) == (1, 1) and held.reason in idle, held

@@ -67,13 +67,13 @@ def test_autoscaler_and_rollback_inputs_flow_through_the_one_reconcile(kube) -> 
         assert len(children(kube, "llama31-8b")) == 12  # 9 + 2 NetworkPolicies + the router PDB
     text = exporter.text().decode()
     assert (
-        'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",role="decode"} 4.0'
-        in text
+        'pdfleet_pool_replicas{accelerator="h100-mig-3g-40gb",deployment="llama31-8b",namespace="default",'
+        'role="decode"} 4.0' in text
     )
     # No pod of it runs here (the emulator's controllers are off): planned, not billed (tests/kube/test_billing.py).
     assert (
-        'pdfleet_pool_cost_per_hour{accelerator="h100-80gb",deployment="llama31-8b",namespace="default",role="prefill"} 0.0'
-        in text
+        'pdfleet_pool_cost_per_hour{accelerator="h100-80gb",deployment="llama31-8b",namespace="default",'
+        'role="prefill"} 0.0' in text
     )
 
 

@@ -219,7 +219,8 @@ def test_steady_state_resync_and_restart_make_zero_writes(kube) -> None:
         )
         settle(kube)
     written = [
-        f"{w.verb} {w.resource}/{w.name}: {_changed(before.get(w.name or '') or {}, (w.body or {}).get('status') or w.body)}"
+        f"{w.verb} {w.resource}/{w.name}: "
+        f"{_changed(before.get(w.name or '') or {}, (w.body or {}).get('status') or w.body)}"
         for w in kube.writes()
     ]
     assert written == [], "a restart writes nothing, not even the token Secret's create (status.tokenSecret)"

@@ -397,7 +397,10 @@ def test_decision_modules_import_no_kopf_kubernetes_or_http() -> None:
     code = (
         "import sys\n"
         + "".join(f"import pdfleet_operator.{m}\n" for m in PURE)
-        + "bad = sorted(m for m in ('kopf', 'kubernetes', 'aiohttp', 'httpx', 'prometheus_client', 'torch') if m in sys.modules)\n"
+        + (
+            "bad = sorted(m for m in ('kopf', 'kubernetes', 'aiohttp', 'httpx', 'prometheus_client', 'torch') "
+            "if m in sys.modules)\n"
+        )
         + "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,6 @@
-"""Query routing and heartbeats in the rendered objects: the router's flags (the target's router Service, the rules, the classifier, the tokenizer it mounts for maxPromptTokens), the NetworkPolicy that lets this deployment's routers reach the target's, and nothing of it without spec.routing."""
+"""Query routing and heartbeats in the rendered objects: the router's flags (the target's router Service, the rules, the
+classifier, the tokenizer it mounts for maxPromptTokens), the NetworkPolicy that lets this deployment's routers reach
+the target's, and nothing of it without spec.routing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The operator reconciles a routed pair (examples/qwen2-7b-routing.yaml): the big deployment's router flags name the small deployment's router Service, and its NetworkPolicy lets its routers reach the small one's."""
+"""The operator reconciles a routed pair (examples/qwen2-7b-routing.yaml): the big deployment's router flags name the
+small deployment's router Service, and its NetworkPolicy lets its routers reach the small one's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fake workers for metrics tests: each serves one replica's vLLM-compatible queue series, set by the test, and names the target labels Prometheus (static_config) and the scrape source (ScrapeTarget) attach to them."""
+"""Fake workers for metrics tests: each serves one replica's vLLM-compatible queue series, set by the test, and names
+the target labels Prometheus (static_config) and the scrape source (ScrapeTarget) attach to them."""
 
 from __future__ import annotations
 

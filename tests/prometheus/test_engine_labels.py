@@ -1,4 +1,6 @@
-"""One label vocabulary for both engines, checked against their real /metrics: a pdfleet worker and a vLLM CPU server (`make vllm`) as two pools of one colocated role, read by the direct-scrape source and by a real Prometheus with the same target labels; each class of the role is seen, with exact token rates from the scrape source."""
+"""One label vocabulary for both engines, checked against their real /metrics: a pdfleet worker and a vLLM CPU server
+(`make vllm`) as two pools of one colocated role, read by the direct-scrape source and by a real Prometheus with the
+same target labels; each class of the role is seen, with exact token rates from the scrape source."""
 
 from __future__ import annotations
 

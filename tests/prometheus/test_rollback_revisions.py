@@ -71,7 +71,8 @@ def test_the_revision_under_test_is_judged_on_its_own_answers_without_shedding(p
         legacy.labels(code="200", tier="default").inc(90)
         legacy.labels(code="503", tier="default").inc(10)
         prom.wait_for(
-            'increase(pdfleet_router_revision_requests_total{pdfleet_deployment="demo",revision="2",code="200"}[6s]) > 0'
+            'increase(pdfleet_router_revision_requests_total{pdfleet_deployment="demo",revision="2",code="200"}[6s])'
+            " > 0"
         )
         prom.wait_for('increase(pdfleet_router_requests_total{pdfleet_deployment="legacy",code="200"}[6s]) > 0')
         source = PrometheusSource(prom.url)

@@ -1,4 +1,5 @@
-"""The equal-SLO search: bisection over a policy's variants ordered by headroom runs about log2(n) of them and finds what running them all finds."""
+"""The equal-SLO search: bisection over a policy's variants ordered by headroom runs about log2(n) of them and finds
+what running them all finds."""
 
 from __future__ import annotations
 

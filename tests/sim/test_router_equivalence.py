@@ -1,4 +1,5 @@
-"""The simulator's router keeps scores between picks (sim/router.py); every pick must still be what `picker.pick` chooses over every candidate built fresh."""
+"""The simulator's router keeps scores between picks (sim/router.py); every pick must still be what `picker.pick`
+chooses over every candidate built fresh."""
 
 from __future__ import annotations
 

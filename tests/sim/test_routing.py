@@ -1,4 +1,5 @@
-"""Query routing in the simulator: the trace's simple requests go to the routing target by the router's own length rules, the target's fleet shows in the cost, and what the simulator cannot judge (text) is refused naming the field."""
+"""Query routing in the simulator: the trace's simple requests go to the routing target by the router's own length
+rules, the target's fleet shows in the cost, and what the simulator cannot judge (text) is refused naming the field."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DES invariants: every request ends, tokens are conserved, pods never exceed the nodes, and the real autoscaler acts."""
+"""DES invariants: every request ends, tokens are conserved, pods never exceed the nodes, and the real autoscaler
+acts."""
 
 from __future__ import annotations
 

@@ -145,7 +145,8 @@ def command(pod: Pod, argv: Sequence[str], scratch: Path, cgroup: MemoryCgroup |
     steps += [
         f"mount -t tmpfs tmpfs {q(str(layer))}",
         f"mkdir {q(str(layer / 'u'))} {q(str(layer / 'w'))}",
-        f"mount -t overlay overlay -o lowerdir=/,upperdir={q(str(layer / 'u'))},workdir={q(str(layer / 'w'))} {q(str(root))}",
+        f"mount -t overlay overlay -o lowerdir=/,upperdir={q(str(layer / 'u'))},"
+        f"workdir={q(str(layer / 'w'))} {q(str(root))}",
         f"chmod 0711 {q(str(root / 'root'))}",
         f"mount -t proc proc {q(str(root / 'proc'))}",
         f"mount --rbind /sys {q(str(root / 'sys'))}",

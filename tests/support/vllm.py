@@ -1,4 +1,5 @@
-"""A real vLLM CPU server on loopback for tests (from `make vllm`'s .venv-vllm), alone or as a prefill/decode worker with vLLM's NixlConnector, stopped by PID; missing runtime: skip locally, fail under CI=true."""
+"""A real vLLM CPU server on loopback for tests (from `make vllm`'s .venv-vllm), alone or as a prefill/decode worker
+with vLLM's NixlConnector, stopped by PID; missing runtime: skip locally, fail under CI=true."""
 
 from __future__ import annotations
 

@@ -121,7 +121,8 @@ class PdfleetRuntime(ApiModel):
 
 
 class VllmRuntime(ApiModel):
-    """How vLLM, or the vendor's build of it (vLLM-Ascend, vllm-kunlun, Cambricon's and Hygon's vLLM), runs on this class."""
+    """How vLLM, or the vendor's build of it (vLLM-Ascend, vllm-kunlun, Cambricon's and Hygon's vLLM), runs on this
+    class."""
 
     image: str = Field(
         description="Image with vLLM for this device, e.g. vllm/vllm-openai:v0.11.0 (NVIDIA) or "

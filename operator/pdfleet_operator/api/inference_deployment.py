@@ -277,12 +277,16 @@ class EngineSpec(ApiModel):
             field_path=".vllm",
         ),
         Rule(
-            rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.kvCacheDtype) || self.kvCacheDtype != 'int8'",
+            rule=(
+                "!has(self.runtime) || self.runtime != 'vllm' || !has(self.kvCacheDtype) || self.kvCacheDtype != 'int8'"
+            ),
             message="kvCacheDtype int8 is the pdfleet engine's; vLLM pools take auto",
             field_path=".kvCacheDtype",
         ),
         Rule(
-            rule="!has(self.runtime) || self.runtime != 'vllm' || !has(self.quantization) || self.quantization == 'none'",
+            rule=(
+                "!has(self.runtime) || self.runtime != 'vllm' || !has(self.quantization) || self.quantization == 'none'"
+            ),
             message="quantization int8 is the pdfleet engine's (quantized at load); vLLM pools take none",
             field_path=".quantization",
         ),
@@ -454,7 +458,9 @@ class RollbackSpec(ApiModel):
         10,
         ge=1,
         le=100,
-        description="Superseded revisions kept as ControllerRevisions (the served one is recorded on the engine ConfigMap).",
+        description=(
+            "Superseded revisions kept as ControllerRevisions (the served one is recorded on the engine ConfigMap)."
+        ),
     )
 
 

@@ -38,7 +38,10 @@ QUANTITY_PATTERN = (
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 # An extended resource name: a domain-prefixed name (nvidia.com/gpu, huawei.com/Ascend910) or "cpu".
-RESOURCE_NAME_PATTERN = r"^(cpu|([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?))$"
+RESOURCE_NAME_PATTERN = (
+    r"^(cpu|([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?))$"
+)
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}

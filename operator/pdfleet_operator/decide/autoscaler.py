@@ -1,4 +1,5 @@
-"""The autoscaler's pure decision: desired replicas per role from queue metrics and token rates; called by the operator's timer, `pdfleet up`, the simulator and the bench."""
+"""The autoscaler's pure decision: desired replicas per role from queue metrics and token rates; called by the
+operator's timer, `pdfleet up`, the simulator and the bench."""
 
 from __future__ import annotations
 
@@ -173,9 +174,9 @@ def decide(
     `FleetPlan.capacity(role)`; a role absent from it is unbounded). `current` overrides the sizes in
     `state` (what the Deployments ask for now). `order` is, per role, (AcceleratorClass, most replicas
     placeable on it) in the order placement fills them (`FleetPlan.class_capacity(role)`): the token
-    rate sizes a role by the learned throughput of the classes its next replicas land on. The chain: queue recommendation with tolerance ->
-    stabilization windows -> grace period after a scale-up -> step limits -> min/max -> capacity ->
-    P:D ratio bounds; the reason is that of the last policy that changed the number.
+    rate sizes a role by the learned throughput of the classes its next replicas land on. The chain: queue
+    recommendation with tolerance -> stabilization windows -> grace period after a scale-up -> step limits -> min/max ->
+    capacity -> P:D ratio bounds; the reason is that of the last policy that changed the number.
 
     `policy=PER_ROLE` scales each role on its own queue only (no prefill look-ahead for decode, no
     queue trend, no token rate, no ratio bounds): the HPA-style baseline `bench/autoscaler.py`
@@ -326,8 +327,8 @@ def _recommend(
     """Replicas the role's queue asks for, HPA-style: ceil(load / target), unchanged within tolerance.
 
     With a token rate (`policy.token_rate`), the larger of that and what the token arrival rate asks
-    for (`tokens_needed` over the throughput of the replicas placement would run, `replicas_for`). Also returns the role's own need (replicas' worth of its queue) for the next
-    interval's trend.
+    for (`tokens_needed` over the throughput of the replicas placement would run, `replicas_for`). Also returns the
+    role's own need (replicas' worth of its queue) for the next interval's trend.
     """
     m, rs, n = metrics[role], spec.roles()[role], cur[role]
     tolerance = spec.autoscaling.tolerance

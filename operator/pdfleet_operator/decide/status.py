@@ -236,7 +236,8 @@ def refused(previous: Mapping | None, message: str, generation: int | None, now:
         message
         if not serving
         else (
-            f"generation {generation} refused, the pools keep serving generation {previous.get('observedGeneration')}: {message}"
+            f"generation {generation} refused, the pools keep serving generation "
+            f"{previous.get('observedGeneration')}: {message}"
         )
     )
     out = set_condition(

@@ -1,4 +1,5 @@
-"""One autoscaling tick, the same in every backend: what runs now, what capacity is free, what the autoscaler decides (pure).
+"""One autoscaling tick, the same in every backend: what runs now, what capacity is free, what the autoscaler decides
+(pure).
 
 The operator (`kube.scaling`), `pdfleet up` (`local.up`) and the simulator (`sim.simulator`) each read
 a `MetricsSnapshot` their own way and act on the outcome their own way; between the two they call

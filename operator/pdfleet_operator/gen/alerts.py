@@ -100,7 +100,8 @@ def slo_rules(quantile: float = 0.99) -> dict[str, Any]:
                     "for": for_,
                     "labels": {"severity": severity, "pdfleet_alert": f"slo-{short}"},
                     "annotations": {
-                        "summary": f"p99 {short.upper()} of {{{{ $labels.namespace }}}}/{{{{ $labels.pdfleet_deployment }}}} "
+                        "summary": f"p99 {short.upper()} of "
+                        "{{ $labels.namespace }}/{{ $labels.pdfleet_deployment }} "
                         f"above its SLO over {w_short} and {w_long}",
                     },
                 }

@@ -207,10 +207,10 @@ def values_tree(root: Path = ROOT) -> Group:
                         maximum=5,
                     ),
                     "leaderElection": Group(
-                        "A coordination.k8s.io Lease in the release namespace (named like the operator) decides which replica "
-                        "acts (client-go's semantics). A leader that cannot renew for renewDeadline exits; a standby takes "
-                        "over after seeing the Lease unrenewed for leaseDuration, or at once when the leader released it on "
-                        "shutdown (so a rolling update hands over within retryPeriod).",
+                        "A coordination.k8s.io Lease in the release namespace (named like the operator) decides which "
+                        "replica acts (client-go's semantics). A leader that cannot renew for renewDeadline exits; a "
+                        "standby takes over after seeing the Lease unrenewed for leaseDuration, or at once when the "
+                        "leader released it on shutdown (so a rolling update hands over within retryPeriod).",
                         {
                             "enabled": _bool(True, "Elect a leader (false: one replica only, replaced with Recreate)."),
                             "leaseDuration": Value(
@@ -310,8 +310,8 @@ def values_tree(root: Path = ROOT) -> Group:
                         maxLength=253,
                     ),
                     "hostPath": Group(
-                        "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author otherwise "
-                        "could mount the node's root. The operator refuses other hostPath models, and a "
+                        "Who may serve weights from a node's filesystem (model.source.hostPath): any CR author "
+                        "otherwise could mount the node's root. The operator refuses other hostPath models, and a "
                         "ValidatingAdmissionPolicy refuses them at the API server (Kubernetes 1.30+).",
                         {
                             "allowedPrefixes": Value(

@@ -1,9 +1,10 @@
-"""Grafana dashboards (fleet cost, deployment, operator health) as code, and `pdfleet dashboards [--check]` that writes them.
+"""Grafana dashboards (fleet cost, deployment, operator health) as code, and `pdfleet dashboards [--check]` that writes
+them.
 
 Built with grafana-foundation-sdk from the metric names the operator and the workers define
-(`metric_names`, `pdfleet_worker.metrics`, torch-free), so a renamed metric breaks the build instead of a panel. Every query is scoped by template variables
-(datasource, namespace, deployment, the operator's job): none hard-codes `job=`. The chart ships the
-same JSON as ConfigMaps for Grafana's sidecar (`pdfleet chart`). Pure: nothing here runs a query.
+(`metric_names`, `pdfleet_worker.metrics`, torch-free), so a renamed metric breaks the build instead of a panel. Every
+query is scoped by template variables (datasource, namespace, deployment, the operator's job): none hard-codes `job=`.
+The chart ships the same JSON as ConfigMaps for Grafana's sidecar (`pdfleet chart`). Pure: nothing here runs a query.
 """
 
 from __future__ import annotations
@@ -284,7 +285,8 @@ def fleet_cost() -> Board:
                         (
                             Query(
                                 f"sum by ({names.LABEL_NAMESPACE}, {names.LABEL_DEPLOYMENT}) "
-                                f"(rate({names.GENERATION_TOKENS_TOTAL}{{{ALL_WORKERS}, {SERVING}}}[$__rate_interval]))",
+                                f"(rate({names.GENERATION_TOKENS_TOTAL}{{{ALL_WORKERS}, {SERVING}}}"
+                                "[$__rate_interval]))",
                                 "{{namespace}}/{{pdfleet_deployment}}",
                             ),
                         ),
@@ -441,7 +443,8 @@ def deployment() -> Board:
                         "Sequences preempted (recomputed later) per interval.",
                         (
                             Query(
-                                f"sum by ({role}) (increase({names.NUM_PREEMPTIONS_TOTAL}{{{WORKERS}}}[$__rate_interval]))",
+                                f"sum by ({role}) "
+                                f"(increase({names.NUM_PREEMPTIONS_TOTAL}{{{WORKERS}}}[$__rate_interval]))",
                                 "{{pdfleet_role}}",
                             ),
                         ),
@@ -541,7 +544,8 @@ def deployment() -> Board:
                         "Share of client requests answered 5xx (rollback acts on this; red marks are rollback alerts).",
                         (
                             Query(
-                                f'sum(rate({names.ROUTER_REQUESTS_TOTAL}{{{WORKERS}, code=~"5.."}}[$__rate_interval]))\n/\n'
+                                f'sum(rate({names.ROUTER_REQUESTS_TOTAL}{{{WORKERS}, code=~"5.."}}'
+                                "[$__rate_interval]))\n/\n"
                                 f"sum(rate({names.ROUTER_REQUESTS_TOTAL}{{{WORKERS}}}[$__rate_interval]))",
                                 "5xx ratio",
                             ),
@@ -597,7 +601,8 @@ def operator() -> Board:
                         "Deployments with planned pools.",
                         (
                             Query(
-                                f"count(count by (namespace, {names.LABEL_DEPLOYMENT_OWN}) ({names.POOL_REPLICAS}{{{job}}}))",
+                                f"count(count by (namespace, {names.LABEL_DEPLOYMENT_OWN}) "
+                                f"({names.POOL_REPLICAS}{{{job}}}))",
                                 "deployments",
                                 instant=True,
                             ),

@@ -245,7 +245,8 @@ class LeaderElector:
                 renewed = False
             if not renewed and not self.holding:  # another replica holds it now (we were cut off): stop at once
                 on_lost(
-                    f"Lease {self.config.namespace}/{self.config.name} is held by {self._observed[0] if self._observed else '?'}"
+                    f"Lease {self.config.namespace}/{self.config.name} is held by "
+                    f"{self._observed[0] if self._observed else '?'}"
                 )
                 return
             if not renewed and self.clock() - self._last_renew >= self.config.renew_deadline:

@@ -1,4 +1,5 @@
-"""The operator's own Prometheus series (scaling decisions, desired replicas, P:D ratio) and the /metrics server for them."""
+"""The operator's own Prometheus series (scaling decisions, desired replicas, P:D ratio) and the /metrics server for
+them."""
 
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ class Reconciler(Cluster):
         self.memory(key).extra_conditions.pop(type_, None)
 
     def last_plan(self, key: Key) -> placement.FleetPlan | None:
-        """The deployment's last plan (None before the first): what runs and what is placeable (the autoscaler's tick)."""
+        """The deployment's last plan (None before the first): what runs and what is placeable (the autoscaler's
+        tick)."""
         m = self.known(key)
         return None if m is None else m.plan
 

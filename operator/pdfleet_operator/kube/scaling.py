@@ -1,4 +1,5 @@
-"""The autoscaler in the operator: one tick per InferenceDeployment (snapshot -> decide -> reconciler inputs); run by each deployment's loop in `kube.reconciler`.
+"""The autoscaler in the operator: one tick per InferenceDeployment (snapshot -> decide -> reconciler inputs); run by
+each deployment's loop in `kube.reconciler`.
 
 A tick reads the deployment's queues from Prometheus (`prometheus`, in a thread: the client blocks),
 runs the pure `autoscaler.decide` against the capacity of the last plan, and hands the outcome to

@@ -1,4 +1,5 @@
-"""`pdfleet load`: open-loop load on an OpenAI endpoint (Poisson arrivals, a burst, or a CSV trace replayed) reporting TTFT/ITL percentiles and tokens/s under the simulator's summary keys; `pdfleet up --load` runs it too."""
+"""`pdfleet load`: open-loop load on an OpenAI endpoint (Poisson arrivals, a burst, or a CSV trace replayed) reporting
+TTFT/ITL percentiles and tokens/s under the simulator's summary keys; `pdfleet up --load` runs it too."""
 
 from __future__ import annotations
 

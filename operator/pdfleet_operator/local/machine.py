@@ -1,4 +1,5 @@
-"""This machine as placement sees it: one node offering CPU cores and NVIDIA GPUs, which AcceleratorClasses it can run, and loopback ports; `pdfleet up` plans on it."""
+"""This machine as placement sees it: one node offering CPU cores and NVIDIA GPUs, which AcceleratorClasses it can run,
+and loopback ports; `pdfleet up` plans on it."""
 
 from __future__ import annotations
 

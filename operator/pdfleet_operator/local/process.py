@@ -1,4 +1,5 @@
-"""One child process of `pdfleet up` (the router or a worker): its own session and process group, killed with us (PR_SET_PDEATHSIG), output to a log file; signalled by its PID, and its group swept once it has exited."""
+"""One child process of `pdfleet up` (the router or a worker): its own session and process group, killed with us
+(PR_SET_PDEATHSIG), output to a log file; signalled by its PID, and its group swept once it has exited."""
 
 from __future__ import annotations
 

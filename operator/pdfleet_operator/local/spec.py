@@ -1,4 +1,6 @@
-"""What `pdfleet up` runs: the InferenceDeployment of a file, validated as admission validates it (and its engines as the operator checks them, `decide.runtimes`), with its AcceleratorClasses, each pool's runtime and its model directory on this machine."""
+"""What `pdfleet up` runs: the InferenceDeployment of a file, validated as admission validates it (and its engines as
+the operator checks them, `decide.runtimes`), with its AcceleratorClasses, each pool's runtime and its model directory
+on this machine."""
 
 from __future__ import annotations
 

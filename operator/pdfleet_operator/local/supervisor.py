@@ -1,4 +1,6 @@
-"""The local fleet's processes: the router and worker replicas per pool (the pdfleet worker or vLLM, as the pool's runtime says) on free loopback ports, restarted with back-off when they crash, drained when the plan shrinks; `pdfleet up` drives it."""
+"""The local fleet's processes: the router and worker replicas per pool (the pdfleet worker or vLLM, as the pool's
+runtime says) on free loopback ports, restarted with back-off when they crash, drained when the plan shrinks;
+`pdfleet up` drives it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`pdfleet up`: plan an InferenceDeployment on this machine with the operator's placement, run it as router and worker processes (the pdfleet worker or vLLM, per pool), scale them with the operator's autoscaler, show it live, and stop every child on Ctrl-C or SIGTERM."""
+"""`pdfleet up`: plan an InferenceDeployment on this machine with the operator's placement, run it as router and worker
+processes (the pdfleet worker or vLLM, per pool), scale them with the operator's autoscaler, show it live, and stop
+every child on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What `pdfleet up` shows: a live rich view of pools, queues, KV usage, P:D ratio, decisions with reasons, tokens/s and $/h on a terminal, plain lines elsewhere, and the summary at the end."""
+"""What `pdfleet up` shows: a live rich view of pools, queues, KV usage, P:D ratio, decisions with reasons, tokens/s and
+$/h on a terminal, plain lines elsewhere, and the summary at the end."""
 
 from __future__ import annotations
 

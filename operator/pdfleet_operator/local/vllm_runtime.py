@@ -1,4 +1,5 @@
-"""vLLM pools of `pdfleet up`: the vLLM runtime's interpreter on this machine, what a vLLM pool may run here, and a replica's command line and environment; the supervisor starts what this returns.
+"""vLLM pools of `pdfleet up`: the vLLM runtime's interpreter on this machine, what a vLLM pool may run here, and a
+replica's command line and environment; the supervisor starts what this returns.
 
 The interpreter: `--vllm-python PATH`, else `$PDFLEET_VLLM_PYTHON`, else `.venv-vllm/bin/python` in the
 current directory or the pdfleet checkout (what `make vllm` makes). A vLLM replica runs

@@ -1,4 +1,5 @@
-"""`pdfleet simulate`: argument parsing and the run (trace -> policies -> report.json, tables, plots); `register(subparsers)` adds it."""
+"""`pdfleet simulate`: argument parsing and the run (trace -> policies -> report.json, tables, plots);
+`register(subparsers)` adds it."""
 
 from __future__ import annotations
 

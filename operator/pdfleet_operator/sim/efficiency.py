@@ -1,4 +1,5 @@
-"""What fraction of a class's roofline each engine reaches, per (engine, class kind): measured where measured, assumed elsewhere, each saying which; `simulator` asks `for_pool`.
+"""What fraction of a class's roofline each engine reaches, per (engine, class kind): measured where measured, assumed
+elsewhere, each saying which; `simulator` asks `for_pool`.
 
 The simulator's step time is the roofline of the class (`perf_model`): peak TFLOP/s and GB/s times
 these fractions, plus a per-step overhead. The fractions come from the two engines measured on this

@@ -66,7 +66,8 @@ def ties_round_robin_by_url() -> bool:
 
 class Pool:
     """One role's routable replicas of one deployment, in url order, and their kept scores grouped by score: a pick
-    reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next pick."""
+    reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next
+    pick."""
 
     __slots__ = ("replicas", "groups", "touched")
 

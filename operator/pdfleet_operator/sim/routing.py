@@ -1,4 +1,6 @@
-"""Query routing in the simulator: which trace requests a deployment's router sends to its `spec.routing.target`, by the router's own length rules (`pdfleet_worker.router.routing.length_decision`); the simulator calls `simple` when it assigns requests to deployments.
+"""Query routing in the simulator: which trace requests a deployment's router sends to its `spec.routing.target`, by the
+router's own length rules (`pdfleet_worker.router.routing.length_decision`); the simulator calls `simple` when it
+assigns requests to deployments.
 
 A trace request's prompt is its prompt tokens and its requested max_tokens its output tokens (a client that asked
 for fewer would have got fewer). Rules that read text are refused by the fleet file (sim/fleet.py).

@@ -1,4 +1,5 @@
-"""Bisection for the equal-SLO search (pure): which of a policy's variants, ordered from least to most headroom, to run next; `sim.cli` asks `Bisection.next` after each run.
+"""Bisection for the equal-SLO search (pure): which of a policy's variants, ordered from least to most headroom, to run
+next; `sim.cli` asks `Bisection.next` after each run.
 
 A fleet file's `equalSlo.search` lists, per policy, variants ordered so that SLO attainment does not
 fall along the list (more replicas, a lower target utilization, a higher floor, ...) and cost does not

@@ -1,4 +1,5 @@
-"""`pdfleet operator` as the chart's Deployment describes it (command, args, env), run as a child process against the API emulator.
+"""`pdfleet operator` as the chart's Deployment describes it (command, args, env), run as a child process against the
+API emulator.
 
 Only the port numbers change (the Deployment's 9090/8080 may be taken on this machine), and the
 credentials: a kubeconfig for the emulator stands in for the in-cluster ServiceAccount token, and a local file

@@ -1,4 +1,5 @@
-"""The Helm chart rendered by Helm's engine: every value set valid for Kubernetes 1.30, strict lint, the schema, generated files current."""
+"""The Helm chart rendered by Helm's engine: every value set valid for Kubernetes 1.30, strict lint, the schema,
+generated files current."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What Grafana would do with the dashboards, for tests: read the JSON, list each panel's PromQL, substitute the variables."""
+"""What Grafana would do with the dashboards, for tests: read the JSON, list each panel's PromQL, substitute the
+variables."""
 
 from __future__ import annotations
 

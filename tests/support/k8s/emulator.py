@@ -42,7 +42,8 @@ class KubernetesApiEmulator(
     WatchesMixin,
     kmock.KubernetesEmulator,
 ):
-    """A stateful Kubernetes API for tests. See the package docstring (:mod:`tests.support.k8s`) for what it does and does not do.
+    """A stateful Kubernetes API for tests. See the package docstring (:mod:`tests.support.k8s`) for what it does and
+    does not do.
 
     User-defined kmock reactions (``emulator['get', kmock.resource(...)] << 500``) still take
     precedence, which lets a test inject failures; everything else is served from the emulated state.

@@ -152,7 +152,8 @@ class RbacMixin:
         namespace: str | None = None,
         name: str | None = None,
     ) -> bool:
-        """Whether the stored Roles/ClusterRoles and their bindings let `who` do this (system:masters may do anything)."""
+        """Whether the stored Roles/ClusterRoles and their bindings let `who` do this (system:masters may do
+        anything)."""
         if "system:masters" in who.groups:
             return True
         return any(rule_allows(r, group, resource, subresource, verb, name) for r in self._rules_for(who, namespace))

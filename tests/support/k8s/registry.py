@@ -21,7 +21,8 @@ class RegistryMixin:
         return res
 
     def find_resource(self, name: str) -> ApiResource:
-        """Resolve what kubectl would: ``infdep``, ``inferencedeployments.pdfleet.io``, ``Deployment``, ``deploy.apps``."""
+        """Resolve what kubectl would: ``infdep``, ``inferencedeployments.pdfleet.io``, ``Deployment``,
+        ``deploy.apps``."""
         wanted = name.strip()
         group: str | None = None
         if "." in wanted:

@@ -59,7 +59,9 @@ class TablesMixin:
                 "type": "date",
                 "format": "",
                 "priority": 0,
-                "description": "CreationTimestamp is a timestamp representing the server time when this object was created.",
+                "description": (
+                    "CreationTimestamp is a timestamp representing the server time when this object was created."
+                ),
                 "jsonPath": ".metadata.creationTimestamp",
             }
         )

@@ -148,7 +148,8 @@ class VerbsMixin:
                         crd_admission.FieldError(
                             "metadata.finalizers",
                             "FieldValueForbidden",
-                            f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}",
+                            "Forbidden: no new finalizers can be added if the object is being deleted, "
+                            f"found new finalizers {json.dumps(sorted(added))}",
                         )
                     ],
                 )
@@ -209,7 +210,8 @@ class VerbsMixin:
                     body["metadata"].setdefault("namespace", namespace)
                 if body["metadata"]["name"] != name:
                     raise bad_request(
-                        f"the name of the object ({body['metadata']['name']}) does not match the name on the URL ({name})"
+                        f"the name of the object ({body['metadata']['name']}) "
+                        f"does not match the name on the URL ({name})"
                     )
                 created = self._create(
                     res, namespace, body, dry_run=dry_run, field_validation=field_validation, warnings=warnings
