@@ -124,17 +124,24 @@ def worker_args(
 
 
 def router_args(
-    spec: InferenceDeploymentSpec, *, route_to: str | None = None, tokenizer_dir: str | None = None
+    spec: InferenceDeploymentSpec,
+    *,
+    route_to: str | None = None,
+    tokenizer_dir: str | None = None,
+    pd_min_prompt_tokens: int = 0,
 ) -> list[str]:
-    """The `pdfleet router` flags the spec decides: the heartbeat interval and, with `spec.routing`, the rules and
-    `route_to`, the URL of the target deployment's router (each backend knows where that runs); `tokenizer_dir`:
-    where the router reads the model's tokenizer, needed by `rules.maxPromptTokens`."""
+    """The `pdfleet router` flags the spec decides: the heartbeat interval, the prompt length below which PD requests
+    skip the prefill pool (`decide.pd_threshold.threshold`, which needs the classes: the caller passes it) and, with
+    `spec.routing`, the rules and `route_to`, the URL of the target deployment's router (each backend knows where
+    that runs); `tokenizer_dir`: where the router reads the model's tokenizer, needed by `rules.maxPromptTokens`."""
     out = [
         "--heartbeat-interval",
         f"{parse_duration(spec.router.heartbeat_interval):g}",
         "--drain-timeout",
         f"{drain_seconds(spec):g}",
     ]
+    if pd_min_prompt_tokens > 0:
+        out += ["--pd-min-prompt-tokens", str(pd_min_prompt_tokens)]
     routing = spec.routing
     if routing is None:
         return out

@@ -11,7 +11,7 @@ import pytest
 
 from pdfleet_operator import api, engine_args
 from pdfleet_operator.api import names
-from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator.decide import inventory, pd_threshold, placement
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_deployments, spec_of, standard_nodes
@@ -296,7 +296,10 @@ def test_router_services_and_config() -> None:
         "10",
         "--drain-timeout",
         "600",
+        "--pd-min-prompt-tokens",  # the cost model's, for the H100 prefill and MIG decode classes
+        str(pd_threshold.threshold(spec_of(example_deployments()["llama31-8b"]), classes())),
     ]
+    assert 0 < pd_threshold.threshold(spec_of(example_deployments()["llama31-8b"]), classes()) < 100
     assert objs[("Service", "llama31-8b-prefill")]["spec"]["clusterIP"] == "None"
     assert objs[("Service", "llama31-8b")]["spec"]["ports"][0]["port"] == 80
     # One voluntary disruption at a time, never below the role's minimum (2 decode replicas, minReplicas 2).

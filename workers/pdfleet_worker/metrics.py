@@ -28,7 +28,7 @@ LABEL_CODE = "code"
 LABEL_TIER = "tier"               # router: the deployment's tier; worker KV offload: host | disk
 LABEL_UPSTREAM_ROLE = "upstream_role"  # prefill | decode | both (the router's view of a worker)
 LABEL_STATE = "state"             # healthy | unhealthy
-LABEL_ROUTE = "route"             # small | default (query routing: router/routing.py)
+LABEL_ROUTE = "route"             # small | default (query routing: router/routing.py); prefill_pool | short_prompt (PD)
 LABEL_REVISION = "revision"       # router: the pod template revision of the worker that answered
 LABEL_SHED = "shed"               # router: true for the designed 503 + Retry-After load shedding
 
@@ -187,10 +187,18 @@ ROUTER_REVISION_REQUESTS_TOTAL = MetricSpec(
     "busy or draining, the router's designed load shedding). Rollback analysis reads the 5xx of the revision "
     "under test (and none) without shedding.", (LABEL_REVISION, LABEL_CODE, LABEL_SHED))
 
+ROUTER_PD_ROUTES_TOTAL = MetricSpec(
+    "pdfleet_router_pd_routes_total", "counter",
+    "PD requests by the path chosen for them: prefill_pool (a prefill worker computed the prompt and handed its KV "
+    "to a decode worker) or short_prompt (fewer prompt tokens than --pd-min-prompt-tokens: a decode worker "
+    "computed the prompt itself, by design). Fallbacks are counted in pdfleet_router_pd_fallbacks_total.",
+    (LABEL_TIER, LABEL_ROUTE))
+
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS_TOTAL, ROUTER_REQUEST_DURATION, ROUTER_TIME_TO_FIRST_TOKEN,
                                           ROUTER_UPSTREAM_ERRORS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_WORKERS,
                                           ROUTER_ROUTED_REQUESTS_TOTAL, ROUTER_LOCAL_PREFILLS_TOTAL,
-                                          ROUTER_PD_FALLBACKS_TOTAL, ROUTER_REVISION_REQUESTS_TOTAL)
+                                          ROUTER_PD_FALLBACKS_TOTAL, ROUTER_PD_ROUTES_TOTAL,
+                                          ROUTER_REVISION_REQUESTS_TOTAL)
 
 ALL_METRICS: dict[str, MetricSpec] = {m.name: m for m in WORKER_METRICS + ROUTER_METRICS}
 assert len(ALL_METRICS) == len(WORKER_METRICS) + len(ROUTER_METRICS), "metric names must be unique"

@@ -521,6 +521,17 @@ class RouterSpec(ApiModel):
         "Router and pdfleet workers both send them; 0s: never. A stream's status code waits for "
         "its first token up to one interval, so a fast error keeps its code.",
     )
+    pd_min_prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=1048576,
+        description="Disaggregated deployments: a request whose prompt has fewer tokens skips the prefill pool and a "
+        "decode worker computes the prompt itself (PD buys nothing for a short prompt and pays the KV hand-off). "
+        "Unset: the cost model's threshold for the classes the roles list (no slower to the first token, and the "
+        "decode step that takes the prompt in still meets slo.itl); 0: every request goes through the prefill "
+        "pool. The router counts the prompt with the model's tokenizer when it has one (--route-tokenizer), else "
+        "estimates 4 characters per token.",
+    )
 
 
 class RoutingRules(ApiModel):
@@ -643,6 +654,10 @@ class InferenceDeploymentSpec(ApiModel):
             rule=f"{_or('disaggregation', 'true')} ? (has(self.prefill) && has(self.decode) && !has(self.colocated))"
             " : (has(self.colocated) && !has(self.prefill) && !has(self.decode))",
             message="with disaggregation true set prefill and decode (not colocated); with false set colocated only",
+        ),
+        Rule(
+            rule=f"!has(self.router) || !has(self.router.pdMinPromptTokens) || {_or('disaggregation', 'true')}",
+            message="router.pdMinPromptTokens applies to disaggregated deployments (disaggregation: true) only",
         ),
         Rule(
             rule="(!has(self.decode) || !has(self.decode.targetPromptTokensPerReplica)) && "

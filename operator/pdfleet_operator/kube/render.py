@@ -57,7 +57,7 @@ from pdfleet_operator.api.names import (
     router_name,
 )
 from pdfleet_operator.decide import metric_names as names
-from pdfleet_operator.decide import pod_memory, rollback, runtimes, worker_images
+from pdfleet_operator.decide import pd_threshold, pod_memory, rollback, runtimes, worker_images
 from pdfleet_operator.decide.kv_connectors import Connector
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
 from pdfleet_operator.decide.worker_images import WorkerImages
@@ -657,6 +657,7 @@ def router_deployment(
     spec: InferenceDeploymentSpec,
     engines: Mapping[str, str] | None = None,
     images: WorkerImages = worker_images.DEFAULTS,
+    classes: Mapping[str, AcceleratorClassSpec] | None = None,
 ) -> dict[str, Any]:
     roles = list(spec.roles())
     # rules.maxPromptTokens: the router counts tokens with the model's tokenizer, so it mounts the model too
@@ -668,7 +669,10 @@ def router_deployment(
         "command": ["pdfleet"],
         "args": router_args(owner, roles, engines)
         + engine_args.router_args(
-            spec, route_to=routing_target_url(owner, spec), tokenizer_dir=model_dir(spec) if tokenizer else None
+            spec,
+            route_to=routing_target_url(owner, spec),
+            tokenizer_dir=model_dir(spec) if tokenizer else None,
+            pd_min_prompt_tokens=pd_threshold.threshold(spec, classes or {}),
         ),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _pod_env(owner, ROUTER_ROLE, None, []),
@@ -1027,7 +1031,7 @@ def render(
         )
         for pool in plan.pools
     ]
-    out.append(router_deployment(owner, spec, engines, images))
+    out.append(router_deployment(owner, spec, engines, images, classes))
     if monitoring:
         out += ([pod_monitor(owner, spec)] if own_pod_monitor else []) + [prometheus_rule(owner)]
     names_seen = [(o["kind"], o["metadata"]["name"]) for o in out]

@@ -18,7 +18,7 @@ import httpx
 
 from pdfleet_operator import engine_args
 from pdfleet_operator.api import WORKER_ROLE, AcceleratorClassSpec
-from pdfleet_operator.decide import cost, runtimes
+from pdfleet_operator.decide import cost, pd_threshold, runtimes
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.local import machine as mach
@@ -276,7 +276,12 @@ class Supervisor:
                 str(self.token_path),
             ]
             + (["--api-key-file", str(self.api_key_path)] if self.api_key is not None else [])
-            + engine_args.router_args(self.local.spec, route_to=self.route_to, tokenizer_dir=str(self.local.model_dir))
+            + engine_args.router_args(
+                self.local.spec,
+                route_to=self.route_to,
+                tokenizer_dir=str(self.local.model_dir),
+                pd_min_prompt_tokens=pd_threshold.threshold(self.local.spec, self.classes),
+            )
         )
 
     def _env(self, r: Replica) -> dict[str, str]:

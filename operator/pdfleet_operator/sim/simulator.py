@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
-from pdfleet_operator.decide import autoscaler, placement, rollback, runtimes, tick
+from pdfleet_operator.decide import autoscaler, pd_threshold, placement, rollback, runtimes, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import efficiency, perf_model
 from pdfleet_operator.sim import engine as eng
@@ -88,6 +88,8 @@ class DeploymentState:
     rollback_actions: list[tuple[float, str, str]] = field(default_factory=list)
     interval_s: float = 0.0  # autoscaling.interval
     rollback_window_s: float = 0.0  # rollback.window
+    pd_min_prompt_tokens: int = 0  # shorter PD prompts go straight to decode (the router's, decide/pd_threshold.py)
+    short_prompts: int = 0  # requests that did
 
     @property
     def name(self) -> str:
@@ -186,6 +188,7 @@ class Simulator:
             health=rollback.RevisionHealth(revision=1, started_at=0.0),
             interval_s=d.spec.interval_seconds(),
             rollback_window_s=parse_duration(d.spec.rollback.window),
+            pd_min_prompt_tokens=pd_threshold.threshold(d.spec, self.classes),
         )
         state.source = SimulatedMetricsSource(d.name, state.by_role, lambda: self.now)
         caps = [p.kv_capacity_tokens for p in perfs.values()]
@@ -360,6 +363,9 @@ class Simulator:
         reqs.need[rid] = prompt
         reqs.ctx[rid] = prompt
         entry = "prefill" if "prefill" in d.routable else "colocated"
+        if entry == "prefill" and prompt < d.pd_min_prompt_tokens and d.routable.get("decode"):
+            entry = "decode"  # the decode worker computes the prompt itself, as the real router sends it
+            d.short_prompts += 1
         rep = self.router.pick(entry, d.routable[entry], t)
         if rep is None:
             self._reject(d, rid, t)

@@ -47,6 +47,42 @@ def test_with_a_prefill_worker_in_rotation_nothing_is_prefilled_locally(pipeline
     assert sample(pipeline.router.metrics_text(), m.ROUTER_LOCAL_PREFILLS_TOTAL.name, tier="default") == before
 
 
+def test_short_prompts_skip_the_prefill_pool_and_long_ones_use_it(logdir, pipeline, token_file):
+    """Disaggregate only where it pays: under --pd-min-prompt-tokens a decode worker computes the prompt itself (the
+    same tokens as a colocated worker); at or above it the prefill pool does and hands the KV over. Counted by
+    route."""
+    r = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url,
+                             "--pd-min-prompt-tokens", "32", name="router-short-prompts"), token_file)
+    colo = openai.OpenAI(base_url=f"{pipeline.colo.url}/v1", api_key="-", max_retries=0, timeout=60)
+    try:
+        start_all(r)
+        client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="-", max_retries=0, timeout=60)
+        for length, path in ((31, "local"), (32, "prefill_pool")):
+            prompt = fresh_prompt(length, seed=90 + length)
+            want = colo.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                              extra_body={"ignore_eos": True})
+            assert (raw.headers["x-pdfleet-prefill"] == "local") == (path == "local"), (length, raw.headers)
+            assert raw.parse().choices[0].text == want.choices[0].text, length
+        text = httpx.get(f"{r.url}/metrics", timeout=10).text
+        assert sample(text, m.ROUTER_PD_ROUTES_TOTAL.name, tier="default", route="short_prompt") == 1
+        assert sample(text, m.ROUTER_PD_ROUTES_TOTAL.name, tier="default", route="prefill_pool") == 1
+        assert sample(text, m.ROUTER_LOCAL_PREFILLS_TOTAL.name, tier="default") == 0, "by design, not a fallback"
+    finally:
+        r.stop()
+
+
+def test_prompt_length_counts_token_ids_text_and_chat_messages() -> None:
+    from pdfleet_worker.router import routing
+    assert routing.prompt_length("/v1/completions", {"prompt": [5, 6, 7]}) == 3
+    assert routing.prompt_length("/v1/completions", {"prompt": "abcdefghi"}) == 3  # ~4 characters per token
+    assert routing.prompt_length("/v1/completions", {"prompt": "a b c"}, count_tokens=lambda t: len(t.split())) == 3
+    chat = {"messages": [{"role": "user", "content": "12345678"}]}
+    assert routing.prompt_length("/v1/chat/completions", chat) == 2
+    assert routing.prompt_length("/v1/chat/completions", {"messages": "x"}) is None
+
+
 def test_answers_carry_the_revision_of_the_worker_that_gave_them(logdir, model_dir):
     """A worker started from a pod template of revision 7 ($PDFLEET_REVISION, from the pod's label) says so in
     /load; the router counts its answers under revision 7 (rollback analysis reads that revision alone)."""

@@ -20,7 +20,15 @@ from starlette.responses import Response
 from pdfleet_worker.router import engines, handoff, pairing, routing
 from pdfleet_worker.router.route_target import ROUTE_HEADER, RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
-from pdfleet_worker.router.router_metrics import NO_PAIR, NO_PREFILL, OUTCOME, Outcome, RouterMetrics
+from pdfleet_worker.router.router_metrics import (
+    NO_PAIR,
+    NO_PREFILL,
+    OUTCOME,
+    PREFILL_POOL,
+    SHORT_PROMPT,
+    Outcome,
+    RouterMetrics,
+)
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
 from pdfleet_worker.wire import heartbeat
 from pdfleet_worker.wire import checks, limits, request_types as rq
@@ -252,6 +260,12 @@ class Router:
         tier = outcome.tier
         engine = self.cfg.tiers[tier].pd_engine
         prefills, decodes = self.upstreams.healthy(tier, "prefill"), self.upstreams.healthy(tier, "decode")
+        if decodes and self._short(path, body):
+            # Disaggregate only where it pays: a short prompt costs a decode worker less than the hand-off costs
+            # the request (the threshold comes from the operator's cost model, decide/pd_threshold.py).
+            self.metrics.pd_route(tier, SHORT_PROMPT)
+            headers["x-pdfleet-prefill"] = "local"
+            return await self._forward(outcome, "decode", path, body, stream, headers)
         if not prefills and decodes:
             # Decoders as temporary prefillers: with no prefill worker in rotation (its pool replaced by a rollout
             # or a rollback, every replica loading the model) the decode worker computes the prompt itself, as a
@@ -265,6 +279,7 @@ class Router:
         pairs = pairing.plan([up.load for up in prefills], [up.load for up in decodes])
         if not pairs.paired:
             return await self._local_prefill(outcome, path, body, stream, headers, NO_PAIR)
+        self.metrics.pd_route(tier, PREFILL_POOL)
         # NOTE: one X-Request-Id on both calls, as vLLM's proxy sends: each worker's logs name the same request.
         ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
         answer = await self._call(tier, "prefill", path, handoff.prefill_body(engine, body), ids,
@@ -297,6 +312,14 @@ class Router:
                 raise
         # Every decode worker left between the prefill and the decode call (the lease expires on its own).
         return await self._local_decode(outcome, path, body, stream, headers)
+
+    def _short(self, path: str, body: dict) -> bool:
+        """Fewer prompt tokens than --pd-min-prompt-tokens (never, when it is 0 or the prompt cannot be measured)."""
+        if self.cfg.pd_min_prompt_tokens <= 0:
+            return False
+        counter = self.rules.count_tokens if self.rules is not None else None
+        n = routing.prompt_length(path, body, counter)
+        return n is not None and n < self.cfg.pd_min_prompt_tokens
 
     async def _local_prefill(self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str],
                              reason: str) -> Response:

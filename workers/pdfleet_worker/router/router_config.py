@@ -65,6 +65,7 @@ class RouterConfig:
     api_key_file: str | None = None     # client API keys required on /v1/*
     api_key_file_optional: bool = False  # a missing api_key_file requires no key until it appears
     heartbeat_interval_s: float = 10.0   # SSE `: keep-alive` while a stream waits this long; 0: none
+    pd_min_prompt_tokens: int = 0  # PD requests with fewer prompt tokens go straight to a decode worker; 0: none do
     # query routing to a smaller model's router (router/routing.py): None: every request stays here
     route_to: str | None = None
     route_rules: routing.Rules = dataclasses.field(default_factory=routing.Rules)
@@ -106,6 +107,9 @@ class RouterConfig:
             raise ValueError("--api-key-file-optional needs --api-key-file")
         if self.heartbeat_interval_s < 0:
             raise ValueError(f"--heartbeat-interval must be >= 0 (0: no heartbeats), got {self.heartbeat_interval_s:g}")
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"--pd-min-prompt-tokens must be >= 0 (0: every PD request prefills in the prefill "
+                             f"pool), got {self.pd_min_prompt_tokens}")
         if self.route_to is None:
             if not self.route_rules.empty or self.route_classifier or self.route_tokenizer:
                 raise ValueError("the --route-* rules need --route-to URL (the router of the deployment they send to)")
@@ -178,6 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a stream may wait for its next event (a worker, a prefill, a queue) before the client "
                         "gets an SSE comment `: keep-alive`, repeated each interval (0: never); the first token's "
                         "status waits up to one interval, so a fast error still gets its real code")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=0, metavar="N",
+                   help="a disaggregated tier's request whose prompt has fewer than N tokens goes straight to a "
+                        "decode worker, which computes the prompt itself (PD buys nothing for a short prompt and "
+                        "pays the KV hand-off); counted by pdfleet_router_pd_routes_total. Tokens: the model's "
+                        "tokenizer with --route-tokenizer, else an estimate of 4 characters per token (0: off)")
     r = p.add_argument_group("query routing (to a smaller model's router)")
     r.add_argument("--route-to", metavar="URL",
                    help="the router of the deployment that serves requests judged simple (every rule given holds, "
@@ -237,6 +246,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                         api_key_file=getattr(args, "api_key_file", None),
                         api_key_file_optional=getattr(args, "api_key_file_optional", False),
                         heartbeat_interval_s=getattr(args, "heartbeat_interval", 10.0),
+                        pd_min_prompt_tokens=getattr(args, "pd_min_prompt_tokens", 0),
                         route_to=getattr(args, "route_to", None), route_rules=routing.Rules(
                             max_prompt_tokens=getattr(args, "route_max_prompt_tokens", None),
                             max_prompt_chars=getattr(args, "route_max_prompt_chars", None),

@@ -15,6 +15,7 @@ NO_REVISION = "none"  # answers no worker gave (no worker in rotation, a timeout
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/workers"})
 # Why one role served a PD request whole (pdfleet_router_pd_fallbacks_total's reason).
 NO_PREFILL, NO_PAIR, NO_DECODE = "no_prefill", "no_pair", "no_decode"
+PREFILL_POOL, SHORT_PROMPT = "prefill_pool", "short_prompt"  # pdfleet_router_pd_routes_total{route}
 
 
 @dataclasses.dataclass
@@ -82,6 +83,7 @@ class RouterMetrics:
         self._routed = m.make(m.ROUTER_ROUTED_REQUESTS_TOTAL, self.registry)
         self._local_prefills = m.make(m.ROUTER_LOCAL_PREFILLS_TOTAL, self.registry)
         self._pd_fallbacks = m.make(m.ROUTER_PD_FALLBACKS_TOTAL, self.registry)
+        self._pd_routes = m.make(m.ROUTER_PD_ROUTES_TOTAL, self.registry)
         self._by_revision = m.make(m.ROUTER_REVISION_REQUESTS_TOTAL, self.registry)
         self._revisions: set[str] = set()
         self.known_revision(NO_REVISION)
@@ -93,6 +95,8 @@ class RouterMetrics:
             self._local_prefills.labels(tier=tier)
             for reason in (NO_PREFILL, NO_PAIR, NO_DECODE):
                 self._pd_fallbacks.labels(tier=tier, reason=reason)
+            for route in (PREFILL_POOL, SHORT_PROMPT):
+                self._pd_routes.labels(tier=tier, route=route)
             for code in ("200", "400", "401", "500", "502", "503", "504"):
                 self._requests.labels(code=code, tier=tier)
         self.registry.register(m.SnapshotCollector(self._snapshot))
@@ -126,6 +130,10 @@ class RouterMetrics:
         """A decode worker computes a PD request's prompt itself."""
         self._local_prefills.labels(tier=tier).inc()
         self._pd_fallbacks.labels(tier=tier, reason=reason).inc()
+
+    def pd_route(self, tier: str, route: str) -> None:
+        """The path a PD request took: through the prefill pool, or straight to a decode worker (a short prompt)."""
+        self._pd_routes.labels(tier=tier, route=route).inc()
 
     def local_decode(self, tier: str) -> None:
         """A prefill worker serves a PD request whole."""

@@ -129,6 +129,18 @@ def prompt_text(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
+def prompt_length(path: str, body: dict[str, Any], count_tokens: Callable[[str], int] | None = None) -> int | None:
+    """A request's prompt in tokens: a token-id prompt's length, else its text counted with the model's tokenizer
+    (`count_tokens`) or estimated at 4 characters per token; None when there is no prompt to measure."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return len(prompt)
+    text = prompt_text(path, body)
+    if text is None:
+        return None
+    return count_tokens(text) if count_tokens is not None else math.ceil(len(text) / 4)
+
+
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
