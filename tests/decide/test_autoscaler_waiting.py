@@ -52,8 +52,8 @@ def snap(
 
 
 def learned_too_high(s, prefill: int = 2) -> ScalerState:
-    """A prefill throughput learned while a replica had the cores to itself (the README run's 1,846 tokens/s per
-    replica), watched for long, every recent recommendation 1: the windows let prefill shrink."""
+    """A prefill throughput learned while a replica had the cores to itself (an older README run measured 1,846 tokens/s
+    per replica), watched for long, every recent recommendation 1: the windows let prefill shrink."""
     state = ScalerState.initial(s, {"prefill": prefill, "decode": 1})
     return replace(
         state,

@@ -369,7 +369,7 @@ def _label(run: tuple[fleet_file.Policy, str]) -> str:
 def conditions(
     fl: fleet_file.Fleet, policies: list[fleet_file.Policy], trace: tr.Trace, warmup: float, args: argparse.Namespace
 ) -> str:
-    """The exact conditions of a comparison, for the README."""
+    """The exact conditions of a comparison, for docs/planning.md and bench/README.md."""
     dep = policies[0].deployments[0].spec
     arch = dep.model.architecture
     slos = sorted({(d.spec.slo.ttft, d.spec.slo.itl) for p in policies for d in p.deployments})

@@ -23,7 +23,7 @@ CPU, ACCELERATOR = "cpu", "accelerator"
 
 # Measured on this machine's CPU (the `cpu` class: 2 x 0.7 TFLOP/s, 2 x 24 GB/s), the same 149.8M-parameter
 # fp32 model (`pdfleet model init --preset small`), 2 threads:
-# - pdfleet: bench/engine.py on 2026-11-30 (bench/README.md, a quiet machine): batch-1 decode at 0.703 of
+# - pdfleet: bench/engine.py on 2026-11-30 (bench/HISTORY.md, a quiet machine): batch-1 decode at 0.703 of
 #   the 51.8 GB/s it measured = 0.76 of the class's 48 GB/s; a 528-token prefill in 339 ms = 467 GFLOP/s
 #   = 0.33 of 1.4 TFLOP/s. Its per-step overhead is not separable there: 3 ms (DEFAULT_STEP_OVERHEAD_S).
 # - vllm: `bench/sim.py calibrate --engine vllm --preset small --threads 2 --reps 3` (vLLM 0.32.0's CPU

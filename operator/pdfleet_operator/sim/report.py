@@ -1,6 +1,6 @@
 """What a simulation run says: per-policy summaries, `report.json`, the printed tables and the PNG plots.
 
-Definitions (the README quotes them):
+Definitions (docs/planning.md quotes them):
 - cost: every pod holding accelerators is billed `count x costPerHour` from the moment it is bound to
   a node (start-up included) until it is gone (drain included), plus the router's CPU cores at the
   cheapest `cpu` class price (`cost.plan_cost`); `cost_per_1m_tokens` is $ per 1M *generated* tokens,
