@@ -10,5 +10,6 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-assert "operator" not in sys.modules or not getattr(sys.modules["operator"], "__file__", "").startswith(_HERE), \
+assert "operator" not in sys.modules or not getattr(sys.modules["operator"], "__file__", "").startswith(_HERE), (
     "bench/operator.py was imported as the standard library's operator"
+)

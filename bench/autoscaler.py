@@ -91,35 +91,53 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
+from pdfleet_operator.api import InferenceDeploymentSpec  # noqa: E402
 from pdfleet_operator.decide import autoscaler, token_rate  # noqa: E402
 from pdfleet_operator.decide.autoscaler import PDFLEET, PER_ROLE, Policy  # noqa: E402
-from pdfleet_operator.api import InferenceDeploymentSpec  # noqa: E402
 from pdfleet_operator.decide.metrics_snapshot import MetricsSnapshot, RoleMetrics  # noqa: E402
 
-PREFILL_TOKENS_PER_S = 4000.0   # per prefill replica
-DECODE_TOKENS_PER_S = 20.0      # per running sequence (50 ms inter-token latency)
-DECODE_SLOTS = 32               # sequences per decode replica
+PREFILL_TOKENS_PER_S = 4000.0  # per prefill replica
+DECODE_TOKENS_PER_S = 20.0  # per running sequence (50 ms inter-token latency)
+DECODE_SLOTS = 32  # sequences per decode replica
 STARTUP_S = 45.0
 SCRAPE_S = 5.0
-RATE_WINDOW_S = 60.0          # the PromQL rate window (`rate(...[1m])`)
+RATE_WINDOW_S = 60.0  # the PromQL rate window (`rate(...[1m])`)
 ROLES = ("prefill", "decode")
 
 
 def bench_spec() -> InferenceDeploymentSpec:
     """The deployment both policies scale: targets match the model's replica capacities."""
-    return InferenceDeploymentSpec.model_validate({
-        "model": {"name": "bench", "source": {"local": {"path": "models/bench"}}},
-        "prefill": {"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 16,
-                    "targetQueuePerReplica": 4, "targetPromptTokensPerReplica": 6000},
-        "decode": {"acceleratorClasses": ["h100"], "minReplicas": 1, "maxReplicas": 24,
-                   "targetQueuePerReplica": DECODE_SLOTS},
-        "autoscaling": {"interval": "15s", "tolerance": 0.1, "scaleUpStabilization": "0s",
-                        "scaleDownStabilization": "300s", "scaleDownDelayAfterScaleUp": "60s",
-                        "maxScaleUpStep": 4, "maxScaleDownStep": 1},
-    })
+    return InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"name": "bench", "source": {"local": {"path": "models/bench"}}},
+            "prefill": {
+                "acceleratorClasses": ["h100"],
+                "minReplicas": 1,
+                "maxReplicas": 16,
+                "targetQueuePerReplica": 4,
+                "targetPromptTokensPerReplica": 6000,
+            },
+            "decode": {
+                "acceleratorClasses": ["h100"],
+                "minReplicas": 1,
+                "maxReplicas": 24,
+                "targetQueuePerReplica": DECODE_SLOTS,
+            },
+            "autoscaling": {
+                "interval": "15s",
+                "tolerance": 0.1,
+                "scaleUpStabilization": "0s",
+                "scaleDownStabilization": "300s",
+                "scaleDownDelayAfterScaleUp": "60s",
+                "maxScaleUpStep": 4,
+                "maxScaleDownStep": 1,
+            },
+        }
+    )
 
 
 # --- traces ----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -135,19 +153,24 @@ class Trace:
     def needed(self, t: float, utilization: float = 1.0) -> dict[str, int]:
         """Replicas that serve the offered load at `t` with each replica busy `utilization` of the time."""
         rate = self.rate(t)
-        return {"prefill": max(1, math.ceil(rate * self.prompt(t) / PREFILL_TOKENS_PER_S / utilization - 1e-9)),
-                "decode": max(1, math.ceil(rate * self.output(t) / DECODE_TOKENS_PER_S / DECODE_SLOTS / utilization
-                                           - 1e-9))}
+        return {
+            "prefill": max(1, math.ceil(rate * self.prompt(t) / PREFILL_TOKENS_PER_S / utilization - 1e-9)),
+            "decode": max(
+                1, math.ceil(rate * self.output(t) / DECODE_TOKENS_PER_S / DECODE_SLOTS / utilization - 1e-9)
+            ),
+        }
 
 
 def _steps(levels: list[tuple[float, float]]) -> Callable[[float], float]:
     """A piecewise-constant function from (start, value) pairs."""
+
     def f(t: float) -> float:
         value = levels[0][1]
         for start, v in levels:
             if t >= start:
                 value = v
         return value
+
     return f
 
 
@@ -155,8 +178,9 @@ def _ramp(t0: float, t1: float, a: float, b: float) -> Callable[[float], float]:
     return lambda t: a if t <= t0 else b if t >= t1 else a + (b - a) * (t - t0) / (t1 - t0)
 
 
-def _bursts(rng: random.Random, base: float, count: int, first: float) -> tuple[Callable[[float], float],
-                                                                        tuple[tuple[float, float], ...]]:
+def _bursts(
+    rng: random.Random, base: float, count: int, first: float
+) -> tuple[Callable[[float], float], tuple[tuple[float, float], ...]]:
     """Bursts of 2.5-4x the base rate at irregular times: a 60 s ramp up, 2-4 min at the peak, a 60 s ramp down."""
     shapes, start = [], first
     for _ in range(count):
@@ -173,7 +197,7 @@ def _bursts(rng: random.Random, base: float, count: int, first: float) -> tuple[
     return rate, tuple((up, end) for up, _, _, end, _ in shapes)
 
 
-DIURNAL_S = 7200.0   # the held-out trace: a day of the `conversation` preset compressed 12x
+DIURNAL_S = 7200.0  # the held-out trace: a day of the `conversation` preset compressed 12x
 
 
 def diurnal() -> Trace:
@@ -199,10 +223,11 @@ def diurnal() -> Trace:
         start = rng.uniform(300.0, DIURNAL_S - 900.0)
         length = min(900.0, max(120.0, rng.expovariate(1 / (preset.burst_minutes * 60.0))))
         height = rng.uniform(*preset.burst_height)
-        t = seconds[int(start):int(start + length)] - start
+        t = seconds[int(start) : int(start + length)] - start
         ramp = np.minimum(1.0, np.minimum(t + 1, length - t) / 60.0)
-        mult[int(start):int(start + length)] = np.maximum(mult[int(start):int(start + length)],
-                                                          1.0 + (height - 1.0) * ramp)
+        mult[int(start) : int(start + length)] = np.maximum(
+            mult[int(start) : int(start + length)], 1.0 + (height - 1.0) * ramp
+        )
         surges.append((start, start + length))
     # day: 08:00-22:00, with an hour's (5 minutes compressed) logistic edge at each end
     day = 1 / (1 + np.exp(-(hour - 8.0) * 2.0)) * 1 / (1 + np.exp((hour - 22.0) * 2.0))
@@ -231,6 +256,7 @@ def traces(held_out: bool = False) -> list[Trace]:
 
 # --- the fleet -------------------------------------------------------------------------------------
 
+
 @dataclass
 class Pool:
     desired: int
@@ -243,7 +269,7 @@ class Pool:
         else:
             drop = self.desired - desired
             cancel = min(drop, len(self.starting))  # the newest unstarted replicas go first
-            self.starting = sorted(self.starting)[:len(self.starting) - cancel]
+            self.starting = sorted(self.starting)[: len(self.starting) - cancel]
             self.ready -= drop - cancel
         self.desired = desired
 
@@ -259,12 +285,12 @@ class Fleet:
 
     prefill: Pool
     decode: Pool
-    prefill_queue: deque = field(default_factory=deque)   # [remaining prompt tokens, output tokens]
+    prefill_queue: deque = field(default_factory=deque)  # [remaining prompt tokens, output tokens]
     decode_waiting: deque = field(default_factory=deque)  # output tokens of sequences waiting for a slot
-    decode_running: list = field(default_factory=list)    # heap of finish times
-    prompt_total: float = 0.0                             # counters: vllm:prompt_tokens_total summed over replicas
-    generation_total: float = 0.0                         # vllm:generation_tokens_total
-    scrapes: deque = field(default_factory=deque)         # (time, prompt_total, generation_total) of recent scrapes
+    decode_running: list = field(default_factory=list)  # heap of finish times
+    prompt_total: float = 0.0  # counters: vllm:prompt_tokens_total summed over replicas
+    generation_total: float = 0.0  # vllm:generation_tokens_total
+    scrapes: deque = field(default_factory=deque)  # (time, prompt_total, generation_total) of recent scrapes
 
     def step(self, now: float, arrivals: list[tuple[float, float]]) -> None:
         self.prefill.tick(now)
@@ -299,15 +325,27 @@ class Fleet:
         gen_rate = (self.generation_total - gen0) / span if span > 0 else None
         in_prefill = len(self.prefill_queue)
         prefill_running = min(in_prefill, self.prefill.ready)
-        return MetricsSnapshot(taken_at=now, source="bench", roles={
-            "prefill": RoleMetrics(waiting=float(in_prefill - prefill_running), running=float(prefill_running),
-                                   prompt_tokens_waiting=float(sum(p for p, _ in self.prefill_queue)),
-                                   prompt_tokens_rate=prompt_rate,
-                                   replicas_reporting=max(1, self.prefill.ready), sample_time=now),
-            "decode": RoleMetrics(waiting=float(len(self.decode_waiting)), running=float(len(self.decode_running)),
-                                  generation_tokens_rate=gen_rate,
-                                  replicas_reporting=max(1, self.decode.ready), sample_time=now),
-        })
+        return MetricsSnapshot(
+            taken_at=now,
+            source="bench",
+            roles={
+                "prefill": RoleMetrics(
+                    waiting=float(in_prefill - prefill_running),
+                    running=float(prefill_running),
+                    prompt_tokens_waiting=float(sum(p for p, _ in self.prefill_queue)),
+                    prompt_tokens_rate=prompt_rate,
+                    replicas_reporting=max(1, self.prefill.ready),
+                    sample_time=now,
+                ),
+                "decode": RoleMetrics(
+                    waiting=float(len(self.decode_waiting)),
+                    running=float(len(self.decode_running)),
+                    generation_tokens_rate=gen_rate,
+                    replicas_reporting=max(1, self.decode.ready),
+                    sample_time=now,
+                ),
+            },
+        )
 
 
 def arrivals(trace: Trace, seed: int) -> list[list[tuple[float, float]]]:
@@ -316,8 +354,12 @@ def arrivals(trace: Trace, seed: int) -> list[list[tuple[float, float]]]:
     out = []
     for t in range(int(trace.duration)):
         count = _poisson(rng, trace.rate(t))
-        out.append([(max(16.0, rng.expovariate(1 / trace.prompt(t))), max(1.0, rng.expovariate(1 / trace.output(t))))
-                    for _ in range(count)])
+        out.append(
+            [
+                (max(16.0, rng.expovariate(1 / trace.prompt(t))), max(1.0, rng.expovariate(1 / trace.output(t))))
+                for _ in range(count)
+            ]
+        )
     return out
 
 
@@ -331,6 +373,7 @@ def _poisson(rng: random.Random, lam: float) -> int:
 
 
 # --- a run -----------------------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -355,8 +398,15 @@ class Result:
         return sum(self.over.values())
 
 
-_ISSUE6 = Policy(prefill_lookahead=False, queue_trend=False, token_rate=False, ratio_bounds=False,
-                 rate_trend=False, drain_sizing=False, drained_scale_down=False)
+_ISSUE6 = Policy(
+    prefill_lookahead=False,
+    queue_trend=False,
+    token_rate=False,
+    ratio_bounds=False,
+    rate_trend=False,
+    drain_sizing=False,
+    drained_scale_down=False,
+)
 POLICIES: dict[str, Policy | None] = {  # None: an oracle, run by name
     "per-role": PER_ROLE,
     "+lookahead": replace(_ISSUE6, prefill_lookahead=True),
@@ -367,7 +417,7 @@ POLICIES: dict[str, Policy | None] = {  # None: an oracle, run by name
     "+fast-down": replace(_ISSUE6, token_rate=True, rate_trend=True, drained_scale_down=True),
     "pdfleet": PDFLEET,
     "reactive-oracle": None,  # knows the offered load now; still waits for the interval and the start-up
-    "clairvoyant": None,      # knows it one start-up ahead: never under-provisioned
+    "clairvoyant": None,  # knows it one start-up ahead: never under-provisioned
 }
 
 
@@ -392,8 +442,10 @@ ORACLES = {"reactive-oracle": Oracle("reactive"), "clairvoyant": Oracle("clairvo
 
 def at_target(utilization: float) -> dict[str, Oracle]:
     """The same two oracles sized at the policy's target utilization: the floor is the cheaper of them."""
-    return {f"reactive-oracle@{utilization:g}": Oracle("reactive", utilization),
-            f"clairvoyant@{utilization:g}": Oracle("clairvoyant", utilization)}
+    return {
+        f"reactive-oracle@{utilization:g}": Oracle("reactive", utilization),
+        f"clairvoyant@{utilization:g}": Oracle("clairvoyant", utilization),
+    }
 
 
 def clairvoyant(trace: Trace, now: float, interval: float, utilization: float = 1.0) -> dict[str, int]:
@@ -413,16 +465,21 @@ _AUTO = bench_spec().autoscaling
 TUNED: tuple[tuple[str, object, str], ...] = (
     ("autoscaling.targetUtilization", _AUTO.target_utilization, "bursty (0.65-0.8; issue 6: 0.65-0.91)"),
     ("autoscaling.drainTime", _AUTO.drain_time, "bursty (30/45/60/90 s)"),
-    ("autoscaling.drainedScaleDownStabilization", _AUTO.drained_scale_down_stabilization,
-     "bursty, noisy-steady (15/30/45/60 s)"),
+    (
+        "autoscaling.drainedScaleDownStabilization",
+        _AUTO.drained_scale_down_stabilization,
+        "bursty, noisy-steady (15/30/45/60 s)",
+    ),
     ("autoscaler.DRAINED_FALL", autoscaler.DRAINED_FALL, "bursty, noisy-steady (0.6-0.8)"),
     ("token_rate.SURGE_RISE", token_rate.SURGE_RISE, "long-output, noisy-steady (issue 6)"),
     ("token_rate.TREND_HORIZON_S", token_rate.TREND_HORIZON_S, "bursty (issue 6)"),
     ("token_rate.TREND_INTERVALS", token_rate.TREND_INTERVALS, "-"),
     ("token_rate.THROUGHPUT_WEIGHT", token_rate.THROUGHPUT_WEIGHT, "-"),
-    ("token_rate.SATURATED_WAITING/KV/SEATS",
-     f"{token_rate.SATURATED_WAITING:g}, {token_rate.SATURATED_KV:g}, {token_rate.SATURATED_SEATS:g}",
-     "the simulated fleet (issue 10)"),
+    (
+        "token_rate.SATURATED_WAITING/KV/SEATS",
+        f"{token_rate.SATURATED_WAITING:g}, {token_rate.SATURATED_KV:g}, {token_rate.SATURATED_SEATS:g}",
+        "the simulated fleet (issue 10)",
+    ),
     ("autoscaler.SURGE (queue trend)", autoscaler.SURGE, "-"),
     ("the bench spec's targets, tolerance, windows, steps", "bench_spec()", "- (the same for every policy)"),
 )
@@ -444,7 +501,7 @@ def run(trace: Trace, policy: Policy | Oracle | str | None, seed: int = 1) -> Re
     replica_seconds = 0.0
     moves: dict[str, list[str]] = {r: [] for r in ROLES}
     peak = dict(start)
-    short_since: dict[tuple[float, str], float] = {}   # (surge, role) -> when it first fell short
+    short_since: dict[tuple[float, str], float] = {}  # (surge, role) -> when it first fell short
     lags: dict[tuple[float, str], float] = {}
     t0 = 1_000_000.0  # wall-clock origin for the decision's timestamps
     # NOTE: at t0, not 0: a first scrape at 0 made every rate of the first minute span 10^6 s, ~0 tokens/s
@@ -459,8 +516,9 @@ def run(trace: Trace, policy: Policy | Oracle | str | None, seed: int = 1) -> Re
             if isinstance(policy, Oracle):
                 desired = policy.desired(trace, now, interval)
             else:
-                decisions, state = autoscaler.decide(spec, state, snapshot, t0 + now, {},
-                                                     current={r: p.desired for r, p in pools.items()}, policy=policy)
+                decisions, state = autoscaler.decide(
+                    spec, state, snapshot, t0 + now, {}, current={r: p.desired for r, p in pools.items()}, policy=policy
+                )
                 desired = {role: d.desired for role, d in decisions.items()}
             for role, n in desired.items():
                 if n != pools[role].desired:
@@ -481,17 +539,27 @@ def run(trace: Trace, policy: Policy | Oracle | str | None, seed: int = 1) -> Re
                     short_since.setdefault(key, now)
                 elif key in short_since:
                     lags[key] = now - short_since[key]
-    reactions = [lags.get(key, e - start) for (s, e) in trace.surges for key, start in short_since.items()
-                 if key[0] == s]
+    reactions = [
+        lags.get(key, e - start) for (s, e) in trace.surges for key, start in short_since.items() if key[0] == s
+    ]
     changes = sum(1 for r in ROLES for a, b in zip(moves[r], moves[r][1:]) if a != b)
-    return Result(under, over, replica_seconds, reactions, changes, peak,
-                  {"prefill": fleet.prefill.desired, "decode": fleet.decode.desired})
+    return Result(
+        under,
+        over,
+        replica_seconds,
+        reactions,
+        changes,
+        peak,
+        {"prefill": fleet.prefill.desired, "decode": fleet.decode.desired},
+    )
 
 
 def _policies(utilization: float) -> dict[str, Policy | Oracle]:
     """The policies to run, token-rate ones at `utilization`, and the oracles at full and at that utilization."""
-    out: dict[str, Policy | Oracle] = {name: ORACLES[name] if p is None else p if not p.token_rate
-                                       else replace(p, utilization=utilization) for name, p in POLICIES.items()}
+    out: dict[str, Policy | Oracle] = {
+        name: ORACLES[name] if p is None else p if not p.token_rate else replace(p, utilization=utilization)
+        for name, p in POLICIES.items()
+    }
     return {**out, **at_target(utilization)}
 
 
@@ -512,15 +580,22 @@ def floor(results: dict[tuple[str, str], list[Result]], trace: str, oracles: lis
     """The floor of one trace: the oracle (of `oracles`, all at one utilization) with the fewest replica-hours,
     pdfleet's replica-hours against it (ratio of the means over seeds, and each seed's own), and the best of
     the full-utilization oracles for comparison."""
+
     def hours(name: str) -> list[float]:
         return [r.replica_seconds / 3600 for r in results[(trace, name)]]
 
     best = min(oracles, key=lambda name: sum(hours(name)))
     base, ours = hours(best), hours("pdfleet")
     per_seed = [o / b for o, b in zip(ours, base)]
-    return {"oracle": best, "hours": sum(base) / len(base), "policy_hours": sum(ours) / len(ours),
-            "ratio": sum(ours) / sum(base), "min": min(per_seed), "max": max(per_seed),
-            "full_hours": min(sum(hours(name)) / len(hours(name)) for name in ORACLES)}
+    return {
+        "oracle": best,
+        "hours": sum(base) / len(base),
+        "policy_hours": sum(ours) / len(ours),
+        "ratio": sum(ours) / sum(base),
+        "min": min(per_seed),
+        "max": max(per_seed),
+        "full_hours": min(sum(hours(name)) / len(hours(name)) for name in ORACLES),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -528,10 +603,18 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: 10, not 3: the bursty trace's 5 surges make one seed's shortfall swing by a third; the
     # reduction over 3 seeds read 0.32 where 6 read 0.27 (before the rate trend).
     parser.add_argument("--seeds", type=int, default=10, help="arrival seeds averaged per trace")
-    parser.add_argument("--utilization", type=float, default=autoscaler.TARGET_UTILIZATION,
-                        help="the token rate's target utilization for +rate and pdfleet (a sweep knob)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="processes running (trace, policy, seed) in parallel")
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=autoscaler.TARGET_UTILIZATION,
+        help="the token rate's target utilization for +rate and pdfleet (a sweep knob)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="processes running (trace, policy, seed) in parallel",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.utilization <= 1:
         parser.error(f"--utilization must be in (0, 1], got {args.utilization}")
@@ -543,10 +626,15 @@ def main(argv: list[str] | None = None) -> int:
     every = traces(held_out=True)
     # NOTE: an oracle runs once per trace: it reads the trace's scripted load, never the arrivals, so every
     # seed gives it the same result (its row is that one run, counted once per seed).
-    jobs = [(trace.name, policy, seed) for trace in every for policy, p in policies.items()
-            for seed in (range(1, args.seeds + 1) if not isinstance(p, Oracle) else (1,))]
-    with multiprocessing.get_context("fork").Pool(args.jobs, initializer=_start_worker,
-                                                  initargs=(args.utilization,)) as pool:
+    jobs = [
+        (trace.name, policy, seed)
+        for trace in every
+        for policy, p in policies.items()
+        for seed in (range(1, args.seeds + 1) if not isinstance(p, Oracle) else (1,))
+    ]
+    with multiprocessing.get_context("fork").Pool(
+        args.jobs, initializer=_start_worker, initargs=(args.utilization,)
+    ) as pool:
         done = pool.map(_job, jobs, chunksize=1)
     results: dict[tuple[str, str], list[Result]] = {}
     for (trace_name, policy, _), result in zip(jobs, done):
@@ -556,18 +644,30 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies:
             rs = results[(trace.name, policy)]
             n = len(rs)
-            rows.append((trace.name, policy,
-                         sum(r.under["prefill"] for r in rs) / n, sum(r.under["decode"] for r in rs) / n,
-                         sum(r.over_total for r in rs) / n, sum(r.replica_seconds for r in rs) / n / 3600,
-                         (sum(sum(r.reactions) for r in rs) / max(1, sum(len(r.reactions) for r in rs))
-                          if trace.surges else float("nan")),
-                         sum(r.direction_changes for r in rs) / n))
+            rows.append(
+                (
+                    trace.name,
+                    policy,
+                    sum(r.under["prefill"] for r in rs) / n,
+                    sum(r.under["decode"] for r in rs) / n,
+                    sum(r.over_total for r in rs) / n,
+                    sum(r.replica_seconds for r in rs) / n / 3600,
+                    (
+                        sum(sum(r.reactions) for r in rs) / max(1, sum(len(r.reactions) for r in rs))
+                        if trace.surges
+                        else float("nan")
+                    ),
+                    sum(r.direction_changes for r in rs) / n,
+                )
+            )
 
     header = ("trace", "policy", "under P r·s", "under D r·s", "over r·s", "replica-h", "reaction s", "dir changes")
     print(f"{header[0]:<13} {header[1]:<16}" + "".join(f"{h:>13}" for h in header[2:]))
     for row in rows:
-        print(f"{row[0]:<13} {row[1]:<16}" + "".join(f"{v:>13.1f}" if not math.isnan(v) else f"{'-':>13}"
-                                                   for v in row[2:]))
+        print(
+            f"{row[0]:<13} {row[1]:<16}"
+            + "".join(f"{v:>13.1f}" if not math.isnan(v) else f"{'-':>13}" for v in row[2:])
+        )
 
     def mean(trace: str, policy: str, f: Callable[[Result], float]) -> float:
         rs = results[(trace, policy)]
@@ -579,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         return ours / base if base else (0.0 if not ours else math.inf)
 
     def hours_ratio(trace: str) -> float:
-        return mean(trace, "pdfleet", lambda r: r.replica_seconds) / mean(trace, "clairvoyant", lambda r: r.replica_seconds)
+        return mean(trace, "pdfleet", lambda r: r.replica_seconds) / mean(
+            trace, "clairvoyant", lambda r: r.replica_seconds
+        )
 
     target = list(at_target(args.utilization))
     floors = {t.name: floor(results, t.name, target) for t in every}
@@ -596,22 +698,31 @@ def main(argv: list[str] | None = None) -> int:
     per_10min = mean("noisy-steady", "pdfleet", lambda r: r.direction_changes) / (noisy.duration / 600)
     print(f"  direction changes per 10 minutes on noisy-steady: {per_10min:.2f} (target <= 1)")
     print("held out: diurnal (the conversation day compressed 12x, day decode-heavy, night prefill-heavy)")
-    print(f"  replica-hours / clairvoyant: {hours_ratio('diurnal'):.2f}; under-provisioned r·s / per-role: "
-          f"{under_ratio('diurnal'):.2f}; replica-hours / per-role: "
-          f"{mean('diurnal', 'pdfleet', lambda r: r.replica_seconds) / mean('diurnal', 'per-role', lambda r: r.replica_seconds):.2f}")
-    print(f"\nreplica-hours against the floor: the cheaper oracle sized at the policy's target utilization "
-          f"({args.utilization:g}), per trace (pdfleet's mean over {args.seeds} seeds; the spread is per seed)")
+    print(
+        f"  replica-hours / clairvoyant: {hours_ratio('diurnal'):.2f}; under-provisioned r·s / per-role: "
+        f"{under_ratio('diurnal'):.2f}; replica-hours / per-role: "
+        f"{mean('diurnal', 'pdfleet', lambda r: r.replica_seconds) / mean('diurnal', 'per-role', lambda r: r.replica_seconds):.2f}"
+    )
+    print(
+        f"\nreplica-hours against the floor: the cheaper oracle sized at the policy's target utilization "
+        f"({args.utilization:g}), per trace (pdfleet's mean over {args.seeds} seeds; the spread is per seed)"
+    )
     for name, f in floors.items():
-        print(f"  {name:<13} pdfleet {f['policy_hours']:6.2f} h / floor {f['hours']:6.2f} h ({f['oracle']}) = "
-              f"{f['ratio']:.2f}x (seeds {f['min']:.2f}-{f['max']:.2f}); at full utilization the oracles' best was "
-              f"{f['full_hours']:.2f} h")
+        print(
+            f"  {name:<13} pdfleet {f['policy_hours']:6.2f} h / floor {f['hours']:6.2f} h ({f['oracle']}) = "
+            f"{f['ratio']:.2f}x (seeds {f['min']:.2f}-{f['max']:.2f}); at full utilization the oracles' best was "
+            f"{f['full_hours']:.2f} h"
+        )
 
     under_base = mean("bursty", "per-role", lambda r: r.under_total)
     under_ours = mean("bursty", "pdfleet", lambda r: r.under_total)
     summary = {
         "underprovisioned_reduction": round(1 - under_ours / under_base, 4) if under_base else 0.0,
-        "replica_hours_ratio": round(mean("bursty", "pdfleet", lambda r: r.replica_seconds)
-                                     / mean("bursty", "per-role", lambda r: r.replica_seconds), 4),
+        "replica_hours_ratio": round(
+            mean("bursty", "pdfleet", lambda r: r.replica_seconds)
+            / mean("bursty", "per-role", lambda r: r.replica_seconds),
+            4,
+        ),
         "direction_changes_noisy": round(mean("noisy-steady", "pdfleet", lambda r: r.direction_changes), 2),
         "direction_changes_noisy_baseline": round(mean("noisy-steady", "per-role", lambda r: r.direction_changes), 2),
         "reaction_s_bursty": round(mean("bursty", "pdfleet", lambda r: r.reaction), 1),

@@ -5,9 +5,8 @@ Prints a table, then one JSON line with the ratios. The last rows time a lone de
 `make demo` worker runs) with the linear kernels the start-up probe picks against plain F.linear, the two
 engines stepped in turn (issue 28).
 """
-from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+from __future__ import annotations
 
 import argparse
 import json
@@ -17,30 +16,46 @@ import statistics
 import sys
 import time
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import torch
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdfleet-bench-small"),
-                   help="model directory; created with `pdfleet model init --preset small` if missing")
+    p.add_argument(
+        "--model",
+        default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdfleet-bench-small"),
+        help="model directory; created with `pdfleet model init --preset small` if missing",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--requests", type=int, default=32, help="mixed workload size")
-    p.add_argument("--seq-requests", type=int, default=8,
-                   help="how many of the mixed requests the one-at-a-time HF baseline runs (a rate, so a prefix of the same draw)")
+    p.add_argument(
+        "--seq-requests",
+        type=int,
+        default=8,
+        help="how many of the mixed requests the one-at-a-time HF baseline runs (a rate, so a prefix of the same draw)",
+    )
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--bs1-tokens", type=int, default=128)
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--budget", type=int, default=512, help="engine max_num_batched_tokens")
-    p.add_argument("--tiny-model", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdfleet-bench-tiny"),
-                   help="tiny-preset model directory for the batch-1 kernel rows; created if missing")
-    p.add_argument("--tiny-threads", type=int, default=1, help="torch threads of the tiny rows (pdfleet up's per worker)")
+    p.add_argument(
+        "--tiny-model",
+        default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdfleet-bench-tiny"),
+        help="tiny-preset model directory for the batch-1 kernel rows; created if missing",
+    )
+    p.add_argument(
+        "--tiny-threads", type=int, default=1, help="torch threads of the tiny rows (pdfleet up's per worker)"
+    )
     p.add_argument("--tiny-tokens", type=int, default=256, help="decode tokens timed per tiny repetition")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 requests, lengths U[16, 64], 1 rep")
-    p.add_argument("--sampler-only", action="store_true",
-                   help="only the batch-64 sampler rows: the batched sampler against --sampler-baseline's, alternating")
+    p.add_argument(
+        "--sampler-only",
+        action="store_true",
+        help="only the batch-64 sampler rows: the batched sampler against --sampler-baseline's, alternating",
+    )
     p.add_argument("--sampler-baseline", default=SAMPLER_BASELINE_REV, help="git revision of the baseline sampler")
     p.add_argument("--sampler-tokens", type=int, default=32, help="decode tokens per batch-64 measurement")
     a = p.parse_args()
@@ -71,6 +86,7 @@ def weight_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
     """Bytes of weights one decode step reads: everything but the input embedding table (one row
     of it is read), unless it is tied to the LM head."""
     from pdfleet_worker.config import ModelConfig
+
     cfg = ModelConfig.from_dir(model_dir)
     n = cfg.num_params
     if not cfg.tie_word_embeddings:
@@ -86,9 +102,12 @@ def mixed_workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
 # -- the engine ---------------------------------------------------------------------------------
 def engine_mixed(engine, work) -> float:
     from pdfleet_worker.sampling_params import SamplingParams
+
     t = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
     produced = 0
     while engine.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in engine.step())
@@ -99,7 +118,10 @@ def engine_mixed(engine, work) -> float:
 
 def engine_decode_s_per_token(engine, prompt: list[int], n: int) -> float:
     from pdfleet_worker.sampling_params import SamplingParams
-    engine.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
+
+    engine.add_request(
+        f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)
+    )
     stamps = []
     while engine.has_unfinished_requests():
         if engine.step():
@@ -109,6 +131,7 @@ def engine_decode_s_per_token(engine, prompt: list[int], n: int) -> float:
 
 def engine_ttft(engine, prompt: list[int]) -> float:
     from pdfleet_worker.sampling_params import SamplingParams
+
     t = time.perf_counter()
     engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     ttft = None
@@ -123,9 +146,11 @@ def paired_decode_steps(engines: dict, prompt: list[int], n: int) -> dict[str, f
     """One lone request per engine, decoded step by step in turn (A, B, A, B, ...), so both see the
     machine's load of the same moments; the median step time of each (seconds per token)."""
     from pdfleet_worker.sampling_params import SamplingParams
+
     for name, eng in engines.items():
-        eng.add_request(f"{name}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0,
-                                                                                ignore_eos=True))
+        eng.add_request(
+            f"{name}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)
+        )
         eng.step()  # the prefill
     times: dict[str, list[float]] = {name: [] for name in engines}
     while any(e.has_unfinished_requests() for e in engines.values()):
@@ -156,9 +181,17 @@ def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
             engines = {}
             for name, setting in (("auto", "auto"), ("plain", "torch")):
                 os.environ[packed_linear.ENV] = setting
-                engines[name] = LLMEngine(EngineConfig(model=a.tiny_model, dtype=dtype, max_num_seqs=32,
-                                                       max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20,
-                                                       num_threads=a.tiny_threads), load_tokenizer=False)
+                engines[name] = LLMEngine(
+                    EngineConfig(
+                        model=a.tiny_model,
+                        dtype=dtype,
+                        max_num_seqs=32,
+                        max_num_batched_tokens=512,
+                        kv_cache_memory_bytes=64 << 20,
+                        num_threads=a.tiny_threads,
+                    ),
+                    load_tokenizer=False,
+                )
             paired_decode_steps(engines, prompt, 8)  # warm-up
             out[f"{dtype}_backend"] = engines["auto"].model_runner.linear_choice.describe()
             for rep in range(max(a.reps, 5)):
@@ -180,11 +213,12 @@ def hf_generate(hf, prompts: list[list[int]], max_new: int) -> None:
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as batched generation requires
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                          do_sample=False, pad_token_id=0)
+        out = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0
+        )
     assert out.shape[1] == width + max_new
 
 
@@ -193,7 +227,7 @@ def hf_static(hf, work, batch: int) -> float:
     each request asked for count."""
     t = time.perf_counter()
     for i in range(0, len(work), batch):
-        group = work[i:i + batch]
+        group = work[i : i + batch]
         hf_generate(hf, [p for p, _ in group], max(n for _, n in group))
     return sum(n for _, n in work) / (time.perf_counter() - t)
 
@@ -221,8 +255,17 @@ def baseline_sampler(rev: str):
     # NOTE: the sampler lived in engine/ until issue 25 moved it to layers/, and SamplingParams to the package
     # root: an older revision's file is found at its old path and its import pointed at the new one.
     for path in ("layers/sampler.py", "engine/sampler.py"):
-        shown = subprocess.run(["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "show",
-                                f"{rev}:workers/pdfleet_worker/{path}"], capture_output=True, text=True)
+        shown = subprocess.run(
+            [
+                "git",
+                "-C",
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                "show",
+                f"{rev}:workers/pdfleet_worker/{path}",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if shown.returncode == 0:
             break
     if shown.returncode != 0:
@@ -246,12 +289,14 @@ def baseline_sampler(rev: str):
 
         def __call__(self, logits, request_ids, params, steps=None):
             return super().__call__(logits, request_ids, params)
+
     return Baseline
 
 
 def batch_decode_tok_s(engine, prompts: list[list[int]], n: int, params) -> float:
     """Decode tokens per second of len(prompts) requests decoding together (their prefill not counted)."""
     import dataclasses as dc
+
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", p, dc.replace(params, max_tokens=n + 1, ignore_eos=True))
     started: set[str] = set()
@@ -275,26 +320,42 @@ def sampler_rows(a: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dic
     if Baseline is None:
         return [], {}
     batch = 64
-    eng = LLMEngine(EngineConfig(model=a.model, max_num_seqs=batch, max_num_batched_tokens=max(a.budget, batch * 16),
-                                 kv_cache_memory_bytes=1 << 30, num_threads=a.threads), load_tokenizer=False)
+    eng = LLMEngine(
+        EngineConfig(
+            model=a.model,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(a.budget, batch * 16),
+            kv_cache_memory_bytes=1 << 30,
+            num_threads=a.threads,
+        ),
+        load_tokenizer=False,
+    )
     vocab = eng.model_config.vocab_size
     rng = random.Random(7)
     prompts = [[rng.randrange(8, vocab) for _ in range(16)] for _ in range(batch)]
-    kinds = {"greedy": SamplingParams(temperature=0), "sampled": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
-             "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1)}
+    kinds = {
+        "greedy": SamplingParams(temperature=0),
+        "sampled": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+        "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+    }
     impls = {"new": Sampler(), "old": Baseline()}
 
     def use(name: str) -> None:
         eng.model_runner.sampler = eng.sampler = impls[name]
+
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
     ids = [f"s{i}" for i in range(batch)]
     m = {(k, i, w): [] for k in kinds for i in impls for w in ("engine", "sampler")}
     reps = max(a.reps, 5)
     batch_decode_tok_s(eng, prompts[:4], 2, kinds["greedy"])  # warm-up
     for rep in range(reps):
-        print(f"[{time.strftime('%H:%M:%S')}] batch-{batch} sampler, repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] batch-{batch} sampler, repetition {rep + 1}/{reps}",
+            file=sys.stderr,
+            flush=True,
+        )
         for kind, params in kinds.items():
-            for name in (("new", "old") if rep % 2 == 0 else ("old", "new")):
+            for name in ("new", "old") if rep % 2 == 0 else ("old", "new"):
                 use(name)
                 m[(kind, name, "engine")].append(batch_decode_tok_s(eng, prompts, a.sampler_tokens, params))
                 steps = [0] * batch
@@ -310,12 +371,22 @@ def sampler_rows(a: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dic
         smp_r = [o / n for n, o in zip(m[(kind, "new", "sampler")], m[(kind, "old", "sampler")])]
         new_tok = statistics.median(m[(kind, "new", "engine")])
         old_tok = statistics.median(m[(kind, "old", "engine")])
-        rows.append((f"batch-{batch} decode, {kind}: new / old sampler", f"{statistics.median(eng_r):.3f}",
-                     f"{new_tok:.0f} vs {old_tok:.0f} tok/s, target >= 0.98 [{', '.join(f'{r:.3f}' for r in eng_r)}]"))
-        rows.append((f"sampler alone [{batch}, {vocab}], {kind}: old / new time", f"{statistics.median(smp_r):.2f}",
-                     f"{statistics.median(m[(kind, 'new', 'sampler')]) * 1e3:.2f} vs "
-                     f"{statistics.median(m[(kind, 'old', 'sampler')]) * 1e3:.2f} ms "
-                     f"[{', '.join(f'{r:.2f}' for r in smp_r)}]"))
+        rows.append(
+            (
+                f"batch-{batch} decode, {kind}: new / old sampler",
+                f"{statistics.median(eng_r):.3f}",
+                f"{new_tok:.0f} vs {old_tok:.0f} tok/s, target >= 0.98 [{', '.join(f'{r:.3f}' for r in eng_r)}]",
+            )
+        )
+        rows.append(
+            (
+                f"sampler alone [{batch}, {vocab}], {kind}: old / new time",
+                f"{statistics.median(smp_r):.2f}",
+                f"{statistics.median(m[(kind, 'new', 'sampler')]) * 1e3:.2f} vs "
+                f"{statistics.median(m[(kind, 'old', 'sampler')]) * 1e3:.2f} ms "
+                f"[{', '.join(f'{r:.2f}' for r in smp_r)}]",
+            )
+        )
         result[f"batch{batch}_{kind}_new_vs_old_sampler"] = round(statistics.median(eng_r), 3)
         result[f"batch{batch}_{kind}_new_vs_old_sampler_spread"] = [round(min(eng_r), 3), round(max(eng_r), 3)]
         result[f"sampler_{kind}_speedup"] = round(statistics.median(smp_r), 2)
@@ -329,8 +400,18 @@ def sampler_main(a: argparse.Namespace) -> int:
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>8}  {note}")
-    print(json.dumps({**result, "model": os.path.basename(os.path.normpath(a.model)), "threads": a.threads,
-                      "reps": max(a.reps, 5), "decode_tokens": a.sampler_tokens, "baseline": a.sampler_baseline}))
+    print(
+        json.dumps(
+            {
+                **result,
+                "model": os.path.basename(os.path.normpath(a.model)),
+                "threads": a.threads,
+                "reps": max(a.reps, 5),
+                "decode_tokens": a.sampler_tokens,
+                "baseline": a.sampler_baseline,
+            }
+        )
+    )
     return 0
 
 
@@ -350,15 +431,23 @@ def main() -> int:
         model_init.init_model(a.model, "small", seed=0)
     cfg = ModelConfig.from_dir(a.model)
     work = mixed_workload(a.requests, a.min_len, a.max_len, cfg.vocab_size)
-    seq_work = work[:a.seq_requests]
+    seq_work = work[: a.seq_requests]
     rng = random.Random(1)
     bs1_prompt = [rng.randrange(8, cfg.vocab_size) for _ in range(32)]
     weight_bytes = weight_bytes_per_token(a.model, 4)
 
     def engine(dtype: str, kv_bytes: int) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=a.model, dtype=dtype, max_num_seqs=max(64, a.requests),
-                                      max_num_batched_tokens=a.budget, kv_cache_memory_bytes=kv_bytes,
-                                      num_threads=a.threads), load_tokenizer=False)
+        return LLMEngine(
+            EngineConfig(
+                model=a.model,
+                dtype=dtype,
+                max_num_seqs=max(64, a.requests),
+                max_num_batched_tokens=a.budget,
+                kv_cache_memory_bytes=kv_bytes,
+                num_threads=a.threads,
+            ),
+            load_tokenizer=False,
+        )
 
     eng, eng16 = engine("float32", 2 << 30), engine("bfloat16", 1 << 30)
     hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
@@ -369,6 +458,7 @@ def main() -> int:
     # NOTE: the machine is shared, so every repetition measures the engine and its baseline back
     # to back and the ratio is taken per repetition; the reported ratio is the median of those.
     m = {k: [] for k in ("eng", "hf8", "hf1", "bw", "dec32", "dec16", "hfdec", "prefix")}
+
     def progress(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -411,31 +501,59 @@ def main() -> int:
 
     def fmt(xs, scale=1.0, digits=1):
         return "[" + ", ".join(f"{x * scale:.{digits}f}" for x in xs) + "]"
+
     rows = [
-        ("engine mixed (fp32)", f"{med(m['eng']):.1f} tok/s", f"{a.requests} requests, U[{a.min_len},{a.max_len}] {fmt(m['eng'])}"),
+        (
+            "engine mixed (fp32)",
+            f"{med(m['eng']):.1f} tok/s",
+            f"{a.requests} requests, U[{a.min_len},{a.max_len}] {fmt(m['eng'])}",
+        ),
         ("HF generate, static batches of 8", f"{med(m['hf8']):.1f} tok/s", fmt(m["hf8"])),
         ("HF generate, one at a time", f"{med(m['hf1']):.1f} tok/s", f"first {len(seq_work)} requests {fmt(m['hf1'])}"),
-        ("engine bs1 decode fp32", f"{med(m['dec32']) * 1e3:.2f} ms/tok", f"linear backend {eng.model_runner.linear_backend} {fmt(m['dec32'], 1e3, 2)}"),
+        (
+            "engine bs1 decode fp32",
+            f"{med(m['dec32']) * 1e3:.2f} ms/tok",
+            f"linear backend {eng.model_runner.linear_backend} {fmt(m['dec32'], 1e3, 2)}",
+        ),
         ("engine bs1 decode bf16", f"{med(m['dec16']) * 1e3:.2f} ms/tok", fmt(m["dec16"], 1e3, 2)),
         ("HF bs1 decode fp32", f"{med(m['hfdec']) * 1e3:.2f} ms/tok", fmt(m["hfdec"], 1e3, 2)),
         ("memory read bandwidth", f"{med(m['bw']):.1f} GB/s", f"{a.threads} threads, 1 GiB sum {fmt(m['bw'])}"),
-        ("bandwidth floor fp32", f"{med(floors) * 1e3:.2f} ms/tok", f"{weight_bytes / 1e6:.0f} MB of weights read per token"),
-        ("TTFT first / second (shared prefix)", f"{med([f for f, _ in m['prefix']]) * 1e3:.0f} / {med([s for _, s in m['prefix']]) * 1e3:.0f} ms",
-         f"{a.prefix}-token block-aligned prefix + 16 tokens"),
+        (
+            "bandwidth floor fp32",
+            f"{med(floors) * 1e3:.2f} ms/tok",
+            f"{weight_bytes / 1e6:.0f} MB of weights read per token",
+        ),
+        (
+            "TTFT first / second (shared prefix)",
+            f"{med([f for f, _ in m['prefix']]) * 1e3:.0f} / {med([s for _, s in m['prefix']]) * 1e3:.0f} ms",
+            f"{a.prefix}-token block-aligned prefix + 16 tokens",
+        ),
         ("ratio mixed / HF static 8", f"{med(r_static8):.2f}", f"target >= 2   {fmt(r_static8, 1, 2)}"),
         ("ratio mixed / HF one at a time", f"{med(r_seq):.2f}", f"target >= 6   {fmt(r_seq, 1, 2)}"),
         ("ratio bs1 engine / HF", f"{med(r_bs1):.2f}", f"target >= 0.95 {fmt(r_bs1, 1, 2)}"),
         ("bs1 MBU (floor / engine)", f"{med(r_mbu):.2f}", f"target >= 0.70 {fmt(r_mbu, 1, 2)}"),
         ("prefix TTFT second / first", f"{med(r_prefix):.3f}", f"target <= 0.25 {fmt(r_prefix, 1, 3)}"),
         ("bf16 / fp32 bs1 decode speed", f"{med(r_bf16):.2f}", f"target >= 1.5 {fmt(r_bf16, 1, 2)}"),
-        (f"tiny bs1 decode fp32, {a.tiny_threads} thread", f"{med(tiny['float32_auto']) * 1e3:.2f} ms/tok",
-         f"probed kernels {fmt(tiny['float32_auto'], 1e3, 2)}"),
-        ("tiny bs1 decode fp32, plain F.linear", f"{med(tiny['float32_plain']) * 1e3:.2f} ms/tok",
-         fmt(tiny["float32_plain"], 1e3, 2)),
-        (f"tiny bs1 decode bf16, {a.tiny_threads} thread", f"{med(tiny['bfloat16_auto']) * 1e3:.2f} ms/tok",
-         f"probed kernels {fmt(tiny['bfloat16_auto'], 1e3, 2)}"),
-        ("tiny bs1 decode bf16, plain F.linear", f"{med(tiny['bfloat16_plain']) * 1e3:.2f} ms/tok",
-         fmt(tiny["bfloat16_plain"], 1e3, 2)),
+        (
+            f"tiny bs1 decode fp32, {a.tiny_threads} thread",
+            f"{med(tiny['float32_auto']) * 1e3:.2f} ms/tok",
+            f"probed kernels {fmt(tiny['float32_auto'], 1e3, 2)}",
+        ),
+        (
+            "tiny bs1 decode fp32, plain F.linear",
+            f"{med(tiny['float32_plain']) * 1e3:.2f} ms/tok",
+            fmt(tiny["float32_plain"], 1e3, 2),
+        ),
+        (
+            f"tiny bs1 decode bf16, {a.tiny_threads} thread",
+            f"{med(tiny['bfloat16_auto']) * 1e3:.2f} ms/tok",
+            f"probed kernels {fmt(tiny['bfloat16_auto'], 1e3, 2)}",
+        ),
+        (
+            "tiny bs1 decode bf16, plain F.linear",
+            f"{med(tiny['bfloat16_plain']) * 1e3:.2f} ms/tok",
+            fmt(tiny["bfloat16_plain"], 1e3, 2),
+        ),
         ("ratio tiny bs1 probed / plain fp32", f"{med(r_tiny):.2f}", f"target <= 1.05 {fmt(r_tiny, 1, 2)}"),
         ("ratio tiny bs1 probed / plain bf16", f"{med(r_tiny16):.2f}", f"target <= 1.05 {fmt(r_tiny16, 1, 2)}"),
     ]

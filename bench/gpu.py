@@ -19,6 +19,7 @@ if tokens_match is false):
   prefix cache never hits.
 Ends with one JSON line; on a GPU it is also a `pdfleet simulate --calibration` line for --class-name.
 """
+
 from __future__ import annotations
 
 if not __package__:  # run as a script; imported as `bench.gpu` (tests) bench/ is not on sys.path
@@ -50,15 +51,39 @@ BF16_NEAR_TIE = 2e-2
 SECTIONS = ("ceilings", "correctness", "bs1", "b64", "prefill")
 
 # meta-llama/Llama-3.1-8B's config.json (the shapes; the weights here are random).
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 # The --cpu-smoke stand-in: the same architecture at toy size.
-LLAMA_TOY = dict(LLAMA_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                 rope_scaling=dict(LLAMA_8B["rope_scaling"], original_max_position_embeddings=64))
+LLAMA_TOY = dict(
+    LLAMA_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_scaling=dict(LLAMA_8B["rope_scaling"], original_max_position_embeddings=64),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,46 +91,96 @@ class Sizes:
     """What each section runs; FULL on a GPU, SMOKE on CPU (the Triton interpreter takes ~0.1-0.5 s per kernel call)."""
 
     reps: int
-    correct_hidden: int          # the small correctness models' hidden size (head_dim 32 or 16: powers of two)
-    correct_prompts: int         # prompts of 1..40 tokens, and one more of correct_long tokens
-    correct_long: int            # prefilled in chunks of correct_budget tokens while the others decode
+    correct_hidden: int  # the small correctness models' hidden size (head_dim 32 or 16: powers of two)
+    correct_prompts: int  # prompts of 1..40 tokens, and one more of correct_long tokens
+    correct_long: int  # prefilled in chunks of correct_budget tokens while the others decode
     correct_budget: int
     correct_new: int
     bs1_prompt: int
     bs1_new: int
-    batch: int                   # "b64"
+    batch: int  # "b64"
     batch_prompt: int
     batch_new: int
     prefill_seqs: int
     prefill_len: int
-    warm_new: int                # tokens of each untimed warm-up run
-    kv_bytes: int                # each speed engine's KV pool
-    copy_bytes: int              # ceilings: each copy buffer
+    warm_new: int  # tokens of each untimed warm-up run
+    kv_bytes: int  # each speed engine's KV pool
+    copy_bytes: int  # ceilings: each copy buffer
     matmul_n: int
 
 
-FULL = Sizes(reps=5, correct_hidden=128, correct_prompts=7, correct_long=100, correct_budget=64, correct_new=16,
-             bs1_prompt=512, bs1_new=128, batch=64, batch_prompt=128, batch_new=128, prefill_seqs=8,
-             prefill_len=2048, warm_new=4, kv_bytes=6 << 30, copy_bytes=1 << 30, matmul_n=8192)
-SMOKE = Sizes(reps=1, correct_hidden=64, correct_prompts=2, correct_long=20, correct_budget=16, correct_new=4,
-              bs1_prompt=8, bs1_new=3, batch=2, batch_prompt=8, batch_new=3, prefill_seqs=2, prefill_len=32,
-              warm_new=2, kv_bytes=4 << 20, copy_bytes=8 << 20, matmul_n=128)
+FULL = Sizes(
+    reps=5,
+    correct_hidden=128,
+    correct_prompts=7,
+    correct_long=100,
+    correct_budget=64,
+    correct_new=16,
+    bs1_prompt=512,
+    bs1_new=128,
+    batch=64,
+    batch_prompt=128,
+    batch_new=128,
+    prefill_seqs=8,
+    prefill_len=2048,
+    warm_new=4,
+    kv_bytes=6 << 30,
+    copy_bytes=1 << 30,
+    matmul_n=8192,
+)
+SMOKE = Sizes(
+    reps=1,
+    correct_hidden=64,
+    correct_prompts=2,
+    correct_long=20,
+    correct_budget=16,
+    correct_new=4,
+    bs1_prompt=8,
+    bs1_new=3,
+    batch=2,
+    batch_prompt=8,
+    batch_new=3,
+    prefill_seqs=2,
+    prefill_len=32,
+    warm_new=2,
+    kv_bytes=4 << 20,
+    copy_bytes=8 << 20,
+    matmul_n=128,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="toy sizes on CPU: the CUDA path's attention through Triton's interpreter, no CUDA graphs")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="toy sizes on CPU: the CUDA path's attention through Triton's interpreter, no CUDA graphs",
+    )
     p.add_argument("--reps", type=int, help="repetitions of each speed measurement (default 5; smoke 1)")
-    p.add_argument("--peak-hbm-tbps", type=float, default=H200_HBM_TBPS,
-                   help="HBM bandwidth the fractions are taken of, TB/s (default: the H200 datasheet's 4.8)")
-    p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
-                   help="bf16 dense TFLOP/s the prefill MFU is taken of (default: the H200 datasheet's 989)")
-    p.add_argument("--class-name", default="h200-141gb",
-                   help="the AcceleratorClass the result line calibrates (pdfleet simulate --calibration)")
+    p.add_argument(
+        "--peak-hbm-tbps",
+        type=float,
+        default=H200_HBM_TBPS,
+        help="HBM bandwidth the fractions are taken of, TB/s (default: the H200 datasheet's 4.8)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H200_BF16_TFLOPS,
+        help="bf16 dense TFLOP/s the prefill MFU is taken of (default: the H200 datasheet's 989)",
+    )
+    p.add_argument(
+        "--class-name",
+        default="h200-141gb",
+        help="the AcceleratorClass the result line calibrates (pdfleet simulate --calibration)",
+    )
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
-    p.add_argument("--deadline-s", type=float, default=360.0,
-                   help="no new section or repetition starts after this many seconds (the device call's limit)")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=360.0,
+        help="no new section or repetition starts after this many seconds (the device call's limit)",
+    )
     p.add_argument("--out", help="also write the result (rewritten after every section) to this file")
     a = p.parse_args(argv)
     a.sections = [s.strip() for s in a.only.split(",") if s.strip()]
@@ -149,9 +224,9 @@ class Agreement:
     """Greedy tokens of the engine against the oracle's, sequence by sequence, up to the first difference."""
 
     sequences: int = 0
-    compared: int = 0            # token positions compared
-    near_ties: int = 0           # differing tokens where the oracle's top-2 logits were within the tie bound
-    mismatches: int = 0          # any other difference (a wrong token, a missing or extra one)
+    compared: int = 0  # token positions compared
+    near_ties: int = 0  # differing tokens where the oracle's top-2 logits were within the tie bound
+    mismatches: int = 0  # any other difference (a wrong token, a missing or extra one)
     max_logit_diff: float = 0.0  # over the positions compared, before the first difference
     first_mismatch: str | None = None
 
@@ -163,8 +238,15 @@ class Agreement:
         return {**dataclasses.asdict(self), "tokens_match": self.tokens_match}
 
 
-def compare_greedy(got: list[list[int]], got_logits: list[list[torch.Tensor]], want: list[list[int]],
-                   want_logits: list[list[torch.Tensor]], *, tie_abs: float = 0.0, tie_rel: float = 0.0) -> Agreement:
+def compare_greedy(
+    got: list[list[int]],
+    got_logits: list[list[torch.Tensor]],
+    want: list[list[int]],
+    want_logits: list[list[torch.Tensor]],
+    *,
+    tie_abs: float = 0.0,
+    tie_rel: float = 0.0,
+) -> Agreement:
     """Tokens must be equal; where they first differ, the oracle's top-2 gap decides near-tie (counted) or
     mismatch. A sequence stops being compared at its first difference (the two continue from different tokens).
     A near-tie's bound: max(tie_abs, tie_rel x max|oracle logit| at that position)."""
@@ -175,7 +257,9 @@ def compare_greedy(got: list[list[int]], got_logits: list[list[torch.Tensor]], w
         for j, expected in enumerate(ref):
             if j >= len(toks):
                 agreement.mismatches += 1
-                agreement.first_mismatch = agreement.first_mismatch or f"sequence {i}: {len(toks)} tokens, {len(ref)} expected"
+                agreement.first_mismatch = (
+                    agreement.first_mismatch or f"sequence {i}: {len(toks)} tokens, {len(ref)} expected"
+                )
                 break
             agreement.compared += 1
             ref_row = ref_rows[j].float().cpu()
@@ -191,12 +275,15 @@ def compare_greedy(got: list[list[int]], got_logits: list[list[torch.Tensor]], w
             else:
                 agreement.mismatches += 1
                 agreement.first_mismatch = agreement.first_mismatch or (
-                    f"sequence {i} position {j}: {toks[j]} != {expected} (oracle's top-2 gap {gap:.3g})")
+                    f"sequence {i} position {j}: {toks[j]} != {expected} (oracle's top-2 gap {gap:.3g})"
+                )
             break
         else:
             if len(toks) > len(ref):
                 agreement.mismatches += 1
-                agreement.first_mismatch = agreement.first_mismatch or f"sequence {i}: {len(toks)} tokens, {len(ref)} expected"
+                agreement.first_mismatch = (
+                    agreement.first_mismatch or f"sequence {i}: {len(toks)} tokens, {len(ref)} expected"
+                )
     return agreement
 
 
@@ -213,14 +300,38 @@ def hf_config(kind: str, **shape):
 def small_shapes(kind: str, hidden: int) -> dict:
     """The correctness models (as tests/worker/oracle.py's, a little larger on a GPU)."""
     if kind == "llama":
-        return dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                    initializer_range=0.1, tie_word_embeddings=False, rope_theta=500000.0,
-                    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    return dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.1,
-                rope_theta=1000000.0, tie_word_embeddings=True)
+        return dict(
+            vocab_size=512,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden + 32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=512,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    return dict(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    )
 
 
 def random_hf(cfg, dtype: torch.dtype, device: torch.device, seed: int):
@@ -275,7 +386,9 @@ def engine_weights(hf, cfg, dtype: torch.dtype, device: torch.device, quantizati
         model.lm_head.fill_rows(None, model.embed_tokens.weight)
         filled[id(model.lm_head)] = model.lm_head.out_features
     missing = [n for n, p in model.named_parameters() if filled.get(id(p), 0) != p.shape[0]]
-    missing += [n for n, m in model.named_modules() if isinstance(m, Int8Linear) and filled.get(id(m), 0) != m.out_features]
+    missing += [
+        n for n, m in model.named_modules() if isinstance(m, Int8Linear) and filled.get(id(m), 0) != m.out_features
+    ]
     assert not missing, f"weights not filled from the transformers model: {missing[:5]}"
     return model.eval()
 
@@ -306,8 +419,11 @@ def use_cuda_path(engine) -> dict:
     engine.warm_up()
     if runner.device.type == "cuda" and runner.graphs is None:
         raise RuntimeError("warm_up captured no CUDA graphs (PDFLEET_CUDA_GRAPHS=0 set?)")
-    return {"backend": runner.backend, "cuda_graphs": runner.graphs is not None,
-            "graph_sizes": sorted(runner.graphs.graphs) if runner.graphs is not None else []}
+    return {
+        "backend": runner.backend,
+        "cuda_graphs": runner.graphs is not None,
+        "graph_sizes": sorted(runner.graphs.graphs) if runner.graphs is not None else [],
+    }
 
 
 @contextlib.contextmanager
@@ -432,9 +548,15 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int, sync) -> HFRun:
     sync()
     t = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                          stopping_criteria=StoppingCriteriaList([clock]))
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
     sync()
     total = time.perf_counter() - t
     assert out.shape == (len(prompts), ids.shape[1] + new_tokens), tuple(out.shape)
@@ -486,11 +608,17 @@ def section_ceilings(run: Run) -> dict:
     n = s.matmul_n
     x, y = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     mm_s = seconds_per_call(lambda: x @ y, dev)
-    del src, dst, x, y
-    out = {"copy_bytes_per_s": 2 * s.copy_bytes / copy_s, "matmul_tflops": 2 * n ** 3 / mm_s / 1e12,
-           "copy_buffer_bytes": s.copy_bytes, "matmul_n": n}
-    run.log(f"ceilings: copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), bf16 matmul "
-            f"{out['matmul_tflops']:.1f} TFLOP/s")
+    src = dst = x = y = None  # (free the device memory; the lambdas that captured them are done)
+    out = {
+        "copy_bytes_per_s": 2 * s.copy_bytes / copy_s,
+        "matmul_tflops": 2 * n**3 / mm_s / 1e12,
+        "copy_buffer_bytes": s.copy_bytes,
+        "matmul_n": n,
+    }
+    run.log(
+        f"ceilings: copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), bf16 matmul "
+        f"{out['matmul_tflops']:.1f} TFLOP/s"
+    )
     return out
 
 
@@ -506,10 +634,13 @@ def section_correctness(run: Run) -> dict:
     for kind, seed in (("llama", 1234), ("qwen2", 4321)):
         with tempfile.TemporaryDirectory(prefix="pdfleet-gpu-") as path:
             results.update(_correctness_of(run, kind, seed, path, prompts, graph_settings))
-    return {"correctness": results, "tokens_match": all(r["tokens_match"] for r in results.values()),
-            "cuda_graphs_checked": any(k.endswith("graphs-on") for k in results),
-            "near_ties": sum(r["near_ties"] for r in results.values()),
-            "tokens_compared": sum(r["compared"] for r in results.values())}
+    return {
+        "correctness": results,
+        "tokens_match": all(r["tokens_match"] for r in results.values()),
+        "cuda_graphs_checked": any(k.endswith("graphs-on") for k in results),
+        "near_ties": sum(r["near_ties"] for r in results.values()),
+        "tokens_compared": sum(r["compared"] for r in results.values()),
+    }
 
 
 def _correctness_of(run: Run, kind: str, seed: int, path: str, prompts: list[list[int]], graph_settings) -> dict:
@@ -525,8 +656,17 @@ def _correctness_of(run: Run, kind: str, seed: int, path: str, prompts: list[lis
     del hf32
     for dtype in ("float32", "bfloat16"):
         want, want_logits = oracle_greedy(path, dtype, dev, prompts, s.correct_new)
-        engine = LLMEngine(EngineConfig(model=path, dtype=dtype, device=dev.type, block_size=16, num_kv_blocks=128,
-                                        max_num_seqs=8, max_num_batched_tokens=s.correct_budget))
+        engine = LLMEngine(
+            EngineConfig(
+                model=path,
+                dtype=dtype,
+                device=dev.type,
+                block_size=16,
+                num_kv_blocks=128,
+                max_num_seqs=8,
+                max_num_batched_tokens=s.correct_budget,
+            )
+        )
         backend = use_cuda_path(engine)["backend"]
         tie = dict(tie_abs=NEAR_TIE) if dtype == "float32" else dict(tie_rel=BF16_NEAR_TIE)
         for graphs in graph_settings:
@@ -535,8 +675,10 @@ def _correctness_of(run: Run, kind: str, seed: int, path: str, prompts: list[lis
             agreement = compare_greedy(got, got_logits, want, want_logits, **tie)
             key = f"{kind}/{dtype}/graphs-{'on' if graphs else 'off'}"
             results[key] = {**agreement.as_dict(), "backend": backend}
-            run.log(f"correctness {key}: {agreement.compared} tokens compared, {agreement.near_ties} near-ties, "
-                    f"{agreement.mismatches} mismatches, max logit diff {agreement.max_logit_diff:.2e}")
+            run.log(
+                f"correctness {key}: {agreement.compared} tokens compared, {agreement.near_ties} near-ties, "
+                f"{agreement.mismatches} mismatches, max logit diff {agreement.max_logit_diff:.2e}"
+            )
         assert engine.is_idle_and_whole(), "the correctness engine kept blocks"
         del engine
     return results
@@ -551,9 +693,17 @@ def oracle_greedy(path: str, dtype: str, device: torch.device, prompts: list[lis
     for p in prompts:
         ids = torch.tensor([p], device=device)
         with torch.inference_mode():
-            out = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        tokens.append(out.sequences[0, len(p):].tolist())
+            out = oracle.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        tokens.append(out.sequences[0, len(p) :].tolist())
         logits.append([row[0].float().cpu() for row in out.logits])
     return tokens, logits
 
@@ -563,8 +713,9 @@ def engine_greedy(engine, prompts: list[list[int]], new: int):
     from pdfleet_worker.sampling_params import SamplingParams
 
     rows: dict[str, list] = {}
-    engine.model_runner.logits_hook = lambda ids, logits: [rows.setdefault(r, []).append(logits[i].float().cpu())
-                                                           for i, r in enumerate(ids)]
+    engine.model_runner.logits_hook = lambda ids, logits: [
+        rows.setdefault(r, []).append(logits[i].float().cpu()) for i, r in enumerate(ids)
+    ]
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     finally:
@@ -579,7 +730,7 @@ class SpeedModels:
     hf: object
     bf16: object
     int8: object
-    cfg: object                  # ModelConfig
+    cfg: object  # ModelConfig
     weight_bytes: dict[str, int]  # bf16 / int8: bytes one decode step reads
     kv_bytes_per_token: int
     info: dict
@@ -603,23 +754,38 @@ def build_speed_models(run: Run) -> SpeedModels:
             model = engine_weights(hf, cfg, torch.bfloat16, dev, quant)
             weight_bytes["bf16" if quant == "none" else "int8"] = decode_weight_bytes(model)
             with weights_given(model):
-                engines[quant] = LLMEngine(EngineConfig(
-                    model=model_dir, dtype="bfloat16", device=dev.type, quantization=quant, block_size=16,
-                    kv_cache_memory_bytes=s.kv_bytes, max_num_seqs=s.batch,
-                    max_num_batched_tokens=max(s.prefill_seqs * s.prefill_len, s.batch * s.batch_prompt),
-                    max_model_len=max(s.prefill_len, s.bs1_prompt, s.batch_prompt) + max(s.bs1_new, s.batch_new,
-                                                                                           s.warm_new)))
+                engines[quant] = LLMEngine(
+                    EngineConfig(
+                        model=model_dir,
+                        dtype="bfloat16",
+                        device=dev.type,
+                        quantization=quant,
+                        block_size=16,
+                        kv_cache_memory_bytes=s.kv_bytes,
+                        max_num_seqs=s.batch,
+                        max_num_batched_tokens=max(s.prefill_seqs * s.prefill_len, s.batch * s.batch_prompt),
+                        max_model_len=max(s.prefill_len, s.bs1_prompt, s.batch_prompt)
+                        + max(s.bs1_new, s.batch_new, s.warm_new),
+                    )
+                )
             del model
     paths = {name: use_cuda_path(e) for name, e in engines.items()}
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
-    info = {"model": "Llama-3.1-8B shapes, random bf16" if not run.a.cpu_smoke else "toy Llama (smoke)",
-            "model_params": cfg.num_params, "weight_bytes_bf16": weight_bytes["bf16"],
-            "weight_bytes_int8": weight_bytes["int8"], "kv_bytes_per_token": per_token,
-            "engine_paths": paths, "build_s": round(time.monotonic() - t, 1)}
+    info = {
+        "model": "Llama-3.1-8B shapes, random bf16" if not run.a.cpu_smoke else "toy Llama (smoke)",
+        "model_params": cfg.num_params,
+        "weight_bytes_bf16": weight_bytes["bf16"],
+        "weight_bytes_int8": weight_bytes["int8"],
+        "kv_bytes_per_token": per_token,
+        "engine_paths": paths,
+        "build_s": round(time.monotonic() - t, 1),
+    }
     if dev.type == "cuda":
-        info["device_memory_allocated_gib"] = round(torch.cuda.memory_allocated(dev) / 2 ** 30, 1)
-    run.log(f"speed models built in {info['build_s']} s: {cfg.num_params / 1e9:.2f}B params, "
-            f"{weight_bytes['bf16'] / 1e9:.2f} GB read per bf16 decode step, {weight_bytes['int8'] / 1e9:.2f} GB int8")
+        info["device_memory_allocated_gib"] = round(torch.cuda.memory_allocated(dev) / 2**30, 1)
+    run.log(
+        f"speed models built in {info['build_s']} s: {cfg.num_params / 1e9:.2f}B params, "
+        f"{weight_bytes['bf16'] / 1e9:.2f} GB read per bf16 decode step, {weight_bytes['int8'] / 1e9:.2f} GB int8"
+    )
     return SpeedModels(hf, engines["none"], engines["int8"], cfg, weight_bytes, per_token, info)
 
 
@@ -679,11 +845,21 @@ def timed_decode(run: Run, batch: int, prompt_len: int, new: int) -> dict[str, l
             with contextlib.nullcontext() if graphs else graphs_off(engine):
                 er = run_engine(engine, prompts, new, run.sync)
             assert len(er.decode_s) == new - 1 and set(er.decode_seqs) == {batch}, (
-                f"{name}: expected {new - 1} decode-only steps of {batch} sequences, got {er.decode_seqs}")
-            reps[name].append({"decode_s": sum(er.decode_s), "steps": len(er.decode_s), "seqs": batch,
-                               "median_step_s": statistics.median(er.decode_s), "total_s": er.total_s})
-        run.log(f"batch {batch} repetition {r + 1}: " + ", ".join(
-            f"{n} {reps[n][-1]['decode_s'] / reps[n][-1]['steps'] * 1000:.2f} ms/step" for n in names))
+                f"{name}: expected {new - 1} decode-only steps of {batch} sequences, got {er.decode_seqs}"
+            )
+            reps[name].append(
+                {
+                    "decode_s": sum(er.decode_s),
+                    "steps": len(er.decode_s),
+                    "seqs": batch,
+                    "median_step_s": statistics.median(er.decode_s),
+                    "total_s": er.total_s,
+                }
+            )
+        run.log(
+            f"batch {batch} repetition {r + 1}: "
+            + ", ".join(f"{n} {reps[n][-1]['decode_s'] / reps[n][-1]['steps'] * 1000:.2f} ms/step" for n in names)
+        )
     return reps
 
 
@@ -704,15 +880,20 @@ def section_bs1(run: Run) -> dict:
     def fraction(name: str, weights: int) -> list[float]:
         return [(weights + kv) / (t / 1000) / peak for t in ms[name]]
 
-    out = {"bs1_ms_per_token": med(ms["bf16"]), "bs1_ms_per_token_no_graphs": med(ms["bf16_no_graphs"]),
-           "int8_bs1_ms_per_token": med(ms["int8"]), "hf_bs1_ms_per_token": med(ms["hf"]),
-           "bs1_hbm_fraction": med(fraction("bf16", m.weight_bytes["bf16"])),
-           "bs1_hbm_fraction_no_graphs": med(fraction("bf16_no_graphs", m.weight_bytes["bf16"])),
-           "int8_bs1_hbm_fraction": med(fraction("int8", m.weight_bytes["int8"])),
-           "int8_bs1_vs_bf16": med([b / i for b, i in zip(ms["bf16"], ms["int8"])]),
-           "bs1_graphs_speedup": med([e / g for g, e in zip(ms["bf16"], ms["bf16_no_graphs"])]),
-           "bs1_vs_hf": med([h / e for e, h in zip(ms["bf16"], ms["hf"])]),
-           "bs1_bytes_per_step": m.weight_bytes["bf16"] + kv, "bs1_reps_ms": ms}
+    out = {
+        "bs1_ms_per_token": med(ms["bf16"]),
+        "bs1_ms_per_token_no_graphs": med(ms["bf16_no_graphs"]),
+        "int8_bs1_ms_per_token": med(ms["int8"]),
+        "hf_bs1_ms_per_token": med(ms["hf"]),
+        "bs1_hbm_fraction": med(fraction("bf16", m.weight_bytes["bf16"])),
+        "bs1_hbm_fraction_no_graphs": med(fraction("bf16_no_graphs", m.weight_bytes["bf16"])),
+        "int8_bs1_hbm_fraction": med(fraction("int8", m.weight_bytes["int8"])),
+        "int8_bs1_vs_bf16": med([b / i for b, i in zip(ms["bf16"], ms["int8"])]),
+        "bs1_graphs_speedup": med([e / g for g, e in zip(ms["bf16"], ms["bf16_no_graphs"])]),
+        "bs1_vs_hf": med([h / e for e, h in zip(ms["bf16"], ms["hf"])]),
+        "bs1_bytes_per_step": m.weight_bytes["bf16"] + kv,
+        "bs1_reps_ms": ms,
+    }
     copy = run.results.get("copy_bytes_per_s")
     if copy:
         out["bs1_copy_fraction"] = (m.weight_bytes["bf16"] + kv) / (out["bs1_ms_per_token"] / 1000) / copy
@@ -723,12 +904,17 @@ def section_b64(run: Run) -> dict:
     s = run.sizes
     reps = timed_decode(run, s.batch, s.batch_prompt, s.batch_new)
     tps = {n: [r["seqs"] * r["steps"] / r["decode_s"] for r in rs] for n, rs in reps.items()}
-    return {"b64_tokens_per_s": med(tps["bf16"]), "b64_tokens_per_s_no_graphs": med(tps["bf16_no_graphs"]),
-            "int8_b64_tokens_per_s": med(tps["int8"]), "hf_b64_tokens_per_s": med(tps["hf"]),
-            "int8_b64_vs_bf16": med([i / b for b, i in zip(tps["bf16"], tps["int8"])]),
-            "b64_graphs_speedup": med([g / e for g, e in zip(tps["bf16"], tps["bf16_no_graphs"])]),
-            "b64_vs_hf": med([e / h for e, h in zip(tps["bf16"], tps["hf"])]),
-            "b64_batch": s.batch, "b64_reps_tokens_per_s": tps}
+    return {
+        "b64_tokens_per_s": med(tps["bf16"]),
+        "b64_tokens_per_s_no_graphs": med(tps["bf16_no_graphs"]),
+        "int8_b64_tokens_per_s": med(tps["int8"]),
+        "hf_b64_tokens_per_s": med(tps["hf"]),
+        "int8_b64_vs_bf16": med([i / b for b, i in zip(tps["bf16"], tps["int8"])]),
+        "b64_graphs_speedup": med([g / e for g, e in zip(tps["bf16"], tps["bf16_no_graphs"])]),
+        "b64_vs_hf": med([e / h for e, h in zip(tps["bf16"], tps["hf"])]),
+        "b64_batch": s.batch,
+        "b64_reps_tokens_per_s": tps,
+    }
 
 
 def section_prefill(run: Run) -> dict:
@@ -752,11 +938,15 @@ def section_prefill(run: Run) -> dict:
             tps[name].append(tokens / er.total_s)
         run.log(f"prefill repetition {r + 1}: " + ", ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in names))
     per_token_flops = prefill_flops_per_token(m.cfg, s.prefill_len)
-    return {"prefill_tokens_per_s": med(tps["bf16"]), "int8_prefill_tokens_per_s": med(tps["int8"]),
-            "hf_prefill_tokens_per_s": med(tps["hf"]),
-            "prefill_vs_hf": med([e / h for e, h in zip(tps["bf16"], tps["hf"])]),
-            "prefill_mfu": med([t * per_token_flops / (run.a.peak_tflops * 1e12) for t in tps["bf16"]]),
-            "prefill_shape": [s.prefill_seqs, s.prefill_len], "prefill_reps_tokens_per_s": tps}
+    return {
+        "prefill_tokens_per_s": med(tps["bf16"]),
+        "int8_prefill_tokens_per_s": med(tps["int8"]),
+        "hf_prefill_tokens_per_s": med(tps["hf"]),
+        "prefill_vs_hf": med([e / h for e, h in zip(tps["bf16"], tps["hf"])]),
+        "prefill_mfu": med([t * per_token_flops / (run.a.peak_tflops * 1e12) for t in tps["bf16"]]),
+        "prefill_shape": [s.prefill_seqs, s.prefill_len],
+        "prefill_reps_tokens_per_s": tps,
+    }
 
 
 def prefill_flops_per_token(cfg, length: int) -> float:
@@ -768,27 +958,48 @@ def prefill_flops_per_token(cfg, length: int) -> float:
     return cfg.num_layers * (2 * per_layer + attention) + 2 * cfg.vocab_size * h / length
 
 
-SECTION_FUNCS = {"ceilings": section_ceilings, "correctness": section_correctness, "bs1": section_bs1,
-                 "b64": section_b64, "prefill": section_prefill}
-REQUIRED = ("tokens_match", "bs1_ms_per_token", "bs1_hbm_fraction", "b64_tokens_per_s", "prefill_tokens_per_s",
-            "int8_bs1_vs_bf16")
+SECTION_FUNCS = {
+    "ceilings": section_ceilings,
+    "correctness": section_correctness,
+    "bs1": section_bs1,
+    "b64": section_b64,
+    "prefill": section_prefill,
+}
+REQUIRED = (
+    "tokens_match",
+    "bs1_ms_per_token",
+    "bs1_hbm_fraction",
+    "b64_tokens_per_s",
+    "prefill_tokens_per_s",
+    "int8_bs1_vs_bf16",
+)
 
 
 def environment(run: Run) -> dict:
     import transformers
 
-    env = {"smoke": run.a.cpu_smoke, "device": str(run.device), "torch": torch.__version__,
-           "transformers": transformers.__version__, "reps": run.sizes.reps,
-           "peak_hbm_tbps": run.a.peak_hbm_tbps, "peak_tflops": run.a.peak_tflops}
+    env = {
+        "smoke": run.a.cpu_smoke,
+        "device": str(run.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "reps": run.sizes.reps,
+        "peak_hbm_tbps": run.a.peak_hbm_tbps,
+        "peak_tflops": run.a.peak_tflops,
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
     if run.device.type == "cuda":
         props = torch.cuda.get_device_properties(run.device)
-        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2 ** 30, 1),
-                   multiprocessors=props.multi_processor_count)
+        env.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+        )
     return env
 
 
@@ -798,15 +1009,26 @@ def calibration(run: Run, result: dict) -> dict:
     class's peaks; NOTE: the per-step overhead is not separable from the weight read at batch 1, so it is 0 and
     the batch-1 step time is all in decode_mbu (as bench/sim.py calibrate does for vLLM)."""
     m = run.speed
-    if run.a.cpu_smoke or m is None or result.get("bs1_ms_per_token") is None or result.get("prefill_tokens_per_s") is None:
+    if (
+        run.a.cpu_smoke
+        or m is None
+        or result.get("bs1_ms_per_token") is None
+        or result.get("prefill_tokens_per_s") is None
+    ):
         return {}
     params = m.cfg.num_params
     kv = result["bs1_bytes_per_step"] - m.weight_bytes["bf16"]
     mbu = (2 * params + kv) / (result["bs1_ms_per_token"] / 1000) / (run.a.peak_hbm_tbps * 1e12)
     mfu = 2 * params * result["prefill_tokens_per_s"] / (run.a.peak_tflops * 1e12)
-    return {"kind": "pdfleet-sim-calibration", "class": run.a.class_name, "engine": "pdfleet",
-            "model": f"Llama-3.1-8B shapes ({params / 1e9:.2f}B params, bfloat16, random)",
-            "decode_mbu": round(min(1.0, mbu), 4), "prefill_mfu": round(min(1.0, mfu), 4), "step_overhead_s": 0.0}
+    return {
+        "kind": "pdfleet-sim-calibration",
+        "class": run.a.class_name,
+        "engine": "pdfleet",
+        "model": f"Llama-3.1-8B shapes ({params / 1e9:.2f}B params, bfloat16, random)",
+        "decode_mbu": round(min(1.0, mbu), 4),
+        "prefill_mfu": round(min(1.0, mfu), 4),
+        "step_overhead_s": 0.0,
+    }
 
 
 def summary(result: dict) -> list[str]:
@@ -815,18 +1037,36 @@ def summary(result: dict) -> list[str]:
         return "—" if v is None else f"{v * scale:.{digits}f}{unit}"
 
     rows = [
-        ("tokens match transformers", str(result.get("tokens_match")),
-         f"{result.get('tokens_compared', 0)} compared, {result.get('near_ties', 0)} near-ties"),
+        (
+            "tokens match transformers",
+            str(result.get("tokens_match")),
+            f"{result.get('tokens_compared', 0)} compared, {result.get('near_ties', 0)} near-ties",
+        ),
         ("bs1 decode (graphs / eager)", f"{f('bs1_ms_per_token')} / {f('bs1_ms_per_token_no_graphs')} ms", ""),
         ("bs1 HBM fraction", f("bs1_hbm_fraction", digits=3), f"goal >= 0.70 of {result.get('peak_hbm_tbps')} TB/s"),
         ("bs1 int8 / transformers", f"{f('int8_bs1_ms_per_token')} / {f('hf_bs1_ms_per_token')} ms", ""),
-        ("int8 / bf16 speed (bs1, b64)", f"{f('int8_bs1_vs_bf16', digits=3)}, {f('int8_b64_vs_bf16', digits=3)}",
-         "< 1: int8 is not half the bytes' time on CUDA"),
-        ("b64 decode (graphs / eager / hf)", f"{f('b64_tokens_per_s', digits=0)} / {f('b64_tokens_per_s_no_graphs', digits=0)}"
-                                             f" / {f('hf_b64_tokens_per_s', digits=0)} tok/s", ""),
-        ("prefill (engine / int8 / hf)", f"{f('prefill_tokens_per_s', digits=0)} / {f('int8_prefill_tokens_per_s', digits=0)}"
-                                         f" / {f('hf_prefill_tokens_per_s', digits=0)} tok/s", f"MFU {f('prefill_mfu', digits=3)}"),
-        ("ceilings: copy, bf16 matmul", f"{f('copy_bytes_per_s', 1e-12)} TB/s, {f('matmul_tflops', digits=0)} TFLOP/s", ""),
+        (
+            "int8 / bf16 speed (bs1, b64)",
+            f"{f('int8_bs1_vs_bf16', digits=3)}, {f('int8_b64_vs_bf16', digits=3)}",
+            "< 1: int8 is not half the bytes' time on CUDA",
+        ),
+        (
+            "b64 decode (graphs / eager / hf)",
+            f"{f('b64_tokens_per_s', digits=0)} / {f('b64_tokens_per_s_no_graphs', digits=0)}"
+            f" / {f('hf_b64_tokens_per_s', digits=0)} tok/s",
+            "",
+        ),
+        (
+            "prefill (engine / int8 / hf)",
+            f"{f('prefill_tokens_per_s', digits=0)} / {f('int8_prefill_tokens_per_s', digits=0)}"
+            f" / {f('hf_prefill_tokens_per_s', digits=0)} tok/s",
+            f"MFU {f('prefill_mfu', digits=3)}",
+        ),
+        (
+            "ceilings: copy, bf16 matmul",
+            f"{f('copy_bytes_per_s', 1e-12)} TB/s, {f('matmul_tflops', digits=0)} TFLOP/s",
+            "",
+        ),
     ]
     return [f"{a:34s} {b:>32s}  {c}" for a, b, c in rows]
 

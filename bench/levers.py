@@ -22,9 +22,8 @@ stops at once with an error naming it rather than printing numbers it did not me
 
 Progress goes to stderr, a table and then one JSON line to stdout.
 """
-from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+from __future__ import annotations
 
 import argparse
 import importlib.util
@@ -35,6 +34,8 @@ import statistics
 import sys
 import time
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TMP = os.environ.get("TMPDIR", "/tmp")
 ENGINES = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"))
@@ -43,20 +44,32 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="trained HF model directory (default $TMPDIR/pdfleet-levers-small, --quick: "
-                        "$TMPDIR/pdfleet-levers-tiny); created and trained if missing")
-    p.add_argument("--only", choices=("int8", "offload", "kernels"), default=None,
-                   help="run one section (default: int8, kernels and offload); kernels: the linears alone per kernel")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="trained HF model directory (default $TMPDIR/pdfleet-levers-small, --quick: "
+        "$TMPDIR/pdfleet-levers-tiny); created and trained if missing",
+    )
+    p.add_argument(
+        "--only",
+        choices=("int8", "offload", "kernels"),
+        default=None,
+        help="run one section (default: int8, kernels and offload); kernels: the linears alone per kernel",
+    )
     p.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     p.add_argument("--reps", type=int, default=5, help="repetitions of every speed measurement (medians reported)")
     p.add_argument("--bs1-tokens", type=int, default=64, help="tokens decoded at batch 1 (32-token prompt)")
-    p.add_argument("--requests", type=int, default=16, help="mixed batch: requests (prompts U[32, 128], 32 tokens each)")
+    p.add_argument(
+        "--requests", type=int, default=16, help="mixed batch: requests (prompts U[32, 128], 32 tokens each)"
+    )
     p.add_argument("--train-minutes", type=float, default=5.0, help="training of a model that has none yet")
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out windows of 128 tokens scored for perplexity")
     p.add_argument("--prefix", type=int, default=None, help="offload: tokens of the reused prefix (its default)")
-    p.add_argument("--quick", action="store_true",
-                   help="a check, not a measurement: tiny preset trained 6 steps, 1 repetition, short decodes")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check, not a measurement: tiny preset trained 6 steps, 1 repetition, short decodes",
+    )
     a = p.parse_args(argv)
     a.preset = "tiny" if a.quick else "small"
     if a.model is None:
@@ -73,12 +86,15 @@ def progress(msg: str) -> None:
 def load_offload():
     """bench/levers_offload.py's run(), or exit 2 naming what is missing."""
     if not os.path.isfile(os.path.join(HERE, "levers_offload.py")):
-        raise SystemExit("bench/levers.py: the offload section needs bench/levers_offload.py (run(model_dir, args) -> "
-                         "dict with offload_host_ttft_ratio, offload_disk_ttft_ratio), which is missing; "
-                         "run --only int8 for the int8 figures")
+        raise SystemExit(
+            "bench/levers.py: the offload section needs bench/levers_offload.py (run(model_dir, args) -> "
+            "dict with offload_host_ttft_ratio, offload_disk_ttft_ratio), which is missing; "
+            "run --only int8 for the int8 figures"
+        )
     if HERE not in sys.path:
         sys.path.append(HERE)  # NOTE: appended, so bench/operator.py never shadows the stdlib's operator
     from levers_offload import run as run_offload
+
     return run_offload
 
 
@@ -94,9 +110,15 @@ def ensure_model(a: argparse.Namespace) -> dict:
     if trained is None:
         how = "6 steps" if a.quick else f"{a.train_minutes:g} minutes"
         progress(f"training {a.model} for {how} (pdfleet model init --train-minutes; progress below)")
-        model_train.train(a.model, steps=6 if a.quick else None, minutes=None if a.quick else a.train_minutes,
-                          batch=4 if a.quick else 8, eval_seqs=4 if a.quick else 32,
-                          max_corpus_bytes=1_000_000 if a.quick else 12_000_000, progress=progress)
+        model_train.train(
+            a.model,
+            steps=6 if a.quick else None,
+            minutes=None if a.quick else a.train_minutes,
+            batch=4 if a.quick else 8,
+            eval_seqs=4 if a.quick else 32,
+            max_corpus_bytes=1_000_000 if a.quick else 12_000_000,
+            progress=progress,
+        )
         with open(os.path.join(a.model, "tokenizer_config.json")) as f:
             trained = json.load(f)["pdfleet_init"]["trained"]
     return trained
@@ -106,7 +128,10 @@ def decode_s_per_token(engine, prompt: list[int], n: int) -> tuple[float, float]
     """(wall, CPU) seconds per token of one request at batch 1, first token to last. CPU: this process's time
     on every core (the compute threads'), the figure that a machine shared with other jobs distorts least."""
     from pdfleet_worker.sampling_params import SamplingParams
-    engine.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
+
+    engine.add_request(
+        f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)
+    )
     stamps, cpu = [], []
     while engine.has_unfinished_requests():
         if engine.step():
@@ -117,9 +142,12 @@ def decode_s_per_token(engine, prompt: list[int], n: int) -> tuple[float, float]
 
 def mixed_tok_s(engine, work) -> float:
     from pdfleet_worker.sampling_params import SamplingParams
+
     t = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"m{i}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
     produced = 0
     while engine.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in engine.step())
@@ -132,7 +160,10 @@ def profile_decode(engine, prompt: list[int], steps: int) -> list[tuple[str, flo
     from torch.profiler import ProfilerActivity, profile
 
     from pdfleet_worker.sampling_params import SamplingParams
-    engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+
+    engine.add_request(
+        f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    )
     engine.step()  # the prefill, outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished_requests():
@@ -170,7 +201,6 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
     ws = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
     xs = {k: torch.randn(1, k, generator=g) for _, k in shapes}
     qs = [quantized_linear.quantize_rows(w) for w in ws]
-    ones = {n: torch.ones(n, dtype=torch.bfloat16) for n, _ in shapes}
     group = 128
 
     def int4(w):
@@ -180,23 +210,34 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
         scale = ((hi - lo) / 15).clamp(min=1e-8)
         q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
         zero = lo + scale * 8
-        return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
-                torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
+        return (
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
+            torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16(),
+        )
 
     kernels = {
-        "fp32_onednn": ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
-                        lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
-        "bf16_onednn": ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws],
-                        lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), p, None, "none", [], "")),
-        "int8_bf16_act": ([(q, s.bfloat16()) for q, s in qs],
-                          lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), p[0], p[1])),
+        "fp32_onednn": (
+            [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
+            lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+        ),
+        "bf16_onednn": (
+            [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws],
+            lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), p, None, "none", [], ""),
+        ),
+        "int8_bf16_act": (
+            [(q, s.bfloat16()) for q, s in qs],
+            lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), p[0], p[1]),
+        ),
         "int8_fp32_act": (qs, lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x, p[0], p[1])),
     }
     try:
-        kernels["int4_g128_bf16_act"] = ([int4(w) for w in ws], lambda p, x, n: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.bfloat16(), p[0], group, p[1]))
+        kernels["int4_g128_bf16_act"] = (
+            [int4(w) for w in ws],
+            lambda p, x, n: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), p[0], group, p[1]),
+        )
     except (RuntimeError, AttributeError) as e:
         progress(f"int4 kernel unavailable: {e}")
+
     def once(name: str) -> float:
         packed, call = kernels[name]
         t = time.perf_counter()
@@ -229,13 +270,24 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
     engines = {}
     for dtype, quant in ENGINES:
         t = time.perf_counter()
-        eng = LLMEngine(EngineConfig(model=a.model, dtype=dtype, quantization=quant, num_threads=a.threads,
-                                     kv_cache_memory_bytes=256 << 20, max_model_len=1024, max_num_seqs=64),
-                        load_tokenizer=False)
+        eng = LLMEngine(
+            EngineConfig(
+                model=a.model,
+                dtype=dtype,
+                quantization=quant,
+                num_threads=a.threads,
+                kv_cache_memory_bytes=256 << 20,
+                max_model_len=1024,
+                max_num_seqs=64,
+            ),
+            load_tokenizer=False,
+        )
         eng.warm_up()
         engines[(dtype, quant)] = eng
-        progress(f"engine {dtype} {quant}: loaded in {time.perf_counter() - t:.1f} s, weights "
-                 f"{quantized_linear.weight_bytes(eng.model_runner.model) / 1e6:.0f} MB")
+        progress(
+            f"engine {dtype} {quant}: loaded in {time.perf_counter() - t:.1f} s, weights "
+            f"{quantized_linear.weight_bytes(eng.model_runner.model) / 1e6:.0f} MB"
+        )
     cfg = engines[ENGINES[0]].model_config
     weights = {k: quantized_linear.weight_bytes(e.model_runner.model) for k, e in engines.items()}
     # bytes one decode step reads: all but the embedding table (one row of it)
@@ -251,7 +303,7 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
     bw = []
     keys = list(engines)
     for rep in range(a.reps):
-        order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+        order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
         bw.append(eb.read_bandwidth_gbs())
         for k in order:
             wall, cpu = decode_s_per_token(engines[k], prompt, a.bs1_tokens)
@@ -259,18 +311,23 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
             dec_cpu[k].append(cpu)
         for k in order:
             mixed[k].append(mixed_tok_s(engines[k], work))
-        progress(f"repetition {rep + 1}/{a.reps}: batch-1 ms/token " +
-                 ", ".join(f"{SHORT[d]}{'+int8' if q == 'int8' else ''} {dec[(d, q)][-1] * 1e3:.2f}" for d, q in keys) +
-                 f" (CPU ms/token " + ", ".join(f"{dec_cpu[k][-1] * 1e3:.2f}" for k in keys) +
-                 f"); read bandwidth {bw[-1]:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
+        progress(
+            f"repetition {rep + 1}/{a.reps}: batch-1 ms/token "
+            + ", ".join(f"{SHORT[d]}{'+int8' if q == 'int8' else ''} {dec[(d, q)][-1] * 1e3:.2f}" for d, q in keys)
+            + " (CPU ms/token "
+            + ", ".join(f"{dec_cpu[k][-1] * 1e3:.2f}" for k in keys)
+            + f"); read bandwidth {bw[-1]:.1f} GB/s; load average {os.getloadavg()[0]:.1f}"
+        )
     for eng in engines.values():
         assert eng.is_idle_and_whole(), "every engine ends idle with every block free"
 
     progress("profiling 16 batch-1 decode steps of each engine")
     profiles = {k: profile_decode(engines[k], prompt, 4 if a.quick else 16) for k in keys}
 
-    progress(f"held-out perplexity over {a.eval_seqs} windows of 128 tokens (trained {trained.get('steps')} steps, "
-             f"{trained.get('tokens')} tokens)")
+    progress(
+        f"held-out perplexity over {a.eval_seqs} windows of 128 tokens (trained {trained.get('steps')} steps, "
+        f"{trained.get('tokens')} tokens)"
+    )
     _, held = model_train.corpus_tokens(a.model, 1_000_000 if a.quick else 12_000_000)
     windows = model_train.held_out_batches(held, 128, a.eval_seqs)
     ppl = {}
@@ -309,20 +366,30 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
         "int8_bs1_cpu_vs_bf16": round(med(c_b16), 3),
         "int8_mixed_vs_fp32": round(med(m_f32), 3),
         "int8_mixed_vs_bf16": round(med(m_b16), 3),
-        "ppl_fp32": round(ppl[f32], 4), "ppl_int8": round(ppl[i8f], 4),
-        "ppl_bf16": round(ppl[b16], 4), "ppl_int8_bf16": round(ppl[i8b], 4),
+        "ppl_fp32": round(ppl[f32], 4),
+        "ppl_int8": round(ppl[i8f], 4),
+        "ppl_bf16": round(ppl[b16], 4),
+        "ppl_int8_bf16": round(ppl[i8b], 4),
         "bs1_ms": {f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(med(dec[(d, q)]) * 1e3, 2) for d, q in keys},
         "weights_mb": {f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(weights[(d, q)] / 1e6, 1) for d, q in keys},
         "int8_read_gbs": round(read[i8f] / med(dec[i8f]) / 1e9, 1),
         "read_gbs": round(med(bw), 1),
-        "bs1_cpu_ms": {f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(med(dec_cpu[(d, q)]) * 1e3, 2) for d, q in keys},
+        "bs1_cpu_ms": {
+            f"{SHORT[d]}{'_int8' if q == 'int8' else ''}": round(med(dec_cpu[(d, q)]) * 1e3, 2) for d, q in keys
+        },
         "load_average": round(os.getloadavg()[0], 1),
         "int8_linear_share": round(linear_share(profiles[i8f]), 3),
-        "trained_tokens": trained.get("tokens"), "eval_tokens": int(windows[:, 1:].numel()),
+        "trained_tokens": trained.get("tokens"),
+        "eval_tokens": int(windows[:, 1:].numel()),
     }
     rows += [
-        (f"bs1 decode {SHORT[d]}{' int8' if q == 'int8' else ''}", f"{med(dec[(d, q)]) * 1e3:.2f} ms/tok",
-         f"weights {weights[(d, q)] / 1e6:.0f} MB {fmt(dec[(d, q)], 1e3)}") for d, q in keys]
+        (
+            f"bs1 decode {SHORT[d]}{' int8' if q == 'int8' else ''}",
+            f"{med(dec[(d, q)]) * 1e3:.2f} ms/tok",
+            f"weights {weights[(d, q)] / 1e6:.0f} MB {fmt(dec[(d, q)], 1e3)}",
+        )
+        for d, q in keys
+    ]
     rows += [
         ("int8 / fp32 bs1 decode speed", f"{med(r_f32):.2f}", f"target >= 1.6 {fmt(r_f32)}"),
         ("int8 / bf16 bs1 decode speed", f"{med(r_b16):.2f}", f"target >= 1.1 (int8 engine in bf16) {fmt(r_b16)}"),
@@ -332,12 +399,21 @@ def run_int8(a: argparse.Namespace, rows: list) -> dict:
         ("int8 (fp32) / bf16 bs1 decode speed", f"{med(r_i8f_b16):.2f}", fmt(r_i8f_b16)),
         ("int8 / fp32 mixed tok/s", f"{med(m_f32):.2f}", f"{a.requests} requests {fmt(m_f32)}"),
         ("int8 / bf16 mixed tok/s", f"{med(m_b16):.2f}", fmt(m_b16)),
-        ("held-out ppl fp32 / int8", f"{ppl[f32]:.3f} / {ppl[i8f]:.3f}",
-         f"increase {100 * (ppl[i8f] / ppl[f32] - 1):+.3f}% (target <= +2%)"),
-        ("held-out ppl bf16 / int8 (bf16)", f"{ppl[b16]:.3f} / {ppl[i8b]:.3f}",
-         f"increase {100 * (ppl[i8b] / ppl[b16] - 1):+.3f}%"),
-        ("int8 weights read per token", f"{result['int8_read_gbs']:.1f} GB/s",
-         f"{read[i8f] / 1e6:.0f} MB / bs1 time; sum() reads {med(bw):.1f} GB/s"),
+        (
+            "held-out ppl fp32 / int8",
+            f"{ppl[f32]:.3f} / {ppl[i8f]:.3f}",
+            f"increase {100 * (ppl[i8f] / ppl[f32] - 1):+.3f}% (target <= +2%)",
+        ),
+        (
+            "held-out ppl bf16 / int8 (bf16)",
+            f"{ppl[b16]:.3f} / {ppl[i8b]:.3f}",
+            f"increase {100 * (ppl[i8b] / ppl[b16] - 1):+.3f}%",
+        ),
+        (
+            "int8 weights read per token",
+            f"{result['int8_read_gbs']:.1f} GB/s",
+            f"{read[i8f] / 1e6:.0f} MB / bs1 time; sum() reads {med(bw):.1f} GB/s",
+        ),
     ]
     for k in (i8f, i8b, f32, b16):
         top = ", ".join(f"{n} {100 * s:.0f}%" for n, s in profiles[k][:5])
@@ -366,10 +442,17 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"bench/levers.py: bench/levers_offload.py's run() returned no {missing}")
         result.update(off)
-        rows += [("offload host TTFT / cold", f"{off['offload_host_ttft_ratio']:.3f}", "target <= 0.35"),
-                 ("offload disk TTFT / cold", f"{off['offload_disk_ttft_ratio']:.3f}", "target <= 0.6")]
-    result.update(model=os.path.basename(os.path.normpath(a.model)), threads=a.threads, reps=a.reps,
-                  sections=sections, wall_s=round(time.perf_counter() - began, 1))
+        rows += [
+            ("offload host TTFT / cold", f"{off['offload_host_ttft_ratio']:.3f}", "target <= 0.35"),
+            ("offload disk TTFT / cold", f"{off['offload_disk_ttft_ratio']:.3f}", "target <= 0.6"),
+        ]
+    result.update(
+        model=os.path.basename(os.path.normpath(a.model)),
+        threads=a.threads,
+        reps=a.reps,
+        sections=sections,
+        wall_s=round(time.perf_counter() - began, 1),
+    )
     if rows:
         width = max(len(r[0]) for r in rows)
         for name, value, note in rows:

@@ -14,20 +14,20 @@ hardware never finished, want 0). Ends with one JSON line.
 
 from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps this file from shadowing the stdlib (see it)
-
 import argparse
-import os
-import sys
 import atexit
 import copy
 import json
+import os
 import pathlib
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
+
+import _sys_path  # noqa: F401,I001  -- first: keeps this file from shadowing the stdlib (see it)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +39,8 @@ from tests.support.components import free_port  # noqa: E402
 from tests.support.k8s_emulator import EmulatorThread, write_kubeconfig  # noqa: E402
 
 NAMESPACE = "default"
+
+
 # Every CR asks for 2 prefill + 2 decode replicas. The preferred class of each role (h100, MIG) has no
 # free node, so each role lands on its second class: 2 pools per CR. Capacity is shared: every CR's plan
 # holds its units (issue 17), so the nodes have room for all N CRs (and the HA phase's 3 decode replicas).
@@ -48,8 +50,12 @@ def nodes(n: int) -> list[dict]:
 
 POOLS_PER_CR = 2
 SPEC = {
-    "model": {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "models", "path": "llama"}}, "maxModelLen": 8192,
-              "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128}},
+    "model": {
+        "name": "llama-3.1-8b",
+        "source": {"pvc": {"claimName": "models", "path": "llama"}},
+        "maxModelLen": 8192,
+        "architecture": {"parametersBillions": 8.03, "layers": 32, "kvHeads": 8, "headDim": 128},
+    },
     "prefill": {"acceleratorClasses": ["h100-80gb", "h200-141gb"], "minReplicas": 2, "maxReplicas": 8},
     "decode": {"acceleratorClasses": ["h100-mig-3g-40gb", "a100-80gb"], "minReplicas": 2, "maxReplicas": 8},
     "tier": "cost",
@@ -57,8 +63,12 @@ SPEC = {
 
 
 def cr(i: int) -> dict:
-    return {"apiVersion": "pdfleet.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": f"bench-{i:04d}", "namespace": NAMESPACE}, "spec": copy.deepcopy(SPEC)}
+    return {
+        "apiVersion": "pdfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": f"bench-{i:04d}", "namespace": NAMESPACE},
+        "spec": copy.deepcopy(SPEC),
+    }
 
 
 class Bench:
@@ -90,9 +100,24 @@ class Bench:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
         log = open(self.workdir / "operator.log", "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdfleet_operator.kube.operator_cli", "operator", "--metrics-port", str(self.metrics_port),
-             "--liveness-port", "0", "--resync-interval", str(resync), *(["-v"] if self.verbose else [])],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pdfleet_operator.kube.operator_cli",
+                "operator",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--liveness-port",
+                "0",
+                "--resync-interval",
+                str(resync),
+                *(["-v"] if self.verbose else []),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         atexit.register(_kill, self.proc)  # a timeout (SystemExit) must not leave an operator behind
 
     def peak_rss_mb(self) -> float:
@@ -113,8 +138,13 @@ class Bench:
             text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).read().decode()
         except OSError:
             return 0
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("pdfleet_operator_reconciles_total{")))
+        return int(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("pdfleet_operator_reconciles_total{")
+            )
+        )
 
     def stop_operator(self) -> None:
         assert self.proc is not None
@@ -136,7 +166,9 @@ class Bench:
             time.sleep(interval)
         seen: dict[tuple, int] = {}
         for r in self.requests():
-            seen[(r.verb, r.resource, r.subresource, r.status)] = seen.get((r.verb, r.resource, r.subresource, r.status), 0) + 1
+            seen[(r.verb, r.resource, r.subresource, r.status)] = (
+                seen.get((r.verb, r.resource, r.subresource, r.status), 0) + 1
+            )
         print("requests so far (verb, resource, subresource, status): count", file=sys.stderr)
         for k, v in sorted(seen.items(), key=str):
             print(f"  {k}: {v}", file=sys.stderr)
@@ -158,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crs", type=int, default=500, help="InferenceDeployments to create (default 500)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds per phase")
     parser.add_argument("--verbose", action="store_true", help="debug logging of the operator (to its log file)")
-    parser.add_argument("--day2-crs", type=int, default=28, help="InferenceDeployments in the day-2 scenario (default 28)")
+    parser.add_argument(
+        "--day2-crs", type=int, default=28, help="InferenceDeployments in the day-2 scenario (default 28)"
+    )
     args = parser.parse_args(argv)
     n = args.crs
 
@@ -191,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def reconciled() -> bool:
             items = b.list("infdep")
-            return len(items) == n and all(len((o.get("status") or {}).get("pools") or []) == POOLS_PER_CR for o in items)
+            return len(items) == n and all(
+                len((o.get("status") or {}).get("pools") or []) == POOLS_PER_CR for o in items
+            )
+
         b.wait(reconciled, args.timeout, "every CR reconciled")
         t_reconciled = time.monotonic() - t0
         b.quiet(1.0)
@@ -207,25 +244,45 @@ def main(argv: list[str] | None = None) -> int:
         def controller() -> None:  # on the emulator's loop, in one go: the controller is not what is measured
             for dep in b.emu.list_objects(deployments, NAMESPACE, None, None):
                 replicas = dep["spec"].get("replicas", 1)
-                b.emu.patch_object(deployments, dep["metadata"]["name"],
-                                   {"status": {"replicas": replicas, "readyReplicas": replicas,
-                                               "availableReplicas": replicas, "updatedReplicas": replicas}},
-                                   NAMESPACE, subresource="status")
+                b.emu.patch_object(
+                    deployments,
+                    dep["metadata"]["name"],
+                    {
+                        "status": {
+                            "replicas": replicas,
+                            "readyReplicas": replicas,
+                            "availableReplicas": replicas,
+                            "updatedReplicas": replicas,
+                        }
+                    },
+                    NAMESPACE,
+                    subresource="status",
+                )
+
         t_controller = time.monotonic()
         b.call(controller)
         t_controller = time.monotonic() - t_controller
 
         def all_ready() -> bool:
-            return all(any(c["type"] == "Ready" and c["status"] == "True" for c in (o.get("status") or {}).get("conditions", []))
-                       for o in b.list("infdep"))
+            return all(
+                any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in (o.get("status") or {}).get("conditions", [])
+                )
+                for o in b.list("infdep")
+            )
+
         b.wait(all_ready, args.timeout, "every CR Ready")
         ready_seconds = time.monotonic() - t0
 
         # The autoscaler's first tick waits for ready pods; with no Prometheus here it reports
         # MetricsAvailable=False (one status write and one Event per CR). Let that land before the restart.
         def all_reported() -> bool:
-            return all(any(c["type"] == "MetricsAvailable" for c in (o.get("status") or {}).get("conditions", []))
-                       for o in b.list("infdep"))
+            return all(
+                any(c["type"] == "MetricsAvailable" for c in (o.get("status") or {}).get("conditions", []))
+                for o in b.list("infdep")
+            )
+
         b.wait(all_reported, args.timeout, "every CR's first autoscaler report")
         b.quiet(1.0)
         ready_writes = len(b.writes()) - len(writes)
@@ -269,31 +326,41 @@ def main(argv: list[str] | None = None) -> int:
         ("writes per CR on becoming Ready (status, autoscaler)", f"{ready_writes / n:.2f}"),
         ("restart + full resync: writes / requests / s", f"{resync_writes} / {resync_reads} / {resync_seconds:.1f}"),
         ("operator peak RSS (MiB)", f"{peak_rss:.0f}"),
-        (f"race: {race['crs']} CRs x 2 GPUs for {race['gpus']}: placed / Pending without ScalingLimited / ever "
-         "Unschedulable", f"{race['placed']} / {race['pending_pileup']} / {race['unschedulable']}"),
+        (
+            f"race: {race['crs']} CRs x 2 GPUs for {race['gpus']}: placed / Pending without ScalingLimited / ever "
+            "Unschedulable",
+            f"{race['placed']} / {race['pending_pileup']} / {race['unschedulable']}",
+        ),
         ("HA: writes by a replica not holding the Lease + rewrites on takeover", f"{ha['duplicate_writes']}"),
-        (f"day 2, {day2['crs']} CRs: pools deleted with no replacement serving (cordon, NotReady, class deleted) / "
-         "moves to a cheaper class on full hardware not finished", f"{day2['drift_deletions']} / {day2['migration_stuck']}"),
+        (
+            f"day 2, {day2['crs']} CRs: pools deleted with no replacement serving (cordon, NotReady, class deleted) / "
+            "moves to a cheaper class on full hardware not finished",
+            f"{day2['drift_deletions']} / {day2['migration_stuck']}",
+        ),
         ("HA: leader killed -> standby holds the Lease (s; lease 15 s)", f"{ha['takeover_seconds']:.1f}"),
         ("CPU s to all Ready: operator / emulator+bench", f"{operator_cpu:.0f} / {emulator_cpu:.0f}"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print(json.dumps({
-        "crs": n,
-        "writes_per_cr": round(object_writes / n, 2),
-        "event_writes_per_cr": round(len(event_writes) / n, 2),
-        "api_calls_per_cr": round(len(creation) / n, 1),
-        "resync_writes": resync_writes,
-        "reconciled_seconds": round(t_reconciled, 1),
-        "ready_seconds": round(ready_seconds, 1),
-        "peak_rss_mb": round(peak_rss, 1),
-        "pending_pileup": race["pending_pileup"],
-        "ha_duplicate_writes": ha["duplicate_writes"],
-        "drift_deletions": day2["drift_deletions"],
-        "migration_stuck": day2["migration_stuck"],
-    }))
+    print(
+        json.dumps(
+            {
+                "crs": n,
+                "writes_per_cr": round(object_writes / n, 2),
+                "event_writes_per_cr": round(len(event_writes) / n, 2),
+                "api_calls_per_cr": round(len(creation) / n, 1),
+                "resync_writes": resync_writes,
+                "reconciled_seconds": round(t_reconciled, 1),
+                "ready_seconds": round(ready_seconds, 1),
+                "peak_rss_mb": round(peak_rss, 1),
+                "pending_pileup": race["pending_pileup"],
+                "ha_duplicate_writes": ha["duplicate_writes"],
+                "drift_deletions": day2["drift_deletions"],
+                "migration_stuck": day2["migration_stuck"],
+            }
+        )
+    )
     return 0
 
 
@@ -322,16 +389,28 @@ def ha_scenario(b: Bench, n: int, timeout: float) -> dict:
     def replica(pod: str) -> Replica:
         token = b.call(b.emu.service_account, RELEASE_NAMESPACE, SERVICE_ACCOUNT, pod)
         kubeconfig = write_kubeconfig(b.workdir / f"kubeconfig-{pod}", b.server.url, token=token)
-        return Replica(None, pod, b.workdir, kubeconfig=kubeconfig, lease_duration=15.0, renew_deadline=10.0,
-                       retry_period=2.0)  # the chart's defaults
+        return Replica(
+            None, pod, b.workdir, kubeconfig=kubeconfig, lease_duration=15.0, renew_deadline=10.0, retry_period=2.0
+        )  # the chart's defaults
 
     def edit(decode: int) -> None:
         for i in range(n):
-            b.call(b.emu.patch_object, b.res("infdep"), f"bench-{i:04d}", {"spec": {"decode": {"minReplicas": decode}}},
-                   NAMESPACE)
-        b.wait(lambda: all((o.get("status") or {}).get("decodeReplicas") == decode and
-                           o["status"].get("observedGeneration") == o["metadata"]["generation"] for o in b.list("infdep")),
-               timeout, f"every CR at {decode} decode replicas")
+            b.call(
+                b.emu.patch_object,
+                b.res("infdep"),
+                f"bench-{i:04d}",
+                {"spec": {"decode": {"minReplicas": decode}}},
+                NAMESPACE,
+            )
+        b.wait(
+            lambda: all(
+                (o.get("status") or {}).get("decodeReplicas") == decode
+                and o["status"].get("observedGeneration") == o["metadata"]["generation"]
+                for o in b.list("infdep")
+            ),
+            timeout,
+            f"every CR at {decode} decode replicas",
+        )
         quiet_objects()
 
     def quiet_objects(seconds: float = 2.0) -> None:
@@ -390,7 +469,11 @@ def race_scenario(workdir: pathlib.Path, timeout: float, crs: int = 8, gpus: int
         for path in sorted((ROOT / "crds").glob("*.yaml")):
             for doc in yaml.safe_load_all(path.read_text()):
                 b.call(b.emu.apply_object, doc)
-        for doc in [*yaml.safe_load_all(CLASSES_FILE.read_text()), node("l40s-0", "l40s", gpus), node("cpu-0", "cpu", 64)]:
+        for doc in [
+            *yaml.safe_load_all(CLASSES_FILE.read_text()),
+            node("l40s-0", "l40s", gpus),
+            node("cpu-0", "cpu", 64),
+        ]:
             if doc:
                 b.call(b.emu.apply_object, doc)
         wl = b.call(b.emu.enable_workloads)
@@ -403,20 +486,35 @@ def race_scenario(workdir: pathlib.Path, timeout: float, crs: int = 8, gpus: int
             doc["spec"]["colocated"].update(minReplicas=2, maxReplicas=2)
             doc["spec"]["autoscaling"] = {"enabled": False}
             b.call(b.emu.apply_object, doc)
-        b.wait(lambda: all((o.get("status") or {}).get("observedGeneration") == o["metadata"]["generation"]
-                           for o in b.list("infdep")) and len(b.list("infdep")) == crs, timeout, "every race CR planned")
+        b.wait(
+            lambda: (
+                all(
+                    (o.get("status") or {}).get("observedGeneration") == o["metadata"]["generation"]
+                    for o in b.list("infdep")
+                )
+                and len(b.list("infdep")) == crs
+            ),
+            timeout,
+            "every race CR planned",
+        )
         b.quiet(1.0)
         pods_res, crs_res = b.res("pods"), b.res("infdep")
 
         def bind_and_count() -> tuple[int, int]:  # on the emulator's loop: before the operator can react
             wl.hold(False)
-            limited = {o["metadata"]["name"] for o in b.emu.list_objects(crs_res, NAMESPACE, None, None)
-                       if any(c["type"] == "ScalingLimited" and c["status"] == "True"
-                              for c in (o.get("status") or {}).get("conditions") or [])}
+            limited = {
+                o["metadata"]["name"]
+                for o in b.emu.list_objects(crs_res, NAMESPACE, None, None)
+                if any(
+                    c["type"] == "ScalingLimited" and c["status"] == "True"
+                    for c in (o.get("status") or {}).get("conditions") or []
+                )
+            }
             workers = b.emu.list_objects(pods_res, NAMESPACE, "pdfleet.io/role=colocated", None)
             waiting = [p for p in workers if not p["spec"].get("nodeName")]
             pileup = [p for p in waiting if p["metadata"]["labels"]["pdfleet.io/deployment"] not in limited]
             return len(pileup), len(workers) - len(waiting)
+
         pileup, placed = b.call(bind_and_count)
         b.quiet(2.0)
         unschedulable = len([p for p in wl.unschedulable_pods if "-router-" not in p])
@@ -470,11 +568,16 @@ def day2_scenario(workdir: pathlib.Path, timeout: float, crs: int) -> dict:
             out: dict[str, dict[str, int]] = {}
             for d in b.call(b.emu.list_objects, deployments, NAMESPACE, "pdfleet.io/role=colocated", None):
                 labels = d["metadata"]["labels"]
-                out.setdefault(labels["pdfleet.io/deployment"], {})[labels["pdfleet.io/accelerator"]] = \
-                    int((d.get("status") or {}).get("readyReplicas") or 0)
+                out.setdefault(labels["pdfleet.io/deployment"], {})[labels["pdfleet.io/accelerator"]] = int(
+                    (d.get("status") or {}).get("readyReplicas") or 0
+                )
             return out
-        b.wait(lambda: len(pools()) == crs and all(sum(p.values()) == 2 for p in pools().values()), timeout,
-               "every day-2 CR serving 2 replicas")
+
+        b.wait(
+            lambda: len(pools()) == crs and all(sum(p.values()) == 2 for p in pools().values()),
+            timeout,
+            "every day-2 CR serving 2 replicas",
+        )
         for name in names:  # minimum 1 from now on: a replica may move without a replacement first (phase 2)
             b.call(b.emu.patch_object, b.res("infdep"), name, {"spec": {"colocated": {"minReplicas": 1}}}, NAMESPACE)
         b.quiet(2.0, timeout)
@@ -501,8 +604,10 @@ def day2_scenario(workdir: pathlib.Path, timeout: float, crs: int) -> dict:
         movers = set(names[on_a100:])
 
         def moved() -> int:
-            return sum(1 for name, p in pools().items()
-                       if name in movers and set(p) == {"l40s-spot"} and p["l40s-spot"] == 2)
+            return sum(
+                1 for name, p in pools().items() if name in movers and set(p) == {"l40s-spot"} and p["l40s-spot"] == 2
+            )
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and moved() < len(movers):
             b.quiet(3.0, timeout)

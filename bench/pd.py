@@ -11,10 +11,8 @@ Targets: PD adds at most (KV bytes / measured loopback bandwidth) + 20 ms to TTF
 its bytes at >= 50% of a raw loopback socket's bandwidth (`kv_pull_vs_socket`: per repetition, one
 pull next to one raw copy of the same bytes, the median of the ratios). Ends with one JSON line.
 """
-from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
-import sys
+from __future__ import annotations
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
@@ -25,9 +23,11 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -44,8 +44,13 @@ class Proc:
     def __init__(self, args: list[str], env: dict[str, str], log: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(PDFLEET + args + ["--host", "127.0.0.1", "--port", str(self.port)],
-                                     stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            PDFLEET + args + ["--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.log = log
 
     def wait_ready(self, timeout: float = 180) -> None:
@@ -73,17 +78,28 @@ class Proc:
 
 def metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def ttft(router: str, tier: str, prompt: list[int], max_tokens: int) -> float:
     """Seconds from sending the request to the first streamed event, via the router."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{router}/v1/completions", json=body, headers={"x-pdfleet-tier": tier},
-                      timeout=300) as resp:
+    with httpx.stream(
+        "POST", f"{router}/v1/completions", json=body, headers={"x-pdfleet-tier": tier}, timeout=300
+    ) as resp:
         assert resp.status_code == 200, resp.read()
         lines = resp.iter_lines()
         for line in lines:
@@ -151,10 +167,17 @@ def pull_seconds(prefill: str, decode: str, prompt: list[int], max_tokens: int) 
     pdfleet_kv_transfer_seconds it adds: connect, request, the bytes into the destination blocks)."""
     secs0 = metric(decode, "pdfleet_kv_transfer_seconds_sum")
     count0 = metric(decode, "pdfleet_kv_transfer_seconds_count")
-    b = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-         "kv_transfer_params": {"do_remote_decode": True}}
+    b = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     params = httpx.post(f"{prefill}/v1/completions", json=b, timeout=300).json()["kv_transfer_params"]
-    r = httpx.post(f"{decode}/v1/completions", json=dict(b, kv_transfer_params=params, max_tokens=max_tokens), timeout=300)
+    r = httpx.post(
+        f"{decode}/v1/completions", json=dict(b, kv_transfer_params=params, max_tokens=max_tokens), timeout=300
+    )
     assert r.status_code == 200, r.text
     assert metric(decode, "pdfleet_kv_transfer_seconds_count") == count0 + 1, "the pull failed (recomputed)"
     return metric(decode, "pdfleet_kv_transfer_seconds_sum") - secs0
@@ -166,8 +189,13 @@ def nixl_installed() -> bool:
 
 def spread(xs: list[float], digits: int = 3) -> dict:
     q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0], None, xs[0])
-    return {"median": round(statistics.median(xs), digits), "min": round(min(xs), digits),
-            "q1": round(q1, digits), "q3": round(q3, digits), "max": round(max(xs), digits)}
+    return {
+        "median": round(statistics.median(xs), digits),
+        "min": round(min(xs), digits),
+        "q1": round(q1, digits),
+        "q3": round(q3, digits),
+        "max": round(max(xs), digits),
+    }
 
 
 def main() -> int:
@@ -179,8 +207,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--wire-reps", type=int, default=30, help="alternating pull / raw socket (/ NIXL pull) repetitions")
-    ap.add_argument("--nixl", choices=("auto", "on", "off"), default="auto",
-                    help="also a prefill/decode pair on --kv-connector nixl (auto: when nixl-cu12 is installed)")
+    ap.add_argument(
+        "--nixl",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also a prefill/decode pair on --kv-connector nixl (auto: when nixl-cu12 is installed)",
+    )
     args = ap.parse_args()
     if args.nixl == "on" and not nixl_installed():
         ap.error("--nixl on needs NIXL's Python package (pip install nixl-cu12)")
@@ -191,25 +223,60 @@ def main() -> int:
     model = args.model
     if model is None:
         model = os.path.join(tmp, args.preset)
-        subprocess.run(PDFLEET + ["model", "init", model, "--preset", args.preset], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
-    common = ["worker", "--model", model, "--served-model-name", "bench", "--num-threads", str(args.threads),
-              "--num-kv-blocks", str(2 * (-(-(args.prompt_tokens + 64) // 16)) + 8),
-              "--max-num-batched-tokens", str(args.prompt_tokens + 64), "--no-enable-prefix-caching",
-              "--log-level", "warning"]
-    workers = [Proc(common + ["--role", role], env, os.path.join(tmp, f"{role}.log"))
-               for role in ("prefill", "decode", "both")]
+        subprocess.run(
+            PDFLEET + ["model", "init", model, "--preset", args.preset], check=True, env=env, stdout=subprocess.DEVNULL
+        )
+    common = [
+        "worker",
+        "--model",
+        model,
+        "--served-model-name",
+        "bench",
+        "--num-threads",
+        str(args.threads),
+        "--num-kv-blocks",
+        str(2 * (-(-(args.prompt_tokens + 64) // 16)) + 8),
+        "--max-num-batched-tokens",
+        str(args.prompt_tokens + 64),
+        "--no-enable-prefix-caching",
+        "--log-level",
+        "warning",
+    ]
+    workers = [
+        Proc(common + ["--role", role], env, os.path.join(tmp, f"{role}.log")) for role in ("prefill", "decode", "both")
+    ]
     # NOTE: UCX on one host: shared memory (cma) and TCP on lo only (FACTS.md: otherwise it also takes the NICs).
     nixl_env = {**env, "UCX_NET_DEVICES": "lo"}
-    nixl_pair = [Proc(common + ["--role", role, "--kv-connector", "nixl"], nixl_env, os.path.join(tmp, f"{role}-nixl.log"))
-                 for role in ("prefill", "decode")] if with_nixl else []
+    nixl_pair = (
+        [
+            Proc(common + ["--role", role, "--kv-connector", "nixl"], nixl_env, os.path.join(tmp, f"{role}-nixl.log"))
+            for role in ("prefill", "decode")
+        ]
+        if with_nixl
+        else []
+    )
     procs = workers + nixl_pair
     try:
         for w in procs:
             w.wait_ready()
         prefill, decode, colo = workers
-        router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--workers", f"colo={colo.url}",
-                       "--health-interval", "0.5", "--log-level", "warning"], env, os.path.join(tmp, "router.log"))
+        router = Proc(
+            [
+                "router",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--workers",
+                f"colo={colo.url}",
+                "--health-interval",
+                "0.5",
+                "--log-level",
+                "warning",
+            ],
+            env,
+            os.path.join(tmp, "router.log"),
+        )
         procs.append(router)
         router.wait_ready()
         info = httpx.get(f"{decode.url}/load").json()
@@ -236,8 +303,13 @@ def main() -> int:
         # costs on this machine right now, scheduling delays included).
         legs, noops = [], []
         for _ in range(args.reps):
-            b = {"model": "bench", "prompt": prompt(), "max_tokens": 1, "temperature": 0,
-                 "kv_transfer_params": {"do_remote_decode": True}}
+            b = {
+                "model": "bench",
+                "prompt": prompt(),
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
             params = httpx.post(f"{prefill.url}/v1/completions", json=b, timeout=300).json()["kv_transfer_params"]
             b = dict(b, kv_transfer_params=params, max_tokens=args.max_tokens, stream=True)
             t0 = time.perf_counter()
@@ -248,7 +320,9 @@ def main() -> int:
                 for _ in lines:
                     pass
             t0 = time.perf_counter()
-            httpx.post(f"{colo.url}/v1/completions", json={"model": "bench", "prompt": [5], "max_tokens": 1}, timeout=60)
+            httpx.post(
+                f"{colo.url}/v1/completions", json={"model": "bench", "prompt": [5], "max_tokens": 1}, timeout=60
+            )
             noops.append(time.perf_counter() - t0)
         assert pulls == args.reps, f"{pulls} pulls for {args.reps} requests"
         kv_bytes = int(kv_total / args.reps)
@@ -270,8 +344,14 @@ def main() -> int:
         tcp_ratio = [a / b for a, b in zip(wire["tcp"], wire["socket"])]
         nixl_ratio = [a / b for a, b in zip(wire["nixl"], wire["socket"])]
         cfg = json.load(open(os.path.join(model, "config.json")))
-        per_block = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * info["block_size"]
-                     * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * 4)  # fp32
+        per_block = (
+            cfg["num_hidden_layers"]
+            * 2
+            * cfg["num_key_value_heads"]
+            * info["block_size"]
+            * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+            * 4
+        )  # fp32
         # The decode worker computes the last prompt token itself: the KV of P-1 tokens moves.
         expected = -(-(args.prompt_tokens - 1) // info["block_size"]) * per_block
         loop_gbps = loopback_gbps(kv_bytes, reps=max(5, args.reps))
@@ -283,45 +363,68 @@ def main() -> int:
         q1, _, q3 = statistics.quantiles(diffs, n=4)
         target = kv_bytes / (loop_gbps * 1e9) * 1e3 + 20
         result = {
-            "pd_ttft_overhead_ms": round(overhead, 2), "kv_bytes": kv_bytes,
-            "transfer_gbps": round(kv_total / kv_secs / 1e9, 3), "loopback_gbps": round(loop_gbps, 3),
-            "ttft_pd_ms": round(pd_ms, 2), "ttft_colocated_ms": round(co_ms, 2), "target_ms": round(target, 2),
-            "meets_target": overhead <= target, "prompt_tokens": args.prompt_tokens, "model": args.preset if not
-            args.model else args.model, "reps": args.reps, "threads": args.threads,
-            "pull_ms_mean": round(kv_secs / pulls * 1e3, 2), "overhead_iqr_ms": [round(q1, 1), round(q3, 1)],
+            "pd_ttft_overhead_ms": round(overhead, 2),
+            "kv_bytes": kv_bytes,
+            "transfer_gbps": round(kv_total / kv_secs / 1e9, 3),
+            "loopback_gbps": round(loop_gbps, 3),
+            "ttft_pd_ms": round(pd_ms, 2),
+            "ttft_colocated_ms": round(co_ms, 2),
+            "target_ms": round(target, 2),
+            "meets_target": overhead <= target,
+            "prompt_tokens": args.prompt_tokens,
+            "model": args.preset if not args.model else args.model,
+            "reps": args.reps,
+            "threads": args.threads,
+            "pull_ms_mean": round(kv_secs / pulls * 1e3, 2),
+            "overhead_iqr_ms": [round(q1, 1), round(q3, 1)],
             "overhead_min_ms": round((min(pd) - min(co)) * 1e3, 2),
             "decode_leg_ms": round(statistics.median(legs) * 1e3, 2),
             "noop_request_ms": round(statistics.median(noops) * 1e3, 2),
             "kv_pull_gbps": round(statistics.median(wire["tcp"]), 3),
             "socket_gbps": round(statistics.median(wire["socket"]), 3),
             "kv_pull_vs_socket": round(statistics.median(tcp_ratio), 3),
-            "kv_pull_vs_socket_spread": spread(tcp_ratio), "kv_pull_gbps_spread": spread(wire["tcp"]),
-            "socket_gbps_spread": spread(wire["socket"]), "kv_pull_meets_target": statistics.median(tcp_ratio) >= 0.5,
+            "kv_pull_vs_socket_spread": spread(tcp_ratio),
+            "kv_pull_gbps_spread": spread(wire["tcp"]),
+            "socket_gbps_spread": spread(wire["socket"]),
+            "kv_pull_meets_target": statistics.median(tcp_ratio) >= 0.5,
             "wire_reps": args.wire_reps,
         }
         if nixl_pair:
-            result.update(kv_pull_gbps_nixl=round(statistics.median(wire["nixl"]), 3),
-                          kv_pull_nixl_vs_socket=round(statistics.median(nixl_ratio), 3),
-                          kv_pull_nixl_vs_socket_spread=spread(nixl_ratio))
+            result.update(
+                kv_pull_gbps_nixl=round(statistics.median(wire["nixl"]), 3),
+                kv_pull_nixl_vs_socket=round(statistics.median(nixl_ratio), 3),
+                kv_pull_nixl_vs_socket_spread=spread(nixl_ratio),
+            )
         assert expected == kv_bytes, f"moved {kv_bytes} bytes per request, expected {expected}"
         print(f"{'path':<12}{'median TTFT ms':>16}{'min':>10}{'max':>10}")
         for name, xs in (("colocated", co), ("PD", pd)):
             print(f"{name:<12}{statistics.median(xs) * 1e3:>16.1f}{min(xs) * 1e3:>10.1f}{max(xs) * 1e3:>10.1f}")
-        print(f"KV per request {kv_bytes / 1e6:.2f} MB, pulled at {result['transfer_gbps']} GB/s "
-              f"(mean pull {result['pull_ms_mean']} ms); raw loopback copy {result['loopback_gbps']} GB/s")
-        print(f"decode leg alone (KV params -> first event) {result['decode_leg_ms']} ms; a no-op request "
-              f"{result['noop_request_ms']} ms")
-        print(f"{'wire, GB/s':<12}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}   ({args.wire_reps} alternating reps)")
+        print(
+            f"KV per request {kv_bytes / 1e6:.2f} MB, pulled at {result['transfer_gbps']} GB/s "
+            f"(mean pull {result['pull_ms_mean']} ms); raw loopback copy {result['loopback_gbps']} GB/s"
+        )
+        print(
+            f"decode leg alone (KV params -> first event) {result['decode_leg_ms']} ms; a no-op request "
+            f"{result['noop_request_ms']} ms"
+        )
+        print(
+            f"{'wire, GB/s':<12}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}   ({args.wire_reps} alternating reps)"
+        )
         for name in ("tcp", "nixl", "socket"):
             if wire[name]:
                 sp = spread(wire[name])
-                print(f"{name if name != 'tcp' else 'tcp pull':<12}" + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max")))
+                print(
+                    f"{name if name != 'tcp' else 'tcp pull':<12}"
+                    + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max"))
+                )
         for name, xs in (("tcp/socket", tcp_ratio), ("nixl/socket", nixl_ratio)):
             if xs:
                 sp = spread(xs)
                 print(f"{name:<12}" + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max")))
-        print(f"PD overhead {overhead:.1f} ms (paired median; IQR {q1:.1f} .. {q3:.1f} ms) vs target {target:.1f} ms: "
-              f"{'OK' if result['meets_target'] else 'MISSED'}")
+        print(
+            f"PD overhead {overhead:.1f} ms (paired median; IQR {q1:.1f} .. {q3:.1f} ms) vs target {target:.1f} ms: "
+            f"{'OK' if result['meets_target'] else 'MISSED'}"
+        )
         print(json.dumps(result))
         return 0
     finally:

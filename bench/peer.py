@@ -8,6 +8,7 @@ over a pipe, one command at a time, so the two never compute at once. Every repe
 engines back to back (the order alternates) and each reported ratio is the median of the
 per-repetition ratios. Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 try:
@@ -34,8 +35,11 @@ INSTALL = "make vllm"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.path.join(TMP, "pdfleet-bench-small"),
-                   help="HF model directory; created with `pdfleet model init --preset small` (600 MB fp32) if missing")
+    p.add_argument(
+        "--model",
+        default=os.path.join(TMP, "pdfleet-bench-small"),
+        help="HF model directory; created with `pdfleet model init --preset small` (600 MB fp32) if missing",
+    )
     p.add_argument("--threads", type=int, default=2, help="compute threads of each engine")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement (medians reported)")
     p.add_argument("--requests", type=int, default=64, help="mixed workload size")
@@ -47,10 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=512, help="shared, block-aligned prefix of the TTFT test")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache of each engine, GiB")
-    p.add_argument("--vllm-eager", action="store_true",
-                   help="vLLM with enforce_eager (no torch.compile: starts in seconds, runs slower)")
-    p.add_argument("--smoke", action="store_true",
-                   help="a check, not a measurement: tiny model, 6 short requests, 1 repetition, vLLM eager")
+    p.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="vLLM with enforce_eager (no torch.compile: starts in seconds, runs slower)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a check, not a measurement: tiny model, 6 short requests, 1 repetition, vLLM eager",
+    )
     p.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)
@@ -69,8 +79,9 @@ def span(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def mixed_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int,
-                   seed: int = 0) -> list[tuple[list[int], int]]:
+def mixed_workload(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(8, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
 
@@ -89,8 +100,16 @@ def vllm_child(a: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.budget,
-              max_model_len=a.max_model_len, enable_prefix_caching=True, enforce_eager=a.vllm_eager, seed=0)
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.budget,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=a.vllm_eager,
+        seed=0,
+    )
     engine = llm.llm_engine
 
     def greedy(n: int, kind=RequestOutputKind.FINAL_ONLY) -> SamplingParams:
@@ -145,7 +164,9 @@ def check_vllm_runtime() -> str:
     py = vllm_python()
     if not os.access(py, os.X_OK):
         raise SystemExit(f"bench/peer.py: the vLLM runtime is not installed ({py} is missing); run `{INSTALL}`")
-    probe = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
+    )
     if probe.returncode != 0:
         tail = probe.stderr.strip()[-600:]
         raise SystemExit(f"bench/peer.py: the vLLM runtime at {py} cannot import vllm ({tail}); run `{INSTALL}`")
@@ -163,17 +184,43 @@ class VllmPeer:
 
     def __init__(self, a: argparse.Namespace, dtype: str, max_model_len: int):
         self.log = tempfile.NamedTemporaryFile(prefix=f"peer-vllm-{dtype}-", suffix=".log", dir=TMP, delete=False)
-        args = [vllm_python(), os.path.abspath(__file__), "--vllm-child", "--model", a.model, "--dtype", dtype,
-                "--max-num-seqs", str(a.max_num_seqs), "--budget", str(a.budget), "--max-model-len", str(max_model_len)]
+        args = [
+            vllm_python(),
+            os.path.abspath(__file__),
+            "--vllm-child",
+            "--model",
+            a.model,
+            "--dtype",
+            dtype,
+            "--max-num-seqs",
+            str(a.max_num_seqs),
+            "--budget",
+            str(a.budget),
+            "--max-model-len",
+            str(max_model_len),
+        ]
         if a.vllm_eager:
             args.append("--vllm-eager")
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(a.threads),
-               "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(a.kv_gib))), "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(a.threads),
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(a.kv_gib))),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the bind decides vLLM's threads
             env.pop(name, None)
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         hello = self._read()
         self.version, self.startup_s = hello["version"], hello["startup_s"]
 
@@ -213,6 +260,7 @@ class VllmPeer:
 # == the pdfleet side ===============================================================================
 def pdfleet_mixed(engine, work) -> tuple[float, list[list[int]]]:
     from pdfleet_worker.sampling_params import SamplingParams
+
     ids = [f"m{i}-{time.monotonic_ns()}" for i in range(len(work))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     t = time.perf_counter()
@@ -227,6 +275,7 @@ def pdfleet_mixed(engine, work) -> tuple[float, list[list[int]]]:
 
 def pdfleet_stream(engine, prompt: list[int], n: int) -> tuple[list[int], list[float], float]:
     from pdfleet_worker.sampling_params import SamplingParams
+
     start = time.perf_counter()
     engine.add_request(f"s{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     tokens, stamps = [], []
@@ -274,15 +323,25 @@ def run_dtype(a, dtype: str, work, bs1_prompt, prefixes, weight_bytes, eb, cfg) 
     try:
         progress(f"{dtype}: vLLM {peer.version} ready in {peer.startup_s:.0f} s; loading the pdfleet engine")
         t = time.perf_counter()
-        eng = LLMEngine(EngineConfig(model=a.model, dtype=dtype, max_num_seqs=a.max_num_seqs,
-                                     max_num_batched_tokens=a.budget, kv_cache_memory_bytes=int(a.kv_gib * (1 << 30)),
-                                     max_model_len=max_model_len, num_threads=a.threads), load_tokenizer=False)
+        eng = LLMEngine(
+            EngineConfig(
+                model=a.model,
+                dtype=dtype,
+                max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.budget,
+                kv_cache_memory_bytes=int(a.kv_gib * (1 << 30)),
+                max_model_len=max_model_len,
+                num_threads=a.threads,
+            ),
+            load_tokenizer=False,
+        )
         warm_s = eng.warm_up()
         startup = time.perf_counter() - t
         torch.set_num_threads(a.threads)
         s = {k: [] for k in ("mixed", "v_mixed", "dec", "v_dec", "bw", "ttft", "v_ttft", "ttft_cold", "v_ttft_cold")}
-        s.update(startup_s=startup, warm_up_s=warm_s, v_startup_s=peer.startup_s, version=peer.version,
-                 bad=[], compared=0)
+        s.update(
+            startup_s=startup, warm_up_s=warm_s, v_startup_s=peer.startup_s, version=peer.version, bad=[], compared=0
+        )
         produced = sum(n for _, n in work)
 
         def compare(label, ours, theirs):
@@ -292,8 +351,10 @@ def run_dtype(a, dtype: str, work, bs1_prompt, prefixes, weight_bytes, eb, cfg) 
 
         for rep in range(a.reps):
             first_ours = rep % 2 == 0
-            progress(f"{dtype}: repetition {rep + 1}/{a.reps} (mixed, batch-1 decode, shared-prefix TTFT); "
-                     f"{'pdfleet' if first_ours else 'vLLM'} first")
+            progress(
+                f"{dtype}: repetition {rep + 1}/{a.reps} (mixed, batch-1 decode, shared-prefix TTFT); "
+                f"{'pdfleet' if first_ours else 'vLLM'} first"
+            )
             for ours in (first_ours, not first_ours):
                 if ours:
                     wall, ours_tokens = pdfleet_mixed(eng, work)
@@ -326,9 +387,11 @@ def run_dtype(a, dtype: str, work, bs1_prompt, prefixes, weight_bytes, eb, cfg) 
                     else:
                         r = peer.call(op="ttft", prompt=prefix + tail)
                         s["v_ttft_cold" if j == 0 else "v_ttft"].append(r["ttft_s"])
-            progress(f"{dtype}: mixed {s['mixed'][-1]:.0f} vs {s['v_mixed'][-1]:.0f} tok/s, bs1 "
-                     f"{s['dec'][-1] * 1e3:.2f} vs {s['v_dec'][-1] * 1e3:.2f} ms/tok, shared-prefix TTFT "
-                     f"{s['ttft'][-1] * 1e3:.1f} vs {s['v_ttft'][-1] * 1e3:.1f} ms (pdfleet vs vLLM)")
+            progress(
+                f"{dtype}: mixed {s['mixed'][-1]:.0f} vs {s['v_mixed'][-1]:.0f} tok/s, bs1 "
+                f"{s['dec'][-1] * 1e3:.2f} vs {s['v_dec'][-1] * 1e3:.2f} ms/tok, shared-prefix TTFT "
+                f"{s['ttft'][-1] * 1e3:.1f} vs {s['v_ttft'][-1] * 1e3:.1f} ms (pdfleet vs vLLM)"
+            )
         assert eng.is_idle_and_whole(), "pdfleet engine ends idle with every block free"
         stats = eng.stats()
         s["prefix_hits"] = stats.prefix_cache_hits_total
@@ -344,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         return vllm_child(a)
     version = check_vllm_runtime()
     import torch
+
     torch.set_num_threads(a.threads)
     from pdfleet_worker.config import ModelConfig
     from pdfleet_worker.model import model_init
@@ -397,15 +461,24 @@ def main(argv: list[str] | None = None) -> int:
             (f"vLLM mixed ({k})", f"{med(s['v_mixed']):.1f} tok/s", fmt(s["v_mixed"], 1, 1)),
             (f"pdfleet bs1 decode ({k})", f"{med(s['dec']) * 1e3:.2f} ms/tok", fmt(s["dec"], 1e3)),
             (f"vLLM bs1 decode ({k})", f"{med(s['v_dec']) * 1e3:.2f} ms/tok", fmt(s["v_dec"], 1e3)),
-            (f"pdfleet TTFT cold / shared ({k})", f"{med(s['ttft_cold']) * 1e3:.0f} / {med(s['ttft']) * 1e3:.1f} ms",
-             f"{a.prefix}-token prefix + 16 {fmt(s['ttft'], 1e3, 1)}"),
-            (f"vLLM TTFT cold / shared ({k})", f"{med(s['v_ttft_cold']) * 1e3:.0f} / {med(s['v_ttft']) * 1e3:.1f} ms",
-             fmt(s["v_ttft"], 1e3, 1)),
+            (
+                f"pdfleet TTFT cold / shared ({k})",
+                f"{med(s['ttft_cold']) * 1e3:.0f} / {med(s['ttft']) * 1e3:.1f} ms",
+                f"{a.prefix}-token prefix + 16 {fmt(s['ttft'], 1e3, 1)}",
+            ),
+            (
+                f"vLLM TTFT cold / shared ({k})",
+                f"{med(s['v_ttft_cold']) * 1e3:.0f} / {med(s['v_ttft']) * 1e3:.1f} ms",
+                fmt(s["v_ttft"], 1e3, 1),
+            ),
             (f"ratio mixed pdfleet / vLLM ({k})", f"{med(r_mixed):.2f}", f"target >= 1.0 {fmt(r_mixed)}"),
             (f"ratio bs1 speed pdfleet / vLLM ({k})", f"{med(r_bs1):.2f}", f"target >= 1.0 {fmt(r_bs1)}"),
             (f"ratio shared-prefix TTFT pdfleet / vLLM ({k})", f"{med(r_ttft):.2f}", f"target <= 1.0 {fmt(r_ttft)}"),
-            (f"startup pdfleet / vLLM ({k})", f"{s['startup_s']:.1f} / {s['v_startup_s']:.1f} s",
-             f"pdfleet warm_up {s['warm_up_s']:.1f} s"),
+            (
+                f"startup pdfleet / vLLM ({k})",
+                f"{s['startup_s']:.1f} / {s['v_startup_s']:.1f} s",
+                f"pdfleet warm_up {s['warm_up_s']:.1f} s",
+            ),
             (f"token disagreements ({k})", f"{len(s['bad'])} of {s['compared']}", " ".join(s["bad"][:12])),
         ]
     if "float32" in runs:
@@ -415,15 +488,26 @@ def main(argv: list[str] | None = None) -> int:
         result["bs1_mbu"] = round(med(r_mbu), 3)
         result["read_gbs"] = round(med(s["bw"]), 1)
         result["prefix_ttft_vs_vllm"] = result["prefix_ttft_vs_vllm_fp32"]
-        rows += [("memory read bandwidth", f"{med(s['bw']):.1f} GB/s", f"1 GiB sum {fmt(s['bw'], 1, 1)}"),
-                 ("bs1 MBU fp32 (floor / pdfleet)", f"{med(r_mbu):.2f}",
-                  f"target >= 0.80 floor {weight_bytes / 1e6:.0f} MB / bandwidth {fmt(r_mbu)}")]
+        rows += [
+            ("memory read bandwidth", f"{med(s['bw']):.1f} GB/s", f"1 GiB sum {fmt(s['bw'], 1, 1)}"),
+            (
+                "bs1 MBU fp32 (floor / pdfleet)",
+                f"{med(r_mbu):.2f}",
+                f"target >= 0.80 floor {weight_bytes / 1e6:.0f} MB / bandwidth {fmt(r_mbu)}",
+            ),
+        ]
     result["token_disagreements"] = sum(len(s["bad"]) for s in runs.values())
     result["tokens_compared"] = sum(s["compared"] for s in runs.values())
     result["vllm_version"] = version
-    result.update(model=os.path.basename(os.path.normpath(a.model)), model_params=cfg.num_params,
-                  threads=a.threads, requests=a.requests, reps=a.reps, vllm_compiled=not a.vllm_eager,
-                  wall_s=round(time.perf_counter() - began, 1))
+    result.update(
+        model=os.path.basename(os.path.normpath(a.model)),
+        model_params=cfg.num_params,
+        threads=a.threads,
+        requests=a.requests,
+        reps=a.reps,
+        vllm_compiled=not a.vllm_eager,
+        wall_s=round(time.perf_counter() - began, 1),
+    )
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>18}  {note}")

@@ -28,11 +28,8 @@ is what a token costs it.
 Ends with one JSON line: `tput_pdfleet_vs_vllm`, `ttft_pdfleet_vs_vllm`, `tput_router_vllm_vs_vllm` (with `_fp32` /
 `_bf16` suffixes when both dtypes run) and the rest of the figures.
 """
-from __future__ import annotations
 
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001
-import sys
+from __future__ import annotations
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -42,10 +39,13 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+# isort: skip_file  -- _sys_path must stay the first import (see it)
+import _sys_path  # noqa: F401,I001
 import httpx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,14 +58,23 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian: libtcmalloc-minimal4
 START_TIMEOUT_S = 600.0
 # vLLM's figures read from its result file, and what this script calls them.
-METRICS = {"output_throughput": "tok_s", "median_ttft_ms": "ttft_p50_ms", "p99_ttft_ms": "ttft_p99_ms",
-           "median_tpot_ms": "tpot_p50_ms", "p99_tpot_ms": "tpot_p99_ms", "median_itl_ms": "itl_p50_ms"}
+METRICS = {
+    "output_throughput": "tok_s",
+    "median_ttft_ms": "ttft_p50_ms",
+    "p99_ttft_ms": "ttft_p99_ms",
+    "median_tpot_ms": "tpot_p50_ms",
+    "p99_tpot_ms": "tpot_p99_ms",
+    "median_itl_ms": "itl_p50_ms",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(TMP / "pdfleet-bench-small"),
-                   help="HF model directory; created with `pdfleet model init --preset small` if missing")
+    p.add_argument(
+        "--model",
+        default=str(TMP / "pdfleet-bench-small"),
+        help="HF model directory; created with `pdfleet model init --preset small` if missing",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions of every setup (fresh servers each time)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"which of {', '.join(SETUPS)} to run")
@@ -78,13 +87,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024, help="both engines")
     p.add_argument("--kv-gib", type=int, default=1, help="KV cache of each engine, GiB")
     p.add_argument("--pdfleet-threads", default="auto", help="the worker's --num-threads")
-    p.add_argument("--pdfleet-preload", choices=("none", "tcmalloc", "both"), default="none",
-                   help="LD_PRELOAD for pdfleet's processes (vLLM always gets both when present)")
+    p.add_argument(
+        "--pdfleet-preload",
+        choices=("none", "tcmalloc", "both"),
+        default="none",
+        help="LD_PRELOAD for pdfleet's processes (vLLM always gets both when present)",
+    )
     p.add_argument("--worker-args", default="", help="more `pdfleet worker` flags, space-separated")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (no torch.compile)")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and the client's results")
-    p.add_argument("--smoke", action="store_true",
-                   help="a check, not a measurement: tiny model, 8 short requests, 1 repetition, fp32, vLLM eager")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a check, not a measurement: tiny model, 8 short requests, 1 repetition, fp32, vLLM eager",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.model = str(TMP / "pdfleet-bench-tiny") if a.model == p.get_default("model") else a.model
@@ -124,8 +140,9 @@ def check_vllm_runtime() -> str:
     py = vllm_python()
     if not os.access(py, os.X_OK):
         raise SystemExit(f"bench/serve.py: the vLLM runtime is not installed ({py} is missing); run `{INSTALL}`")
-    probe = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                           timeout=300)
+    probe = subprocess.run(
+        [py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
+    )
     if probe.returncode != 0:
         raise SystemExit(f"bench/serve.py: {py} cannot import vllm ({probe.stderr.strip()[-600:]}); run `{INSTALL}`")
     return probe.stdout.strip().splitlines()[-1]
@@ -171,8 +188,9 @@ class Server:
         self.name, self.port, self.ready_path = name, port, ready_path
         self.log = workdir / f"{name}-{port}.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.began = time.monotonic()
         self.ready_s: float | None = None
 
@@ -241,38 +259,104 @@ def kv_blocks(model: str, dtype: str, gib: int, block_size: int = 16) -> int:
     """The pdfleet pool that holds `gib` GiB of KV, as vLLM's VLLM_CPU_KVCACHE_SPACE sizes its own."""
     cfg = json.loads(Path(model, "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * block_size * \
-        (4 if dtype == "float32" else 2)
+    per_block = (
+        2
+        * cfg["num_hidden_layers"]
+        * cfg["num_key_value_heads"]
+        * head_dim
+        * block_size
+        * (4 if dtype == "float32" else 2)
+    )
     return (gib << 30) // per_block
 
 
 def start_worker(a, dtype: str, workdir: Path) -> Server:
     port = free_port()
-    argv = [*PDFLEET, "worker", "--model", a.model, "--served-model-name", SERVED, "--dtype", dtype,
-            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-            "--max-num-batched-tokens", str(a.budget), "--max-model-len", str(a.max_model_len),
-            "--num-kv-blocks", str(kv_blocks(a.model, dtype, a.kv_gib)), "--num-threads", a.pdfleet_threads,
-            "--log-level", "warning", *a.worker_args.split()]
+    argv = [
+        *PDFLEET,
+        "worker",
+        "--model",
+        a.model,
+        "--served-model-name",
+        SERVED,
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(a.budget),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--num-kv-blocks",
+        str(kv_blocks(a.model, dtype, a.kv_gib)),
+        "--num-threads",
+        a.pdfleet_threads,
+        "--log-level",
+        "warning",
+        *a.worker_args.split(),
+    ]
     return Server("pdfleet-worker", argv, clean_env({}, preloads(a.pdfleet_preload)), port, "/ready", workdir)
 
 
 def start_router(a, upstream: str, workdir: Path) -> Server:
     port = free_port()
-    argv = [*PDFLEET, "router", "--workers", upstream, "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        *PDFLEET,
+        "router",
+        "--workers",
+        upstream,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     return Server("router", argv, clean_env({}, preloads(a.pdfleet_preload)), port, "/ready", workdir)
 
 
 def start_vllm(a, dtype: str, workdir: Path) -> Server:
     port = free_port()
-    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--served-model-name",
-            SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs",
-            str(a.max_num_seqs), "--max-num-batched-tokens", str(a.budget), "--max-model-len", str(a.max_model_len),
-            "--seed", "0", "--uvicorn-log-level", "warning"]
+    argv = [
+        vllm_python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        a.model,
+        "--served-model-name",
+        SERVED,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(a.budget),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--seed",
+        "0",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     if a.vllm_eager:
         argv.append("--enforce-eager")
-    env = clean_env({"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(), "VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib),
-                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}, preloads("both"))
+    env = clean_env(
+        {
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(),
+            "VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        },
+        preloads("both"),
+    )
     return Server("vllm", argv, env, port, "/health", workdir)
 
 
@@ -304,18 +388,53 @@ def start_setup(a, setup: str, dtype: str, workdir: Path) -> tuple[list[Server],
 # == the client ==========================================================================================
 def run_client(a, url: str, shim: Path, out: Path, seed: int) -> dict:
     """One `vllm bench serve` run; vLLM's result file as a dict."""
-    argv = [vllm_python(), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-            "--endpoint", "/v1/completions", "--base-url", url, "--model", SERVED, "--tokenizer", a.model,
-            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos",
-            "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
-            "--result-filename", out.name]
+    argv = [
+        vllm_python(),
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        url,
+        "--model",
+        SERVED,
+        "--tokenizer",
+        a.model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--max-concurrency",
+        str(a.concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
     env = clean_env({"PYTHONPATH": str(shim), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}, [])
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return json.loads(out.read_text())
 
 
@@ -335,10 +454,18 @@ def measure(a, setup: str, dtype: str, workdir: Path, shim: Path, rep: int) -> d
             s.stop()
     row = {name: result[key] for key, name in METRICS.items()}
     tokens = result["total_output_tokens"]
-    row.update(completed=result["completed"], failed=result.get("failed", 0), output_tokens=tokens,
-               duration_s=result["duration"], load_before=before, load_after=after, ready_s=ready_s,
-               cpu_s=cpu, cpu_ms_per_token={k: v * 1e3 / max(1, tokens) for k, v in cpu.items()},
-               errors=sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})[:3])
+    row.update(
+        completed=result["completed"],
+        failed=result.get("failed", 0),
+        output_tokens=tokens,
+        duration_s=result["duration"],
+        load_before=before,
+        load_after=after,
+        ready_s=ready_s,
+        cpu_s=cpu,
+        cpu_ms_per_token={k: v * 1e3 / max(1, tokens) for k, v in cpu.items()},
+        errors=sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})[:3],
+    )
     return row
 
 
@@ -364,13 +491,19 @@ def report(a, runs: dict, version: str, began: float) -> dict:
             if not rs:
                 continue
             loads = [x for r in rs for x in (r["load_before"], r["load_after"])]
-            rows.append((f"{s} ({k})", f"{spread([r['tok_s'] for r in rs], 1)} tok/s",
-                         f"TTFT p50 {spread([r['ttft_p50_ms'] for r in rs], 0)} p99 {med([r['ttft_p99_ms'] for r in rs]):.0f} ms; "
-                         f"TPOT p50 {spread([r['tpot_p50_ms'] for r in rs], 1)} p99 {med([r['tpot_p99_ms'] for r in rs]):.1f} ms; "
-                         f"load {min(loads):.1f}-{max(loads):.1f}; completed {min(r['completed'] for r in rs)}/{a.num_prompts}"))
+            rows.append(
+                (
+                    f"{s} ({k})",
+                    f"{spread([r['tok_s'] for r in rs], 1)} tok/s",
+                    f"TTFT p50 {spread([r['ttft_p50_ms'] for r in rs], 0)} p99 {med([r['ttft_p99_ms'] for r in rs]):.0f} ms; "
+                    f"TPOT p50 {spread([r['tpot_p50_ms'] for r in rs], 1)} p99 {med([r['tpot_p99_ms'] for r in rs]):.1f} ms; "
+                    f"load {min(loads):.1f}-{max(loads):.1f}; completed {min(r['completed'] for r in rs)}/{a.num_prompts}",
+                )
+            )
             cpu = {name: [r["cpu_ms_per_token"][name] for r in rs] for name in rs[0]["cpu_ms_per_token"]}
-            rows.append((f"  CPU ms per output token ({k})", "",
-                         "; ".join(f"{name} {spread(v, 2)}" for name, v in cpu.items())))
+            rows.append(
+                (f"  CPU ms per output token ({k})", "", "; ".join(f"{name} {spread(v, 2)}" for name, v in cpu.items()))
+            )
             tag = s.replace("-", "_")
             out[f"{tag}_tok_s_{k}"] = round(med([r["tok_s"] for r in rs]), 1)
             out[f"{tag}_ttft_p50_ms_{k}"] = round(med([r["ttft_p50_ms"] for r in rs]), 1)
@@ -394,17 +527,36 @@ def report(a, runs: dict, version: str, began: float) -> dict:
                 out[key] = round(med(xs), 3)
                 out[key + "_range"] = [round(min(xs), 3), round(max(xs), 3)]
             target = "target >= 1.0" if num == "pdfleet" else "target >= 0.97"
-            rows.append((f"ratio {num} / {den} ({k})", f"tok/s {spread(ratios['tput'])}",
-                         f"{target}; TTFT p50 {spread(ratios['ttft'])} (target <= 1.0 for pdfleet), p99 "
-                         f"{spread(ratios['ttft_p99'])}; TPOT p50 {spread(ratios['tpot'])}, p99 {spread(ratios['tpot_p99'])}"))
+            rows.append(
+                (
+                    f"ratio {num} / {den} ({k})",
+                    f"tok/s {spread(ratios['tput'])}",
+                    f"{target}; TTFT p50 {spread(ratios['ttft'])} (target <= 1.0 for pdfleet), p99 "
+                    f"{spread(ratios['ttft_p99'])}; TPOT p50 {spread(ratios['tpot'])}, p99 {spread(ratios['tpot_p99'])}",
+                )
+            )
     loads = [x for d in runs.values() for r in d for s in r.values() for x in (s["load_before"], s["load_after"])]
-    out.update(vllm_version=version, model=os.path.basename(os.path.normpath(a.model)), reps=a.reps,
-               dtypes=[SHORT[d] for d in a.dtypes], setups=a.setups, num_prompts=a.num_prompts,
-               concurrency=a.concurrency, input_len=a.input_len, output_len=a.output_len, max_num_seqs=a.max_num_seqs,
-               budget=a.budget, pdfleet_threads=a.pdfleet_threads, pdfleet_preload=a.pdfleet_preload,
-               vllm_preload=[os.path.basename(p) for p in preloads("both")], vllm_compiled=not a.vllm_eager,
-               load_min=round(min(loads), 2), load_max=round(max(loads), 2), cores=len(os.sched_getaffinity(0)),
-               wall_s=round(time.monotonic() - began, 1))
+    out.update(
+        vllm_version=version,
+        model=os.path.basename(os.path.normpath(a.model)),
+        reps=a.reps,
+        dtypes=[SHORT[d] for d in a.dtypes],
+        setups=a.setups,
+        num_prompts=a.num_prompts,
+        concurrency=a.concurrency,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        max_num_seqs=a.max_num_seqs,
+        budget=a.budget,
+        pdfleet_threads=a.pdfleet_threads,
+        pdfleet_preload=a.pdfleet_preload,
+        vllm_preload=[os.path.basename(p) for p in preloads("both")],
+        vllm_compiled=not a.vllm_eager,
+        load_min=round(min(loads), 2),
+        load_max=round(max(loads), 2),
+        cores=len(os.sched_getaffinity(0)),
+        wall_s=round(time.monotonic() - began, 1),
+    )
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>28}  {note}")
@@ -422,16 +574,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(a.reps):
             for dtype in a.dtypes:
-                order = a.setups[rep % len(a.setups):] + a.setups[:rep % len(a.setups)]
+                order = a.setups[rep % len(a.setups) :] + a.setups[: rep % len(a.setups)]
                 got: dict[str, dict] = {}
                 for setup in order:
                     progress(f"repetition {rep + 1}/{a.reps} {SHORT[dtype]} {setup}: starting (load {load1():.1f})")
                     got[setup] = r = measure(a, setup, dtype, workdir, shim, rep)
-                    progress(f"  {setup}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, TPOT p50 "
-                             f"{r['tpot_p50_ms']:.1f} ms, {r['completed']}/{a.num_prompts} completed, load "
-                             f"{r['load_before']:.1f}->{r['load_after']:.1f}, CPU ms/token "
-                             + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items())
-                             + (f"; errors {r['errors']}" if r["errors"] else ""))
+                    progress(
+                        f"  {setup}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, TPOT p50 "
+                        f"{r['tpot_p50_ms']:.1f} ms, {r['completed']}/{a.num_prompts} completed, load "
+                        f"{r['load_before']:.1f}->{r['load_after']:.1f}, CPU ms/token "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items())
+                        + (f"; errors {r['errors']}" if r["errors"] else "")
+                    )
                 runs[dtype].append(got)
         out = report(a, runs, version, began)
     finally:

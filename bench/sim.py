@@ -18,22 +18,22 @@ numbers it gave.
 
 from __future__ import annotations
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
-import sys
-
 import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "workers")]
 
+from pdfleet_operator import trace as tr  # noqa: E402
 from pdfleet_operator.sim import fleet as fleet_file  # noqa: E402
 from pdfleet_operator.sim import report  # noqa: E402
-from pdfleet_operator import trace as tr  # noqa: E402
 from pdfleet_operator.sim.simulator import Simulator  # noqa: E402
 
 FLEET = ROOT / "examples" / "sim" / "fleet-100.yaml"
@@ -44,20 +44,45 @@ def speed(a: argparse.Namespace) -> int:
     duration = tr.parse_span(a.duration)
     warmup = 1800.0
     started = time.perf_counter()
-    trace = tr.synthetic("conversation", mean_rate=fl.trace.mean_rate, duration=duration + warmup, seed=a.seed,
-                         start_hour=fl.trace.start_hour - warmup / 3600)
+    trace = tr.synthetic(
+        "conversation",
+        mean_rate=fl.trace.mean_rate,
+        duration=duration + warmup,
+        seed=a.seed,
+        start_hour=fl.trace.start_hour - warmup / 3600,
+    )
     gen_s = time.perf_counter() - started
-    rows, result = [], {"requests": len(trace), "simulated_h": round(duration / 3600, 2), "trace_s": round(gen_s, 2),
-                        "cores": os.cpu_count(), "policies": {}}
+    rows, result = (
+        [],
+        {
+            "requests": len(trace),
+            "simulated_h": round(duration / 3600, 2),
+            "trace_s": round(gen_s, 2),
+            "cores": os.cpu_count(),
+            "policies": {},
+        },
+    )
     for name in a.policy or [next(iter(fl.policies))]:
         t0 = time.perf_counter()
         sim = Simulator(fl, fl.policy(name), trace, warmup_s=warmup, seed=a.seed).run()
         wall = time.perf_counter() - t0
         e = report.summarize(sim)
-        rows.append((name, f"{len(trace):,}", f"{wall:.1f} s", f"{len(trace) / wall:,.0f}",
-                     f"${e['cost_per_1m_tokens']:.4f}", f"{e['slo_attainment']:.2%}"))
-        result["policies"][name] = {"wall_s": round(wall, 2), "requests_per_wall_s": round(len(trace) / wall),
-                                    "cost_per_1m_tokens": e["cost_per_1m_tokens"], "slo_attainment": e["slo_attainment"]}
+        rows.append(
+            (
+                name,
+                f"{len(trace):,}",
+                f"{wall:.1f} s",
+                f"{len(trace) / wall:,.0f}",
+                f"${e['cost_per_1m_tokens']:.4f}",
+                f"{e['slo_attainment']:.2%}",
+            )
+        )
+        result["policies"][name] = {
+            "wall_s": round(wall, 2),
+            "requests_per_wall_s": round(len(trace) / wall),
+            "cost_per_1m_tokens": e["cost_per_1m_tokens"],
+            "slo_attainment": e["slo_attainment"],
+        }
     header = ("policy", "requests", "wall", "req/s simulated", "$/1M tok", "SLO att.")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
@@ -107,12 +132,27 @@ def calibrate_vllm(a: argparse.Namespace, model: str, cfg, cpu) -> int:  # noqa:
     if not os.path.isfile(py):
         raise SystemExit(f"calibrate --engine vllm: no vLLM runtime at {py} (make vllm)")
     lengths = [16, 64, 128, 256, a.budget]
-    args = {"model": model, "dtype": a.dtype, "budget": a.budget, "lengths": lengths, "reps": a.reps,
-            "stat": a.stat, "vocab": cfg.vocab_size, "eager": a.vllm_eager, "copies": 4}
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{a.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([py, "-c", VLLM_CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
-                          timeout=1800)
+    args = {
+        "model": model,
+        "dtype": a.dtype,
+        "budget": a.budget,
+        "lengths": lengths,
+        "reps": a.reps,
+        "stat": a.stat,
+        "vocab": cfg.vocab_size,
+        "eager": a.vllm_eager,
+        "copies": 4,
+    }
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{a.threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": str(a.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    done = subprocess.run(
+        [py, "-c", VLLM_CHILD, json.dumps(args)], capture_output=True, text=True, env=env, timeout=1800
+    )
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"calibrate --engine vllm failed: {done.stderr[-3000:]}")
@@ -126,8 +166,17 @@ def calibrate_vllm(a: argparse.Namespace, model: str, cfg, cpu) -> int:  # noqa:
     return _write(a, cfg, cpu, times, got["decode_step_s"], None, engine="vllm", overhead=overhead)
 
 
-def _write(a: argparse.Namespace, cfg, cpu, times: dict[int, float], decode1: float, decode8: float | None,  # noqa: ANN001
-           hop: float | None = None, engine: str = "pdfleet", overhead: float | None = None) -> int:
+def _write(
+    a: argparse.Namespace,
+    cfg,
+    cpu,
+    times: dict[int, float],
+    decode1: float,
+    decode8: float | None,  # noqa: ANN001
+    hop: float | None = None,
+    engine: str = "pdfleet",
+    overhead: float | None = None,
+) -> int:
     xs, ys = list(times), [times[n] for n in times]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -139,15 +188,24 @@ def _write(a: argparse.Namespace, cfg, cpu, times: dict[int, float], decode1: fl
     mfu = min(1.0, 2 * cfg.num_params / (peak * slope))
     read = decode1 - overhead
     mbu = min(1.0, weights / (bandwidth * read)) if read > 0 else 1.0
-    out = {"kind": "pdfleet-sim-calibration", "class": "cpu", "engine": engine,
-           "model": f"{a.preset} ({cfg.num_params / 1e6:.1f}M params, {a.dtype})",
-           "prefill_mfu": round(mfu, 4), "decode_mbu": round(mbu, 4), "step_overhead_s": round(overhead, 6),
-           **({} if hop is None else {"http_hop_s": round(hop, 6)}),
-           "prefill_s": {str(n): round(t, 6) for n, t in times.items()},
-           "decode_step_s": {"1": round(decode1, 6), **({} if decode8 is None else {"8": round(decode8, 6)})},
-           "threads": a.threads, "stat": a.stat}
-    print(f"{engine} prefill step: {overhead * 1000:.2f} ms + {slope * 1e6:.1f} us/token  -> MFU {mfu:.3f} of "
-          f"{peak / 1e12:.2f} TFLOP/s")
+    out = {
+        "kind": "pdfleet-sim-calibration",
+        "class": "cpu",
+        "engine": engine,
+        "model": f"{a.preset} ({cfg.num_params / 1e6:.1f}M params, {a.dtype})",
+        "prefill_mfu": round(mfu, 4),
+        "decode_mbu": round(mbu, 4),
+        "step_overhead_s": round(overhead, 6),
+        **({} if hop is None else {"http_hop_s": round(hop, 6)}),
+        "prefill_s": {str(n): round(t, 6) for n, t in times.items()},
+        "decode_step_s": {"1": round(decode1, 6), **({} if decode8 is None else {"8": round(decode8, 6)})},
+        "threads": a.threads,
+        "stat": a.stat,
+    }
+    print(
+        f"{engine} prefill step: {overhead * 1000:.2f} ms + {slope * 1e6:.1f} us/token  -> MFU {mfu:.3f} of "
+        f"{peak / 1e12:.2f} TFLOP/s"
+    )
     print(f"{engine} decode bs1 step: {decode1 * 1000:.2f} ms -> MBU {mbu:.3f} of {bandwidth / 1e9:.0f} GB/s")
     if hop is not None:
         print(f"HTTP hop (client -> worker, first byte, beyond the engine's prefill): {hop * 1000:.2f} ms")
@@ -182,9 +240,18 @@ def calibrate(a: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(model, "model.safetensors")):
         model_init.init_model(model, a.preset, seed=0)
     cfg = ModelConfig.from_dir(model)
-    engine = LLMEngine(EngineConfig(model=model, dtype=a.dtype, max_num_seqs=64, max_num_batched_tokens=a.budget,
-                                    kv_cache_memory_bytes=1 << 30, num_threads=a.threads, enable_prefix_caching=False),
-                       load_tokenizer=False)
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype=a.dtype,
+            max_num_seqs=64,
+            max_num_batched_tokens=a.budget,
+            kv_cache_memory_bytes=1 << 30,
+            num_threads=a.threads,
+            enable_prefix_caching=False,
+        ),
+        load_tokenizer=False,
+    )
     counter = iter(range(10**9))
 
     def prefill(n: int) -> float:
@@ -197,8 +264,11 @@ def calibrate(a: argparse.Namespace) -> int:
 
     def decode_step(batch: int, steps: int = 16) -> float:
         for b in range(batch):
-            engine.add_request(f"d{next(counter)}", [8 + b, 9, 10, 11], SamplingParams(max_tokens=steps + 2, temperature=0,
-                                                                                        ignore_eos=True))
+            engine.add_request(
+                f"d{next(counter)}",
+                [8 + b, 9, 10, 11],
+                SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True),
+            )
         engine.step()  # the prompts
         stamps = []
         while engine.has_unfinished_requests():
@@ -234,12 +304,39 @@ def http_hop(a: argparse.Namespace, model: str, prefill16_s: float) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
-           "TOKENIZERS_PARALLELISM": "false"}
-    worker = subprocess.Popen([sys.executable, "-m", "pdfleet_operator.cli", "worker", "--model", model,
-                               "--served-model-name", "calib", "--role", "both", "--port", str(port),
-                               "--num-threads", str(a.threads), "--max-model-len", "1024", "--num-kv-blocks", "256",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "MKL_NUM_THREADS": str(a.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdfleet_operator.cli",
+            "worker",
+            "--model",
+            model,
+            "--served-model-name",
+            "calib",
+            "--role",
+            "both",
+            "--port",
+            str(port),
+            "--num-threads",
+            str(a.threads),
+            "--max-model-len",
+            "1024",
+            "--num-kv-blocks",
+            "256",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -286,16 +383,27 @@ def main() -> int:
     c.add_argument("--threads", type=int, default=2)
     c.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (local-tiny uses 512)")
     c.add_argument("--reps", type=int, default=5)
-    c.add_argument("--stat", choices=("min", "median"), default="min",
-                   help="min over repetitions: the hardware (default); median: this shared machine as it is now")
+    c.add_argument(
+        "--stat",
+        choices=("min", "median"),
+        default="min",
+        help="min over repetitions: the hardware (default); median: this shared machine as it is now",
+    )
     c.add_argument("--http-reps", type=int, default=20, help="requests timed for the HTTP hop (default 20)")
     c.add_argument("--no-http", action="store_true", help="skip the HTTP hop (no worker process)")
     c.add_argument("--out", help="also write the JSON line here")
-    c.add_argument("--engine", choices=("pdfleet", "vllm"), default="pdfleet",
-                   help="the engine measured: the pdfleet engine in-process, or vLLM's CPU build (.venv-vllm)")
+    c.add_argument(
+        "--engine",
+        choices=("pdfleet", "vllm"),
+        default="pdfleet",
+        help="the engine measured: the pdfleet engine in-process, or vLLM's CPU build (.venv-vllm)",
+    )
     c.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (starts sooner, runs slower)")
-    c.add_argument("--overhead-from", metavar="FILE",
-                   help="with --engine vllm: take the per-step overhead from this pdfleet calibration (see calibrate_vllm)")
+    c.add_argument(
+        "--overhead-from",
+        metavar="FILE",
+        help="with --engine vllm: take the per-step overhead from this pdfleet calibration (see calibrate_vllm)",
+    )
     a = p.parse_args()
     return calibrate(a) if a.cmd == "calibrate" else speed(a)
 

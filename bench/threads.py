@@ -16,11 +16,8 @@ seconds and counts the tokens that stream in within it. The three workers run si
 one under load, which takes the load in turn for --duration seconds, in a rotating order each round; each ratio
 is the median of the per-round ratios, listed with them.
 """
-from __future__ import annotations
 
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001
-import sys
+from __future__ import annotations
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -31,10 +28,13 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+# isort: skip_file  -- _sys_path must stay the first import (see it)
+import _sys_path  # noqa: F401,I001
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
@@ -61,8 +61,11 @@ def rendered_worker() -> tuple[dict, dict]:
     spec.pop("prefill")
     spec.pop("decode")
     dep = InferenceDeployment.model_validate(doc)
-    classes = {d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
-               for d in yaml.safe_load_all((ROOT / "examples" / "acceleratorclasses.yaml").read_text()) if d}
+    classes = {
+        d["metadata"]["name"]: AcceleratorClass.model_validate(d).spec
+        for d in yaml.safe_load_all((ROOT / "examples" / "acceleratorclasses.yaml").read_text())
+        if d
+    }
     nodes = [{"metadata": {"name": "n", "labels": {}}, "status": {"allocatable": {"cpu": "64", "memory": "256Gi"}}}]
     plan = placement.plan(dep.spec, classes, inventory.build(nodes, []))
     objs = render.render(render.Owner(dep.name, "default", "uid"), dep.spec, plan, classes, revision=1)
@@ -80,8 +83,13 @@ def pod_command(container: dict, config: dict, model: Path, workdir: Path, port:
     engine.write_text(config["data"][render.CONFIG_KEY])
     token = workdir / "token"
     token.write_text("threads-bench-token-" + "x" * 16 + "\n")
-    subst = {"--model": str(model), "--engine-config": str(engine), "--host": "127.0.0.1", "--port": str(port),
-             "--auth-token-file": str(token)}
+    subst = {
+        "--model": str(model),
+        "--engine-config": str(engine),
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--auth-token-file": str(token),
+    }
     args = list(container["args"])
     for flag, value in subst.items():
         args[args.index(flag) + 1] = value
@@ -112,8 +120,9 @@ def variant_command(name: str, base: list[str], env: dict) -> tuple[list[str], d
     return argv, out
 
 
-async def load(url: str, token: str, streams: int, duration: float, prompt_tokens: int, output_tokens: int,
-               seed: int) -> dict:
+async def load(
+    url: str, token: str, streams: int, duration: float, prompt_tokens: int, output_tokens: int, seed: int
+) -> dict:
     """Closed loop: `streams` streaming requests open at all times; tokens counted as they arrive in the window."""
     rng = random.Random(seed)
     counted = {"tokens": 0, "requests": 0, "errors": 0}
@@ -123,11 +132,18 @@ async def load(url: str, token: str, streams: int, duration: float, prompt_token
 
     async def one(client: httpx.AsyncClient) -> None:
         while time.monotonic() < stop_at:
-            body = {"model": "tiny", "prompt": [rng.randrange(10, 1000) for _ in range(prompt_tokens)], "stream": True,
-                    "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0}
+            body = {
+                "model": "tiny",
+                "prompt": [rng.randrange(10, 1000) for _ in range(prompt_tokens)],
+                "stream": True,
+                "max_tokens": output_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             try:
-                async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
-                                         timeout=httpx.Timeout(300, read=300)) as r:
+                async with client.stream(
+                    "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(300, read=300)
+                ) as r:
                     if r.status_code != 200:
                         counted["errors"] += 1
                         continue
@@ -142,8 +158,12 @@ async def load(url: str, token: str, streams: int, duration: float, prompt_token
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 4)) as client:
         await asyncio.gather(*(one(client) for _ in range(streams)))
-    return {"tok_s": counted["tokens"] / duration, "requests": counted["requests"], "errors": counted["errors"],
-            "wall_s": time.monotonic() - began}
+    return {
+        "tok_s": counted["tokens"] / duration,
+        "requests": counted["requests"],
+        "errors": counted["errors"],
+        "wall_s": time.monotonic() - began,
+    }
 
 
 def start(argv: list[str], env: dict, port: int, log: Path) -> subprocess.Popen:
@@ -207,29 +227,45 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             asyncio.run(load(urls[name], token, a.streams, a.warmup, a.prompt_tokens, a.output_tokens, seed=99))
         for rep in range(a.reps):
-            for name in names[rep % 3:] + names[:rep % 3]:
-                r = asyncio.run(load(urls[name], token, a.streams, a.duration, a.prompt_tokens, a.output_tokens,
-                                     seed=rep))
+            for name in names[rep % 3 :] + names[: rep % 3]:
+                r = asyncio.run(
+                    load(urls[name], token, a.streams, a.duration, a.prompt_tokens, a.output_tokens, seed=rep)
+                )
                 line = next((x for x in logs[name].read_text().splitlines() if "torch thread(s)" in x), "")
                 r["threads"] = line.split("torch thread(s)")[0].split()[-1] if line else "?"
                 rows[name].append(r)
-                print(f"rep {rep} {name:14s} {r['tok_s']:8.1f} tok/s  threads {r['threads']:>2}  "
-                      f"{r['requests']} requests, {r['errors']} errors", flush=True)
+                print(
+                    f"rep {rep} {name:14s} {r['tok_s']:8.1f} tok/s  threads {r['threads']:>2}  "
+                    f"{r['requests']} requests, {r['errors']} errors",
+                    flush=True,
+                )
     finally:
         for proc in procs.values():
             stop(proc)
-    ratio = {f"{n}_vs_tuned": [x["tok_s"] / t["tok_s"] for x, t in zip(rows[n], rows["tuned"])] for n in names if n != "tuned"}
+    ratio = {
+        f"{n}_vs_tuned": [x["tok_s"] / t["tok_s"] for x, t in zip(rows[n], rows["tuned"])]
+        for n in names
+        if n != "tuned"
+    }
     print()
     for n in names:
-        print(f"{n:14s} median {statistics.median(x['tok_s'] for x in rows[n]):8.1f} tok/s  "
-              f"{[round(x['tok_s'], 1) for x in rows[n]]}")
+        print(
+            f"{n:14s} median {statistics.median(x['tok_s'] for x in rows[n]):8.1f} tok/s  "
+            f"{[round(x['tok_s'], 1) for x in rows[n]]}"
+        )
     for k, v in ratio.items():
         print(f"{k:26s} {statistics.median(v):6.3f}  {[round(x, 3) for x in v]}")
-    out = {"rendered_vs_tuned": round(statistics.median(ratio["rendered_vs_tuned"]), 3),
-           "torch_default_vs_tuned": round(statistics.median(ratio["torch-default_vs_tuned"]), 3),
-           **{f"{n.replace('-', '_')}_tok_s": round(statistics.median(x["tok_s"] for x in rows[n]), 1) for n in names},
-           "rendered_threads": rows["rendered"][0]["threads"], "cores": len(os.sched_getaffinity(0)),
-           "streams": a.streams, "reps": a.reps, "duration_s": a.duration, "output_tokens": a.output_tokens}
+    out = {
+        "rendered_vs_tuned": round(statistics.median(ratio["rendered_vs_tuned"]), 3),
+        "torch_default_vs_tuned": round(statistics.median(ratio["torch-default_vs_tuned"]), 3),
+        **{f"{n.replace('-', '_')}_tok_s": round(statistics.median(x["tok_s"] for x in rows[n]), 1) for n in names},
+        "rendered_threads": rows["rendered"][0]["threads"],
+        "cores": len(os.sched_getaffinity(0)),
+        "streams": a.streams,
+        "reps": a.reps,
+        "duration_s": a.duration,
+        "output_tokens": a.output_tokens,
+    }
     print(json.dumps(out))
     return 0
 

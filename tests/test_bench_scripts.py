@@ -20,20 +20,35 @@ def test_all_interface_scripts_exist():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_starts(script):
-    result = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
-                            timeout=120, cwd=BENCH.parent)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120, cwd=BENCH.parent
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage" in result.stdout.lower()
 
 
-PEER_KEYS = {"mixed_vs_vllm_fp32", "mixed_vs_vllm_bf16", "bs1_vs_vllm_fp32", "bs1_vs_vllm_bf16", "bs1_mbu",
-             "prefix_ttft_vs_vllm", "token_disagreements", "vllm_version"}
+PEER_KEYS = {
+    "mixed_vs_vllm_fp32",
+    "mixed_vs_vllm_bf16",
+    "bs1_vs_vllm_fp32",
+    "bs1_vs_vllm_bf16",
+    "bs1_mbu",
+    "prefix_ttft_vs_vllm",
+    "token_disagreements",
+    "vllm_version",
+}
 
 
 def test_peer_bench_names_the_install_command_without_the_vllm_runtime(tmp_path):
     env = {**os.environ, "PDFLEET_VLLM_PYTHON": str(tmp_path / "no-such-python")}
-    result = subprocess.run([sys.executable, str(BENCH / "peer.py"), "--smoke"], capture_output=True, text=True,
-                            timeout=120, cwd=BENCH.parent, env=env)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "peer.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCH.parent,
+        env=env,
+    )
     assert result.returncode != 0
     assert "vLLM runtime is not installed" in result.stderr and "make vllm" in result.stderr
 
@@ -45,8 +60,14 @@ def test_peer_bench_smoke_run(tmp_path):
     from tests.support.vllm import vllm_python
 
     env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(BENCH / "peer.py"), "--smoke"], capture_output=True, text=True,
-                            timeout=900, cwd=BENCH.parent, env=env)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "peer.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=BENCH.parent,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert PEER_KEYS <= set(out), sorted(PEER_KEYS - set(out))
@@ -62,8 +83,14 @@ def test_levers_bench_quick_ends_with_every_levers_key(tmp_path):
     """bench/levers.py --quick end to end, every section (tiny preset created and trained 6 steps in TMPDIR, 1
     repetition): one JSON line with the keys other checks read, the perplexities finite. Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(BENCH / "levers.py"), "--quick"], capture_output=True,
-                            text=True, timeout=600, cwd=BENCH.parent, env=env)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "levers.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parent,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert LEVERS_KEYS <= set(out), sorted(LEVERS_KEYS - set(out))
@@ -76,15 +103,26 @@ def test_levers_bench_offload_section_fails_loudly_without_its_module(tmp_path):
     """Without bench/levers_offload.py the offload section exits non-zero naming it, and prints no JSON."""
     for name in ("levers.py", "_sys_path.py", "engine.py"):
         (tmp_path / name).write_text((BENCH / name).read_text())
-    result = subprocess.run([sys.executable, str(tmp_path / "levers.py"), "--only", "offload"], capture_output=True,
-                            text=True, timeout=120, cwd=BENCH.parent)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "levers.py"), "--only", "offload"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
     assert result.returncode != 0
     assert "bench/levers_offload.py" in result.stderr and "missing" in result.stderr
     assert not result.stdout.strip()
 
 
-LEVERS_OFFLOAD_KEYS = {"offload_host_ttft_ratio", "offload_disk_ttft_ratio", "swap_vs_recompute_tokens_per_s",
-                       "swap_vs_recompute_no_prefix_cache", "preemption_outputs_equal", "offload_disk_page_cache"}
+LEVERS_OFFLOAD_KEYS = {
+    "offload_host_ttft_ratio",
+    "offload_disk_ttft_ratio",
+    "swap_vs_recompute_tokens_per_s",
+    "swap_vs_recompute_no_prefix_cache",
+    "preemption_outputs_equal",
+    "offload_disk_page_cache",
+}
 
 
 @pytest.mark.slow
@@ -93,8 +131,14 @@ def test_levers_offload_bench_quick_run_ends_with_the_keys(tmp_path):
     line with the keys bench/levers.py reads; every prefix block came back from each tier (the script asserts it)
     and every preemption policy produced the same tokens. Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(BENCH / "levers_offload.py"), "--quick"], capture_output=True,
-                            text=True, timeout=600, cwd=BENCH.parent, env=env)
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "levers_offload.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parent,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert LEVERS_OFFLOAD_KEYS <= set(out), sorted(LEVERS_OFFLOAD_KEYS - set(out))

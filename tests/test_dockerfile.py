@@ -24,10 +24,11 @@ def test_dockerfile_install_steps_match_ci():
     assert "torch" not in " ".join(extras["operator"])
     assert re.search(r"^USER 10001", dockerfile, flags=re.M)
     # The vendor target installs the worker extra without its torch (the base's torch drives the device).
-    vendor = dockerfile[dockerfile.index("AS vendor"):]
+    vendor = dockerfile[dockerfile.index("AS vendor") :]
     listed = re.search(r"'\.\[router\]' ([^\\]+)\\", vendor)[1].split()
-    assert sorted(listed + ["pdfleet[router]", pin]) == sorted(re.sub(r"[<>=].*", "", d) if not d.startswith("torch")
-                                                               else d for d in extras["worker"]), listed
+    assert sorted(listed + ["pdfleet[router]", pin]) == sorted(
+        re.sub(r"[<>=].*", "", d) if not d.startswith("torch") else d for d in extras["worker"]
+    ), listed
 
 
 def test_the_worker_image_carries_prebuilt_kernels_and_no_compiler():
@@ -36,8 +37,8 @@ def test_the_worker_image_carries_prebuilt_kernels_and_no_compiler():
     dockerfile = (ROOT / "Dockerfile").read_text()
     stages = {name: base for base, name in re.findall(r"^FROM (\S+) AS (\w+)$", dockerfile, flags=re.M)}
     assert stages["kernels"] == "torch" and stages["worker"] == "torch"
-    worker = dockerfile[dockerfile.index("FROM torch AS worker"):dockerfile.index("AS vendor")]
-    kernels = dockerfile[dockerfile.index("FROM torch AS kernels"):dockerfile.index("FROM torch AS worker")]
+    worker = dockerfile[dockerfile.index("FROM torch AS worker") : dockerfile.index("AS vendor")]
+    kernels = dockerfile[dockerfile.index("FROM torch AS kernels") : dockerfile.index("FROM torch AS worker")]
     assert "g++" in kernels and "prebuilt_kernels build /opt/pdfleet/kernels" in kernels
     assert "COPY --from=kernels /opt/pdfleet/kernels /opt/pdfleet/kernels" in worker
     assert "PDFLEET_KERNEL_DIR=/opt/pdfleet/kernels" in worker and "! command -v g++" in worker
@@ -51,8 +52,10 @@ def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_n
     import subprocess
 
     import yaml
+
     if shutil.which("make") is None:
         from tests.support.components import missing
+
         missing("make")
     log = tmp_path / "docker.log"
     fake = tmp_path / "docker"
@@ -61,8 +64,13 @@ def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_n
     env = {**os.environ, "MAKEFLAGS": ""}
     usage = subprocess.run(["make", "-s", "images"], cwd=ROOT, capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: make images REGISTRY=" in usage.stderr
-    done = subprocess.run(["make", "-s", "images", "REGISTRY=reg.example.com/t", f"DOCKER={fake}"], cwd=ROOT,
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        ["make", "-s", "images", "REGISTRY=reg.example.com/t", f"DOCKER={fake}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     version = re.search(r'__version__ = "(.*)"', (ROOT / "operator/pdfleet_operator/__init__.py").read_text())[1]
     reg = "reg.example.com/t"
@@ -74,7 +82,8 @@ def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_n
         f"push {reg}/pdfleet-worker:{version}-cpu",
         f"build --target worker -t {reg}/pdfleet-worker:{version}-cuda "
         "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .",
-        f"push {reg}/pdfleet-worker:{version}-cuda"]
+        f"push {reg}/pdfleet-worker:{version}-cuda",
+    ]
     values = yaml.safe_load((ROOT / "charts/pdfleet/values.yaml").read_text())
     assert values["image"]["repository"].endswith("/pdfleet-operator")
     assert values["workerImage"]["repository"].endswith("/pdfleet-worker")
@@ -83,12 +92,31 @@ def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_n
     assert "--set 'workerImage.platforms={cpu,cuda}'" in done.stdout
     # A vendor platform builds on the vendor's PyTorch image, and is refused before anything is built without one.
     log.unlink()
-    refused = subprocess.run(["make", "-s", "images", f"REGISTRY={reg}", f"DOCKER={fake}", "WORKER_PLATFORMS=cpu npu"],
-                             cwd=ROOT, capture_output=True, text=True, env=env)
+    refused = subprocess.run(
+        ["make", "-s", "images", f"REGISTRY={reg}", f"DOCKER={fake}", "WORKER_PLATFORMS=cpu npu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert refused.returncode == 2 and "BASE_npu" in refused.stderr and not log.exists()
-    vendor = subprocess.run(["make", "-s", "images", f"REGISTRY={reg}", f"DOCKER={fake}", "WORKER_PLATFORMS=npu",
-                             "BASE_npu=vendor.example.com/cann-torch-npu:8"], cwd=ROOT, capture_output=True, text=True,
-                            env=env)
+    vendor = subprocess.run(
+        [
+            "make",
+            "-s",
+            "images",
+            f"REGISTRY={reg}",
+            f"DOCKER={fake}",
+            "WORKER_PLATFORMS=npu",
+            "BASE_npu=vendor.example.com/cann-torch-npu:8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert vendor.returncode == 0, vendor.stderr
-    assert f"build --target vendor -t {reg}/pdfleet-worker:{version}-npu --build-arg " \
-           "VENDOR_BASE=vendor.example.com/cann-torch-npu:8 ." in log.read_text().splitlines()
+    assert (
+        f"build --target vendor -t {reg}/pdfleet-worker:{version}-npu --build-arg "
+        "VENDOR_BASE=vendor.example.com/cann-torch-npu:8 ." in log.read_text().splitlines()
+    )

@@ -1,6 +1,7 @@
 """The documentation holds together: README.md stays a five-minute read, every relative link in the docs reaches a
 file (and a heading, when it names one), every page under docs/ is linked from the README, and every repository
 path the pages quote in backticks exists. Pure file reads; run by `make test` with the rest of the suite."""
+
 from __future__ import annotations
 
 import re
@@ -10,15 +11,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT_BYTES = 12_000  # issue 25: the README is the pitch, the two commands and links; reference goes to docs/
-PAGES = sorted([ROOT / "README.md", ROOT / "SECURITY.md", ROOT / "bench" / "README.md", ROOT / "bench" / "HISTORY.md",
-                ROOT / "e2e" / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "SECURITY.md",
+        ROOT / "bench" / "README.md",
+        ROOT / "bench" / "HISTORY.md",
+        ROOT / "e2e" / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+    ]
+)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 # Folders whose files the pages quote by path; a quoted path under one of them must exist.
-QUOTED_ROOTS = ("bench/", "charts/", "crds/", "dashboards/", "docs/", "e2e/", "examples/", "operator/", "tests/",
-                "workers/")
+QUOTED_ROOTS = (
+    "bench/",
+    "charts/",
+    "crds/",
+    "dashboards/",
+    "docs/",
+    "e2e/",
+    "examples/",
+    "operator/",
+    "tests/",
+    "workers/",
+)
 
 
 def prose_lines(text: str) -> list[str]:
@@ -52,8 +71,12 @@ def anchors(page: Path) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [target for line in prose_lines(page.read_text()) for target in LINK.findall(line)
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto: are not checked here
+    return [
+        target
+        for line in prose_lines(page.read_text())
+        for target in LINK.findall(line)
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target)
+    ]  # http:, https:, mailto: are not checked here
 
 
 def test_readme_is_under_its_size_limit():

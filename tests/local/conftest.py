@@ -1,4 +1,5 @@
 """`pdfleet up` under test: a tiny model made by `pdfleet model init`, spec files with short autoscaling windows, and a handle on a running `pdfleet up` that reads its output lines and always stops it."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,13 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLE
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("local-models") / "tiny"
-    subprocess.run(PDFLEET + ["model", "init", str(path), "--preset", "tiny"], check=True, capture_output=True,
-                   env={**os.environ, **CHILD_ENV}, timeout=300)
+    subprocess.run(
+        PDFLEET + ["model", "init", str(path), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, **CHILD_ENV},
+        timeout=300,
+    )
     return path
 
 
@@ -78,9 +84,15 @@ class UpProcess:
 
     def __init__(self, argv: list[str], cwd: Path):
         self.lines: list[str] = []
-        self.proc = subprocess.Popen(PDFLEET + ["up", *argv, "--plain"], cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **CHILD_ENV},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            PDFLEET + ["up", *argv, "--plain"],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **CHILD_ENV},
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -96,7 +108,7 @@ class UpProcess:
         out = self.output()
         header = f"== pdfleet up {name}: summary =="
         assert header in out, out[-4000:]
-        tail = out[out.index(header):]
+        tail = out[out.index(header) :]
         assert not [line for line in tail.splitlines() if line.startswith("+")], f"the summary is printed last:\n{tail}"
         return tail
 
@@ -115,7 +127,9 @@ class UpProcess:
         raise AssertionError(f"no line matching {pattern!r} within {timeout}s; output:\n{self.output()[-6000:]}")
 
     def pids(self) -> set[int]:
-        return {int(m.group(1)) for line in self.lines for m in [re.search(r"(?:started|restarted): pid (\d+)", line)] if m}
+        return {
+            int(m.group(1)) for line in self.lines for m in [re.search(r"(?:started|restarted): pid (\d+)", line)] if m
+        }
 
     def ports(self) -> set[int]:
         return {int(m.group(1)) for line in self.lines for m in [re.search(r"pid \d+, (?:[\d.]+)?:(\d+)", line)] if m}

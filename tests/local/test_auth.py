@@ -1,4 +1,5 @@
 """`pdfleet up --auth`: the client key it prints (and writes to its run directory) works with the openai SDK, the printed curl line and `pdfleet load`; no key or a wrong one is a 401 in OpenAI's shape; the token between its router and workers is new every run and guards the workers. Without --auth the printed lines are the README's (no key)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ import openai
 import pytest
 
 from tests.local.conftest import PDFLEET, UpProcess, run_token, write_spec
-from tests.worker.processes import wait_until
 from tests.support.components import free_port
+from tests.worker.processes import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,9 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
             assert client.completions.create(model="tiny", prompt="Hello", max_tokens=4).usage.completion_tokens == 4
         curl = up.wait_line(r"^\s*(curl .*)$", timeout=10).group(1)
         assert f"Authorization: Bearer {key}" in curl
-        done = subprocess.run(shlex.split(curl) + ["-s", "-w", "\n%{http_code}"], capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(
+            shlex.split(curl) + ["-s", "-w", "\n%{http_code}"], capture_output=True, text=True, timeout=60
+        )
         assert done.stdout.rstrip().endswith("200"), done.stdout
         python = up.wait_line(r"^\s*(python -c .*)$", timeout=10).group(1)
         assert f"api_key='{key}'" in python
@@ -54,11 +56,17 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
             assert raised.value.status_code == 401 and raised.value.code == "invalid_api_key"
         bare = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
         assert bare.status_code == 401 and bare.json()["error"] == {
-            "message": bare.json()["error"]["message"], "type": "invalid_request_error", "code": "invalid_api_key",
-            "param": None}
+            "message": bare.json()["error"]["message"],
+            "type": "invalid_request_error",
+            "code": "invalid_api_key",
+            "param": None,
+        }
         # counted once each answer is sent (the counting middleware's finally), so read until it shows
-        wait_until(lambda: 'pdfleet_router_requests_total{code="401",tier="default"} 3.0'
-                   in httpx.get(f"{base}/metrics").text, timeout=10, what="the three 401s counted")
+        wait_until(
+            lambda: 'pdfleet_router_requests_total{code="401",tier="default"} 3.0' in httpx.get(f"{base}/metrics").text,
+            timeout=10,
+            what="the three 401s counted",
+        )
 
         # The client key is not the deployment token: the workers and /workers want the run's own token.
         workers = httpx.get(f"{base}/workers", headers=run_token(run_dir)).json()["workers"]
@@ -69,10 +77,17 @@ def test_up_with_auth_prints_a_key_that_works_and_refuses_requests_without_it(tm
 
         # pdfleet load: with the key (PDFLEET_API_KEY, as the printed line has it) it completes; without, nothing does.
         load = PDFLEET + ["load", "--url", base, "--rate", "2", "--duration", "2", "--output-tokens", "8"]
-        ok = subprocess.run(load, capture_output=True, text=True, timeout=120, env={**os.environ, "PDFLEET_API_KEY": key})
+        ok = subprocess.run(
+            load, capture_output=True, text=True, timeout=120, env={**os.environ, "PDFLEET_API_KEY": key}
+        )
         assert ok.returncode == 0 and re.search(r"\b[1-9]\d* completed", ok.stdout), ok.stdout + ok.stderr
-        refused = subprocess.run(load, capture_output=True, text=True, timeout=60,
-                                 env={k: v for k, v in os.environ.items() if k != "PDFLEET_API_KEY"})
+        refused = subprocess.run(
+            load,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PDFLEET_API_KEY"},
+        )
         assert refused.returncode != 0 and "401" in refused.stderr, refused.stdout + refused.stderr
 
         up.signal(signal.SIGTERM)
@@ -89,9 +104,15 @@ def test_without_auth_the_fleet_serves_without_a_key_and_prints_the_readme_lines
         up.wait_line(r"fleet ready after", timeout=120)
         url = f"http://127.0.0.1:{port}"
         # the banner's lines follow the ready line, read by UpProcess's thread a moment later
-        up.wait_line("^" + re.escape(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
-                                     f"'{{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'") + "$",
-                     timeout=10)
+        up.wait_line(
+            "^"
+            + re.escape(
+                f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
+                f'\'{{"model": "tiny", "prompt": "Hello", "max_tokens": 16}}\''
+            )
+            + "$",
+            timeout=10,
+        )
         assert not any("client API key" in line for line in up.lines) and not (run_dir / "api-key").exists()
         with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120) as client:
             assert client.completions.create(model="tiny", prompt="Hello", max_tokens=4).usage.completion_tokens == 4

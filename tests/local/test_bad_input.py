@@ -1,4 +1,5 @@
 """`pdfleet up` refuses bad input before anything runs: admission's field-named errors for an invalid spec, one line and a non-zero exit for a missing model, a port in use or a class this machine cannot provide; a worker failing at start-up leaves nothing running."""
+
 from __future__ import annotations
 
 import os
@@ -11,14 +12,21 @@ import pytest
 import yaml
 
 from pdfleet_operator import validate
-from pdfleet_operator.local import machine, spec as specs
+from pdfleet_operator.local import machine
+from pdfleet_operator.local import spec as specs
 from tests.local.conftest import CHILD_ENV, EXAMPLE, PDFLEET, ROOT, UpProcess, pid_alive, port_free, write_spec
 from tests.support.components import free_port
 
 
 def up(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(PDFLEET + ["up", *argv, "--plain"], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **CHILD_ENV})
+    return subprocess.run(
+        PDFLEET + ["up", *argv, "--plain"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **CHILD_ENV},
+    )
 
 
 def refused(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -33,8 +41,11 @@ def refused(result: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def test_an_invalid_spec_gets_the_same_field_named_errors_as_admission(tmp_path, model_dir):
-    path = write_spec(tmp_path, model_dir, **{"decode.minReplicas": 5, "decode.maxReplicas": 2, "engine.blockSizes": 8,
-                                              "autoscaling.interval": "soon"})
+    path = write_spec(
+        tmp_path,
+        model_dir,
+        **{"decode.minReplicas": 5, "decode.maxReplicas": 2, "engine.blockSizes": 8, "autoscaling.interval": "soon"},
+    )
     port = free_port()
     result = up(str(path), "--port", str(port), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 1 and result.stdout == ""
@@ -42,7 +53,10 @@ def test_an_invalid_spec_gets_the_same_field_named_errors_as_admission(tmp_path,
     expected = [str(p) for p in problems]
     assert len(expected) == 3, expected
     assert result.stderr.splitlines() == expected + [f"pdfleet up: 3 error(s) in {path}; nothing started"]
-    assert "spec.decode.minReplicas: " in result.stderr and "minReplicas must be less than or equal to maxReplicas" in result.stderr
+    assert (
+        "spec.decode.minReplicas: " in result.stderr
+        and "minReplicas must be less than or equal to maxReplicas" in result.stderr
+    )
     assert "spec.engine.blockSizes" in result.stderr and "spec.autoscaling.interval" in result.stderr
     assert not (tmp_path / "run").exists() and port_free(port)
 
@@ -60,8 +74,7 @@ def test_malformed_yaml_and_a_wrong_kind_are_reported_like_validate(tmp_path):
 
 def test_a_missing_model_directory_is_one_line(tmp_path):
     path = write_spec(tmp_path, tmp_path / "models" / "tiny")
-    line = refused(up(str(path), cwd=tmp_path), "spec.model.source.local.path", "does not exist",
-                   "pdfleet model init")
+    line = refused(up(str(path), cwd=tmp_path), "spec.model.source.local.path", "does not exist", "pdfleet model init")
     assert str(tmp_path / "models" / "tiny") in line
     # The example's own relative path resolves next to the spec file, not the working directory.
     copy = tmp_path / "examples" / "local-tiny.yaml"
@@ -79,11 +92,14 @@ def test_a_port_in_use_is_one_line(tmp_path, model_dir):
         refused(up(str(path), "--port", str(port), cwd=tmp_path), f"--port {port}", "already in use")
 
 
-@pytest.mark.parametrize("cls, why", [
-    ("h100-mig-3g-40gb", "cannot give a local process"),
-    ("ascend-910b", "requests huawei.com/Ascend910"),
-    ("h100-80gb", "needs 1 NVIDIA GPU(s) per replica and this machine has 0"),
-])
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        ("h100-mig-3g-40gb", "cannot give a local process"),
+        ("ascend-910b", "requests huawei.com/Ascend910"),
+        ("h100-80gb", "needs 1 NVIDIA GPU(s) per replica and this machine has 0"),
+    ],
+)
 def test_a_class_this_machine_cannot_provide_is_one_line(tmp_path, model_dir, cls, why):
     if cls == "h100-80gb" and machine.nvidia_gpus() > 0:
         # NOTE: the message under test is the one a machine without an NVIDIA GPU prints; on a GPU machine
@@ -91,8 +107,11 @@ def test_a_class_this_machine_cannot_provide_is_one_line(tmp_path, model_dir, cl
         pytest.skip("this machine has NVIDIA GPUs: the class is providable here")
     path = write_spec(tmp_path, model_dir, **{"decode.acceleratorClasses": [cls]})
     classes = ROOT / "examples" / "acceleratorclasses.yaml"
-    refused(up(str(path), "--classes", str(classes), cwd=tmp_path),
-            f"spec.decode.acceleratorClasses: this machine cannot provide AcceleratorClass {cls}", why)
+    refused(
+        up(str(path), "--classes", str(classes), cwd=tmp_path),
+        f"spec.decode.acceleratorClasses: this machine cannot provide AcceleratorClass {cls}",
+        why,
+    )
     refused(up(str(path), cwd=tmp_path), f"spec.decode.acceleratorClasses: {cls} not defined (known: cpu)", "--classes")
 
 
@@ -117,7 +136,10 @@ def test_a_worker_that_fails_at_start_up_leaves_nothing_running(tmp_path, model_
 
 
 def test_the_built_in_class_is_the_examples_cpu_class_and_the_shape_comes_from_the_files(model_dir):
-    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "examples" / "acceleratorclasses.yaml").read_text())}
+    docs = {
+        d["metadata"]["name"]: d
+        for d in yaml.safe_load_all((ROOT / "examples" / "acceleratorclasses.yaml").read_text())
+    }
     assert yaml.safe_load(specs.DEFAULT_CLASSES_YAML) == docs["cpu"]
     arch = specs.architecture(model_dir)
     sim_fleet = yaml.safe_load((ROOT / "examples" / "sim" / "local-tiny.yaml").read_text())
@@ -128,7 +150,10 @@ def test_the_local_inventory_places_every_replica_the_spec_allows_on_shared_core
     local = specs.load(write_spec(tmp_path, model_dir))
     m = machine.Machine(cores=2, gpus=0)
     plan = machine.check_placeable(local.spec, local.classes, m, "spec.yaml")
-    assert [(p.role, p.accelerator_class, p.replicas) for p in plan.pools] == [("prefill", "cpu", 1), ("decode", "cpu", 1)]
+    assert [(p.role, p.accelerator_class, p.replicas) for p in plan.pools] == [
+        ("prefill", "cpu", 1),
+        ("decode", "cpu", 1),
+    ]
     assert plan.capacity("prefill") == 2 and plan.capacity("decode") == 3, "maxReplicas fit: cores are time-shared"
     assert machine.Machine(cores=2, gpus=2).provides(local.classes["cpu"])
     with pytest.raises(specs.UpError, match="not a TCP port"):
@@ -136,9 +161,11 @@ def test_the_local_inventory_places_every_replica_the_spec_allows_on_shared_core
 
 
 def test_the_cli_lists_up_and_load_without_importing_torch():
-    code = ("import sys; from pdfleet_operator import cli; cli.build_parser(['up']); cli.build_parser(['load']); "
-            "import pdfleet_operator.local.up, pdfleet_operator.local.load; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'safetensors')))")
+    code = (
+        "import sys; from pdfleet_operator import cli; cli.build_parser(['up']); cli.build_parser(['load']); "
+        "import pdfleet_operator.local.up, pdfleet_operator.local.load; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'safetensors')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
     helps = subprocess.run(PDFLEET + ["--help"], capture_output=True, text=True, check=True).stdout

@@ -4,6 +4,7 @@ replica) and keeps serving KV pulls for its open leases until they are acked (a 
 
 Real processes under the real Supervisor, on a clock the test advances: the SIGTERM comes when the test says, while
 the victim is frozen (SIGSTOP) mid-work, so that the drain always has work to let finish, at any machine speed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,9 @@ import httpx
 import openai
 
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
-from pdfleet_operator.local import machine, spec as specs, supervisor as sv
+from pdfleet_operator.local import machine
+from pdfleet_operator.local import spec as specs
+from pdfleet_operator.local import supervisor as sv
 from tests.local.conftest import ROOT, run_token, write_spec
 from tests.support.components import free_port
 
@@ -38,9 +41,14 @@ def plan(prefill: int, decode: int) -> FleetPlan:
 def stream(url: str, prompt: list[int], ids: dict, key: int) -> tuple[list[int], str | None]:
     """A greedy stream's token ids and finish reason; `ids[key]`: the decode and prefill worker ids that served it."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=300)
-    raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                      temperature=0, stream=True,
-                                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    raw = client.completions.with_raw_response.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ids[key] = (raw.headers["x-pdfleet-decode"], raw.headers["x-pdfleet-prefill"])
     tokens, reason = [], None
     for chunk in raw.parse():
@@ -51,8 +59,14 @@ def stream(url: str, prompt: list[int], ids: dict, key: int) -> tuple[list[int],
 
 
 def greedy(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"][0]["token_ids"]
 
 
@@ -75,8 +89,9 @@ def routed(router: str, run_dir) -> dict[str, str]:
     return {w["id"]: w["url"] for w in answer["workers"]}
 
 
-async def scale_down_victim(sup: sv.Supervisor, clock: Clock, victim: sv.Replica, target: FleetPlan, frozen: sv.Replica,
-                            still_busy) -> None:
+async def scale_down_victim(
+    sup: sv.Supervisor, clock: Clock, victim: sv.Replica, target: FleetPlan, frozen: sv.Replica, still_busy
+) -> None:
     """With `frozen` stopped (SIGSTOP: its work cannot move on), shrink to `target` (the supervisor drains `victim`),
     wait until the router no longer lists the victim, check `still_busy()`, SIGTERM the victim on the supervisor's
     clock, and let `frozen` go on (SIGCONT) whatever happens."""
@@ -100,8 +115,9 @@ async def _scale_down(tmp_path, model_dir):
     local = specs.load(write_spec(tmp_path, model_dir), ROOT / "examples" / "acceleratorclasses.yaml")
     clock = Clock()
     # a drain window long enough for any machine: the test is about what a drain keeps, not how fast it is
-    sup = sv.Supervisor(local, tmp_path / "run", free_port(), threads=1, machine=machine.Machine(2, 0), clock=clock,
-                        drain_s=600.0)
+    sup = sv.Supervisor(
+        local, tmp_path / "run", free_port(), threads=1, machine=machine.Machine(2, 0), clock=clock, drain_s=600.0
+    )
     pool = concurrent.futures.ThreadPoolExecutor(8)
     try:
         sup.start(plan(2, 2))
@@ -123,11 +139,18 @@ async def _scale_down(tmp_path, model_dir):
             on_victim = [4] if names[ids[4][0]] == victim.url else []
         assert on_victim, f"no stream on {victim.name}: {ids}"
         victim.child.signal(signal.SIGSTOP)
-        await scale_down_victim(sup, clock, victim, plan(2, 1), frozen=victim,
-                                still_busy=lambda: not any(streams[i].done() for i in on_victim))
+        await scale_down_victim(
+            sup,
+            clock,
+            victim,
+            plan(2, 1),
+            frozen=victim,
+            still_busy=lambda: not any(streams[i].done() for i in on_victim),
+        )
         await until(lambda: victim not in sup.workers, "the drained decode replica gone", sup=sup)
-        assert any(e.subject == victim.name and e.kind == "stopped" and e.message == "drained and exited"
-                   for e in sup.events), [e for e in sup.events if e.subject == victim.name]
+        assert any(
+            e.subject == victim.name and e.kind == "stopped" and e.message == "drained and exited" for e in sup.events
+        ), [e for e in sup.events if e.subject == victim.name]
         for i, fut in streams.items():
             tokens, reason = await fut
             assert (len(tokens), reason) == (MAX_TOKENS, "length"), (i, len(tokens), reason)
@@ -142,6 +165,7 @@ async def _scale_down(tmp_path, model_dir):
 
         def leases_on_victim() -> int:
             return httpx.get(f"{victim.url}/load", headers=run_token(sup.run_dir), timeout=5).json().get("leases", 0)
+
         try:
             streams = {i: loop.run_in_executor(pool, stream, url, prompts[i], ids, i) for i in range(4, 8)}
             await until(leases_on_victim, "a lease open on the prefill victim")
@@ -150,16 +174,20 @@ async def _scale_down(tmp_path, model_dir):
             raise
         await scale_down_victim(sup, clock, victim, plan(1, 1), frozen=decode, still_busy=leases_on_victim)
         await until(lambda: victim not in sup.workers, "the drained prefill replica gone", sup=sup)
-        assert any(e.subject == victim.name and e.kind == "stopped" and e.message == "drained and exited"
-                   for e in sup.events), [e for e in sup.events if e.subject == victim.name]
+        assert any(
+            e.subject == victim.name and e.kind == "stopped" and e.message == "drained and exited" for e in sup.events
+        ), [e for e in sup.events if e.subject == victim.name]
         for i, fut in streams.items():
             tokens, reason = await fut
             assert (len(tokens), reason) == (MAX_TOKENS, "length"), (i, len(tokens), reason)
             assert tokens == await loop.run_in_executor(pool, greedy, url, prompts[i]), i
         metrics = httpx.get(f"{decode.url}/metrics", timeout=5).text
-        assert 'pdfleet_kv_transfer_failures_total{' in metrics
-        failures = [line for line in metrics.splitlines()
-                    if line.startswith("pdfleet_kv_transfer_failures_total{") and not line.endswith(" 0.0")]
+        assert "pdfleet_kv_transfer_failures_total{" in metrics
+        failures = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("pdfleet_kv_transfer_failures_total{") and not line.endswith(" 0.0")
+        ]
         assert not failures, f"every pull from the draining prefill replica succeeded: {failures}"
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,5 @@
 """`pdfleet load`: the open-loop schedule (Poisson, bursts, CSV replay), percentiles as numpy computes them, and a replayed trace against a real worker reporting what `pdfleet simulate` reports for the same trace, key for key."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,22 @@ from tests.local.conftest import CHILD_ENV, PDFLEET, ROOT
 from tests.support.components import free_port
 
 # The keys both summaries carry and that a replay can be compared on.
-SHARED_KEYS = ("requests", "completed", "rejected", "too_long", "unfinished", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
-               "itl_p99_s", "tpot_p50_s", "tpot_p99_s", "slo_attainment", "prompt_tokens", "generated_tokens")
+SHARED_KEYS = (
+    "requests",
+    "completed",
+    "rejected",
+    "too_long",
+    "unfinished",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "slo_attainment",
+    "prompt_tokens",
+    "generated_tokens",
+)
 
 
 def test_poisson_schedule_is_seeded_open_loop_and_bursts_where_asked():
@@ -49,8 +64,13 @@ def test_percentiles_match_numpy_and_the_summary_counts_each_fate():
     arrivals = [load.Arrival(i * 0.1, 10, 4) for i in range(5)]
     ok = load.Result(arrivals[0], load.OK, 200, 0.05, [0.05, 0.06, 0.08, 0.09], 4)
     slow = load.Result(arrivals[1], load.OK, 200, 3.0, [3.0, 3.5], 2)
-    results = [ok, slow, load.Result(arrivals[2], load.REJECTED, 503), load.Result(arrivals[3], load.TOO_LONG, 400),
-               load.Result(arrivals[4], load.DROPPED)]
+    results = [
+        ok,
+        slow,
+        load.Result(arrivals[2], load.REJECTED, 503),
+        load.Result(arrivals[3], load.TOO_LONG, 400),
+        load.Result(arrivals[4], load.DROPPED),
+    ]
     s = load.summarize(results, 10.0, slo_ttft=2.0, slo_itl=0.2)
     assert (s["requests"], s["sent"], s["completed"], s["rejected"], s["too_long"], s["dropped"]) == (5, 4, 2, 1, 1, 1)
     assert s["generated_tokens"] == 6 and s["prompt_tokens"] == 20 and s["generated_tokens_per_s"] == 0.6
@@ -79,8 +99,10 @@ def test_load_cli_needs_a_shape_and_an_endpoint(tmp_path):
 
     assert "give --rate and --duration" in run("--url", "http://127.0.0.1:1").stderr
     (tmp_path / "t.csv").write_text("0,8,4\n")
-    assert "a --trace has its own arrivals" in run("--url", "http://x:1", "--trace", str(tmp_path / "t.csv"),
-                                                   "--rate", "2").stderr
+    assert (
+        "a --trace has its own arrivals"
+        in run("--url", "http://x:1", "--trace", str(tmp_path / "t.csv"), "--rate", "2").stderr
+    )
     down = run("--url", f"http://127.0.0.1:{free_port()}", "--rate", "5", "--duration", "2")
     assert down.returncode == 1 and "ConnectError" in down.stderr
 
@@ -91,10 +113,31 @@ def test_a_replayed_trace_reports_what_the_simulator_reports_for_it(tmp_path, mo
     trace.write_text("timestamp,prompt_tokens,output_tokens\n0.0,32,16\n0.2,48,8\n0.5,5000,8\n0.8,16,32\n1.0,24,12\n")
     port = free_port()
     log = open(tmp_path / "worker.log", "wb")
-    worker = subprocess.Popen(PDFLEET + ["worker", "--model", str(model_dir), "--served-model-name", "tiny", "--role",
-                                         "both", "--port", str(port), "--num-threads", "1", "--max-model-len", "1024",
-                                         "--num-kv-blocks", "256", "--log-level", "warning"],
-                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **CHILD_ENV})
+    worker = subprocess.Popen(
+        PDFLEET
+        + [
+            "worker",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--role",
+            "both",
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "1024",
+            "--num-kv-blocks",
+            "256",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **CHILD_ENV},
+    )
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -105,18 +148,48 @@ def test_a_replayed_trace_reports_what_the_simulator_reports_for_it(tmp_path, mo
                 pass
             assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
             time.sleep(0.2)
-        out = subprocess.run(PDFLEET + ["load", "--url", f"http://127.0.0.1:{port}/v1", "--trace", str(trace),
-                                        "--slo-ttft", "2s", "--slo-itl", "200ms", "--json", str(tmp_path / "load.json")],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            PDFLEET
+            + [
+                "load",
+                "--url",
+                f"http://127.0.0.1:{port}/v1",
+                "--trace",
+                str(trace),
+                "--slo-ttft",
+                "2s",
+                "--slo-itl",
+                "200ms",
+                "--json",
+                str(tmp_path / "load.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
     finally:
         worker.terminate()
         worker.wait(30)
     assert "TTFT      p50" in out.stdout and "tokens/s" in out.stdout
     real = json.loads((tmp_path / "load.json").read_text())
-    subprocess.run(PDFLEET + ["simulate", "--fleet", str(ROOT / "examples" / "sim" / "local-tiny.yaml"), "--trace",
-                              str(trace), "--out", str(tmp_path / "sim"), "--no-plots", "--quiet"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        PDFLEET
+        + [
+            "simulate",
+            "--fleet",
+            str(ROOT / "examples" / "sim" / "local-tiny.yaml"),
+            "--trace",
+            str(trace),
+            "--out",
+            str(tmp_path / "sim"),
+            "--no-plots",
+            "--quiet",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     sim = next(iter(json.loads((tmp_path / "sim" / "report.json").read_text())["policies"].values()))
     assert set(SHARED_KEYS) <= set(sim) and set(SHARED_KEYS) <= set(real)
     for key in ("requests", "completed", "too_long", "rejected", "prompt_tokens", "generated_tokens"):

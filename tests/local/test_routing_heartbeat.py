@@ -1,4 +1,5 @@
 """`pdfleet up` with query routing and SSE heartbeats, on real processes: a deployment whose spec.routing names a second `pdfleet up` fleet sends it the requests its rules judge simple; a stream to the router that waits longer than spec.router.heartbeatInterval gets `: keep-alive` before its first token, and the openai SDK reads it."""
+
 from __future__ import annotations
 
 import signal
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.slow
 
 
 def _small_spec(directory, model_dir):
-    path = write_spec(directory, model_dir, disaggregation=False, prefill=None, decode=None,
-                      colocated={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1})
+    path = write_spec(
+        directory,
+        model_dir,
+        disaggregation=False,
+        prefill=None,
+        decode=None,
+        colocated={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1},
+    )
     doc = yaml.safe_load(path.read_text())
     doc["metadata"]["name"] = "local-small"
     doc["spec"]["model"]["name"] = "tiny-small"
@@ -72,8 +79,13 @@ class _Tee(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         resp = self.inner.handle_request(request)
-        return httpx.Response(resp.status_code, headers=resp.headers, stream=_TeeStream(resp.stream, self.seen),
-                              extensions=resp.extensions, request=request)
+        return httpx.Response(
+            resp.status_code,
+            headers=resp.headers,
+            stream=_TeeStream(resp.stream, self.seen),
+            extensions=resp.extensions,
+            request=request,
+        )
 
     def close(self) -> None:
         self.inner.close()
@@ -99,24 +111,45 @@ def test_routing_and_heartbeats_through_pdfleet_up(tmp_path, model_dir):
     small_port, big_port = free_port(), free_port()
     small = UpProcess([str(_small_spec(small_dir, model_dir)), "--port", str(small_port)], cwd=small_dir)
     # one sequence at a time, so a second request waits (queued) while the first generates
-    big_spec = write_spec(big_dir, model_dir, **{"routing": {"target": "local-small", "rules": {"maxTokens": 8}},
-                                                 "router.heartbeatInterval": "20ms", "engine.maxNumSeqs": 1,
-                                                 "model.maxModelLen": 2048,
-                                                 "prefill.maxReplicas": 1, "decode.maxReplicas": 1})
+    big_spec = write_spec(
+        big_dir,
+        model_dir,
+        **{
+            "routing": {"target": "local-small", "rules": {"maxTokens": 8}},
+            "router.heartbeatInterval": "20ms",
+            "engine.maxNumSeqs": 1,
+            "model.maxModelLen": 2048,
+            "prefill.maxReplicas": 1,
+            "decode.maxReplicas": 1,
+        },
+    )
     refused = UpProcess([str(big_spec), "--port", str(big_port)], cwd=big_dir)
     assert refused.wait(60) != 0 and "pass its router as --routing-target" in refused.output()
     big = None
     try:
         small.wait_line(r"fleet ready after", timeout=120)
         run_dir = big_dir / "run"
-        big = UpProcess([str(big_spec), "--port", str(big_port), "--routing-target", f"http://127.0.0.1:{small_port}",
-                         "--run-dir", str(run_dir)], cwd=big_dir)
+        big = UpProcess(
+            [
+                str(big_spec),
+                "--port",
+                str(big_port),
+                "--routing-target",
+                f"http://127.0.0.1:{small_port}",
+                "--run-dir",
+                str(run_dir),
+            ],
+            cwd=big_dir,
+        )
         big.wait_line(r"fleet ready after", timeout=120)
         url = f"http://127.0.0.1:{big_port}"
-        simple = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        simple = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60
+        )
         assert simple.json()["model"] == "tiny-small" and simple.headers["x-pdfleet-route"] == "small"
-        complex_ = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 16},
-                              timeout=60)
+        complex_ = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 16}, timeout=60
+        )
         assert complex_.json()["model"] == "tiny" and complex_.headers["x-pdfleet-route"] == "default"
 
         # A long stream holds the only decode slot until the test lets it go, so the stream sent behind it waits
@@ -146,10 +179,18 @@ def test_routing_and_heartbeats_through_pdfleet_up(tmp_path, model_dir):
                 seen.append(chunk)
                 release.set()
 
-            with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120,
-                               http_client=httpx.Client(transport=_Tee(tee), timeout=120)) as client:
-                chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=12, stream=True,
-                                                        stream_options={"include_usage": True}))
+            with openai.OpenAI(
+                base_url=f"{url}/v1",
+                api_key="-",
+                max_retries=0,
+                timeout=120,
+                http_client=httpx.Client(transport=_Tee(tee), timeout=120),
+            ) as client:
+                chunks = list(
+                    client.completions.create(
+                        model="tiny", prompt="Hello", max_tokens=12, stream=True, stream_options={"include_usage": True}
+                    )
+                )
             return b"".join(seen), chunks
 
         seen, chunks = _behind_a_hold(url, sdk)

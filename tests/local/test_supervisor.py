@@ -1,4 +1,5 @@
 """The supervisor's rules without a fleet: worker command lines and environments per class (GPU devices handed out once), back-off that doubles to its cap and starts over after a replica has served, drain order."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,11 @@ import sys
 
 import pytest
 
-from pdfleet_operator.local import machine, spec as specs, supervisor as sv
-from pdfleet_operator.local.process import Child
 from pdfleet_operator.decide.placement import FleetPlan, PlannedPool
+from pdfleet_operator.local import machine
+from pdfleet_operator.local import spec as specs
+from pdfleet_operator.local import supervisor as sv
+from pdfleet_operator.local.process import Child
 from tests.local.conftest import ROOT, write_spec
 from tests.support.components import free_port
 
@@ -29,8 +32,12 @@ def make(tmp_path, model_dir, gpus: int = 0, **changes) -> tuple[sv.Supervisor, 
 
 
 def test_worker_command_and_environment_follow_the_class(tmp_path, model_dir):
-    sup, _ = make(tmp_path, model_dir, gpus=2, **{"decode.acceleratorClasses": ["h100-80gb"],
-                                                "engine.extraArgs": ["--max-n", "2"]})
+    sup, _ = make(
+        tmp_path,
+        model_dir,
+        gpus=2,
+        **{"decode.acceleratorClasses": ["h100-80gb"], "engine.extraArgs": ["--max-n", "2"]},
+    )
     gpu = sv.Replica("decode-0", "decode", "h100-80gb", 9001, sup._gpus_for("h100-80gb"))
     sup.workers.append(gpu)
     assert gpu.devices == (0,) and sup._gpus_for("h100-80gb") == (1,)
@@ -39,11 +46,15 @@ def test_worker_command_and_environment_follow_the_class(tmp_path, model_dir):
         sup._gpus_for("h100-80gb")
     argv = sup._worker_argv(gpu)
     assert argv[:4] == [sys.executable, "-m", "pdfleet_operator.cli", "worker"] and argv[-2:] == ["--max-n", "2"]
-    assert ["--role", "decode"] == argv[argv.index("--role"):argv.index("--role") + 2] and "--device" in argv
+    assert ["--role", "decode"] == argv[argv.index("--role") : argv.index("--role") + 2] and "--device" in argv
     assert argv[argv.index("--engine-config") + 1] == str(tmp_path / "run" / "engine.json")
     assert argv[argv.index("--num-threads") + 1] == "2"
     env = sup._env(gpu)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PDFLEET_ACCELERATOR"] == "h100-80gb" and env["OMP_NUM_THREADS"] == "2"
+    assert (
+        env["CUDA_VISIBLE_DEVICES"] == "0"
+        and env["PDFLEET_ACCELERATOR"] == "h100-80gb"
+        and env["OMP_NUM_THREADS"] == "2"
+    )
     cpu = sv.Replica("prefill-0", "prefill", "cpu", 9003)
     cpu_argv = sup._worker_argv(cpu)
     assert cpu_argv[cpu_argv.index("--device") + 1] == "cpu" and sup._env(cpu)["CUDA_VISIBLE_DEVICES"] == ""
@@ -89,21 +100,41 @@ def test_scaling_down_drains_a_crashed_replica_first_then_the_newest(tmp_path, m
 
 
 def test_the_router_and_prometheus_files_list_the_pools_a_colocated_spec_has(tmp_path, model_dir):
-    sup, _ = make(tmp_path, model_dir, disaggregation=False, prefill=None, decode=None,
-                  colocated={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 2})
+    sup, _ = make(
+        tmp_path,
+        model_dir,
+        disaggregation=False,
+        prefill=None,
+        decode=None,
+        colocated={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 2},
+    )
     sup.run_dir.mkdir()
-    sup.workers += [sv.Replica("colocated-0", "colocated", "cpu", 9001, state=sv.READY),
-                    sv.Replica("colocated-1", "colocated", "cpu", 9002, state=sv.DRAINING)]
+    sup.workers += [
+        sv.Replica("colocated-0", "colocated", "cpu", 9001, state=sv.READY),
+        sv.Replica("colocated-1", "colocated", "cpu", 9002, state=sv.DRAINING),
+    ]
     sup.write_files()
     assert json.loads((sup.run_dir / "workers.json").read_text()) == {"workers": ["http://127.0.0.1:9001"]}
     groups = json.loads((sup.run_dir / "prometheus-targets.json").read_text())
-    assert groups == [{"targets": ["127.0.0.1:9001"], "labels": {
-        "namespace": "default", "pdfleet_deployment": "local-tiny", "pdfleet_role": "colocated",
-        "pdfleet_accelerator": "cpu", "replica": "colocated-0"}}]
+    assert groups == [
+        {
+            "targets": ["127.0.0.1:9001"],
+            "labels": {
+                "namespace": "default",
+                "pdfleet_deployment": "local-tiny",
+                "pdfleet_role": "colocated",
+                "pdfleet_accelerator": "cpu",
+                "replica": "colocated-0",
+            },
+        }
+    ]
     assert json.loads((sup.run_dir / "engine.json").read_text())["max_model_len"] == 1024
     (target,) = sup.scrape_targets()  # the direct-scrape source gets the labels Prometheus gets from the file
-    assert (target.url, target.engine, dict(target.labels)) == ("http://127.0.0.1:9001/metrics", "pdfleet",
-                                                                groups[0]["labels"])
+    assert (target.url, target.engine, dict(target.labels)) == (
+        "http://127.0.0.1:9001/metrics",
+        "pdfleet",
+        groups[0]["labels"],
+    )
 
 
 def test_up_replays_a_csv_trace_as_its_load(tmp_path):

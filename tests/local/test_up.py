@@ -1,4 +1,5 @@
 """`pdfleet up` end to end: real router and worker processes serving the openai SDK, a queue surge growing the decode pool and its shrink after the stabilization window, a kill -9 restarted with back-off, SIGTERM leaving no process and no port behind, and the demo's bursty run printing its summary last."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,24 @@ from tests.support.components import free_port
 pytestmark = pytest.mark.slow
 
 # Short windows so that growth and shrink both happen within seconds.
-FAST = {"autoscaling.interval": "1s", "autoscaling.scaleDownStabilization": "4s",
-        "autoscaling.scaleDownDelayAfterScaleUp": "2s", "decode.targetQueuePerReplica": 4}
+FAST = {
+    "autoscaling.interval": "1s",
+    "autoscaling.scaleDownStabilization": "4s",
+    "autoscaling.scaleDownDelayAfterScaleUp": "2s",
+    "decode.targetQueuePerReplica": 4,
+}
 # Every reason a decode scale-up (1 -> more) or scale-down may carry here: the queue, prefill's backlog, the
 # token rate, or a step capped at maxReplicas; down: the queue or the token rate (one replica a step, so never
 # MinReplicas; the pdRatio bounds 0.125..8 never bind at these sizes, nor does capacity on `pdfleet up`).
-UP_REASONS = "|".join((autoscaler.QUEUE_ABOVE_TARGET, autoscaler.QUEUE_GROWING, autoscaler.PREFILL_BACKLOG,
-                       autoscaler.TOKEN_RATE_ABOVE_CAPACITY, autoscaler.MAX_REPLICAS))
+UP_REASONS = "|".join(
+    (
+        autoscaler.QUEUE_ABOVE_TARGET,
+        autoscaler.QUEUE_GROWING,
+        autoscaler.PREFILL_BACKLOG,
+        autoscaler.TOKEN_RATE_ABOVE_CAPACITY,
+        autoscaler.MAX_REPLICAS,
+    )
+)
 DOWN_REASONS = "|".join((autoscaler.QUEUE_BELOW_TARGET, autoscaler.TOKEN_RATE_BELOW_CAPACITY))
 
 
@@ -65,8 +77,9 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
         assert [m.id for m in client.models.list().data] == ["tiny"]
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=8)
         assert done.usage.completion_tokens == 8 and done.choices[0].text
-        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                              stream=True)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
         assert sum(1 for c in chat if c.choices and c.choices[0].delta.content is not None) >= 1
         assert len(decode_urls(run_dir)) == 1
 
@@ -81,8 +94,14 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
         def streams(i: int) -> list[int]:
             counts = []
             while not stop.is_set() and not (i >= 8 and scaled.is_set()):
-                out = client.completions.create(model="tiny", prompt=f"surge {i}", max_tokens=300, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                out = client.completions.create(
+                    model="tiny",
+                    prompt=f"surge {i}",
+                    max_tokens=300,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
                 counts.append([c.usage.completion_tokens for c in out if c.usage][-1])
             return counts
 
@@ -96,21 +115,32 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
                 scaled_s = time.monotonic() - started
                 wait_for(lambda: len(decode_urls(run_dir)) >= 2, 10, "a second decode worker in the router's list", up)
                 up.wait_line(r"decode-1\s+ready", timeout=120, after=mark)
-                wait_for(lambda: len(healthy(port, "decode", run_dir)) >= 2, 10,
-                         "the router routing to the new decode worker", up)
+                wait_for(
+                    lambda: len(healthy(port, "decode", run_dir)) >= 2,
+                    10,
+                    "the router routing to the new decode worker",
+                    up,
+                )
             finally:
                 scaled.set()
                 stop.set()
                 quiet = len(up.lines)
             surge_s = time.monotonic() - started
             finished = [n for f in futures for n in f.result(timeout=180)]
-        print(f"surge: {len(finished)} streams over {surge_s:.1f}s: scaled up after {scaled_s:.1f}s, decode-1 ready "
-              "and routed to after the rest")
+        print(
+            f"surge: {len(finished)} streams over {surge_s:.1f}s: scaled up after {scaled_s:.1f}s, decode-1 ready "
+            "and routed to after the rest"
+        )
         assert len(finished) >= 24 and set(finished) == {300}, f"every surge stream finished: {finished}"
         # Quiet again: after the stabilization window the pool drains back to minReplicas.
         up.wait_line(rf"scale\s+decode \d -> \d \(({DOWN_REASONS}):", timeout=60, after=quiet)
         wait_for(lambda: len(decode_urls(run_dir)) == 1, 60, "decode back to one worker", up)
-        wait_for(lambda: healthy(port, "decode", run_dir) == decode_urls(run_dir), 10, "the router dropping drained workers", up)
+        wait_for(
+            lambda: healthy(port, "decode", run_dir) == decode_urls(run_dir),
+            10,
+            "the router dropping drained workers",
+            up,
+        )
         up.wait_line(r"decode-\d+\s+stopped: drained and exited", timeout=60, after=quiet)
         lines = [line for line in up.lines if re.search(r"scale\s+decode", line)]
         assert len(lines) >= 2, lines
@@ -124,7 +154,9 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
         up.wait_line(r"prefill-0\s+ready", timeout=60, after=mark)
         for _ in range(30):  # the router's probe puts it back within a second or so
             try:
-                assert client.completions.create(model="tiny", prompt="again", max_tokens=4).usage.completion_tokens == 4
+                assert (
+                    client.completions.create(model="tiny", prompt="again", max_tokens=4).usage.completion_tokens == 4
+                )
                 break
             except openai.APIStatusError:
                 time.sleep(0.5)
@@ -152,8 +184,26 @@ def test_bursty_load_scales_up_and_down_and_prints_the_summary_last(tmp_path, mo
     # at perhaps 4, so a machine twice as fast could have missed it; now it takes ten times).
     spec = write_spec(tmp_path, model_dir, **{**FAST, "decode.targetQueuePerReplica": 1})
     report = tmp_path / "report.json"
-    up = UpProcess([str(spec), "--port", str(free_port()), "--load", "bursty", "--duration", "20", "--rate", "3",
-                    "--burst", "6", "--output-tokens", "128", "--report", str(report)], cwd=tmp_path)
+    up = UpProcess(
+        [
+            str(spec),
+            "--port",
+            str(free_port()),
+            "--load",
+            "bursty",
+            "--duration",
+            "20",
+            "--rate",
+            "3",
+            "--burst",
+            "6",
+            "--output-tokens",
+            "128",
+            "--report",
+            str(report),
+        ],
+        cwd=tmp_path,
+    )
     try:
         assert up.wait(240) == 0, up.output()[-6000:]
     finally:
@@ -189,17 +239,24 @@ def test_a_killed_pdfleet_up_takes_its_children_with_it(tmp_path, model_dir):
 def test_up_reads_the_queues_from_prometheus_when_given_one(tmp_path, model_dir, prometheus_factory):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    prom = prometheus_factory(extra_scrape_configs=[{
-        "job_name": "pdfleet-up", "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")],
-                                                       "refresh_interval": "1s"}]}])
+    prom = prometheus_factory(
+        extra_scrape_configs=[
+            {
+                "job_name": "pdfleet-up",
+                "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")], "refresh_interval": "1s"}],
+            }
+        ]
+    )
     spec = write_spec(tmp_path, model_dir, **FAST)
-    up = UpProcess([str(spec), "--port", str(free_port()), "--run-dir", str(run_dir), "--prometheus", prom.url],
-                   cwd=tmp_path)
+    up = UpProcess(
+        [str(spec), "--port", str(free_port()), "--run-dir", str(run_dir), "--prometheus", prom.url], cwd=tmp_path
+    )
     try:
         up.wait_line(r"fleet ready after", timeout=120)
         up.wait_line(rf"metrics\s+prometheus {prom.url} \(pdfleet\): available", timeout=60)
-        series = prom.query('count by (pdfleet_role) (vllm:num_requests_waiting{pdfleet_deployment="local-tiny",'
-                            'namespace="default"})')
+        series = prom.query(
+            'count by (pdfleet_role) (vllm:num_requests_waiting{pdfleet_deployment="local-tiny",namespace="default"})'
+        )
         assert {s["metric"]["pdfleet_role"] for s in series} == {"prefill", "decode"}
         up.signal(signal.SIGTERM)
         assert up.wait(60) == 0, up.output()[-4000:]

@@ -1,4 +1,5 @@
 """`pdfleet up examples/local-vllm.yaml` with the real vLLM CPU runtime (`make vllm`): the openai SDK through pdfleet's router (completions, chat, streaming with usage equal to the plain answers), the autoscaler reading the vLLM pool's queue through a real Prometheus and adding a second vLLM replica under a burst, and SIGTERM leaving no process of any vLLM process group behind."""
+
 from __future__ import annotations
 
 import json
@@ -49,22 +50,34 @@ def wait_for(predicate, timeout: float, what: str, up: UpProcess):
 
 
 def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_stops_clean(
-        tmp_path, model_dir, prometheus_factory, monkeypatch):
+    tmp_path, model_dir, prometheus_factory, monkeypatch
+):
     monkeypatch.setenv("PDFLEET_VLLM_PYTHON", vllm_python())  # skips locally, fails under CI=true, without it
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    prom = prometheus_factory(extra_scrape_configs=[{
-        "job_name": "pdfleet-up", "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")],
-                                                       "refresh_interval": "1s"}]}])
+    prom = prometheus_factory(
+        extra_scrape_configs=[
+            {
+                "job_name": "pdfleet-up",
+                "file_sd_configs": [{"files": [str(run_dir / "prometheus-targets.json")], "refresh_interval": "1s"}],
+            }
+        ]
+    )
     spec, port = vllm_spec(tmp_path, model_dir, **FAST), free_port()
-    up = UpProcess([str(spec), "--port", str(port), "--run-dir", str(run_dir), "--prometheus", prom.url,
-                    "--ready-timeout", "300"], cwd=tmp_path)
+    up = UpProcess(
+        [str(spec), "--port", str(port), "--run-dir", str(run_dir), "--prometheus", prom.url, "--ready-timeout", "300"],
+        cwd=tmp_path,
+    )
     groups: dict[int, set[int]] = {}  # vLLM leader -> every PID seen in its process group
 
     def watch(replica: str) -> int:
         leader = int(up.wait_line(rf"{replica}\s+started: pid (\d+)", timeout=5).group(1))
-        members = wait_for(lambda: len(group_members(leader)) >= 3 and group_members(leader), 120,
-                           f"{replica}'s API server, engine core and model worker", up)
+        members = wait_for(
+            lambda: len(group_members(leader)) >= 3 and group_members(leader),
+            120,
+            f"{replica}'s API server, engine core and model worker",
+            up,
+        )
         groups.setdefault(leader, set()).update(members)
         return leader
 
@@ -80,14 +93,30 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
         assert [m.id for m in client.models.list().data] == ["tiny"]
         plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
         assert plain.usage.completion_tokens == 8 and plain.choices[0].text
-        chunks = list(client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt="Hello there",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
         assert [c.usage for c in chunks if c.usage] == [plain.usage], "one usage chunk, the plain answer's"
         chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
-        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=MESSAGES,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         assert [c.usage for c in chunks if c.usage] == [chat.usage]
 
@@ -103,8 +132,14 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
         def streams(i: int) -> list[int]:
             done = []
             while not stop.is_set():
-                out = burst.completions.create(model="tiny", prompt=f"burst {i}", max_tokens=BURST_TOKENS, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                out = burst.completions.create(
+                    model="tiny",
+                    prompt=f"burst {i}",
+                    max_tokens=BURST_TOKENS,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
                 done.append([c.usage.completion_tokens for c in out if c.usage][-1])
             return done
 
@@ -119,7 +154,9 @@ def test_up_runs_a_vllm_pool_serves_the_sdk_scales_it_through_prometheus_and_sto
             print(f"scale-up {time.monotonic() - started:.1f}s into the burst: {scaled.group(1)}: {scaled.group(2)}")
             assert scaled.group(1) in ("QueueAboveTarget", "QueueGrowing", "MaxReplicas"), scaled.group(0)
             finished = [n for f in futures for n in f.result(timeout=300)]
-            assert len(finished) >= BURST and set(finished) == {BURST_TOKENS}, f"every burst stream finished: {finished}"
+            assert len(finished) >= BURST and set(finished) == {BURST_TOKENS}, (
+                f"every burst stream finished: {finished}"
+            )
         second = watch("colocated-1")
         ready = up.wait_line(r"\+\s*([\d.]+)s\s+colocated-1\s+ready", timeout=300, after=mark)
         wait_for(lambda: len(healthy_vllm(port, run_dir)) == 2, 15, "the router routing to both vLLM replicas", up)

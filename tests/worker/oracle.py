@@ -1,4 +1,5 @@
 """The engine tests' oracle: tiny random HF models, the transformers greedy oracle, engines that must end whole, and the token-by-token comparison; tests/worker/conftest.py shares its fixtures."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,18 +26,47 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 def _llama_config():
     return transformers.LlamaConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
-        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        },
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def _qwen2_config():
     return transformers.Qwen2Config(
-        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.1, rope_theta=1000000.0,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 @dataclasses.dataclass
@@ -63,10 +93,17 @@ def _oracle(model: TinyModel, prompt: tuple[int, ...], max_new: int) -> Oracle:
     if key not in _ORACLE_CACHE:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                    min_new_tokens=max_new, do_sample=False, output_logits=True,
-                                    return_dict_in_generate=True, pad_token_id=0)
-        _ORACLE_CACHE[key] = Oracle(out.sequences[0, len(prompt):].tolist(), [l[0].float() for l in out.logits])
+            out = model.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        _ORACLE_CACHE[key] = Oracle(out.sequences[0, len(prompt) :].tolist(), [l[0].float() for l in out.logits])
     return _ORACLE_CACHE[key]
 
 
@@ -141,8 +178,9 @@ def run_and_capture(engine: LLMEngine, prompts: list[list[int]], params=GREEDY, 
     """Run prompts to completion; returns (tokens, logits rows, finish reasons) per prompt. Outputs
     of requests added by on_step land in `extra` (request id -> tokens)."""
     rows: dict[str, list] = {}
-    engine.model_runner.logits_hook = lambda ids, logits: [rows.setdefault(r, []).append(logits[i].clone())
-                                                           for i, r in enumerate(ids)]
+    engine.model_runner.logits_hook = lambda ids, logits: [
+        rows.setdefault(r, []).append(logits[i].clone()) for i, r in enumerate(ids)
+    ]
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
@@ -165,7 +203,9 @@ def run_and_capture(engine: LLMEngine, prompts: list[list[int]], params=GREEDY, 
     return [tokens[r] for r in ids], [rows.get(r, []) for r in ids], [reasons.get(r) for r in ids]
 
 
-def compare(model: TinyModel, prompts, tokens, logits, max_new: int = MAX_NEW, cmp: Comparison | None = None) -> Comparison:
+def compare(
+    model: TinyModel, prompts, tokens, logits, max_new: int = MAX_NEW, cmp: Comparison | None = None
+) -> Comparison:
     """Exact tokens and logits within LOGIT_ATOL against the oracle, up to the first near-tie."""
     cmp = cmp or Comparison()
     for p, toks, rows in zip(prompts, tokens, logits):

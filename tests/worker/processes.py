@@ -1,4 +1,5 @@
 """Real worker and router processes on loopback for the worker's server, router, wire and KV transfer tests (fixtures shared by tests/worker/conftest.py): a tiny model made by `pdfleet model init`, the deployment token the pipeline's prefill/decode workers and router share, process handles that always stop what they started."""
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,14 @@ class Proc:
     def start(self) -> "Proc":
         env = {**os.environ, **CHILD_ENV, **self.env}
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(PDFLEET + self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            PDFLEET + self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         _ALL.append(self)
         return self
 
@@ -104,16 +111,35 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
 
 
-def worker(logdir: Path, model_dir: str, role: str, *extra: str, name: str | None = None, port: int | None = None) -> Proc:
+def worker(
+    logdir: Path, model_dir: str, role: str, *extra: str, name: str | None = None, port: int | None = None
+) -> Proc:
     """port: a given one (a worker restarted where it was), else a free one."""
-    args = ["worker", "--model", model_dir, "--served-model-name", MODEL, "--role", role, "--num-kv-blocks", "256",
-            "--num-threads", "1", "--log-level", "warning", *extra]
+    args = [
+        "worker",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        MODEL,
+        "--role",
+        role,
+        "--num-kv-blocks",
+        "256",
+        "--num-threads",
+        "1",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return Proc(name or role, args, logdir, port)
 
 
 def router(logdir: Path, *args: str, name: str = "router") -> Proc:
-    return Proc(name, ["router", "--health-interval", "0.25", "--discovery-interval", "1", "--log-level", "warning",
-                       *args], logdir)
+    return Proc(
+        name,
+        ["router", "--health-interval", "0.25", "--discovery-interval", "1", "--log-level", "warning", *args],
+        logdir,
+    )
 
 
 def start_all(*procs: Proc) -> None:
@@ -149,8 +175,13 @@ def worker_urls(router: Proc) -> dict[str, str]:
 
 def pool_whole(w: Proc) -> bool:
     ld = w.load()
-    return (ld.get("free_blocks") == ld.get("total_blocks") and ld.get("running") == 0 and ld.get("waiting") == 0
-            and ld.get("held_blocks") == 0 and ld.get("waiting_for_remote_kv") == 0)
+    return (
+        ld.get("free_blocks") == ld.get("total_blocks")
+        and ld.get("running") == 0
+        and ld.get("waiting") == 0
+        and ld.get("held_blocks") == 0
+        and ld.get("waiting_for_remote_kv") == 0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -177,8 +208,13 @@ def authenticated(proc: Proc, token_file: str) -> Proc:
 def model_dir(tmp_path_factory) -> str:
     """A tiny random Llama with a trained BPE tokenizer, written by the real CLI."""
     path = tmp_path_factory.mktemp("models") / MODEL
-    subprocess.run(PDFLEET + ["model", "init", str(path), "--preset", "tiny"], check=True, capture_output=True,
-                   env=dict(os.environ, **CHILD_ENV), timeout=300)
+    subprocess.run(
+        PDFLEET + ["model", "init", str(path), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ, **CHILD_ENV),
+        timeout=300,
+    )
     return str(path)
 
 
@@ -196,13 +232,49 @@ class Pipeline:
 @pytest.fixture(scope="session")
 def pipeline(logdir, model_dir, token_file) -> Pipeline:
     p = authenticated(worker(logdir, model_dir, "prefill", "--kv-lease", "3s"), token_file)
-    d = authenticated(worker(logdir, model_dir, "decode", "--kv-on-failure", "recompute", "--kv-transfer-timeout", "3s",
-                             "--kv-peers", "127.0.0.1"), token_file)
-    c = worker(logdir, model_dir, "both", "--max-num-seqs", "4", "--max-waiting-requests", "4",
-               "--max-request-bytes", "200000", "--max-n", "4", name="colo")
+    d = authenticated(
+        worker(
+            logdir,
+            model_dir,
+            "decode",
+            "--kv-on-failure",
+            "recompute",
+            "--kv-transfer-timeout",
+            "3s",
+            "--kv-peers",
+            "127.0.0.1",
+        ),
+        token_file,
+    )
+    c = worker(
+        logdir,
+        model_dir,
+        "both",
+        "--max-num-seqs",
+        "4",
+        "--max-waiting-requests",
+        "4",
+        "--max-request-bytes",
+        "200000",
+        "--max-n",
+        "4",
+        name="colo",
+    )
     start_all(p, d, c)
-    r = authenticated(router(logdir, "--prefill", p.url, "--decode", d.url, "--workers", f"colo={c.url}",
-                             "--model-alias", "tiny-colo=colo"), token_file)
+    r = authenticated(
+        router(
+            logdir,
+            "--prefill",
+            p.url,
+            "--decode",
+            d.url,
+            "--workers",
+            f"colo={c.url}",
+            "--model-alias",
+            "tiny-colo=colo",
+        ),
+        token_file,
+    )
     try:
         start_all(r)
         yield Pipeline(p, d, c, r)

@@ -1,4 +1,5 @@
 """The worker's `pdfleet` subcommands (`model init`, `worker`, `router`); the operator's CLI calls register(). No torch at import time."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,18 +11,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="write a randomly initialised Hugging Face model directory")
     init.add_argument("dir", help="directory to write (created if missing)")
-    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
-                      help="tiny: a few million parameters; small: about 150M")
+    init.add_argument(
+        "--preset", choices=["tiny", "small"], default="tiny", help="tiny: a few million parameters; small: about 150M"
+    )
     init.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     init.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--tie-word-embeddings", action="store_true")
     train = init.add_argument_group("training (optional: without these flags the weights stay random)")
-    train.add_argument("--train-minutes", type=float, default=None,
-                       help="then train it this many minutes on the standard library's sources (next-token "
-                            "prediction; every 10th file held out) and print the held-out perplexity")
-    train.add_argument("--train-steps", type=int, default=None,
-                       help="train at most this many steps (with --train-minutes: whichever ends first)")
+    train.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="then train it this many minutes on the standard library's sources (next-token "
+        "prediction; every 10th file held out) and print the held-out perplexity",
+    )
+    train.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="train at most this many steps (with --train-minutes: whichever ends first)",
+    )
     train.add_argument("--train-seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
     train.add_argument("--train-batch", type=int, default=8, help="sequences per step (default 8)")
     train.add_argument("--train-lr", type=float, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
@@ -30,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdfleet_worker.router import router_config
     from pdfleet_worker.server import worker_config
 
-    worker = subparsers.add_parser("worker", help="serve a model: OpenAI API, /health, /ready, /metrics (prefill, decode or both)")
+    worker = subparsers.add_parser(
+        "worker", help="serve a model: OpenAI API, /health, /ready, /metrics (prefill, decode or both)"
+    )
     worker_config.add_arguments(worker)
     worker.set_defaults(func=_worker)
     router = subparsers.add_parser("router", help="the OpenAI endpoint in front of prefill/decode or colocated workers")
@@ -48,19 +60,36 @@ def _model_init(args: argparse.Namespace) -> int:
     _before_torch()
     from pdfleet_worker.model import model_init
 
-    result = model_init.init_model(args.dir, args.preset, arch=args.arch, dtype=args.dtype, seed=args.seed,
-                                   tie_word_embeddings=args.tie_word_embeddings)
-    print(f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
-          f"vocab {result.vocab_size}")
+    result = model_init.init_model(
+        args.dir,
+        args.preset,
+        arch=args.arch,
+        dtype=args.dtype,
+        seed=args.seed,
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    print(
+        f"wrote {result.path}: {args.preset} {args.arch} {args.dtype}, {result.num_params / 1e6:.1f}M parameters, "
+        f"vocab {result.vocab_size}"
+    )
     if args.train_minutes is not None or args.train_steps is not None:
         from pdfleet_worker.model import model_train
 
-        trained = model_train.train(args.dir, minutes=args.train_minutes, steps=args.train_steps,
-                                    seq_len=args.train_seq_len, batch=args.train_batch, lr=args.train_lr, seed=args.seed,
-                                    max_corpus_bytes=12_000_000 if args.preset == "small" else 1_000_000,
-                                    progress=lambda msg: print(msg, flush=True))
-        print(f"trained {result.path}: {trained.steps} steps, {trained.tokens} tokens in {trained.seconds:.0f} s; "
-              f"held-out perplexity {trained.held_out_ppl_before:.1f} -> {trained.held_out_ppl:.2f}")
+        trained = model_train.train(
+            args.dir,
+            minutes=args.train_minutes,
+            steps=args.train_steps,
+            seq_len=args.train_seq_len,
+            batch=args.train_batch,
+            lr=args.train_lr,
+            seed=args.seed,
+            max_corpus_bytes=12_000_000 if args.preset == "small" else 1_000_000,
+            progress=lambda msg: print(msg, flush=True),
+        )
+        print(
+            f"trained {result.path}: {trained.steps} steps, {trained.tokens} tokens in {trained.seconds:.0f} s; "
+            f"held-out perplexity {trained.held_out_ppl_before:.1f} -> {trained.held_out_ppl:.2f}"
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Model and engine configuration dataclasses; the loader builds ModelConfig, the CLI and server build EngineConfig."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,19 +43,30 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"architecture {self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"config field {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ValueError(
+                f"rope_scaling.rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
 
     @property
     def num_params(self) -> int:
@@ -69,13 +81,11 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         archs = raw.get("architectures") or []
         if not archs:
-            by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "mistral": "MistralForCausalLM"}
+            by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
             archs = [by_type.get(raw.get("model_type", ""), str(raw.get("model_type")))]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
         # transformers 5 nests rope settings under rope_parameters; 4.x used rope_theta + rope_scaling.

@@ -3,6 +3,7 @@
 NOTE: at the package root, beside config.py: the wire checks a request's structured output with it, the sampler
 (layers/) applies it and the engine schedules by it, and none of those may import another's package. No torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,11 +77,14 @@ class SamplingParams:
             self.stop = list(self.stop)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    not _not_int(t) and t >= 0 for t in self.stop_token_ids):
+                not _not_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
                 raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
         if _not_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -88,7 +92,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    not _not_int(t) and t >= 0 and _finite(b) for t, b in self.logit_bias.items()):
+                not _not_int(t) and t >= 0 and _finite(b) for t, b in self.logit_bias.items()
+            ):
                 raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         for name in ("logprobs", "prompt_logprobs"):

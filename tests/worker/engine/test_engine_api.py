@@ -1,4 +1,5 @@
 """Engine API: input validation, sampling options, stop strings, logprobs, stats and the PD KV hooks."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,15 +7,25 @@ import torch
 
 from pdfleet_worker.engine.llm_engine import QueueFullError
 from pdfleet_worker.sampling_params import SamplingParams
-from tests.worker.oracle import GREEDY, compare, random_prompts, run_and_capture
+from tests.worker.oracle import GREEDY, random_prompts
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(stop=123), "stop"),
-    (dict(stop=[""]), "stop"), (dict(stop=["a", 5]), "stop"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop_token_ids=["x"]), "stop_token_ids"),
-    (dict(logprobs=-1), "logprobs"), (dict(seed="x"), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(stop=123), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=["a", 5]), "stop"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop_token_ids=["x"]), "stop_token_ids"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed="x"), "seed"),
+    ],
+)
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -85,8 +96,14 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama, make_engin
     assert b[0].new_token_ids == a, "same seed, same tokens, even batched with others"
     assert b[1].new_token_ids != a
     greedy = llama.oracle(p, 10).tokens
-    assert eng.generate([p], SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True))[0].new_token_ids == greedy
-    assert eng.generate([p], SamplingParams(max_tokens=10, temperature=0.7, top_p=1e-6, ignore_eos=True))[0].new_token_ids == greedy
+    assert (
+        eng.generate([p], SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True))[0].new_token_ids
+        == greedy
+    )
+    assert (
+        eng.generate([p], SamplingParams(max_tokens=10, temperature=0.7, top_p=1e-6, ignore_eos=True))[0].new_token_ids
+        == greedy
+    )
 
 
 def test_top_k_and_top_p_restrict_the_support():
@@ -97,7 +114,9 @@ def test_top_k_and_top_p_restrict_the_support():
     got = {t.token_id for t in s(logits, [str(i) for i in range(200)], [SamplingParams(temperature=1, top_k=2)] * 200)}
     assert got == {0, 1}
     # probs ~ [.64, .24, .09, ...]: top_p=0.8 keeps the first two
-    got = {t.token_id for t in s(logits, [str(i) for i in range(200)], [SamplingParams(temperature=1, top_p=0.8)] * 200)}
+    got = {
+        t.token_id for t in s(logits, [str(i) for i in range(200)], [SamplingParams(temperature=1, top_p=0.8)] * 200)
+    }
     assert got == {0, 1}
 
 
@@ -174,7 +193,7 @@ def test_pd_transfer_failure_recomputes(llama, make_engine):
     decode.remote_kv_done("x", ok=False)
     with pytest.raises(ValueError, match="not waiting"):
         decode.remote_kv_done("x", ok=True)
-    tokens, logits, _ = [], [], None
+    tokens = []
     while decode.has_unfinished_requests():
         for o in decode.step():
             tokens += o.new_token_ids
@@ -207,5 +226,7 @@ def test_warm_up_runs_the_model_and_leaves_no_trace(llama, make_engine):
     assert warm.stats() == fresh
     assert fresh.prompt_tokens_total == fresh.generation_tokens_total == fresh.prefix_cache_queries_total == 0
     prompts = random_prompts(3, 20, 40, seed=7)
-    assert [o.new_token_ids for o in warm.generate(prompts, GREEDY)] == [o.new_token_ids for o in cold.generate(prompts, GREEDY)]
+    assert [o.new_token_ids for o in warm.generate(prompts, GREEDY)] == [
+        o.new_token_ids for o in cold.generate(prompts, GREEDY)
+    ]
     assert warm.stats() == cold.stats()

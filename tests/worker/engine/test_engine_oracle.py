@@ -1,4 +1,5 @@
 """Engine vs the transformers oracle (fp32, greedy, identical weights) under every batching feature."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,7 @@ def test_block_sizes(tiny, make_engine, block_size):
 
 def test_prefix_caching_hits_equal_shared_full_blocks(tiny, make_engine):
     bs = 4
-    shared = random_prompts(1, 23, 23, seed=7)[0]           # 5 full blocks + 3 tokens
+    shared = random_prompts(1, 23, 23, seed=7)[0]  # 5 full blocks + 3 tokens
     tails = random_prompts(3, 2, 9, seed=8)
     prompts = [shared + t for t in tails]
     eng = make_engine(tiny.path, block_size=bs)
@@ -106,7 +107,7 @@ def test_abort_mid_generation(llama, make_engine):
     assert reasons[1] == "abort" and len(tokens[1]) < MAX_NEW
     # The aborted request's partial output is still the oracle's prefix.
     ref = llama.oracle(prompts[1])
-    assert tokens[1] == ref.tokens[:len(tokens[1])]
+    assert tokens[1] == ref.tokens[: len(tokens[1])]
     keep = [0, 2, 3]
     compare(llama, [prompts[i] for i in keep], [tokens[i] for i in keep], [logits[i] for i in keep])
     assert eng.stats().request_success_total["abort"] == 1

@@ -1,4 +1,5 @@
 """The CUDA paths (FlexAttention compiled; Triton paged decode with CUDA graphs) against transformers on the GPU. Opt-in: needs a CUDA GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,7 @@ import torch
 
 from tests.worker.oracle import MAX_NEW, compare, random_prompts, run_and_capture
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("budget", [4, 64])

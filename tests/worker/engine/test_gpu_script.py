@@ -1,4 +1,5 @@
 """bench/gpu.py (issue 29): its token comparison and byte counts at unit level, its calibration line read by the simulator, and `--cpu-smoke` end to end (the CUDA path's code at toy sizes, Triton interpreted)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -68,8 +69,17 @@ def test_logit_differences_are_reported():
 
 
 def _toy_config(tied: bool) -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=32, intermediate_size=48,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -121,11 +131,20 @@ def test_cpu_smoke_runs_every_section_and_compares_real_tokens(tmp_path):
     """The whole script at toy sizes on CPU (~15 s of CPU time): every section runs without an error, the
     interface keys are set, and tokens_match comes from compared tokens of both models in both dtypes on the
     paged backend. Times nothing: the speed figures are only checked to be positive."""
-    if importlib.util.find_spec("triton") is None and not (REPO / "build" / "triton" / "triton" / "__init__.py").is_file():
+    if (
+        importlib.util.find_spec("triton") is None
+        and not (REPO / "build" / "triton" / "triton" / "__init__.py").is_file()
+    ):
         missing("triton")
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), "--cpu-smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--cpu-smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == json.loads(out.read_text())
@@ -138,6 +157,15 @@ def test_cpu_smoke_runs_every_section_and_compares_real_tokens(tmp_path):
     assert result["tokens_compared"] == sum(c["compared"] for c in configs.values())
     paths = result["speed_model"]["engine_paths"]
     assert {p["backend"] for p in paths.values()} == {"paged"}
-    for key in ("bs1_ms_per_token", "bs1_hbm_fraction", "b64_tokens_per_s", "prefill_tokens_per_s", "int8_bs1_vs_bf16",
-                "b64_tokens_per_s_no_graphs", "hf_b64_tokens_per_s", "hf_prefill_tokens_per_s", "int8_b64_vs_bf16"):
+    for key in (
+        "bs1_ms_per_token",
+        "bs1_hbm_fraction",
+        "b64_tokens_per_s",
+        "prefill_tokens_per_s",
+        "int8_bs1_vs_bf16",
+        "b64_tokens_per_s_no_graphs",
+        "hf_b64_tokens_per_s",
+        "hf_prefill_tokens_per_s",
+        "int8_b64_vs_bf16",
+    ):
         assert result[key] > 0, key

@@ -1,4 +1,5 @@
 """Scheduler unit tests with fake model outputs: budgets, chunking, preemption, remote and held KV. No torch."""
+
 from __future__ import annotations
 
 from pdfleet_worker.engine.block_manager import BlockManager
@@ -9,8 +10,9 @@ from pdfleet_worker.sampling_params import SamplingParams
 
 def make(num_blocks=16, bs=4, budget=8, max_seqs=4, max_len=64):
     bm = BlockManager(num_blocks, bs)
-    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     eos_token_ids=(0,))
+    return Scheduler(
+        bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, eos_token_ids=(0,)
+    )
 
 
 def add(s, rid, n, max_tokens=3, **kw):
@@ -31,11 +33,13 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first():
     a = add(s, "a", 3)
     out = step(s)
     assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 3, True)]
-    b = add(s, "b", 20)
+    add(s, "b", 20)
     out = step(s)
     # a decodes (1 token), b gets the remaining 7 of the budget
     assert [(c.request_id, len(c.token_ids), c.start_pos, c.sample) for c in out.chunks] == [
-        ("a", 1, 3, True), ("b", 7, 0, False)]
+        ("a", 1, 3, True),
+        ("b", 7, 0, False),
+    ]
     out = step(s)
     assert [(c.request_id, len(c.token_ids), c.start_pos) for c in out.chunks] == [("a", 1, 4), ("b", 7, 7)]
     assert a.is_finished and a.finish_reason.value == "length" and a.output_token_ids == [7, 7, 7]
@@ -82,12 +86,12 @@ def test_model_length_stops():
 
 def test_preemption_by_recompute_newest_first():
     s = make(num_blocks=4, bs=2, budget=16)
-    a = add(s, "a", 3, max_tokens=4)     # needs up to 4 blocks alone
+    a = add(s, "a", 3, max_tokens=4)  # needs up to 4 blocks alone
     b = add(s, "b", 3, max_tokens=4)
-    step(s)                              # both prefilled: a 2 blocks, b 2 blocks
+    step(s)  # both prefilled: a 2 blocks, b 2 blocks
     assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
-    assert step(s).preempted_ids == []   # position 3 still fits in 2 blocks each
-    out = step(s)                        # position 4 needs a 3rd block for a: b (newest) goes
+    assert step(s).preempted_ids == []  # position 3 still fits in 2 blocks each
+    out = step(s)  # position 4 needs a 3rd block for a: b (newest) goes
     assert out.preempted_ids == ["b"]
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_ids
     assert s.waiting[0] is b and s.num_preemptions == 1 and b.num_preemptions == 1
@@ -103,7 +107,7 @@ def test_lone_sequence_that_cannot_grow_preempts_itself_and_recovers():
     a = add(s, "a", 3, max_tokens=3)
     step(s)
     holder = Sequence("x", [1, 2], SamplingParams())
-    assert s.bm.allocate(holder, 2)          # someone else (a transfer) holds one block
+    assert s.bm.allocate(holder, 2)  # someone else (a transfer) holds one block
     assert step(s).preempted_ids == [] and a.num_computed_tokens == 4
     out = step(s)
     assert out.preempted_ids == ["a"] and not out.chunks
@@ -137,7 +141,7 @@ def test_remote_kv_admission_then_catch_up():
     load = out.kv_loads[0]
     assert (load.block_ids, load.first_token, load.num_tokens) == ([0, 1, 2], 0, 9)
     assert a.status == SequenceStatus.WAITING_FOR_REMOTE_KV
-    assert not s.schedule().chunks                     # still waiting: nothing to run
+    assert not s.schedule().chunks  # still waiting: nothing to run
     s.remote_kv_done("a", ok=True)
     out = step(s)
     assert [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks] == [(9, 1, True)]
@@ -177,7 +181,7 @@ def test_prefix_stats_count_admissions_only():
     s = make(num_blocks=4, bs=2, budget=16, max_seqs=1)
     add(s, "a", 4, max_tokens=1)
     add(s, "b", 4, max_tokens=1)
-    step(s)                  # b cannot be admitted (max_num_seqs), must not be counted yet
+    step(s)  # b cannot be admitted (max_num_seqs), must not be counted yet
     assert s.bm.stats.requests == 1 and s.bm.stats.queries == 4
     step(s)
-    assert s.bm.stats.requests == 2 and s.bm.stats.hits == 2   # b shares a's first full block
+    assert s.bm.stats.requests == 2 and s.bm.stats.hits == 2  # b shares a's first full block

@@ -1,4 +1,5 @@
 """KV transfer between real prefill and decode workers: exact bytes, blocks freed on ack and on lease expiry, incompatible layouts and prompts refused; plus the lease table and parameters on their own."""
+
 from __future__ import annotations
 
 import random
@@ -35,20 +36,32 @@ def fresh_prompt(length: int, seed: int) -> list[int]:
 
 
 def body(prompt, **extra) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def prefill(pipeline, prompt) -> dict:
-    r = httpx.post(f"{pipeline.prefill.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
-                   headers=AUTH, timeout=30)
+    r = httpx.post(
+        f"{pipeline.prefill.url}/v1/completions",
+        json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
+        headers=AUTH,
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
 
 def decode(pipeline, prompt, params) -> httpx.Response:
-    return httpx.post(f"{pipeline.decode.url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH,
-                      timeout=30)
+    return httpx.post(
+        f"{pipeline.decode.url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH, timeout=30
+    )
 
 
 def colocated_tokens(pipeline, prompt) -> list[int]:
@@ -137,12 +150,19 @@ def test_decode_refuses_kv_it_cannot_use_and_recomputes(pipeline, tamper, reason
 
 
 def test_malformed_transfer_params_are_a_400(pipeline):
-    r = httpx.post(f"{pipeline.decode.url}/v1/completions",
-                   json=body([5, 6, 7], kv_transfer_params={"do_remote_prefill": True, "prompts": "x"}), headers=AUTH,
-                   timeout=10)
+    r = httpx.post(
+        f"{pipeline.decode.url}/v1/completions",
+        json=body([5, 6, 7], kv_transfer_params={"do_remote_prefill": True, "prompts": "x"}),
+        headers=AUTH,
+        timeout=10,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
-    r = httpx.post(f"{pipeline.decode.url}/v1/completions",
-                   json=body([5, 6, 7], kv_transfer_params={"do_remote_decode": True}), headers=AUTH, timeout=10)
+    r = httpx.post(
+        f"{pipeline.decode.url}/v1/completions",
+        json=body([5, 6, 7], kv_transfer_params={"do_remote_decode": True}),
+        headers=AUTH,
+        timeout=10,
+    )
     assert r.status_code == 400 and "does not hold KV" in r.json()["error"]["message"]
 
 
@@ -177,14 +197,25 @@ def test_lease_table_frees_on_ack_and_expiry_but_never_under_a_pull():
 
 
 def test_transfer_params_parse_and_reject():
-    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "10.0.0.1", "remote_port": 9000,
-            "connector": "tcp", "compat_hash": "h", "block_size": 16, "lease_seconds": 30,
-            "prompts": [{"remote_request_id": "r", "remote_block_ids": [3, 4], "num_tokens": 20, "prompt_hash": "x"}]}
+    good = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_host": "10.0.0.1",
+        "remote_port": 9000,
+        "connector": "tcp",
+        "compat_hash": "h",
+        "block_size": 16,
+        "lease_seconds": 30,
+        "prompts": [{"remote_request_id": "r", "remote_block_ids": [3, 4], "num_tokens": 20, "prompt_hash": "x"}],
+    }
     params = KVTransferParams.from_json(good)
     assert params.to_json() == dict(good, lease_seconds=30.0)
-    for bad, msg in [({**good, "remote_port": "9000"}, "remote_port"), ({**good, "prompts": []}, "empty"),
-                     ({**good, "prompts": [{**good["prompts"][0], "num_tokens": 40}]}, "cannot hold"),
-                     ({**good, "prompts": [{**good["prompts"][0], "remote_block_ids": [-1]}]}, "non-negative")]:
+    for bad, msg in [
+        ({**good, "remote_port": "9000"}, "remote_port"),
+        ({**good, "prompts": []}, "empty"),
+        ({**good, "prompts": [{**good["prompts"][0], "num_tokens": 40}]}, "cannot hold"),
+        ({**good, "prompts": [{**good["prompts"][0], "remote_block_ids": [-1]}]}, "non-negative"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             KVTransferParams.from_json(bad)
 
@@ -193,6 +224,10 @@ def test_compat_hash_covers_the_layout():
     from pdfleet_worker.engine.kv_layout import KVLayout
 
     base = KVLayout("m", "float32", "auto", 4, 4, 32, 16)
-    others = [KVLayout("m", "float32", "auto", 4, 4, 32, 8), KVLayout("m", "bfloat16", "auto", 4, 4, 32, 16),
-              KVLayout("m", "float32", "int8", 4, 4, 32, 16), KVLayout("m", "float32", "auto", 4, 2, 32, 16)]
+    others = [
+        KVLayout("m", "float32", "auto", 4, 4, 32, 8),
+        KVLayout("m", "bfloat16", "auto", 4, 4, 32, 16),
+        KVLayout("m", "float32", "int8", 4, 4, 32, 16),
+        KVLayout("m", "float32", "auto", 4, 2, 32, 16),
+    ]
     assert len({base.compat_hash, *(o.compat_hash for o in others)}) == 5

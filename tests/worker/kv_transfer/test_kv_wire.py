@@ -1,4 +1,5 @@
 """The KV path at wire speed: block bytes sent straight from a pool's block tensors and received straight into another's (exact bytes in wire order, contiguous, fragmented and gathered ranges, int8 scales, partial socket reads and writes), a pull through the TCP connector written in place, and a decode worker that keeps an aborted request's blocks until its pull has ended."""
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,12 @@ def make_pool(num_blocks: int, *, int8: bool = False, layers: int = 3, seed: int
     out = []
     for _ in range(layers):
         if int8:
-            out.append({"kv": torch.randint(-127, 127, (2, 4, num_blocks, 16, 32), dtype=torch.int8, generator=g),
-                        "scale": torch.rand(2, 4, num_blocks, generator=g)})
+            out.append(
+                {
+                    "kv": torch.randint(-127, 127, (2, 4, num_blocks, 16, 32), dtype=torch.int8, generator=g),
+                    "scale": torch.rand(2, 4, num_blocks, generator=g),
+                }
+            )
         else:
             out.append({"kv": torch.randn(2, 4, num_blocks, 16, 32, generator=g)})
     return KVPool(out)
@@ -53,7 +58,9 @@ def test_views_carry_exactly_the_blocks_in_wire_order(kind, int8):
     before = [{k: t.clone() for k, t in layer.items()} for layer in dst.layers]
     # The byte stream is what export_kv's tensors concatenated hold.
     sent = b"".join(bytes(v) for views in src.send_layers(ids) for v in views)
-    expected = b"".join(bytes(blocks.byte_view(t.contiguous())) for layer in blocks_of(src, ids) for t in layer.values())
+    expected = b"".join(
+        bytes(blocks.byte_view(t.contiguous())) for layer in blocks_of(src, ids) for t in layer.values()
+    )
     assert sent == expected
     a, b = socket.socketpair()
     with a, b:
@@ -68,8 +75,11 @@ def test_views_carry_exactly_the_blocks_in_wire_order(kind, int8):
         for name in want:
             assert torch.equal(got[name], want[name]), name
     untouched = sorted(set(range(300)) - set(dest))
-    assert all(torch.equal(layer[k].index_select(2, torch.tensor(untouched)), old[k].index_select(2, torch.tensor(untouched)))
-               for layer, old in zip(dst.layers, before) for k in layer), "bytes landed outside the destination blocks"
+    assert all(
+        torch.equal(layer[k].index_select(2, torch.tensor(untouched)), old[k].index_select(2, torch.tensor(untouched)))
+        for layer, old in zip(dst.layers, before)
+        for k in layer
+    ), "bytes landed outside the destination blocks"
 
 
 class Trickle:
@@ -98,7 +108,7 @@ class Trickle:
         n = 0
         for v in views:
             take = min(len(v), self.step - n, len(self.data) - self.pos)
-            v[:take] = self.data[self.pos:self.pos + take]
+            v[:take] = self.data[self.pos : self.pos + take]
             self.pos += take
             n += take
             if n == self.step or self.pos == len(self.data):
@@ -123,7 +133,9 @@ def _serving(pool: KVPool, held: list[int]) -> tuple[TcpKVConnector, LeaseTable,
     leases.add("req-1", held, len(held) * 16)
     server = TcpKVConnector("127.0.0.1", 0, peers=KVPeers.from_spec("127.0.0.1"))
     host, port = server.serve(leases, pool, "hash")
-    params = KVTransferParams("e", host, port, "tcp", "hash", 16, 30.0, [RemotePrompt("req-1", held, len(held) * 16, "h")])
+    params = KVTransferParams(
+        "e", host, port, "tcp", "hash", 16, 30.0, [RemotePrompt("req-1", held, len(held) * 16, "h")]
+    )
     return server, leases, freed, params
 
 
@@ -171,15 +183,26 @@ def frozen_pair(logdir, model_dir):
 def test_an_aborted_request_keeps_its_blocks_until_its_pull_ends(frozen_pair):
     p, d = frozen_pair
     prompt = [random.Random(6).randrange(4, 4096) for _ in range(80)]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    params = httpx.post(f"{p.url}/v1/completions", json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
-                        timeout=30).json()["kv_transfer_params"]
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    params = httpx.post(
+        f"{p.url}/v1/completions",
+        json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        timeout=30,
+    ).json()["kv_transfer_params"]
     total = d.load()["total_blocks"]
     p.signal(signal.SIGSTOP)  # its kernel still accepts: the pull starts and waits for the answer
     try:
-        with httpx.Client(timeout=60) as client, client.stream(
-                "POST", f"{d.url}/v1/completions", json=dict(body, stream=True, kv_transfer_params=params)):
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{d.url}/v1/completions", json=dict(body, stream=True, kv_transfer_params=params)),
+        ):
             wait_until(lambda: d.load()["waiting_for_remote_kv"] == 1, what="the pull in progress")
         # The client left: its request is aborted and answered, but the pull still owns the blocks it writes into.
         wait_until(lambda: d.load()["inflight"] == 0, what="the aborted request's handler done")
@@ -194,8 +217,11 @@ def test_an_aborted_request_keeps_its_blocks_until_its_pull_ends(frozen_pair):
     wait_until(lambda: pool_whole(d), timeout=30, what="decode blocks freed once the pull ended")
     wait_until(lambda: pool_whole(p), timeout=30, what="the lease acked")
     again = dict(body, prompt=prompt[:-1] + [5])
-    params = httpx.post(f"{p.url}/v1/completions", json=dict(again, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
-                        timeout=30).json()["kv_transfer_params"]
+    params = httpx.post(
+        f"{p.url}/v1/completions",
+        json=dict(again, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        timeout=30,
+    ).json()["kv_transfer_params"]
     pd = httpx.post(f"{d.url}/v1/completions", json=dict(again, kv_transfer_params=params), timeout=30).json()
     colo = httpx.post(f"{p.url}/v1/completions", json=again, timeout=30).json()
     assert pd["choices"][0]["token_ids"] == colo["choices"][0]["token_ids"]

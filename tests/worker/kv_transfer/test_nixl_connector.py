@@ -3,6 +3,7 @@
 What ran: nixl-cu12 1.5.1 from the main virtualenv (`make test` installs it), its UCX picking shared memory
 and TCP on lo. What did not: NIXL between hosts, RDMA, GPU memory (VRAM registration is written, not run).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,9 @@ from pdfleet_worker.kv_transfer.params import KVTransferParams
 from pdfleet_worker.kv_transfer.peers import KVPeers
 from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 from pdfleet_worker.wire import auth
-from tests.worker.processes import AUTH, MODEL, authenticated, pool_whole, router, start_all, wait_until, worker
-from tests.worker.kv_transfer.test_kv_transfer import BLOCK, BYTES_PER_BLOCK, sample
 from tests.support.components import missing
+from tests.worker.kv_transfer.test_kv_transfer import BLOCK, BYTES_PER_BLOCK, sample
+from tests.worker.processes import AUTH, MODEL, authenticated, pool_whole, router, start_all, wait_until, worker
 
 # NOTE: UCX on one host uses shared memory and TCP; pinned to lo so its TCP stays on this machine (FACTS.md).
 UCX_ENV = {"UCX_NET_DEVICES": "lo"}
@@ -36,10 +37,16 @@ def require_nixl() -> None:
 def nixl(logdir, model_dir, token_file):
     """(NIXL prefill, NIXL decode, TCP worker of role both, router over the NIXL pair), all with the token."""
     require_nixl()
-    p = authenticated(worker(logdir, model_dir, "prefill", "--kv-connector", "nixl", "--kv-lease", "30s",
-                             name="nixl-prefill"), token_file)
-    d = authenticated(worker(logdir, model_dir, "decode", "--kv-connector", "nixl", "--kv-transfer-timeout", "20s",
-                             name="nixl-decode"), token_file)
+    p = authenticated(
+        worker(logdir, model_dir, "prefill", "--kv-connector", "nixl", "--kv-lease", "30s", name="nixl-prefill"),
+        token_file,
+    )
+    d = authenticated(
+        worker(
+            logdir, model_dir, "decode", "--kv-connector", "nixl", "--kv-transfer-timeout", "20s", name="nixl-decode"
+        ),
+        token_file,
+    )
     t = authenticated(worker(logdir, model_dir, "both", "--kv-lease", "30s", name="tcp-both"), token_file)
     for proc in (p, d, t):
         proc.env = dict(UCX_ENV)
@@ -54,8 +61,15 @@ def nixl(logdir, model_dir, token_file):
 
 
 def body(prompt, **extra) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -76,8 +90,12 @@ def transfers(proc) -> dict:
 
 def failures(proc) -> float:
     """Failed or refused pulls of every reason."""
-    return sum(s.value for fam in text_string_to_metric_families(proc.metrics_text()) for s in fam.samples
-               if s.name == m.KV_TRANSFER_FAILURES_TOTAL.name)
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(proc.metrics_text())
+        for s in fam.samples
+        if s.name == m.KV_TRANSFER_FAILURES_TOTAL.name
+    )
 
 
 def test_pd_through_the_router_moves_every_kv_as_a_nixl_read_and_tokens_equal_colocated(nixl):
@@ -103,12 +121,17 @@ def test_tcp_and_nixl_workers_pull_from_each_other(nixl):
     p, d, t, _ = nixl
     for source, puller, path in ((p, t, "tcp"), (t, d, "tcp")):
         prompt = prompt_of(70, seed=50)
-        params = httpx.post(f"{source.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
-                            headers=AUTH, timeout=60).json()["kv_transfer_params"]
+        params = httpx.post(
+            f"{source.url}/v1/completions",
+            json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
+            headers=AUTH,
+            timeout=60,
+        ).json()["kv_transfer_params"]
         assert params["connector"] == source.load()["kv_connector"]
         before = transfers(puller).get(path, 0)
-        answer = httpx.post(f"{puller.url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH,
-                            timeout=60)
+        answer = httpx.post(
+            f"{puller.url}/v1/completions", json=body(prompt, kv_transfer_params=params), headers=AUTH, timeout=60
+        )
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["token_ids"] == whole(source, prompt)
         assert transfers(puller).get(path, 0) == before + 1, f"{puller.name} did not pull from {source.name}"
@@ -122,9 +145,14 @@ def test_a_nixl_read_carries_the_bytes_a_tcp_pull_does_and_needs_the_token(nixl,
         monkeypatch.setenv(key, value)
     p = nixl[0]
     prompt = prompt_of(90, seed=60)
-    params = KVTransferParams.from_json(httpx.post(
-        f"{p.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}), headers=AUTH,
-        timeout=60).json()["kv_transfer_params"])
+    params = KVTransferParams.from_json(
+        httpx.post(
+            f"{p.url}/v1/completions",
+            json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
+            headers=AUTH,
+            timeout=60,
+        ).json()["kv_transfer_params"]
+    )
     assert params.connector == "nixl"
     n = len(params.prompts[0].block_ids)
     peers = KVPeers.from_spec("127.0.0.1")
@@ -135,8 +163,9 @@ def test_a_nixl_read_carries_the_bytes_a_tcp_pull_does_and_needs_the_token(nixl,
     token = auth.token_file(token_file)
     read = NixlKVConnector(token=token, peers=peers)
     via_nixl = read.pull(params, params.prompts[0], 1, list(range(n - 1)), params.compat_hash, 10)
-    via_tcp = TcpKVConnector(token=token, peers=peers).pull(params, params.prompts[0], 1, list(range(n - 1)),
-                                                            params.compat_hash, 10)
+    via_tcp = TcpKVConnector(token=token, peers=peers).pull(
+        params, params.prompts[0], 1, list(range(n - 1)), params.compat_hash, 10
+    )
     assert read.transfers == {"nixl": 1} and via_nixl.nbytes == via_tcp.nbytes == (n - 1) * BYTES_PER_BLOCK
     for a, b in zip(via_nixl.layers, via_tcp.layers):
         assert torch.equal(a["kv"], b["kv"])

@@ -1,4 +1,5 @@
 """Attention and KV-cache kernels in isolation: int8 per-block scales, and paths that must agree."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,8 @@ def test_int8_cache_grows_block_scales_and_requantizes():
         ref[:, bs + i] = k[0]
     k, _ = gather_kv(cache, torch.tensor([1]), torch.float32)  # [Hkv, bs, D]
     scale = cache.k_scale[:, 1]
-    assert torch.allclose(scale, ref[:, bs:2 * bs].abs().amax((-1, -2)) / 127)
-    err = (k - ref[:, bs:2 * bs]).abs().amax((-1, -2))
+    assert torch.allclose(scale, ref[:, bs : 2 * bs].abs().amax((-1, -2)) / 127)
+    err = (k - ref[:, bs : 2 * bs]).abs().amax((-1, -2))
     assert bool((err <= scale * 2.01).all()), (err, scale)  # <= 2 rounding steps after requantizing
     # Reusing a block (write at offset 0) starts its scale afresh.
     small = torch.full((1, h, d), 0.01)
@@ -45,10 +46,17 @@ def _decode_meta(backend: str, table: list[int], ctx: int, bs: int, fast: bool) 
     """Metadata of one decode at position ctx - 1: with the lone-decode shortcuts or the general form."""
     block, offset = table[(ctx - 1) // bs], (ctx - 1) % bs
     mask = None if fast else (torch.arange(len(table) * bs) < ctx)[None, None, None, :]
-    return AttentionMetadata(backend=backend, slot_mapping=torch.tensor([block * bs + offset]), num_decodes=1,
-                             decode_block_tables=torch.tensor([table]), decode_context_lens=torch.tensor([ctx]),
-                             decode_mask=mask, prefills=[], lone_decode_len=ctx if fast else 0,
-                             one_slot=(block, offset) if fast else None)
+    return AttentionMetadata(
+        backend=backend,
+        slot_mapping=torch.tensor([block * bs + offset]),
+        num_decodes=1,
+        decode_block_tables=torch.tensor([table]),
+        decode_context_lens=torch.tensor([ctx]),
+        decode_mask=mask,
+        prefills=[],
+        lone_decode_len=ctx if fast else 0,
+        one_slot=(block, offset) if fast else None,
+    )
 
 
 def test_lone_decode_shortcuts_match_the_general_path():
@@ -76,8 +84,11 @@ def test_runner_takes_lone_decode_shortcuts_only_for_one_sequence(llama, make_en
     runner = make_engine(llama.path, block_size=4).model_runner
 
     def meta_for(*tables):
-        chunks = [ScheduledChunk(f"r{i}", [1], 9, t, True, SamplingParams(max_tokens=1), 0) for i, t in enumerate(tables)]
+        chunks = [
+            ScheduledChunk(f"r{i}", [1], 9, t, True, SamplingParams(max_tokens=1), 0) for i, t in enumerate(tables)
+        ]
         return runner._prepare(chunks)[2]
+
     one = meta_for([5, 7, 6])
     assert (one.lone_decode_len, one.one_slot, one.decode_mask) == (10, (6, 1), None)
     two = meta_for([5, 7, 6], [8, 9, 10])

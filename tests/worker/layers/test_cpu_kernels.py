@@ -1,4 +1,5 @@
 """The C++ CPU kernels (layers/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
+
 from __future__ import annotations
 
 import fcntl
@@ -14,7 +15,9 @@ from pdfleet_worker.layers.attention import KVCache, gather_kv, write_kv
 from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.oracle import MAX_NEW, compare, random_prompts, run_and_capture
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="no C++ compiler: the engine runs without the kernels"
+)
 
 
 def _reference(q: torch.Tensor, cache: KVCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def test_paged_decode_matches_gather_and_sdpa(dtype, atol, hq, hkv, d, bs):
     heads = torch.randn(len(lens), hq + 2 * hkv, d, generator=g).to(qdtype)
     q = heads[:, :hq]  # [B, Hq, D], rows hq + 2 hkv heads apart
     out = torch.full_like(q, float("nan"))
-    torch.ops.pdfleet.paged_decode_attention(out, q, cache.kv, cache.scale, tables, lens, d ** -0.5)
+    torch.ops.pdfleet.paged_decode_attention(out, q, cache.kv, cache.scale, tables, lens, d**-0.5)
     want = _reference(q, cache, tables, lens)
     assert out.dtype == qdtype and not out.isnan().any()
     assert torch.allclose(out.float(), want, atol=atol, rtol=0), float((out.float() - want).abs().max())
@@ -65,9 +68,9 @@ def test_paged_decode_ignores_what_lies_past_each_context():
     tables, lens = torch.tensor([[5, 2, 7]]), torch.tensor([6])
     want = _reference(torch.ones(1, 4, 32), cache, tables, lens)
     cache.kv[:, :, 2, 2:] = float("inf")  # the second block's unused half
-    cache.kv[:, :, 7] = float("inf")      # the block past the context
+    cache.kv[:, :, 7] = float("inf")  # the block past the context
     out = torch.empty(1, 4, 32)
-    torch.ops.pdfleet.paged_decode_attention(out, torch.ones(1, 4, 32), cache.kv, None, tables, lens, 32 ** -0.5)
+    torch.ops.pdfleet.paged_decode_attention(out, torch.ones(1, 4, 32), cache.kv, None, tables, lens, 32**-0.5)
     assert torch.allclose(out, want, atol=2e-6)
 
 
@@ -76,8 +79,15 @@ def test_paged_decode_ignores_what_lies_past_each_context():
 def test_paged_decode_refuses_lengths_its_table_cannot_hold(lens, error):
     cache = _pool(1, 4, 4, 16, torch.float32, seed=0)
     with pytest.raises(RuntimeError, match=error):
-        torch.ops.pdfleet.paged_decode_attention(torch.empty(1, 1, 16), torch.ones(1, 1, 16), cache.kv, None,
-                                                 torch.tensor([[0, 1, 2]]), torch.tensor(lens), 0.25)
+        torch.ops.pdfleet.paged_decode_attention(
+            torch.empty(1, 1, 16),
+            torch.ones(1, 1, 16),
+            cache.kv,
+            None,
+            torch.tensor([[0, 1, 2]]),
+            torch.tensor(lens),
+            0.25,
+        )
 
 
 @needs_kernels
@@ -153,19 +163,24 @@ def test_concurrent_builders_compile_once(tmp_path, monkeypatch):
     assert len(compiled) == 1 and results == [compiled[0]] * 2 and compiled[0].read_bytes() == b"library"
 
 
-@pytest.mark.parametrize("setting,threads,allowed,want", [
-    ("auto", 2, {0, 1}, [0, 1]),          # a machine (or cpuset) of its own: bind
-    ("auto", 2, {0, 1, 2, 3}, []),        # cores shared with others: leave placement to the kernel
-    ("off", 2, {0, 1}, []),
-    ("2-3", 2, {0, 1, 2, 3}, [2, 3]),
-    ("1,3", 2, {0, 1, 2, 3}, [1, 3]),
-])
+@pytest.mark.parametrize(
+    "setting,threads,allowed,want",
+    [
+        ("auto", 2, {0, 1}, [0, 1]),  # a machine (or cpuset) of its own: bind
+        ("auto", 2, {0, 1, 2, 3}, []),  # cores shared with others: leave placement to the kernel
+        ("off", 2, {0, 1}, []),
+        ("2-3", 2, {0, 1, 2, 3}, [2, 3]),
+        ("1,3", 2, {0, 1, 2, 3}, [1, 3]),
+    ],
+)
 def test_cores_to_bind(setting, threads, allowed, want):
     assert cpu_kernels.cores_to_bind(setting, threads, allowed) == want
 
 
-@pytest.mark.parametrize("setting,error", [("0-5", "cores \\[2, 3, 4, 5\\] are not allowed"), ("a-b", "not a core list"),
-                                           ("3-1", "not a core list")])
+@pytest.mark.parametrize(
+    "setting,error",
+    [("0-5", "cores \\[2, 3, 4, 5\\] are not allowed"), ("a-b", "not a core list"), ("3-1", "not a core list")],
+)
 def test_cores_to_bind_refuses(setting, error):
     with pytest.raises(ValueError, match=error):
         cpu_kernels.cores_to_bind(setting, 2, {0, 1})

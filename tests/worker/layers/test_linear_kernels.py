@@ -1,5 +1,6 @@
 """The CPU linear kernel choice (layers/packed_linear.py): the rule, the probe's bookkeeping, the
 override, and both kernels token-exact against the transformers oracle. No timing is asserted."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,8 @@ def _toy() -> nn.Module:
 
 def test_decide_is_the_geometric_mean_below_one():
     assert packed_linear.decide([0.5]) == "onednn"
-    assert packed_linear.decide([2.0, 0.4]) == "onednn"     # mean of logs: 0.8
-    assert packed_linear.decide([2.0, 0.5]) == "torch"      # exactly 1: no reason to pack
+    assert packed_linear.decide([2.0, 0.4]) == "onednn"  # mean of logs: 0.8
+    assert packed_linear.decide([2.0, 0.5]) == "torch"  # exactly 1: no reason to pack
     assert packed_linear.decide([1.5, 0.9, 0.9]) == "torch"
     with pytest.raises(AssertionError):
         packed_linear.decide([])

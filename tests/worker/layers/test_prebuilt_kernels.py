@@ -1,5 +1,6 @@
 """CPU kernels built with the image (layers/prebuilt_kernels.py): one library per ISA level compiled ahead of time,
 the best one this CPU runs loaded at start by a worker that has no compiler (the image has none)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,27 @@ import pytest
 from pdfleet_worker.layers import prebuilt_kernels as pk
 from tests.support.components import free_port
 
-V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe",
-      "xsave", "abm", "sse4_1", "sse4_2", "ssse3", "popcnt", "cx16"}
+V4 = {
+    "avx512f",
+    "avx512bw",
+    "avx512cd",
+    "avx512dq",
+    "avx512vl",
+    "avx",
+    "avx2",
+    "bmi1",
+    "bmi2",
+    "f16c",
+    "fma",
+    "movbe",
+    "xsave",
+    "abm",
+    "sse4_1",
+    "sse4_2",
+    "ssse3",
+    "popcnt",
+    "cx16",
+}
 AVX2_ONLY = V4 - {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 LEVELS = ["x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64"]
 
@@ -54,22 +74,54 @@ def test_a_worker_with_no_compiler_on_path_loads_the_prebuilt_kernels(tmp_path) 
     kernels = tmp_path / "kernels"
     (built,) = pk.build(kernels, only=[level])
     model = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "pdfleet_operator.cli", "model", "init", str(model), "--preset", "tiny"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pdfleet_operator.cli", "model", "init", str(model), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     bare = tmp_path / "bin"  # PATH holds nothing: no g++, c++ or cc
     bare.mkdir()
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC", "PDFLEET_CPU_KERNELS")}
-    env.update({"PATH": str(bare), "HOME": str(tmp_path / "home"), "PDFLEET_KERNEL_CACHE": str(cache),
-                pk.ENV: str(kernels), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "PATH": str(bare),
+            "HOME": str(tmp_path / "home"),
+            "PDFLEET_KERNEL_CACHE": str(cache),
+            pk.ENV: str(kernels),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     assert shutil.which("g++", path=env["PATH"]) is None and shutil.which("c++", path=env["PATH"]) is None
     port = free_port()
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdfleet_operator.cli", "worker", "--model", str(model),
-                                 "--device", "cpu", "--num-kv-blocks", "64", "--host", "127.0.0.1", "--port", str(port),
-                                 "--log-level", "info"], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdfleet_operator.cli",
+                "worker",
+                "--model",
+                str(model),
+                "--device",
+                "cpu",
+                "--num-kv-blocks",
+                "64",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "info",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -81,8 +133,11 @@ def test_a_worker_with_no_compiler_on_path_loads_the_prebuilt_kernels(tmp_path) 
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": "tiny", "prompt": "hello kernels", "max_tokens": 8, "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "hello kernels", "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert str(built) in maps, "the prebuilt library is mapped into the worker"

@@ -1,5 +1,6 @@
 """Weight-only INT8 (engine.quantization int8): quantization, the loader from an HF checkpoint, and the int8
 engine against the same engine on the dequantized weights (what int8 should compute, exactly)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,8 @@ def test_the_loader_quantizes_every_linear_from_the_hf_checkpoint(tiny):
                     want_q, want_s = ql.quantize_rows(f.get_tensor(name))
                     layer = q8.layers[1].self_attn.qkv_proj
                     kv = cfg.num_kv_heads * cfg.head_dim
-                    assert torch.equal(layer.qweight[qrows:qrows + kv], want_q)
-                    assert torch.equal(layer.scale[qrows:qrows + kv], want_s)
+                    assert torch.equal(layer.qweight[qrows : qrows + kv], want_q)
+                    assert torch.equal(layer.scale[qrows : qrows + kv], want_s)
     if cfg.tie_word_embeddings:  # the LM head: its own int8 copy of the embedding table
         want_q, _ = ql.quantize_rows(fp.embed_tokens.weight)
         assert torch.equal(q8.lm_head.qweight, want_q)
@@ -117,15 +118,19 @@ def test_dequant_rows_are_chosen_per_shape_by_timing_both_paths():
     module of that shape; each module then takes the int8 kernel below it and the widened GEMM from it,
     and both compute x times the dequantized weight. Which count wins is the machine's business."""
     g = torch.Generator().manual_seed(2)
-    model = torch.nn.Sequential(ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
-                                ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
-                                ql.Int8Linear(96, 32, bias=False, dtype=torch.float32))
+    model = torch.nn.Sequential(
+        ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
+        ql.Int8Linear(64, 96, bias=False, dtype=torch.float32),
+        ql.Int8Linear(96, 32, bias=False, dtype=torch.float32),
+    )
     for m in model:
         m.fill_rows(None, torch.randn(m.out_features, m.in_features, generator=g) * 0.05)
     chosen = ql.choose_dequant_rows(model, rows=(2, 8, 32))
     assert set(chosen) == {(64, 96), (96, 32)}
     assert all(v in (2, 8, 32, 64) for v in chosen.values())
-    assert model[0].dequant_rows == model[1].dequant_rows == chosen[(64, 96)] and model[2].dequant_rows == chosen[(96, 32)]
+    assert (
+        model[0].dequant_rows == model[1].dequant_rows == chosen[(64, 96)] and model[2].dequant_rows == chosen[(96, 32)]
+    )
     with torch.inference_mode():
         for rows in (1, chosen[(64, 96)] - 1, chosen[(64, 96)]):
             x = torch.randn(max(rows, 1), 64, generator=g)

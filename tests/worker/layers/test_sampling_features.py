@@ -1,4 +1,5 @@
 """The sampler's features (issue 27) held to transformers: logit_bias, repetition/presence/frequency penalties, min_tokens, temperature, top-k, top-p and min-p on a mixed batch, exact against transformers' LogitsProcessors step after step; greedy generation with them token-exact against HF generate; seeds; prompt logprobs against HF's forward pass, through chunked prefill, a warm prefix cache and preemption."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,12 +23,17 @@ def _reference(scores: torch.Tensor, prompt: list[int], outputs: list[int], p: S
     if p.repetition_penalty != 1.0:
         x = hf.RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty))(ids, x)
     if p.presence_penalty or p.frequency_penalty:
-        counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=V).unsqueeze(0) if outputs \
+        counts = (
+            torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=V).unsqueeze(0)
+            if outputs
             else torch.zeros(1, V, dtype=torch.int64)
+        )
         x = x - torch.tensor([[p.frequency_penalty]]) * counts.int()
         x = x - torch.tensor([[p.presence_penalty]]) * (counts > 0)
     if p.min_tokens:
-        x = hf.MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, [EOS] + list(p.stop_token_ids or ()))(ids, x)
+        x = hf.MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, [EOS] + list(p.stop_token_ids or ()))(
+            ids, x
+        )
     if not p.greedy:
         if p.temperature != 1.0:
             x = hf.TemperatureLogitsWarper(float(p.temperature))(ids, x)
@@ -46,8 +52,17 @@ MIXED = [
     SamplingParams(temperature=1.1, presence_penalty=0.5, frequency_penalty=0.8, top_p=0.9),
     SamplingParams(temperature=1.3, min_tokens=3, stop_token_ids=[9, 10], min_p=0.1),
     SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=-0.4),
-    SamplingParams(temperature=0.9, logit_bias={2: 4.0}, repetition_penalty=0.8, frequency_penalty=-0.3,
-                   top_k=50, top_p=0.8, min_p=0.05, min_tokens=2, seed=7),
+    SamplingParams(
+        temperature=0.9,
+        logit_bias={2: 4.0},
+        repetition_penalty=0.8,
+        frequency_penalty=-0.3,
+        top_k=50,
+        top_p=0.8,
+        min_p=0.05,
+        min_tokens=2,
+        seed=7,
+    ),
 ]
 
 
@@ -115,8 +130,15 @@ def test_seeded_rows_do_not_depend_on_the_batch_or_the_other_rows():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
     seeded = SamplingParams(temperature=1.0, seed=123)
     alone = [s(logits[:1], ["x"], [seeded], [k])[0].token_id for k in range(20)]
-    mixed = [s(logits, ["x", "y", "z", "w"], [seeded, SamplingParams(), SamplingParams(seed=5), SamplingParams(temperature=0)],
-               [k, 0, 3, 1])[0].token_id for k in range(20)]
+    mixed = [
+        s(
+            logits,
+            ["x", "y", "z", "w"],
+            [seeded, SamplingParams(), SamplingParams(seed=5), SamplingParams(temperature=0)],
+            [k, 0, 3, 1],
+        )[0].token_id
+        for k in range(20)
+    ]
     assert alone == mixed
     assert len(set(alone)) > 5, "draws at different steps differ"
     other = [s(logits[:1], ["x"], [SamplingParams(temperature=1.0, seed=124)], [k])[0].token_id for k in range(20)]
@@ -138,16 +160,20 @@ def test_seeded_draws_follow_the_distribution():
 def _hf_generate(model, prompt: list[int], max_new: int, **kw) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+        out = model.hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kw
+        )
+    return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("kw,hf_kw", [
-    (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
-    (dict(logit_bias={17: 6.0, 40: 3.0}), dict(sequence_bias={(17,): 6.0, (40,): 3.0})),
-    (dict(repetition_penalty=0.7, logit_bias={17: 2.0}), dict(repetition_penalty=0.7, sequence_bias={(17,): 2.0})),
-])
+@pytest.mark.parametrize(
+    "kw,hf_kw",
+    [
+        (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+        (dict(logit_bias={17: 6.0, 40: 3.0}), dict(sequence_bias={(17,): 6.0, (40,): 3.0})),
+        (dict(repetition_penalty=0.7, logit_bias={17: 2.0}), dict(repetition_penalty=0.7, sequence_bias={(17,): 2.0})),
+    ],
+)
 def test_greedy_generation_with_processors_is_token_exact_against_hf_generate(tiny, make_engine, kw, hf_kw):
     eng = make_engine(tiny.path, max_num_batched_tokens=16)
     prompts = random_prompts(4, 3, 20, seed=5)
@@ -168,7 +194,7 @@ def test_min_tokens_holds_eos_back_like_hf_min_new_tokens(llama, make_engine):
     assert plain.new_token_ids == [eos] and plain.finish_reason == "stop"
     held = eng.generate([prompt], SamplingParams(max_tokens=10, temperature=0, min_tokens=4))[0]
     want = _hf_generate(llama, prompt, 10, min_new_tokens=4, eos_token_id=eos)
-    assert held.new_token_ids == want[:len(held.new_token_ids)] and len(held.new_token_ids) >= 4
+    assert held.new_token_ids == want[: len(held.new_token_ids)] and len(held.new_token_ids) >= 4
     assert eos not in held.new_token_ids[:4]
 
 
@@ -177,8 +203,18 @@ def test_plain_requests_stay_token_exact_with_featured_ones_in_the_batch(tiny, m
     eng = make_engine(tiny.path)
     prompts = random_prompts(4, 3, 16, seed=21)
     plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    busy = SamplingParams(max_tokens=8, temperature=1.2, top_k=30, top_p=0.9, min_p=0.05, repetition_penalty=1.4,
-                          presence_penalty=1.0, logit_bias={3: 5.0}, seed=3, ignore_eos=True)
+    busy = SamplingParams(
+        max_tokens=8,
+        temperature=1.2,
+        top_k=30,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.4,
+        presence_penalty=1.0,
+        logit_bias={3: 5.0},
+        seed=3,
+        ignore_eos=True,
+    )
     outs = eng.generate(prompts + prompts, [plain] * 4 + [busy] * 4)
     for p, out in zip(prompts, outs[:4]):
         assert out.new_token_ids == tiny.oracle(p, 8).tokens
@@ -223,9 +259,14 @@ def test_prompt_logprobs_survive_preemption(llama, make_engine):
 
 
 def test_bad_params_are_refused_naming_the_field(llama, make_engine):
-    for kw, field in [(dict(min_p=1.5), "min_p"), (dict(min_tokens=20, max_tokens=4), "min_tokens"),
-                      (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=float("nan")), "presence_penalty"),
-                      (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(prompt_logprobs=-1), "prompt_logprobs")]:
+    for kw, field in [
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_tokens=20, max_tokens=4), "min_tokens"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     eng = make_engine(llama.path)

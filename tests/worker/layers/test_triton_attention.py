@@ -2,6 +2,7 @@
 
 Triton comes with torch's CUDA wheels; beside the CPU torch it is unpacked into build/triton (`make triton`,
 which `make test` runs) and put on the subprocess's path only, so nothing else in .venv sees it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.oracle import compare, random_prompts
-
 from tests.support.components import missing
+from tests.worker.oracle import compare, random_prompts
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
@@ -29,8 +29,9 @@ def _interpreted(code: str) -> dict:
         if not (UNPACKED / "triton" / "__init__.py").is_file():
             missing("triton")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(UNPACKED), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600, cwd=REPO, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -80,5 +81,6 @@ def test_engine_on_the_paged_backend_matches_transformers(llama):
         print(json.dumps({{"tokens": [o.new_token_ids for o in outs], "logits": [rows[r] for r in ids]}}))
     """)
     import torch
+
     logits = [[torch.tensor(row) for row in rows] for rows in out["logits"]]
     assert compare(llama, prompts, out["tokens"], logits, max_new=6).near_ties <= 1

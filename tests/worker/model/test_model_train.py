@@ -1,5 +1,6 @@
 """`pdfleet model init --train-steps`: a trained checkpoint that loads like any other, a held-out perplexity that
 falls, and the scoring forward (model_train.forward_logits) equal to the engine's own logits."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,27 @@ from tests.worker.oracle import run_and_capture  # noqa: E402
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("trained") / "tiny"
-    result = subprocess.run([sys.executable, "-m", "pdfleet_operator.cli", "model", "init", str(d), "--preset", "tiny",
-                             "--train-steps", "4", "--train-batch", "4", "--train-seq-len", "64"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdfleet_operator.cli",
+            "model",
+            "init",
+            str(d),
+            "--preset",
+            "tiny",
+            "--train-steps",
+            "4",
+            "--train-batch",
+            "4",
+            "--train-seq-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
     return str(d), result.stdout
 
@@ -41,6 +60,7 @@ def test_the_scoring_forward_is_the_engines_network(trained, make_engine):
     prompt = list(range(5, 45))
     eng = make_engine(d, max_num_batched_tokens=64)
     from pdfleet_worker.sampling_params import SamplingParams
+
     _, rows, _ = run_and_capture(eng, [prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     model = load_model(d)
     with torch.inference_mode():

@@ -1,4 +1,5 @@
 """`pdfleet model init`: a regular HF directory (transformers loads it), a real BPE tokenizer, determinism."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,19 @@ from pdfleet_worker import cli
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdfleet_worker.sampling_params import SamplingParams
 
-TEXTS = ["hello world", "def f(x):\n    return x ** 2  # comment", "Größe naïve café — «quotes»",
-         "模型用中文回答问题。", "emoji 🙂🚀 and \u200b zero width", "  leading and trailing  ", "\t\n\r", "ü" * 7,
-         "<|im_start|>user\nhi<|im_end|>", "\U0001F9EC\U00010348 rare planes", "a\x00b"]
+TEXTS = [
+    "hello world",
+    "def f(x):\n    return x ** 2  # comment",
+    "Größe naïve café — «quotes»",
+    "模型用中文回答问题。",
+    "emoji 🙂🚀 and \u200b zero width",
+    "  leading and trailing  ",
+    "\t\n\r",
+    "ü" * 7,
+    "<|im_start|>user\nhi<|im_end|>",
+    "\U0001f9ec\U00010348 rare planes",
+    "a\x00b",
+]
 
 
 def _init(path, *extra) -> int:
@@ -33,8 +44,13 @@ def inited(tmp_path_factory):
 
 
 def test_directory_is_a_regular_hf_model(inited):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert os.path.isfile(os.path.join(inited, name)), name
     hf_tok = transformers.AutoTokenizer.from_pretrained(inited)
     hf = transformers.AutoModelForCausalLM.from_pretrained(inited, dtype=torch.float32)
@@ -45,7 +61,9 @@ def test_directory_is_a_regular_hf_model(inited):
     for t in TEXTS:
         assert ours.encode(t) == hf_tok(t).input_ids
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(msgs) == hf_tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_byte_level_bpe_round_trips_any_utf8(inited):
@@ -58,14 +76,17 @@ def test_byte_level_bpe_round_trips_any_utf8(inited):
         assert tok.decode(ids, skip_special_tokens=False) == t
         # Streaming: token by token, deltas never split a character and add up to the text.
         detok = IncrementalDetokenizer(tok, [])
-        pieces = [detok.step(ids[:i + 1]) for i in range(len(ids))]
+        pieces = [detok.step(ids[: i + 1]) for i in range(len(ids))]
         assert "".join(pieces) == tok.decode(ids), t
         assert all("\ufffd" not in p for p in pieces)
 
 
 def test_init_is_deterministic(tmp_path):
     def digest(path):
-        return {f: hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest() for f in sorted(os.listdir(path))}
+        return {
+            f: hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest() for f in sorted(os.listdir(path))
+        }
+
     _init(tmp_path / "a", "--seed", "5")
     _init(tmp_path / "b", "--seed", "5")
     _init(tmp_path / "c", "--seed", "6")
@@ -82,23 +103,27 @@ def test_engine_on_inited_model_matches_transformers_and_stops_on_strings(inited
     out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     x = torch.tensor([ids])
     ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert out.new_token_ids == ref[0, len(ids):].tolist()
+    assert out.new_token_ids == ref[0, len(ids) :].tolist()
     assert out.new_text == eng.tokenizer.decode(out.new_token_ids)
     # Stop strings: cut the text where a stop string starts, finish with "stop", and what was
     # streamed adds up to the final text (a stop string's beginning is held back, not streamed).
     text = out.new_text
     assert len(text) > 6
     stop = text[3:6]
-    eng.add_request("s", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "\x07never"]))
+    eng.add_request(
+        "s", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "\x07never"])
+    )
     streamed, final = "", None
     while eng.has_unfinished_requests():
         for o in eng.step():
             streamed += o.new_text
             final = o
-    assert final.finish_reason == "stop" and streamed == text[:text.index(stop)]
-    kept = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop],
-                                                 include_stop_str_in_output=True))[0]
-    assert kept.new_text == text[:text.index(stop) + 3]
+    assert final.finish_reason == "stop" and streamed == text[: text.index(stop)]
+    kept = eng.generate(
+        [prompt],
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0]
+    assert kept.new_text == text[: text.index(stop) + 3]
 
 
 def test_qwen2_arch_and_bf16_init_load_in_transformers(tmp_path, make_engine):
@@ -112,6 +137,9 @@ def test_qwen2_arch_and_bf16_init_load_in_transformers(tmp_path, make_engine):
 def test_cli_module_does_not_import_torch():
     import subprocess
     import sys
-    code = ("import sys, argparse; from pdfleet_worker import cli; p = argparse.ArgumentParser();"
-            "cli.register(p.add_subparsers()); assert 'torch' not in sys.modules, 'torch imported'")
+
+    code = (
+        "import sys, argparse; from pdfleet_worker import cli; p = argparse.ArgumentParser();"
+        "cli.register(p.add_subparsers()); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,6 +2,7 @@
 streaming clients: each stream in flight ends with an error event (never a hang), and every request after it is served
 whole by the prefill worker (counted), with the tokens a colocated worker gives, until the decode worker is back. A
 decode worker that hangs (SIGSTOP) ends its streams after three missed heartbeats. Real processes."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -12,8 +13,8 @@ import openai
 import pytest
 
 from pdfleet_worker import metrics as m
-from tests.worker.processes import MODEL, router, start_all, wait_until, worker, worker_urls
 from tests.worker.kv_transfer.test_kv_transfer import fresh_prompt, sample
+from tests.worker.processes import MODEL, router, start_all, wait_until, worker, worker_urls
 
 
 def client(url: str) -> openai.OpenAI:
@@ -23,8 +24,9 @@ def client(url: str) -> openai.OpenAI:
 def stream_until_cut(url: str, prompt: list[int], chunks: list) -> BaseException | None:
     """Stream a long answer; returns the error that ended it (None if it finished)."""
     try:
-        for chunk in client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=1900, temperature=0,
-                                                    stream=True, extra_body={"ignore_eos": True}):
+        for chunk in client(url).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        ):
             chunks.append(chunk)
     except openai.APIError as e:
         return e
@@ -33,8 +35,9 @@ def stream_until_cut(url: str, prompt: list[int], chunks: list) -> BaseException
 
 def answer(url: str, prompt: list[int], stream: bool) -> tuple[dict, str]:
     """(headers, text) of a greedy 8-token answer."""
-    raw = client(url).completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                                           stream=stream, extra_body={"ignore_eos": True})
+    raw = client(url).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream, extra_body={"ignore_eos": True}
+    )
     parsed = raw.parse()
     text = "".join(c.choices[0].text for c in parsed if c.choices) if stream else parsed.choices[0].text
     return dict(raw.headers), text
@@ -73,19 +76,27 @@ def test_the_only_decode_worker_killed_under_four_streams(pd, pipeline, logdir, 
         headers, text = answer(r.url, prompt, stream=i % 2 == 1)
         assert headers["x-pdfleet-decode"] == "local", headers
         assert worker_urls(r)[headers["x-pdfleet-prefill"]] == p.url
-        assert text == answer(pipeline.colo.url, prompt, stream=False)[1], "the prefill worker's own decode, same tokens"
+        assert text == answer(pipeline.colo.url, prompt, stream=False)[1], (
+            "the prefill worker's own decode, same tokens"
+        )
     text = r.metrics_text()
     assert sample(text, m.ROUTER_PD_FALLBACKS_TOTAL.name, tier="default", reason="no_decode") == 6
-    wait_until(lambda: sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="200", tier="default") == 6,
-               timeout=5, what="the 6 answers counted")
+    wait_until(
+        lambda: sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="200", tier="default") == 6,
+        timeout=5,
+        what="the 6 answers counted",
+    )
     assert sample(text, m.ROUTER_REQUESTS_TOTAL.name, code="503", tier="default") == 0
     assert sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="502", tier="default") == 4  # the cut streams
     # The decode worker back on its port: PD again
     back = worker(logdir, model_dir, "decode", name="either-decode-back", port=d.port)
     pd["procs"].append(back)
     start_all(back)
-    wait_until(lambda: any(w["url"] == back.url and w["healthy"] for w in httpx.get(f"{r.url}/workers").json()["workers"]),
-               timeout=30, what="the decode worker back in rotation")
+    wait_until(
+        lambda: any(w["url"] == back.url and w["healthy"] for w in httpx.get(f"{r.url}/workers").json()["workers"]),
+        timeout=30,
+        what="the decode worker back in rotation",
+    )
     headers, text = answer(r.url, fresh_prompt(20, seed=130), stream=True)
     assert headers["x-pdfleet-decode"] != "local" and headers["x-pdfleet-prefill"] != "local"
 

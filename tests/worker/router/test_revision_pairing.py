@@ -2,6 +2,7 @@
 headers and a sample of every tensor), so two checkpoints under the same directory name never exchange KV: a mismatched
 pull is refused and recomputed on the decode worker, counted; the router sends a request's prefill and decode to
 workers of one revision and layout, else lets the decode worker prefill. Pure checks, then real processes."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from pdfleet_worker import metrics as m
 from pdfleet_worker.engine.kv_layout import SAMPLE_BYTES, KVLayout, weights_digest
 from pdfleet_worker.kv_transfer import connector as c
 from pdfleet_worker.router import pairing
-from tests.worker.processes import MODEL, pool_whole, router, start_all, wait_until, worker, worker_urls
 from tests.worker.kv_transfer.test_kv_transfer import fresh_prompt, sample
+from tests.worker.processes import MODEL, pool_whole, router, start_all, wait_until, worker, worker_urls
 
 
 def new_weights(model_dir: str, dest: Path, seed: int) -> str:
@@ -47,6 +48,7 @@ def revisions(model_dir, tmp_path_factory) -> tuple[str, str]:
 
 # --- pure ------------------------------------------------------------------------------------------
 
+
 def test_the_digest_sees_the_weights_not_the_directory_name(revisions, tmp_path):
     one, two = revisions
     assert os.path.basename(one) == os.path.basename(two) == "model"
@@ -75,6 +77,7 @@ def test_the_layout_hash_covers_weights_and_quantization():
 def test_pairing_plans_by_revision_and_layout():
     def load(rev, compat):
         return {"revision": rev, "compat_hash": compat}
+
     plan = pairing.plan([load("1", "a"), load("2", "b")], [load("2", "b")])
     assert plan.paired and plan.allows(load("2", "b")) and not plan.allows(load("1", "a"))
     # the same layout under another revision is no pair (a revision may change more than the weights)
@@ -91,6 +94,7 @@ def test_pairing_plans_by_revision_and_layout():
 
 
 # --- real processes ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fleet(logdir, revisions):
@@ -111,8 +115,13 @@ def fleet(logdir, revisions):
 
 def greedy(url: str, prompt: list[int], **body) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True, **body}).choices[0].text
+    return (
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, **body}
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_load_reports_the_revision_and_the_weights(fleet, revisions):
@@ -130,8 +139,11 @@ def test_kv_of_other_weights_is_refused_and_recomputed_on_decode(fleet):
     assert want != other, "the two revisions answer differently: a wrong KV would show"
     before = sample(d1.metrics_text(), m.KV_TRANSFER_FAILURES_TOTAL.name, reason=c.WEIGHTS_MISMATCH)
     released = p2.load()["leases_released"]
-    held = httpx.post(f"{p2.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    held = httpx.post(
+        f"{p2.url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    ).json()
     params = held["kv_transfer_params"]
     assert (params["revision"], params["weights"]) == ("2", p2.load()["weights_digest"])
     got = greedy(d1.url, prompt, kv_transfer_params=params)
@@ -155,8 +167,9 @@ def test_the_router_pairs_by_revision_and_prefills_locally_when_no_pair_exists(f
         ids = worker_urls(both)
         for i in range(6):  # the picker would alternate between two idle prefill workers: pairing never does
             prompt = fresh_prompt(24, seed=90 + i)
-            raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                                              extra_body={"ignore_eos": True})
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert ids[raw.headers["x-pdfleet-prefill"]] == p1.url
             assert raw.parse().choices[0].text == greedy(fleet["c1"].url, prompt)
         text = httpx.get(f"{both.url}/metrics", timeout=10).text
@@ -165,8 +178,9 @@ def test_the_router_pairs_by_revision_and_prefills_locally_when_no_pair_exists(f
         client = openai.OpenAI(base_url=f"{only_new.url}/v1", api_key="-", max_retries=0, timeout=60)
         for i, stream in enumerate((False, True)):
             prompt = fresh_prompt(24, seed=100 + i)
-            raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                                              stream=stream, extra_body={"ignore_eos": True})
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream, extra_body={"ignore_eos": True}
+            )
             assert raw.headers["x-pdfleet-prefill"] == "local"
             parsed = raw.parse()
             text_out = "".join(ch.choices[0].text for ch in parsed if ch.choices) if stream else parsed.choices[0].text

@@ -3,6 +3,7 @@
 On SIGTERM the router says 503 on /ready at once (the Service takes it out), keeps answering what still
 arrives for --drain-accept seconds (endpoint removal lags the signal), lets the streams it carries finish,
 then exits 0."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from tests.worker.processes import MODEL, router, start_all, wait_until
 
 
 def test_a_draining_router_finishes_its_streams_and_answers_what_still_arrives(logdir, pipeline) -> None:
-    r = router(logdir, "--workers", pipeline.colo.url, "--drain-accept", "3", "--drain-timeout", "120",
-               name="router-drain")
+    r = router(
+        logdir, "--workers", pipeline.colo.url, "--drain-accept", "3", "--drain-timeout", "120", name="router-drain"
+    )
     start_all(r)
     streamed: list[str] = []
     first = threading.Event()
@@ -33,17 +35,25 @@ def test_a_draining_router_finishes_its_streams_and_answers_what_still_arrives(l
                     first.set()
                 elif line == "data: [DONE]":
                     done["done"] = True
+
     t = threading.Thread(target=long_stream)
     t.start()
     try:
         assert first.wait(60), "the long stream started"
         r.signal(signal.SIGTERM)
         assert not done.get("done"), "the stream was in flight when the router was told to stop"
-        wait_until(lambda: httpx.get(f"{r.url}/ready", timeout=2).status_code == 503, timeout=10,
-                   what="/ready 503 once draining")
+        wait_until(
+            lambda: httpx.get(f"{r.url}/ready", timeout=2).status_code == 503,
+            timeout=10,
+            what="/ready 503 once draining",
+        )
         # What the Service still sends during the accept window is answered, not refused.
-        answers = [httpx.post(f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
-                              timeout=60).status_code for _ in range(3)]
+        answers = [
+            httpx.post(
+                f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
+            ).status_code
+            for _ in range(3)
+        ]
         assert answers == [200, 200, 200]
         t.join(120)
         assert done.get("status") == 200 and done.get("done"), "the stream in flight finished"
@@ -62,9 +72,14 @@ def test_with_nothing_in_flight_a_draining_router_still_answers_during_its_accep
     start_all(r)
     try:
         r.signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{r.url}/ready", timeout=2).status_code == 503, timeout=10,
-                   what="/ready 503 once draining")
-        answer = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        wait_until(
+            lambda: httpx.get(f"{r.url}/ready", timeout=2).status_code == 503,
+            timeout=10,
+            what="/ready 503 once draining",
+        )
+        answer = httpx.post(
+            f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
+        )
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None
         r.proc.wait(timeout=60)
         assert r.proc.returncode == 0, r.log()

@@ -1,4 +1,5 @@
 """The router's engine kinds (`[TIER=][ENGINE@]URL`, --engine, the workers file) and vLLM's load from its metrics text; pure, no processes (tests/worker/router/test_vllm_router.py runs a real vLLM)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,17 +30,32 @@ def test_flags_build_per_url_engines():
     cfg = parse("--workers", "vllm@http://v:1/", "http://p:2", "fast=vllm@http://f:3")
     default, fast = cfg.tiers["default"], cfg.tiers["fast"]
     assert default.workers == ["http://v:1", "http://p:2"] and fast.workers == ["http://f:3"]
-    assert (default.engine_of("http://v:1"), default.engine_of("http://p:2"), fast.engine_of("http://f:3")) == \
-        ("vllm", "pdfleet", "vllm")
+    assert (default.engine_of("http://v:1"), default.engine_of("http://p:2"), fast.engine_of("http://f:3")) == (
+        "vllm",
+        "pdfleet",
+        "vllm",
+    )
     cfg = parse("--engine", "vllm", "--workers", "http://v:1", "pdfleet@http://p:2")
     assert cfg.engine == "vllm"
     assert cfg.tiers["default"].engines == {"http://v:1": "vllm", "http://p:2": "pdfleet"}
-    assert parse("--workers", "http://p:2").tiers["default"].engine_of("http://p:2") == "pdfleet", "pdfleet stays the default"
+    assert parse("--workers", "http://p:2").tiers["default"].engine_of("http://p:2") == "pdfleet", (
+        "pdfleet stays the default"
+    )
 
 
 def test_flags_build_pd_tiers_of_one_engine():
-    cfg = parse("--engine", "vllm", "--prefill", "http://p:1", "fast=pdfleet@http://q:3", "--decode",
-                "vllm@http://d:2", "fast=pdfleet@http://e:4", "--workers", "colo=http://c:5")
+    cfg = parse(
+        "--engine",
+        "vllm",
+        "--prefill",
+        "http://p:1",
+        "fast=pdfleet@http://q:3",
+        "--decode",
+        "vllm@http://d:2",
+        "fast=pdfleet@http://e:4",
+        "--workers",
+        "colo=http://c:5",
+    )
     default, fast = cfg.tiers["default"], cfg.tiers["fast"]
     assert (default.pd_engine, default.prefill, default.decode) == ("vllm", ["http://p:1"], ["http://d:2"])
     assert (fast.pd_engine, fast.prefill, fast.decode) == ("pdfleet", ["http://q:3"], ["http://e:4"])
@@ -48,8 +64,11 @@ def test_flags_build_pd_tiers_of_one_engine():
 
 
 def test_flags_refuse_what_the_router_cannot_drive():
-    with pytest.raises(ValueError, match=r"prefill and decode workers must run one engine .*"
-                                         r"got vllm@http://v:1 and pdfleet@http://d:2"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefill and decode workers must run one engine .*"
+        r"got vllm@http://v:1 and pdfleet@http://d:2",
+    ):
         parse("--prefill", "vllm@http://v:1", "--decode", "http://d:2")
     with pytest.raises(ValueError, match="must run one engine"):
         parse("--engine", "vllm", "--prefill", "http://p:1", "pdfleet@http://p:2", "--decode", "http://d:2")
@@ -66,7 +85,9 @@ def test_workers_file_entries_and_sources_per_engine(tmp_path):
     assert workers_file.entry("http://v:1", tier="fast", engine="vllm") == "fast=vllm@http://v:1"
     assert workers_file.entry("http://p:1") == "http://p:1"
     path = tmp_path / "workers.json"
-    workers_file.write(path, {"workers": ["vllm@http://127.0.0.1:1", "http://127.0.0.1:2", "gold=vllm@http://127.0.0.1:3"]})
+    workers_file.write(
+        path, {"workers": ["vllm@http://127.0.0.1:1", "http://127.0.0.1:2", "gold=vllm@http://127.0.0.1:3"]}
+    )
     cfg = parse("--workers-file", str(path))
     assert cfg.tiers["default"].engines == {"http://127.0.0.1:1": "vllm", "http://127.0.0.1:2": "pdfleet"}
 
@@ -90,7 +111,9 @@ def test_workers_file_entries_and_sources_per_engine(tmp_path):
         workers_file.WorkersFile(str(path), "default", "decode").resolve()  # later: the last list is kept
     workers_file.write(path, {"prefill": ["vllm@http://127.0.0.1:1"], "decode": ["vllm@http://127.0.0.1:2"]})
     assert parse("--workers-file", str(path)).tiers["default"].pd_engine == "vllm"
-    assert workers_file.WorkersFile(str(path), "default", "decode", "static", "vllm").resolve() == {"http://127.0.0.1:2"}
+    assert workers_file.WorkersFile(str(path), "default", "decode", "static", "vllm").resolve() == {
+        "http://127.0.0.1:2"
+    }
 
 
 # What vLLM 0.32's /metrics says (abridged): one engine per data-parallel rank, labels engine and model_name.

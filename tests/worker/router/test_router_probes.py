@@ -1,5 +1,6 @@
 """The router's health probes: a worker that answers late stays in rotation for a few probes (it is busy, not
 dead), one that refuses or errors leaves at once; pure, with httpx's mock transport, no processes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ def probe_sequence(answers: list[str]) -> list[bool]:
         return httpx.Response(200, json={"ready": True, "model": "m", "waiting": 0, "running": 1})
 
     async def run() -> list[bool]:
-        cfg = RouterConfig(tiers={"default": TierConfig("default", workers=[URL])}, default_tier="default",
-                           discovery="static")
+        cfg = RouterConfig(
+            tiers={"default": TierConfig("default", workers=[URL])}, default_tier="default", discovery="static"
+        )
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             ups = upstreams_mod.Upstreams(cfg, client)
             await ups.refresh()

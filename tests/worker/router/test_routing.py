@@ -1,4 +1,5 @@
 """Query routing between two real deployments: a big router (the session pipeline's prefill/decode workers) sends requests its rules and classifier judge simple to a small deployment's router (a colocated worker serving another name), counts each route, and serves here whatever the small one cannot take."""
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,29 @@ def pair(logdir, model_dir, token_file, pipeline):
     start_all(small_worker)
     small = router(logdir, "--workers", small_worker.url, name="small-router")
     start_all(small)
-    big = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url,
-                               "--route-to", small.url, "--route-max-prompt-chars", "200", "--route-max-tokens", "16",
-                               "--route-exclude-pattern", r"(?i)\bpassword\b", "--route-classifier", CLASSIFIER,
-                               "--route-confidence-floor", "0.8", name="big-router"), token_file)
+    big = authenticated(
+        router(
+            logdir,
+            "--prefill",
+            pipeline.prefill.url,
+            "--decode",
+            pipeline.decode.url,
+            "--route-to",
+            small.url,
+            "--route-max-prompt-chars",
+            "200",
+            "--route-max-tokens",
+            "16",
+            "--route-exclude-pattern",
+            r"(?i)\bpassword\b",
+            "--route-classifier",
+            CLASSIFIER,
+            "--route-confidence-floor",
+            "0.8",
+            name="big-router",
+        ),
+        token_file,
+    )
     try:
         start_all(big)
         yield big, small, small_worker
@@ -44,19 +64,22 @@ def routed(router_url: str) -> dict[tuple[str, str], float]:
     out = {}
     for line in httpx.get(f"{router_url}/metrics").text.splitlines():
         if line.startswith("pdfleet_router_routed_requests_total{"):
-            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
             out[(labels["route"].strip('"'), labels["reason"].strip('"'))] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-@pytest.mark.parametrize("content, max_tokens, route, reason, model", [
-    ("What is two plus two?", 8, "small", "classifier", SMALL),
-    ("Please explain why the sky is blue and compare it with sunsets", 8, "default", "classifier_low", MODEL),
-    ("What is my password?", 8, "default", "excluded", MODEL),
-    ("What is two plus two?", 64, "default", "max_tokens", MODEL),
-    ("What is two plus two?", None, "default", "no_max_tokens", MODEL),
-    ("word " * 60, 8, "default", "prompt_chars", MODEL),
-])
+@pytest.mark.parametrize(
+    "content, max_tokens, route, reason, model",
+    [
+        ("What is two plus two?", 8, "small", "classifier", SMALL),
+        ("Please explain why the sky is blue and compare it with sunsets", 8, "default", "classifier_low", MODEL),
+        ("What is my password?", 8, "default", "excluded", MODEL),
+        ("What is two plus two?", 64, "default", "max_tokens", MODEL),
+        ("What is two plus two?", None, "default", "no_max_tokens", MODEL),
+        ("word " * 60, 8, "default", "prompt_chars", MODEL),
+    ],
+)
 def test_each_request_goes_where_the_rules_say_and_is_counted(pair, content, max_tokens, route, reason, model):
     big, _, _ = pair
     before = routed(big.url).get((route, reason), 0)
@@ -70,8 +93,15 @@ def test_each_request_goes_where_the_rules_say_and_is_counted(pair, content, max
 def test_a_routed_stream_parses_with_the_openai_sdk(pair):
     big, _, _ = pair
     client = openai.OpenAI(base_url=f"{big.url}/v1", api_key="none", max_retries=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
-                                                 max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi!"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert {c.model for c in chunks} == {SMALL}
     assert chunks[-1].usage.completion_tokens == 4
 
@@ -88,16 +118,33 @@ def test_a_request_the_small_model_refuses_is_served_here(pair):
 
 def test_a_request_routed_once_is_not_routed_again(pair):
     big, _, _ = pair
-    answer = httpx.post(f"{big.url}/v1/chat/completions", headers={"x-pdfleet-routed": "1"}, timeout=60,
-                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    answer = httpx.post(
+        f"{big.url}/v1/chat/completions",
+        headers={"x-pdfleet-routed": "1"},
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
     assert answer.json()["model"] == MODEL
     assert routed(big.url)[("default", "already_routed")] >= 1
 
 
 def test_a_target_that_is_down_sends_everything_to_the_big_model(logdir, pipeline, token_file):
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
-    r = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url,
-                             "--route-to", dead, "--route-max-tokens", "16", name="router-dead-target"), token_file)
+    r = authenticated(
+        router(
+            logdir,
+            "--prefill",
+            pipeline.prefill.url,
+            "--decode",
+            pipeline.decode.url,
+            "--route-to",
+            dead,
+            "--route-max-tokens",
+            "16",
+            name="router-dead-target",
+        ),
+        token_file,
+    )
     try:
         start_all(r)
         answer = chat(r.url, "Hi", 4)
@@ -107,25 +154,43 @@ def test_a_target_that_is_down_sends_everything_to_the_big_model(logdir, pipelin
         r.stop()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--route-to", "http://x:1", "--route-pattern", "("], "is not a valid regular expression"),
-    (["--route-to", "http://x:1"], "--route-to needs a rule"),
-    (["--route-max-tokens", "4"], "need --route-to"),
-    (["--route-to", "http://x:1", "--route-max-prompt-tokens", "4"], "--route-tokenizer"),
-    (["--route-to", "http://x:1", "--route-classifier", "no_such_module:f"], "cannot import no_such_module"),
-    (["--route-to", "http://x:1", "--route-max-tokens", "4", "--route-confidence-floor", "2"], "confidence-floor"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--route-to", "http://x:1", "--route-pattern", "("], "is not a valid regular expression"),
+        (["--route-to", "http://x:1"], "--route-to needs a rule"),
+        (["--route-max-tokens", "4"], "need --route-to"),
+        (["--route-to", "http://x:1", "--route-max-prompt-tokens", "4"], "--route-tokenizer"),
+        (["--route-to", "http://x:1", "--route-classifier", "no_such_module:f"], "cannot import no_such_module"),
+        (["--route-to", "http://x:1", "--route-max-tokens", "4", "--route-confidence-floor", "2"], "confidence-floor"),
+    ],
+)
 def test_bad_routing_flags_are_refused_at_start(flags, message):
-    out = subprocess.run(PDFLEET + ["router", "--workers", "http://127.0.0.1:1", *flags], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        PDFLEET + ["router", "--workers", "http://127.0.0.1:1", *flags], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 def test_prompt_tokens_are_counted_with_the_model_tokenizer(logdir, model_dir, pipeline, token_file, pair):
     _, small, _ = pair
-    r = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url,
-                             "--route-to", small.url, "--route-max-prompt-tokens", "20", "--route-tokenizer",
-                             model_dir, name="router-tokens"), token_file)
+    r = authenticated(
+        router(
+            logdir,
+            "--prefill",
+            pipeline.prefill.url,
+            "--decode",
+            pipeline.decode.url,
+            "--route-to",
+            small.url,
+            "--route-max-prompt-tokens",
+            "20",
+            "--route-tokenizer",
+            model_dir,
+            name="router-tokens",
+        ),
+        token_file,
+    )
     try:
         start_all(r)
         assert chat(r.url, "hello", None).json()["model"] == SMALL

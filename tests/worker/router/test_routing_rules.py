@@ -1,4 +1,5 @@
 """The routing rules as pure functions (router/routing.py): the order reasons are given in, what counts as the prompt, the classifier's answers read as confidences, refusals naming the flag."""
+
 from __future__ import annotations
 
 import math
@@ -26,13 +27,23 @@ def test_every_rule_must_hold_and_the_first_that_fails_names_the_reason():
 
 
 def test_the_prompt_is_the_text_of_the_messages_or_the_prompt():
-    assert routing.prompt_text(CHAT, {"messages": [{"role": "system", "content": "be brief"},
-                                                   {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}) \
+    assert (
+        routing.prompt_text(
+            CHAT,
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                ]
+            },
+        )
         == "be brief\nhi"
+    )
     assert routing.prompt_text("/v1/completions", {"prompt": ["a", "b"]}) == "a\nb"
     assert routing.prompt_text("/v1/completions", {"prompt": [1, 2, 3]}) is None  # token ids: not routed
-    assert judge(routing.Rules(max_tokens=4), {"prompt": [1, 2], "max_tokens": 1}) == \
-        routing.Decision("default", "not_routable")
+    assert judge(routing.Rules(max_tokens=4), {"prompt": [1, 2], "max_tokens": 1}) == routing.Decision(
+        "default", "not_routable"
+    )
     assert routing.requested_max_tokens({"max_tokens": 9, "max_completion_tokens": 3}) == 3
 
 
@@ -45,15 +56,18 @@ def test_tokens_are_counted_by_the_tokenizer_given():
         routing.Routing(rules)
 
 
-@pytest.mark.parametrize("answer, decision", [
-    (0.9, routing.Decision("small", "classifier", 0.9)),
-    (0.5, routing.Decision("small", "classifier", 0.5)),
-    (0.49, routing.Decision("default", "classifier_low", 0.49)),
-    (1.5, routing.Decision("default", "classifier_error")),
-    (math.nan, routing.Decision("default", "classifier_error")),
-    ("0.9", routing.Decision("default", "classifier_error")),
-    (True, routing.Decision("default", "classifier_error")),
-])
+@pytest.mark.parametrize(
+    "answer, decision",
+    [
+        (0.9, routing.Decision("small", "classifier", 0.9)),
+        (0.5, routing.Decision("small", "classifier", 0.5)),
+        (0.49, routing.Decision("default", "classifier_low", 0.49)),
+        (1.5, routing.Decision("default", "classifier_error")),
+        (math.nan, routing.Decision("default", "classifier_error")),
+        ("0.9", routing.Decision("default", "classifier_error")),
+        (True, routing.Decision("default", "classifier_error")),
+    ],
+)
 def test_a_classifier_answer_is_a_confidence_or_an_error(answer, decision):
     r = routing.Routing(routing.Rules(), classifier=lambda req: answer, confidence_floor=0.5)
     assert r.judge(answer) == decision
@@ -62,6 +76,7 @@ def test_a_classifier_answer_is_a_confidence_or_an_error(answer, decision):
 def test_the_reference_classifier_scores_short_questions_high():
     def req(text: str) -> routing.RouteRequest:
         return routing.RouteRequest("/v1/completions", {}, text, None, 8)
+
     assert short_question(req("What is the capital of France?")) == 1.0
     assert short_question(req("Explain why and compare the two algorithms step by step")) < 0.3
 

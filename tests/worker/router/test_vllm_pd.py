@@ -7,6 +7,7 @@ The colocated reference is the prefill server itself answering the request whole
 two servers are all two cores hold, and prefix caching is off on both, so every prompt is computed there
 and pulled here, never found in a cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ import re
 import httpx
 import pytest
 
-from tests.worker.processes import MODEL, router, start_all, worker_urls
 from tests.support.components import free_port
 from tests.support.vllm import VllmServer, nixl_worker, require_nixl
+from tests.worker.processes import MODEL, router, start_all, worker_urls
 
 openai = pytest.importorskip("openai")
 
@@ -37,8 +38,9 @@ def pd(model_dir, logdir):
     servers = []
     for role, core in (("prefill", cores[0]), ("decode", cores[-1])):
         args, env = nixl_worker(role, free_port())
-        servers.append(VllmServer(model_dir, logdir, MODEL, "--no-enable-prefix-caching", *args, env=env,
-                                  cores=str(core)))
+        servers.append(
+            VllmServer(model_dir, logdir, MODEL, "--no-enable-prefix-caching", *args, env=env, cores=str(core))
+        )
     require_nixl(servers[0].python)
     try:
         for s in servers:
@@ -75,17 +77,25 @@ def test_pd_greedy_tokens_equal_colocated_vllm_and_every_kv_moves_over_nixl(pd):
     before = series(decode.url, NIXL_TRANSFERS)
     token_ids = {"return_token_ids": True}
     for prompt in PROMPTS:
-        want = colocated.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            extra_body=token_ids)
-        raw = routed.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                          temperature=0, extra_body=token_ids)
+        want = colocated.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=token_ids
+        )
+        raw = routed.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=token_ids
+        )
         got = raw.parse()
         assert got.choices[0].token_ids == want.choices[0].token_ids and len(got.choices[0].token_ids) == MAX_TOKENS
-        assert (got.choices[0].text, got.choices[0].finish_reason) == (want.choices[0].text, want.choices[0].finish_reason)
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (
+            want.choices[0].text,
+            want.choices[0].finish_reason,
+        )
         assert got.usage == want.usage
         # Worker ids, never addresses: neither the servers' nor the NIXL side channel's.
-        assert (raw.headers["x-pdfleet-prefill"], raw.headers["x-pdfleet-decode"]) == (ids[prefill.url], ids[decode.url])
-        assert "127.0.0.1" not in raw.text and "kv_transfer_params\":null" in raw.text.replace(" ", "")
+        assert (raw.headers["x-pdfleet-prefill"], raw.headers["x-pdfleet-decode"]) == (
+            ids[prefill.url],
+            ids[decode.url],
+        )
+        assert "127.0.0.1" not in raw.text and 'kv_transfer_params":null' in raw.text.replace(" ", "")
     want = colocated.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
     got = routed.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].message.content == want.choices[0].message.content and got.usage == want.usage
@@ -99,15 +109,31 @@ def test_pd_streaming_with_usage(pd):
     before = series(decode.url, NIXL_TRANSFERS)
     prompt = PROMPTS[1]
     want = colocated.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    chunks = list(routed.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        routed.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.choices[0].text
     assert [c.usage for c in chunks if c.usage] == [want.usage], "exactly one usage chunk, the last"
     assert chunks[-1].usage is not None and not chunks[-1].choices
 
     want = colocated.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
-    chunks = list(routed.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        routed.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
     assert [c.usage for c in chunks if c.usage] == [want.usage]
     assert series(decode.url, NIXL_TRANSFERS) - before == 2
@@ -117,14 +143,18 @@ def test_pd_refusals_are_openai_errors_and_counted(pd):
     prefill, decode, r = pd
     before = series(decode.url, NIXL_TRANSFERS)
     # Over the servers' 512-token context: the prefill server refuses it before any prefill.
-    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "hi " * 600, "max_tokens": 4},
-                      timeout=60)
+    resp = httpx.post(
+        f"{r.url}/v1/completions", json={"model": MODEL, "prompt": "hi " * 600, "max_tokens": 4}, timeout=60
+    )
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and "maximum context length is 512" in err["message"]
     assert "x-pdfleet-prefill" in resp.headers and "x-pdfleet-decode" not in resp.headers
-    resp = httpx.post(f"{r.url}/v1/completions", timeout=10, json={"model": MODEL, "prompt": "hi", "max_tokens": 4,
-                                                                   "kv_transfer_params": {"do_remote_prefill": True}})
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        timeout=10,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "kv_transfer_params": {"do_remote_prefill": True}},
+    )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
     assert series(decode.url, NIXL_TRANSFERS) == before
     text = httpx.get(f"{r.url}/metrics", timeout=5).text

@@ -1,6 +1,7 @@
 """Issue 24, rule 10: a worker SIGTERMed while busy exits 0, never by SIGABRT ("terminate called without an active
 exception": the interpreter's teardown under a thread still inside torch). Real processes: SIGTERM while the model
 loads, and while KV pulls read a prefill worker's leases."""
+
 from __future__ import annotations
 
 import signal
@@ -25,12 +26,14 @@ def test_sigterm_while_the_model_loads_exits_0(logdir, model_dir):
     w = worker(logdir, model_dir, "prefill", "--num-threads", "2", name="sigterm-loading")
     w.start()
     try:
+
         def loading() -> bool:
             try:
                 body = httpx.get(f"{w.url}/ready", timeout=2).json()
             except httpx.HTTPError:
                 return False
             return body.get("loaded") is False and body.get("alive") is True
+
         wait_until(loading, timeout=60, interval=0.02, what="the server up with the model still loading")
         w.signal(signal.SIGTERM)
         exited_cleanly(w)
@@ -39,17 +42,36 @@ def test_sigterm_while_the_model_loads_exits_0(logdir, model_dir):
 
 
 def test_sigterm_while_kv_pulls_read_the_leases_exits_0(logdir, model_dir):
-    w = worker(logdir, model_dir, "prefill", "--num-threads", "2", "--kv-lease", "60s", "--drain-timeout", "0.5s",
-               "--num-kv-blocks", "1024", name="sigterm-pulled")
+    w = worker(
+        logdir,
+        model_dir,
+        "prefill",
+        "--num-threads",
+        "2",
+        "--kv-lease",
+        "60s",
+        "--drain-timeout",
+        "0.5s",
+        "--num-kv-blocks",
+        "1024",
+        name="sigterm-pulled",
+    )
     w.start().wait_ready()
     stop = threading.Event()
     pulls = [0]
     try:
         params = []
         for i in range(4):
-            answer = httpx.post(f"{w.url}/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": [5 + i] * 900, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True}})
+            answer = httpx.post(
+                f"{w.url}/v1/completions",
+                timeout=60,
+                json={
+                    "model": MODEL,
+                    "prompt": [5 + i] * 900,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                },
+            )
             params.append(KVTransferParams.from_json(answer.json()["kv_transfer_params"]))
 
         def pull(p: KVTransferParams) -> None:
@@ -61,6 +83,7 @@ def test_sigterm_while_kv_pulls_read_the_leases_exits_0(logdir, model_dir):
                     pulls[0] += 1
                 except Exception:  # refused or cut once the worker stops: what the test waits for
                     pass
+
         threads = [threading.Thread(target=pull, args=(p,), daemon=True) for p in params * 2]
         for t in threads:
             t.start()

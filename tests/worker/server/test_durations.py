@@ -1,4 +1,5 @@
 """The worker reads a duration exactly as the operator's API does (a spec's `1m30s` reaches it verbatim)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,19 @@ from pdfleet_operator.api.meta import parse_duration as api_duration
 from pdfleet_worker.server.worker_config import parse_duration as worker_duration
 
 
-@pytest.mark.parametrize("text, seconds", [("1m30s", 90.0), ("500ms", 0.5), ("10s", 10.0), ("2m", 120.0),
-                                           ("1h", 3600.0), ("1h2m3.5s", 3723.5), ("0.25s", 0.25), ("0s", 0.0)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("1m30s", 90.0),
+        ("500ms", 0.5),
+        ("10s", 10.0),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        ("1h2m3.5s", 3723.5),
+        ("0.25s", 0.25),
+        ("0s", 0.0),
+    ],
+)
 def test_the_worker_and_the_api_agree(text, seconds):
     assert worker_duration(text) == api_duration(text) == seconds
 

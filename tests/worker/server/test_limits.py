@@ -1,4 +1,5 @@
 """Bad input gets OpenAI error objects (400/404/413), overload gets 503 + Retry-After, disconnects free blocks, and the worker and router stay healthy afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,8 @@ import openai
 import pytest
 
 from pdfleet_worker import metrics as m
-from tests.worker.processes import MODEL, Proc, pool_whole, wait_until
 from tests.worker.kv_transfer.test_kv_transfer import sample
+from tests.worker.processes import MODEL, Proc, pool_whole, wait_until
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
 # The colocated worker's admission limits (the pipeline fixture's --max-num-seqs and --max-waiting-requests).
@@ -34,7 +35,9 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, co
 
 
 def post_raw(url: str, content: bytes) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30)
+    return httpx.post(
+        f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30
+    )
 
 
 def leave_once_running(url: str, body: dict, running: Callable[[], bool], headers: dict | None = None) -> None:
@@ -43,8 +46,15 @@ def leave_once_running(url: str, body: dict, running: Callable[[], bool], header
     racing the generation, which a fast machine wins)."""
     port = httpx.URL(url).port
     data = json.dumps(body).encode()
-    head = ["POST /v1/completions HTTP/1.1", f"Host: 127.0.0.1:{port}", "Content-Type: application/json",
-            f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items()), "", ""]
+    head = [
+        "POST /v1/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+        "",
+        "",
+    ]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
         conn.sendall("\r\n".join(head).encode() + data)
         wait_until(running, timeout=30, what="the request being generated")
@@ -63,16 +73,23 @@ def saturated(colo: Proc) -> Iterator[list[concurrent.futures.Future]]:
     over the limit however fast this machine generates. Yields the waiting requests' futures; on exit the
     long streams' clients leave (their requests are aborted) and the waiting ones run to completion."""
     hold_tokens = 900  # 4 x 903 tokens fit the 256 x 16-token KV pool: no preemption puts one back to waiting
-    hold = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": hold_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    hold = {
+        "model": MODEL,
+        "prompt": [5, 6, 7],
+        "max_tokens": hold_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     short = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     with contextlib.ExitStack() as holds, concurrent.futures.ThreadPoolExecutor(COLO_WAITING) as pool:
         for _ in range(COLO_SEQS):
             resp = holds.enter_context(httpx.stream("POST", f"{colo.url}/v1/completions", json=hold, timeout=60))
             assert resp.status_code == 200
         wait_until(lambda: colo.load()["running"] == COLO_SEQS, what="every sequence slot held")
-        waiting = [pool.submit(httpx.post, f"{colo.url}/v1/completions", json=short, timeout=120)
-                   for _ in range(COLO_WAITING)]
+        waiting = [
+            pool.submit(httpx.post, f"{colo.url}/v1/completions", json=short, timeout=120) for _ in range(COLO_WAITING)
+        ]
         wait_until(lambda: colo.load()["waiting"] == COLO_WAITING, what="the waiting queue full")
         yield waiting
         load = colo.load()
@@ -103,11 +120,15 @@ def test_bad_input_gets_openai_error_objects(pipeline, target):
     assert_error(post({**GOOD, "use_beam_search": True}), 400, "use_beam_search", "not supported")
     assert_error(post({**GOOD, "presence_penalty": 2.5}), 400, "presence_penalty")
     assert_error(post({**GOOD, "model": "gpt-5"}), 404, "model", "does not exist")
-    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
-                      timeout=30)
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        timeout=30,
+    )
     assert_error(chat, 400, "messages.0.role")
-    assert_error(httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30), 400,
-                 "messages")
+    assert_error(
+        httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30), 400, "messages"
+    )
     huge = b'{"model": "tiny", "prompt": "' + b"x" * 5_000_000 + b'"}'
     assert_error(post_raw(url, huge), 413, contains="limit")
     assert_error(httpx.get(f"{url}/v1/nothing-here", timeout=10), 404)
@@ -134,6 +155,7 @@ def test_overload_answers_503_with_retry_after_and_recovers(pipeline):
         async with httpx.AsyncClient(timeout=60) as client:
             body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
             return await asyncio.gather(*(client.post(f"{colo.url}/v1/completions", json=body) for _ in range(8)))
+
     with saturated(colo):
         results = asyncio.run(burst())
         # Counted before the answer is sent.
@@ -165,24 +187,39 @@ def test_client_disconnect_aborts_and_frees_blocks(pipeline):
         assert colo.load()["running"] == 1
         assert next(line for line in it if line).startswith("data: {")
     wait_until(lambda: pool_whole(colo), timeout=10, what="blocks freed after the stream's client left")
-    wait_until(lambda: sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort")
-               == aborted0 + 1, timeout=10, what="the stream counted as aborted")
+    wait_until(
+        lambda: sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort") == aborted0 + 1,
+        timeout=10,
+        what="the stream counted as aborted",
+    )
     # Non-streaming: the client gives up before the answer.
     leave_once_running(colo.url, body, lambda: colo.load()["running"] == 1)
     wait_until(lambda: pool_whole(colo), timeout=10, what="blocks freed after the client left")
-    wait_until(lambda: sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort")
-               == aborted0 + 2, timeout=10, what="the non-streamed request counted as aborted")
+    wait_until(
+        lambda: sample(colo.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort") == aborted0 + 2,
+        timeout=10,
+        what="the non-streamed request counted as aborted",
+    )
 
 
 def test_router_client_disconnect_reaches_the_decode_worker(pipeline):
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1800, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "a long story",
+        "max_tokens": 1800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{pipeline.router.url}/v1/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()  # NOTE: keep it: a dropped iterator closes the response
         assert next(lines).startswith("data: ")
         assert pipeline.decode.load()["running"] == 1
-    wait_until(lambda: pool_whole(pipeline.decode) and pool_whole(pipeline.prefill), timeout=10,
-               what="decode and prefill pools whole after the client left the router")
+    wait_until(
+        lambda: pool_whole(pipeline.decode) and pool_whole(pipeline.prefill),
+        timeout=10,
+        what="decode and prefill pools whole after the client left the router",
+    )
     assert httpx.get(f"{pipeline.router.url}/ready").status_code == 200
 
 
@@ -201,8 +238,11 @@ def test_router_answers_503_when_no_worker_is_reachable(logdir):
         assert_error(resp, 503, contains="no healthy both worker")
         assert resp.headers["retry-after"] == "1"
         # The router counts an answer once it is sent.
-        wait_until(lambda: sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="503", tier="default") == 1,
-                   timeout=5, what="the router counting its 503")
+        wait_until(
+            lambda: sample(r.metrics_text(), m.ROUTER_REQUESTS_TOTAL.name, code="503", tier="default") == 1,
+            timeout=5,
+            what="the router counting its 503",
+        )
     finally:
         assert r.stop() == 0
 
@@ -212,7 +252,6 @@ def _health(p) -> bool:
         return httpx.get(f"{p.url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
 
 
 def test_overload_through_the_router_is_counted_as_shedding_apart_from_failures(pipeline):
@@ -227,11 +266,15 @@ def test_overload_through_the_router_is_counted_as_shedding_apart_from_failures(
         async with httpx.AsyncClient(timeout=60) as client:
             body = {"model": "tiny-colo", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
             return await asyncio.gather(*(client.post(f"{r.url}/v1/completions", json=body) for _ in range(8)))
+
     with saturated(pipeline.colo):  # the tier's one worker full: each request of the burst is shed
         codes = [x.status_code for x in asyncio.run(burst())]
     assert codes == [503] * 8, codes
     # The router counts an answer once it is sent.
-    wait_until(lambda: sample(r.metrics_text(), name, revision="none", code="503", shed="true") == shed0 + 8,
-               timeout=5, what="the router counting the shed requests")
+    wait_until(
+        lambda: sample(r.metrics_text(), name, revision="none", code="503", shed="true") == shed0 + 8,
+        timeout=5,
+        what="the router counting the shed requests",
+    )
     assert sample(r.metrics_text(), name, revision="none", code="503", shed="false") == failed0
     wait_until(lambda: pool_whole(pipeline.colo), what="pool whole after the burst")

@@ -1,4 +1,5 @@
 """Metric contract with the operator, and a real Prometheus scraping workers and router: every name the autoscaler, alerts and dashboards read comes back through PromQL with the values that were served."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -12,17 +13,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_worker import metrics as m
-from tests.worker.processes import MODEL, pool_whole, wait_until
 from tests.worker.kv_transfer.test_kv_transfer import BLOCK, BYTES_PER_BLOCK
+from tests.worker.processes import MODEL, pool_whole, wait_until
 
 RULES = Path(__file__).resolve().parents[3] / "dashboards" / "rules" / "pdfleet.rules.yaml"
 # The operator's metric_names documents each type in a comment; this is that table.
 OPERATOR_TYPES = {
-    names.NUM_REQUESTS_WAITING: "gauge", names.NUM_REQUESTS_RUNNING: "gauge", names.KV_CACHE_USAGE: "gauge",
-    names.PROMPT_TOKENS_TOTAL: "counter", names.GENERATION_TOKENS_TOTAL: "counter",
-    names.NUM_PREEMPTIONS_TOTAL: "counter", names.REQUEST_SUCCESS_TOTAL: "counter",
-    names.TIME_TO_FIRST_TOKEN: "histogram", names.INTER_TOKEN_LATENCY: "histogram",
-    names.E2E_REQUEST_LATENCY: "histogram", names.PROMPT_TOKENS_WAITING: "gauge",
+    names.NUM_REQUESTS_WAITING: "gauge",
+    names.NUM_REQUESTS_RUNNING: "gauge",
+    names.KV_CACHE_USAGE: "gauge",
+    names.PROMPT_TOKENS_TOTAL: "counter",
+    names.GENERATION_TOKENS_TOTAL: "counter",
+    names.NUM_PREEMPTIONS_TOTAL: "counter",
+    names.REQUEST_SUCCESS_TOTAL: "counter",
+    names.TIME_TO_FIRST_TOKEN: "histogram",
+    names.INTER_TOKEN_LATENCY: "histogram",
+    names.E2E_REQUEST_LATENCY: "histogram",
+    names.PROMPT_TOKENS_WAITING: "gauge",
     names.ROUTER_REQUESTS_TOTAL: "counter",
 }
 TARGET_LABELS = (names.LABEL_DEPLOYMENT, names.LABEL_ROLE, names.LABEL_ACCELERATOR, names.LABEL_NAMESPACE)
@@ -49,7 +56,9 @@ def test_every_metric_the_operator_queries_is_exported_with_its_type(pipeline):
     assert names.LABEL_MODEL == m.LABEL_MODEL
     for proc in pipeline.workers:
         resp = httpx.get(f"{proc.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
-        assert resp.headers["content-type"].startswith("text/plain; version=0.0.4"), "classic format, whatever Accept says"
+        assert resp.headers["content-type"].startswith("text/plain; version=0.0.4"), (
+            "classic format, whatever Accept says"
+        )
         text = resp.text
         assert "vllm:num_requests_waiting{" in text, "`:` must not be escaped"
         got = exposed(text)
@@ -77,8 +86,14 @@ def scrape_config(pipeline) -> list[dict]:
         if role is not None:
             labels.update({names.LABEL_ROLE: role, names.LABEL_ACCELERATOR: "cpu"})
         return {"targets": [f"127.0.0.1:{proc.port}"], "labels": labels}
-    return [{"job_name": "pdfleet-workers", "static_configs": [target(getattr(pipeline, k), r) for k, r in ROLE_OF.items()]},
-            {"job_name": "pdfleet-router", "static_configs": [target(pipeline.router, None)]}]
+
+    return [
+        {
+            "job_name": "pdfleet-workers",
+            "static_configs": [target(getattr(pipeline, k), r) for k, r in ROLE_OF.items()],
+        },
+        {"job_name": "pdfleet-router", "static_configs": [target(pipeline.router, None)]},
+    ]
 
 
 def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
@@ -91,11 +106,17 @@ def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
         return float(result[0]["value"][1]) if result else None
 
     def sel(role: str) -> str:
-        return f'{names.LABEL_NAMESPACE}="{NAMESPACE}",{names.LABEL_DEPLOYMENT}="{DEPLOYMENT}",{names.LABEL_ROLE}="{role}"'
+        return (
+            f'{names.LABEL_NAMESPACE}="{NAMESPACE}",{names.LABEL_DEPLOYMENT}="{DEPLOYMENT}",{names.LABEL_ROLE}="{role}"'
+        )
 
     def direct(proc, name: str, **labels: str) -> float:
-        return sum(s.value for fam in text_string_to_metric_families(proc.metrics_text()) for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for fam in text_string_to_metric_families(proc.metrics_text())
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     p, d, colo, r = pipeline.prefill, pipeline.decode, pipeline.colo, pipeline.router
     watched = {  # (process, operator role or None, exposed sample name, extra labels)
@@ -124,8 +145,11 @@ def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
     def settled() -> dict[str, float]:
         """Prometheus and the processes agree on every watched value (a scrape after the last change)."""
         want = {k: direct(proc, name, **labels) for k, (proc, _, name, labels) in watched.items()}
-        wait_until(lambda: all(value(promql(k)) == v for k, v in want.items()), timeout=20,
-                   what="Prometheus catching up with the workers")
+        wait_until(
+            lambda: all(value(promql(k)) == v for k, v in want.items()),
+            timeout=20,
+            what="Prometheus catching up with the workers",
+        )
         return want
 
     base = settled()
@@ -133,21 +157,34 @@ def test_prometheus_reads_back_what_was_served(pipeline, prometheus_factory):
     lengths, max_tokens = [23, 41, 64], 7
     for n in lengths:
         prompt = [rng.randrange(4, 4096) for _ in range(n)]
-        resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                                           "temperature": 0, "ignore_eos": True}, timeout=30)
+        resp = httpx.post(
+            f"{r.url}/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            timeout=30,
+        )
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == max_tokens
     for _ in range(2):
-        resp = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny-colo", "prompt": "hello", "max_tokens": 5,
-                                                           "temperature": 0, "ignore_eos": True}, timeout=30)
+        resp = httpx.post(
+            f"{r.url}/v1/completions",
+            json={"model": "tiny-colo", "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            timeout=30,
+        )
         assert resp.status_code == 200
     wait_until(lambda: pool_whole(p) and pool_whole(d), what="acks")
     after = settled()
     served = {
-        "gen_decode": 3 * max_tokens, "gen_prefill": 3,  # the prefill worker samples one token, then hands over
-        "prompt_prefill": sum(lengths), "prompt_decode": 3,  # the decode worker computes the last prompt token
-        "length_decode": 3, "ttft_decode": 3, "itl_decode": 3 * (max_tokens - 1), "e2e_decode": 3,
-        "gen_colo": 10, "kv_sent": sum(-(-(n - 1) // BLOCK) for n in lengths) * BYTES_PER_BLOCK,
-        "router_ok": 3, "router_colo": 2,
+        "gen_decode": 3 * max_tokens,
+        "gen_prefill": 3,  # the prefill worker samples one token, then hands over
+        "prompt_prefill": sum(lengths),
+        "prompt_decode": 3,  # the decode worker computes the last prompt token
+        "length_decode": 3,
+        "ttft_decode": 3,
+        "itl_decode": 3 * (max_tokens - 1),
+        "e2e_decode": 3,
+        "gen_colo": 10,
+        "kv_sent": sum(-(-(n - 1) // BLOCK) for n in lengths) * BYTES_PER_BLOCK,
+        "router_ok": 3,
+        "router_colo": 2,
     }
     assert {k: after[k] - base[k] for k in served} == served
 

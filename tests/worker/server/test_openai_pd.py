@@ -1,4 +1,5 @@
 """The official openai SDK through the router of a 1 prefill + 1 decode pipeline: same greedy tokens as the engine alone and as transformers, streaming and not; SSE framing, usage and [DONE]."""
+
 from __future__ import annotations
 
 import json
@@ -43,9 +44,17 @@ def hf(model_dir):
 def hf_greedy(hf, prompt: list[int], max_new: int = MAX_NEW) -> tuple[list[int], list]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), [lg[0].float() for lg in out.logits]
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [lg[0].float() for lg in out.logits]
 
 
 def same_up_to_near_tie(got: list[int], want: list[int], logits: list, what: str) -> int:
@@ -101,8 +110,14 @@ def test_chat_stream_framing_usage_and_done(pipeline, client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert full.choices[0].message.role == "assistant"
-    body = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = []
     with httpx.stream("POST", f"{pipeline.router.url}/v1/chat/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -113,7 +128,7 @@ def test_chat_stream_framing_usage_and_done(pipeline, client):
     for block in raw.split("\n\n"):
         if block:
             assert block.startswith("data: "), block
-            events.append(block[len("data: "):])
+            events.append(block[len("data: ") :])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -126,13 +141,22 @@ def test_chat_stream_framing_usage_and_done(pipeline, client):
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in choice_chunks)
     assert text == full.choices[0].message.content
     assert usage_chunks[0]["usage"] == full.usage.model_dump(exclude_none=True) | {
-        "prompt_tokens_details": {"cached_tokens": usage_chunks[0]["usage"]["prompt_tokens_details"]["cached_tokens"]}}
+        "prompt_tokens_details": {"cached_tokens": usage_chunks[0]["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    }
     assert usage_chunks[0]["usage"]["completion_tokens"] == full.usage.completion_tokens
     assert usage_chunks[0]["usage"]["prompt_tokens"] == full.usage.prompt_tokens
 
     # The SDK reads the same stream.
-    parts = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+    parts = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == full.choices[0].message.content
     assert parts[-1].usage.completion_tokens == full.usage.completion_tokens
 
@@ -145,8 +169,9 @@ def test_colocated_tier_by_alias_and_header_gives_the_same_tokens(pipeline, clie
     assert worker_urls(pipeline.router)[by_alias.headers["x-pdfleet-worker"]] == pipeline.colo.url
     colo = by_alias.parse()
     assert colo.model == MODEL, "the alias is rewritten to the model the tier serves"
-    by_header = client.completions.create(model=MODEL, prompt=prompt, extra_headers={"x-pdfleet-tier": "colo"},
-                                          **GREEDY)
+    by_header = client.completions.create(
+        model=MODEL, prompt=prompt, extra_headers={"x-pdfleet-tier": "colo"}, **GREEDY
+    )
     assert colo.choices[0].model_extra["token_ids"] == by_header.choices[0].model_extra["token_ids"]
     # PD recomputes the last prompt token on the decode worker: equal unless a near-tie flips.
     assert pd.choices[0].model_extra["token_ids"][:4] == colo.choices[0].model_extra["token_ids"][:4]
@@ -166,7 +191,8 @@ def test_pd_with_n_choices_and_prompt_lists(pipeline, client):
     assert resp.choices[0].model_extra["token_ids"] == resp.choices[1].model_extra["token_ids"]
     single = client.completions.create(model=MODEL, prompt=batch[1], **GREEDY)
     assert resp.choices[2].model_extra["token_ids"] == single.choices[0].model_extra["token_ids"]
-    sampled = client.completions.create(model=MODEL, prompt=batch[0], n=2, temperature=1.0, seed=5, max_tokens=8,
-                                        logprobs=2)
+    sampled = client.completions.create(
+        model=MODEL, prompt=batch[0], n=2, temperature=1.0, seed=5, max_tokens=8, logprobs=2
+    )
     assert all(len(c.logprobs.tokens) == 8 and len(c.logprobs.top_logprobs[0]) >= 2 for c in sampled.choices)
     wait_until(lambda: pool_whole(pipeline.prefill) and pool_whole(pipeline.decode), what="pools whole")

@@ -1,5 +1,6 @@
 """Torch threads sized from the container (server/threads.py): quota, affinity mask and the pod's CPU request, one
 core kept for the server loop; `--num-threads auto` is the default, and a number still wins."""
+
 from __future__ import annotations
 
 import argparse
@@ -100,12 +101,15 @@ def test_openmp_gets_the_same_count_before_torch_loads(monkeypatch) -> None:
 def test_the_worker_command_sets_openmp_before_torch_loads() -> None:
     import subprocess
     import sys
-    code = ("import sys, os\n"
-            "from pdfleet_worker.server import threads\n"
-            "threads.export_openmp('auto')\n"
-            "assert 'torch' not in sys.modules, 'threads imports no torch'\n"
-            "import torch\n"
-            "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n")
+
+    code = (
+        "import sys, os\n"
+        "from pdfleet_worker.server import threads\n"
+        "threads.export_openmp('auto')\n"
+        "assert 'torch' not in sys.modules, 'threads imports no torch'\n"
+        "import torch\n"
+        "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k not in threads.OPENMP_ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

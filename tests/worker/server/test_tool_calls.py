@@ -1,4 +1,5 @@
 """Tool calls without processes (issue 27): the chat templates render tools and earlier calls in Qwen2.5's and Llama 3.1's formats and say which they use; the two parsers read the calls those formats write (and leave anything else as content); the streamer's delta tool_calls add up to the parsed calls whatever the chunking; forced modes ask for the grammars vLLM's do."""
+
 from __future__ import annotations
 
 import json
@@ -12,26 +13,47 @@ from pdfleet_worker.server import tool_calls as tc
 from pdfleet_worker.wire import request_types as rq
 from pdfleet_worker.wire.errors import RequestError
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "", "tool_calls": [
-               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-           {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+]
 
 
 def _tokenizer(tmp_path, template: str) -> Tokenizer:
-    (tmp_path / "tokenizer.json").write_text(json.dumps({
-        "version": "1.0", "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}}))
+    (tmp_path / "tokenizer.json").write_text(
+        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}})
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
     return Tokenizer(str(tmp_path))
 
 
-@pytest.mark.parametrize("template,fmt,call_text", [
-    (ct.CHATML_TOOLS, ct.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
-    (ct.LLAMA31_TOOLS, ct.LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
-])
+@pytest.mark.parametrize(
+    "template,fmt,call_text",
+    [
+        (
+            ct.CHATML_TOOLS,
+            ct.HERMES,
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ),
+        (ct.LLAMA31_TOOLS, ct.LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ],
+)
 def test_templates_render_tools_and_calls_in_their_format(tmp_path, template, fmt, call_text):
     assert ct.tool_format(template) == fmt
     text = _tokenizer(tmp_path, template).apply_chat_template(HISTORY, tools=[WEATHER])
@@ -43,22 +65,37 @@ def test_templates_render_tools_and_calls_in_their_format(tmp_path, template, fm
 
 def test_without_tools_chatml_renders_as_before(tmp_path):
     text = _tokenizer(tmp_path, ct.CHATML_TOOLS).apply_chat_template(
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}])
-    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n" \
-                   "<|im_start|>assistant\n"
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    )
+    assert (
+        text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert ct.tool_format("{{ messages }}") is None
 
 
 AUTO_CASES = [
-    (ct.HERMES, 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-                '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
-     "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (
+        ct.HERMES,
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
+        "Let me look.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})],
+    ),
     (ct.HERMES, "No call here, only <tool talk>.", "No call here, only <tool talk>.", []),
     (ct.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None, None),  # cut short: content
-    (ct.LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
-     [("get_weather", {"city": "Paris"})]),
-    (ct.LLAMA3_JSON, '{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}', None,
-     [("a", {"x": "}{"}), ("b", {})]),
+    (
+        ct.LLAMA3_JSON,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        ct.LLAMA3_JSON,
+        '{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
+        None,
+        [("a", {"x": "}{"}), ("b", {})],
+    ),
     (ct.LLAMA3_JSON, "Paris is sunny {really}.", "Paris is sunny {really}.", []),
 ]
 
@@ -83,7 +120,7 @@ def _stream(plan: tc.ToolPlan, text: str, step: int) -> tuple[str, list[tuple[st
     s = tc.ToolCallStreamer(plan)
     pieces = []
     for i in range(0, len(text), step):
-        pieces += s.feed(text[i:i + step])
+        pieces += s.feed(text[i : i + step])
     pieces += s.feed("", final=True)
     content, calls = "", {}
     for piece in pieces:
@@ -102,8 +139,9 @@ def _request(**kw) -> rq.ChatCompletionRequest:
 
 def test_forced_modes_ask_for_vllms_grammars():
     time_fn = {"type": "function", "function": {"name": "get_time"}}
-    named = tc.plan(_request(tools=[WEATHER, time_fn], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                    None)
+    named = tc.plan(
+        _request(tools=[WEATHER, time_fn], tool_choice={"type": "function", "function": {"name": "get_weather"}}), None
+    )
     assert named.mode == tc.NAMED and json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
     required = tc.plan(_request(tools=[WEATHER, time_fn], tool_choice="required", parallel_tool_calls=False), None)
     schema = json.loads(required.structured.spec)

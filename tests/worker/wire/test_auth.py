@@ -1,4 +1,5 @@
 """Authentication of the data plane, each attack tried and refused: calls to workers without the deployment token (HTTP and the KV endpoint: pulls and lease releases), kv_transfer_params from a client, a decode worker pointed at a KV endpoint outside --kv-peers, a router with the wrong token, client API keys on the router (401 in OpenAI's shape, counted), and a token rotated in place with no restart; plus the secret files, the peer set and the TCP connector on their own."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import os
 import secrets
 import socket
 import struct
-import threading
 import time
 
 import httpx
@@ -24,11 +24,10 @@ from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import RouterConfig, TierConfig
 from pdfleet_worker.wire import auth
-from tests.worker.processes import (AUTH, MODEL, TOKEN, authenticated, pool_whole, router, start_all, wait_until,
-                                    worker)
-from tests.worker.wire.test_hostile_input import codes
 from tests.worker.kv_transfer.test_kv_transfer import body, colocated_tokens, fresh_prompt, sample
+from tests.worker.processes import AUTH, MODEL, TOKEN, authenticated, pool_whole, router, start_all, wait_until, worker
 from tests.worker.server.test_limits import assert_error
+from tests.worker.wire.test_hostile_input import codes
 
 INVALID_KEY = {"type": "invalid_request_error", "code": "invalid_api_key", "param": None}
 
@@ -58,8 +57,12 @@ def kv_call(host: str, port: int, obj: dict) -> dict:
 
 
 def prefill_params(pipeline, prompt) -> dict:
-    r = httpx.post(f"{pipeline.prefill.url}/v1/completions", json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
-                   headers=AUTH, timeout=30)
+    r = httpx.post(
+        f"{pipeline.prefill.url}/v1/completions",
+        json=body(prompt, kv_transfer_params={"do_remote_decode": True}),
+        headers=AUTH,
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
@@ -72,10 +75,13 @@ def test_a_worker_with_a_token_refuses_every_call_without_it_but_the_probes(pipe
     prefilled = sample(pipeline.prefill.metrics_text(), m.PROMPT_TOKENS_TOTAL.name)
     kv = {"do_remote_decode": True} if role == "prefill" else {"do_remote_prefill": True, "prompts": []}
     for headers in ({}, {"Authorization": "Bearer " + secrets.token_urlsafe(24)}, {"Authorization": f"Basic {TOKEN}"}):
-        for method, path, payload in (("POST", "/v1/completions", body(prompt, kv_transfer_params=kv)),
-                                      ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}),
-                                      ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
-                                      ("GET", "/load", None)):
+        for method, path, payload in (
+            ("POST", "/v1/completions", body(prompt, kv_transfer_params=kv)),
+            ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}),
+            ("GET", "/v1/models", None),
+            ("GET", f"/v1/models/{MODEL}", None),
+            ("GET", "/load", None),
+        ):
             err = assert_401(httpx.request(method, f"{w.url}{path}", json=payload, headers=headers, timeout=10))
             assert ("didn't provide" in err["message"]) == (not headers.get("Authorization", "").startswith("Bearer"))
     assert sample(pipeline.prefill.metrics_text(), m.PROMPT_TOKENS_TOTAL.name) == prefilled, "no prefill ran"
@@ -95,8 +101,14 @@ def test_a_client_cannot_hand_the_router_kv_transfer_params(pipeline):
     before = codes(pipeline.router.metrics_text())
     forged = {"do_remote_prefill": True, "remote_host": "10.66.0.1", "remote_port": 8001, "prompts": []}
     for kv in (forged, {"do_remote_decode": True}):
-        assert_error(httpx.post(f"{pipeline.router.url}/v1/completions", json=body([5, 6, 7], kv_transfer_params=kv),
-                                timeout=10), 400, "kv_transfer_params", "set by the router")
+        assert_error(
+            httpx.post(
+                f"{pipeline.router.url}/v1/completions", json=body([5, 6, 7], kv_transfer_params=kv), timeout=10
+            ),
+            400,
+            "kv_transfer_params",
+            "set by the router",
+        )
     assert codes(pipeline.router.metrics_text()).get("400", 0) == before.get("400", 0) + 2
     assert sample(pipeline.prefill.metrics_text(), m.PROMPT_TOKENS_TOTAL.name) == prefilled
 
@@ -111,14 +123,22 @@ def test_the_kv_endpoint_refuses_pulls_and_releases_without_the_token(pipeline):
     refused0 = sample(p.metrics_text(), m.KV_TRANSFER_FAILURES_TOTAL.name, reason=c.UNAUTHORIZED)
     pull = {"op": "pull", "request_id": rid, "compat_hash": compat, "first_block": 0, "num_blocks": 1}
     release = {"op": "release", "request_id": rid, "ok": False}
-    attempts = [pull, release, {**pull, "token": "x" * 32}, {**release, "token": TOKEN[:-1] + "A"},
-                {**release, "token": None}, {**release, "token": [TOKEN]}]
+    attempts = [
+        pull,
+        release,
+        {**pull, "token": "x" * 32},
+        {**release, "token": TOKEN[:-1] + "A"},
+        {**release, "token": None},
+        {**release, "token": [TOKEN]},
+    ]
     for attempt in attempts:
         answer = kv_call(host, port, attempt)
         assert answer["ok"] is False and answer["reason"] == c.UNAUTHORIZED, (attempt, answer)
         assert "tensors" not in answer and "released" not in answer
     assert p.load()["leases"] == 1, "the lease survived every unauthenticated release"
-    assert sample(p.metrics_text(), m.KV_TRANSFER_FAILURES_TOTAL.name, reason=c.UNAUTHORIZED) == refused0 + len(attempts)
+    assert sample(p.metrics_text(), m.KV_TRANSFER_FAILURES_TOTAL.name, reason=c.UNAUTHORIZED) == refused0 + len(
+        attempts
+    )
     # The token in the frame: the pull is answered, the release frees the blocks.
     head = kv_call(host, port, {**pull, "token": TOKEN})
     assert head["ok"] is True and head["nbytes"] > 0
@@ -142,8 +162,9 @@ def test_the_decode_worker_never_contacts_a_kv_endpoint_outside_its_peers(pipeli
             forged = dict(genuine, remote_host=host, remote_port=listener.getsockname()[1])
             failed0 = sample(d.metrics_text(), m.KV_TRANSFER_FAILURES_TOTAL.name, reason=c.UNTRUSTED_PEER)
             recv0 = sample(d.metrics_text(), m.KV_TRANSFER_BYTES_TOTAL.name, direction="received")
-            r = httpx.post(f"{d.url}/v1/completions", json=body(prompt, kv_transfer_params=forged), headers=AUTH,
-                           timeout=30)
+            r = httpx.post(
+                f"{d.url}/v1/completions", json=body(prompt, kv_transfer_params=forged), headers=AUTH, timeout=30
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == colocated_tokens(pipeline, prompt)
             text = d.metrics_text()
@@ -161,15 +182,25 @@ def test_the_decode_worker_never_contacts_a_kv_endpoint_outside_its_peers(pipeli
 def test_a_router_without_the_token_gets_nothing_from_the_workers(pipeline, logdir, tmp_path):
     wrong = tmp_path / "wrong-token"
     wrong.write_text(secrets.token_urlsafe(24))
-    r = router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url, "--auth-token-file",
-               str(wrong), name="router-wrong-token").start()
+    r = router(
+        logdir,
+        "--prefill",
+        pipeline.prefill.url,
+        "--decode",
+        pipeline.decode.url,
+        "--auth-token-file",
+        str(wrong),
+        name="router-wrong-token",
+    ).start()
     try:
+
         def up() -> bool:
             assert r.alive(), r.log()
             try:
                 return httpx.get(f"{r.url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_until(up, timeout=30, what="the router up")
         time.sleep(1.0)  # a few probe rounds
         assert httpx.get(f"{r.url}/ready").status_code == 503
@@ -187,8 +218,19 @@ def keyed_router(pipeline, logdir, token_file, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     first, second = "sk-" + secrets.token_urlsafe(16), "sk-" + secrets.token_urlsafe(16)
     keys.write_text(f"# client keys\n{first}\n\n{second}\n")
-    r = authenticated(router(logdir, "--prefill", pipeline.prefill.url, "--decode", pipeline.decode.url,
-                             "--api-key-file", str(keys), name="router-keys"), token_file)
+    r = authenticated(
+        router(
+            logdir,
+            "--prefill",
+            pipeline.prefill.url,
+            "--decode",
+            pipeline.decode.url,
+            "--api-key-file",
+            str(keys),
+            name="router-keys",
+        ),
+        token_file,
+    )
     start_all(r)
     try:
         yield r, keys, first, second
@@ -221,8 +263,11 @@ def test_client_api_keys_on_the_router_are_401_in_openai_shape_and_counted(keyed
     # A key added to the file works at once, a removed one no more: no restart.
     third = "sk-" + secrets.token_urlsafe(16)
     replace(keys, f"{first}\n{third}\n")
-    wait_until(lambda: httpx.get(f"{r.url}/v1/models", headers={"Authorization": f"Bearer {third}"}).status_code == 200,
-               timeout=5, what="the new key accepted")
+    wait_until(
+        lambda: httpx.get(f"{r.url}/v1/models", headers={"Authorization": f"Bearer {third}"}).status_code == 200,
+        timeout=5,
+        what="the new key accepted",
+    )
     assert_401(httpx.get(f"{r.url}/v1/models", headers={"Authorization": f"Bearer {second}"}))
 
 
@@ -235,8 +280,12 @@ def replace(path, text: str) -> None:
 
 def test_optional_api_key_file_requires_keys_once_it_appears(tmp_path):
     keys = tmp_path / "api-keys"
-    cfg = RouterConfig(tiers={"default": TierConfig("default", workers=["http://127.0.0.1:9"])}, default_tier="default",
-                       api_key_file=str(keys), api_key_file_optional=True)
+    cfg = RouterConfig(
+        tiers={"default": TierConfig("default", workers=["http://127.0.0.1:9"])},
+        default_tier="default",
+        api_key_file=str(keys),
+        api_key_file_optional=True,
+    )
     with TestClient(build_app(cfg), raise_server_exceptions=False) as client:
         assert client.get("/v1/models").status_code == 200
         replace(keys, "sk-one\n")
@@ -264,11 +313,20 @@ def test_a_rotated_token_is_taken_up_without_a_restart(logdir, model_dir, tmp_pa
     for f in files.values():
         f.write_text(old + "\n")
     p = worker(logdir, model_dir, "prefill", "--auth-token-file", str(files["prefill"]), name="rot-prefill")
-    d = worker(logdir, model_dir, "decode", "--auth-token-file", str(files["decode"]), "--kv-on-failure", "fail",
-               name="rot-decode")
+    d = worker(
+        logdir,
+        model_dir,
+        "decode",
+        "--auth-token-file",
+        str(files["decode"]),
+        "--kv-on-failure",
+        "fail",
+        name="rot-decode",
+    )
     start_all(p, d)
-    r = router(logdir, "--prefill", p.url, "--decode", d.url, "--auth-token-file", str(files["router"]),
-               name="rot-router")
+    r = router(
+        logdir, "--prefill", p.url, "--decode", d.url, "--auth-token-file", str(files["router"]), name="rot-router"
+    )
     try:
         start_all(r)
 
@@ -326,8 +384,9 @@ def test_kv_peers_match_addresses_cidrs_and_names_and_never_resolve_the_params_h
         asked.append(name)
         return {"10.1.0.5", "10.1.0.6"}
 
-    peers = KVPeers.from_spec("chat-prefill.team-a.svc:8001, 127.0.0.1, [::1]:9, 192.168.0.0/16:8001",
-                              resolver=resolver)
+    peers = KVPeers.from_spec(
+        "chat-prefill.team-a.svc:8001, 127.0.0.1, [::1]:9, 192.168.0.0/16:8001", resolver=resolver
+    )
     assert peers.allows("10.1.0.5", 8001) and peers.allows("10.1.0.6", 8001)
     assert not peers.allows("10.1.0.5", 8002), "the port is part of the peer"
     assert peers.allows("127.0.0.1", 40000) and peers.allows("::1", 9) and not peers.allows("::1", 10)
@@ -364,8 +423,10 @@ def test_tcp_connector_token_in_the_frame_and_peers_on_connect(tmp_path):
         refused: list[str] = []
         server.on_refused = refused.append
         anonymous = TcpKVConnector(peers=KVPeers.from_spec("127.0.0.1"))
-        for call in (lambda: anonymous.pull(params, params.prompts[0], 0, [0], "hash", 5),
-                     lambda: anonymous.release(params, params.prompts[0], True, 5)):
+        for call in (
+            lambda: anonymous.pull(params, params.prompts[0], 0, [0], "hash", 5),
+            lambda: anonymous.release(params, params.prompts[0], True, 5),
+        ):
             with pytest.raises(c.KVTransferError) as err:
                 call()
             assert err.value.reason == c.UNAUTHORIZED

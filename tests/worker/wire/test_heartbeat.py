@@ -1,4 +1,5 @@
 """SSE heartbeats: a stream that waits longer than the interval gets `: keep-alive` comments before its first token, from the worker (queued behind another request) and from the router (a slow prefill hand-off); the openai SDK parses such streams; a fast error keeps its real status code."""
+
 from __future__ import annotations
 
 import json
@@ -58,21 +59,33 @@ class _Fake(BaseHTTPRequestHandler):
             time.sleep(self.delay)
             body["messages"][0]["content"] = "bad"
         if body["messages"][0]["content"] == "bad":
-            self._json(400, {"error": {"message": "bad prompt", "type": "invalid_request_error", "param": None,
-                                       "code": None}})
+            self._json(
+                400, {"error": {"message": "bad prompt", "type": "invalid_request_error", "param": None, "code": None}}
+            )
             return
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             time.sleep(self.delay)
-            self._json(200, {"id": "x", "choices": [], "kv_transfer_params": {"do_remote_prefill": True,
-                                                                             "remote_host": "127.0.0.1"}})
+            self._json(
+                200,
+                {
+                    "id": "x",
+                    "choices": [],
+                    "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1"},
+                },
+            )
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("connection", "close")
         self.end_headers()
         for text in ("Hi", "!"):
-            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                     "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+            chunk = {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            }
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         self.wfile.write(b"data: [DONE]\n\n")
         self.close_connection = True
@@ -102,13 +115,19 @@ def test_router_beats_while_the_prefill_hand_off_runs(slow_pd):
     early = before_first_data(lines)
     assert early and all(line == ": keep-alive" for line in early), lines
     assert lines[-1] == "data: [DONE]"
-    assert [json.loads(x[6:])["choices"][0]["delta"]["content"] for x in lines if x.startswith("data: {")] == ["Hi", "!"]
+    assert [json.loads(x[6:])["choices"][0]["delta"]["content"] for x in lines if x.startswith("data: {")] == [
+        "Hi",
+        "!",
+    ]
 
 
 def test_the_openai_sdk_ignores_the_router_heartbeats(slow_pd):
     client = openai.OpenAI(base_url=f"{slow_pd.url}/v1", api_key="none", max_retries=0)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True)
+        if c.choices
+    )
     assert text == "Hi!"
 
 
@@ -120,14 +139,18 @@ def test_a_fast_error_keeps_its_status_code(slow_pd):
 def test_an_error_after_the_first_heartbeat_is_an_error_event_counted_with_its_code(slow_pd):
     def count_400() -> float:
         text = httpx.get(f"{slow_pd.url}/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("pdfleet_router_requests_total{") and 'code="400"' in line)
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("pdfleet_router_requests_total{") and 'code="400"' in line
+        )
+
     before = count_400()
     status, lines = raw_stream(slow_pd.url, {**PROMPT, "messages": [{"role": "user", "content": "slow bad"}]})
     assert status == 200  # committed at the first heartbeat
     early = before_first_data(lines)
     assert early and set(early) == {": keep-alive"}
-    event = json.loads(lines[len(early)][len("data: "):])
+    event = json.loads(lines[len(early)][len("data: ") :])
     assert event["error"]["message"] == "bad prompt" and lines[-1] == "data: [DONE]"
     wait_until(lambda: count_400() == before + 1, what="the stream counted as a 400")
 
@@ -136,8 +159,11 @@ def test_heartbeats_are_counted_as_no_first_token(slow_pd):
     raw_stream(slow_pd.url, PROMPT)
     text = httpx.get(f"{slow_pd.url}/metrics").text
     # the first token came after the 0.6 s prefill: no observation under 0.5 s, although keep-alives were sent
-    counts = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("pdfleet_router_time_to_first_token_seconds_bucket")}
+    counts = {
+        line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdfleet_router_time_to_first_token_seconds_bucket")
+    }
     assert counts and counts["0.5"] == 0 < counts["+Inf"]
 
 
@@ -173,6 +199,7 @@ class _Hold:
                             break
             finally:
                 self.ended.set()
+
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
@@ -210,8 +237,9 @@ def test_the_openai_sdk_parses_a_queued_stream(queued_worker):
     wait_until(lambda: w.load().get("running") == 1, what="the long request running")
     client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0)
     # Returns with the headers, which a queued stream's worker sends at the first heartbeat.
-    stream = client.chat.completions.create(model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
     wait_until(lambda: w.load().get("waiting") == 1, what="the stream queued behind the long request")
     time.sleep(0.2)  # ten heartbeat intervals of comments for the SDK to skip (the hold lasts seconds)
     assert not hold.ended.is_set(), "the hold ended before it was released"

@@ -2,6 +2,7 @@
 crash the engine, requests only a decode worker would refuse, unbounded prompt lists, clients that leave
 non-streamed requests; OpenAI fields clients send (null as default, store/metadata/..., refusal, models by
 id); and no worker address in anything the router returns."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from pdfleet_worker.router import proxy
 from pdfleet_worker.router.app import build_app
 from pdfleet_worker.router.router_config import RouterConfig, TierConfig
 from pdfleet_worker.wire import errors, json_body, limits
-from tests.worker.processes import AUTH, MODEL, pool_whole, wait_until, worker_urls
 from tests.worker.kv_transfer.test_kv_transfer import sample
+from tests.worker.processes import AUTH, MODEL, pool_whole, wait_until, worker_urls
 from tests.worker.server.test_limits import assert_error, leave_once_running
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -40,17 +41,18 @@ HOSTILE = {
 }
 # Well-formed values that reached the engine and broke it (seed: the engine thread died, the worker with it).
 ENGINE_BREAKERS = {
-    "seed": {**GOOD, "seed": 2 ** 80, "temperature": 1.0},
-    "top_k": {**GOOD, "top_k": 2 ** 80, "temperature": 1.0},
-    "stop_token_ids": {**GOOD, "stop_token_ids": [2 ** 80]},
-    "prompt": {**GOOD, "prompt": [[2 ** 64]]},
+    "seed": {**GOOD, "seed": 2**80, "temperature": 1.0},
+    "top_k": {**GOOD, "top_k": 2**80, "temperature": 1.0},
+    "stop_token_ids": {**GOOD, "stop_token_ids": [2**80]},
+    "prompt": {**GOOD, "prompt": [[2**64]]},
     "stop": {**GOOD, "stop": ["a"] * 10_000},
 }
 
 
 def post_raw(url: str, content: bytes, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json", **(headers or {})},
-                      timeout=30)
+    return httpx.post(
+        f"{url}{path}", content=content, headers={"content-type": "application/json", **(headers or {})}, timeout=30
+    )
 
 
 def codes(router_metrics: str) -> dict[str, float]:
@@ -86,8 +88,11 @@ def test_hostile_json_through_the_router_is_counted_and_reaches_no_worker(pipeli
     for body in HOSTILE.values():
         post_raw(r.url, body)
     # The router counts an answer once it is sent: the last one may still be on its way to the counter.
-    wait_until(lambda: codes(r.metrics_text()).get("400", 0) - before.get("400", 0) >= len(HOSTILE), timeout=5,
-               what="the router counting every 400")
+    wait_until(
+        lambda: codes(r.metrics_text()).get("400", 0) - before.get("400", 0) >= len(HOSTILE),
+        timeout=5,
+        what="the router counting every 400",
+    )
     after = codes(r.metrics_text())
     assert after.get("400", 0) - before.get("400", 0) == len(HOSTILE)
     assert {k: v for k, v in after.items() if k != "400"} == {k: v for k, v in before.items() if k != "400"}
@@ -101,8 +106,7 @@ def test_values_that_broke_the_engine_are_refused_and_it_keeps_serving(pipeline,
         err = assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 400)
         assert err["param"].split(".")[0] == field, err
     assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "stop": "x" * 300}, timeout=30), 400, "stop")
-    ok = httpx.post(f"{url}/v1/completions", json={**GOOD, "seed": 2 ** 63 - 1, "n": 2, "temperature": 1.0},
-                    timeout=30)
+    ok = httpx.post(f"{url}/v1/completions", json={**GOOD, "seed": 2**63 - 1, "n": 2, "temperature": 1.0}, timeout=30)
     assert ok.status_code == 200, ok.text
     for w in pipeline.workers:
         assert httpx.get(f"{w.url}/health").status_code == 200, w.name
@@ -144,8 +148,10 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(pipeline):
     huge = "hello world " * 300_000
     prefilled = sample(pipeline.prefill.metrics_text(), m.PROMPT_TOKENS_TOTAL.name)
     for url in (pipeline.router.url, pipeline.prefill.url):
-        for path, body in (("/v1/completions", {**GOOD, "prompt": huge}),
-                           ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]})):
+        for path, body in (
+            ("/v1/completions", {**GOOD, "prompt": huge}),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}),
+        ):
             t0 = time.monotonic()
             err = assert_error(httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=60), 400)
             print(f"{url}{path}: {len(huge):,} characters refused in {time.monotonic() - t0:.3f} s")
@@ -154,8 +160,12 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(pipeline):
     assert sample(pipeline.prefill.metrics_text(), m.PROMPT_TOKENS_TOTAL.name) == prefilled
     # ... and text that could fit is tokenized before the same check: its refusal counts tokens.
     fits_chars = " ".join(["hello"] * 3000)
-    err = assert_error(httpx.post(f"{pipeline.prefill.url}/v1/completions", json={**GOOD, "prompt": fits_chars},
-                                  headers=AUTH, timeout=60), 400)
+    err = assert_error(
+        httpx.post(
+            f"{pipeline.prefill.url}/v1/completions", json={**GOOD, "prompt": fits_chars}, headers=AUTH, timeout=60
+        ),
+        400,
+    )
     assert err["code"] == "context_length_exceeded" and "but the prompt has" in err["message"], err
 
 
@@ -163,11 +173,18 @@ def test_prompt_lists_are_bounded_by_max_prompts(pipeline):
     assert pipeline.colo.load()["limits"]["max_prompts"] == limits.DEFAULT_MAX_PROMPTS
     for url in (pipeline.router.url, pipeline.colo.url, pipeline.prefill.url):
         for count in (limits.DEFAULT_MAX_PROMPTS + 1, 5000):
-            err = assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["hi"] * count},
-                                          headers=AUTH, timeout=30), 400, "prompt", f"at most {limits.DEFAULT_MAX_PROMPTS}")
+            err = assert_error(
+                httpx.post(f"{url}/v1/completions", json={**GOOD, "prompt": ["hi"] * count}, headers=AUTH, timeout=30),
+                400,
+                "prompt",
+                f"at most {limits.DEFAULT_MAX_PROMPTS}",
+            )
             assert err["code"] == "too_many_prompts"
-    full = httpx.post(f"{pipeline.router.url}/v1/completions",
-                      json={**GOOD, "prompt": [[5, 6]] * limits.DEFAULT_MAX_PROMPTS, "max_tokens": 1}, timeout=60)
+    full = httpx.post(
+        f"{pipeline.router.url}/v1/completions",
+        json={**GOOD, "prompt": [[5, 6]] * limits.DEFAULT_MAX_PROMPTS, "max_tokens": 1},
+        timeout=60,
+    )
     assert full.status_code == 200 and len(full.json()["choices"]) == limits.DEFAULT_MAX_PROMPTS
 
 
@@ -178,8 +195,22 @@ def test_max_prompts_flag(model_dir):
 
     parser = argparse.ArgumentParser()
     worker_config.add_arguments(parser)
-    cfg = worker_config.from_args(parser.parse_args(["--model", model_dir, "--num-kv-blocks", "8", "--device", "cpu",
-                                                     "--max-prompts", "3", "--max-logprobs", "2"]))
+    cfg = worker_config.from_args(
+        parser.parse_args(
+            [
+                "--model",
+                model_dir,
+                "--num-kv-blocks",
+                "8",
+                "--device",
+                "cpu",
+                "--max-prompts",
+                "3",
+                "--max-logprobs",
+                "2",
+            ]
+        )
+    )
     assert (cfg.max_prompts, cfg.max_logprobs) == (3, 2)
     with pytest.raises(ValueError, match="max_prompts"):
         worker_config.WorkerConfig(engine=cfg.engine, served_model_name="x", max_prompts=0)
@@ -194,36 +225,78 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(pipeline, tier):
     body = {**GOOD, "prompt": "a long story", "max_tokens": 1900, "ignore_eos": True}
     # The client leaves once the worker generates its answer (the router holds the non-streamed request).
     leave_once_running(r.url, body, lambda: worker.load()["running"] == 1, headers={"x-pdfleet-tier": tier})
-    wait_until(lambda: sample(worker.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort")
-               == aborted + 1, timeout=10, what="the worker aborting the abandoned request")
+    wait_until(
+        lambda: sample(worker.metrics_text(), m.REQUEST_SUCCESS_TOTAL.name, finished_reason="abort") == aborted + 1,
+        timeout=10,
+        what="the worker aborting the abandoned request",
+    )
     wait_until(lambda: pool_whole(worker) and pool_whole(pipeline.prefill), timeout=10, what="pools whole")
     wait_until(lambda: codes(r.metrics_text()).get("499", 0) == left + 1, timeout=5, what="the router counting 499")
 
 
 def test_null_means_the_default(pipeline):
     for url in (pipeline.router.url, pipeline.colo.url):
-        nulls = {"stream": None, "n": None, "logprobs": None, "echo": None, "ignore_eos": None, "stop": None,
-                 "temperature": None, "top_p": None, "seed": None, "user": None, "stream_options": None}
+        nulls = {
+            "stream": None,
+            "n": None,
+            "logprobs": None,
+            "echo": None,
+            "ignore_eos": None,
+            "stop": None,
+            "temperature": None,
+            "top_p": None,
+            "seed": None,
+            "user": None,
+            "stream_options": None,
+        }
         resp = httpx.post(f"{url}/v1/completions", json={**GOOD, **nulls}, timeout=30)
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["choices"]) == 1 and resp.json()["choices"][0]["logprobs"] is None
-        chat_nulls = {"stream": None, "n": None, "logprobs": None, "top_logprobs": None, "max_tokens": None,
-                      "max_completion_tokens": 2, "tools": None, "tool_choice": None, "response_format": None}
+        chat_nulls = {
+            "stream": None,
+            "n": None,
+            "logprobs": None,
+            "top_logprobs": None,
+            "max_tokens": None,
+            "max_completion_tokens": 2,
+            "tools": None,
+            "tool_choice": None,
+            "response_format": None,
+        }
         resp = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **chat_nulls}, timeout=30)
         assert resp.status_code == 200, resp.text
         assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "model": None}, timeout=30), 400, "model")
 
 
 def test_fields_clients_commonly_send(pipeline):
-    harmless = {"store": False, "metadata": {"team": "search", "run": "7"}, "service_tier": "auto", "user": "u-1",
-                "prompt_cache_key": "k", "safety_identifier": "s"}
-    refused = {"reasoning_effort": "low", "audio": {"voice": "x"}, "modalities": ["text", "audio"],
-               "prediction": {"type": "content"}, "functions": [{"name": "f"}], "web_search_options": {}}
+    harmless = {
+        "store": False,
+        "metadata": {"team": "search", "run": "7"},
+        "service_tier": "auto",
+        "user": "u-1",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+    }
+    refused = {
+        "reasoning_effort": "low",
+        "audio": {"voice": "x"},
+        "modalities": ["text", "audio"],
+        "prediction": {"type": "content"},
+        "functions": [{"name": "f"}],
+        "web_search_options": {},
+    }
     for url in (pipeline.router.url, pipeline.colo.url):
-        chat = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **harmless, "parallel_tool_calls": True,
-                                                              "stream": True, "stream_options": {
-                                                                  "include_usage": True, "include_obfuscation": False}},
-                          timeout=30)
+        chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                **CHAT,
+                **harmless,
+                "parallel_tool_calls": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "include_obfuscation": False},
+            },
+            timeout=30,
+        )
         assert chat.status_code == 200, chat.text
         done = httpx.post(f"{url}/v1/completions", json={**GOOD, **harmless, "store": None}, timeout=30)
         assert done.status_code == 200, done.text
@@ -231,17 +304,27 @@ def test_fields_clients_commonly_send(pipeline):
         greedy = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
         assert top_p_0.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"], "top_p 0: the top token"
         for name, value in refused.items():
-            err = assert_error(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, name: value}, timeout=30), 400,
-                               name, "not supported")
+            err = assert_error(
+                httpx.post(f"{url}/v1/chat/completions", json={**CHAT, name: value}, timeout=30),
+                400,
+                name,
+                "not supported",
+            )
             assert err["code"] == "unsupported_parameter"
         assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "suffix": "x"}, timeout=30), 400, "suffix")
         too_many = {f"k{i}": "v" for i in range(17)}
-        assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "metadata": too_many}, timeout=30), 400,
-                     "metadata")
-        assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "service_tier": "gold"}, timeout=30), 400,
-                     "service_tier")
-        assert_error(httpx.post(f"{url}/v1/completions", json={**GOOD, "frobnicate": 1}, timeout=30), 400,
-                     "frobnicate", "Unrecognized")
+        assert_error(
+            httpx.post(f"{url}/v1/completions", json={**GOOD, "metadata": too_many}, timeout=30), 400, "metadata"
+        )
+        assert_error(
+            httpx.post(f"{url}/v1/completions", json={**GOOD, "service_tier": "gold"}, timeout=30), 400, "service_tier"
+        )
+        assert_error(
+            httpx.post(f"{url}/v1/completions", json={**GOOD, "frobnicate": 1}, timeout=30),
+            400,
+            "frobnicate",
+            "Unrecognized",
+        )
 
 
 def test_chat_messages_carry_refusal_and_sdk_round_trips_them(pipeline):
@@ -251,9 +334,9 @@ def test_chat_messages_carry_refusal_and_sdk_round_trips_them(pipeline):
         assert raw.http_response.json()["choices"][0]["message"]["refusal"] is None
         answer = raw.parse().choices[0].message
         # The SDK's own message object goes back in as the next turn (refusal, annotations, tool_calls: null).
-        again = client.chat.completions.create(model=MODEL, messages=[*messages, answer.model_dump(),
-                                                                      {"role": "user", "content": "More"}],
-                                               max_tokens=2)
+        again = client.chat.completions.create(
+            model=MODEL, messages=[*messages, answer.model_dump(), {"role": "user", "content": "More"}], max_tokens=2
+        )
         assert again.choices[0].message.refusal is None
         first = next(iter(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True)))
         assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.refusal is None
@@ -295,9 +378,11 @@ def test_router_headers_and_errors_name_no_worker_address(pipeline):
 
 def test_redact_removes_addresses_and_keeps_the_rest():
     known = ["http://prefill-0.pool.svc:8000", "kv.internal"]
-    text = ("KV transfer from the prefill worker failed (connect): connecting to 10.1.2.3:9000 refused; "
-            "http://prefill-0.pool.svc:8000/v1 and prefill-0.pool.svc, kv.internal, [fd00::5]:8000, fd00::5, "
-            "https://x.example/y; prompt 3 has 12 tokens")
+    text = (
+        "KV transfer from the prefill worker failed (connect): connecting to 10.1.2.3:9000 refused; "
+        "http://prefill-0.pool.svc:8000/v1 and prefill-0.pool.svc, kv.internal, [fd00::5]:8000, fd00::5, "
+        "https://x.example/y; prompt 3 has 12 tokens"
+    )
     out = proxy.redact(text, known)
     for leak in ("10.1.2.3", "9000", "prefill-0", "kv.internal", "fd00", "x.example"):
         assert leak not in out, (leak, out)
@@ -306,34 +391,58 @@ def test_redact_removes_addresses_and_keeps_the_rest():
 
     from types import SimpleNamespace
 
-    cfg = RouterConfig(tiers={"default": TierConfig("default", workers=["http://10.0.0.9:8000"])}, default_tier="default")
+    cfg = RouterConfig(
+        tiers={"default": TierConfig("default", workers=["http://10.0.0.9:8000"])}, default_tier="default"
+    )
     up = SimpleNamespace(url="http://10.0.0.9:8000", role="decode")
     router = proxy.Router(cfg, SimpleNamespace(all={("default", "both", up.url): up}), None, None)
-    raw = json.dumps({"error": {"message": "KV pull from kv-0.internal:9100 broke (worker http://10.0.0.9:8000)",
-                                "type": "kv_transfer_error", "param": None, "code": "peer_closed",
-                                "debug": {"kv_transfer_params": {"remote_host": "10.0.0.7"}}}}).encode()
-    assert router.relayed_error(raw, up, 502, ["kv-0.internal"]) == {"error": {
-        "message": "KV pull from <worker>:9100 broke (worker <worker>)", "type": "kv_transfer_error", "param": None,
-        "code": "peer_closed"}}
-    assert router.relayed_error(b"<html>10.0.0.9</html>", up, 502)["error"]["message"] == "the decode worker answered 502"
+    raw = json.dumps(
+        {
+            "error": {
+                "message": "KV pull from kv-0.internal:9100 broke (worker http://10.0.0.9:8000)",
+                "type": "kv_transfer_error",
+                "param": None,
+                "code": "peer_closed",
+                "debug": {"kv_transfer_params": {"remote_host": "10.0.0.7"}},
+            }
+        }
+    ).encode()
+    assert router.relayed_error(raw, up, 502, ["kv-0.internal"]) == {
+        "error": {
+            "message": "KV pull from <worker>:9100 broke (worker <worker>)",
+            "type": "kv_transfer_error",
+            "param": None,
+            "code": "peer_closed",
+        }
+    }
+    assert (
+        router.relayed_error(b"<html>10.0.0.9</html>", up, 502)["error"]["message"] == "the decode worker answered 502"
+    )
 
 
 def test_router_counts_every_answer_including_its_own_bugs(monkeypatch):
     """In-process router (its one worker is unreachable): a bug in the proxy, unknown paths and methods,
     /v1/models and the router's own 503 are all counted with their codes; probes and scrapes are not."""
-    cfg = RouterConfig(tiers={"default": TierConfig("default", workers=["http://127.0.0.1:9"])},
-                       default_tier="default", discovery="static", health_interval_s=60, discovery_interval_s=60)
+    cfg = RouterConfig(
+        tiers={"default": TierConfig("default", workers=["http://127.0.0.1:9"])},
+        default_tier="default",
+        discovery="static",
+        health_interval_s=60,
+        discovery_interval_s=60,
+    )
 
     def bug(self, *args, **kwargs):
         raise RuntimeError("boom at http://10.9.8.7:8000 with kv_transfer_params={'remote_host': '10.9.8.7'}")
 
     with TestClient(build_app(cfg), raise_server_exceptions=False) as client:
-        answers = [client.post("/v1/completions", json=GOOD),                      # 503: no worker
-                   client.post("/v1/completions", content=b'{"prompt": NaN}'),    # 400
-                   client.get("/v1/completions"),                                  # 405
-                   client.get("/v1/nothing"),                                      # 404
-                   client.get("/v1/models"),                                       # 200
-                   client.get("/v1/models/none")]                                  # 404
+        answers = [
+            client.post("/v1/completions", json=GOOD),  # 503: no worker
+            client.post("/v1/completions", content=b'{"prompt": NaN}'),  # 400
+            client.get("/v1/completions"),  # 405
+            client.get("/v1/nothing"),  # 404
+            client.get("/v1/models"),  # 200
+            client.get("/v1/models/none"),
+        ]  # 404
         monkeypatch.setattr(proxy.Router, "_tier", bug)
         crashed = client.post("/v1/completions", json=GOOD)
         answers.append(crashed)
@@ -353,6 +462,8 @@ def test_decoder_limits_unit():
     with pytest.raises(errors.RequestError, match="deeper than"):
         json_body.decode_json(b"[" * (json_body.MAX_JSON_DEPTH + 1) + b"]" * (json_body.MAX_JSON_DEPTH + 1))
     assert json_body.decode_json(b"[" * json_body.MAX_JSON_DEPTH + b"]" * json_body.MAX_JSON_DEPTH) is not None
-    assert json_body.decode_json(b'{"a": "\\ud83d\\ude00", "b": [1e308, -0.0]}') == {"a": "\U0001F600", "b": [1e308, -0.0]}
+    assert json_body.decode_json(b'{"a": "\\ud83d\\ude00", "b": [1e308, -0.0]}') == {
+        "a": "\U0001f600",
+        "b": [1e308, -0.0],
+    }
     assert json_body.decode_json('{"a": "café ☕"}'.encode()) == {"a": "café ☕"}
-

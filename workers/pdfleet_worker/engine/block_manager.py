@@ -1,5 +1,6 @@
 """Paged KV block accounting (free list, ref counts, chained prefix hashes, LRU eviction, and the offload tiers an
 evicted hashed block moves to); only the Scheduler calls it. No torch."""
+
 from __future__ import annotations
 
 import array
@@ -40,8 +41,15 @@ class BlockManager:
     a prefix lookup continues there: such a hit is an entry of type bytes (its hash) among the block ids
     find_cached_prefix returns, and allocate copies it back into a free block."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_seed: str = "pdfleet-v1", offload: OffloadIndex | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_seed: str = "pdfleet-v1",
+        offload: OffloadIndex | None = None,
+    ):
         assert num_blocks >= 1 and block_size >= 1, f"bad pool {num_blocks}x{block_size}"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -80,7 +88,7 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], self.hash_seed))
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self.hash_seed))
         return hashes[:num_full_blocks]
 
     def find_cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int | BlockHash]:

@@ -5,6 +5,7 @@ A decode step's model call is the same kernels every time for a given batch size
 buffers and the graph of the smallest captured size >= B is replayed. Rows past B are padding: they
 write their KV into a scratch block the block manager never hands out, and attend to it alone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,18 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class DecodeGraphs:
     """Captured decode steps of `model` over `caches` (whose last block, `scratch_block`, is padding's)."""
 
-    def __init__(self, model, rope, caches, *, max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
-                 device: torch.device):
+    def __init__(
+        self,
+        model,
+        rope,
+        caches,
+        *,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ):
         self.model, self.rope, self.caches = model, rope, caches
         self.block_size, self.scratch_block = block_size, scratch_block
         self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
@@ -32,9 +43,15 @@ class DecodeGraphs:
         self.pool = None
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(backend="paged", slot_mapping=self.slots[:b], num_decodes=b,
-                                 decode_block_tables=self.tables[:b], decode_context_lens=self.lens[:b],
-                                 decode_mask=None, prefills=[])
+        return AttentionMetadata(
+            backend="paged",
+            slot_mapping=self.slots[:b],
+            num_decodes=b,
+            decode_block_tables=self.tables[:b],
+            decode_context_lens=self.lens[:b],
+            decode_mask=None,
+            prefills=[],
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:

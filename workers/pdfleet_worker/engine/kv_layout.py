@@ -1,4 +1,5 @@
 """KVLayout: what a prefill and a decode engine must agree on to exchange KV blocks, the weights' digest included; the engine builds it once at load, the PD code compares its hash."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,12 @@ def _header(f, path: str) -> tuple[bytes, int]:
 
 def _offsets(entry, name: str, path: str) -> tuple[int, int]:
     offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(x, int) for x in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
         raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets")
     return offsets[0], offsets[1]
 

@@ -8,6 +8,7 @@ tier evicts goes to the disk tier (a memory-mapped file); a disk block the disk 
 Each tier is exclusive: a hash is in exactly one place (device, host or disk). A prefix hit in a tier is
 copied back into a free device block and leaves the tier.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,10 +20,10 @@ TIERS = (HOST, DISK)
 # The cost model's defaults (docs/engine.md, "Tiered KV offload"): a tier's bytes per second and the device's
 # prefill seconds per token until the engine has measured its own (an exponential moving average of the
 # copies and prefill steps it ran; MEASURE_WEIGHT is the weight of the newest sample).
-DEFAULT_HOST_BYTES_PER_S = 4e9       # a memcpy between two RAM buffers on a loaded server core
-DEFAULT_DISK_BYTES_PER_S = 1e9       # an mmap'd file on local NVMe (an emptyDir), page cache cold
-DEFAULT_PREFILL_S_PER_TOKEN = 2e-4   # a ~150M-parameter model prefilling on a few CPU cores
-LOAD_OVERHEAD_S = 2e-4               # fixed cost of one load batch (index tensors, the call itself)
+DEFAULT_HOST_BYTES_PER_S = 4e9  # a memcpy between two RAM buffers on a loaded server core
+DEFAULT_DISK_BYTES_PER_S = 1e9  # an mmap'd file on local NVMe (an emptyDir), page cache cold
+DEFAULT_PREFILL_S_PER_TOKEN = 2e-4  # a ~150M-parameter model prefilling on a few CPU cores
+LOAD_OVERHEAD_S = 2e-4  # fixed cost of one load batch (index tensors, the call itself)
 MEASURE_WEIGHT = 0.3
 
 
@@ -44,20 +45,20 @@ class Copy:
 class TierStats:
     """Cumulative per-tier counters (blocks unless named bytes)."""
 
-    stored: int = 0          # blocks written into this tier (device evictions or host demotions)
-    hits: int = 0            # blocks loaded back into the device on a prefix hit
+    stored: int = 0  # blocks written into this tier (device evictions or host demotions)
+    hits: int = 0  # blocks loaded back into the device on a prefix hit
     hit_tokens: int = 0
-    evictions: int = 0       # blocks this tier pushed out (to disk, or dropped for disk)
-    recomputed: int = 0      # blocks found here but recomputed because loading would cost more
-    bytes_in: int = 0        # bytes written into the tier
-    bytes_out: int = 0       # bytes read back into the device
+    evictions: int = 0  # blocks this tier pushed out (to disk, or dropped for disk)
+    recomputed: int = 0  # blocks found here but recomputed because loading would cost more
+    bytes_in: int = 0  # bytes written into the tier
+    bytes_out: int = 0  # bytes read back into the device
 
 
 @dataclasses.dataclass
 class SwapStats:
-    swapped_out: int = 0       # preemptions that went to swap space (sequences)
-    swapped_in: int = 0        # sequences brought back
-    fallbacks: int = 0         # preemptions that wanted swap but found it full: recomputed instead
+    swapped_out: int = 0  # preemptions that went to swap space (sequences)
+    swapped_in: int = 0  # sequences brought back
+    fallbacks: int = 0  # preemptions that wanted swap but found it full: recomputed instead
     blocks_out: int = 0
     blocks_in: int = 0
 
@@ -125,8 +126,15 @@ class OffloadIndex:
     byte counters. A capacity of 0 turns a tier off (host 0 with disk > 0: evictions go straight to disk).
     """
 
-    def __init__(self, *, host_blocks: int = 0, disk_blocks: int = 0, swap_blocks: int = 0, block_bytes: int = 1,
-                 cost: CostModel | None = None):
+    def __init__(
+        self,
+        *,
+        host_blocks: int = 0,
+        disk_blocks: int = 0,
+        swap_blocks: int = 0,
+        block_bytes: int = 1,
+        cost: CostModel | None = None,
+    ):
         self.tiers = {HOST: _Tier(HOST, host_blocks), DISK: _Tier(DISK, disk_blocks)}
         self.block_bytes = block_bytes
         self.cost = cost or CostModel()

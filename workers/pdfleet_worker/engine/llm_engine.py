@@ -1,4 +1,5 @@
 """The engine API (add_request / step / abort / stats, KV export and import); the server and benchmarks call it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,9 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model_config, config.block_size, config.kv_cache_dtype, dtype)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block of {per_block} bytes")
+            raise ValueError(
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block of {per_block} bytes"
+            )
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > limit:
@@ -64,18 +67,31 @@ class LLMEngine:
             raise ValueError(f"swap_space_bytes={config.swap_space_bytes} holds no KV block of {per_block} bytes")
         offload = None
         if any(tier_blocks.values()) or swap_blocks:
-            offload = OffloadIndex(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
-                                   swap_blocks=swap_blocks, block_bytes=per_block, cost=CostModel())
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching,
-                                          hash_seed=config.prefix_hash_seed, offload=offload)
+            offload = OffloadIndex(
+                host_blocks=tier_blocks[HOST],
+                disk_blocks=tier_blocks[DISK],
+                swap_blocks=swap_blocks,
+                block_bytes=per_block,
+                cost=CostModel(),
+            )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_seed=config.prefix_hash_seed,
+            offload=offload,
+        )
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_token_ids=tuple(sorted(eos)),
-                                   preemption=config.preemption)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(sorted(eos)),
+            preemption=config.preemption,
+        )
         model = load_model(config.model, dtype, config.device, quantization=config.quantization)
         self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len)
         self.sampler = self.model_runner.sampler
@@ -85,8 +101,12 @@ class LLMEngine:
             with open(os.path.join(config.model, "tokenizer.json")) as f:
                 self.grammars = Grammars(f.read(), self.model_config.vocab_size, sorted(eos))
         if offload is not None:
-            self.model_runner.init_offload(host_blocks=tier_blocks[HOST], disk_blocks=tier_blocks[DISK],
-                                           swap_blocks=swap_blocks, disk_dir=config.kv_offload_disk_dir)
+            self.model_runner.init_offload(
+                host_blocks=tier_blocks[HOST],
+                disk_blocks=tier_blocks[DISK],
+                swap_blocks=swap_blocks,
+                disk_dir=config.kv_offload_disk_dir,
+            )
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._success: dict[str, int] = {r.value: 0 for r in FinishReason}
@@ -95,8 +115,15 @@ class LLMEngine:
         self.last_iteration_stats = IterationStats()
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    remote_kv_tokens: int = 0, hold_kv: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        remote_kv_tokens: int = 0,
+        hold_kv: bool = False,
+    ) -> None:
         """Queue a request. remote_kv_tokens: KV of the first N prompt tokens comes from a prefill
         worker (see RequestOutput.kv_load); hold_kv: keep the blocks after finishing (prefill role).
         Raises ValueError naming the bad field, QueueFullError at the admission limit."""
@@ -119,8 +146,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model length is {self.max_model_len} "
-                             f"(prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model length is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         vocab = self.model_config.vocab_size
@@ -136,8 +165,10 @@ class LLMEngine:
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(total)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                             f"{need} KV blocks but the pool has {self.block_manager.num_blocks}; lower max_tokens")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{need} KV blocks but the pool has {self.block_manager.num_blocks}; lower max_tokens"
+            )
         if not 0 <= remote_kv_tokens < len(token_ids):
             raise ValueError(f"remote_kv_tokens must be in [0, {len(token_ids) - 1}], got {remote_kv_tokens}")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
@@ -181,8 +212,9 @@ class LLMEngine:
                 offload.cost.observe_prefill(sched.num_batched_tokens, time.perf_counter() - t0)
         for chunk in sched.chunks:
             if chunk.start_pos < self.scheduler.requests[chunk.request_id].num_prompt_tokens:
-                it.num_prompt_tokens += min(len(chunk.token_ids),
-                                            self.scheduler.requests[chunk.request_id].num_prompt_tokens - chunk.start_pos)
+                it.num_prompt_tokens += min(
+                    len(chunk.token_ids), self.scheduler.requests[chunk.request_id].num_prompt_tokens - chunk.start_pos
+                )
         advanced = self.scheduler.update(sched, {rid: s.token_id for rid, s in sampled.items()})
         for load in sched.kv_loads:
             seq = self.scheduler.requests[load.request_id]
@@ -224,7 +256,7 @@ class LLMEngine:
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                text = text[:i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
+                text = text[: i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
                 self.scheduler.finish(seq, FinishReason.STOP)
         out.text = text
 
@@ -239,22 +271,35 @@ class LLMEngine:
         if final and seq.request_id in self.scheduler.held:
             held = HeldKV(list(seq.block_ids), seq.num_computed_tokens)
         return RequestOutput(
-            request_id=rid, new_token_ids=new_tokens, new_text=new_text, finished=final,
+            request_id=rid,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=final,
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, held_kv=held)
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+            held_kv=held,
+        )
 
     def _record_finished(self, seq: Sequence, it: IterationStats) -> None:
         seq.output_text = None  # all of it streamed (a held prefill sequence outlives its request)
         reason = seq.finish_reason.value
         self._success[reason] += 1
         end = seq.finished_time or time.monotonic()
-        it.finished.append(FinishedRequestStats(
-            request_id=seq.request_id, finish_reason=reason, e2e_latency_s=end - seq.arrival_time,
-            queue_time_s=(seq.first_scheduled_time or end) - seq.arrival_time,
-            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_preemptions=seq.num_preemptions))
+        it.finished.append(
+            FinishedRequestStats(
+                request_id=seq.request_id,
+                finish_reason=reason,
+                e2e_latency_s=end - seq.arrival_time,
+                queue_time_s=(seq.first_scheduled_time or end) - seq.arrival_time,
+                ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                num_preemptions=seq.num_preemptions,
+            )
+        )
 
     # -- start-up --------------------------------------------------------------------------
     def warm_up(self) -> float:
@@ -285,8 +330,11 @@ class LLMEngine:
         return time.monotonic() - t0
 
     # -- convenience -----------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion (offline use and tests); one merged output per prompt, in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         base = f"gen-{id(self)}-{time.monotonic_ns()}"
@@ -312,25 +360,37 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.scheduler
         return EngineStats(
-            num_requests_waiting=len(s.waiting), num_requests_running=len(s.running),
-            num_requests_waiting_for_remote_kv=len(s.waiting_for_kv), num_requests_holding_kv=len(s.held),
-            kv_cache_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_requests_waiting=len(s.waiting),
+            num_requests_running=len(s.running),
+            num_requests_waiting_for_remote_kv=len(s.waiting_for_kv),
+            num_requests_holding_kv=len(s.held),
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
             num_held_blocks=sum(len(q.block_ids) for q in s.held.values()),
-            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
-            num_preemptions_total=s.num_preemptions, prefix_cache_queries_total=bm.stats.queries,
-            prefix_cache_hits_total=bm.stats.hits, request_success_total=dict(self._success),
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=s.num_preemptions,
+            prefix_cache_queries_total=bm.stats.queries,
+            prefix_cache_hits_total=bm.stats.hits,
+            request_success_total=dict(self._success),
             num_prompt_tokens_waiting=sum(q.num_prompt_tokens for q in s.waiting),
-            **self._offload_stats())
+            **self._offload_stats(),
+        )
 
     def _offload_stats(self) -> dict:
         off = self.block_manager.offload
         if off is None:
             return {}
-        return dict(kv_offload={t: dataclasses.replace(off.tiers[t].stats) for t in TIERS},
-                    kv_offload_usage={t: off.usage(t) for t in TIERS},
-                    kv_offload_blocks={t: off.tiers[t].capacity for t in TIERS}, kv_block_bytes=self.kv_block_bytes,
-                    swap=dataclasses.replace(off.swap_stats), swap_space_usage=off.swap_usage,
-                    num_requests_swapped=len(self.scheduler.swapped))
+        return dict(
+            kv_offload={t: dataclasses.replace(off.tiers[t].stats) for t in TIERS},
+            kv_offload_usage={t: off.usage(t) for t in TIERS},
+            kv_offload_blocks={t: off.tiers[t].capacity for t in TIERS},
+            kv_block_bytes=self.kv_block_bytes,
+            swap=dataclasses.replace(off.swap_stats),
+            swap_space_usage=off.swap_usage,
+            num_requests_swapped=len(self.scheduler.swapped),
+        )
 
     def is_idle_and_whole(self) -> bool:
         """No request anywhere and every block free: what tests assert after each case."""
@@ -344,10 +404,16 @@ class LLMEngine:
     # -- prefill/decode disaggregation -----------------------------------------------------
     def kv_layout(self) -> KVLayout:
         cfg = self.model_config
-        return KVLayout(model=self.weights_digest, dtype=self.config.dtype,
-                        kv_cache_dtype=self.config.kv_cache_dtype, num_layers=cfg.num_layers,
-                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=self.config.block_size,
-                        quantization=self.config.quantization)
+        return KVLayout(
+            model=self.weights_digest,
+            dtype=self.config.dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=self.config.block_size,
+            quantization=self.config.quantization,
+        )
 
     def export_kv(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
         """Copy out blocks (held by a finished hold_kv request) for a transfer."""

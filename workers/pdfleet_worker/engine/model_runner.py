@@ -1,4 +1,5 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV pool and samples; the only place lists become tensors. LLMEngine calls it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,11 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, d
 
 # Copy kind -> (source store, destination store) given the copy's tier; "pool" is the device KV pool.
 _COPY_STORES = {
-    "save": lambda tier: ("pool", tier), "demote": lambda tier: (HOST, DISK), "load": lambda tier: (tier, "pool"),
-    "swap_out": lambda tier: ("pool", "swap"), "swap_in": lambda tier: ("swap", "pool"),
+    "save": lambda tier: ("pool", tier),
+    "demote": lambda tier: (HOST, DISK),
+    "load": lambda tier: (tier, "pool"),
+    "swap_out": lambda tier: ("pool", "swap"),
+    "swap_in": lambda tier: ("swap", "pool"),
 }
 
 
@@ -52,7 +56,9 @@ class ModelRunner:
         self.int8_dequant_rows: dict[tuple[int, int], int] = {}
         self.linear_backend = "torch"
         if self.device.type == "cpu":
-            self.linear_choice = packed_linear.choose(model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs))
+            self.linear_choice = packed_linear.choose(
+                model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs)
+            )
             packed_linear.pack_linears(model, self.linear_choice)
             self.linear_backend = self.linear_choice.backend
             self.int8_dequant_rows = quantized_linear.choose_dequant_rows(model)  # {} for a float model
@@ -63,13 +69,16 @@ class ModelRunner:
         # CUDA graphs of decode steps (paged backend): padding rows need a block of their own, past
         # the ones the block manager hands out.
         self.graphs: cuda_graphs.DecodeGraphs | None = None
-        self.use_graphs = (self.backend == "paged" and self.kv_cache_dtype == "auto"
-                           and os.environ.get("PDFLEET_CUDA_GRAPHS", "1") != "0")
+        self.use_graphs = (
+            self.backend == "paged"
+            and self.kv_cache_dtype == "auto"
+            and os.environ.get("PDFLEET_CUDA_GRAPHS", "1") != "0"
+        )
         pool_blocks = num_blocks + (1 if self.use_graphs else 0)
         self.caches = [self._new_layer_cache(cfg, pool_blocks) for _ in range(cfg.num_layers)]
         self.max_num_seqs, self.max_blocks = engine_cfg.max_num_seqs, math.ceil(max_model_len / self.block_size)
         # Decodes read the pool in place through their block tables (C++), when it builds here.
-        self.decode_kernel = (self.backend == "cpu" and cfg.head_dim % 16 == 0 and cpu_kernels.load())
+        self.decode_kernel = self.backend == "cpu" and cfg.head_dim % 16 == 0 and cpu_kernels.load()
         self.fused_ops = self.device.type == "cpu" and cpu_kernels.load()
         if self.fused_ops:
             use_cpu_kernels(model)
@@ -81,8 +90,9 @@ class ModelRunner:
         self.bind_cores: list[int] = []
         self._pinned_for: int | None = None  # the thread whose OpenMP team is bound
         if self.device.type == "cpu":
-            self.bind_cores = cpu_kernels.cores_to_bind(os.environ.get("PDFLEET_CPU_BIND", "auto"),
-                                                        torch.get_num_threads(), os.sched_getaffinity(0))
+            self.bind_cores = cpu_kernels.cores_to_bind(
+                os.environ.get("PDFLEET_CPU_BIND", "auto"), torch.get_num_threads(), os.sched_getaffinity(0)
+            )
         self.sampler = Sampler()
         # Off-device KV (init_offload): tier or "swap" -> per layer a KVCache of slots, same layout as the pool.
         self.stores: dict[str, list[KVCache]] = {}
@@ -99,13 +109,16 @@ class ModelRunner:
     def _new_layer_cache(self, cfg: ModelConfig, num_blocks: int) -> KVCache:
         shape = (2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         if self.kv_cache_dtype == "int8":
-            return KVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
-                           torch.zeros(shape[:3], dtype=torch.float32, device=self.device))
+            return KVCache(
+                torch.zeros(shape, dtype=torch.int8, device=self.device),
+                torch.zeros(shape[:3], dtype=torch.float32, device=self.device),
+            )
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     # -- off-device KV: offload tiers and swap space ---------------------------------------
-    def init_offload(self, *, host_blocks: int = 0, disk_blocks: int = 0, swap_blocks: int = 0,
-                     disk_dir: str | None = None) -> None:
+    def init_offload(
+        self, *, host_blocks: int = 0, disk_blocks: int = 0, swap_blocks: int = 0, disk_dir: str | None = None
+    ) -> None:
         """Slots for the host tier and swap space (RAM; pinned when the pool is on an accelerator) and for
         the disk tier: one memory-mapped file in disk_dir (an emptyDir in a pod), unlinked once mapped so
         nothing is left behind when the process ends."""
@@ -127,8 +140,10 @@ class ModelRunner:
     def _slots(self, cfg: ModelConfig, n: int, *, pin: bool) -> KVCache:
         shape = (2, cfg.num_kv_heads, n, self.block_size, cfg.head_dim)
         if self.kv_cache_dtype == "int8":
-            return KVCache(torch.empty(shape, dtype=torch.int8, pin_memory=pin),
-                           torch.empty(shape[:3], dtype=torch.float32, pin_memory=pin))
+            return KVCache(
+                torch.empty(shape, dtype=torch.int8, pin_memory=pin),
+                torch.empty(shape[:3], dtype=torch.float32, pin_memory=pin),
+            )
         return KVCache(torch.empty(shape, dtype=self.dtype, pin_memory=pin))
 
     def _mapped_slots(self, cfg: ModelConfig, n: int, path: str) -> list[KVCache]:
@@ -143,10 +158,10 @@ class ModelRunner:
             f.truncate(nbytes)
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         self.disk_mapping = raw  # the whole mapping (bench/levers_offload.py pages it out to read the file cold)
-        kv = raw[:kv_numel * elem].view(kv_dtype).view(shape)
+        kv = raw[: kv_numel * elem].view(kv_dtype).view(shape)
         if not scale_numel:
             return [KVCache(kv[i]) for i in range(cfg.num_layers)]
-        scale = raw[kv_numel * elem:].view(torch.float32).view(cfg.num_layers, 2, cfg.num_kv_heads, n)
+        scale = raw[kv_numel * elem :].view(torch.float32).view(cfg.num_layers, 2, cfg.num_kv_heads, n)
         return [KVCache(kv[i], scale[i]) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
@@ -210,10 +225,14 @@ class ModelRunner:
             d_rows = d.kv.view(rows, d.kv.shape[2], -1)
             if s_idx is None:
                 step = len(src) if s.kv.is_cuda or d.kv.is_cuda else max(1, 32768 // s_rows.shape[2])
-                s_idx = [torch.tensor(src[i:i + step], dtype=torch.int64, device=s.kv.device)
-                         for i in range(0, len(src), step)]
-                d_idx = [torch.tensor(dst[i:i + step], dtype=torch.int64, device=d.kv.device)
-                         for i in range(0, len(dst), step)]
+                s_idx = [
+                    torch.tensor(src[i : i + step], dtype=torch.int64, device=s.kv.device)
+                    for i in range(0, len(src), step)
+                ]
+                d_idx = [
+                    torch.tensor(dst[i : i + step], dtype=torch.int64, device=d.kv.device)
+                    for i in range(0, len(dst), step)
+                ]
             for r in range(rows):
                 for si, di in zip(s_idx, d_idx):
                     d_rows[r].index_copy_(0, di, s_rows[r].index_select(0, si).to(d.kv.device, non_blocking=True))
@@ -232,8 +251,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows, samplers = self._prepare(chunks)
         model = self.compiled if meta.fused_decode else self.model
         with self._bound():
-            if self.graphs is not None and not meta.prefills and self.graphs.fits(meta.num_decodes,
-                                                                                 meta.decode_block_tables.shape[1]):
+            if (
+                self.graphs is not None
+                and not meta.prefills
+                and self.graphs.fits(meta.num_decodes, meta.decode_block_tables.shape[1])
+            ):
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = model(input_ids, positions, self.rope, meta, self.caches)  # [T, hidden]
@@ -253,9 +275,16 @@ class ModelRunner:
         """Capture the decode CUDA graphs (LLMEngine.warm_up calls this); returns how many."""
         if not self.use_graphs or self.graphs is not None:
             return 0
-        graphs = cuda_graphs.DecodeGraphs(self.model, self.rope, self.caches, max_batch=self.max_num_seqs,
-                                          max_blocks=self.max_blocks, block_size=self.block_size,
-                                          scratch_block=self.num_blocks, device=self.device)
+        graphs = cuda_graphs.DecodeGraphs(
+            self.model,
+            self.rope,
+            self.caches,
+            max_batch=self.max_num_seqs,
+            max_blocks=self.max_blocks,
+            block_size=self.block_size,
+            scratch_block=self.num_blocks,
+            device=self.device,
+        )
         graphs.capture()
         self.graphs = graphs
         return len(graphs.graphs)
@@ -312,7 +341,8 @@ class ModelRunner:
             decode_block_tables=torch.empty(0, 0, dtype=torch.int64, device=dev),
             decode_context_lens=torch.empty(0, dtype=torch.int64, device=dev),
             decode_mask=None,
-            prefills=[])
+            prefills=[],
+        )
         if len(slots) == 1:
             meta.one_slot = divmod(slots[0], bs)
         if decodes:
@@ -336,15 +366,20 @@ class ModelRunner:
         for row, c in prefills:
             n = len(c.token_ids)
             ctx = c.start_pos + n
-            table = torch.tensor(c.block_ids[:math.ceil(ctx / bs)], dtype=torch.int64, device=dev)
+            table = torch.tensor(c.block_ids[: math.ceil(ctx / bs)], dtype=torch.int64, device=dev)
             mask = None
             if c.start_pos:
-                mask = torch.arange(ctx, device=dev)[None, :] <= pos_t[row:row + n, None]  # [n, ctx]
+                mask = torch.arange(ctx, device=dev)[None, :] <= pos_t[row : row + n, None]  # [n, ctx]
             meta.prefills.append(PrefillMeta(row, n, ctx, table, mask))
         if self.backend == "flex":
             meta.flex = self._flex_metadata(chunks, pos_t)
-        return (torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t, meta,
-                torch.tensor(logits_rows, dtype=torch.int64, device=dev), samplers)
+        return (
+            torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            pos_t,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            samplers,
+        )
 
     def _flex_metadata(self, chunks: list[ScheduledChunk], pos_t: torch.Tensor):
         bs, dev = self.block_size, self.device
@@ -358,6 +393,7 @@ class ModelRunner:
 
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=dev)
+
         return attention.build_flex_metadata(t(q_seq), pos_t, t(kv_seq), t(kv_pos), t(kv_index))
 
     # -- KV import/export for prefill/decode disaggregation ----------------------------------
@@ -384,5 +420,7 @@ class ModelRunner:
                 dest, src = getattr(c, name), layer[name]
                 want = dest.shape[:2] + (len(block_ids),) + dest.shape[3:]
                 if tuple(src.shape) != tuple(want) or src.dtype != dest.dtype:
-                    raise ValueError(f"KV {name} is {tuple(src.shape)} {src.dtype}, expected {tuple(want)} {dest.dtype}")
+                    raise ValueError(
+                        f"KV {name} is {tuple(src.shape)} {src.dtype}, expected {tuple(want)} {dest.dtype}"
+                    )
                 dest.index_copy_(2, idx, src.to(self.device))

@@ -1,4 +1,5 @@
 """Continuous batching: picks which tokens of which sequences run each step; LLMEngine calls it. No torch."""
+
 from __future__ import annotations
 
 import collections
@@ -19,7 +20,7 @@ class ScheduledChunk:
     token_ids: list[int]
     start_pos: int
     block_ids: list[int]  # the block table; covers start_pos + len(token_ids) tokens
-    sample: bool          # the chunk reaches the last known token: sample the next one
+    sample: bool  # the chunk reaches the last known token: sample the next one
     params: SamplingParams
     num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
 
@@ -29,9 +30,9 @@ class KVLoad:
     """Blocks of a newly admitted request that must be filled with KV from a prefill worker."""
 
     request_id: str
-    block_ids: list[int]   # destination blocks, in token order
-    first_token: int       # token index of the first slot of block_ids[0]
-    num_tokens: int        # tokens whose KV must arrive
+    block_ids: list[int]  # destination blocks, in token order
+    first_token: int  # token index of the first slot of block_ids[0]
+    num_tokens: int  # tokens whose KV must arrive
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     preempted_ids: list[str]
-    finished_ids: list[str]   # finished or aborted since the previous step: drop per-request state
+    finished_ids: list[str]  # finished or aborted since the previous step: drop per-request state
     kv_loads: list[KVLoad]
     # Block copies (offload tiers, swap space) to run before this step's forward pass, in order.
     copies: list[Copy] = dataclasses.field(default_factory=list)
@@ -63,8 +64,16 @@ class Scheduler:
     (counted in OffloadIndex.swap_stats.fallbacks).
     """
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), preemption: str = "recompute"):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        preemption: str = "recompute",
+    ):
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption must be recompute or swap, got {preemption!r}")
         if preemption == "swap" and (block_manager.offload is None or not block_manager.offload.swap_capacity):
@@ -118,22 +127,31 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while (self.swapped and budget > 0 and not preempted
-               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
+        while (
+            self.swapped
+            and budget > 0
+            and not preempted
+            and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
+        ):
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 break
             self.swapped.popleft()
-            self.bm.offload.swap_in(seq.swap_slots, seq.block_ids[:len(seq.swap_slots)])
+            self.bm.offload.swap_in(seq.swap_slots, seq.block_ids[: len(seq.swap_slots)])
             seq.swap_slots = []
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n))
             budget -= n
 
-        while (self.waiting and not self.swapped and budget > 0 and not preempted
-               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
+        while (
+            self.waiting
+            and not self.swapped
+            and budget > 0
+            and not preempted
+            and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_ids, f"{seq} waits with KV"
             # At least the last token is computed here: its logits pick the next token.
@@ -146,8 +164,14 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv[seq.request_id] = seq
                 first = len(hits)
-                kv_loads.append(KVLoad(seq.request_id, seq.block_ids[first:], first * self.bm.block_size,
-                                       seq.remote_kv_tokens - num_cached))
+                kv_loads.append(
+                    KVLoad(
+                        seq.request_id,
+                        seq.block_ids[first:],
+                        first * self.bm.block_size,
+                        seq.remote_kv_tokens - num_cached,
+                    )
+                )
                 continue
             n = min(seq.num_tokens - num_cached, budget)
             if not self.bm.allocate(seq, num_cached + n, hits):
@@ -160,9 +184,14 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         copies = self.bm.offload.take_copies() if self.bm.offload is not None else []
-        return SchedulerOutput(chunks=chunks, num_batched_tokens=self.max_num_batched_tokens - budget,
-                               preempted_ids=[s.request_id for s in preempted], finished_ids=finished,
-                               kv_loads=kv_loads, copies=copies)
+        return SchedulerOutput(
+            chunks=chunks,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_ids=[s.request_id for s in preempted],
+            finished_ids=finished,
+            kv_loads=kv_loads,
+            copies=copies,
+        )
 
     def _admitted(self, seq: Sequence, num_cached: int) -> None:
         self.waiting.popleft()
@@ -174,9 +203,14 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
-            request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
-            block_ids=list(seq.block_ids), sample=start + n == seq.num_tokens, params=seq.params,
-            num_output_tokens=seq.num_output_tokens)
+            request_id=seq.request_id,
+            token_ids=seq.token_ids[start : start + n],
+            start_pos=start,
+            block_ids=list(seq.block_ids),
+            sample=start + n == seq.num_tokens,
+            params=seq.params,
+            num_output_tokens=seq.num_output_tokens,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap out (preemption swap, while the swap space has room), else recompute later: give back

@@ -1,4 +1,5 @@
 """One request's tokens, progress and KV block table; created by LLMEngine, advanced by the Scheduler."""
+
 from __future__ import annotations
 
 import enum
@@ -17,9 +18,9 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"        # EOS, a stop token id or a stop string
-    LENGTH = "length"    # max_tokens or the model length
-    ABORT = "abort"      # aborted by the caller (client gone, drain deadline)
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # aborted by the caller (client gone, drain deadline)
 
 
 class Sequence:
@@ -29,11 +30,20 @@ class Sequence:
     `num_computed_tokens`; when it reaches `num_tokens` the next token is sampled.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 *, remote_kv_tokens: int = 0, hold_kv: bool = False, arrival_time: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        remote_kv_tokens: int = 0,
+        hold_kv: bool = False,
+        arrival_time: float | None = None,
+    ):
         assert prompt_token_ids, "an empty prompt must be rejected before a Sequence is made"
-        assert 0 <= remote_kv_tokens < len(prompt_token_ids), \
+        assert 0 <= remote_kv_tokens < len(prompt_token_ids), (
             f"remote KV for {remote_kv_tokens} tokens must leave one of {len(prompt_token_ids)} prompt tokens to compute"
+        )
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -69,7 +79,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def reads_prefix_cache(self) -> bool:
@@ -81,5 +91,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

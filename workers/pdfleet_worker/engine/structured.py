@@ -1,4 +1,5 @@
 """Structured outputs with llguidance: compiles a StructuredOutput (JSON schema, any JSON object, regex, choice, Lark grammar) into a grammar for the model's tokenizer and makes the per-request matcher whose token mask the Sampler applies; LLMEngine owns one, the server validates specs through it before admitting a request."""
+
 from __future__ import annotations
 
 import collections
@@ -32,8 +33,9 @@ class Grammars:
             if self._tokenizer is None:
                 import llguidance
 
-                self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids)
+                self._tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
             return self._tokenizer
 
     def compile(self, spec: StructuredOutput) -> str:
@@ -75,8 +77,9 @@ def _grammar(spec: StructuredOutput) -> str:
             raise ValueError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
-        return M.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else {"not": {}},
-                                          defaults=JSON_OPTIONS)
+        return M.grammar_from_json_schema(
+            schema if isinstance(schema, dict) else {} if schema else {"not": {}}, defaults=JSON_OPTIONS
+        )
     if spec.kind == "json_object":
         return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if spec.kind == "regex":

@@ -6,6 +6,7 @@ block dim is dim 2 (`[2, Hkv, N, block_size, D]`, scales `[2, Hkv, N]`), so for 
 (k/v x KV head) a run of consecutive block ids is one contiguous segment: a prompt whose blocks were allocated
 together moves as layers x 2 x Hkv segments, each one kernel copy, and nothing is gathered in Python.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,7 +54,9 @@ def runs(*id_lists: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [x[first] for x in ids], lengths
 
 
-def segments(shape: Sequence[int], elem: int, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def segments(
+    shape: Sequence[int], elem: int, starts: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Byte offsets and sizes, in wire order, of the runs (first block, length) in a contiguous tensor whose
     dim 2 is the block dim."""
     rows, pool_blocks, per_block = math.prod(shape[:2]), shape[2], math.prod(shape[3:]) * elem
@@ -87,8 +90,13 @@ def parse_header(specs: object, num_blocks: int) -> list[WireTensor]:
     for spec in specs:
         dtype = DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
         shape, layer = (spec.get("shape"), spec.get("layer")) if dtype is not None else (None, None)
-        if (not isinstance(shape, list) or len(shape) < 3 or shape[2] != num_blocks
-                or not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(spec.get("name"), str)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) < 3
+            or shape[2] != num_blocks
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or not isinstance(spec.get("name"), str)
+        ):
             raise ValueError(f"tensor {spec} does not hold {num_blocks} blocks")
         if layer not in ((out[-1].layer, out[-1].layer + 1) if out else (0,)):
             raise ValueError(f"tensor {spec} is out of layer order")
@@ -109,8 +117,10 @@ class KVPool:
         for layer in self.layers:
             for name, t in layer.items():
                 if t.dim() < 3 or t.shape[2] != self.num_blocks or not t.is_contiguous():
-                    raise ValueError(f"KV pool tensor {name} {tuple(t.shape)} is not contiguous with "
-                                     f"{self.num_blocks} blocks on dim 2")
+                    raise ValueError(
+                        f"KV pool tensor {name} {tuple(t.shape)} is not contiguous with "
+                        f"{self.num_blocks} blocks on dim 2"
+                    )
         self.device = next(iter(self.layers[0].values())).device
 
     @classmethod
@@ -127,8 +137,11 @@ class KVPool:
         return [t for layer in self.layers for t in layer.values()]
 
     def wire(self, num_blocks: int) -> list[WireTensor]:
-        return [WireTensor(i, name, t.dtype, (*t.shape[:2], num_blocks, *t.shape[3:]))
-                for i, layer in enumerate(self.layers) for name, t in layer.items()]
+        return [
+            WireTensor(i, name, t.dtype, (*t.shape[:2], num_blocks, *t.shape[3:]))
+            for i, layer in enumerate(self.layers)
+            for name, t in layer.items()
+        ]
 
     def check(self, specs: list[WireTensor]) -> None:
         """ValueError unless a transfer announced as `specs` lands in this pool as it is."""
@@ -136,8 +149,9 @@ class KVPool:
         if specs != self.wire(n):
             theirs = [(s.layer, s.name, DTYPE_NAMES[s.dtype], s.shape) for s in specs[:3]]
             ours = [(s.layer, s.name, DTYPE_NAMES[s.dtype], s.shape) for s in self.wire(n)[:3]]
-            raise ValueError(f"KV {theirs}... does not fit this pool {ours}... ({len(specs)} vs "
-                             f"{len(self.wire(n))} tensors)")
+            raise ValueError(
+                f"KV {theirs}... does not fit this pool {ours}... ({len(specs)} vs {len(self.wire(n))} tensors)"
+            )
 
     # -- byte views, layer by layer (host pools) --------------------------------------------------
     def send_layers(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
@@ -170,16 +184,19 @@ class KVPool:
                 yield plan, None
                 continue
             idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
-            staged = {name: torch.empty((*t.shape[:2], len(idx), *t.shape[3:]), dtype=t.dtype)
-                      for name, t in layer.items()}
+            staged = {
+                name: torch.empty((*t.shape[:2], len(idx), *t.shape[3:]), dtype=t.dtype) for name, t in layer.items()
+            }
 
             def scatter(layer=layer, staged=staged, idx=idx) -> None:
                 for name, t in layer.items():
                     t.index_copy_(2, idx, staged[name])
+
             yield [byte_view(s) for s in staged.values()], scatter
 
-    def _plan(self, layer: dict[str, torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor,
-              cache: dict) -> list[memoryview] | None:
+    def _plan(
+        self, layer: dict[str, torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor, cache: dict
+    ) -> list[memoryview] | None:
         """Views of the layer's segments, or None past MAX_SEGMENTS; `cache` keeps each tensor shape's segment
         offsets for the other layers (every layer has the same shapes)."""
         views = []
@@ -191,7 +208,7 @@ class KVPool:
             if len(views) + len(cache[key]) > MAX_SEGMENTS:
                 return None
             whole = byte_view(t)
-            views += [whole[o:o + n] for o, n in cache[key]]
+            views += [whole[o : o + n] for o, n in cache[key]]
         return views
 
     # -- addresses (registered memory: NIXL) -------------------------------------------------------
@@ -200,8 +217,9 @@ class KVPool:
         return [(t.data_ptr(), t.shape[2]) for t in self.tensors()]
 
 
-def address_list(tensors: Sequence[tuple[int, Sequence[int], int]], starts: torch.Tensor,
-                 lengths: torch.Tensor) -> torch.Tensor:
+def address_list(
+    tensors: Sequence[tuple[int, Sequence[int], int]], starts: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """[segments, 2] int64 (address, size) in wire order over tensors given as (base address, shape, element
     size), for the runs (first block, length) of one side of a transfer."""
     parts = []
@@ -219,7 +237,9 @@ class Exported:
 
     def header_and_layers(self, block_ids: list[int]) -> tuple[list[WireTensor], Iterator[list[memoryview]]]:
         layers = [{name: t.contiguous().cpu() for name, t in sorted(layer.items())} for layer in self.export(block_ids)]
-        specs = [WireTensor(i, name, t.dtype, tuple(t.shape)) for i, layer in enumerate(layers) for name, t in layer.items()]
+        specs = [
+            WireTensor(i, name, t.dtype, tuple(t.shape)) for i, layer in enumerate(layers) for name, t in layer.items()
+        ]
         return specs, iter([[byte_view(t) for t in layer.values()] for layer in layers])
 
 
@@ -230,7 +250,9 @@ def source(blocks: "KVPool | ExportFn") -> "KVPool | Exported":
     return Exported(blocks)
 
 
-def header_and_layers(src: "KVPool | Exported", block_ids: list[int]) -> tuple[list[WireTensor], Iterator[list[memoryview]]]:
+def header_and_layers(
+    src: "KVPool | Exported", block_ids: list[int]
+) -> tuple[list[WireTensor], Iterator[list[memoryview]]]:
     if isinstance(src, KVPool):
         return src.wire(len(block_ids)), src.send_layers(block_ids)
     return src.header_and_layers(block_ids)
@@ -240,4 +262,5 @@ def _export_of(pool: KVPool) -> ExportFn:
     def export(block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
         idx = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
         return [{name: t.index_select(2, idx).cpu() for name, t in layer.items()} for layer in pool.layers]
+
     return export

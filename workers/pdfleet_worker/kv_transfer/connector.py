@@ -4,6 +4,7 @@ A pull either writes straight into the destination blocks of the decode worker's
 path, safe off the engine thread because the engine loop frees an aborted request's blocks only once its pull
 has ended) or returns host tensors for LLMEngine.import_kv (no pool given: tools, tests, accelerator pools).
 """
+
 from __future__ import annotations
 
 import abc
@@ -19,15 +20,15 @@ from pdfleet_worker.kv_transfer.params import KVTransferParams, RemotePrompt
 from pdfleet_worker.kv_transfer.peers import KVPeers
 
 # Failure reasons (the `reason` label of pdfleet_kv_transfer_failures_total).
-CONNECT = "connect"            # the prefill worker's KV endpoint did not accept a connection
-TIMEOUT = "timeout"            # no complete answer within the transfer timeout
-PEER_CLOSED = "peer_closed"    # the connection broke midway (prefill worker died)
+CONNECT = "connect"  # the prefill worker's KV endpoint did not accept a connection
+TIMEOUT = "timeout"  # no complete answer within the transfer timeout
+PEER_CLOSED = "peer_closed"  # the connection broke midway (prefill worker died)
 INCOMPATIBLE = "incompatible"  # KV layout hashes differ: refused, nothing imported
 WEIGHTS_MISMATCH = "weights_mismatch"  # the layouts differ by their weights (another revision): refused, recomputed
 UNKNOWN_REQUEST = "unknown_request"  # no lease (expired, released, or never held)
 PROMPT_MISMATCH = "prompt_mismatch"  # the decode worker tokenized the prompt differently
 BAD_RESPONSE = "bad_response"  # the answer does not fit the request (shapes, sizes, protocol)
-UNSUPPORTED = "unsupported"    # a connector this worker does not have (or cannot pull from)
+UNSUPPORTED = "unsupported"  # a connector this worker does not have (or cannot pull from)
 UNAUTHORIZED = "unauthorized"  # the KV endpoint refused the puller's token (or it sent none)
 UNTRUSTED_PEER = "untrusted_peer"  # the params name a KV endpoint outside --kv-peers: never contacted
 
@@ -63,7 +64,7 @@ class KVConnector(abc.ABC):
     name: str
     pulls_from: frozenset[str] = frozenset({"tcp"})  # the params' `connector` values this side can pull from
     token: Credential | None = None  # None: unauthenticated (a worker without --auth-token-file)
-    peers: KVPeers | None = None      # decode side: the only KV endpoints contacted; None: any
+    peers: KVPeers | None = None  # decode side: the only KV endpoints contacted; None: any
 
     def trusts(self, host: str, port: int) -> bool:
         """Whether this worker may contact (and send its token to) the KV endpoint host:port; may resolve names."""
@@ -89,8 +90,16 @@ class KVConnector(abc.ABC):
 
     # -- decode side ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
-             compat_hash: str, timeout_s: float, into: KVPool | None = None) -> PulledKV:
+    def pull(
+        self,
+        params: KVTransferParams,
+        prompt: RemotePrompt,
+        first_block: int,
+        dest_block_ids: list[int],
+        compat_hash: str,
+        timeout_s: float,
+        into: KVPool | None = None,
+    ) -> PulledKV:
         """Fetch `len(dest_block_ids)` blocks of `prompt` starting at its block `first_block`, into those blocks
         of `into` when given (a failed pull may leave them partly written). Raises KVTransferError; never
         blocks longer than timeout_s, and nothing writes into `into` once it returned."""

@@ -3,6 +3,7 @@
 NOTE: kept for less than the serving side's I/O timeout (it closes a connection idle that long), and a
 request that finds its reused connection closed is sent again on a new one (TcpKVConnector._exchange).
 """
+
 from __future__ import annotations
 
 import socket
@@ -10,15 +11,19 @@ import threading
 import time
 from collections.abc import Callable
 
-MAX_PER_PEER = 8    # the decode worker's pull threads
-MAX_IDLE_S = 10.0   # the serving side closes after its io timeout (30 s by default)
+MAX_PER_PEER = 8  # the decode worker's pull threads
+MAX_IDLE_S = 10.0  # the serving side closes after its io timeout (30 s by default)
 
 
 class IdleConnections:
     """Thread-safe; newest first (its window is the warmest)."""
 
-    def __init__(self, max_per_peer: int = MAX_PER_PEER, max_idle_s: float = MAX_IDLE_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_per_peer: int = MAX_PER_PEER,
+        max_idle_s: float = MAX_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_per_peer, self.max_idle_s, self._clock = max_per_peer, max_idle_s, clock
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[tuple[float, socket.socket]]] = {}

@@ -1,4 +1,5 @@
 """Leases on KV blocks a prefill worker holds for decode workers: freed on ack or expiry, never while a pull reads them; the engine loop and the KV connector call it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ class Lease:
     block_ids: list[int]
     num_tokens: int
     expires_at: float
-    pins: int = 0               # pulls reading the blocks right now
+    pins: int = 0  # pulls reading the blocks right now
     release_pending: bool = False
 
 
@@ -81,8 +82,9 @@ class LeaseTable:
         """Wait (at most timeout_s) until no pull reads the lease: an ack that arrives while the puller's last
         bytes are still leaving is answered once the blocks are freed. True if no pull reads it now."""
         with self._unpinned:
-            return self._unpinned.wait_for(lambda: not (lease := self._leases.get(request_id)) or not lease.pins,
-                                           timeout=timeout_s)
+            return self._unpinned.wait_for(
+                lambda: not (lease := self._leases.get(request_id)) or not lease.pins, timeout=timeout_s
+            )
 
     def expire(self) -> list[str]:
         """Free every lease past its deadline (pinned ones when their pull ends)."""

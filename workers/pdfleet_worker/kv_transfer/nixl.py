@@ -13,6 +13,7 @@ pull it answered is open (UCX over TCP emulates a one-sided read with messages t
 The data plane trusts whoever holds the agent metadata, which only token-checked pullers receive; the
 blocks they read are the leased ones, pinned until their "done".
 """
+
 from __future__ import annotations
 
 import base64
@@ -38,8 +39,8 @@ from pdfleet_worker.kv_transfer.wire import recv_msg, send_msg
 log = logging.getLogger("pdfleet.kv")
 
 PACKAGE = "nixl-cu12"  # what `pip install` needs here (the `nixl` meta package also pulls the CUDA 13 build)
-PROGRESS_S = 0.0002    # the serving side's poll of its agent while a NIXL pull is open
-POLL_S = 0.0001        # the puller's poll of its transfer
+PROGRESS_S = 0.0002  # the serving side's poll of its agent while a NIXL pull is open
+POLL_S = 0.0001  # the puller's poll of its transfer
 
 
 def load_api():
@@ -60,8 +61,10 @@ def load_api():
             return api
     finally:
         logging.raiseExceptions = raise_exc  # NOTE: importing NIXL's logging turns this process-wide flag off
-    raise RuntimeError(f"--kv-connector nixl needs NIXL's Python package, which this environment lacks "
-                       f"(pip install {PACKAGE}; {'; '.join(errors)})")
+    raise RuntimeError(
+        f"--kv-connector nixl needs NIXL's Python package, which this environment lacks "
+        f"(pip install {PACKAGE}; {'; '.join(errors)})"
+    )
 
 
 class NixlKVConnector(TcpKVConnector):
@@ -71,14 +74,18 @@ class NixlKVConnector(TcpKVConnector):
     def __init__(self, host: str = "0.0.0.0", port: int = 0, **kw):
         api = load_api()  # first: a worker without NIXL fails here, at start, with the package's name
         super().__init__(host, port, **kw)
-        conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
-                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        conf = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         self.agent = api.nixl_agent(f"pdfleet-{uuid.uuid4().hex[:16]}", conf)
         if "UCX" not in self.agent.backends:
             raise RuntimeError(f"NIXL has no UCX backend here (plugins: {self.agent.plugin_list})")
         self._nixl_lock = threading.Lock()
         self._registered: dict[int, tuple[KVPool, object]] = {}  # id(pool) -> (pool, its registration)
-        self._remotes: set[str] = set()    # remote agents whose metadata is loaded
+        self._remotes: set[str] = set()  # remote agents whose metadata is loaded
         self._served: KVPool | None = None
 
     # -- registration ---------------------------------------------------------------------------
@@ -112,11 +119,21 @@ class NixlKVConnector(TcpKVConnector):
         pool = self._served
         specs = pool.wire(len(block_ids))
         nbytes = sum(s.nbytes for s in specs)
-        send_msg(conn, {"ok": True, "nbytes": nbytes, "tensors": [s.to_json() for s in specs],
-                        "nixl": {"agent": self.agent.name,
-                                 "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                                 "regions": [list(r) for r in pool.regions()], "block_ids": list(block_ids),
-                                 "memory": _memory(pool.device)}})
+        send_msg(
+            conn,
+            {
+                "ok": True,
+                "nbytes": nbytes,
+                "tensors": [s.to_json() for s in specs],
+                "nixl": {
+                    "agent": self.agent.name,
+                    "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                    "regions": [list(r) for r in pool.regions()],
+                    "block_ids": list(block_ids),
+                    "memory": _memory(pool.device),
+                },
+            },
+        )
         done = self._await_done(conn)
         send_msg(conn, {"ok": True})
         if not done.get("ok"):
@@ -145,8 +162,17 @@ class NixlKVConnector(TcpKVConnector):
     def _prepare(self, params: KVTransferParams, dest_block_ids: list[int], into: KVPool | None):
         return None if params.connector == "nixl" else super()._prepare(params, dest_block_ids, into)
 
-    def _receive_blocks(self, sock: socket.socket, head: dict, specs: list[WireTensor], nbytes: int,
-                        dest_block_ids: list[int], into: KVPool | None, plan, deadline: float) -> PulledKV:
+    def _receive_blocks(
+        self,
+        sock: socket.socket,
+        head: dict,
+        specs: list[WireTensor],
+        nbytes: int,
+        dest_block_ids: list[int],
+        into: KVPool | None,
+        plan,
+        deadline: float,
+    ) -> PulledKV:
         info = head.get("nixl")
         if info is None:
             if plan is None:  # asked for a NIXL read, answered with bytes: views now
@@ -168,7 +194,9 @@ class NixlKVConnector(TcpKVConnector):
         registration = self.agent.register_memory([staged]) if staged is not None else None
         ok = False
         try:
-            self._read((local, local_ids, _memory(device)), (remote, remote_ids, remote_memory), info["agent"], deadline)
+            self._read(
+                (local, local_ids, _memory(device)), (remote, remote_ids, remote_memory), info["agent"], deadline
+            )
             ok = True
         finally:
             if registration is not None:
@@ -189,21 +217,34 @@ class NixlKVConnector(TcpKVConnector):
         device); loads its agent."""
         if not isinstance(info, dict):
             raise ValueError(f"malformed NIXL answer {info!r}")
-        name, metadata, regions, ids, memory = (info.get(k) for k in ("agent", "metadata", "regions", "block_ids",
-                                                                       "memory"))
-        if not (isinstance(memory, list) and len(memory) == 2 and memory[0] in ("DRAM", "VRAM")
-                and isinstance(memory[1], int)):
+        name, metadata, regions, ids, memory = (
+            info.get(k) for k in ("agent", "metadata", "regions", "block_ids", "memory")
+        )
+        if not (
+            isinstance(memory, list)
+            and len(memory) == 2
+            and memory[0] in ("DRAM", "VRAM")
+            and isinstance(memory[1], int)
+        ):
             raise ValueError(f"malformed NIXL answer: memory {memory!r}")
-        if not (isinstance(name, str) and isinstance(metadata, str) and isinstance(regions, list)
-                and len(regions) == len(specs) and isinstance(ids, list) and len(ids) == n
-                and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in regions)
-                and all(isinstance(b, int) and 0 <= b for b in ids)):
+        if not (
+            isinstance(name, str)
+            and isinstance(metadata, str)
+            and isinstance(regions, list)
+            and len(regions) == len(specs)
+            and isinstance(ids, list)
+            and len(ids) == n
+            and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in regions)
+            and all(isinstance(b, int) and 0 <= b for b in ids)
+        ):
             raise ValueError(f"malformed NIXL answer (agent, metadata, {len(specs)} regions, {n} block ids expected)")
         if any(b >= blocks_ for (_, blocks_) in regions for b in ids):
             raise ValueError("NIXL answer names blocks past its pool")
         self._load_remote(name, base64.b64decode(metadata))
-        remote = [(addr, (*s.shape[:2], pool_blocks, *s.shape[3:]), torch.empty(0, dtype=s.dtype).element_size())
-                  for s, (addr, pool_blocks) in zip(specs, regions)]
+        remote = [
+            (addr, (*s.shape[:2], pool_blocks, *s.shape[3:]), torch.empty(0, dtype=s.dtype).element_size())
+            for s, (addr, pool_blocks) in zip(specs, regions)
+        ]
         return remote, ids, (memory[0], memory[1])
 
     def _read(self, local: tuple, remote: tuple, agent: str, deadline: float) -> None:
@@ -220,6 +261,7 @@ class NixlKVConnector(TcpKVConnector):
             arr[:, :2] = addrs.numpy()
             arr[:, 2] = side[2][1]
             return self.agent.get_xfer_descs(arr, side[2][0])
+
         handle = self.agent.initialize_xfer("READ", descs(local, starts[0]), descs(remote, starts[1]), agent)
         try:
             state = self.agent.transfer(handle)

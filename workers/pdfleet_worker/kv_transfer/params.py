@@ -1,4 +1,5 @@
 """KVTransferParams: what a prefill worker returns and a decode worker needs to pull the KV (the wire contract); server and router use it."""
+
 from __future__ import annotations
 
 import array
@@ -7,7 +8,7 @@ import hashlib
 from typing import Any
 
 # Keys inside a request's `kv_transfer_params` object (named as vLLM names them where it has one).
-DO_REMOTE_DECODE = "do_remote_decode"    # router -> prefill worker: hold the KV for a decode worker
+DO_REMOTE_DECODE = "do_remote_decode"  # router -> prefill worker: hold the KV for a decode worker
 DO_REMOTE_PREFILL = "do_remote_prefill"  # router -> decode worker: the KV comes from a prefill worker
 
 
@@ -20,9 +21,9 @@ def prompt_hash(token_ids: list[int]) -> str:
 class RemotePrompt:
     """One prompt's held KV on the prefill worker."""
 
-    request_id: str        # the prefill engine's request id; the lease key
-    block_ids: list[int]   # held blocks in token order
-    num_tokens: int        # tokens whose KV the blocks hold
+    request_id: str  # the prefill engine's request id; the lease key
+    block_ids: list[int]  # held blocks in token order
+    num_tokens: int  # tokens whose KV the blocks hold
     prompt_hash: str
 
 
@@ -33,12 +34,12 @@ class KVTransferParams:
     engine_id: str
     host: str
     port: int
-    connector: str         # transport name (tcp)
-    compat_hash: str       # KVLayout.compat_hash of the prefill engine
+    connector: str  # transport name (tcp)
+    compat_hash: str  # KVLayout.compat_hash of the prefill engine
     block_size: int
     lease_seconds: float
     prompts: list[RemotePrompt]
-    weights: str | None = None   # the prefill engine's weights digest (KVLayout.model): names a mismatch's cause
+    weights: str | None = None  # the prefill engine's weights digest (KVLayout.model): names a mismatch's cause
     revision: str | None = None  # the prefill worker's --revision
 
     def to_json(self) -> dict[str, Any]:
@@ -52,8 +53,15 @@ class KVTransferParams:
             "compat_hash": self.compat_hash,
             "block_size": self.block_size,
             "lease_seconds": self.lease_seconds,
-            "prompts": [{"remote_request_id": p.request_id, "remote_block_ids": list(p.block_ids),
-                         "num_tokens": p.num_tokens, "prompt_hash": p.prompt_hash} for p in self.prompts],
+            "prompts": [
+                {
+                    "remote_request_id": p.request_id,
+                    "remote_block_ids": list(p.block_ids),
+                    "num_tokens": p.num_tokens,
+                    "prompt_hash": p.prompt_hash,
+                }
+                for p in self.prompts
+            ],
             **optional,
         }
 
@@ -83,21 +91,35 @@ class KVTransferParams:
             num_tokens = field(p, "num_tokens", int, where)
             if num_tokens < 0:
                 raise ValueError(f"{where}.num_tokens must be >= 0")
-            prompts.append(RemotePrompt(field(p, "remote_request_id", str, where), list(blocks), num_tokens,
-                                        field(p, "prompt_hash", str, where)))
+            prompts.append(
+                RemotePrompt(
+                    field(p, "remote_request_id", str, where),
+                    list(blocks),
+                    num_tokens,
+                    field(p, "prompt_hash", str, where),
+                )
+            )
         port = field(raw, "remote_port", int)
         block_size = field(raw, "block_size", int)
         if not 0 < port < 65536 or block_size < 1:
             raise ValueError("kv_transfer_params.remote_port or block_size is out of range")
         for i, p in enumerate(prompts):
             if len(p.block_ids) * block_size < p.num_tokens:
-                raise ValueError(f"kv_transfer_params.prompts[{i}]: {len(p.block_ids)} blocks cannot hold "
-                                 f"{p.num_tokens} tokens")
+                raise ValueError(
+                    f"kv_transfer_params.prompts[{i}]: {len(p.block_ids)} blocks cannot hold {p.num_tokens} tokens"
+                )
         optional = {}
         for key in ("weights", "revision"):
             if raw.get(key) is not None:
                 optional[key] = field(raw, key, str)
-        return cls(engine_id=field(raw, "remote_engine_id", str), host=field(raw, "remote_host", str), port=port,
-                   connector=raw.get("connector", "tcp") if isinstance(raw.get("connector", "tcp"), str) else "tcp",
-                   compat_hash=field(raw, "compat_hash", str), block_size=block_size,
-                   lease_seconds=float(field(raw, "lease_seconds", (int, float))), prompts=prompts, **optional)
+        return cls(
+            engine_id=field(raw, "remote_engine_id", str),
+            host=field(raw, "remote_host", str),
+            port=port,
+            connector=raw.get("connector", "tcp") if isinstance(raw.get("connector", "tcp"), str) else "tcp",
+            compat_hash=field(raw, "compat_hash", str),
+            block_size=block_size,
+            lease_seconds=float(field(raw, "lease_seconds", (int, float))),
+            prompts=prompts,
+            **optional,
+        )

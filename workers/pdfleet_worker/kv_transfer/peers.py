@@ -4,6 +4,7 @@ NOTE: a host in kv_transfer_params is matched, never resolved: an IP must be one
 resolve to, a name must be one of the peers' names. So a client-chosen name cannot point the decode
 worker anywhere, and the address checked is the address connected to.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,15 +18,15 @@ from collections.abc import Callable
 log = logging.getLogger("pdfleet.kv")
 
 LOOPBACK = "127.0.0.1,::1,localhost"  # the default: prefill workers on this machine only
-REFRESH_S = 30.0       # a peer name is re-resolved this often
-MISS_REFRESH_S = 1.0   # or sooner, at most this often, when an address is not among its last answer
+REFRESH_S = 30.0  # a peer name is re-resolved this often
+MISS_REFRESH_S = 1.0  # or sooner, at most this often, when an address is not among its last answer
 
 Resolver = Callable[[str], set[str]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-    host: str               # an IP, a CIDR or a DNS name
+    host: str  # an IP, a CIDR or a DNS name
     port: int | None = None  # None: any port
 
     def __str__(self) -> str:
@@ -42,7 +43,7 @@ def parse(spec: str) -> list[Peer]:
         host, port = raw, None
         if raw.startswith("["):
             end = raw.find("]")
-            rest = raw[end + 1:] if end > 0 else None
+            rest = raw[end + 1 :] if end > 0 else None
             if rest is None or (rest and not rest.startswith(":")):
                 raise ValueError(f"--kv-peers entry {raw!r}: expected [IPV6] or [IPV6]:PORT")
             host, port = raw[1:end], (rest[1:] if rest else None)

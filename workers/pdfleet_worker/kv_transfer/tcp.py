@@ -14,6 +14,7 @@ time); anything else is answered {"ok": false, "reason": "unauthorized"} and the
 pulling side connects only to KV endpoints its peers allow (--kv-peers), so the token goes nowhere else;
 mid-rotation it retries once, on a new connection, with the token the file held before.
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,8 +49,17 @@ class TcpKVConnector(KVConnector):
     # NOTE: a NIXL endpoint answers byte-stream pulls too, so a TCP decode worker pulls from either.
     pulls_from = frozenset({"tcp", "nixl"})
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, *, on_sent=None, on_refused=None,
-                 io_timeout_s: float = 30.0, token: c.Credential | None = None, peers: KVPeers | None = None):
+    def __init__(
+        self,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        on_sent=None,
+        on_refused=None,
+        io_timeout_s: float = 30.0,
+        token: c.Credential | None = None,
+        peers: KVPeers | None = None,
+    ):
         assert token is None or peers is not None, "a token is sent only to --kv-peers: give the peers"
         self.host = host
         self.port = port
@@ -86,6 +96,7 @@ class TcpKVConnector(KVConnector):
             finally:
                 with self._lock:
                     self._threads.discard(threading.current_thread())
+
         t = threading.Thread(target=run, name=name, daemon=True)
         with self._lock:
             self._threads.add(t)
@@ -153,12 +164,18 @@ class TcpKVConnector(KVConnector):
                     return
                 op = msg.get("op")
                 if self.token is not None and not self.token.accepts(_token_of(msg)):
-                    log.warning("KV %s refused: %s token from %s", op if isinstance(op, str) else "request",
-                                "no" if msg.get("token") is None else "a wrong", _peer_name(conn))
+                    log.warning(
+                        "KV %s refused: %s token from %s",
+                        op if isinstance(op, str) else "request",
+                        "no" if msg.get("token") is None else "a wrong",
+                        _peer_name(conn),
+                    )
                     if self.on_refused is not None:
                         self.on_refused(c.UNAUTHORIZED)
-                    send_msg(conn, {"ok": False, "reason": c.UNAUTHORIZED,
-                                     "error": "the KV endpoint needs the deployment token"})
+                    send_msg(
+                        conn,
+                        {"ok": False, "reason": c.UNAUTHORIZED, "error": "the KV endpoint needs the deployment token"},
+                    )
                     return
                 if op == "pull":
                     self._answer_pull(conn, msg)
@@ -181,26 +198,49 @@ class TcpKVConnector(KVConnector):
         rid = str(msg.get("request_id"))
         theirs = msg.get("compat_hash")
         if theirs != self._compat_hash:
-            send_msg(conn, {"ok": False, "reason": c.INCOMPATIBLE,
-                             "error": f"KV layout mismatch: this prefill engine has compat hash {self._compat_hash}, "
-                                      f"the puller has {theirs} (model, dtype, KV dtype, layers, KV heads, head dim "
-                                      f"or block size differ); refusing to send blocks"})
+            send_msg(
+                conn,
+                {
+                    "ok": False,
+                    "reason": c.INCOMPATIBLE,
+                    "error": f"KV layout mismatch: this prefill engine has compat hash {self._compat_hash}, "
+                    f"the puller has {theirs} (model, dtype, KV dtype, layers, KV heads, head dim "
+                    f"or block size differ); refusing to send blocks",
+                },
+            )
             return
         lease = self._leases.pin(rid)
         if lease is None:
-            send_msg(conn, {"ok": False, "reason": c.UNKNOWN_REQUEST,
-                             "error": f"no KV held for request {rid!r} (lease expired, released or never held)"})
+            send_msg(
+                conn,
+                {
+                    "ok": False,
+                    "reason": c.UNKNOWN_REQUEST,
+                    "error": f"no KV held for request {rid!r} (lease expired, released or never held)",
+                },
+            )
             return
         try:
             first, n = msg.get("first_block"), msg.get("num_blocks")
-            if not (isinstance(first, int) and isinstance(n, int) and first >= 0 and n >= 1
-                    and first + n <= len(lease.block_ids)):
-                send_msg(conn, {"ok": False, "reason": c.BAD_RESPONSE,
-                                 "error": f"block range {first}+{n} is outside the {len(lease.block_ids)} held blocks"})
+            if not (
+                isinstance(first, int)
+                and isinstance(n, int)
+                and first >= 0
+                and n >= 1
+                and first + n <= len(lease.block_ids)
+            ):
+                send_msg(
+                    conn,
+                    {
+                        "ok": False,
+                        "reason": c.BAD_RESPONSE,
+                        "error": f"block range {first}+{n} is outside the {len(lease.block_ids)} held blocks",
+                    },
+                )
                 return
             # NOTE: read outside the engine thread on purpose. Held blocks are finished and
             # referenced, so nothing writes them; the pin keeps them from being freed under us.
-            nbytes = self._answer_blocks(conn, msg, lease, lease.block_ids[first:first + n])
+            nbytes = self._answer_blocks(conn, msg, lease, lease.block_ids[first : first + n])
             if nbytes is not None and self.on_sent is not None:
                 self.on_sent(nbytes)
         finally:
@@ -225,8 +265,9 @@ class TcpKVConnector(KVConnector):
         except socket.timeout as e:
             raise KVTransferError(c.TIMEOUT, f"connecting to {params.host}:{params.port} timed out") from e
         except OSError as e:
-            raise KVTransferError(c.CONNECT, f"cannot connect to the prefill worker's KV endpoint "
-                                             f"{params.host}:{params.port}: {e}") from e
+            raise KVTransferError(
+                c.CONNECT, f"cannot connect to the prefill worker's KV endpoint {params.host}:{params.port}: {e}"
+            ) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -246,8 +287,11 @@ class TcpKVConnector(KVConnector):
         """On an idle connection to the endpoint if one is kept (again on a new one if the endpoint had closed
         it), else on a new connection."""
         if not self.trusts(params.host, params.port):  # NOTE: again for a kept connection: --kv-peers may change
-            raise KVTransferError(c.UNTRUSTED_PEER, f"KV endpoint {params.host}:{params.port} is not among this "
-                                                    f"worker's --kv-peers ({self.peers}); not contacted")
+            raise KVTransferError(
+                c.UNTRUSTED_PEER,
+                f"KV endpoint {params.host}:{params.port} is not among this "
+                f"worker's --kv-peers ({self.peers}); not contacted",
+            )
         sock = self._idle.take((params.host, params.port))
         if sock is not None:
             try:
@@ -274,18 +318,35 @@ class TcpKVConnector(KVConnector):
         """An exchange ended at a message boundary: keep the connection for the next one."""
         self._idle.give((params.host, params.port), sock)
 
-    def pull(self, params: KVTransferParams, prompt: RemotePrompt, first_block: int, dest_block_ids: list[int],
-             compat_hash: str, timeout_s: float, into: KVPool | None = None) -> PulledKV:
+    def pull(
+        self,
+        params: KVTransferParams,
+        prompt: RemotePrompt,
+        first_block: int,
+        dest_block_ids: list[int],
+        compat_hash: str,
+        timeout_s: float,
+        into: KVPool | None = None,
+    ) -> PulledKV:
         deadline = time.monotonic() + timeout_s
         n = len(dest_block_ids)
         if params.connector not in self.pulls_from:
-            raise KVTransferError(c.UNSUPPORTED, f"KV connector {params.connector!r} is not one this worker pulls from "
-                                                 f"({', '.join(sorted(self.pulls_from))})")
+            raise KVTransferError(
+                c.UNSUPPORTED,
+                f"KV connector {params.connector!r} is not one this worker pulls from "
+                f"({', '.join(sorted(self.pulls_from))})",
+            )
         sock = None
         try:
             plan = self._prepare(params, dest_block_ids, into)
-            frame = {"op": "pull", "request_id": prompt.request_id, "compat_hash": compat_hash,
-                     "first_block": first_block, "num_blocks": n, **self._pull_extra(params)}
+            frame = {
+                "op": "pull",
+                "request_id": prompt.request_id,
+                "compat_hash": compat_hash,
+                "first_block": first_block,
+                "num_blocks": n,
+                **self._pull_extra(params),
+            }
             sock, head = self._ask(params, frame, deadline)
             if not head.get("ok"):
                 raise KVTransferError(str(head.get("reason", c.BAD_RESPONSE)), str(head.get("error", head)))
@@ -302,8 +363,9 @@ class TcpKVConnector(KVConnector):
         except KVTransferError:
             raise
         except socket.timeout as e:
-            raise KVTransferError(c.TIMEOUT, f"KV pull from {params.host}:{params.port} did not finish within "
-                                             f"{timeout_s:g}s") from e
+            raise KVTransferError(
+                c.TIMEOUT, f"KV pull from {params.host}:{params.port} did not finish within {timeout_s:g}s"
+            ) from e
         except (ConnectionError, OSError) as e:
             raise KVTransferError(c.PEER_CLOSED, f"KV pull from {params.host}:{params.port} broke: {e}") from e
         except ValueError as e:
@@ -324,8 +386,17 @@ class TcpKVConnector(KVConnector):
     def _views(dest_block_ids: list[int], into: KVPool | None):
         return into.recv_layers(dest_block_ids) if into is not None and into.host else None
 
-    def _receive_blocks(self, sock: socket.socket, head: dict, specs: list[WireTensor], nbytes: int,
-                        dest_block_ids: list[int], into: KVPool | None, plan, deadline: float) -> PulledKV:
+    def _receive_blocks(
+        self,
+        sock: socket.socket,
+        head: dict,
+        specs: list[WireTensor],
+        nbytes: int,
+        dest_block_ids: list[int],
+        into: KVPool | None,
+        plan,
+        deadline: float,
+    ) -> PulledKV:
         if plan is not None:
             for views, scatter in plan:
                 recv_views(sock, views, deadline)
@@ -347,7 +418,7 @@ class TcpKVConnector(KVConnector):
             if spec.layer == len(layers):
                 layers.append({})
             size = spec.nbytes
-            layers[-1][spec.name] = flat[off:off + size].view(spec.dtype).view(spec.shape)
+            layers[-1][spec.name] = flat[off : off + size].view(spec.dtype).view(spec.shape)
             off += size
         return layers
 

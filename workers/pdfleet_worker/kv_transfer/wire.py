@@ -1,4 +1,5 @@
 """Framing on the KV endpoint's sockets: length-prefixed JSON messages, and block bytes sent from and received into lists of buffers with sendmsg/recvmsg_into (no joining, no copies in Python); the TCP and NIXL connectors call it."""
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> int:
     total = sum(len(v) for v in pending)
     i = 0
     while i < len(pending):
-        n = sock.sendmsg(pending[i:i + IOV_MAX])
+        n = sock.sendmsg(pending[i : i + IOV_MAX])
         i = _advance(pending, i, n)
     return total
 
@@ -83,7 +84,7 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
     while i < len(pending):
         blocking(sock, None if deadline is None else deadline - time.monotonic(), socket.SO_RCVTIMEO)
         try:
-            n = sock.recvmsg_into(pending[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            n = sock.recvmsg_into(pending[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
         except BlockingIOError as e:  # SO_RCVTIMEO passed with nothing received
             raise socket.timeout("deadline passed") from e
         if n == 0:

@@ -1,4 +1,5 @@
 """Paged attention over the KV block pool (reference, CPU, Triton and FlexAttention paths) and KV writes; the model's attention layers call it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,9 +56,9 @@ class PrefillMeta:
 
     start: int
     num_tokens: int
-    context_len: int            # tokens visible to the last query (past + this chunk)
-    block_table: torch.Tensor   # [num_blocks_used] int64
-    mask: torch.Tensor | None   # [num_tokens, context_len] bool; None when there is no past
+    context_len: int  # tokens visible to the last query (past + this chunk)
+    block_table: torch.Tensor  # [num_blocks_used] int64
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None when there is no past
 
 
 @dataclasses.dataclass
@@ -68,18 +69,18 @@ class AttentionMetadata:
     multi-token prefill chunks, in that order.
     """
 
-    backend: str                          # reference | cpu | paged (CUDA, Triton) | flex
-    slot_mapping: torch.Tensor            # [T] int64: block_id * block_size + offset of each new token
+    backend: str  # reference | cpu | paged (CUDA, Triton) | flex
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
     num_decodes: int
-    decode_block_tables: torch.Tensor     # [Bd, max_blocks] int64 (padded with block 0)
-    decode_context_lens: torch.Tensor     # [Bd] int64
-    decode_mask: torch.Tensor | None      # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1 or decode_kernel
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64 (padded with block 0)
+    decode_context_lens: torch.Tensor  # [Bd] int64
+    decode_mask: torch.Tensor | None  # [1, Bd, 1, max_blocks * block_size] bool; None when Bd <= 1 or decode_kernel
     prefills: list[PrefillMeta]
-    lone_decode_len: int = 0                 # context length when the step's only decode is one sequence
-    decode_kernel: bool = False              # decodes read the pool through their block tables (cpu_kernels)
-    fused_decode: bool = False               # a decode-only step for the compiled model: one opaque op per layer
+    lone_decode_len: int = 0  # context length when the step's only decode is one sequence
+    decode_kernel: bool = False  # decodes read the pool through their block tables (cpu_kernels)
+    fused_decode: bool = False  # a decode-only step for the compiled model: one opaque op per layer
     one_slot: tuple[int, int] | None = None  # (block, offset) when the step writes one token
-    flex: object | None = None            # FlexMetadata on the flex backend
+    flex: object | None = None  # FlexMetadata on the flex backend
 
 
 def write_kv(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -128,8 +129,9 @@ def gather_kv(cache: KVCache, block_table: torch.Tensor, dtype: torch.dtype) -> 
 def forward(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
     """q: [T, Hq, D]; kv: [T, 2, Hkv, D] for the new tokens -> out [T, Hq * D]."""
     if meta.fused_decode:
-        return decode_step(q, kv, cache.kv, cache.scale, meta.slot_mapping, meta.decode_block_tables,
-                           meta.decode_context_lens)
+        return decode_step(
+            q, kv, cache.kv, cache.scale, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
+        )
     if meta.one_slot is not None and not cache.quantized:
         block, offset = meta.one_slot
         cache.kv.select(3, offset).select(2, block).copy_(kv[0])  # [2, Hkv, D]
@@ -154,8 +156,8 @@ def _reference(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torc
         k, v = k[:, :ctx].repeat_interleave(hq // hkv, 0), v[:, :ctx].repeat_interleave(hq // hkv, 0)
         pos = torch.arange(ctx - n, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]  # [n, ctx]
-        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v, attn_mask=mask)
-        out[start:start + n] = o.transpose(0, 1)  # [n, Hq, D]
+        o = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1), k, v, attn_mask=mask)
+        out[start : start + n] = o.transpose(0, 1)  # [n, Hq, D]
     return out.view(t, hq * d)
 
 
@@ -164,7 +166,7 @@ def _decode_context(cache: KVCache, meta: AttentionMetadata, dtype: torch.dtype)
     context (L = its length), so it needs no mask."""
     k, v = gather_kv(cache, meta.decode_block_tables, dtype)
     if meta.lone_decode_len:
-        return k[:, :, :meta.lone_decode_len], v[:, :, :meta.lone_decode_len]
+        return k[:, :, : meta.lone_decode_len], v[:, :, : meta.lone_decode_len]
     return k, v
 
 
@@ -181,13 +183,13 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
     bd = meta.num_decodes
     if bd and meta.decode_kernel:
         o = q.new_empty(bd, hq, d)
-        torch.ops.pdfleet.paged_decode_attention(o, q[:bd], cache.kv, cache.scale, meta.decode_block_tables,
-                                                 meta.decode_context_lens, d ** -0.5)
+        torch.ops.pdfleet.paged_decode_attention(
+            o, q[:bd], cache.kv, cache.scale, meta.decode_block_tables, meta.decode_context_lens, d**-0.5
+        )
         parts.append(o.view(bd, hq * d))
     elif bd and meta.backend == "paged" and not cache.quantized:
         o = q.new_empty(bd, hq, d)
-        triton_attention.paged_decode(o, q[:bd], cache.kv, meta.decode_block_tables, meta.decode_context_lens,
-                                      d ** -0.5)
+        triton_attention.paged_decode(o, q[:bd], cache.kv, meta.decode_block_tables, meta.decode_context_lens, d**-0.5)
         parts.append(o.view(bd, hq * d))
     elif bd:
         qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
@@ -201,18 +203,19 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
             n, o = p.num_tokens, q.new_empty(p.num_tokens, hq, d)
             lens = torch.arange(p.context_len - n + 1, p.context_len + 1, device=q.device)
             tables = p.block_table.expand(n, -1).contiguous()
-            torch.ops.pdfleet.paged_decode_attention(o, q[p.start:p.start + n], cache.kv, cache.scale, tables, lens,
-                                                     d ** -0.5)
+            torch.ops.pdfleet.paged_decode_attention(
+                o, q[p.start : p.start + n], cache.kv, cache.scale, tables, lens, d**-0.5
+            )
             parts.append(o.view(n, hq * d))
             continue
-        qp = q[p.start:p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        qp = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.mask is None:
-            k = kv_new[p.start:p.start + p.num_tokens, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-            v = kv_new[p.start:p.start + p.num_tokens, 1].transpose(0, 1).unsqueeze(0)
+            k = kv_new[p.start : p.start + p.num_tokens, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = kv_new[p.start : p.start + p.num_tokens, 1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
         else:
             k, v = gather_kv(cache, p.block_table, q.dtype)
-            k, v = k[:, :p.context_len].unsqueeze(0), v[:, :p.context_len].unsqueeze(0)
+            k, v = k[:, : p.context_len].unsqueeze(0), v[:, : p.context_len].unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
         parts.append(o[0].transpose(0, 1).reshape(p.num_tokens, hq * d))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -224,14 +227,21 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
 # attention ops are, and fuses everything around it. Traced as-is, the in-place write into a
 # graph input would be functionalized, which risks copying the whole pool.
 @torch.library.custom_op("pdfleet::decode_step", mutates_args=("pool", "scale"))
-def decode_step(q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, scale: torch.Tensor | None,
-                slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def decode_step(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    pool: torch.Tensor,
+    scale: torch.Tensor | None,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
     """Decodes only: q [B, Hq, D], kv [B, 2, Hkv, D] -> out [B, Hq * D]; pool and scale as in KVCache."""
     cache = KVCache(pool, scale)
     write_kv(cache, kv, slots)
     b, hq, d = q.shape
     out = q.new_empty(b, hq, d)
-    torch.ops.pdfleet.paged_decode_attention(out, q, pool, scale, tables, lens, d ** -0.5)
+    torch.ops.pdfleet.paged_decode_attention(out, q, pool, scale, tables, lens, d**-0.5)
     return out.view(b, hq * d)
 
 
@@ -245,20 +255,20 @@ def _(q, kv, pool, scale, slots, tables, lens):
 class FlexMetadata:
     """Every sequence's context gathered into one packed KV row; a document mask keeps sequences apart."""
 
-    kv_index: torch.Tensor     # [N] slot ids of all context tokens, sequence after sequence
-    block_mask: object         # torch.nn.attention.flex_attention.BlockMask over [T, N]
+    kv_index: torch.Tensor  # [N] slot ids of all context tokens, sequence after sequence
+    block_mask: object  # torch.nn.attention.flex_attention.BlockMask over [T, N]
 
 
-def build_flex_metadata(q_seq: torch.Tensor, q_pos: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor,
-                        kv_index: torch.Tensor) -> FlexMetadata:
+def build_flex_metadata(
+    q_seq: torch.Tensor, q_pos: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor, kv_index: torch.Tensor
+) -> FlexMetadata:
     """q_seq, q_pos: [T] owner and position of each query; kv_seq, kv_pos, kv_index: [N]."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_same_sequence(b, h, qi, ki):
         return (q_seq[qi] == kv_seq[ki]) & (kv_pos[ki] <= q_pos[qi])
 
-    mask = create_block_mask(causal_same_sequence, None, None, q_seq.numel(), kv_seq.numel(),
-                             device=q_seq.device)
+    mask = create_block_mask(causal_same_sequence, None, None, q_seq.numel(), kv_seq.numel(), device=q_seq.device)
     return FlexMetadata(kv_index=kv_index, block_mask=mask)
 
 
@@ -269,6 +279,7 @@ def _flex_fn():
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
+
         # Compiled on CUDA (fused kernel); eager elsewhere, where it runs an unfused reference.
         _compiled_flex = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
     return _compiled_flex
@@ -288,6 +299,7 @@ def _flex(q: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Ten
     with warnings.catch_warnings():
         # Off CUDA the unfused eager implementation is the point (it checks the CUDA path's math).
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        o = _flex_fn()(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                       block_mask=fm.block_mask, enable_gqa=True)  # [1, Hq, T, D]
+        o = _flex_fn()(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_mask=fm.block_mask, enable_gqa=True
+        )  # [1, Hq, T, D]
     return o[0].transpose(0, 1).reshape(t, hq * d)

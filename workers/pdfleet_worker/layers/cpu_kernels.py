@@ -3,6 +3,7 @@
 `load()` answers whether the ops exist. Without a compiler (or with PDFLEET_CPU_KERNELS=0) it
 answers False once, with a warning, and the engine keeps its plain-PyTorch paths.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -54,9 +55,22 @@ def _compile_command(compiler: str, out: Path) -> list[str]:
     root = Path(torch.__file__).parent
     inc, lib = root / "include", root / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}", f"-I{inc / 'torch/csrc/api/include'}",
-            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(out), f"-L{lib}",
-            "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
+    return [
+        compiler,
+        *FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{inc}",
+        f"-I{inc / 'torch/csrc/api/include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(SOURCE),
+        "-o",
+        str(out),
+        f"-L{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{lib}",
+    ]
 
 
 def _compiler() -> str:
@@ -69,8 +83,13 @@ def _compiler() -> str:
 def library_path() -> Path:
     """Where the library for this source, torch, compiler, flags and CPU lives (built or not)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _compiler().encode(), " ".join(FLAGS).encode(),
-                 _cpu_flags().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        _compiler().encode(),
+        " ".join(FLAGS).encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(part)
     return cache_dir() / f"pdfleet_cpu_kernels-{key.hexdigest()[:16]}.so"
 
@@ -115,8 +134,9 @@ def load() -> bool:
         # the image's ahead-of-time build (no compiler in it), else compiled here on first use
         torch.ops.load_library(str(prebuilt_kernels.find() or build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"pdfleet CPU kernels unavailable, using plain PyTorch attention: {e}", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"pdfleet CPU kernels unavailable, using plain PyTorch attention: {e}", RuntimeWarning, stacklevel=2
+        )
         return False
 
     @torch.library.register_fake("pdfleet::paged_decode_attention")
@@ -126,6 +146,7 @@ def load() -> bool:
     @torch.library.register_fake("pdfleet::onednn_linear")
     def _(x, packed, bias):  # packed keeps the weight's logical shape [out, in]
         return x.new_empty(*x.shape[:-1], packed.shape[0])
+
     return True
 
 
@@ -160,8 +181,10 @@ def cores_to_bind(setting: str, threads: int, allowed: set[int]) -> list[int]:
         return sorted(allowed) if len(allowed) == threads else []
     cores = parse_cores(setting)
     if not set(cores) <= allowed:
-        raise ValueError(f"PDFLEET_CPU_BIND={setting}: cores {sorted(set(cores) - allowed)} are not allowed "
-                         f"to this process (allowed: {sorted(allowed)})")
+        raise ValueError(
+            f"PDFLEET_CPU_BIND={setting}: cores {sorted(set(cores) - allowed)} are not allowed "
+            f"to this process (allowed: {sorted(allowed)})"
+        )
     return cores
 
 

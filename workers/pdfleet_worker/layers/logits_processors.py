@@ -3,6 +3,7 @@
 Each computes what transformers' processor of the same name computes (same arithmetic, same dtype), so that
 tests can hold them to its LogitsProcessors exactly; presence/frequency penalties follow OpenAI's definition
 (transformers has none)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.
     return torch.where(seen, penalized, logits)
 
 
-def presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                       frequency: torch.Tensor) -> torch.Tensor:
+def presence_frequency(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
     """counts: [S, V] output-token counts; presence/frequency: [S, 1]. OpenAI's
     logits - frequency * count - presence * (count > 0)."""
     logits = logits - frequency * counts
@@ -79,9 +81,9 @@ def top_k_top_p_from_top_k(logits: torch.Tensor, k: torch.Tensor, top_p_floor: t
     beyond_k = rank[None, :] >= k[:, None]  # [S, kmax]
     tail = vals.flip(-1).masked_fill(beyond_k, NEG_INF)  # the sorted row's last kmax columns
     asc = torch.full_like(logits, NEG_INF)
-    asc[:, vocab - kmax:] = tail
+    asc[:, vocab - kmax :] = tail
     # NOTE: the columns before the tail hold probability 0.0 exactly, so the cumulative sum starts at the tail.
-    cum = asc.softmax(-1)[:, vocab - kmax:].cumsum(-1)
+    cum = asc.softmax(-1)[:, vocab - kmax :].cumsum(-1)
     drop = beyond_k | (cum <= top_p_floor)
     drop[:, -1] = False
     return torch.full_like(logits, NEG_INF).scatter_(1, idx.flip(-1), tail.masked_fill(drop, NEG_INF))

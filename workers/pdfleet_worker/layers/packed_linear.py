@@ -1,4 +1,5 @@
 """CPU linear kernels: plain F.linear or oneDNN with a prepacked weight, chosen per weight shape by timing both on this machine at start-up; ModelRunner calls choose() and pack_linears()."""
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the ca
 # A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
 # when that costs at most this much memory; a larger one gets one kernel for every row count.
 SPLIT_BYTES = 64 << 20
-PROBE_REPS = 5          # timed passes per kernel and row count, alternating; the fastest pass counts
+PROBE_REPS = 5  # timed passes per kernel and row count, alternating; the fastest pass counts
 
 
 def probe_rows(max_num_seqs: int) -> tuple[int, ...]:
@@ -82,8 +83,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        split = (f", F.linear below {self.plain_below} rows" if self.plain_below else
-                 f", F.linear from {self.plain_from} rows" if self.plain_from else "")
+        split = (
+            f", F.linear below {self.plain_below} rows"
+            if self.plain_below
+            else f", F.linear from {self.plain_from} rows"
+            if self.plain_from
+            else ""
+        )
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn{split}"
 
 
@@ -154,12 +160,17 @@ class LinearChoice:
         head = f"linear kernels ({str(self.dtype).removeprefix('torch.')}, {self.threads} thread(s)): {self.backend}"
         if not self.timed:
             return f"{head} ({self.source})"
-        per_rows = ", ".join(f"{r} rows {self.step_ms('chosen', r) / self.step_ms('torch', r):.2f}x"
-                             for r in self.rows)
-        shapes = "; ".join(f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.label} (oneDNN/F.linear "
-                           + "/".join(f"{s.ratio(r):.2f}" for r in self.rows) + ")" for s in self.shapes)
-        return (f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}] "
-                f"({self.source})")
+        per_rows = ", ".join(f"{r} rows {self.step_ms('chosen', r) / self.step_ms('torch', r):.2f}x" for r in self.rows)
+        shapes = "; ".join(
+            f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.label} (oneDNN/F.linear "
+            + "/".join(f"{s.ratio(r):.2f}" for r in self.rows)
+            + ")"
+            for s in self.shapes
+        )
+        return (
+            f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}] "
+            f"({self.source})"
+        )
 
 
 _PROBED: dict[tuple, LinearChoice] = {}  # probe key -> choice, for this process
@@ -188,8 +199,11 @@ def plan(rows: tuple[int, ...], ratios: list[float], split_ok: bool) -> tuple[st
     assert len(rows) == len(ratios) and all(r > 0 for r in ratios), (rows, ratios)
     plans = [("torch", "", 0), ("onednn", "", 0)]
     if split_ok:
-        plans += [(above, below, rows[i]) for i in range(1, len(rows))
-                  for below, above in (("torch", "onednn"), ("onednn", "torch"))]
+        plans += [
+            (above, below, rows[i])
+            for i in range(1, len(rows))
+            for below, above in (("torch", "onednn"), ("onednn", "torch"))
+        ]
 
     def regret(p: tuple[str, str, int]) -> float:
         kernel, below, split_at = p
@@ -209,8 +223,9 @@ def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setti
     threads = torch.get_num_threads()
 
     def fixed(kernel: str, source: str) -> LinearChoice:
-        return LinearChoice(dtype, threads, rows, source,
-                            tuple(ShapeTiming(s, len(ms), (), kernel) for s, ms in groups.items()))
+        return LinearChoice(
+            dtype, threads, rows, source, tuple(ShapeTiming(s, len(ms), (), kernel) for s, ms in groups.items())
+        )
 
     if not groups:
         return fixed("torch", "no float linears")
@@ -232,13 +247,12 @@ def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setti
     return choice
 
 
-
 @torch.inference_mode()
 def _probe_shape(shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, rows: tuple[int, ...]) -> ShapeTiming:
     """Time F.linear and the prepacked call over this shape's first layers (up to PROBE_BYTES of
     weights, each layer once per pass, as a step reads them), alternating kernels pass by pass."""
     per_layer = max(1, modules[0].weight.numel() * modules[0].weight.element_size())
-    layers = modules[:max(1, min(len(modules), PROBE_BYTES // per_layer))]
+    layers = modules[: max(1, min(len(modules), PROBE_BYTES // per_layer))]
     plain = [(m.weight.detach().to(dtype), None if m.bias is None else m.bias.detach().to(dtype)) for m in layers]
     packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in plain]
     g = torch.Generator().manual_seed(0)
@@ -252,7 +266,7 @@ def _probe_shape(shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, row
         for call in calls.values():
             call(x)  # first calls create the kernels (oneDNN primitives, MKL's buffers)
         for rep in range(PROBE_REPS):
-            for kernel in (KERNELS if rep % 2 == 0 else KERNELS[::-1]):
+            for kernel in KERNELS if rep % 2 == 0 else KERNELS[::-1]:
                 t = time.perf_counter()
                 calls[kernel](x)
                 ms = (time.perf_counter() - t) * 1e3 / len(layers)
@@ -275,8 +289,11 @@ def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
             t = None if choice is None else choice.timing_for((child.in_features, child.out_features))
             if choice is not None and (t is None or "onednn" not in (t.kernel, t.below)):
                 continue
-            split = {} if t is None or not t.split_at else (
-                {"plain_below": t.split_at} if t.below == "torch" else {"plain_from": t.split_at})
+            split = (
+                {}
+                if t is None or not t.split_at
+                else ({"plain_below": t.split_at} if t.below == "torch" else {"plain_from": t.split_at})
+            )
             setattr(parent, name, PackedLinear(child, **split))
             count += 1
     return count

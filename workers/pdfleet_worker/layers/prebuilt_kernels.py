@@ -8,6 +8,7 @@ libraries, with PDFLEET_KERNEL_DIR pointing at them. `-march=native` there would
 instructions this CPU has (/proc/cpuinfo flags). A library is named by its level and a key over the kernel
 source, torch's version and the flags, so a stale one is never loaded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,7 +102,9 @@ def build(out_dir: Path, only: Sequence[str] | None = None, compiler: str | None
         if only is not None and name not in only:
             continue
         out = out_dir / library_name(name)
-        command = [f"-march={march}" if a == "-march=native" else a for a in cpu_kernels._compile_command(compiler, out)]
+        command = [
+            f"-march={march}" if a == "-march=native" else a for a in cpu_kernels._compile_command(compiler, out)
+        ]
         command.insert(command.index(f"-march={march}") + 1, "-mtune=generic")
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -111,7 +114,9 @@ def build(out_dir: Path, only: Sequence[str] | None = None, compiler: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdfleet_worker.layers.prebuilt_kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m pdfleet_worker.layers.prebuilt_kernels", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the kernels for every ISA level of this architecture into DIR")
     b.add_argument("dir")

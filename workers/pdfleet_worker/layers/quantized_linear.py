@@ -17,6 +17,7 @@ Other devices (CUDA, ...): plain torch ops, y = F.linear(x, W_q.to(x.dtype)) * s
 weights' memory but widens the weight every call, so it is no faster than the float model there.
 Untested: the machines this was built on have no GPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -125,7 +126,7 @@ def choose_dequant_rows(model: nn.Module, rows: tuple[int, ...] = PROBE_ROWS) ->
             x = torch.randn(r, shape[0], generator=torch.Generator().manual_seed(r)).to(x_dtype)
             best = {}
             for rep in range(PROBE_REPS + 1):  # the first pass only warms up
-                for path, threshold in (("int8", r + 1), ("dequant", 0))[::1 if rep % 2 else -1]:
+                for path, threshold in (("int8", r + 1), ("dequant", 0))[:: 1 if rep % 2 else -1]:
                     m.dequant_rows = threshold
                     t = time.perf_counter()
                     m._cpu(x)
@@ -137,8 +138,10 @@ def choose_dequant_rows(model: nn.Module, rows: tuple[int, ...] = PROBE_ROWS) ->
         for mod in mods:
             mod.dequant_rows = chosen[shape]
     if chosen:
-        log.info("int8 linears widen the weight to bf16 from %s rows (by shape, measured)",
-                 ", ".join(f"{k[0]}x{k[1]}: {v}" for k, v in chosen.items()))
+        log.info(
+            "int8 linears widen the weight to bf16 from %s rows (by shape, measured)",
+            ", ".join(f"{k[0]}x{k[1]}: {v}" for k, v in chosen.items()),
+        )
     return chosen
 
 
@@ -149,8 +152,13 @@ def replace_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 w = child.weight
-                setattr(parent, name, Int8Linear(child.in_features, child.out_features, child.bias is not None,
-                                                 device=w.device, dtype=w.dtype))
+                setattr(
+                    parent,
+                    name,
+                    Int8Linear(
+                        child.in_features, child.out_features, child.bias is not None, device=w.device, dtype=w.dtype
+                    ),
+                )
                 count += 1
     return count
 

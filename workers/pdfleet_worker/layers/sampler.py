@@ -1,4 +1,5 @@
 """Picks next tokens from logits for a whole batch with tensor ops: logits processors, the structured output's token mask, temperature/top-k/top-p/min-p, seeded or unseeded sampling, logprobs and prompt logprobs; ModelRunner calls it, LLMEngine registers each request's state with add()."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,7 @@ class Sampler:
     def __init__(self) -> None:
         self.eos_token_ids: tuple[int, ...] = ()  # blocked until min_tokens (LLMEngine sets them)
         self.counts = TokenCounts()
-        self.grammars: dict[str, Any] = {}       # request id -> llguidance LLMatcher
+        self.grammars: dict[str, Any] = {}  # request id -> llguidance LLMatcher
         self.prompts: dict[str, PromptScore] = {}  # request id -> prompt logprobs being scored
         self._executor = None
 
@@ -65,8 +66,9 @@ class Sampler:
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-                 steps: list[int] | None = None) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], steps: list[int] | None = None
+    ) -> list[SampledToken]:
         """logits: [S, V] fp32, one row per sequence that samples this step; steps: tokens each has
         generated so far (min_tokens, and the position in a seeded random stream); 0 when not given."""
         assert logits.shape[0] == len(params) == len(request_ids), "one logits row per sampling request"
@@ -84,8 +86,9 @@ class Sampler:
         lps = self._logprobs(logits, tokens, params)
         return [SampledToken(t, lps.get(i)) for i, t in enumerate(ids)]
 
-    def _process(self, x: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-                 steps: list[int]) -> torch.Tensor:
+    def _process(
+        self, x: torch.Tensor, request_ids: list[str], params: list[SamplingParams], steps: list[int]
+    ) -> torch.Tensor:
         vocab, dev = x.shape[1], x.device
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if t < vocab]
         if bias:
@@ -98,11 +101,20 @@ class Sampler:
             counts = self.counts.output[slots]  # [P, V]
             seen = self.counts.prompt[slots] | (counts > 0)
             sub = lp.repetition_penalty(x[idx], seen, _col([params[i].repetition_penalty for i in pen], dev))
-            sub = lp.presence_frequency(sub, counts, _col([params[i].presence_penalty for i in pen], dev),
-                                        _col([params[i].frequency_penalty for i in pen], dev))
+            sub = lp.presence_frequency(
+                sub,
+                counts,
+                _col([params[i].presence_penalty for i in pen], dev),
+                _col([params[i].frequency_penalty for i in pen], dev),
+            )
             x = x.index_copy(0, idx, sub)
-        blocked = [(i, t) for i, p in enumerate(params) if steps[i] < p.min_tokens
-                   for t in self._min_tokens_blocked(p) if t < vocab]
+        blocked = [
+            (i, t)
+            for i, p in enumerate(params)
+            if steps[i] < p.min_tokens
+            for t in self._min_tokens_blocked(p)
+            if t < vocab
+        ]
         if blocked:
             rows, toks = zip(*blocked)
             x = x.index_put((_long(rows, dev), _long(toks, dev)), torch.tensor(lp.NEG_INF, device=dev))
@@ -118,8 +130,9 @@ class Sampler:
         eos = [] if p.ignore_eos or p.structured is not None else list(self.eos_token_ids)
         return eos + list(p.stop_token_ids or ())
 
-    def distribution(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-                     steps: list[int]) -> torch.Tensor:
+    def distribution(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], steps: list[int]
+    ) -> torch.Tensor:
         """The logits a sampled row draws from (processors, mask and warpers applied; -inf: excluded), without
         picking or advancing any state: what tests hold against transformers' processors."""
         x = self._process(logits, request_ids, params, steps) if any(p.processed for p in params) else logits
@@ -147,8 +160,9 @@ class Sampler:
             x = lp.min_p(x, _col(min_ps, dev))
         return x
 
-    def _sample(self, x: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        self, x: torch.Tensor, params: list[SamplingParams], steps: list[int], greedy: list[bool]
+    ) -> torch.Tensor:
         vocab, dev = x.shape[1], x.device
         processed = x
         probs = self._warp(x, params, greedy).softmax(-1)
@@ -156,8 +170,9 @@ class Sampler:
         uniform = 1.0 - torch.rand(len(params), device=dev)  # (0, 1]
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
         if seeded:
-            uniform[_long(seeded, dev)] = torch.tensor([_seeded_uniform(params[i].seed, steps[i]) for i in seeded],
-                                                       dtype=uniform.dtype, device=dev)
+            uniform[_long(seeded, dev)] = torch.tensor(
+                [_seeded_uniform(params[i].seed, steps[i]) for i in seeded], dtype=uniform.dtype, device=dev
+            )
         cdf = probs.cumsum(-1)
         # NOTE: the first index whose cumulative mass reaches u x total: a token of probability 0 adds nothing to
         # the cumulative mass, so it is never the first to reach it (u > 0).
@@ -200,7 +215,9 @@ class Sampler:
             self._executor = llguidance.LLExecutor(num_threads=1)
         return self._executor
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> dict[int, TokenLogprobs]:
+    def _logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> dict[int, TokenLogprobs]:
         """Logprobs of the model's own distribution (before any processing), as vLLM reports by default."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
@@ -209,7 +226,7 @@ class Sampler:
         logp = torch.log_softmax(logits[idx], -1)
         chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
         top_n = max(params[i].logprobs for i in rows)
-        top_vals, top_ids = (torch.topk(logp, top_n) if top_n else (logp[:, :0], logp[:, :0].long()))
+        top_vals, top_ids = torch.topk(logp, top_n) if top_n else (logp[:, :0], logp[:, :0].long())
         top_vals, top_ids, picked = top_vals.tolist(), top_ids.tolist(), tokens[idx].tolist()
         out = {}
         for j, i in enumerate(rows):
@@ -219,7 +236,9 @@ class Sampler:
 
     # -- prompt logprobs ----------------------------------------------------------------------
     @torch.inference_mode()
-    def score_prompts(self, chunks: list, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def score_prompts(
+        self, chunks: list, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         """For the chunks (in the model's row order, hidden: [T, H]) of requests that asked for prompt
         logprobs: the logprob of each next prompt token, its rank and the top-n. Positions already scored
         (a chunk computed again after a preemption) are skipped."""
@@ -234,7 +253,7 @@ class Sampler:
                 lo, hi = max(c.start_pos, score.scored), min(c.start_pos + n, len(score.prompt) - 1)
                 if lo == score.scored:  # positions come in order; anything else was scored already
                     rows += range(row + lo - c.start_pos, row + hi - c.start_pos)
-                    targets += score.prompt[lo + 1:hi + 1]
+                    targets += score.prompt[lo + 1 : hi + 1]
                     owners += [score] * (hi - lo)
                     score.scored = max(score.scored, hi)
             row += n
@@ -243,8 +262,9 @@ class Sampler:
             self._score_rows(hidden, rows[sl], targets[sl], owners[sl], compute_logits)
 
     @staticmethod
-    def _score_rows(hidden: torch.Tensor, rows: list[int], targets: list[int], owners: list[PromptScore],
-                    compute_logits) -> None:
+    def _score_rows(
+        hidden: torch.Tensor, rows: list[int], targets: list[int], owners: list[PromptScore], compute_logits
+    ) -> None:
         dev = hidden.device
         logp = torch.log_softmax(compute_logits(hidden[_long(rows, dev)]).float(), -1)  # [R, V]
         target = _long(targets, dev).unsqueeze(1)
@@ -255,8 +275,9 @@ class Sampler:
         chosen, top_vals, top_ids = chosen.squeeze(1).tolist(), top_vals.tolist(), top_ids.tolist()
         for j, owner in enumerate(owners):
             n = owner.top_n
-            owner.entries.append(TokenLogprobs(targets[j], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])),
-                                               rank=ranks[j]))
+            owner.entries.append(
+                TokenLogprobs(targets[j], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])), rank=ranks[j])
+            )
 
 
 _M32 = 0xFFFFFFFF

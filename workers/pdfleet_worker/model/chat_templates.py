@@ -1,7 +1,8 @@
 """Chat templates that take tools, in the two tool-call formats the server parses (server/tool_calls.py): ChatML with Qwen2.5's <tool_call> blocks (what `pdfleet model init` writes) and Llama 3.1's JSON calls; and which format a model's own template uses."""
+
 from __future__ import annotations
 
-HERMES = "hermes"        # Qwen2.5 (and Hermes 2/3): <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+HERMES = "hermes"  # Qwen2.5 (and Hermes 2/3): <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 LLAMA3_JSON = "llama3_json"  # Llama 3.1/3.2: [<|python_tag|>]{"name": ..., "parameters": {...}}[; {...}]
 
 # ChatML, the Qwen2.5 way: tools described in the system turn, calls in <tool_call> blocks, results as
@@ -14,7 +15,7 @@ CHATML_TOOLS = (
     " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '"
-    " + '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": '"
+    ' + \'<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": \''
     " + '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -46,7 +47,7 @@ LLAMA31_TOOLS = (
     "{%- if tools and message['role'] == 'user' and not ns.tools_shown %}"
     "{%- set ns.tools_shown = true %}"
     "{{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments '"
-    " + 'that best answers the given prompt.\\n\\nRespond in the format {\"name\": function name, \"parameters\": '"
+    ' + \'that best answers the given prompt.\\n\\nRespond in the format {"name": function name, "parameters": \''
     " + 'dictionary of argument name and its value}. Do not use variables.\\n\\n' }}"
     "{%- for tool in tools %}{{- (tool | tojson) + '\\n\\n' }}{%- endfor %}"
     "{%- endif %}"

@@ -1,4 +1,5 @@
 """The Llama / Qwen2 / Mistral decoder in plain PyTorch over flattened tokens; ModelRunner calls it."""
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.cpu_kernels = False  # set by use_cpu_kernels
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVCache
+    ) -> torch.Tensor:
         t = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         heads = self.qkv_proj.forward(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]: q, k, v heads
@@ -109,10 +111,10 @@ class Attention(nn.Module):
         if self.cpu_kernels and not torch.compiler.is_compiling():
             torch.ops.pdfleet.rope_(heads, hq + hkv, cos.squeeze(1), sin.squeeze(1))
         else:
-            apply_rope_(heads[:, :hq + hkv], cos, sin)
-        q = heads[:, :hq]                                 # [T, Hq, D]
-        kv = heads[:, hq:].unflatten(1, (2, hkv))         # [T, 2, Hkv, D]
-        out = attention.forward(q, kv, meta, cache)       # [T, Hq * D]
+            apply_rope_(heads[:, : hq + hkv], cos, sin)
+        q = heads[:, :hq]  # [T, Hq, D]
+        kv = heads[:, hq:].unflatten(1, (2, hkv))  # [T, 2, Hkv, D]
+        out = attention.forward(q, kv, meta, cache)  # [T, Hq * D]
         return self.o_proj.forward(out)
 
 
@@ -136,13 +138,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the residual stream [T, hidden], still owed delta (the last layer's MLP output, or
         None) -> (h, this layer's MLP output). Each residual add happens inside the next norm."""
-        x = self.input_layernorm.forward(h, delta)                # h += delta
+        x = self.input_layernorm.forward(h, delta)  # h += delta
         a = self.self_attn.forward(x, cos, sin, meta, cache)
-        x = self.post_attention_layernorm.forward(h, a)           # h += a
+        x = self.post_attention_layernorm.forward(h, a)  # h += a
         return h, self.mlp.forward(x)
 
 
@@ -170,8 +179,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, caches: list[KVCache]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        caches: list[KVCache],
+    ) -> torch.Tensor:
         # input_ids, positions: [T] (all scheduled tokens of all sequences, flattened) -> hidden [T, hidden]
         cos = rope[0][positions].unsqueeze(1)  # [T, 1, D]
         sin = rope[1][positions].unsqueeze(1)

@@ -1,4 +1,5 @@
 """Loads a Hugging Face model directory (config.json + sharded or single safetensors) into LlamaForCausalLM; LLMEngine calls it."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def weight_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[torch.Tensor | Int8Linear, slice | None] | None:
+def _target(
+    model: LlamaForCausalLM, cfg: ModelConfig, name: str
+) -> tuple[torch.Tensor | Int8Linear, slice | None] | None:
     """Where an HF tensor goes: (our parameter, or the Int8Linear that quantizes it, rows to fill or None
     for all); None if ignored."""
     if _IGNORED.search(name):
@@ -78,8 +81,9 @@ def _weight_of(module: torch.nn.Module, kind: str) -> torch.Tensor | Int8Linear:
 
 
 @torch.inference_mode()
-def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: str = "none") -> LlamaForCausalLM:
+def load_model(
+    model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"
+) -> LlamaForCausalLM:
     """Build the network for `model_dir` and fill every parameter from its safetensors files.
 
     quantization "int8": every linear layer (q/k/v/o, gate/up/down, the LM head) becomes an Int8Linear,
@@ -126,7 +130,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         model.lm_head.fill_rows(None, model.embed_tokens.weight)
         filled[id(model.lm_head)] = model.lm_head.out_features
     missing = [n for n, p in model.named_parameters() if filled.get(id(p), 0) != p.shape[0]]
-    missing += [n for n, m in model.named_modules() if isinstance(m, Int8Linear) and filled.get(id(m), 0) != m.out_features]
+    missing += [
+        n for n, m in model.named_modules() if isinstance(m, Int8Linear) and filled.get(id(m), 0) != m.out_features
+    ]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return model.eval()

@@ -1,4 +1,5 @@
 """Writes a randomly initialised model with a trained byte-level BPE tokenizer as a Hugging Face directory; `pdfleet model init` and tests call it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,25 @@ from pdfleet_worker.model import chat_templates
 
 PRESETS = {
     # A few million parameters: tests and the demo start in seconds.
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
     # About 150M parameters (600 MB in fp32): the benchmark model.
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
 }
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -45,8 +60,11 @@ def training_corpus(max_bytes: int) -> tuple[list[str], str]:
     packages, each sorted by path; no site-packages), then EXTRA_TEXT."""
     stdlib = sysconfig.get_paths()["stdlib"]
     top = sorted(glob.glob(os.path.join(stdlib, "*.py")))
-    nested = sorted(p for p in glob.glob(os.path.join(stdlib, "*", "**", "*.py"), recursive=True)
-                    if "site-packages" not in p and "dist-packages" not in p)
+    nested = sorted(
+        p
+        for p in glob.glob(os.path.join(stdlib, "*", "**", "*.py"), recursive=True)
+        if "site-packages" not in p and "dist-packages" not in p
+    )
     texts, size = [], 0
     for path in top + nested:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -67,13 +85,19 @@ def train_tokenizer(vocab_size: int, max_corpus_bytes: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+    )
     texts, digest = training_corpus(max_corpus_bytes)
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     return tok, digest
 
 
@@ -146,8 +170,15 @@ def random_state_dict(cfg: dict, seed: int, dtype: str) -> dict:
     return sd
 
 
-def init_model(path: str, preset: str = "tiny", *, arch: str = "llama", dtype: str = "float32", seed: int = 0,
-               tie_word_embeddings: bool = False) -> InitResult:
+def init_model(
+    path: str,
+    preset: str = "tiny",
+    *,
+    arch: str = "llama",
+    dtype: str = "float32",
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+) -> InitResult:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json to `path`. The same arguments give byte-identical files."""
     from safetensors.torch import save_file
@@ -159,7 +190,9 @@ def init_model(path: str, preset: str = "tiny", *, arch: str = "llama", dtype: s
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     p = PRESETS[preset]
-    tok, corpus_digest = train_tokenizer(p["vocab_size"], max_corpus_bytes=12_000_000 if preset == "small" else 1_000_000)
+    tok, corpus_digest = train_tokenizer(
+        p["vocab_size"], max_corpus_bytes=12_000_000 if preset == "small" else 1_000_000
+    )
     vocab = tok.get_vocab_size(with_added_tokens=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = _hf_config(p, arch, vocab, ids, dtype, tie_word_embeddings)
@@ -169,12 +202,20 @@ def init_model(path: str, preset: str = "tiny", *, arch: str = "llama", dtype: s
     tok.save(os.path.join(path, "tokenizer.json"))
     files = {
         "config.json": cfg,
-        "generation_config.json": {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[IM_END]],
-                                   "do_sample": False},
+        "generation_config.json": {
+            "bos_token_id": ids[BOS],
+            "eos_token_id": [ids[EOS], ids[IM_END]],
+            "do_sample": False,
+        },
         "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-            "pad_token": EOS, "add_bos_token": True, "clean_up_tokenization_spaces": False,
-            "model_max_length": p["max_position_embeddings"], "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": EOS,
+            "add_bos_token": True,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": p["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
             "extra_special_tokens": [IM_START, IM_END],
             "pdfleet_init": {"preset": preset, "seed": seed, "corpus_sha256": corpus_digest},
         },

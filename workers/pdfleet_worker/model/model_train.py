@@ -10,6 +10,7 @@ The network is the engine's own (`model.llama.LlamaForCausalLM`, loaded by `mode
 differentiable, and it runs whatever linear layers the model holds (nn.Linear, or the Int8Linear of
 an int8 load), so the same function measures the fp32 and the int8 model on the same tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
-    train_loss: float          # mean loss of the last 10 steps
+    train_loss: float  # mean loss of the last 10 steps
     held_out_ppl_before: float
     held_out_ppl: float
 
@@ -55,10 +56,10 @@ def forward_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
         a = layer.self_attn
         x = _rms(h, layer.input_layernorm).reshape(b * t, -1)
         heads = a.qkv_proj.forward(x).view(b, t, hq + 2 * hkv, d)
-        qk = heads[:, :, :hq + hkv]
+        qk = heads[:, :, : hq + hkv]
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # rotate-half RoPE with the signed sin table
         q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
-        v = heads[:, :, hq + hkv:].transpose(1, 2)
+        v = heads[:, :, hq + hkv :].transpose(1, 2)
         o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
         h = h + a.o_proj.forward(o.transpose(1, 2).reshape(b * t, hq * d)).view(b, t, -1)
         x = _rms(h, layer.post_attention_layernorm).reshape(b * t, -1)
@@ -89,7 +90,7 @@ def held_out_batches(held: list[int], seq_len: int, max_seqs: int) -> torch.Tens
     n = min(max_seqs, (len(held) - 1) // seq_len)
     if n < 1:
         raise ValueError(f"held-out text has {len(held)} tokens; need more than {seq_len}")
-    return torch.tensor([held[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)], dtype=torch.int64)
+    return torch.tensor([held[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)], dtype=torch.int64)
 
 
 @torch.inference_mode()
@@ -97,7 +98,7 @@ def perplexity(model: LlamaForCausalLM, windows: torch.Tensor, batch: int = 4) -
     """exp(mean next-token NLL) over every position of every window [N, T + 1]."""
     total, count = 0.0, 0
     for i in range(0, windows.shape[0], batch):
-        w = windows[i:i + batch]
+        w = windows[i : i + batch]
         logits = forward_logits(model, w[:, :-1])
         nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum")
         total += float(nll)
@@ -117,7 +118,11 @@ def save_hf(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype = torch.
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
         qkv = layer.self_attn.qkv_proj
-        for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
+        for name, rows in (
+            ("q_proj", slice(0, q)),
+            ("k_proj", slice(q, q + kv)),
+            ("v_proj", slice(q + kv, q + 2 * kv)),
+        ):
             sd[p + f"self_attn.{name}.weight"] = qkv.weight[rows]
             if qkv.bias is not None:
                 sd[p + f"self_attn.{name}.bias"] = qkv.bias[rows]
@@ -135,9 +140,19 @@ def save_hf(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype = torch.
     os.replace(tmp, os.path.join(model_dir, "model.safetensors"))
 
 
-def train(model_dir: str, *, minutes: float | None = None, steps: int | None = None, seq_len: int = 128,
-          batch: int = 8, lr: float = 2e-3, seed: int = 0, eval_seqs: int = 32, max_corpus_bytes: int = 12_000_000,
-          progress: Callable[[str], None] = print) -> TrainResult:
+def train(
+    model_dir: str,
+    *,
+    minutes: float | None = None,
+    steps: int | None = None,
+    seq_len: int = 128,
+    batch: int = 8,
+    lr: float = 2e-3,
+    seed: int = 0,
+    eval_seqs: int = 32,
+    max_corpus_bytes: int = 12_000_000,
+    progress: Callable[[str], None] = print,
+) -> TrainResult:
     """Train the model in `model_dir` in place (AdamW, bf16 autocast on the CPU) until `steps` steps or
     `minutes` minutes, whichever comes first (at least one must be given), then save it as a normal HF
     checkpoint in its own dtype and record the run in tokenizer_config.json's pdfleet_init."""
@@ -160,14 +175,17 @@ def train(model_dir: str, *, minutes: float | None = None, steps: int | None = N
     model.eval()
     ppl_before = perplexity(model, windows)
     model.train()
-    progress(f"corpus: {len(train_ids)} training tokens, {len(held)} held out ({windows.numel()} scored); "
-             f"held-out perplexity before training {ppl_before:.1f}")
+    progress(
+        f"corpus: {len(train_ids)} training tokens, {len(held)} held out ({windows.numel()} scored); "
+        f"held-out perplexity before training {ppl_before:.1f}"
+    )
     data = torch.tensor(train_ids, dtype=torch.int64)
     g = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
     warmup = 20
     budget_s = minutes * 60 if minutes is not None else math.inf
     start = time.perf_counter()
@@ -183,7 +201,7 @@ def train(model_dir: str, *, minutes: float | None = None, steps: int | None = N
         for group in opt.param_groups:
             group["lr"] = lr * scale
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
-        x = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+        x = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = forward_logits(model, x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
@@ -197,26 +215,42 @@ def train(model_dir: str, *, minutes: float | None = None, steps: int | None = N
         if now - last_report >= 15 or step == 1 or step == steps:
             last_report = now
             left = f"{steps - step} steps" if steps else f"{max(0.0, budget_s - (now - start)):.0f} s"
-            progress(f"step {step}: loss {losses[-1]:.3f} (mean of last 10 {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
-                     f"lr {lr * scale:.2e}, {step * batch * seq_len / (now - start):.0f} tokens/s, {left} left")
+            progress(
+                f"step {step}: loss {losses[-1]:.3f} (mean of last 10 {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
+                f"lr {lr * scale:.2e}, {step * batch * seq_len / (now - start):.0f} tokens/s, {left} left"
+            )
     seconds = time.perf_counter() - start
     model.eval()
     ppl = perplexity(model, windows)
-    progress(f"trained {step} steps ({step * batch * seq_len} tokens) in {seconds:.0f} s; "
-             f"held-out perplexity {ppl_before:.1f} -> {ppl:.2f}")
+    progress(
+        f"trained {step} steps ({step * batch * seq_len} tokens) in {seconds:.0f} s; "
+        f"held-out perplexity {ppl_before:.1f} -> {ppl:.2f}"
+    )
     save_hf(model, model_dir, saved_dtype)
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     with open(cfg_path) as f:
         tok_cfg = json.load(f)
     before = tok_cfg.setdefault("pdfleet_init", {}).get("trained") or {}  # a second run continues the first
     tok_cfg["pdfleet_init"]["trained"] = {
-        "steps": before.get("steps", 0) + step, "tokens": before.get("tokens", 0) + step * batch * seq_len,
-        "runs": before.get("runs", 0) + 1, "seq_len": seq_len, "batch": batch, "lr": lr, "seed": seed,
-        "held_out_every": HELD_OUT_EVERY, "held_out_ppl": round(ppl, 4)}
+        "steps": before.get("steps", 0) + step,
+        "tokens": before.get("tokens", 0) + step * batch * seq_len,
+        "runs": before.get("runs", 0) + 1,
+        "seq_len": seq_len,
+        "batch": batch,
+        "lr": lr,
+        "seed": seed,
+        "held_out_every": HELD_OUT_EVERY,
+        "held_out_ppl": round(ppl, 4),
+    }
     with open(cfg_path, "w") as f:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
         f.write("\n")
-    result = TrainResult(steps=step, tokens=step * batch * seq_len, seconds=seconds,
-                         train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
-                         held_out_ppl_before=ppl_before, held_out_ppl=ppl)
+    result = TrainResult(
+        steps=step,
+        tokens=step * batch * seq_len,
+        seconds=seconds,
+        train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
+        held_out_ppl_before=ppl_before,
+        held_out_ppl=ppl,
+    )
     return result

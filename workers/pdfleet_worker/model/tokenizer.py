@@ -1,4 +1,5 @@
 """Tokenizer (tokenizer.json via `tokenizers`), chat template and incremental detokenizer; LLMEngine and the server call it."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
         """Render messages with the directory's Jinja chat template (the way transformers does: `tools` and any
         extra variables go to the template, `tojson` writes plain JSON)."""
         if not self.chat_template:
@@ -54,8 +60,13 @@ class Tokenizer:
         # NOTE: Jinja's own tojson escapes HTML (<, >, &, ') and turns what it is joined with into escaped markup.
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         return env.from_string(self.chat_template).render(
-            **extra, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            **extra,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
 
 def _token_text(tok: Any) -> str | None:
@@ -77,9 +88,9 @@ class IncrementalDetokenizer:
 
     def step(self, all_token_ids: list[int]) -> str:
         decode = self.tokenizer.decode
-        prefix = decode(all_token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(all_token_ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix = decode(all_token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(all_token_ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""

@@ -1,4 +1,5 @@
 """The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, client API keys on /v1/* and the deployment token on /workers, every client answer counted; the router runner serves it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,7 @@ from pdfleet_worker.router.route_target import RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
 from pdfleet_worker.router.upstreams import Upstreams
-from pdfleet_worker.wire import auth
-from pdfleet_worker.wire import responses
+from pdfleet_worker.wire import auth, responses
 from pdfleet_worker.wire.streaming import install_error_handlers
 
 log = logging.getLogger("pdfleet.router")
@@ -29,31 +29,50 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     """ValueError when a secret file cannot be used (missing, empty, a token too short)."""
     state: dict[str, Any] = {}
     token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
-    keys = auth.SecretFile(cfg.api_key_file, "--api-key-file", optional=cfg.api_key_file_optional) \
-        if cfg.api_key_file else None
+    keys = (
+        auth.SecretFile(cfg.api_key_file, "--api-key-file", optional=cfg.api_key_file_optional)
+        if cfg.api_key_file
+        else None
+    )
     rules = None
     if cfg.route_to is not None:  # ValueError: a classifier that does not load, a tokenizer that cannot be read
-        rules = routing.Routing(cfg.route_rules,
-                                routing.load_classifier(cfg.route_classifier) if cfg.route_classifier else None,
-                                cfg.route_confidence_floor,
-                                routing.tokenizer_counter(cfg.route_tokenizer) if cfg.route_tokenizer else None)
+        rules = routing.Routing(
+            cfg.route_rules,
+            routing.load_classifier(cfg.route_classifier) if cfg.route_classifier else None,
+            cfg.route_confidence_floor,
+            routing.tokenizer_counter(cfg.route_tokenizer) if cfg.route_tokenizer else None,
+        )
     if token is None and any(t.disaggregated and t.pd_engine == "pdfleet" for t in cfg.tiers.values()):
-        log.warning("no --auth-token-file: prefill/decode workers that require the deployment token will refuse "
-                    "this router (401); without one they run unauthenticated")
+        log.warning(
+            "no --auth-token-file: prefill/decode workers that require the deployment token will refuse "
+            "this router (401); without one they run unauthenticated"
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # NOTE: no read timeout on the pool: a long generation streams for minutes; the proxy
         # bounds each wait with upstream_timeout instead.
-        client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         upstreams = Upstreams(cfg, client, token)
-        metrics = RouterMetrics(list(cfg.tiers), lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()],
-                                lambda: {str(u.load["revision"]) for u in upstreams.all.values() if u.load.get("revision")})
-        target = RouteTarget(cfg.route_to, client, cfg.health_interval_s, cfg.heartbeat_interval_s) \
-            if cfg.route_to is not None else None
-        state.update(client=client, upstreams=upstreams, metrics=metrics,
-                     router=Router(cfg, upstreams, metrics, client, rules, target))
+        metrics = RouterMetrics(
+            list(cfg.tiers),
+            lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()],
+            lambda: {str(u.load["revision"]) for u in upstreams.all.values() if u.load.get("revision")},
+        )
+        target = (
+            RouteTarget(cfg.route_to, client, cfg.health_interval_s, cfg.heartbeat_interval_s)
+            if cfg.route_to is not None
+            else None
+        )
+        state.update(
+            client=client,
+            upstreams=upstreams,
+            metrics=metrics,
+            router=Router(cfg, upstreams, metrics, client, rules, target),
+        )
         await upstreams.start()
         if target is not None:
             await target.start()
@@ -66,11 +85,13 @@ def build_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdfleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # NOTE: added before CountResponses, so inside it: a 401 is a counted answer like any other.
     if keys is not None:
-        app.add_middleware(auth.RequireBearer, secret=keys, protected=lambda path: path.startswith("/v1/"),
-                           what="an API key")
+        app.add_middleware(
+            auth.RequireBearer, secret=keys, protected=lambda path: path.startswith("/v1/"), what="an API key"
+        )
     if token is not None:
-        app.add_middleware(auth.RequireBearer, secret=token, protected=lambda path: path == "/workers",
-                           what="the deployment token")
+        app.add_middleware(
+            auth.RequireBearer, secret=token, protected=lambda path: path == "/workers", what="the deployment token"
+        )
     app.add_middleware(CountResponses, metrics=lambda: state.get("metrics"), default_tier=cfg.default_tier)
     started = responses.now()
 
@@ -84,6 +105,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         accept_until = start + min(cfg.drain_accept_s, cfg.drain_timeout_s)
         while (state["router"].active or time.monotonic() < accept_until) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
     app.state.drain = drain
 
     @app.post("/v1/completions")
@@ -121,13 +143,16 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         ok = tiers[cfg.default_tier] and not state.get("draining", False)
         # models: what the default tier serves (a routing router reads it: /v1/models may need a client key)
         served = ups.served_model(cfg.default_tier)
-        return JSONResponse({"ready": ok, "tiers": tiers, "models": [served] if served else []},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"ready": ok, "tiers": tiers, "models": [served] if served else []}, status_code=200 if ok else 503
+        )
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         router: Router = state["router"]  # `id`: what response headers call the worker
-        return {"workers": [{**up.describe(), "id": router.worker_id(up.url)} for up in state["upstreams"].all.values()]}
+        return {
+            "workers": [{**up.describe(), "id": router.worker_id(up.url)} for up in state["upstreams"].all.values()]
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:

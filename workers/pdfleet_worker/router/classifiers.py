@@ -1,4 +1,5 @@
 """Classifiers for query routing (`spec.routing.classifier.entryPoint`): the contract's reference implementation, a keyword and length heuristic with no model; the router loads one by `module:function` (routing.load_classifier)."""
+
 from __future__ import annotations
 
 import re
@@ -6,8 +7,11 @@ import re
 from pdfleet_worker.router.routing import RouteRequest
 
 # Words that ask for reasoning, long output or code: a prompt that has them is less likely simple.
-_COMPLEX = re.compile(r"\b(why|explain|compare|analy[sz]e|prove|derive|design|implement|refactor|debug|step[- ]by[- ]step|"
-                      r"essay|report|summari[sz]e|translate|code|function|algorithm)\b", re.IGNORECASE)
+_COMPLEX = re.compile(
+    r"\b(why|explain|compare|analy[sz]e|prove|derive|design|implement|refactor|debug|step[- ]by[- ]step|"
+    r"essay|report|summari[sz]e|translate|code|function|algorithm)\b",
+    re.IGNORECASE,
+)
 
 
 def short_question(request: RouteRequest) -> float:

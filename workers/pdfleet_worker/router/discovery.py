@@ -1,4 +1,5 @@
 """Worker discovery: a URL as given, every address DNS has for its host (a headless Service), or a Service's ready EndpointSlice endpoints, each source of one engine; the upstream set refreshes them."""
+
 from __future__ import annotations
 
 import abc
@@ -88,8 +89,10 @@ class EndpointSlices(Source):
         try:
             import kubernetes
         except ImportError:
-            raise ValueError("--discovery endpointslices needs the kubernetes Python client, which is not installed "
-                             "(pip install kubernetes), or use --discovery dns with the headless Service") from None
+            raise ValueError(
+                "--discovery endpointslices needs the kubernetes Python client, which is not installed "
+                "(pip install kubernetes), or use --discovery dns with the headless Service"
+            ) from None
         scheme, host, port = _split(url)
         labels = host.split(".")
         self.service = labels[0]
@@ -107,7 +110,8 @@ class EndpointSlices(Source):
 
         try:
             resp = self._api.list_namespaced_endpoint_slice(
-                self.namespace, label_selector=f"kubernetes.io/service-name={self.service}")
+                self.namespace, label_selector=f"kubernetes.io/service-name={self.service}"
+            )
         except ApiException as e:
             raise OSError(f"listing EndpointSlices of {self.namespace}/{self.service}: {e.status} {e.reason}") from e
         slices = [self._client.sanitize_for_serialization(item) for item in resp.items]

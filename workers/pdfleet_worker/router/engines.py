@@ -5,6 +5,7 @@ vllm (vLLM and the vendors' vLLM builds): `GET /health` for liveness, `GET /v1/m
 names, and `GET /metrics` (vllm:num_requests_waiting, vllm:num_requests_running,
 vllm:kv_cache_usage_perc) for the picker's load score.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,11 @@ VLLM = "vllm"
 ENGINES = (PDFLEET, VLLM)
 
 # vLLM series -> the load keys the picker reads (pdfleet's /load names).
-_VLLM_LOAD = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
-              "vllm:kv_cache_usage_perc": "kv_usage"}
+_VLLM_LOAD = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
 # One sample line of the text format: name, optional {labels}, value (a timestamp may follow).
 _SAMPLE = re.compile(r"^(?P<name>vllm:[A-Za-z0-9_:]+)(?:\{.*\})?[ \t]+(?P<value>\S+)", re.MULTILINE)
 
@@ -45,8 +49,10 @@ def check(engine: str) -> str:
 def mixed_pd_error(tier: str, first: tuple[str, str], other: tuple[str, str]) -> str:
     """A disaggregated tier whose prefill and decode workers run different engines: the KV moves only through one
     engine's own connector (router/handoff.py)."""
-    return (f"tier {tier!r}: prefill and decode workers must run one engine (the KV moves through that engine's "
-            f"own connector), got {first[0]}@{first[1]} and {other[0]}@{other[1]}")
+    return (
+        f"tier {tier!r}: prefill and decode workers must run one engine (the KV moves through that engine's "
+        f"own connector), got {first[0]}@{first[1]} and {other[0]}@{other[1]}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +63,12 @@ class Probe:
     ok: bool
     error: str | None = None
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
-    timed_out: bool = False    # no answer in time: a busy worker, not (yet) a dead one (Upstreams.probe)
+    timed_out: bool = False  # no answer in time: a busy worker, not (yet) a dead one (Upstreams.probe)
 
 
-async def probe(client: httpx.AsyncClient, engine: str, url: str, timeout: float, auth: httpx.Auth | None = None) -> Probe:
+async def probe(
+    client: httpx.AsyncClient, engine: str, url: str, timeout: float, auth: httpx.Auth | None = None
+) -> Probe:
     """`auth`: the deployment token, for pdfleet workers (their /load needs it once they have one)."""
     try:
         if engine == VLLM:
@@ -88,8 +96,9 @@ async def _probe_vllm(client: httpx.AsyncClient, url: str, timeout: float) -> Pr
     health = await client.get(f"{url}/health", timeout=timeout)
     if health.status_code != 200:
         return Probe(False, f"not healthy (/health answered {health.status_code})")
-    models, metrics = await asyncio.gather(client.get(f"{url}/v1/models", timeout=timeout),
-                                           client.get(f"{url}/metrics", timeout=timeout))
+    models, metrics = await asyncio.gather(
+        client.get(f"{url}/v1/models", timeout=timeout), client.get(f"{url}/metrics", timeout=timeout)
+    )
     if models.status_code != 200:
         return Probe(False, f"/v1/models answered {models.status_code}")
     names = served_models(models.json())

@@ -11,6 +11,7 @@ one token, not streamed (`max_tokens` 1, `max_completion_tokens` 1 if set, no `s
 remote_port, tp_size, ...) go to the decode worker with the client's own request, untouched: they belong to the
 two workers' KV connector, not to the router.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,14 @@ from pdfleet_worker.router import engines
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # What vLLM's proxy asks of a prefill worker: compute the prompt's KV, hold it for a remote decode.
-VLLM_PREFILL_PARAMS = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, "remote_engine_id": None,
-                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+VLLM_PREFILL_PARAMS = {
+    DO_REMOTE_DECODE: True,
+    DO_REMOTE_PREFILL: False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 # Sampling limits a one-token prefill cannot honour (vLLM refuses min_tokens > max_tokens).
 _VLLM_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 
@@ -36,7 +43,7 @@ class Handoff:
     """What the decode call needs from a prefill answer."""
 
     params: dict[str, Any] | None  # the decode request's kv_transfer_params; None: the decode worker computes all
-    hosts: tuple[str, ...]          # addresses in the params, redacted from whatever reaches the client
+    hosts: tuple[str, ...]  # addresses in the params, redacted from whatever reaches the client
 
 
 def prefill_body(engine: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -63,8 +70,10 @@ def from_prefill(engine: str, answer: Any) -> Handoff:
         # params, and without a connector the decode worker computes the prompt itself; the proxy counts it.
         return Handoff(None, ())
     if not isinstance(params, dict):
-        raise BadPrefillAnswer(f"the prefill answer's {KV_TRANSFER_PARAMS} is "
-                               f"{'missing' if params is None else type(params).__name__}, not an object")
+        raise BadPrefillAnswer(
+            f"the prefill answer's {KV_TRANSFER_PARAMS} is "
+            f"{'missing' if params is None else type(params).__name__}, not an object"
+        )
     hosts = tuple(v for k, v in params.items() if isinstance(v, str) and v and k.endswith(("host", "addr")))
     return Handoff(params, hosts)
 

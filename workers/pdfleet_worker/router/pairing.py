@@ -6,6 +6,7 @@ pdfleet workers report `revision` (--revision, $PDFLEET_REVISION) and `compat_ha
 A worker that reports no layout (vLLM, whose /load this router does not read) leaves the tier unpaired: any prefill
 worker with any decode worker, as before.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """One client request through the router: validation against the tier's limits before any work, tier choice, prefill -> decode orchestration in the tier engine's own protocol (handoff.py) or colocated passthrough, retries before the first byte, SSE relay with an error event when a worker dies mid-stream, cancellation when the client leaves; what reaches the client never names a worker's address. The router app calls it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,19 +31,34 @@ from pdfleet_worker.router.router_metrics import (
     RouterMetrics,
 )
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
-from pdfleet_worker.wire import heartbeat
-from pdfleet_worker.wire import checks, limits, request_types as rq
+from pdfleet_worker.wire import checks, heartbeat, limits
+from pdfleet_worker.wire import request_types as rq
 from pdfleet_worker.wire.errors import RequestError, error_body, shown
-from pdfleet_worker.wire.streaming import (SSE_HEADERS, ClientGone, EventStreamResponse, internal_error_response,
-                                             read_json, sse, until_disconnect)
+from pdfleet_worker.wire.streaming import (
+    SSE_HEADERS,
+    ClientGone,
+    EventStreamResponse,
+    internal_error_response,
+    read_json,
+    sse,
+    until_disconnect,
+)
 
 log = logging.getLogger("pdfleet.router")
 
 CHAT_PATH = "/v1/chat/completions"
 # Failures where the worker cannot have started answering: safe to try another one.
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
-             httpx.ReadError, httpx.WriteError)
+RETRYABLE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
 Match = Callable[[Upstream], bool]  # which workers of a pool a call may use (pairing)
+
+
 @dataclasses.dataclass
 class Answer:
     """A worker's complete (non-streamed) answer."""
@@ -57,8 +73,15 @@ class Answer:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, upstreams: Upstreams, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 rules: routing.Routing | None = None, target: RouteTarget | None = None):
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        upstreams: Upstreams,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
+        rules: routing.Routing | None = None,
+        target: RouteTarget | None = None,
+    ):
         self.cfg = cfg
         self.rules, self.target = rules, target  # query routing (both or neither)
         if rules is not None:  # every route's series from the start (rate() over a series that appears later misses it)
@@ -89,8 +112,9 @@ class Router:
                 raise RequestError(400, "the request body must be a JSON object")
             outcome.tier = self._tier(request, body)
             if body.get("kv_transfer_params") is not None:
-                raise RequestError(400, "kv_transfer_params is set by the router, not by clients",
-                                   param="kv_transfer_params")
+                raise RequestError(
+                    400, "kv_transfer_params is set by the router, not by clients", param="kv_transfer_params"
+                )
             stream = self._validate(outcome.tier, body, path == CHAT_PATH)
             # NOTE: the body is read, so the next receive() is the disconnect: a client that leaves while a
             # worker computes (prefill, queue, a whole non-streamed answer) cancels that call, and the worker,
@@ -102,8 +126,9 @@ class Router:
             streaming = isinstance(response, EventStreamResponse)
             return response
         except RequestError as e:
-            return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json",
-                            headers=e.headers)
+            return Response(
+                json.dumps(e.body()), status_code=e.status, media_type="application/json", headers=e.headers
+            )
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; counted as the client's abort
         except Exception as e:  # a bug: counted as a 500 like any other answer, its details logged only
@@ -116,8 +141,12 @@ class Router:
         named = request.headers.get(self.cfg.tier_header)
         if named is not None:
             if named not in self.cfg.tiers:
-                raise RequestError(400, f"unknown tier {shown(named)} in {self.cfg.tier_header}; tiers: "
-                                        f"{', '.join(sorted(self.cfg.tiers))}", param=self.cfg.tier_header)
+                raise RequestError(
+                    400,
+                    f"unknown tier {shown(named)} in {self.cfg.tier_header}; tiers: "
+                    f"{', '.join(sorted(self.cfg.tiers))}",
+                    param=self.cfg.tier_header,
+                )
             return named
         model = body.get("model")
         if isinstance(model, str):
@@ -151,10 +180,12 @@ class Router:
         if self.rules is not None and self.target is not None:
             decision = await self._judge(request, path, body)
             if decision.route == routing.SMALL:
+
                 def ended(code: int) -> None:
                     outcome.code = code
                     if stream:
                         self.active -= 1  # the routed stream is over (handle() leaves streams to their close)
+
                 answer = await self.target.forward(path, body, stream, request.headers.get("authorization"), ended)
                 if answer is not None:
                     self.metrics.routed(routing.SMALL, decision.reason)
@@ -179,8 +210,9 @@ class Router:
             return routing.Decision(routing.SMALL, "rules")
         try:
             # NOTE: on a thread: a classifier may run a model; the event loop keeps serving meanwhile.
-            answer = await asyncio.wait_for(asyncio.to_thread(self.rules.classifier, judged),
-                                            self.cfg.route_classifier_timeout_s)
+            answer = await asyncio.wait_for(
+                asyncio.to_thread(self.rules.classifier, judged), self.cfg.route_classifier_timeout_s
+            )
         except Exception as e:  # its bug or its timeout: the big model serves
             log.warning("routing classifier %s failed: %s: %s", self.cfg.route_classifier, type(e).__name__, e)
             return routing.Decision(routing.DEFAULT, "classifier_error")
@@ -253,8 +285,9 @@ class Router:
         return await self._forward(outcome, "both", path, body, stream, headers)
 
     # -- PD: prefill, then decode ---------------------------------------------------------------
-    async def _disaggregated(self, outcome: Outcome, path: str, body: dict, stream: bool,
-                             headers: dict[str, str]) -> Response:
+    async def _disaggregated(
+        self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str]
+    ) -> Response:
         """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
         hold the KV, then the client's request to a decode worker with the params the prefill answered."""
         tier = outcome.tier
@@ -282,10 +315,13 @@ class Router:
         self.metrics.pd_route(tier, PREFILL_POOL)
         # NOTE: one X-Request-Id on both calls, as vLLM's proxy sends: each worker's logs name the same request.
         ids = {"x-request-id": f"pdfleet-{uuid.uuid4().hex}"} if engine == engines.VLLM else {}
-        answer = await self._call(tier, "prefill", path, handoff.prefill_body(engine, body), ids,
-                                  match=lambda up: pairs.allows(up.load))
+        answer = await self._call(
+            tier, "prefill", path, handoff.prefill_body(engine, body), ids, match=lambda up: pairs.allows(up.load)
+        )
         headers["x-pdfleet-prefill"] = self.worker_id(answer.upstream.url)
-        if answer.status != 200:  # the request's own fault (400, 404, ...), or every prefill worker busy: the client gets it
+        if (
+            answer.status != 200
+        ):  # the request's own fault (400, 404, ...), or every prefill worker busy: the client gets it
             outcome.served_by(answer.upstream.load.get("revision"), shed=answer.status == 503)
             return self._relay_answer(answer, headers)
         try:
@@ -293,20 +329,33 @@ class Router:
         except ValueError as e:  # not JSON, or no usable kv_transfer_params
             self.metrics.upstream_error("prefill", "bad_response")
             log.warning("%s prefill worker %s: %s", engine, answer.upstream.url, e)
-            raise RequestError(502, "the prefill worker returned no kv_transfer_params",
-                               type="upstream_error") from None
+            raise RequestError(
+                502, "the prefill worker returned no kv_transfer_params", type="upstream_error"
+            ) from None
         if hand.params is None:
             # The answer stays right (the decode worker computes the prompt), but PD bought nothing: count it.
             self.metrics.upstream_error("prefill", "no_kv_transfer_params")
-            log.warning("%s prefill worker %s returned no kv_transfer_params (is its KV connector configured?); "
-                        "the decode worker computes the prompt", engine, answer.upstream.url)
+            log.warning(
+                "%s prefill worker %s returned no kv_transfer_params (is its KV connector configured?); "
+                "the decode worker computes the prompt",
+                engine,
+                answer.upstream.url,
+            )
         prefilled = answer.upstream.load
         try:
             # NOTE: a decode worker of the prefill worker's revision and layout if one is still in rotation, else any
             # (it refuses KV of other weights and computes the prompt itself, counted as weights_mismatch there).
-            return await self._forward(outcome, "decode", path, handoff.decode_body(body, hand), stream, headers,
-                                       also_redact=hand.hosts, extra_headers=ids,
-                                       match=lambda up: pairing.same(prefilled, up.load))
+            return await self._forward(
+                outcome,
+                "decode",
+                path,
+                handoff.decode_body(body, hand),
+                stream,
+                headers,
+                also_redact=hand.hosts,
+                extra_headers=ids,
+                match=lambda up: pairing.same(prefilled, up.load),
+            )
         except RequestError as e:
             if e.code != "no_worker" or engine != engines.PDFLEET or not self.upstreams.has_healthy(tier, "prefill"):
                 raise
@@ -321,23 +370,34 @@ class Router:
         n = routing.prompt_length(path, body, counter)
         return n is not None and n < self.cfg.pd_min_prompt_tokens
 
-    async def _local_prefill(self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str],
-                             reason: str) -> Response:
+    async def _local_prefill(
+        self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str], reason: str
+    ) -> Response:
         self.metrics.local_prefill(outcome.tier, reason)
         headers["x-pdfleet-prefill"] = "local"
         return await self._forward(outcome, "decode", path, body, stream, headers)
 
-    async def _local_decode(self, outcome: Outcome, path: str, body: dict, stream: bool,
-                            headers: dict[str, str]) -> Response:
+    async def _local_decode(
+        self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str]
+    ) -> Response:
         self.metrics.local_decode(outcome.tier)
         headers["x-pdfleet-decode"] = "local"
         return await self._forward(outcome, "prefill", path, body, stream, headers, header="x-pdfleet-prefill")
 
     # -- one pool -------------------------------------------------------------------------------
-    async def _forward(self, outcome: Outcome, role: str, path: str, body: dict, stream: bool,
-                       headers: dict[str, str], also_redact: tuple[str, ...] = (),
-                       extra_headers: dict[str, str] | None = None, match: Match | None = None,
-                       header: str | None = None) -> Response:
+    async def _forward(
+        self,
+        outcome: Outcome,
+        role: str,
+        path: str,
+        body: dict,
+        stream: bool,
+        headers: dict[str, str],
+        also_redact: tuple[str, ...] = (),
+        extra_headers: dict[str, str] | None = None,
+        match: Match | None = None,
+        header: str | None = None,
+    ) -> Response:
         """The answer of a worker of `role` (preferring those `match` holds for), relayed; `header` names the
         response header that carries its id."""
         header = header or ("x-pdfleet-decode" if role == "decode" else "x-pdfleet-worker")
@@ -359,17 +419,25 @@ class Router:
                 up.inflight -= 1
             return self._relay_answer(Answer(up, resp.status_code, dict(resp.headers), content), headers, also_redact)
         relay = _Relay(self, up, resp, outcome, also_redact)
-        return EventStreamResponse(heartbeat.with_heartbeats(relay.events(), self.cfg.heartbeat_interval_s),
-                                   headers={**SSE_HEADERS, **headers}, on_close=relay.close)
+        return EventStreamResponse(
+            heartbeat.with_heartbeats(relay.events(), self.cfg.heartbeat_interval_s),
+            headers={**SSE_HEADERS, **headers},
+            on_close=relay.close,
+        )
 
     def _relay_answer(self, answer: Answer, headers: dict[str, str], also_redact: Iterable[str] = ()) -> Response:
         keep = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after",)}
         if answer.status == 200:
-            return Response(answer.body, status_code=200, headers={**keep, **headers},
-                            media_type=answer.headers.get("content-type", "application/json"))
+            return Response(
+                answer.body,
+                status_code=200,
+                headers={**keep, **headers},
+                media_type=answer.headers.get("content-type", "application/json"),
+            )
         body = self.relayed_error(answer.body, answer.upstream, answer.status, also_redact)
-        return Response(json.dumps(body), status_code=answer.status, headers={**keep, **headers},
-                        media_type="application/json")
+        return Response(
+            json.dumps(body), status_code=answer.status, headers={**keep, **headers}, media_type="application/json"
+        )
 
     def relayed_error(self, raw: bytes, up: Upstream, status: int, also_redact: Iterable[str] = ()) -> dict[str, Any]:
         """A worker's error object as the client may see it: its four fields, addresses redacted."""
@@ -381,22 +449,33 @@ class Router:
             log.warning("%s worker %s answered %d without an error object: %r", up.role, up.url, status, raw[:200])
             return error_body(f"the {up.role} worker answered {status}", "upstream_error")
         known = [u.url for u in self.upstreams.all.values()] + list(also_redact)
-        clean = {k: v if isinstance(v, (int, type(None))) or k == "message" else redact(str(v), known)
-                 for k, v in fields.items()}
+        clean = {
+            k: v if isinstance(v, (int, type(None))) or k == "message" else redact(str(v), known)
+            for k, v in fields.items()
+        }
         clean["message"] = redact(fields["message"], known)
         if clean["message"] != fields["message"]:
             log.info("%s worker %s: %s", up.role, up.url, fields["message"])
         return {"error": clean}
 
     # -- calling workers with retries -------------------------------------------------------------
-    async def _call(self, tier: str, role: str, path: str, body: dict,
-                    extra_headers: dict[str, str] | None = None, match: Match | None = None,
-                    prefer: bool = False) -> Answer:
+    async def _call(
+        self,
+        tier: str,
+        role: str,
+        path: str,
+        body: dict,
+        extra_headers: dict[str, str] | None = None,
+        match: Match | None = None,
+        prefer: bool = False,
+    ) -> Answer:
         """A complete answer from some worker of the pool (those `match` holds for only, or first with `prefer`);
         connect failures, broken connections and 503s are retried on another worker (nothing reached the client yet)."""
+
         async def attempt(up: Upstream) -> Answer:
-            resp = await self.client.send(self._request(up, path, body, extra_headers), stream=True,
-                                          auth=self.upstreams.auth(up))
+            resp = await self.client.send(
+                self._request(up, path, body, extra_headers), stream=True, auth=self.upstreams.auth(up)
+            )
             try:
                 content = await resp.aread()
             finally:
@@ -405,14 +484,24 @@ class Router:
 
         return await self._with_retries(tier, role, attempt, match, prefer)
 
-    async def _open_stream(self, tier: str, role: str, path: str, body: dict,
-                           extra_headers: dict[str, str] | None = None,
-                           match: Match | None = None) -> tuple[Upstream, httpx.Response]:
+    async def _open_stream(
+        self,
+        tier: str,
+        role: str,
+        path: str,
+        body: dict,
+        extra_headers: dict[str, str] | None = None,
+        match: Match | None = None,
+    ) -> tuple[Upstream, httpx.Response]:
         """An open streaming response (headers read; workers `match` holds for first); the caller closes it and
         decrements inflight."""
+
         async def attempt(up: Upstream):
-            resp = await self.client.send(self._request(up, path, body, extra_headers, silence_s=silence_limit(up)),
-                                          stream=True, auth=self.upstreams.auth(up))
+            resp = await self.client.send(
+                self._request(up, path, body, extra_headers, silence_s=silence_limit(up)),
+                stream=True,
+                auth=self.upstreams.auth(up),
+            )
             if resp.status_code in (401, 503):
                 try:
                     content = await resp.aread()
@@ -442,16 +531,20 @@ class Router:
             try:
                 result = await attempt(up)
             except RETRYABLE as e:
-                self.metrics.upstream_error(role, "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
-                                            else "disconnected")
+                self.metrics.upstream_error(
+                    role, "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "disconnected"
+                )
                 self.upstreams.mark_down(up, f"{type(e).__name__}: {e}")
                 errors.append(type(e).__name__)
                 continue
             except httpx.TimeoutException as e:
                 self.metrics.upstream_error(role, "timeout")
                 log.warning("%s worker %s did not answer within %gs", role, up.url, self.cfg.upstream_timeout_s)
-                raise RequestError(504, f"the {role} worker did not answer within {self.cfg.upstream_timeout_s:g}s",
-                                   type="upstream_error") from e
+                raise RequestError(
+                    504,
+                    f"the {role} worker did not answer within {self.cfg.upstream_timeout_s:g}s",
+                    type="upstream_error",
+                ) from e
             finally:
                 up.inflight -= 1
             if isinstance(result, Answer) and result.status == 401:
@@ -468,19 +561,41 @@ class Router:
             return result
         if last_503 is not None:
             return last_503  # every worker is overloaded or draining: pass their 503 + Retry-After on
-        what = f"no healthy {role} worker in tier {tier!r}" if not errors else \
-            f"every {role} worker tried failed ({len(errors)}: {', '.join(errors)})"
-        raise RequestError(503, what, type="service_unavailable", code="no_worker",
-                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        what = (
+            f"no healthy {role} worker in tier {tier!r}"
+            if not errors
+            else f"every {role} worker tried failed ({len(errors)}: {', '.join(errors)})"
+        )
+        raise RequestError(
+            503,
+            what,
+            type="service_unavailable",
+            code="no_worker",
+            headers={"Retry-After": str(self.cfg.retry_after_s)},
+        )
 
-    def _request(self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None,
-                 silence_s: float | None = None) -> httpx.Request:
+    def _request(
+        self,
+        up: Upstream,
+        path: str,
+        body: dict,
+        extra_headers: dict[str, str] | None = None,
+        silence_s: float | None = None,
+    ) -> httpx.Request:
         """silence_s: the longest wait for any byte of the answer (a stream's read timeout) instead of the pool's."""
         # (None would mean no timeout at all: the client's default is its own sentinel)
-        timeout = httpx.USE_CLIENT_DEFAULT if silence_s is None else \
-            httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s), connect=self.cfg.connect_timeout_s)
-        return self.client.build_request("POST", f"{up.url}{path}", json=body, timeout=timeout,
-                                         headers={"content-type": "application/json", **(extra_headers or {})})
+        timeout = (
+            httpx.USE_CLIENT_DEFAULT
+            if silence_s is None
+            else httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s), connect=self.cfg.connect_timeout_s)
+        )
+        return self.client.build_request(
+            "POST",
+            f"{up.url}{path}",
+            json=body,
+            timeout=timeout,
+            headers={"content-type": "application/json", **(extra_headers or {})},
+        )
 
 
 # A pdfleet worker's stream is silent for at most one heartbeat interval: its keep-alives come from its event loop,
@@ -537,8 +652,9 @@ class _Relay:
     becomes an error event and leaves rotation. close() settles the bookkeeping once, whether or not
     events() ever ran."""
 
-    def __init__(self, router: Router, up: Upstream, resp: httpx.Response, outcome: Outcome,
-                 also_redact: tuple[str, ...] = ()):
+    def __init__(
+        self, router: Router, up: Upstream, resp: httpx.Response, outcome: Outcome, also_redact: tuple[str, ...] = ()
+    ):
         self.router, self.up, self.resp, self.outcome, self.also_redact = router, up, resp, outcome, also_redact
         self.code = 499  # until the stream ends otherwise, the client went away
         self._closed = False
@@ -550,7 +666,7 @@ class _Relay:
             async for chunk in self.resp.aiter_raw():
                 buf += chunk
                 while (i := buf.find(b"\n\n")) >= 0:
-                    event, buf = buf[:i + 2], buf[i + 2:]
+                    event, buf = buf[: i + 2], buf[i + 2 :]
                     if first and not heartbeat.is_comment(event):
                         metrics.first_token(self.outcome.tier, self.outcome.start)
                         first = False
@@ -559,7 +675,7 @@ class _Relay:
                         # was served, not dropped (499 would count a served request as a client abort).
                         done, self.code = True, code
                     elif event.startswith(b'data: {"error"'):
-                        body = self.router.relayed_error(event[len(b"data: "):].strip(), up, 500, self.also_redact)
+                        body = self.router.relayed_error(event[len(b"data: ") :].strip(), up, 500, self.also_redact)
                         code = _error_code(body["error"])
                         event = sse(body)
                     yield event
@@ -571,8 +687,13 @@ class _Relay:
             metrics.upstream_error(up.role, "timeout" if isinstance(e, httpx.TimeoutException) else "stream_broken")
             self.router.upstreams.mark_down(up, f"failed mid-stream: {type(e).__name__}: {e}")
             log.warning("%s worker %s failed mid-stream: %s", up.role, up.url, e)
-            yield sse(error_body(f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is "
-                                   f"incomplete", "upstream_error", code=502))
+            yield sse(
+                error_body(
+                    f"the {up.role} worker failed mid-stream ({type(e).__name__}); the response is incomplete",
+                    "upstream_error",
+                    code=502,
+                )
+            )
             yield b"data: [DONE]\n\n"  # as a worker ends its own error events
         finally:
             await self.resp.aclose()

@@ -4,6 +4,7 @@ What comes back is the target's own answer (its `model`, its tokens), marked `x-
 cannot be reached, or answers anything but 200 before a byte reached the client, returns None: the caller serves
 the request with its own pools. The client's Authorization header goes along (the target checks its own keys).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,9 @@ class RouteTarget:
             log.info("routing target %s serves %s", self.url, model)
         self.model = model
 
-    async def forward(self, path: str, body: dict, stream: bool, authorization: str | None,
-                      on_end: Callable[[int], None]) -> Response | None:
+    async def forward(
+        self, path: str, body: dict, stream: bool, authorization: str | None, on_end: Callable[[int], None]
+    ) -> Response | None:
         """The target's answer, or None (the caller serves the request). on_end(code) runs once when a
         returned stream ends (its final code: 200, an error event's, 502 broken, 499 client gone)."""
         model = self.model
@@ -86,7 +88,9 @@ class RouteTarget:
             log.warning("routing target %s: %s", self.url, e)
             self.model, self.last_error = None, f"{type(e).__name__}: {e}"
             return None
-        ok = resp.status_code == 200 and (not stream or resp.headers.get("content-type", "").startswith("text/event-stream"))
+        ok = resp.status_code == 200 and (
+            not stream or resp.headers.get("content-type", "").startswith("text/event-stream")
+        )
         if not ok or not stream:
             try:
                 content = await resp.aread()
@@ -98,11 +102,18 @@ class RouteTarget:
                 log.info("routing target %s answered %d: served here instead", self.url, resp.status_code)
                 return None
             on_end(200)
-            return Response(content, status_code=200, media_type=resp.headers.get("content-type", "application/json"),
-                            headers={ROUTE_HEADER: "small"})
+            return Response(
+                content,
+                status_code=200,
+                media_type=resp.headers.get("content-type", "application/json"),
+                headers={ROUTE_HEADER: "small"},
+            )
         relay = _TargetRelay(resp, on_end)
-        return EventStreamResponse(heartbeat.with_heartbeats(relay.events(), self.heartbeat_interval_s),
-                                   headers={**SSE_HEADERS, ROUTE_HEADER: "small"}, on_close=relay.close)
+        return EventStreamResponse(
+            heartbeat.with_heartbeats(relay.events(), self.heartbeat_interval_s),
+            headers={**SSE_HEADERS, ROUTE_HEADER: "small"},
+            on_close=relay.close,
+        )
 
 
 class _TargetRelay:
@@ -119,7 +130,7 @@ class _TargetRelay:
             async for chunk in self.resp.aiter_raw():
                 buf += chunk
                 while (i := buf.find(b"\n\n")) >= 0:
-                    event, buf = buf[:i + 2], buf[i + 2:]
+                    event, buf = buf[: i + 2], buf[i + 2 :]
                     if event.startswith(b"data: [DONE]"):
                         done, self.code = True, code
                     elif event.startswith(b'data: {"error"'):
@@ -131,8 +142,14 @@ class _TargetRelay:
         except httpx.HTTPError as e:
             self.code = 502
             log.warning("routing target failed mid-stream: %s", e)
-            body = {"error": {"message": f"the routing target failed mid-stream ({type(e).__name__}); the response "
-                                         "is incomplete", "type": "upstream_error", "param": None, "code": 502}}
+            body = {
+                "error": {
+                    "message": f"the routing target failed mid-stream ({type(e).__name__}); the response is incomplete",
+                    "type": "upstream_error",
+                    "param": None,
+                    "code": 502,
+                }
+            }
             yield b"data: " + json.dumps(body).encode() + b"\n\n"
         finally:
             await self.resp.aclose()
@@ -149,7 +166,7 @@ class _TargetRelay:
 
 def _code(event: bytes) -> int:
     try:
-        code = json.loads(event[len(b"data: "):])["error"].get("code")
+        code = json.loads(event[len(b"data: ") :])["error"].get("code")
     except (ValueError, KeyError, TypeError, AttributeError):
         return 500
     return code if isinstance(code, int) and 400 <= code < 600 else 500

@@ -1,4 +1,5 @@
 """The router's Prometheus registry (requests by code and tier, latency, TTFT, upstream errors, retries, workers by health) and the middleware that counts every answer once; the proxy records into them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,7 @@ class Outcome:
     code: int | None = None
     start: float = dataclasses.field(default_factory=time.monotonic)
     revision: str = NO_REVISION  # of the worker whose answer the client got; none: no worker answered
-    shed: bool = False           # every worker tried answered 503 (busy or draining): load shedding, by design
+    shed: bool = False  # every worker tried answered 503 (busy or draining): load shedding, by design
 
     def served_by(self, revision: str | None, *, shed: bool = False) -> None:
         self.revision, self.shed = str(revision) if revision else NO_REVISION, shed
@@ -53,6 +54,7 @@ class CountResponses:
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+
         try:
             await self.app(scope, receive, send_status)
         except Exception:
@@ -64,13 +66,18 @@ class CountResponses:
         finally:
             metrics = self.metrics()
             if metrics is not None:
-                metrics.finished(outcome.tier, outcome.code or status or 500, outcome.start, outcome.revision,
-                                 outcome.shed)
+                metrics.finished(
+                    outcome.tier, outcome.code or status or 500, outcome.start, outcome.revision, outcome.shed
+                )
 
 
 class RouterMetrics:
-    def __init__(self, tiers: list[str], workers: Callable[[], list[tuple[str, str, bool]]],
-                 revisions: Callable[[], Iterable[str]] = lambda: ()):
+    def __init__(
+        self,
+        tiers: list[str],
+        workers: Callable[[], list[tuple[str, str, bool]]],
+        revisions: Callable[[], Iterable[str]] = lambda: (),
+    ):
         """workers: (tier, role, healthy) of every known worker, read at scrape time; revisions: those the
         workers report (their series are created at 0 as soon as a scrape sees them)."""
         self._worker_revisions = revisions

@@ -14,6 +14,7 @@ The classifier contract: `module:function`, imported once when the router starts
 passed the rules; the float is the confidence in [0, 1] that the request is simple. Anything else it returns, an
 exception, or taking longer than the timeout sends the request to the big model (reason classifier_error).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,9 +29,20 @@ ROUTES = (SMALL, DEFAULT)
 # Why a request went where it went: the label values of pdfleet_router_routed_requests_total{reason}.
 REASONS = {
     SMALL: ("rules", "classifier"),
-    DEFAULT: ("prompt_tokens", "prompt_chars", "max_tokens", "no_max_tokens", "pattern", "excluded",
-              "classifier_low", "classifier_error", "target_unavailable", "target_refused", "already_routed",
-              "not_routable"),
+    DEFAULT: (
+        "prompt_tokens",
+        "prompt_chars",
+        "max_tokens",
+        "no_max_tokens",
+        "pattern",
+        "excluded",
+        "classifier_low",
+        "classifier_error",
+        "target_unavailable",
+        "target_refused",
+        "already_routed",
+        "not_routable",
+    ),
 }
 # Set on the call to the target router: that router never routes the request again (no loops).
 ROUTED_HEADER = "x-pdfleet-routed"
@@ -40,11 +52,11 @@ ROUTED_HEADER = "x-pdfleet-routed"
 class RouteRequest:
     """What a classifier sees of one request (read-only: changing `body` changes nothing sent)."""
 
-    path: str                 # /v1/completions or /v1/chat/completions
-    body: dict[str, Any]      # the client's JSON body
-    prompt: str               # the prompt text (chat: the messages' text contents joined by newlines)
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]  # the client's JSON body
+    prompt: str  # the prompt text (chat: the messages' text contents joined by newlines)
     prompt_tokens: int | None  # tokens of `prompt` when the router has the model's tokenizer
-    max_tokens: int | None    # max_completion_tokens, else max_tokens, when the request sets one
+    max_tokens: int | None  # max_completion_tokens, else max_tokens, when the request sets one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +85,13 @@ class Rules:
 
     @property
     def empty(self) -> bool:
-        return (self.max_prompt_tokens is None and self.max_prompt_chars is None and self.max_tokens is None
-                and not self.patterns and not self.exclude_patterns)
+        return (
+            self.max_prompt_tokens is None
+            and self.max_prompt_chars is None
+            and self.max_tokens is None
+            and not self.patterns
+            and not self.exclude_patterns
+        )
 
     @property
     def needs_text(self) -> bool:
@@ -89,8 +106,9 @@ def check_pattern(pattern: str, where: str) -> re.Pattern[str]:
         raise ValueError(f"{where}: {pattern!r} is not a valid regular expression: {e}") from None
 
 
-def length_decision(rules: Rules, prompt_tokens: int | None, prompt_chars: int | None,
-                    max_tokens: int | None) -> Decision | None:
+def length_decision(
+    rules: Rules, prompt_tokens: int | None, prompt_chars: int | None, max_tokens: int | None
+) -> Decision | None:
     """The length rules alone: a DEFAULT decision with its reason, or None when they all hold."""
     if rules.max_prompt_tokens is not None:
         assert prompt_tokens is not None, "max_prompt_tokens set but the prompt was not counted"
@@ -153,8 +171,10 @@ def load_classifier(entry_point: str) -> Callable[[RouteRequest], Any]:
     """`module:function` imported; ValueError saying what is wrong with it."""
     module_name, sep, attr = entry_point.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"routing classifier {entry_point!r}: expected module:function, e.g. "
-                         "pdfleet_worker.router.classifiers:short_question")
+        raise ValueError(
+            f"routing classifier {entry_point!r}: expected module:function, e.g. "
+            "pdfleet_worker.router.classifiers:short_question"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -178,11 +198,17 @@ def confidence(value: Any) -> float | None:
 class Routing:
     """The rules of one router (`pdfleet router --route-to URL ...`), patterns compiled once."""
 
-    def __init__(self, rules: Rules, classifier: Callable[[RouteRequest], Any] | None = None,
-                 confidence_floor: float = 0.5, tokenizer: Callable[[str], int] | None = None):
+    def __init__(
+        self,
+        rules: Rules,
+        classifier: Callable[[RouteRequest], Any] | None = None,
+        confidence_floor: float = 0.5,
+        tokenizer: Callable[[str], int] | None = None,
+    ):
         if rules.empty and classifier is None:
-            raise ValueError("routing needs at least one rule or a classifier: otherwise every request would go to "
-                             "the target")
+            raise ValueError(
+                "routing needs at least one rule or a classifier: otherwise every request would go to the target"
+            )
         if not 0.0 <= confidence_floor <= 1.0:
             raise ValueError(f"routing confidence floor must be in [0, 1], got {confidence_floor!r}")
         if rules.max_prompt_tokens is not None and tokenizer is None:

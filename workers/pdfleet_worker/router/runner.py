@@ -1,4 +1,5 @@
 """`pdfleet router`: builds the RouterConfig and serves the router app with uvicorn, draining open streams on SIGTERM; the CLI calls run()."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,14 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(cfg)
     except ValueError as e:
         raise SystemExit(f"pdfleet router: {e}")
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     DrainingServer(config, app.state.drain).run()
     return 0

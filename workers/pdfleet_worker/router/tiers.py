@@ -1,4 +1,5 @@
 """SLA tier names in worker lists (`[TIER=]URL`): shared by the router's flags and its workers file. No torch."""
+
 from __future__ import annotations
 
 DEFAULT_TIER = "default"

@@ -1,4 +1,5 @@
 """The workers the router knows: discovered per tier and role, probed for health and load as their engine answers them, taken out of rotation on failure; the proxy asks it for candidates."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,24 +28,37 @@ PROBE_TIMEOUTS_TO_EJECT = 3
 class Upstream:
     url: str
     tier: str
-    role: str                  # prefill | decode | both
+    role: str  # prefill | decode | both
     engine: str = engines.PDFLEET
-    healthy: bool = False      # in rotation; a worker enters after its first good probe
+    healthy: bool = False  # in rotation; a worker enters after its first good probe
     load: dict[str, Any] = dataclasses.field(default_factory=dict)
     inflight: int = 0
     last_error: str | None = None
     checked_at: float = 0.0
-    probe_timeouts: int = 0    # consecutive probes that got no answer in time
+    probe_timeouts: int = 0  # consecutive probes that got no answer in time
 
     def candidate(self) -> picker.Candidate:
         ld = self.load
-        return picker.Candidate(self.url, waiting=int(ld.get("waiting", 0)), running=int(ld.get("running", 0)),
-                                kv_usage=float(ld.get("kv_usage", 0.0)),
-                                prompt_tokens_waiting=int(ld.get("prompt_tokens_waiting", 0)), inflight=self.inflight)
+        return picker.Candidate(
+            self.url,
+            waiting=int(ld.get("waiting", 0)),
+            running=int(ld.get("running", 0)),
+            kv_usage=float(ld.get("kv_usage", 0.0)),
+            prompt_tokens_waiting=int(ld.get("prompt_tokens_waiting", 0)),
+            inflight=self.inflight,
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "tier": self.tier, "role": self.role, "engine": self.engine, "healthy": self.healthy,
-                "inflight": self.inflight, "last_error": self.last_error, "load": self.load}
+        return {
+            "url": self.url,
+            "tier": self.tier,
+            "role": self.role,
+            "engine": self.engine,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "last_error": self.last_error,
+            "load": self.load,
+        }
 
 
 class TokenAuth(httpx.Auth):
@@ -70,13 +84,18 @@ class Upstreams:
         self._auth = TokenAuth(token) if token is not None else None
         self.sources: list[tuple[str, str, Source]] = [
             (tier.name, role, make_source(url, cfg.discovery, cfg.namespace, tier.engine_of(url)))
-            for tier in cfg.tiers.values() for role, urls in tier.pools().items() for url in urls]
+            for tier in cfg.tiers.values()
+            for role, urls in tier.pools().items()
+            for url in urls
+        ]
         if cfg.workers_file:
             # One source per pool and engine: the file's current list for it (the URLs above were its first read).
-            self.sources = [(tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery, engine,
-                                                          cfg.engine))
-                            for tier in cfg.tiers.values() for role in tier.pools()
-                            for engine in (engines.ENGINES if role == "both" else (tier.pd_engine,))]
+            self.sources = [
+                (tier.name, role, WorkersFile(cfg.workers_file, tier.name, role, cfg.discovery, engine, cfg.engine))
+                for tier in cfg.tiers.values()
+                for role in tier.pools()
+                for engine in (engines.ENGINES if role == "both" else (tier.pd_engine,))
+            ]
         self._resolved: dict[int, set[str]] = {}
         self.all: dict[tuple[str, str, str], Upstream] = {}
         self._tasks: list[asyncio.Task] = []
@@ -85,8 +104,10 @@ class Upstreams:
     async def start(self) -> None:
         await self.refresh()
         await self.probe_all()
-        self._tasks = [asyncio.create_task(self._every(self.cfg.discovery_interval_s, self.refresh)),
-                       asyncio.create_task(self._every(self.cfg.health_interval_s, self.probe_all))]
+        self._tasks = [
+            asyncio.create_task(self._every(self.cfg.discovery_interval_s, self.refresh)),
+            asyncio.create_task(self._every(self.cfg.health_interval_s, self.probe_all)),
+        ]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -103,8 +124,9 @@ class Upstreams:
 
     # -- discovery ------------------------------------------------------------------------------
     async def refresh(self) -> None:
-        results = await asyncio.gather(*(asyncio.to_thread(src.resolve) for _, _, src in self.sources),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.to_thread(src.resolve) for _, _, src in self.sources), return_exceptions=True
+        )
         wanted: dict[tuple[str, str, str], str] = {}  # (tier, role, url) -> engine
         for i, ((tier, role, src), res) in enumerate(zip(self.sources, results)):
             if isinstance(res, BaseException):
@@ -136,8 +158,13 @@ class Upstreams:
             up.last_error, up.checked_at = result.error, time.monotonic()
             return
         if result.ok != up.healthy:
-            log.info("%s worker %s@%s is %s", up.role, up.engine, up.url,
-                     "healthy" if result.ok else f"out of rotation: {result.error}")
+            log.info(
+                "%s worker %s@%s is %s",
+                up.role,
+                up.engine,
+                up.url,
+                "healthy" if result.ok else f"out of rotation: {result.error}",
+            )
         up.healthy, up.last_error, up.checked_at = result.ok, result.error, time.monotonic()
         if result.load:
             up.load = result.load
@@ -159,11 +186,15 @@ class Upstreams:
     def healthy(self, tier: str, role: str) -> list[Upstream]:
         return [up for up in self.pool(tier, role) if up.healthy]
 
-    def pick(self, tier: str, role: str, exclude: set[str], match: Callable[[Upstream], bool] | None = None
-             ) -> Upstream | None:
+    def pick(
+        self, tier: str, role: str, exclude: set[str], match: Callable[[Upstream], bool] | None = None
+    ) -> Upstream | None:
         """The best healthy worker of the pool not in `exclude` (and, given `match`, for which it holds)."""
-        healthy = {up.url: up for up in self.pool(tier, role)
-                   if up.healthy and up.url not in exclude and (match is None or match(up))}
+        healthy = {
+            up.url: up
+            for up in self.pool(tier, role)
+            if up.healthy and up.url not in exclude and (match is None or match(up))
+        }
         chosen = picker.pick(role, [up.candidate() for up in healthy.values()])
         return None if chosen is None else healthy[chosen.url]
 

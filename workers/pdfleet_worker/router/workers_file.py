@@ -1,4 +1,5 @@
 """`pdfleet router --workers-file FILE`: the worker list as a JSON file re-read every discovery round, so `pdfleet up` adds and removes workers by rewriting it. No torch."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def read(path: str | os.PathLike) -> dict[str, list[str]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"workers file {path}: not JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"workers file {path}: expected an object with keys {sorted(ROLE_OF_KEY)}, "
-                         f"got {type(raw).__name__}")
+        raise ValueError(
+            f"workers file {path}: expected an object with keys {sorted(ROLE_OF_KEY)}, got {type(raw).__name__}"
+        )
     unknown = sorted(set(raw) - set(ROLE_OF_KEY))
     if unknown:
         raise ValueError(f"workers file {path}: unknown keys {unknown}; known: {sorted(ROLE_OF_KEY)}")
@@ -75,8 +77,15 @@ class WorkersFile(Source):
     the tier's prefill/decode engine there, as the file's first read gave it).
     """
 
-    def __init__(self, path: str, tier: str, role: str, mode: str = "auto", engine: str = engines.PDFLEET,
-                 default_engine: str = engines.PDFLEET):
+    def __init__(
+        self,
+        path: str,
+        tier: str,
+        role: str,
+        mode: str = "auto",
+        engine: str = engines.PDFLEET,
+        default_engine: str = engines.PDFLEET,
+    ):
         super().__init__(f"file:{path}#{KEY_OF_ROLE[role]}", engines.check(engine))
         self.path, self.tier, self.key = path, tier, KEY_OF_ROLE[role]
         self.default_engine = engines.check(default_engine)
@@ -95,8 +104,10 @@ class WorkersFile(Source):
             if tier != self.tier:
                 continue
             if engine != self.engine and self.key != KEY_OF_ROLE["both"]:
-                raise OSError(f"workers file {self.path}: {self.key}: tier {tier!r}'s prefill and decode workers "
-                              f"run {self.engine} (one engine moves the KV); {engine}@{url} cannot join them")
+                raise OSError(
+                    f"workers file {self.path}: {self.key}: tier {tier!r}'s prefill and decode workers "
+                    f"run {self.engine} (one engine moves the KV); {engine}@{url} cannot join them"
+                )
             if engine == self.engine:
                 out |= make_source(url.rstrip("/"), self.mode).resolve()
         return out

@@ -1,4 +1,5 @@
 """The worker's FastAPI app: OpenAI routes, /health, /ready, /load, /metrics, error objects, the deployment token on everything but the probes, background model load and drain; the runner serves it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,7 @@ from pdfleet_worker.server.openai_serving import OpenAIServing, ServerState
 from pdfleet_worker.server.pd import PD
 from pdfleet_worker.server.worker_config import WorkerConfig
 from pdfleet_worker.server.worker_metrics import WorkerMetrics
-from pdfleet_worker.wire import auth
-from pdfleet_worker.wire import responses
+from pdfleet_worker.wire import auth, responses
 from pdfleet_worker.wire.errors import RequestError
 from pdfleet_worker.wire.streaming import install_error_handlers
 
@@ -41,16 +41,19 @@ class Worker:
         self.serving: OpenAIServing | None = None
         self.load_error: BaseException | None = None
         self.started_at = time.time()
-        self._engine = engine          # tests may hand in a built engine
+        self._engine = engine  # tests may hand in a built engine
         self._connector = connector
         self._loaded = asyncio.Event()
         self._load_thread: threading.Thread | None = None
         # ValueError (missing, empty or short file) before anything starts
         self.token = auth.token_file(cfg.auth_token_file, "--auth-token-file") if cfg.auth_token_file else None
         if self.token is None and cfg.role != "both":
-            log.warning("no --auth-token-file: this %s worker's OpenAI endpoints, /load and KV endpoint are "
-                        "unauthenticated (anyone who reaches it may send kv_transfer_params or pull and release "
-                        "KV leases)", cfg.role)
+            log.warning(
+                "no --auth-token-file: this %s worker's OpenAI endpoints, /load and KV endpoint are "
+                "unauthenticated (anyone who reaches it may send kv_transfer_params or pull and release "
+                "KV leases)",
+                cfg.role,
+            )
 
     # -- startup --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,6 +66,7 @@ class Worker:
             except BaseException as e:  # reported by /health and /ready; the process stays up to say so
                 log.exception("loading the model failed")
                 self.load_error = e
+
         self._load_thread = threading.Thread(target=load, name="model-load", daemon=True)
         self._load_thread.start()
 
@@ -71,8 +75,14 @@ class Worker:
 
         t0 = time.monotonic()
         engine = LLMEngine(self.cfg.engine)
-        log.info("loaded %s in %.1fs: %d KV blocks of %d tokens, max model length %d", self.cfg.engine.model,
-                 time.monotonic() - t0, engine.block_manager.num_blocks, self.cfg.engine.block_size, engine.max_model_len)
+        log.info(
+            "loaded %s in %.1fs: %d KV blocks of %d tokens, max model length %d",
+            self.cfg.engine.model,
+            time.monotonic() - t0,
+            engine.block_manager.num_blocks,
+            self.cfg.engine.block_size,
+            engine.max_model_len,
+        )
         # NOTE: /ready only after a forward pass: a compiled or CUDA model pays its first-call cost here.
         log.info("warm-up forward pass in %.2fs", engine.warm_up())
         return engine
@@ -92,12 +102,17 @@ class Worker:
         def lease_counts() -> tuple[int, int, int]:
             t = self.pd.leases if self.pd is not None else None
             return (0, 0, 0) if t is None else (len(t), t.num_expired, t.num_released)
-        metrics = WorkerMetrics(self.cfg.served_model_name, self.cfg.role, self.cfg.accelerator,
-                                lambda: loop.stats, lease_counts)
+
+        metrics = WorkerMetrics(
+            self.cfg.served_model_name, self.cfg.role, self.cfg.accelerator, lambda: loop.stats, lease_counts
+        )
         if self.cfg.serves_kv or self.cfg.pulls_kv:
             connector = self._connector or kv_connector(self.cfg.kv_connector)(
-                "127.0.0.1" if self.cfg.host == "localhost" else self.cfg.host, self.cfg.kv_port,
-                token=self.token, peers=KVPeers.from_spec(self.cfg.kv_peers))
+                "127.0.0.1" if self.cfg.host == "localhost" else self.cfg.host,
+                self.cfg.kv_port,
+                token=self.token,
+                peers=KVPeers.from_spec(self.cfg.kv_peers),
+            )
             connector.on_sent = metrics.kv_sent
             connector.on_refused = metrics.kv_failure
             self.pd = PD(self.cfg, loop, connector, metrics)
@@ -107,13 +122,18 @@ class Worker:
         self.loop, self.metrics = loop, metrics
         self.serving = OpenAIServing(self.cfg, loop, self.pd, metrics, self.state)
         self._loaded.set()
-        log.info("worker ready: model %s, role %s, accelerator %s", self.cfg.served_model_name, self.cfg.role,
-                 self.cfg.accelerator)
+        log.info(
+            "worker ready: model %s, role %s, accelerator %s",
+            self.cfg.served_model_name,
+            self.cfg.role,
+            self.cfg.accelerator,
+        )
 
     async def stop(self) -> None:
         if self.loop is not None:
-            self.loop.abort_all(StreamError(503, "the worker is shutting down", type="service_unavailable",
-                                            code="shutdown"))
+            self.loop.abort_all(
+                StreamError(503, "the worker is shutting down", type="service_unavailable", code="shutdown")
+            )
         if self.pd is not None:
             self.pd.close()
         if self.loop is not None:
@@ -122,8 +142,11 @@ class Worker:
     def native_threads(self) -> list[str]:
         """This worker's threads that may be inside torch and are still alive (after stop(): those that did not
         end in time): the model load, the engine thread, the KV connector's."""
-        alive = [t.name for t in (self._load_thread, self.loop.thread if self.loop is not None else None)
-                 if t is not None and t.is_alive()]
+        alive = [
+            t.name
+            for t in (self._load_thread, self.loop.thread if self.loop is not None else None)
+            if t is not None and t.is_alive()
+        ]
         return alive + (self.pd.connector.running_threads() if self.pd is not None else [])
 
     # -- state ----------------------------------------------------------------------------------
@@ -136,11 +159,17 @@ class Worker:
         return self.serving is not None and self.alive and not self.state.draining
 
     def load_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"ready": self.ready, "alive": self.alive, "loaded": self.serving is not None,
-                                "draining": self.state.draining, "role": self.cfg.role,
-                                "model": self.cfg.served_model_name, "accelerator": self.cfg.accelerator,
-                                "inflight": self.state.inflight,
-                                "heartbeat_interval_s": self.cfg.heartbeat_interval_s}
+        info: dict[str, Any] = {
+            "ready": self.ready,
+            "alive": self.alive,
+            "loaded": self.serving is not None,
+            "draining": self.state.draining,
+            "role": self.cfg.role,
+            "model": self.cfg.served_model_name,
+            "accelerator": self.cfg.accelerator,
+            "inflight": self.state.inflight,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+        }
         if self.cfg.revision is not None:
             info["revision"] = self.cfg.revision
         if self.load_error is not None:
@@ -149,12 +178,20 @@ class Worker:
             info["limits"] = self.serving.limits.to_json()  # the router checks requests against them
         if self.loop is not None:
             s = self.loop.stats
-            info.update(waiting=s.num_requests_waiting, running=s.num_requests_running,
-                        waiting_for_remote_kv=s.num_requests_waiting_for_remote_kv, kv_usage=s.kv_cache_usage,
-                        prompt_tokens_waiting=s.num_prompt_tokens_waiting, free_blocks=s.num_free_blocks,
-                        total_blocks=s.num_total_blocks, held_blocks=s.num_held_blocks,
-                        holding_requests=s.num_requests_holding_kv, block_size=self.cfg.engine.block_size,
-                        max_model_len=self.loop.engine.max_model_len, weights_digest=self.loop.engine.weights_digest)
+            info.update(
+                waiting=s.num_requests_waiting,
+                running=s.num_requests_running,
+                waiting_for_remote_kv=s.num_requests_waiting_for_remote_kv,
+                kv_usage=s.kv_cache_usage,
+                prompt_tokens_waiting=s.num_prompt_tokens_waiting,
+                free_blocks=s.num_free_blocks,
+                total_blocks=s.num_total_blocks,
+                held_blocks=s.num_held_blocks,
+                holding_requests=s.num_requests_holding_kv,
+                block_size=self.cfg.engine.block_size,
+                max_model_len=self.loop.engine.max_model_len,
+                weights_digest=self.loop.engine.weights_digest,
+            )
         if self.pd is not None:
             info["compat_hash"] = self.pd.compat_hash
             if self.pd.leases is not None:
@@ -178,12 +215,18 @@ class Worker:
         def busy() -> bool:
             leases = self.pd.leases if self.pd is not None else None
             return self.state.inflight > 0 or (leases is not None and len(leases) > 0)
+
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.state.inflight and self.loop is not None:
-            n = self.loop.abort_all(StreamError(503, f"the worker shut down before the request finished "
-                                                     f"(drain timeout {self.cfg.drain_timeout_s:g}s)",
-                                                type="service_unavailable", code="shutdown"))
+            n = self.loop.abort_all(
+                StreamError(
+                    503,
+                    f"the worker shut down before the request finished (drain timeout {self.cfg.drain_timeout_s:g}s)",
+                    type="service_unavailable",
+                    code="shutdown",
+                )
+            )
             log.warning("drain deadline passed: aborted %d requests", n)
             end = time.monotonic() + 2.0
             while self.state.inflight and time.monotonic() < end:
@@ -201,15 +244,24 @@ def build_app(worker: Worker) -> FastAPI:
     app = FastAPI(title="pdfleet worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     if worker.token is not None:
-        app.add_middleware(auth.RequireBearer, secret=worker.token, protected=lambda path: path not in OPEN_PATHS,
-                           what="the deployment token")
+        app.add_middleware(
+            auth.RequireBearer,
+            secret=worker.token,
+            protected=lambda path: path not in OPEN_PATHS,
+            what="the deployment token",
+        )
 
     def serving() -> OpenAIServing:
         if worker.load_error is not None:
             raise RequestError(503, f"the model failed to load: {worker.load_error!r}", type="service_unavailable")
         if worker.serving is None:
-            raise RequestError(503, "the model is still loading", type="service_unavailable", code="loading",
-                               headers={"Retry-After": str(worker.cfg.retry_after_s)})
+            raise RequestError(
+                503,
+                "the model is still loading",
+                type="service_unavailable",
+                code="loading",
+                headers={"Retry-After": str(worker.cfg.retry_after_s)},
+            )
         return worker.serving
 
     @app.post("/v1/completions")
@@ -222,8 +274,9 @@ def build_app(worker: Worker) -> FastAPI:
 
     def card() -> dict[str, Any]:
         max_len = worker.loop.engine.max_model_len if worker.loop is not None else None
-        return responses.model_card(worker.cfg.served_model_name, int(worker.started_at), root=worker.cfg.engine.model,
-                            max_model_len=max_len)
+        return responses.model_card(
+            worker.cfg.served_model_name, int(worker.started_at), root=worker.cfg.engine.model, max_model_len=max_len
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -238,8 +291,9 @@ def build_app(worker: Worker) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not worker.alive:
-            return JSONResponse({"status": "failed", "error": repr(worker.load_error or worker.loop.error)},
-                                status_code=500)
+            return JSONResponse(
+                {"status": "failed", "error": repr(worker.load_error or worker.loop.error)}, status_code=500
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
@@ -268,6 +322,8 @@ def kv_connector(name: str):
     """The connector class `--kv-connector` names; NIXL's import error (naming its package) surfaces at start."""
     if name == "nixl":
         from pdfleet_worker.kv_transfer.nixl import NixlKVConnector
+
         return NixlKVConnector
     from pdfleet_worker.kv_transfer.tcp import TcpKVConnector
+
     return TcpKVConnector

@@ -4,6 +4,7 @@ NOTE: the worker's CLI sets TORCH_DEVICE_BACKEND_AUTOLOAD=0 before torch is firs
 torch_npu whose CANN libraries are absent otherwise makes `import torch` itself fail. The bridge of the
 device a worker is told to use is imported here instead, where its failure is a clear message.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,12 +32,15 @@ class Backend:
     what: str
 
 
-BACKENDS = {b.kind: b for b in (
-    Backend("cuda", None, "an NVIDIA GPU or MIG slice (or a Hygon DCU with DTK's torch)"),
-    Backend("npu", "torch_npu", "a Huawei Ascend NPU"),
-    Backend("mlu", "torch_mlu", "a Cambricon MLU"),
-    Backend("xpu", None, "an Intel GPU"),
-)}
+BACKENDS = {
+    b.kind: b
+    for b in (
+        Backend("cuda", None, "an NVIDIA GPU or MIG slice (or a Hygon DCU with DTK's torch)"),
+        Backend("npu", "torch_npu", "a Huawei Ascend NPU"),
+        Backend("mlu", "torch_mlu", "a Cambricon MLU"),
+        Backend("xpu", None, "an Intel GPU"),
+    )
+}
 DEVICES = ("auto", "cpu", *BACKENDS)
 
 
@@ -63,8 +67,9 @@ def resolve_device(device: str, accelerator_class: str | None = None) -> str:
             importlib.import_module(backend.bridge)
         # NOTE: any exception: a bridge without its vendor libraries fails as ImportError, OSError or RuntimeError.
         except Exception as e:
-            raise DeviceUnavailable(f"{told}: {backend.bridge} cannot be imported ({type(e).__name__}: {e}); "
-                                    f"{refuse}") from None
+            raise DeviceUnavailable(
+                f"{told}: {backend.bridge} cannot be imported ({type(e).__name__}: {e}); {refuse}"
+            ) from None
     module = getattr(torch, kind, None)
     count = module.device_count() if module is not None and module.is_available() else 0
     if count == 0:
@@ -112,8 +117,11 @@ def cgroup_headroom(d: Path) -> int | None:
     """limit - (usage - reclaimable page cache) of one cgroup directory (v2 memory.max or v1
     memory.limit_in_bytes); None when it sets no limit or is not a memory cgroup."""
     v2 = (d / "memory.max").is_file()
-    names = ("memory.max", "memory.current", "inactive_file") if v2 else \
-        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    names = (
+        ("memory.max", "memory.current", "inactive_file")
+        if v2
+        else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    )
     try:
         limit_text = (d / names[0]).read_text().strip()
         if limit_text == "max" or int(limit_text) >= _V1_UNLIMITED:

@@ -3,6 +3,7 @@
 Everything that touches the engine runs on the engine thread, as a command taken between steps:
 admission, aborts, KV imports, lease releases. The event loop never waits for a step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,10 +56,10 @@ class EngineLoop:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
-        self._waiting_kv: dict[str, KVLoad] = {}       # engine thread only
-        self._abort_after_kv: set[str] = set()         # engine thread only: aborted while their pull runs
-        self._held: set[str] = set()                   # engine thread only: finished, KV kept
-        self._flush = False                            # engine thread only: step once for abort stats
+        self._waiting_kv: dict[str, KVLoad] = {}  # engine thread only
+        self._abort_after_kv: set[str] = set()  # engine thread only: aborted while their pull runs
+        self._held: set[str] = set()  # engine thread only: finished, KV kept
+        self._flush = False  # engine thread only: step once for abort stats
         self._thread: threading.Thread | None = None
         self._stop = False
         self.on_held: Callable[[RequestOutput], None] | None = None
@@ -92,11 +93,13 @@ class EngineLoop:
     # -- commands (any thread) ------------------------------------------------------------------
     def call_soon(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run fn(engine) on the engine thread; fire and forget (errors are logged)."""
+
         def run() -> None:
             try:
                 fn(self.engine)
             except Exception:
                 log.exception("engine command failed")
+
         self._cmds.put(run)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
@@ -114,18 +117,30 @@ class EngineLoop:
             except Exception as e:  # handed to the caller
                 value, ok = e, False
             self.loop.call_soon_threadsafe(settle, ok, value)
+
         self._cmds.put(run)
         return fut
 
     # -- requests (event-loop thread) -----------------------------------------------------------
-    async def add(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
-                  remote_kv_tokens: int = 0, hold_kv: bool = False, queue: asyncio.Queue | None = None) -> RequestStream:
+    async def add(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        remote_kv_tokens: int = 0,
+        hold_kv: bool = False,
+        queue: asyncio.Queue | None = None,
+    ) -> RequestStream:
         """Admit a request; raises what LLMEngine.add_request raises (ValueError, QueueFullError)."""
         stream = RequestStream(request_id, queue)
         self._streams[request_id] = stream
         try:
-            await self.call(lambda e: e.add_request(request_id, token_ids, params, remote_kv_tokens=remote_kv_tokens,
-                                                    hold_kv=hold_kv))
+            await self.call(
+                lambda e: e.add_request(
+                    request_id, token_ids, params, remote_kv_tokens=remote_kv_tokens, hold_kv=hold_kv
+                )
+            )
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -151,13 +166,16 @@ class EngineLoop:
                 return
             if engine.abort(request_id):
                 self._flush = True
+
         self.call_soon(run)
 
     def release_held(self, request_id: str) -> None:
         """Free the KV a finished hold_kv request kept (its lease was acked or expired). Any thread."""
+
         def run(engine: LLMEngine) -> None:
             self._held.discard(request_id)
             engine.release_held(request_id)
+
         self.call_soon(run)
 
     def fail(self, request_id: str, error: StreamError) -> None:
@@ -254,4 +272,3 @@ class EngineLoop:
                 stream.done = True
                 del self._streams[out.request_id]
             stream.queue.put_nowait(out)
-

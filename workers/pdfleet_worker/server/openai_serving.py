@@ -1,4 +1,5 @@
 """The OpenAI completions and chat handlers: request -> engine requests -> JSON or SSE, including the PD prefill and decode modes; the app routes to it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,9 @@ from pdfleet_worker.server import tool_calls as tc
 from pdfleet_worker.server.engine_loop import EngineLoop, StreamError
 from pdfleet_worker.server.pd import PD, TransferRefused
 from pdfleet_worker.server.worker_config import WorkerConfig
-from pdfleet_worker.wire import heartbeat
-from pdfleet_worker.wire import checks, errors, limits, request_types as rq, responses, structured_output as so
+from pdfleet_worker.wire import checks, errors, heartbeat, limits, responses
+from pdfleet_worker.wire import request_types as rq
+from pdfleet_worker.wire import structured_output as so
 from pdfleet_worker.wire.errors import RequestError
 from pdfleet_worker.wire.streaming import SSE_HEADERS, EventStreamResponse, read_json, sse, until_disconnect
 
@@ -47,13 +49,13 @@ class Prepared:
     continuous_usage: bool
     return_token_ids: bool
     logprobs: int | None
-    prefill_only: bool = False                 # PD prefill: hold the KV, return transfer params
-    remote: KVTransferParams | None = None     # PD decode: take the KV from a prefill worker
-    echo: bool = False                         # completions: the prompt comes first in the answer
-    echo_only: bool = False                    # max_tokens 0: the one token the engine samples is dropped
+    prefill_only: bool = False  # PD prefill: hold the KV, return transfer params
+    remote: KVTransferParams | None = None  # PD decode: take the KV from a prefill worker
+    echo: bool = False  # completions: the prompt comes first in the answer
+    echo_only: bool = False  # max_tokens 0: the one token the engine samples is dropped
     prompt_texts: list[str] = dataclasses.field(default_factory=list)
-    prompt_logprobs: int | None = None         # vLLM's prompt_logprobs field (also set by echo + logprobs)
-    tools: tc.ToolPlan | None = None           # chat with tools
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field (also set by echo + logprobs)
+    tools: tc.ToolPlan | None = None  # chat with tools
 
 
 @dataclasses.dataclass
@@ -69,7 +71,7 @@ class Choice:
     final: RequestOutput | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     streamer: tc.ToolCallStreamer | None = None  # streamed chat with tools
-    echoed: bool = False                         # streamed echo: the prompt went out
+    echoed: bool = False  # streamed echo: the prompt went out
 
 
 class OpenAIServing:
@@ -84,8 +86,13 @@ class OpenAIServing:
         self.model_name = cfg.served_model_name
         self.max_model_len = loop.engine.max_model_len
         self.vocab_size = loop.engine.model_config.vocab_size
-        self.limits = limits.Limits(max_model_len=self.max_model_len, max_tokens=cfg.max_tokens, max_n=cfg.max_n,
-                               max_logprobs=cfg.max_logprobs, max_prompts=cfg.max_prompts)
+        self.limits = limits.Limits(
+            max_model_len=self.max_model_len,
+            max_tokens=cfg.max_tokens,
+            max_n=cfg.max_n,
+            max_logprobs=cfg.max_logprobs,
+            max_prompts=cfg.max_prompts,
+        )
         self.longest_token_chars = _longest_token_chars(self.tokenizer)
         # NOTE: a lower bound on tokens without tokenizing: no token stands for more characters than the
         # longest one decodes to; x4 leaves room for normalizers that shrink text before it is split.
@@ -101,9 +108,13 @@ class OpenAIServing:
     async def _handle(self, request: Request, chat: bool) -> Response:
         if self.state.draining:
             self.metrics.rejected("draining")
-            raise RequestError(503, "this worker is draining (shutting down); retry on another worker",
-                               type="service_unavailable", code="draining",
-                               headers={"Retry-After": str(self.cfg.retry_after_s)})
+            raise RequestError(
+                503,
+                "this worker is draining (shutting down); retry on another worker",
+                type="service_unavailable",
+                code="draining",
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
+            )
         raw = await read_json(request, self.cfg.max_request_bytes)
         req = rq.parse(rq.ChatCompletionRequest if chat else rq.CompletionRequest, raw)
         prep = await self._prepare(req, chat)
@@ -130,8 +141,9 @@ class OpenAIServing:
         checks.check(req, self.limits)
         tools = tc.plan(req, self.tokenizer.chat_template if self.tokenizer else None) if chat else None
         structured = await self._structured(req, tools)
-        prompts = await (self._chat_prompt(req, tools) if chat else
-                         self._completion_prompts(req.prompt, req.add_special_tokens))
+        prompts = await (
+            self._chat_prompt(req, tools) if chat else self._completion_prompts(req.prompt, req.add_special_tokens)
+        )
         max_tokens = checks.requested_max_tokens(req)
         logprobs = checks.requested_logprobs(req)
         echo_only = not chat and req.echo and max_tokens == 0
@@ -155,23 +167,34 @@ class OpenAIServing:
             prompt_logprobs = max(prompt_logprobs or 0, logprobs)
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
         if bias and max(bias) >= self.vocab_size:
-            raise RequestError(400, f"logit_bias names token {max(bias)}; the vocabulary has {self.vocab_size}",
-                               param="logit_bias")
+            raise RequestError(
+                400, f"logit_bias names token {max(bias)}; the vocabulary has {self.vocab_size}", param="logit_bias"
+            )
         try:
             if prefill_only:  # only the prompt's KV matters: the decode worker samples (and constrains) for real
                 params = SamplingParams(max_tokens=1, temperature=0.0)
                 n, logprobs = 1, None
             else:
                 params = SamplingParams(
-                    max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
-                    top_k=top_k, top_p=top_p, min_p=float(req.min_p or 0.0), seed=req.seed, stop=req.stop,
-                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                    max_tokens=max_tokens,
+                    temperature=1.0 if req.temperature is None else float(req.temperature),
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=float(req.min_p or 0.0),
+                    seed=req.seed,
+                    stop=req.stop,
+                    stop_token_ids=req.stop_token_ids,
+                    ignore_eos=req.ignore_eos,
                     min_tokens=0 if echo_only else req.min_tokens,
                     repetition_penalty=float(req.repetition_penalty or 1.0),
                     presence_penalty=float(req.presence_penalty or 0.0),
-                    frequency_penalty=float(req.frequency_penalty or 0.0), logit_bias=bias or None,
-                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
-                    include_stop_str_in_output=req.include_stop_str_in_output)
+                    frequency_penalty=float(req.frequency_penalty or 0.0),
+                    logit_bias=bias or None,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    structured=structured,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                )
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         if params.stop and self.tokenizer is None:
@@ -179,18 +202,32 @@ class OpenAIServing:
         opts = req.stream_options
         prompt_texts = []
         if echo and not prefill_only:
-            prompt_texts = [item if isinstance(item, str) else self.tokenizer.decode(item) if self.tokenizer else ""
-                            for item in checks.prompt_items(req.prompt)]
-        return Prepared(chat=chat, prompts=prompts, params=params, n=n, stream=req.stream,
-                        include_usage=bool(opts and opts.include_usage),
-                        continuous_usage=bool(opts and opts.continuous_usage_stats),
-                        return_token_ids=req.return_token_ids, logprobs=logprobs, prefill_only=prefill_only,
-                        remote=remote, echo=echo and not prefill_only, echo_only=echo_only and not prefill_only,
-                        prompt_texts=prompt_texts, prompt_logprobs=None if prefill_only else req.prompt_logprobs,
-                        tools=None if prefill_only else tools)
+            prompt_texts = [
+                item if isinstance(item, str) else self.tokenizer.decode(item) if self.tokenizer else ""
+                for item in checks.prompt_items(req.prompt)
+            ]
+        return Prepared(
+            chat=chat,
+            prompts=prompts,
+            params=params,
+            n=n,
+            stream=req.stream,
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage=bool(opts and opts.continuous_usage_stats),
+            return_token_ids=req.return_token_ids,
+            logprobs=logprobs,
+            prefill_only=prefill_only,
+            remote=remote,
+            echo=echo and not prefill_only,
+            echo_only=echo_only and not prefill_only,
+            prompt_texts=prompt_texts,
+            prompt_logprobs=None if prefill_only else req.prompt_logprobs,
+            tools=None if prefill_only else tools,
+        )
 
-    async def _structured(self, req: rq.CompletionRequest | rq.ChatCompletionRequest,
-                          tools: tc.ToolPlan | None) -> StructuredOutput | None:
+    async def _structured(
+        self, req: rq.CompletionRequest | rq.ChatCompletionRequest, tools: tc.ToolPlan | None
+    ) -> StructuredOutput | None:
         """The grammar the output runs under (a structured output, or a forced tool call), compiled here (off the
         event loop) so that a bad one is a 400 before any work."""
         asked = so.structured_output(req)
@@ -201,8 +238,11 @@ class OpenAIServing:
         param, spec = asked
         grammars = self.engine.grammars
         if grammars is None:
-            raise RequestError(400, "structured outputs need the model's tokenizer.json and an EOS token; this model "
-                                    "has none", param=param)
+            raise RequestError(
+                400,
+                "structured outputs need the model's tokenizer.json and an EOS token; this model has none",
+                param=param,
+            )
         try:
             await asyncio.to_thread(grammars.compile, spec)
         except ValueError as e:
@@ -214,15 +254,17 @@ class OpenAIServing:
         for i, item in enumerate(checks.prompt_items(prompt)):
             if isinstance(item, str):
                 if self.tokenizer is None:
-                    raise RequestError(400, "text prompts need a tokenizer; this model has none; send token ids",
-                                       param="prompt")
+                    raise RequestError(
+                        400, "text prompts need a tokenizer; this model has none; send token ids", param="prompt"
+                    )
                 ids = await self._encode(item, "prompt", add_special_tokens=add_special_tokens)
             else:
                 ids = list(item)
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 if bad:
-                    raise RequestError(400, f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}",
-                                       param="prompt")
+                    raise RequestError(
+                        400, f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}", param="prompt"
+                    )
             if not ids:
                 raise RequestError(400, f"prompt {i} is empty", param="prompt")
             out.append(ids)
@@ -230,7 +272,9 @@ class OpenAIServing:
 
     async def _chat_prompt(self, req: rq.ChatCompletionRequest, tools: tc.ToolPlan | None) -> list[list[int]]:
         if self.tokenizer is None:
-            raise RequestError(400, "chat needs a tokenizer with a chat template; this model has none", param="messages")
+            raise RequestError(
+                400, "chat needs a tokenizer with a chat template; this model has none", param="messages"
+            )
         messages = []
         for msg in req.messages:
             content = msg.content
@@ -238,8 +282,14 @@ class OpenAIServing:
                 content = "".join(part.text for part in content)
             m: dict[str, Any] = {"role": msg.role, "content": content or ""}
             if msg.tool_calls:  # arguments as objects, the way templates (and transformers) take them
-                m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in msg.tool_calls]
+                m["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                    }
+                    for c in msg.tool_calls
+                ]
             if msg.tool_call_id is not None:
                 m["tool_call_id"] = msg.tool_call_id
             if msg.name is not None:
@@ -247,10 +297,13 @@ class OpenAIServing:
             messages.append(m)
         self._refuse_long_text(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           tools=tools.tools if tools is not None else None,
-                                           **(req.chat_template_kwargs or {}))
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=tools.tools if tools is not None else None,
+                **(req.chat_template_kwargs or {}),
+            )
         except Exception as e:  # a template error is the request's fault (e.g. roles it refuses)
             raise RequestError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # NOTE: the template writes the special tokens it wants; adding them again would double BOS.
@@ -266,32 +319,45 @@ class OpenAIServing:
 
     def _refuse_long_text(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
-            raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
-                                    f"of {chars} characters cannot fit (at most {self.longest_token_chars} "
-                                    f"characters make one token)", param=param, code="context_length_exceeded")
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
+                f"of {chars} characters cannot fit (at most {self.longest_token_chars} "
+                f"characters make one token)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _pd_mode(self, raw: dict | None, num_prompts: int) -> tuple[bool, KVTransferParams | None]:
         if raw is None:
             return False, None
         if raw.get(DO_REMOTE_DECODE) is True:
             if self.pd is None or self.pd.kv_address is None:
-                raise RequestError(400, f"this worker (role {self.cfg.role}) does not hold KV for remote decode",
-                                   param="kv_transfer_params")
+                raise RequestError(
+                    400,
+                    f"this worker (role {self.cfg.role}) does not hold KV for remote decode",
+                    param="kv_transfer_params",
+                )
             return True, None
         if raw.get(DO_REMOTE_PREFILL) is True:
             if self.pd is None or not self.cfg.pulls_kv:
-                raise RequestError(400, f"this worker (role {self.cfg.role}) does not pull remote KV",
-                                   param="kv_transfer_params")
+                raise RequestError(
+                    400, f"this worker (role {self.cfg.role}) does not pull remote KV", param="kv_transfer_params"
+                )
             try:
                 params = KVTransferParams.from_json(raw)
             except ValueError as e:
                 raise RequestError(400, str(e), param="kv_transfer_params") from None
             if len(params.prompts) != num_prompts:
-                raise RequestError(400, f"kv_transfer_params holds {len(params.prompts)} prompts, the request "
-                                        f"{num_prompts}", param="kv_transfer_params")
+                raise RequestError(
+                    400,
+                    f"kv_transfer_params holds {len(params.prompts)} prompts, the request {num_prompts}",
+                    param="kv_transfer_params",
+                )
             return False, params
-        raise RequestError(400, f"kv_transfer_params needs {DO_REMOTE_DECODE} or {DO_REMOTE_PREFILL}: true",
-                           param="kv_transfer_params")
+        raise RequestError(
+            400, f"kv_transfer_params needs {DO_REMOTE_DECODE} or {DO_REMOTE_PREFILL}: true", param="kv_transfer_params"
+        )
 
     # -- admission ------------------------------------------------------------------------------
     async def _admit(self, prep: Prepared) -> tuple[list[Choice], asyncio.Queue]:
@@ -340,8 +406,9 @@ class OpenAIServing:
                     if params.seed is not None and prep.n > 1:
                         params = dataclasses.replace(params, seed=params.seed + j)
                     choices.append(Choice(index=len(choices), prompt_index=i, request_id=rid))
-                    await self.loop.add(rid, tokens, params, remote_kv_tokens=remote_tokens[i],
-                                        hold_kv=prep.prefill_only, queue=queue)
+                    await self.loop.add(
+                        rid, tokens, params, remote_kv_tokens=remote_tokens[i], hold_kv=prep.prefill_only, queue=queue
+                    )
                     added.append(rid)
         except BaseException as e:
             for rid in added:
@@ -351,8 +418,13 @@ class OpenAIServing:
                     self.pd.settle(rid, ok=False)
             if isinstance(e, QueueFullError):
                 self.metrics.rejected("queue_full")
-                raise RequestError(503, f"the server is overloaded ({e}); retry later", type="service_unavailable",
-                                   code="queue_full", headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+                raise RequestError(
+                    503,
+                    f"the server is overloaded ({e}); retry later",
+                    type="service_unavailable",
+                    code="queue_full",
+                    headers={"Retry-After": str(self.cfg.retry_after_s)},
+                ) from None
             if isinstance(e, ValueError):
                 raise RequestError(400, str(e)) from None
             raise
@@ -372,8 +444,9 @@ class OpenAIServing:
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
         if prep.echo_only:  # the token that scored the prompt is no part of the answer
-            out = dataclasses.replace(out, new_token_ids=[], new_text="", logprobs=None,
-                                      finish_reason="length" if out.finished else None)
+            out = dataclasses.replace(
+                out, new_token_ids=[], new_text="", logprobs=None, finish_reason="length" if out.finished else None
+            )
         choice.text.append(out.new_text)
         choice.token_ids += out.new_token_ids
         if out.logprobs:
@@ -395,8 +468,9 @@ class OpenAIServing:
             if item.kv_load is not None:
                 continue
             if item.finished and item.finish_reason == "abort":
-                raise RequestError(503, "the request was aborted by the server", type="service_unavailable",
-                                   code="aborted")
+                raise RequestError(
+                    503, "the request was aborted by the server", type="service_unavailable", code="aborted"
+                )
             return by_id[item.request_id], item
 
     def _usage(self, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:
@@ -404,17 +478,21 @@ class OpenAIServing:
         return responses.usage(sum(len(t) for t in prep.prompts), sum(len(ch.token_ids) for ch in choices), cached)
 
     # -- non-streaming --------------------------------------------------------------------------
-    async def _complete(self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue) -> Response:
+    async def _complete(
+        self, request: Request, prep: Prepared, choices: list[Choice], queue: asyncio.Queue
+    ) -> Response:
         by_id = {ch.request_id: ch for ch in choices}
         created = responses.now()
         delivered = False
         try:
+
             async def collect() -> None:
                 pending = len(choices)
                 while pending:
                     ch, out = await self._next(queue, by_id)
                     self._apply(prep, ch, out)
                     pending -= out.finished
+
             await until_disconnect(request, collect())
             body = self._full_body(prep, choices, created)
             if prep.prefill_only:
@@ -438,25 +516,36 @@ class OpenAIServing:
             text = "".join(ch.text)
             if prep.chat:
                 message, finish = self._chat_message(prep, text, ch.finish_reason)
-                c: dict[str, Any] = {"index": ch.index, "message": message,
-                                     "logprobs": self._chat_logprobs(ch.logprobs) if prep.logprobs is not None else None,
-                                     "finish_reason": finish}
+                c: dict[str, Any] = {
+                    "index": ch.index,
+                    "message": message,
+                    "logprobs": self._chat_logprobs(ch.logprobs) if prep.logprobs is not None else None,
+                    "finish_reason": finish,
+                }
             else:
                 prompt_part = self._echo_logprobs(prep, ch) if prep.echo and prep.logprobs is not None else None
-                c = {"index": ch.index, "text": (prep.prompt_texts[ch.prompt_index] if prep.echo else "") + text,
-                     "logprobs": self._completion_logprobs(ch.logprobs, 0, prompt_part)
-                     if prep.logprobs is not None else None,
-                     "finish_reason": ch.finish_reason}
+                c = {
+                    "index": ch.index,
+                    "text": (prep.prompt_texts[ch.prompt_index] if prep.echo else "") + text,
+                    "logprobs": self._completion_logprobs(ch.logprobs, 0, prompt_part)
+                    if prep.logprobs is not None
+                    else None,
+                    "finish_reason": ch.finish_reason,
+                }
                 if prep.prompt_logprobs is not None:
                     c["prompt_logprobs"] = self._vllm_prompt_logprobs(ch.prompt_logprobs)
             if prep.return_token_ids:
                 c["token_ids"] = ch.token_ids
                 c["prompt_token_ids"] = prep.prompts[ch.prompt_index]
             out_choices.append(c)
-        body = {"id": responses.new_id("chatcmpl" if prep.chat else "cmpl"),
-                "object": "chat.completion" if prep.chat else "text_completion",
-                "created": created, "model": self.model_name, "choices": out_choices,
-                "usage": self._usage(prep, choices)}
+        body = {
+            "id": responses.new_id("chatcmpl" if prep.chat else "cmpl"),
+            "object": "chat.completion" if prep.chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": out_choices,
+            "usage": self._usage(prep, choices),
+        }
         if prep.chat and prep.prompt_logprobs is not None:  # vLLM: one list for the request's one prompt
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].prompt_logprobs)
         return body
@@ -501,11 +590,19 @@ class OpenAIServing:
                     first.cancel()  # a stream closed before it began: nothing else awaits the first output
                 self.state.inflight -= 1
                 self._end(prep, choices)
+
         events = heartbeat.with_heartbeats(self._events(prep, choices, by_id, queue, first, close), interval)
         return EventStreamResponse(events, headers=SSE_HEADERS, on_close=close)
 
-    async def _events(self, prep: Prepared, choices: list[Choice], by_id: dict[str, Choice], queue: asyncio.Queue,
-                      first: tuple[Choice, RequestOutput] | asyncio.Future, close) -> AsyncIterator[bytes]:
+    async def _events(
+        self,
+        prep: Prepared,
+        choices: list[Choice],
+        by_id: dict[str, Choice],
+        queue: asyncio.Queue,
+        first: tuple[Choice, RequestOutput] | asyncio.Future,
+        close,
+    ) -> AsyncIterator[bytes]:
         """first: the first output, or the future of it (heartbeats run while it is awaited here)."""
         rid = responses.new_id("chatcmpl" if prep.chat else "cmpl")
         created = responses.now()
@@ -520,8 +617,15 @@ class OpenAIServing:
                     yield b"data: [DONE]\n\n"
                     return
             if prep.chat:
-                roles = [{"index": ch.index, "delta": responses.assistant_message(""), "logprobs": None,
-                          "finish_reason": None} for ch in choices]
+                roles = [
+                    {
+                        "index": ch.index,
+                        "delta": responses.assistant_message(""),
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for ch in choices
+                ]
                 yield sse(build(rid, created, self.model_name, roles, self._cont_usage(prep, choices)))
             pending = len(choices)
             item: tuple[Choice, RequestOutput] | None = first
@@ -537,8 +641,12 @@ class OpenAIServing:
                 item = None
                 out = self._apply(prep, ch, out)
                 pending -= out.finished
-                if not (out.new_text or out.finished or (prep.return_token_ids and out.new_token_ids)
-                        or (prep.echo and not ch.echoed)):
+                if not (
+                    out.new_text
+                    or out.finished
+                    or (prep.return_token_ids and out.new_token_ids)
+                    or (prep.echo and not ch.echoed)
+                ):
                     continue
                 delta = self._delta(prep, ch, out)
                 if delta is None:
@@ -571,9 +679,12 @@ class OpenAIServing:
                     finish = "tool_calls"
             else:
                 delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            d: dict[str, Any] = {"index": ch.index, "delta": delta,
-                                 "logprobs": self._chat_logprobs(lps) if prep.logprobs is not None else None,
-                                 "finish_reason": finish}
+            d: dict[str, Any] = {
+                "index": ch.index,
+                "delta": delta,
+                "logprobs": self._chat_logprobs(lps) if prep.logprobs is not None else None,
+                "finish_reason": finish,
+            }
         else:
             head = ""
             echo_offset = len(prep.prompt_texts[ch.prompt_index]) if prep.echo else 0
@@ -584,9 +695,12 @@ class OpenAIServing:
                 if prep.logprobs is not None:
                     prompt_part = self._echo_logprobs(prep, ch)
             offset = echo_offset + sum(len(t) for t in ch.text[:-1])
-            d = {"index": ch.index, "text": head + out.new_text,
-                 "logprobs": self._completion_logprobs(lps, offset, prompt_part) if prep.logprobs is not None else None,
-                 "finish_reason": finish}
+            d = {
+                "index": ch.index,
+                "text": head + out.new_text,
+                "logprobs": self._completion_logprobs(lps, offset, prompt_part) if prep.logprobs is not None else None,
+                "finish_reason": finish,
+            }
             if prep.prompt_logprobs is not None and out.prompt_logprobs:
                 d["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
         if prep.return_token_ids:
@@ -599,8 +713,9 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int,
-                             prompt_part: dict[str, list] | None = None) -> dict[str, Any]:
+    def _completion_logprobs(
+        self, lps: list[TokenLogprobs], offset: int, prompt_part: dict[str, list] | None = None
+    ) -> dict[str, Any]:
         """OpenAI's legacy logprobs; with echo, the prompt's tokens come first (prompt_part, at offset 0)."""
         tokens, offsets = [], []
         for lp in lps:
@@ -608,8 +723,12 @@ class OpenAIServing:
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-        out = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-               "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+        out = {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
         if prompt_part is not None:
             out = {k: prompt_part[k] + v for k, v in out.items()}
         return out
@@ -641,8 +760,10 @@ class OpenAIServing:
             if e is None:
                 out.append(None)
                 continue
-            d = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._token_text(t)}
-                 for r, (t, v) in enumerate(e.top)}
+            d = {
+                str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._token_text(t)}
+                for r, (t, v) in enumerate(e.top)
+            }
             d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": self._token_text(e.token_id)}
             out.append(d)
         return out
@@ -651,8 +772,12 @@ class OpenAIServing:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
-                            for lp in lps]}
+
+        return {
+            "content": [
+                dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps
+            ]
+        }
 
 
 def _merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
 """Prefill/decode disaggregation in the worker: leases and KV transfer parameters on the prefill side, pulls, acks and the failure policy on the decode side; the OpenAI handlers call it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,13 @@ class PD:
             bind = self.cfg.host if self.cfg.host not in ("localhost",) else "127.0.0.1"
             host, port = self.connector.serve(self.leases, self.pool, self.compat_hash)
             self.kv_address = (advertised_host(self.cfg, bind), port)
-            log.info("KV endpoint on %s:%d (advertised %s:%d), compat hash %s", host, port, *self.kv_address,
-                     self.compat_hash)
+            log.info(
+                "KV endpoint on %s:%d (advertised %s:%d), compat hash %s",
+                host,
+                port,
+                *self.kv_address,
+                self.compat_hash,
+            )
         if self.cfg.pulls_kv:
             self.loop.on_kv_load = self._on_kv_load
 
@@ -98,12 +104,22 @@ class PD:
     def transfer_params(self, held: list[tuple[str, RequestOutput, list[int]]]) -> KVTransferParams:
         """For a finished prefill: (engine request id, its final output, prompt token ids) per prompt."""
         assert self.kv_address is not None, "this worker serves no KV"
-        prompts = [RemotePrompt(rid, list(out.held_kv.block_ids), out.held_kv.num_tokens, prompt_hash(tokens))
-                   for rid, out, tokens in held]
-        return KVTransferParams(engine_id=self.engine_id, host=self.kv_address[0], port=self.kv_address[1],
-                                connector=self.connector.name, compat_hash=self.compat_hash,
-                                block_size=self.cfg.engine.block_size, lease_seconds=self.cfg.kv_lease_s,
-                                prompts=prompts, weights=self.weights, revision=self.cfg.revision)
+        prompts = [
+            RemotePrompt(rid, list(out.held_kv.block_ids), out.held_kv.num_tokens, prompt_hash(tokens))
+            for rid, out, tokens in held
+        ]
+        return KVTransferParams(
+            engine_id=self.engine_id,
+            host=self.kv_address[0],
+            port=self.kv_address[1],
+            connector=self.connector.name,
+            compat_hash=self.compat_hash,
+            block_size=self.cfg.engine.block_size,
+            lease_seconds=self.cfg.kv_lease_s,
+            prompts=prompts,
+            weights=self.weights,
+            revision=self.cfg.revision,
+        )
 
     def drop_lease(self, request_id: str) -> None:
         """The prefill response never reached its caller: nobody will pull, free now."""
@@ -116,31 +132,42 @@ class PD:
         no token sent there), whoever wrote the params. Resolving a peer's name happens off the event loop."""
         if await asyncio.to_thread(self.connector.trusts, params.host, params.port):
             return None
-        return TransferRefused(c.UNTRUSTED_PEER,
-                               f"KV endpoint {params.host}:{params.port} of prefill engine {params.engine_id} is not "
-                               f"among this worker's --kv-peers ({self.connector.peers}); not contacted")
+        return TransferRefused(
+            c.UNTRUSTED_PEER,
+            f"KV endpoint {params.host}:{params.port} of prefill engine {params.engine_id} is not "
+            f"among this worker's --kv-peers ({self.connector.peers}); not contacted",
+        )
 
     def remote_tokens(self, params: KVTransferParams, index: int, token_ids: list[int]) -> int:
         """How many leading tokens of this prompt to take from the prefill worker; raises TransferRefused."""
         prompt = params.prompts[index]
         if params.connector not in self.connector.pulls_from:
-            raise TransferRefused(c.UNSUPPORTED, f"KV connector {params.connector!r} is not available on this worker "
-                                                 f"(it has {self.connector.name!r}, which pulls from "
-                                                 f"{', '.join(sorted(self.connector.pulls_from))})")
+            raise TransferRefused(
+                c.UNSUPPORTED,
+                f"KV connector {params.connector!r} is not available on this worker "
+                f"(it has {self.connector.name!r}, which pulls from "
+                f"{', '.join(sorted(self.connector.pulls_from))})",
+            )
         if params.compat_hash != self.compat_hash and params.weights is not None and params.weights != self.weights:
-            raise TransferRefused(c.WEIGHTS_MISMATCH,
-                                  f"KV computed by other weights: prefill engine {params.engine_id} serves weights "
-                                  f"{params.weights} (revision {params.revision or 'unset'}), this decode engine "
-                                  f"{self.weights} (revision {self.cfg.revision or 'unset'}); KV refused")
+            raise TransferRefused(
+                c.WEIGHTS_MISMATCH,
+                f"KV computed by other weights: prefill engine {params.engine_id} serves weights "
+                f"{params.weights} (revision {params.revision or 'unset'}), this decode engine "
+                f"{self.weights} (revision {self.cfg.revision or 'unset'}); KV refused",
+            )
         if params.compat_hash != self.compat_hash:
-            raise TransferRefused(c.INCOMPATIBLE,
-                                  f"KV layout mismatch: prefill engine {params.engine_id} has compat hash "
-                                  f"{params.compat_hash}, this decode engine has {self.compat_hash} (model, dtype, "
-                                  f"KV dtype, layers, KV heads, head dim or block size differ); KV refused")
+            raise TransferRefused(
+                c.INCOMPATIBLE,
+                f"KV layout mismatch: prefill engine {params.engine_id} has compat hash "
+                f"{params.compat_hash}, this decode engine has {self.compat_hash} (model, dtype, "
+                f"KV dtype, layers, KV heads, head dim or block size differ); KV refused",
+            )
         if prompt.prompt_hash != prompt_hash(token_ids):
-            raise TransferRefused(c.PROMPT_MISMATCH,
-                                  f"prompt {index} tokenizes differently here than on prefill engine {params.engine_id} "
-                                  f"(prompt hash {prompt.prompt_hash} vs {prompt_hash(token_ids)}); KV refused")
+            raise TransferRefused(
+                c.PROMPT_MISMATCH,
+                f"prompt {index} tokenizes differently here than on prefill engine {params.engine_id} "
+                f"(prompt hash {prompt.prompt_hash} vs {prompt_hash(token_ids)}); KV refused",
+            )
         # NOTE: the last prompt token is always computed here: its logits pick the first token.
         return max(0, min(prompt.num_tokens, len(token_ids) - 1))
 
@@ -174,8 +201,9 @@ class PD:
             self.connector.release(params, prompt, ok, self.cfg.kv_transfer_timeout_s)
         except KVTransferError as e:
             # The lease expires on the prefill worker anyway; nothing is lost.
-            log.warning("ack of %s to %s:%d failed (%s); its lease will expire", prompt.request_id, params.host,
-                        params.port, e)
+            log.warning(
+                "ack of %s to %s:%d failed (%s); its lease will expire", prompt.request_id, params.host, params.port, e
+            )
 
     def _on_kv_load(self, request_id: str, load: KVLoad) -> None:
         """Engine thread: a decode request got its blocks; pull into them off the engine thread."""
@@ -183,12 +211,16 @@ class PD:
             group = self._groups.get(request_id)
         if group is None:  # admitted with remote tokens but unregistered: a bug, not a client error
             log.error("KV load for %s without transfer parameters; recomputing", request_id)
-            self.loop.call_soon(lambda e: self._finish(e, request_id, None, KVTransferError(c.BAD_RESPONSE, "no params")))
+            self.loop.call_soon(
+                lambda e: self._finish(e, request_id, None, KVTransferError(c.BAD_RESPONSE, "no params"))
+            )
             return
         try:
             self._threads.submit(self._pull, request_id, load, group)
         except RuntimeError:  # closing: the pull pool takes nothing more
-            self.loop.call_soon(lambda e: self._finish(e, request_id, None, KVTransferError(c.CONNECT, "worker closing")))
+            self.loop.call_soon(
+                lambda e: self._finish(e, request_id, None, KVTransferError(c.CONNECT, "worker closing"))
+            )
 
     def _pull(self, request_id: str, load: KVLoad, group: _Group) -> None:
         bs = self.cfg.engine.block_size
@@ -198,8 +230,15 @@ class PD:
         try:
             # NOTE: written straight into the request's blocks, off the engine thread: the engine loop keeps
             # them (an abort waits for _finish) until this pull has ended.
-            pulled = self.connector.pull(group.params, group.prompt, load.first_token // bs, load.block_ids,
-                                         self.compat_hash, self.cfg.kv_transfer_timeout_s, into=self.pool)
+            pulled = self.connector.pull(
+                group.params,
+                group.prompt,
+                load.first_token // bs,
+                load.block_ids,
+                self.compat_hash,
+                self.cfg.kv_transfer_timeout_s,
+                into=self.pool,
+            )
             self.metrics.kv_pulled(pulled.nbytes, time.monotonic() - start)
         except KVTransferError as e:
             error = e
@@ -232,7 +271,8 @@ class PD:
             log.warning("KV pull for %s failed (%s: %s); failing the request", request_id, error.reason, error)
             message = f"KV transfer from the prefill worker failed ({error.reason}): {error}"
             self.loop.loop.call_soon_threadsafe(
-                self.loop.fail, request_id, StreamError(502, message, type="kv_transfer_error", code=error.reason))
+                self.loop.fail, request_id, StreamError(502, message, type="kv_transfer_error", code=error.reason)
+            )
 
 
 def advertised_host(cfg: WorkerConfig, bind: str) -> str:

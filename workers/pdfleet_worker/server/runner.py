@@ -1,4 +1,5 @@
 """`pdfleet worker`: builds the config, serves the app with uvicorn and turns SIGTERM into a drain; the CLI calls run()."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,16 @@ def serve(cfg: WorkerConfig, log_level: str = "info") -> int:
     except ValueError as e:  # an unusable --auth-token-file
         raise SystemExit(f"pdfleet worker: {e}")
     app = build_app(worker)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=5, lifespan="on", timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        timeout_keep_alive=30,
+    )
     server = DrainingServer(config, worker.drain)
     server.run()
     code = 0 if worker.load_error is None else 1

@@ -9,6 +9,7 @@ limit still gets only its request when the node is busy). Torch's own default is
 in a pod with a 2-CPU quota on a 64-core node that is 64 threads throttled to 2 cores, and on 2 cores with a
 benchmark client beside it measured a 7x collapse (issue 26).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +29,16 @@ class ThreadPlan:
     """The threads chosen and why (logged at start, so a pod says what it computes with)."""
 
     threads: int
-    cpus: float          # the CPUs the container may use
-    source: str          # which limit decided: quota, affinity, request
+    cpus: float  # the CPUs the container may use
+    source: str  # which limit decided: quota, affinity, request
 
     def describe(self) -> str:
         if self.source == "--num-threads":
             return f"{self.threads} torch thread(s) (--num-threads)"
-        return (f"{self.threads} torch thread(s): {self.cpus:g} CPU(s) by the container's {self.source}, "
-                f"{SERVER_CORES} kept for the server")
+        return (
+            f"{self.threads} torch thread(s): {self.cpus:g} CPU(s) by the container's {self.source}, "
+            f"{SERVER_CORES} kept for the server"
+        )
 
 
 def parse_flag(text: str) -> int | str:
@@ -99,7 +102,9 @@ def _cpu_dirs(proc_cgroup: Path, root: Path) -> list[Path]:
         if controllers == "":
             mount = root
         elif "cpu" in controllers.split(","):
-            mount = next((m for m in (root / controllers, root / "cpu", root / "cpu,cpuacct") if m.is_dir()), root / "cpu")
+            mount = next(
+                (m for m in (root / controllers, root / "cpu", root / "cpu,cpuacct") if m.is_dir()), root / "cpu"
+            )
         else:
             continue
         own = mount / path.lstrip("/")
@@ -116,8 +121,14 @@ def requested_cpus(environ: dict[str, str] | os._Environ = os.environ) -> float 
     return int(text) / 1000
 
 
-def resolve(setting: int | str | None, *, affinity: Sequence[int] | None = None, quota: float | None = None,
-            request: float | None = None, detect: bool = True) -> ThreadPlan:
+def resolve(
+    setting: int | str | None,
+    *,
+    affinity: Sequence[int] | None = None,
+    quota: float | None = None,
+    request: float | None = None,
+    detect: bool = True,
+) -> ThreadPlan:
     """The threads for `--num-threads` (None or `auto`: sized from this container; a number: that many)."""
     cores = len(affinity if affinity is not None else os.sched_getaffinity(0))
     if detect:

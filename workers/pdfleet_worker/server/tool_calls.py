@@ -2,6 +2,7 @@
 
 Forced calls work as vLLM's: a named function's output is its arguments object (a JSON schema grammar of its
 parameters); `required` outputs a JSON array of {"name", "parameters"} objects, one of the tools each."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +23,11 @@ PYTHON_TAG = "<|python_tag|>"
 
 @dataclasses.dataclass(frozen=True)
 class ToolPlan:
-    mode: str                               # none, auto, named or required
-    tools: list[dict[str, Any]] | None      # for the chat template, as OpenAI's request has them
+    mode: str  # none, auto, named or required
+    tools: list[dict[str, Any]] | None  # for the chat template, as OpenAI's request has them
     structured: StructuredOutput | None = None  # the grammar a forced call runs under
-    name: str | None = None                 # the named function
-    parser: str | None = None               # auto: chat_templates.HERMES or LLAMA3_JSON
+    name: str | None = None  # the named function
+    parser: str | None = None  # auto: chat_templates.HERMES or LLAMA3_JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,11 @@ class Call:
     arguments: str  # JSON text of the arguments object
 
     def to_json(self, index: int | None = None, call_id: str | None = None) -> dict[str, Any]:
-        out = {"id": call_id or new_call_id(), "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
+        out = {
+            "id": call_id or new_call_id(),
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return out if index is None else {"index": index, **out}
 
 
@@ -56,17 +60,27 @@ def plan(req: rq.ChatCompletionRequest, template: str | None) -> ToolPlan:
         fn = next(t.function for t in req.tools if t.function.name == choice.function.name)
         return ToolPlan(NAMED, tools, StructuredOutput("json", _schema_text(_parameters(fn))), name=fn.name)
     if choice == REQUIRED:
-        items = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in req.tools
+        ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(REQUIRED, tools, StructuredOutput("json", _schema_text(schema)))
     parser = chat_templates.tool_format(template)
     if parser is None:
-        raise RequestError(400, "this model's chat template takes no tools, so it cannot choose to call one; send "
-                                "tool_choice \"required\" or a named function (a grammar forces the call)",
-                           param="tool_choice")
+        raise RequestError(
+            400,
+            "this model's chat template takes no tools, so it cannot choose to call one; send "
+            'tool_choice "required" or a named function (a grammar forces the call)',
+            param="tool_choice",
+        )
     return ToolPlan(AUTO, tools, parser=parser)
 
 
@@ -120,12 +134,12 @@ def _parse_hermes(text: str) -> tuple[str | None, list[Call]]:
 def _parse_llama3(text: str) -> tuple[str | None, list[Call]]:
     body = text.strip()
     if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].lstrip()
+        body = body[len(PYTHON_TAG) :].lstrip()
     if not body.startswith("{"):
         return text, []
     calls = []
     for obj in scan_objects(body):
-        call = _call_object(body[obj.start:obj.end + 1]) if obj.end is not None else None
+        call = _call_object(body[obj.start : obj.end + 1]) if obj.end is not None else None
         if call is None:
             return text, []
         calls.append(call)
@@ -173,7 +187,7 @@ def scan_objects(text: str) -> list[ObjectSpan]:
                 esc = True
             elif ch == '"':
                 in_str = False
-                last_str = text[str_start:i + 1]
+                last_str = text[str_start : i + 1]
                 if cur is not None and depth == 1 and key == "name" and cur.name is None:
                     cur.name = _string(last_str)
             continue
@@ -218,7 +232,7 @@ class ToolCallStreamer:
     def __init__(self, plan_: ToolPlan):
         self.plan = plan_
         self.text = ""
-        self.content_sent = 0   # characters of text sent as content
+        self.content_sent = 0  # characters of text sent as content
         self.calls_from: int | None = 0 if plan_.mode in (NAMED, REQUIRED) else None  # where calls begin
         self.headers: list[str] = []  # ids of the calls whose header went out
         self.args_at: list[int | None] = []  # per call, how far into the calls' text its arguments went out
@@ -236,7 +250,7 @@ class ToolCallStreamer:
             if self.calls_from is None and not final:
                 upto -= self._held_back()
             if upto > self.content_sent:
-                out.append({"content": self.text[self.content_sent:upto]})
+                out.append({"content": self.text[self.content_sent : upto]})
                 self.content_sent = upto
         if self.calls_from is not None:
             out += self._call_deltas(final)
@@ -267,12 +281,12 @@ class ToolCallStreamer:
         return len(self.text) if PYTHON_TAG.startswith(body) else 0  # only blanks or part of the tag so far
 
     def _call_deltas(self, final: bool) -> list[dict[str, Any]]:
-        region = self.text[self.calls_from:]
+        region = self.text[self.calls_from :]
         if self.plan.mode == NAMED:
             spans = [ObjectSpan(0, name=self.plan.name, args_start=0, args_end=len(region) if final else None)]
         else:
             if region.startswith(PYTHON_TAG):
-                region = region[len(PYTHON_TAG):]
+                region = region[len(PYTHON_TAG) :]
             spans = scan_objects(region[1:] if self.plan.mode == REQUIRED else region)
             if self.plan.mode == REQUIRED:
                 for s in spans:  # offsets in region, past the array's "["
@@ -285,8 +299,18 @@ class ToolCallStreamer:
             if k == len(self.headers):
                 self.headers.append(new_call_id())
                 self.args_at.append(None)
-                out.append({"tool_calls": [{"index": k, "id": self.headers[k], "type": "function",
-                                            "function": {"name": span.name, "arguments": ""}}]})
+                out.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": self.headers[k],
+                                "type": "function",
+                                "function": {"name": span.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             if span.args_start is None:
                 continue
             end = span.args_end if span.args_end is not None else len(region)

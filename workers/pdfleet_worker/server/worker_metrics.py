@@ -1,4 +1,5 @@
 """The worker's Prometheus registry: engine snapshots become gauges and counters at scrape time, step stats feed histograms; the server and PD code record into it."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,25 +10,50 @@ from pdfleet_worker.kv_transfer import connector as c
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str, role: str, accelerator: str, stats: Callable[[], EngineStats],
-                 leases: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)):
+    def __init__(
+        self,
+        model_name: str,
+        role: str,
+        accelerator: str,
+        stats: Callable[[], EngineStats],
+        leases: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+    ):
         """stats: the latest EngineStats; leases: (active, expired total, released total)."""
         self.registry = m.new_registry()
         self.base = {m.LABEL_MODEL: model_name, m.LABEL_ROLE: role, m.LABEL_ACCELERATOR: accelerator}
         self._stats = stats
         self._leases = leases
-        self._hist = {spec.name: m.make(spec, self.registry).labels(**self.base)
-                      for spec in (m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY,
-                                   m.REQUEST_QUEUE_TIME, m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS,
-                                   m.KV_TRANSFER_SECONDS)}
+        self._hist = {
+            spec.name: m.make(spec, self.registry).labels(**self.base)
+            for spec in (
+                m.TIME_TO_FIRST_TOKEN,
+                m.INTER_TOKEN_LATENCY,
+                m.E2E_REQUEST_LATENCY,
+                m.REQUEST_QUEUE_TIME,
+                m.REQUEST_PROMPT_TOKENS,
+                m.REQUEST_GENERATION_TOKENS,
+                m.KV_TRANSFER_SECONDS,
+            )
+        }
         self._kv_bytes = m.make(m.KV_TRANSFER_BYTES_TOTAL, self.registry)
         self._kv_failures = m.make(m.KV_TRANSFER_FAILURES_TOTAL, self.registry)
         self._rejections = m.make(m.ADMISSION_REJECTIONS_TOTAL, self.registry)
         # Series that exist from the start, so rate() and absent() behave before the first event.
         for direction in ("sent", "received"):
             self._kv_bytes.labels(**self.base, direction=direction)
-        for reason in (c.CONNECT, c.TIMEOUT, c.PEER_CLOSED, c.INCOMPATIBLE, c.WEIGHTS_MISMATCH, c.UNKNOWN_REQUEST,
-                       c.PROMPT_MISMATCH, c.BAD_RESPONSE, c.UNSUPPORTED, c.UNAUTHORIZED, c.UNTRUSTED_PEER):
+        for reason in (
+            c.CONNECT,
+            c.TIMEOUT,
+            c.PEER_CLOSED,
+            c.INCOMPATIBLE,
+            c.WEIGHTS_MISMATCH,
+            c.UNKNOWN_REQUEST,
+            c.PROMPT_MISMATCH,
+            c.BAD_RESPONSE,
+            c.UNSUPPORTED,
+            c.UNAUTHORIZED,
+            c.UNTRUSTED_PEER,
+        ):
             self._kv_failures.labels(**self.base, reason=reason)
         for reason in ("queue_full", "draining"):
             self._rejections.labels(**self.base, reason=reason)
@@ -99,6 +125,7 @@ class WorkerMetrics:
     @staticmethod
     def _offload_families(s, labels: list[str], values: list[str], out: list) -> None:
         """Tiered KV offload and swap series, every tier always (zeros when off)."""
+
         def per_tier(spec: m.MetricSpec, value) -> None:
             fam = m.family(spec, labels + [m.LABEL_TIER])
             for tier in ("host", "disk"):
@@ -117,8 +144,12 @@ class WorkerMetrics:
             fam.add_metric(values + [tier, "stored"], st.bytes_in if st else 0)
             fam.add_metric(values + [tier, "loaded"], st.bytes_out if st else 0)
         out.append(fam)
-        for spec, value in ((m.PREEMPTIONS_SWAPPED_TOTAL, s.swap.swapped_out), (m.PREEMPTION_SWAP_FALLBACKS_TOTAL, s.swap.fallbacks),
-                            (m.SWAP_SPACE_USAGE, s.swap_space_usage), (m.NUM_REQUESTS_SWAPPED, s.num_requests_swapped)):
+        for spec, value in (
+            (m.PREEMPTIONS_SWAPPED_TOTAL, s.swap.swapped_out),
+            (m.PREEMPTION_SWAP_FALLBACKS_TOTAL, s.swap.fallbacks),
+            (m.SWAP_SPACE_USAGE, s.swap_space_usage),
+            (m.NUM_REQUESTS_SWAPPED, s.num_requests_swapped),
+        ):
             fam = m.family(spec, labels)
             fam.add_metric(values, value)
             out.append(fam)

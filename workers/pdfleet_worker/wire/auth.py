@@ -6,6 +6,7 @@ volume is updated in place: kubelet swaps a symlink, so the inode changes), the 
 stay accepted, and are tried after the new one when sending, for `grace_s`: components see a
 rotated Secret at different moments (kubelet's sync period) and keep talking meanwhile.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -23,8 +24,8 @@ from pdfleet_worker.wire import errors
 log = logging.getLogger("pdfleet.auth")
 
 ROTATION_GRACE_S = 300.0  # how long a rotated-out token stays valid (longer than kubelet's Secret sync)
-RECHECK_S = 1.0           # at most one stat() of a secret file per second
-MIN_TOKEN_CHARS = 16      # a deployment token shorter than this is refused (not a secret)
+RECHECK_S = 1.0  # at most one stat() of a secret file per second
+MIN_TOKEN_CHARS = 16  # a deployment token shorter than this is refused (not a secret)
 
 
 def matches(presented: str | None, accepted: Sequence[str]) -> bool:
@@ -51,8 +52,17 @@ class SecretFile:
     Thread-safe. A file that cannot be read or holds nothing usable after it once did keeps the last
     values (logged): a Secret volume caught mid-update must not open or close the door."""
 
-    def __init__(self, path: str, what: str, *, optional: bool = False, min_chars: int = 1, grace_s: float = 0.0,
-                 recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        path: str,
+        what: str,
+        *,
+        optional: bool = False,
+        min_chars: int = 1,
+        grace_s: float = 0.0,
+        recheck_s: float = RECHECK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.path, self.what, self.optional = path, what, optional
         self.min_chars, self.grace_s, self.recheck_s, self._clock = min_chars, grace_s, recheck_s, clock
         self._lock = threading.Lock()
@@ -96,14 +106,20 @@ class SecretFile:
         try:
             signature, values = self._read()
         except (OSError, ValueError) as e:
-            log.error("%s file %s changed but cannot be used (%s); keeping the values read before", self.what,
-                      self.path, e)
+            log.error(
+                "%s file %s changed but cannot be used (%s); keeping the values read before", self.what, self.path, e
+            )
             return
         if values != self._values:
             if self._values:
                 self._previous, self._previous_until = [v for v in self._values if v not in values], now + self.grace_s
-            log.info("%s file %s changed: %d value(s)%s", self.what, self.path, len(values),
-                     f"; the previous ones stay valid for {self.grace_s:g}s" if self._previous and self.grace_s else "")
+            log.info(
+                "%s file %s changed: %d value(s)%s",
+                self.what,
+                self.path,
+                len(values),
+                f"; the previous ones stay valid for {self.grace_s:g}s" if self._previous and self.grace_s else "",
+            )
         self._signature, self._values = signature, values
 
     @property
@@ -140,8 +156,11 @@ def token_file(path: str, what: str = "auth token") -> SecretFile:
 
 
 def unauthorized_body(presented: str | None, what: str) -> dict:
-    message = (f"You didn't provide {what}: send it as `Authorization: Bearer ...`" if presented is None
-               else f"Incorrect {what} provided")
+    message = (
+        f"You didn't provide {what}: send it as `Authorization: Bearer ...`"
+        if presented is None
+        else f"Incorrect {what} provided"
+    )
     return errors.error_body(message, "invalid_request_error", None, "invalid_api_key")
 
 
@@ -163,10 +182,23 @@ class RequireBearer:
             await self.app(scope, receive, send)
             return
         client = (scope.get("client") or ("?",))[0]
-        log.info("401 on %s %s from %s: %s", scope.get("method"), scope["path"], client,
-                 "no credential" if presented is None else "a wrong credential")
+        log.info(
+            "401 on %s %s from %s: %s",
+            scope.get("method"),
+            scope["path"],
+            client,
+            "no credential" if presented is None else "a wrong credential",
+        )
         body = json.dumps(unauthorized_body(presented, self.what)).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

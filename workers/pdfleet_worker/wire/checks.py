@@ -1,4 +1,5 @@
 """The checks of a request that need no tokenizer and no engine (`check`), run by the router before it picks a worker and by the worker before any work; plus the token budgets a request asks for. No torch."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ def check(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> Non
     if chat:
         _check_tools(req)
     elif req.max_tokens == 0 and not req.echo:
-        raise RequestError(400, "max_tokens 0 generates nothing; it is only allowed with echo: true (score the prompt)",
-                           param="max_tokens")
+        raise RequestError(
+            400,
+            "max_tokens 0 generates nothing; it is only allowed with echo: true (score the prompt)",
+            param="max_tokens",
+        )
     lengths = [1] if chat else _prompt_lengths(req.prompt, limits)
     check_context(max(lengths), requested_max_tokens(req), limits, chat)
 
@@ -45,7 +49,6 @@ def _check_sampling(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise RequestError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({wanted})", param="min_tokens")
 
 
-
 def _check_tools(req: ChatCompletionRequest) -> None:
     choice = req.tool_choice
     names = [t.function.name for t in req.tools or ()]
@@ -54,12 +57,14 @@ def _check_tools(req: ChatCompletionRequest) -> None:
     if choice == "required" and not names:
         raise RequestError(400, "tool_choice required needs tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise RequestError(400, f"tool_choice names {shown(choice.function.name)}, which is not in tools",
-                           param="tool_choice")
+        raise RequestError(
+            400, f"tool_choice names {shown(choice.function.name)}, which is not in tools", param="tool_choice"
+        )
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if forced and structured_output(req) is not None:
-        raise RequestError(400, "a forced tool call and a structured output both constrain the output; send one",
-                           param="tool_choice")
+        raise RequestError(
+            400, "a forced tool call and a structured output both constrain the output; send one", param="tool_choice"
+        )
     for i, msg in enumerate(req.messages):
         for j, call in enumerate(msg.tool_calls or ()):
             try:
@@ -67,8 +72,11 @@ def _check_tools(req: ChatCompletionRequest) -> None:
             except json.JSONDecodeError:
                 args = None
             if not isinstance(args, dict):
-                raise RequestError(400, "a tool call's arguments are a JSON object",
-                                   param=f"messages.{i}.tool_calls.{j}.function.arguments")
+                raise RequestError(
+                    400,
+                    "a tool call's arguments are a JSON object",
+                    param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                )
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -86,20 +94,28 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
 def check_context(longest: int, max_tokens: int | None, limits: Limits, chat: bool) -> None:
     """The longest prompt (tokens, or a lower bound before tokenizing) and the completion fit the model."""
     if max_tokens is not None and limits.max_tokens is not None and max_tokens > limits.max_tokens:
-        raise RequestError(400, f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens}",
-                           param="max_tokens")
+        raise RequestError(
+            400, f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens}", param="max_tokens"
+        )
     ctx = limits.max_model_len
     if ctx is None:
         return
     if longest >= ctx:
-        raise RequestError(400, f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                                f"{longest} tokens", param="messages" if chat else "prompt",
-                           code="context_length_exceeded")
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {ctx} tokens, but the prompt has {longest} tokens",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is not None and longest + max_tokens > ctx:
-        raise RequestError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
-                                f"completion). Reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
+            f"completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def prompt_items(prompt: str | list) -> list[str | list[int]]:
@@ -115,8 +131,12 @@ def _prompt_lengths(prompt: str | list, limits: Limits) -> list[int]:
     if not items:
         raise RequestError(400, "prompt is empty", param="prompt")
     if limits.max_prompts is not None and len(items) > limits.max_prompts:
-        raise RequestError(400, f"prompt holds {len(items)} prompts; this server allows at most "
-                                f"{limits.max_prompts} in one request", param="prompt", code="too_many_prompts")
+        raise RequestError(
+            400,
+            f"prompt holds {len(items)} prompts; this server allows at most {limits.max_prompts} in one request",
+            param="prompt",
+            code="too_many_prompts",
+        )
     lengths = []
     for i, item in enumerate(items):
         if not item:
@@ -124,8 +144,9 @@ def _prompt_lengths(prompt: str | list, limits: Limits) -> list[int]:
         if isinstance(item, list):
             bad = [t for t in item if not 0 <= t < TOKEN_ID_LIMIT]
             if bad:
-                raise RequestError(400, f"prompt {i} has token ids outside [0, {TOKEN_ID_LIMIT}): "
-                                        f"{shown(bad[:5])}", param="prompt")
+                raise RequestError(
+                    400, f"prompt {i} has token ids outside [0, {TOKEN_ID_LIMIT}): {shown(bad[:5])}", param="prompt"
+                )
         lengths.append(len(item) if isinstance(item, list) else 1)
     return lengths
 
@@ -134,32 +155,44 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bo
     """Fields this server cannot honour: 400 naming the field unless at their default."""
     so = req.structured_outputs
     unsupported = [
-        ("use_beam_search", req.use_beam_search), ("length_penalty", req.length_penalty != 1.0),
-        ("allowed_token_ids", req.allowed_token_ids is not None), ("bad_words", bool(req.bad_words)),
+        ("use_beam_search", req.use_beam_search),
+        ("length_penalty", req.length_penalty != 1.0),
+        ("allowed_token_ids", req.allowed_token_ids is not None),
+        ("bad_words", bool(req.bad_words)),
         ("skip_special_tokens", not req.skip_special_tokens),
         ("spaces_between_special_tokens", not req.spaces_between_special_tokens),
-        ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None), ("priority", req.priority != 0),
+        ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None),
+        ("priority", req.priority != 0),
         ("guided_whitespace_pattern", req.guided_whitespace_pattern is not None),
         ("guided_decoding_backend", req.guided_decoding_backend not in (None, "auto", "guidance", "llguidance")),
         ("structured_outputs.structural_tag", so is not None and so.structural_tag is not None),
         ("structured_outputs.whitespace_pattern", so is not None and so.whitespace_pattern is not None),
         ("structured_outputs.disable_additional_properties", so is not None and so.disable_additional_properties),
-        ("structured_outputs.backend", so is not None and so.backend not in (None, "auto", "guidance", "llguidance"))]
+        ("structured_outputs.backend", so is not None and so.backend not in (None, "auto", "guidance", "llguidance")),
+    ]
     if chat:
         unsupported += [
-            ("functions", bool(req.functions)), ("function_call", req.function_call not in (None, "none", "auto")),
+            ("functions", bool(req.functions)),
+            ("function_call", req.function_call not in (None, "none", "auto")),
             ("modalities", req.modalities is not None and set(req.modalities) != {"text"}),
-            ("audio", req.audio is not None), ("prediction", req.prediction is not None),
-            ("reasoning_effort", req.reasoning_effort is not None), ("verbosity", req.verbosity is not None),
-            ("web_search_options", req.web_search_options is not None), ("echo", req.echo),
-            ("continue_final_message", req.continue_final_message)]
+            ("audio", req.audio is not None),
+            ("prediction", req.prediction is not None),
+            ("reasoning_effort", req.reasoning_effort is not None),
+            ("verbosity", req.verbosity is not None),
+            ("web_search_options", req.web_search_options is not None),
+            ("echo", req.echo),
+            ("continue_final_message", req.continue_final_message),
+        ]
         for i, msg in enumerate(req.messages):
-            unsupported += [(f"messages.{i}.function_call", msg.function_call is not None),
-                            (f"messages.{i}.audio", msg.audio is not None)]
+            unsupported += [
+                (f"messages.{i}.function_call", msg.function_call is not None),
+                (f"messages.{i}.audio", msg.audio is not None),
+            ]
     else:
-        unsupported += [("suffix", req.suffix is not None),
-                        ("best_of", req.best_of is not None and req.best_of != req.n)]
+        unsupported += [
+            ("suffix", req.suffix is not None),
+            ("best_of", req.best_of is not None and req.best_of != req.n),
+        ]
     for name, bad in unsupported:
         if bad:
             raise RequestError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-

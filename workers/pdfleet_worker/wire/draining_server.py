@@ -1,4 +1,5 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT runs the app's drain coroutine, then the usual graceful shutdown, and the process exits 0; the worker and router runners use it. No torch."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,10 @@ def exit_on_signal_until_serving() -> None:
     """SIGTERM/SIGINT while the process is still importing and configuring: nothing runs, nothing to drain, so
     exit 0 at once instead of dying by the signal (a replica scaled down while it starts would read as killed).
     uvicorn's handlers (DrainingServer) replace these once it serves."""
+
     def leave(sig, frame) -> None:
         os._exit(0)  # NOTE: not SystemExit: it would unwind through a half-done import of torch
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, leave)
 

@@ -1,4 +1,5 @@
 """Hostile-JSON decoding of a request body (UTF-8, finite numbers, bounded nesting, no lone surrogates); the router and the worker read every body through `decode_json`. No torch."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from typing import Any
 
 from pdfleet_worker.wire.errors import RequestError
 
-MAX_JSON_DEPTH = 32            # nesting of arrays/objects in a body (a request needs 4)
+MAX_JSON_DEPTH = 32  # nesting of arrays/objects in a body (a request needs 4)
 
 
 def decode_json(body: bytes) -> Any:
@@ -76,6 +77,7 @@ def _check_string(s: str) -> None:
         try:
             s.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise _invalid_json(f"a string holds a lone surrogate escape (\\u{ord(s[e.start]):04x}); "
-                                f"send the character itself or a valid surrogate pair") from None
-
+            raise _invalid_json(
+                f"a string holds a lone surrogate escape (\\u{ord(s[e.start]):04x}); "
+                f"send the character itself or a valid surrogate pair"
+            ) from None

@@ -1,4 +1,5 @@
 """The OpenAI request bodies the router and the worker accept: strict pydantic models (unknown fields refused, null means the default) and `parse`, whose 400 names the first bad field. No torch."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -9,21 +10,23 @@ from pdfleet_worker.wire.errors import RequestError, shown
 
 # Bounds on what one request may hold, whatever the server's flags: each costs the engine per step
 # (stop strings are searched on every token) or the server per request, and no real client needs more.
-MAX_STOP_SEQUENCES = 16        # OpenAI allows 4
-MAX_STOP_CHARS = 256           # per stop string; the stream holds back that many characters
+MAX_STOP_SEQUENCES = 16  # OpenAI allows 4
+MAX_STOP_CHARS = 256  # per stop string; the stream holds back that many characters
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 300           # OpenAI's limit on logit_bias entries
-MAX_TOOLS = 128                # OpenAI's limit on tools
-MAX_METADATA_KEYS = 16         # OpenAI's metadata limits: 16 pairs, keys of 64 and values of 512 characters
-TOKEN_ID_LIMIT = 2 ** 31       # token ids are below it in any vocabulary
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TOOLS = 128  # OpenAI's limit on tools
+MAX_METADATA_KEYS = 16  # OpenAI's metadata limits: 16 pairs, keys of 64 and values of 512 characters
+TOKEN_ID_LIMIT = 2**31  # token ids are below it in any vocabulary
 
 Number = float  # strict float accepts JSON integers, never strings
-Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Text = Annotated[str, Field(max_length=256)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)]
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                     Field(max_length=MAX_METADATA_KEYS)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_KEYS),
+]
 
 
 class _Request(BaseModel):
@@ -37,8 +40,10 @@ class _Request(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         cls._null_means_default = frozenset(
-            name for name, f in cls.model_fields.items()
-            if not f.is_required() and type(None) not in get_args(f.annotation))
+            name
+            for name, f in cls.model_fields.items()
+            if not f.is_required() and type(None) not in get_args(f.annotation)
+        )
 
     @model_validator(mode="before")
     @classmethod
@@ -77,11 +82,11 @@ class StructuredOutputs(_Request):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    disable_fallback: bool = False          # accepted: there is no other backend to fall back to
-    disable_any_whitespace: bool = False    # accepted: JSON is always compact here (engine/structured.py)
+    disable_fallback: bool = False  # accepted: there is no other backend to fall back to
+    disable_any_whitespace: bool = False  # accepted: JSON is always compact here (engine/structured.py)
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    backend: str | None = None              # accepted when "guidance"/"auto": llguidance is the one backend
+    backend: str | None = None  # accepted when "guidance"/"auto": llguidance is the one backend
 
 
 class _Common(_Request):
@@ -98,8 +103,9 @@ class _Common(_Request):
     seed: Int64 | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
-                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = None
     response_format: ResponseFormat | None = None
     # accepted and ignored: nothing is stored, tiered or keyed by them here
     user: Text | None = None
@@ -122,8 +128,9 @@ class _Common(_Request):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]],
-                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
@@ -217,9 +224,8 @@ class ChatCompletionRequest(_Common):
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None  # extra template variables
-    echo: bool = False                      # vLLM: refused unless false
-    continue_final_message: bool = False    # vLLM: refused unless false
-
+    echo: bool = False  # vLLM: refused unless false
+    continue_final_message: bool = False  # vLLM: refused unless false
 
 
 def parse(model: type[_Request], raw: Any) -> Any:
@@ -232,23 +238,38 @@ def parse(model: type[_Request], raw: Any) -> Any:
         errors = e.errors()
         field = errors[0]["loc"][:1]
         # A union field reports one error per member; the deepest one is about the member the input meant.
-        err = max((x for x in errors if x["loc"][:1] == field),
-                  key=lambda x: (len(x["loc"]), not x["type"].endswith("_type")))
+        err = max(
+            (x for x in errors if x["loc"][:1] == field), key=lambda x: (len(x["loc"]), not x["type"].endswith("_type"))
+        )
         param = ".".join(str(p) for p in err["loc"] if not _is_type_tag(p)) or None
         if err["type"] == "extra_forbidden":
             raise RequestError(400, f"Unrecognized request argument supplied: {param}", param=param) from None
         if err["type"] == "missing":
             raise RequestError(400, f"Missing required parameter: {param}", param=param) from None
-        raise RequestError(400, f"Invalid value for {param}: {err['msg']} (got {shown(err.get('input'))})",
-                           param=param) from None
+        raise RequestError(
+            400, f"Invalid value for {param}: {err['msg']} (got {shown(err.get('input'))})", param=param
+        ) from None
 
 
 def _is_type_tag(part: Any) -> bool:
     """pydantic names union members in error locations ('str', 'list[TextPart]', '[key]'); they are not fields."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith(("constrained-",
-                                                                                           "function-")))
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part or part.startswith(("constrained-", "function-"))
+    )
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "StreamOptions", "TextPart", "ChatMessage", "NamedToolChoice",
-              "ToolCall", "Tool", "ResponseFormat", "StructuredOutputs", "JsonSchemaFormat"}
-
+_TYPE_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "StreamOptions",
+    "TextPart",
+    "ChatMessage",
+    "NamedToolChoice",
+    "ToolCall",
+    "Tool",
+    "ResponseFormat",
+    "StructuredOutputs",
+    "JsonSchemaFormat",
+}

@@ -1,4 +1,5 @@
 """HTTP plumbing shared by the worker and the router (torch-free): body limits, disconnect watching, SSE framing, the SSE response that stops on disconnect, OpenAI error handlers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,12 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 on_close: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
         """on_close runs after the iterator is closed, even if it never started (its own
         `finally` would not run then); it must be idempotent."""
         self.events = events
@@ -129,8 +134,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(errors.error_body(f"{request.method} {request.url.path}: {e.detail}", kind),
-                            status_code=e.status_code, headers=getattr(e, "headers", None))
+        return JSONResponse(
+            errors.error_body(f"{request.method} {request.url.path}: {e.detail}", kind),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> Response:
@@ -146,4 +154,6 @@ def internal_error_response(method: str, path: str, e: BaseException) -> Respons
     internal request or an address), the client gets an id to quote."""
     incident = uuid.uuid4().hex[:12]
     log.error("unhandled error on %s %s (incident %s)", method, path, incident, exc_info=e)
-    return JSONResponse(errors.error_body(f"internal server error (incident {incident})", "server_error"), status_code=500)
+    return JSONResponse(
+        errors.error_body(f"internal server error (incident {incident})", "server_error"), status_code=500
+    )

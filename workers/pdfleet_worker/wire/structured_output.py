@@ -1,4 +1,5 @@
 """What a request constrains its output to (response_format, structured_outputs or vLLM's guided_* fields) as the engine's `StructuredOutput`, with a 400 naming the field when malformed; `checks.check` and the worker's OpenAI serving call it. No torch."""
+
 from __future__ import annotations
 
 import json
@@ -20,21 +21,35 @@ def structured_output(req: CompletionRequest | ChatCompletionRequest) -> tuple[s
             asked.append((param, StructuredOutput(kind, spec)))
         except ValueError as e:
             raise RequestError(400, str(e), param=param) from None
+
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         want("response_format", "json_object")
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise RequestError(400, "response_format json_schema needs json_schema.schema",
-                               param="response_format.json_schema")
+            raise RequestError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
+            )
         want("response_format.json_schema", "json", _json_text(fmt.json_schema.schema_))
     so = req.structured_outputs
     if so is not None:
-        given = [(n, v) for n, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                     ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None]
+        given = [
+            (n, v)
+            for n, v in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object or None),
+            )
+            if v is not None
+        ]
         if len(given) != 1:
-            raise RequestError(400, "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
-                               param="structured_outputs")
+            raise RequestError(
+                400,
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+                param="structured_outputs",
+            )
         name, value = given[0]
         _structured_field(want, f"structured_outputs.{name}", name, value)
     for name in ("json", "regex", "choice", "grammar"):
@@ -42,8 +57,9 @@ def structured_output(req: CompletionRequest | ChatCompletionRequest) -> tuple[s
         if value is not None:
             _structured_field(want, f"guided_{name}", name, value)
     if len(asked) > 1:
-        raise RequestError(400, f"{asked[1][0]} and {asked[0][0]} both constrain the output; send one",
-                           param=asked[1][0])
+        raise RequestError(
+            400, f"{asked[1][0]} and {asked[0][0]} both constrain the output; send one", param=asked[1][0]
+        )
     return asked[0] if asked else None
 
 
@@ -68,4 +84,3 @@ def _structured_field(want, param: str, name: str, value: Any) -> None:
 def _json_text(value: Any) -> str:
     # NOTE: sorted keys: the same schema is one grammar-cache entry whatever order a client wrote it in.
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
-
