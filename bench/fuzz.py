@@ -1,4 +1,7 @@
-"""The OpenAI schema fuzzer (schemathesis, with OpenAI's own OpenAPI document) against a router in front of a prefill/decode pair and against a colocated worker; any 5xx, an error not in the OpenAI shape, a worker address in what the router returns, or an answer the router did not count fails, and so does a non-streamed 2xx body outside OpenAI's response schema.
+"""The OpenAI schema fuzzer (schemathesis, with OpenAI's own OpenAPI document) against a router in front of a
+prefill/decode pair and against a colocated worker; any 5xx, an error not in the OpenAI shape, a worker address in what
+the router returns, or an answer the router did not count fails, and so does a non-streamed 2xx body outside OpenAI's
+response schema.
 
     python3 bench/fuzz.py --install          # once: .venv-fuzz with FUZZ_PINS (about 30 s)
     .venv-fuzz/bin/python bench/fuzz.py [--examples 40] [--seed 0] [--time-limit 300]

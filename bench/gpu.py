@@ -1,4 +1,6 @@
-"""The engine's CUDA path on a GPU in one prepared run (issue 29): greedy tokens against transformers, decode and prefill speed of a Llama-3.1-8B-shaped model with CUDA graphs on and off, int8 weights against bf16; a session lent a device runs it, tests/worker/engine/test_gpu_script.py runs --cpu-smoke.
+"""The engine's CUDA path on a GPU in one prepared run (issue 29): greedy tokens against transformers, decode and
+prefill speed of a Llama-3.1-8B-shaped model with CUDA graphs on and off, int8 weights against bf16; a session lent a
+device runs it, tests/worker/engine/test_gpu_script.py runs --cpu-smoke.
 
 python bench/gpu.py [--reps 5] [--peak-hbm-tbps 4.8] [--peak-tflops 989] [--only SECTIONS] [--out FILE]
 python bench/gpu.py --cpu-smoke     # the same code at toy sizes on CPU, the Triton kernel interpreted
@@ -45,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 # examples/acceleratorclasses.yaml's h200-141gb carries the same two (memoryBandwidthGBps 4800, peakTflops 989).
 H200_HBM_TBPS = 4.8
 H200_BF16_TFLOPS = 989.0
-# Near-ties (see the module docstring): fp32 as tests/worker/oracle.py; bf16 as tests/worker/layers/test_quantization.py.
+# Near-ties (see the module docstring): fp32 as tests/worker/oracle.py; bf16 as
+# tests/worker/layers/test_quantization.py.
 NEAR_TIE = 1e-4
 BF16_NEAR_TIE = 2e-2
 SECTIONS = ("ceilings", "correctness", "bs1", "b64", "prefill")

@@ -1,4 +1,5 @@
-"""The cost levers of issue 21 in one run: int8 weights (batch-1 decode speed, held-out perplexity) and tiered KV offload (bench/levers_offload.py); run by hand or CI.
+"""The cost levers of issue 21 in one run: int8 weights (batch-1 decode speed, held-out perplexity) and tiered KV
+offload (bench/levers_offload.py); run by hand or CI.
 
 python bench/levers.py [--quick] [--only int8|offload] [--model DIR] [--reps 5] [--threads 2]
 

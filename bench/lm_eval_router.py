@@ -1,4 +1,6 @@
-"""lm-evaluation-harness (`lm_eval`, PyPI) scores a loglikelihood task of pdfleet's own against a router: its `local-completions` model sends what it sends to any OpenAI server (token-id prompts, `echo`, `logprobs` 1, `max_tokens` 1) and reads the prompt's logprobs back.
+"""lm-evaluation-harness (`lm_eval`, PyPI) scores a loglikelihood task of pdfleet's own against a router: its
+`local-completions` model sends what it sends to any OpenAI server (token-id prompts, `echo`, `logprobs` 1, `max_tokens`
+1) and reads the prompt's logprobs back.
 
     python3 bench/lm_eval_router.py --install       # once: .venv-lmeval with LMEVAL_PINS (about 2 minutes)
     .venv-lmeval/bin/python bench/lm_eval_router.py --url http://127.0.0.1:8000 --model tiny --tokenizer models/tiny

@@ -365,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ha_scenario(b: Bench, n: int, timeout: float) -> dict:
-    """Two replicas (`--leader-elect`, the chart's timings: lease 15 s) as the chart's ServiceAccount, each with its own pod-bound token:
-    an edit of every CR while both run, the leader SIGKILLed, the standby takes over, a second edit. Duplicate
-    writes: every write a replica sent while it did not hold the Lease, plus every write on takeover (the new
-    leader re-reconciling what is already applied must change nothing)."""
+    """Two replicas (`--leader-elect`, the chart's timings: lease 15 s) as the chart's ServiceAccount, each with its
+    own pod-bound token: an edit of every CR while both run, the leader SIGKILLed, the standby takes over, a second
+    edit. Duplicate writes: every write a replica sent while it did not hold the Lease, plus every write on takeover
+    (the new leader re-reconciling what is already applied must change nothing)."""
     from tests.gen.chart import helm
     from tests.kube.ha import LEASE, RBAC_KINDS, SERVICE_ACCOUNT, Replica, writes_outside_lease
     from tests.kube.ha import NAMESPACE as RELEASE_NAMESPACE

@@ -1,4 +1,5 @@
-"""TTFT through prefill/decode disaggregation vs colocated serving on loopback, and KV pull bandwidth vs a raw loopback socket measured in the same run (TCP connector, and NIXL where installed).
+"""TTFT through prefill/decode disaggregation vs colocated serving on loopback, and KV pull bandwidth vs a raw loopback
+socket measured in the same run (TCP connector, and NIXL where installed).
 
     python bench/pd.py [--preset tiny|small] [--prompt-tokens 2000] [--reps 15] [--wire-reps 30] [--threads 2]
                        [--nixl auto|on|off]
@@ -408,7 +409,8 @@ def main() -> int:
             f"{result['noop_request_ms']} ms"
         )
         print(
-            f"{'wire, GB/s':<12}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}   ({args.wire_reps} alternating reps)"
+            f"{'wire, GB/s':<12}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}   "
+            f"({args.wire_reps} alternating reps)"
         )
         for name in ("tcp", "nixl", "socket"):
             if wire[name]:

@@ -1,4 +1,5 @@
-"""The pdfleet engine against vLLM's CPU build on one model directory, the same workloads and threads (issue 19); run by hand or CI.
+"""The pdfleet engine against vLLM's CPU build on one model directory, the same workloads and threads (issue 19); run by
+hand or CI.
 
 python bench/peer.py [--smoke] [--model DIR] [--reps 3] [--requests 64] [--dtypes float32,bfloat16]
 

@@ -1,4 +1,5 @@
-"""vLLM's own benchmark client (`vllm bench serve`) against pdfleet and vLLM servers on one model (issue 28); run by hand.
+"""vLLM's own benchmark client (`vllm bench serve`) against pdfleet and vLLM servers on one model (issue 28); run by
+hand.
 
     .venv/bin/python bench/serve.py                       # 3 repetitions, fp32 and bf16 (about an hour on 2 cores)
     .venv/bin/python bench/serve.py --dtypes float32 --reps 5
@@ -495,9 +496,12 @@ def report(a, runs: dict, version: str, began: float) -> dict:
                 (
                     f"{s} ({k})",
                     f"{spread([r['tok_s'] for r in rs], 1)} tok/s",
-                    f"TTFT p50 {spread([r['ttft_p50_ms'] for r in rs], 0)} p99 {med([r['ttft_p99_ms'] for r in rs]):.0f} ms; "
-                    f"TPOT p50 {spread([r['tpot_p50_ms'] for r in rs], 1)} p99 {med([r['tpot_p99_ms'] for r in rs]):.1f} ms; "
-                    f"load {min(loads):.1f}-{max(loads):.1f}; completed {min(r['completed'] for r in rs)}/{a.num_prompts}",
+                    f"TTFT p50 {spread([r['ttft_p50_ms'] for r in rs], 0)} "
+                    f"p99 {med([r['ttft_p99_ms'] for r in rs]):.0f} ms; "
+                    f"TPOT p50 {spread([r['tpot_p50_ms'] for r in rs], 1)} "
+                    f"p99 {med([r['tpot_p99_ms'] for r in rs]):.1f} ms; "
+                    f"load {min(loads):.1f}-{max(loads):.1f}; "
+                    f"completed {min(r['completed'] for r in rs)}/{a.num_prompts}",
                 )
             )
             cpu = {name: [r["cpu_ms_per_token"][name] for r in rs] for name in rs[0]["cpu_ms_per_token"]}
@@ -532,7 +536,8 @@ def report(a, runs: dict, version: str, began: float) -> dict:
                     f"ratio {num} / {den} ({k})",
                     f"tok/s {spread(ratios['tput'])}",
                     f"{target}; TTFT p50 {spread(ratios['ttft'])} (target <= 1.0 for pdfleet), p99 "
-                    f"{spread(ratios['ttft_p99'])}; TPOT p50 {spread(ratios['tpot'])}, p99 {spread(ratios['tpot_p99'])}",
+                    f"{spread(ratios['ttft_p99'])}; TPOT p50 {spread(ratios['tpot'])}, "
+                    f"p99 {spread(ratios['tpot_p99'])}",
                 )
             )
     loads = [x for d in runs.values() for r in d for s in r.values() for x in (s["load_before"], s["load_after"])]

@@ -1,4 +1,5 @@
-"""`pdfleet simulate` speed on a day of the 100-accelerator fleet, and the `cpu` class calibration measured with the engine.
+"""`pdfleet simulate` speed on a day of the 100-accelerator fleet, and the `cpu` class calibration measured with the
+engine.
 
 python bench/sim.py [--policy static-nvidia ...] [--duration 1d]   # speed: prints a table and one JSON line
 python bench/sim.py calibrate [--preset tiny] [--stat min|median] [--out cal.json]  # needs torch: engine + one HTTP hop

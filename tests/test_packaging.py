@@ -22,7 +22,8 @@ def test_packages_import_from_repo_root_without_shadowing_stdlib_operator():
 def test_cli_and_decision_code_load_without_torch():
     """The operator image has no torch: building the whole CLI and the API must not import it."""
     result = _python(
-        "import sys; from pdfleet_operator import cli, api, validate; from pdfleet_operator.gen import crds; from pdfleet_operator.api import admission; "
+        "import sys; from pdfleet_operator import cli, api, validate; from pdfleet_operator.gen import crds; "
+        "from pdfleet_operator.api import admission; "
         "cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'; "
         "assert 'kopf' not in sys.modules and 'kubernetes' not in sys.modules"
     )

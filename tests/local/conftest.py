@@ -1,4 +1,5 @@
-"""`pdfleet up` under test: a tiny model made by `pdfleet model init`, spec files with short autoscaling windows, and a handle on a running `pdfleet up` that reads its output lines and always stops it."""
+"""`pdfleet up` under test: a tiny model made by `pdfleet model init`, spec files with short autoscaling windows, and a
+handle on a running `pdfleet up` that reads its output lines and always stops it."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
-    """examples/local-tiny.yaml with the model at `model_dir` and `changes` merged into spec (dotted keys; None removes)."""
+    """examples/local-tiny.yaml with the model at `model_dir` and `changes` merged into spec
+    (dotted keys; None removes)."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["model"]["source"] = {"local": {"path": str(model_dir)}}
     for dotted, value in changes.items():

@@ -1,4 +1,6 @@
-"""`pdfleet up --auth`: the client key it prints (and writes to its run directory) works with the openai SDK, the printed curl line and `pdfleet load`; no key or a wrong one is a 401 in OpenAI's shape; the token between its router and workers is new every run and guards the workers. Without --auth the printed lines are the README's (no key)."""
+"""`pdfleet up --auth`: the client key it prints (and writes to its run directory) works with the openai SDK, the
+printed curl line and `pdfleet load`; no key or a wrong one is a 401 in OpenAI's shape; the token between its router and
+workers is new every run and guards the workers. Without --auth the printed lines are the README's (no key)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`pdfleet up` refuses bad input before anything runs: admission's field-named errors for an invalid spec, one line and a non-zero exit for a missing model, a port in use or a class this machine cannot provide; a worker failing at start-up leaves nothing running."""
+"""`pdfleet up` refuses bad input before anything runs: admission's field-named errors for an invalid spec, one line and
+a non-zero exit for a missing model, a port in use or a class this machine cannot provide; a worker failing at start-up
+leaves nothing running."""
 
 from __future__ import annotations
 

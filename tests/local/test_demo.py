@@ -1,4 +1,5 @@
-"""`make demo` as the README runs it (in a copy of the repository, reusing this venv): exit 0, a scale-up and a scale-down of a role, the summary printed last; `make up` runs the same fleet without load."""
+"""`make demo` as the README runs it (in a copy of the repository, reusing this venv): exit 0, a scale-up and a
+scale-down of a role, the summary printed last; `make up` runs the same fleet without load."""
 
 from __future__ import annotations
 

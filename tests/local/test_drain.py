@@ -1,6 +1,6 @@
-"""Issue 24, rule 5: `pdfleet up` scales a pool down without losing a request. The supervisor takes the replica out of the
-router's workers file, SIGTERMs it once the router has let it go, and the worker lets its open streams finish (a decode
-replica) and keeps serving KV pulls for its open leases until they are acked (a prefill replica), then exits 0.
+"""Issue 24, rule 5: `pdfleet up` scales a pool down without losing a request. The supervisor takes the replica out of
+the router's workers file, SIGTERMs it once the router has let it go, and the worker lets its open streams finish (a
+decode replica) and keeps serving KV pulls for its open leases until they are acked (a prefill replica), then exits 0.
 
 Real processes under the real Supervisor, on a clock the test advances: the SIGTERM comes when the test says, while
 the victim is frozen (SIGSTOP) mid-work, so that the drain always has work to let finish, at any machine speed."""

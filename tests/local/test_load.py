@@ -1,4 +1,5 @@
-"""`pdfleet load`: the open-loop schedule (Poisson, bursts, CSV replay), percentiles as numpy computes them, and a replayed trace against a real worker reporting what `pdfleet simulate` reports for the same trace, key for key."""
+"""`pdfleet load`: the open-loop schedule (Poisson, bursts, CSV replay), percentiles as numpy computes them, and a
+replayed trace against a real worker reporting what `pdfleet simulate` reports for the same trace, key for key."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`pdfleet up` with query routing and SSE heartbeats, on real processes: a deployment whose spec.routing names a second `pdfleet up` fleet sends it the requests its rules judge simple; a stream to the router that waits longer than spec.router.heartbeatInterval gets `: keep-alive` before its first token, and the openai SDK reads it."""
+"""`pdfleet up` with query routing and SSE heartbeats, on real processes: a deployment whose spec.routing names a second
+`pdfleet up` fleet sends it the requests its rules judge simple; a stream to the router that waits longer than
+spec.router.heartbeatInterval gets `: keep-alive` before its first token, and the openai SDK reads it."""
 
 from __future__ import annotations
 

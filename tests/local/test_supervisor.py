@@ -1,4 +1,5 @@
-"""The supervisor's rules without a fleet: worker command lines and environments per class (GPU devices handed out once), back-off that doubles to its cap and starts over after a replica has served, drain order."""
+"""The supervisor's rules without a fleet: worker command lines and environments per class (GPU devices handed out
+once), back-off that doubles to its cap and starts over after a replica has served, drain order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`pdfleet up` end to end: real router and worker processes serving the openai SDK, a queue surge growing the decode pool and its shrink after the stabilization window, a kill -9 restarted with back-off, SIGTERM leaving no process and no port behind, and the demo's bursty run printing its summary last."""
+"""`pdfleet up` end to end: real router and worker processes serving the openai SDK, a queue surge growing the decode
+pool and its shrink after the stabilization window, a kill -9 restarted with back-off, SIGTERM leaving no process and no
+port behind, and the demo's bursty run printing its summary last."""
 
 from __future__ import annotations
 

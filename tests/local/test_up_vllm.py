@@ -1,4 +1,7 @@
-"""`pdfleet up examples/local-vllm.yaml` with the real vLLM CPU runtime (`make vllm`): the openai SDK through pdfleet's router (completions, chat, streaming with usage equal to the plain answers), the autoscaler reading the vLLM pool's queue through a real Prometheus and adding a second vLLM replica under a burst, and SIGTERM leaving no process of any vLLM process group behind."""
+"""`pdfleet up examples/local-vllm.yaml` with the real vLLM CPU runtime (`make vllm`): the openai SDK through pdfleet's
+router (completions, chat, streaming with usage equal to the plain answers), the autoscaler reading the vLLM pool's
+queue through a real Prometheus and adding a second vLLM replica under a burst, and SIGTERM leaving no process of any
+vLLM process group behind."""
 
 from __future__ import annotations
 

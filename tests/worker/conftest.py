@@ -1,4 +1,6 @@
-"""Fixtures every folder of the worker's tests shares, defined once here so that the session-scoped ones start once: tiny HF models, the transformers oracle and engines that must end whole (oracle.py); real worker and router processes on loopback (processes.py)."""
+"""Fixtures every folder of the worker's tests shares, defined once here so that the session-scoped ones start once:
+tiny HF models, the transformers oracle and engines that must end whole (oracle.py); real worker and router processes on
+loopback (processes.py)."""
 
 from __future__ import annotations
 

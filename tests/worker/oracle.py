@@ -1,4 +1,5 @@
-"""The engine tests' oracle: tiny random HF models, the transformers greedy oracle, engines that must end whole, and the token-by-token comparison; tests/worker/conftest.py shares its fixtures."""
+"""The engine tests' oracle: tiny random HF models, the transformers greedy oracle, engines that must end whole, and the
+token-by-token comparison; tests/worker/conftest.py shares its fixtures."""
 
 from __future__ import annotations
 

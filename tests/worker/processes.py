@@ -1,4 +1,6 @@
-"""Real worker and router processes on loopback for the worker's server, router, wire and KV transfer tests (fixtures shared by tests/worker/conftest.py): a tiny model made by `pdfleet model init`, the deployment token the pipeline's prefill/decode workers and router share, process handles that always stop what they started."""
+"""Real worker and router processes on loopback for the worker's server, router, wire and KV transfer tests (fixtures
+shared by tests/worker/conftest.py): a tiny model made by `pdfleet model init`, the deployment token the pipeline's
+prefill/decode workers and router share, process handles that always stop what they started."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The worker's `pdfleet` subcommands (`model init`, `worker`, `router`); the operator's CLI calls register(). No torch at import time."""
+"""The worker's `pdfleet` subcommands (`model init`, `worker`, `router`); the operator's CLI calls register(). No torch
+at import time."""
 
 from __future__ import annotations
 

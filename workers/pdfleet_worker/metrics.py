@@ -1,4 +1,5 @@
-"""Every metric the worker and the router export (vLLM-compatible names where vLLM has one), defined once; the server, router and tests import it."""
+"""Every metric the worker and the router export (vLLM-compatible names where vLLM has one), defined once; the server,
+router and tests import it."""
 
 from __future__ import annotations
 

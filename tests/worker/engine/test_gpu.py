@@ -1,4 +1,5 @@
-"""The CUDA paths (FlexAttention compiled; Triton paged decode with CUDA graphs) against transformers on the GPU. Opt-in: needs a CUDA GPU."""
+"""The CUDA paths (FlexAttention compiled; Triton paged decode with CUDA graphs) against transformers on the GPU.
+Opt-in: needs a CUDA GPU."""
 
 from __future__ import annotations
 

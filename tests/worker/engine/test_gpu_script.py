@@ -1,4 +1,5 @@
-"""bench/gpu.py (issue 29): its token comparison and byte counts at unit level, its calibration line read by the simulator, and `--cpu-smoke` end to end (the CUDA path's code at toy sizes, Triton interpreted)."""
+"""bench/gpu.py (issue 29): its token comparison and byte counts at unit level, its calibration line read by the
+simulator, and `--cpu-smoke` end to end (the CUDA path's code at toy sizes, Triton interpreted)."""
 
 from __future__ import annotations
 

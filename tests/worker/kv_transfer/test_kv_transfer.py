@@ -1,4 +1,5 @@
-"""KV transfer between real prefill and decode workers: exact bytes, blocks freed on ack and on lease expiry, incompatible layouts and prompts refused; plus the lease table and parameters on their own."""
+"""KV transfer between real prefill and decode workers: exact bytes, blocks freed on ack and on lease expiry,
+incompatible layouts and prompts refused; plus the lease table and parameters on their own."""
 
 from __future__ import annotations
 

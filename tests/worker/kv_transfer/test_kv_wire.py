@@ -1,4 +1,7 @@
-"""The KV path at wire speed: block bytes sent straight from a pool's block tensors and received straight into another's (exact bytes in wire order, contiguous, fragmented and gathered ranges, int8 scales, partial socket reads and writes), a pull through the TCP connector written in place, and a decode worker that keeps an aborted request's blocks until its pull has ended."""
+"""The KV path at wire speed: block bytes sent straight from a pool's block tensors and received straight into another's
+(exact bytes in wire order, contiguous, fragmented and gathered ranges, int8 scales, partial socket reads and writes), a
+pull through the TCP connector written in place, and a decode worker that keeps an aborted request's blocks until its
+pull has ended."""
 
 from __future__ import annotations
 

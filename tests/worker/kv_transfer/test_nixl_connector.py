@@ -1,4 +1,8 @@
-"""pdfleet's own workers with the NIXL KV connector, for real: a prefill and a decode worker on `--kv-connector nixl` (NIXL over UCX, DRAM to DRAM, on loopback) behind the router; greedy tokens equal what the prefill worker computes whole, every KV moves as a NIXL read into the decode worker's blocks, NIXL and TCP pulls of the same blocks carry the same bytes, a TCP worker and a NIXL worker pull from each other, and the deployment token guards the NIXL path as it guards TCP.
+"""pdfleet's own workers with the NIXL KV connector, for real: a prefill and a decode worker on `--kv-connector nixl`
+(NIXL over UCX, DRAM to DRAM, on loopback) behind the router; greedy tokens equal what the prefill worker computes
+whole, every KV moves as a NIXL read into the decode worker's blocks, NIXL and TCP pulls of the same blocks carry the
+same bytes, a TCP worker and a NIXL worker pull from each other, and the deployment token guards the NIXL path as it
+guards TCP.
 
 What ran: nixl-cu12 1.5.1 from the main virtualenv (`make test` installs it), its UCX picking shared memory
 and TCP on lo. What did not: NIXL between hosts, RDMA, GPU memory (VRAM registration is written, not run).

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (layers/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the engine with and without them."""
+"""The C++ CPU kernels (layers/cpu_kernels.cpp): paged decode attention against gather + SDPA, thread binding, and the
+engine with and without them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The sampler's features (issue 27) held to transformers: logit_bias, repetition/presence/frequency penalties, min_tokens, temperature, top-k, top-p and min-p on a mixed batch, exact against transformers' LogitsProcessors step after step; greedy generation with them token-exact against HF generate; seeds; prompt logprobs against HF's forward pass, through chunked prefill, a warm prefix cache and preemption."""
+"""The sampler's features (issue 27) held to transformers: logit_bias, repetition/presence/frequency penalties,
+min_tokens, temperature, top-k, top-p and min-p on a mixed batch, exact against transformers' LogitsProcessors step
+after step; greedy generation with them token-exact against HF generate; seeds; prompt logprobs against HF's forward
+pass, through chunked prefill, a warm prefix cache and preemption."""
 
 from __future__ import annotations
 

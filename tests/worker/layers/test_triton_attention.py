@@ -1,4 +1,5 @@
-"""The CUDA path's Triton paged-decode kernel, run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, in a subprocess): against gather + SDPA, and the engine on the paged backend against transformers.
+"""The CUDA path's Triton paged-decode kernel, run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess): against gather + SDPA, and the engine on the paged backend against transformers.
 
 Triton comes with torch's CUDA wheels; beside the CPU torch it is unpacked into build/triton (`make triton`,
 which `make test` runs) and put on the subprocess's path only, so nothing else in .venv sees it."""

@@ -1,4 +1,6 @@
-"""The prefill -> decode hand-off per engine (router/handoff.py), exact and pure: what the router sends a vLLM prefill worker (the fields vLLM's NixlConnector proxy sends), what it takes from the answer (a NIXL answer as vLLM 0.32 wrote it here), what the decode worker gets; tests/worker/router/test_vllm_pd.py runs it between real vLLM servers."""
+"""The prefill -> decode hand-off per engine (router/handoff.py), exact and pure: what the router sends a vLLM prefill
+worker (the fields vLLM's NixlConnector proxy sends), what it takes from the answer (a NIXL answer as vLLM 0.32 wrote it
+here), what the decode worker gets; tests/worker/router/test_vllm_pd.py runs it between real vLLM servers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The router's parts: picking policies, flags and tiers, and discovery by DNS (loopback) and by EndpointSlices (the Kubernetes API emulator)."""
+"""The router's parts: picking policies, flags and tiers, and discovery by DNS (loopback) and by EndpointSlices (the
+Kubernetes API emulator)."""
 
 from __future__ import annotations
 

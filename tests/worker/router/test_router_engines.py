@@ -1,4 +1,5 @@
-"""The router's engine kinds (`[TIER=][ENGINE@]URL`, --engine, the workers file) and vLLM's load from its metrics text; pure, no processes (tests/worker/router/test_vllm_router.py runs a real vLLM)."""
+"""The router's engine kinds (`[TIER=][ENGINE@]URL`, --engine, the workers file) and vLLM's load from its metrics text;
+pure, no processes (tests/worker/router/test_vllm_router.py runs a real vLLM)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`pdfleet router --workers-file`: the file's format and errors, and a running router following rewrites of it (what `pdfleet up` does when it scales)."""
+"""`pdfleet router --workers-file`: the file's format and errors, and a running router following rewrites of it (what
+`pdfleet up` does when it scales)."""
 
 from __future__ import annotations
 

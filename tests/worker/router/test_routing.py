@@ -1,4 +1,6 @@
-"""Query routing between two real deployments: a big router (the session pipeline's prefill/decode workers) sends requests its rules and classifier judge simple to a small deployment's router (a colocated worker serving another name), counts each route, and serves here whatever the small one cannot take."""
+"""Query routing between two real deployments: a big router (the session pipeline's prefill/decode workers) sends
+requests its rules and classifier judge simple to a small deployment's router (a colocated worker serving another name),
+counts each route, and serves here whatever the small one cannot take."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The routing rules as pure functions (router/routing.py): the order reasons are given in, what counts as the prompt, the classifier's answers read as confidences, refusals naming the flag."""
+"""The routing rules as pure functions (router/routing.py): the order reasons are given in, what counts as the prompt,
+the classifier's answers read as confidences, refusals naming the flag."""
 
 from __future__ import annotations
 

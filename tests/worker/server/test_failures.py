@@ -1,4 +1,5 @@
-"""Failures with real processes: a prefill worker killed during a pull (fail and recompute policies), a decode worker killed mid-stream behind the router, a refused layout under `fail`, and SIGTERM drain."""
+"""Failures with real processes: a prefill worker killed during a pull (fail and recompute policies), a decode worker
+killed mid-stream behind the router, a refused layout under `fail`, and SIGTERM drain."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The OpenAI schema fuzzer, bounded: bench/fuzz.py (schemathesis with OpenAI's own OpenAPI document, from .venv-fuzz) against a prefill/decode router and a colocated worker finds no 5xx, no error outside the OpenAI shape, no worker address and no uncounted router answer."""
+"""The OpenAI schema fuzzer, bounded: bench/fuzz.py (schemathesis with OpenAI's own OpenAPI document, from .venv-fuzz)
+against a prefill/decode router and a colocated worker finds no 5xx, no error outside the OpenAI shape, no worker
+address and no uncounted router answer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Bad input gets OpenAI error objects (400/404/413), overload gets 503 + Retry-After, disconnects free blocks, and the worker and router stay healthy afterwards."""
+"""Bad input gets OpenAI error objects (400/404/413), overload gets 503 + Retry-After, disconnects free blocks, and the
+worker and router stay healthy afterwards."""
 
 from __future__ import annotations
 

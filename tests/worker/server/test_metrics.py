@@ -1,4 +1,5 @@
-"""Metric contract with the operator, and a real Prometheus scraping workers and router: every name the autoscaler, alerts and dashboards read comes back through PromQL with the values that were served."""
+"""Metric contract with the operator, and a real Prometheus scraping workers and router: every name the autoscaler,
+alerts and dashboards read comes back through PromQL with the values that were served."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""What vLLM's users send works through the router on pdfleet's worker (issue 27), through the openai SDK against real router and worker processes (the prefill/decode tier and the colocated one): the exact bodies vLLM's benchmark client sends, sampling parameters (checked against an engine in this process on the same weights), structured outputs (every output parses and validates against its schema), echo/prompt logprobs (against transformers), tool calls (forced by tool_choice and a grammar, as vLLM's required mode; the auto parser on a grammar-made answer; streamed as delta tool_calls), and 400s naming what is still not supported."""
+"""What vLLM's users send works through the router on pdfleet's worker (issue 27), through the openai SDK against real
+router and worker processes (the prefill/decode tier and the colocated one): the exact bodies vLLM's benchmark client
+sends, sampling parameters (checked against an engine in this process on the same weights), structured outputs (every
+output parses and validates against its schema), echo/prompt logprobs (against transformers), tool calls (forced by
+tool_choice and a grammar, as vLLM's required mode; the auto parser on a grammar-made answer; streamed as delta
+tool_calls), and 400s naming what is still not supported."""
 
 from __future__ import annotations
 
@@ -431,7 +436,10 @@ def test_required_tool_calls_streamed_as_delta_tool_calls(pipeline):
 def test_auto_mode_renders_the_tools_and_parses_the_models_calls(pipeline):
     """A random model will not call a tool on its own: a regex makes it write the Qwen2.5 call its template
     teaches, and auto mode must turn that text into tool_calls (streamed too)."""
-    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "(C|F)"\}\}\n</tool_call>'
+    call = (
+        r'<tool_call>\n\{"name": "get_weather", '
+        r'"arguments": \{"city": "(Paris|Rome)", "unit": "(C|F)"\}\}\n</tool_call>'
+    )
     with client(pipeline) as c:
         for model in TIERS.values():
             kw = dict(

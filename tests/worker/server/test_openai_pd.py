@@ -1,4 +1,5 @@
-"""The official openai SDK through the router of a 1 prefill + 1 decode pipeline: same greedy tokens as the engine alone and as transformers, streaming and not; SSE framing, usage and [DONE]."""
+"""The official openai SDK through the router of a 1 prefill + 1 decode pipeline: same greedy tokens as the engine alone
+and as transformers, streaming and not; SSE framing, usage and [DONE]."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Scoring prompts through the router (issue 27): a model trained by `pdfleet model init --train-minutes` behind a router and a prefill/decode pair; its held-out perplexity, computed from echoed prompt logprobs, equals the figure training recorded offline; lm-evaluation-harness scores a local loglikelihood task against the router (bench/lm_eval_router.py) and its loglikelihoods equal the sums transformers gives on the same weights."""
+"""Scoring prompts through the router (issue 27): a model trained by `pdfleet model init --train-minutes` behind a
+router and a prefill/decode pair; its held-out perplexity, computed from echoed prompt logprobs, equals the figure
+training recorded offline; lm-evaluation-harness scores a local loglikelihood task against the router
+(bench/lm_eval_router.py) and its loglikelihoods equal the sums transformers gives on the same weights."""
 
 from __future__ import annotations
 

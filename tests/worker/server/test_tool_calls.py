@@ -1,4 +1,7 @@
-"""Tool calls without processes (issue 27): the chat templates render tools and earlier calls in Qwen2.5's and Llama 3.1's formats and say which they use; the two parsers read the calls those formats write (and leave anything else as content); the streamer's delta tool_calls add up to the parsed calls whatever the chunking; forced modes ask for the grammars vLLM's do."""
+"""Tool calls without processes (issue 27): the chat templates render tools and earlier calls in Qwen2.5's and Llama
+3.1's formats and say which they use; the two parsers read the calls those formats write (and leave anything else as
+content); the streamer's delta tool_calls add up to the parsed calls whatever the chunking; forced modes ask for the
+grammars vLLM's do."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Authentication of the data plane, each attack tried and refused: calls to workers without the deployment token (HTTP and the KV endpoint: pulls and lease releases), kv_transfer_params from a client, a decode worker pointed at a KV endpoint outside --kv-peers, a router with the wrong token, client API keys on the router (401 in OpenAI's shape, counted), and a token rotated in place with no restart; plus the secret files, the peer set and the TCP connector on their own."""
+"""Authentication of the data plane, each attack tried and refused: calls to workers without the deployment token (HTTP
+and the KV endpoint: pulls and lease releases), kv_transfer_params from a client, a decode worker pointed at a KV
+endpoint outside --kv-peers, a router with the wrong token, client API keys on the router (401 in OpenAI's shape,
+counted), and a token rotated in place with no restart; plus the secret files, the peer set and the TCP connector on
+their own."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""SSE heartbeats: a stream that waits longer than the interval gets `: keep-alive` comments before its first token, from the worker (queued behind another request) and from the router (a slow prefill hand-off); the openai SDK parses such streams; a fast error keeps its real status code."""
+"""SSE heartbeats: a stream that waits longer than the interval gets `: keep-alive` comments before its first token,
+from the worker (queued behind another request) and from the router (a slow prefill hand-off); the openai SDK parses
+such streams; a fast error keeps its real status code."""
 
 from __future__ import annotations
 

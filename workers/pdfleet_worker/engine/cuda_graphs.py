@@ -1,4 +1,5 @@
-"""CUDA graphs of decode-only steps, one per batch size of a ladder, captured at warm-up; ModelRunner replays them on the paged backend.
+"""CUDA graphs of decode-only steps, one per batch size of a ladder, captured at warm-up; ModelRunner replays them on
+the paged backend.
 
 A decode step's model call is the same kernels every time for a given batch size: the inputs
 (token, position, slot, block table row, context length per sequence) are copied into static

@@ -1,4 +1,5 @@
-"""KVLayout: what a prefill and a decode engine must agree on to exchange KV blocks, the weights' digest included; the engine builds it once at load, the PD code compares its hash."""
+"""KVLayout: what a prefill and a decode engine must agree on to exchange KV blocks, the weights' digest included; the
+engine builds it once at load, the PD code compares its hash."""
 
 from __future__ import annotations
 

@@ -303,9 +303,9 @@ class LLMEngine:
 
     # -- start-up --------------------------------------------------------------------------
     def warm_up(self) -> float:
-        """Short greedy requests (one, then two at once) through prefill and decode steps, before the server says ready: the
-        first call's costs (allocations, kernel selection, any compilation around the model) are paid here,
-        not by the first client. Leaves no trace: counters as new, every block free, nothing in the prefix
+        """Short greedy requests (one, then two at once) through prefill and decode steps, before the server says
+        ready: the first call's costs (allocations, kernel selection, any compilation around the model) are paid
+        here, not by the first client. Leaves no trace: counters as new, every block free, nothing in the prefix
         cache (the request is shorter than one block). Returns the seconds it took."""
         assert self.is_idle_and_whole(), "warm-up of an engine that already serves"
         t0 = time.monotonic()

@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into tensors, runs the model over the paged KV pool and samples; the only place lists become tensors. LLMEngine calls it."""
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV pool and samples; the only place lists become
+tensors. LLMEngine calls it."""
 
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ class ModelRunner:
         self.fused_ops = self.device.type == "cpu" and cpu_kernels.load()
         if self.fused_ops:
             use_cpu_kernels(model)
-        # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see docs/engine.md); the first
-        # calls compile, which LLMEngine.warm_up pays before the server says ready.
+        # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see docs/engine.md); the
+        # first calls compile, which LLMEngine.warm_up pays before the server says ready.
         self.compiled = None
         if self.decode_kernel and os.environ.get("PDFLEET_COMPILE", "0") == "1":
             self.compiled = torch.compile(self.model.forward, dynamic=True, fullgraph=True)

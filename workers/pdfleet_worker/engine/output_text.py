@@ -1,4 +1,5 @@
-"""A request's output text as it streams: its detokenizer, the text so far and how much of it was sent; LLMEngine keeps one on each Sequence (when it has a tokenizer) and the stop strings read it."""
+"""A request's output text as it streams: its detokenizer, the text so far and how much of it was sent; LLMEngine keeps
+one on each Sequence (when it has a tokenizer) and the stop strings read it."""
 
 from __future__ import annotations
 

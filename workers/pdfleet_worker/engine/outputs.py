@@ -1,4 +1,5 @@
-"""What LLMEngine.step() hands back per request (`RequestOutput`, with the KV a finished prefill keeps: `HeldKV`); the server, the PD hand-off and tests read them."""
+"""What LLMEngine.step() hands back per request (`RequestOutput`, with the KV a finished prefill keeps: `HeldKV`); the
+server, the PD hand-off and tests read them."""
 
 from __future__ import annotations
 

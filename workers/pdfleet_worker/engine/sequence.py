@@ -42,7 +42,8 @@ class Sequence:
     ):
         assert prompt_token_ids, "an empty prompt must be rejected before a Sequence is made"
         assert 0 <= remote_kv_tokens < len(prompt_token_ids), (
-            f"remote KV for {remote_kv_tokens} tokens must leave one of {len(prompt_token_ids)} prompt tokens to compute"
+            f"remote KV for {remote_kv_tokens} tokens must leave one of "
+            f"{len(prompt_token_ids)} prompt tokens to compute"
         )
         self.request_id = request_id
         self.params = params

@@ -1,4 +1,6 @@
-"""The engine's numbers for the metrics module: one step's samples and increments (`IterationStats`), a finished request's (`FinishedRequestStats`) and a snapshot of gauges and counters named after vLLM's (`EngineStats`); the only thing that crosses from the engine to metrics."""
+"""The engine's numbers for the metrics module: one step's samples and increments (`IterationStats`), a finished
+request's (`FinishedRequestStats`) and a snapshot of gauges and counters named after vLLM's (`EngineStats`); the only
+thing that crosses from the engine to metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Structured outputs with llguidance: compiles a StructuredOutput (JSON schema, any JSON object, regex, choice, Lark grammar) into a grammar for the model's tokenizer and makes the per-request matcher whose token mask the Sampler applies; LLMEngine owns one, the server validates specs through it before admitting a request."""
+"""Structured outputs with llguidance: compiles a StructuredOutput (JSON schema, any JSON object, regex, choice, Lark
+grammar) into a grammar for the model's tokenizer and makes the per-request matcher whose token mask the Sampler
+applies; LLMEngine owns one, the server validates specs through it before admitting a request."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Where KV blocks lie in a worker's pool: the byte segments of a block range in wire order, so the connectors send straight from the block tensors and receive straight into them; the TCP and NIXL connectors and server/pd.py call it.
+"""Where KV blocks lie in a worker's pool: the byte segments of a block range in wire order, so the connectors send
+straight from the block tensors and receive straight into them; the TCP and NIXL connectors and server/pd.py call it.
 
 Wire order is what `LLMEngine.export_kv` returns, concatenated: layer by layer, within a layer its tensors by
 name ("kv", then "scale" for an int8 cache), each laid out as `tensor.index_select(2, blocks)` would be. The

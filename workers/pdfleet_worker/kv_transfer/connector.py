@@ -1,4 +1,5 @@
-"""The KV connector interface (serve leased blocks on the prefill side, pull them on the decode side); the TCP and NIXL connectors implement it, the server calls it.
+"""The KV connector interface (serve leased blocks on the prefill side, pull them on the decode side); the TCP and NIXL
+connectors implement it, the server calls it.
 
 A pull either writes straight into the destination blocks of the decode worker's pool (`into`: the server's
 path, safe off the engine thread because the engine loop frees an aborted request's blocks only once its pull

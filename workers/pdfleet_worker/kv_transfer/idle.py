@@ -1,4 +1,5 @@
-"""Idle KV connections a decode worker keeps per prefill endpoint between pulls, so a pull pays no connect, no serving thread start and no cold TCP window; the TCP connector calls it.
+"""Idle KV connections a decode worker keeps per prefill endpoint between pulls, so a pull pays no connect, no serving
+thread start and no cold TCP window; the TCP connector calls it.
 
 NOTE: kept for less than the serving side's I/O timeout (it closes a connection idle that long), and a
 request that finds its reused connection closed is sent again on a new one (TcpKVConnector._exchange).

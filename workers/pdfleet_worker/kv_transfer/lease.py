@@ -1,4 +1,5 @@
-"""Leases on KV blocks a prefill worker holds for decode workers: freed on ack or expiry, never while a pull reads them; the engine loop and the KV connector call it."""
+"""Leases on KV blocks a prefill worker holds for decode workers: freed on ack or expiry, never while a pull reads them;
+the engine loop and the KV connector call it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The NIXL KV connector: the TCP connector's control plane (token, leases, layout check, peers, acks) with the block bytes moved by NIXL, the decode worker READing the prefill worker's registered pool straight into its own (one-sided; UCX over shared memory/TCP on one host, RDMA between GPU nodes); the server builds it for `--kv-connector nixl`.
+"""The NIXL KV connector: the TCP connector's control plane (token, leases, layout check, peers, acks) with the block
+bytes moved by NIXL, the decode worker READing the prefill worker's registered pool straight into its own (one-sided;
+UCX over shared memory/TCP on one host, RDMA between GPU nodes); the server builds it for `--kv-connector nixl`.
 
   pull {..., "nixl": {"agent"}}                              the puller asks for a NIXL read
     -> {"ok": true, "nbytes", "tensors", "nixl": {"agent", "metadata" (base64), "regions": [[address, pool

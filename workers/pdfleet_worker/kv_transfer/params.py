@@ -1,4 +1,5 @@
-"""KVTransferParams: what a prefill worker returns and a decode worker needs to pull the KV (the wire contract); server and router use it."""
+"""KVTransferParams: what a prefill worker returns and a decode worker needs to pull the KV (the wire contract); server
+and router use it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The prefill KV endpoints a decode worker may pull from and send its token to (`--kv-peers`): addresses, CIDRs and DNS names (a headless Service: every ready pod's IP), each with an optional port; the TCP connector checks every connection against it. No torch.
+"""The prefill KV endpoints a decode worker may pull from and send its token to (`--kv-peers`): addresses, CIDRs and DNS
+names (a headless Service: every ready pod's IP), each with an optional port; the TCP connector checks every connection
+against it. No torch.
 
 NOTE: a host in kv_transfer_params is matched, never resolved: an IP must be one the peers name or
 resolve to, a name must be one of the peers' names. So a client-chosen name cannot point the decode

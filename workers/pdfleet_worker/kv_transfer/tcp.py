@@ -1,4 +1,5 @@
-"""The TCP KV connector: a prefill worker serves leased blocks on a socket straight from its pool, a decode worker receives them straight into the destination blocks; the server starts it, the NIXL connector extends it.
+"""The TCP KV connector: a prefill worker serves leased blocks on a socket straight from its pool, a decode worker
+receives them straight into the destination blocks; the server starts it, the NIXL connector extends it.
 
 Wire format: every message is a 4-byte big-endian length and a JSON object (wire.py); a successful pull
 answer is followed by the raw bytes of its tensors, layer by layer, in the order its header lists.

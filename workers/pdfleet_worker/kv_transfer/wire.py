@@ -1,4 +1,5 @@
-"""Framing on the KV endpoint's sockets: length-prefixed JSON messages, and block bytes sent from and received into lists of buffers with sendmsg/recvmsg_into (no joining, no copies in Python); the TCP and NIXL connectors call it."""
+"""Framing on the KV endpoint's sockets: length-prefixed JSON messages, and block bytes sent from and received into
+lists of buffers with sendmsg/recvmsg_into (no joining, no copies in Python); the TCP and NIXL connectors call it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Paged attention over the KV block pool (reference, CPU, Triton and FlexAttention paths) and KV writes; the model's attention layers call it."""
+"""Paged attention over the KV block pool (reference, CPU, Triton and FlexAttention paths) and KV writes; the model's
+attention layers call it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Builds cpu_kernels.cpp with the host's C++ compiler on first use and loads it as torch.ops.pdfleet; ModelRunner and attention call it.
+"""Builds cpu_kernels.cpp with the host's C++ compiler on first use and loads it as torch.ops.pdfleet; ModelRunner and
+attention call it.
 
 `load()` answers whether the ops exist. Without a compiler (or with PDFLEET_CPU_KERNELS=0) it
 answers False once, with a warning, and the engine keeps its plain-PyTorch paths.

@@ -1,4 +1,5 @@
-"""Batched logits processors: each maps [S, V] fp32 logits and per-row parameter tensors to new logits in a few tensor ops, with no loop over rows; the Sampler chains them.
+"""Batched logits processors: each maps [S, V] fp32 logits and per-row parameter tensors to new logits in a few tensor
+ops, with no loop over rows; the Sampler chains them.
 
 Each computes what transformers' processor of the same name computes (same arithmetic, same dtype), so that
 tests can hold them to its LogitsProcessors exactly; presence/frequency penalties follow OpenAI's definition
@@ -12,7 +13,8 @@ NEG_INF = float("-inf")
 
 
 def add_bias(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """logit_bias (transformers' SequenceBiasLogitsProcessor for one-token sequences): logits[rows, tokens] += values."""
+    """logit_bias (transformers' SequenceBiasLogitsProcessor for one-token sequences):
+    logits[rows, tokens] += values."""
     return logits.index_put((rows, tokens), values, accumulate=True)
 
 

@@ -1,4 +1,5 @@
-"""CPU linear kernels: plain F.linear or oneDNN with a prepacked weight, chosen per weight shape by timing both on this machine at start-up; ModelRunner calls choose() and pack_linears()."""
+"""CPU linear kernels: plain F.linear or oneDNN with a prepacked weight, chosen per weight shape by timing both on this
+machine at start-up; ModelRunner calls choose() and pack_linears()."""
 
 from __future__ import annotations
 

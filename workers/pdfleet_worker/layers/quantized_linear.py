@@ -1,4 +1,5 @@
-"""Weight-only INT8 linear layers (per output channel), quantized from a float checkpoint at load; the loader builds them.
+"""Weight-only INT8 linear layers (per output channel), quantized from a float checkpoint at load; the loader builds
+them.
 
 y = (x W_q^T) * scale + b, with W_q int8 [out, in] and scale [out] = max|W row| / 127 (symmetric, no
 zero point). Activations, the residual stream, norms, attention and the KV cache keep the engine's

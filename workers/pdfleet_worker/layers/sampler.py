@@ -1,4 +1,6 @@
-"""Picks next tokens from logits for a whole batch with tensor ops: logits processors, the structured output's token mask, temperature/top-k/top-p/min-p, seeded or unseeded sampling, logprobs and prompt logprobs; ModelRunner calls it, LLMEngine registers each request's state with add()."""
+"""Picks next tokens from logits for a whole batch with tensor ops: logits processors, the structured output's token
+mask, temperature/top-k/top-p/min-p, seeded or unseeded sampling, logprobs and prompt logprobs; ModelRunner calls it,
+LLMEngine registers each request's state with add()."""
 
 from __future__ import annotations
 

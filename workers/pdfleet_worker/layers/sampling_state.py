@@ -1,4 +1,5 @@
-"""Per-request state the Sampler keeps between steps: token counts for the penalties (rows of one pooled tensor) and prompt logprobs scored so far; the Sampler owns them, LLMEngine registers requests."""
+"""Per-request state the Sampler keeps between steps: token counts for the penalties (rows of one pooled tensor) and
+prompt logprobs scored so far; the Sampler owns them, LLMEngine registers requests."""
 
 from __future__ import annotations
 

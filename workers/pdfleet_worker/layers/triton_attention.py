@@ -1,4 +1,5 @@
-"""Paged decode attention as a Triton kernel (the CUDA path): each program reads one sequence's KV through its block table on the device; attention.py calls it.
+"""Paged decode attention as a Triton kernel (the CUDA path): each program reads one sequence's KV through its block
+table on the device; attention.py calls it.
 
 Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested
 without a GPU. Without triton installed, `available()` is False and the CUDA path keeps gathering.

@@ -1,4 +1,6 @@
-"""Chat templates that take tools, in the two tool-call formats the server parses (server/tool_calls.py): ChatML with Qwen2.5's <tool_call> blocks (what `pdfleet model init` writes) and Llama 3.1's JSON calls; and which format a model's own template uses."""
+"""Chat templates that take tools, in the two tool-call formats the server parses (server/tool_calls.py): ChatML with
+Qwen2.5's <tool_call> blocks (what `pdfleet model init` writes) and Llama 3.1's JSON calls; and which format a model's
+own template uses."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ CHATML_TOOLS = (
     "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{%- for call in message.get('tool_calls') or [] %}"
     "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"'"
-    " + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    " + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson)"
+    " + '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"

@@ -1,4 +1,5 @@
-"""Loads a Hugging Face model directory (config.json + sharded or single safetensors) into LlamaForCausalLM; LLMEngine calls it."""
+"""Loads a Hugging Face model directory (config.json + sharded or single safetensors) into LlamaForCausalLM; LLMEngine
+calls it."""
 
 from __future__ import annotations
 

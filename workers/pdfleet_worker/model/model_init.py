@@ -1,4 +1,5 @@
-"""Writes a randomly initialised model with a trained byte-level BPE tokenizer as a Hugging Face directory; `pdfleet model init` and tests call it."""
+"""Writes a randomly initialised model with a trained byte-level BPE tokenizer as a Hugging Face directory; `pdfleet
+model init` and tests call it."""
 
 from __future__ import annotations
 

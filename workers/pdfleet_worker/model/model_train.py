@@ -1,4 +1,5 @@
-"""Trains a model directory for a bounded time on local text (the standard library's sources) and measures held-out perplexity; `pdfleet model init --train-*` and bench/levers.py call it.
+"""Trains a model directory for a bounded time on local text (the standard library's sources) and measures held-out
+perplexity; `pdfleet model init --train-*` and bench/levers.py call it.
 
 Random weights cannot show what quantization costs (every output is noise either way), so the
 quality figures of bench/levers.py come from a model trained here for a few minutes: next-token

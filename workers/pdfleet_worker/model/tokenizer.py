@@ -1,4 +1,5 @@
-"""Tokenizer (tokenizer.json via `tokenizers`), chat template and incremental detokenizer; LLMEngine and the server call it."""
+"""Tokenizer (tokenizer.json via `tokenizers`), chat template and incremental detokenizer; LLMEngine and the server call
+it."""
 
 from __future__ import annotations
 

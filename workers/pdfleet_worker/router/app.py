@@ -1,4 +1,5 @@
-"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, client API keys on /v1/* and the deployment token on /workers, every client answer counted; the router runner serves it."""
+"""The router's FastAPI app: OpenAI routes proxied to workers, /v1/models, /health, /ready, /workers, /metrics, client
+API keys on /v1/* and the deployment token on /workers, every client answer counted; the router runner serves it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Classifiers for query routing (`spec.routing.classifier.entryPoint`): the contract's reference implementation, a keyword and length heuristic with no model; the router loads one by `module:function` (routing.load_classifier)."""
+"""Classifiers for query routing (`spec.routing.classifier.entryPoint`): the contract's reference implementation, a
+keyword and length heuristic with no model; the router loads one by `module:function` (routing.load_classifier)."""
 
 from __future__ import annotations
 

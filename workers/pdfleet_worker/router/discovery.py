@@ -1,4 +1,5 @@
-"""Worker discovery: a URL as given, every address DNS has for its host (a headless Service), or a Service's ready EndpointSlice endpoints, each source of one engine; the upstream set refreshes them."""
+"""Worker discovery: a URL as given, every address DNS has for its host (a headless Service), or a Service's ready
+EndpointSlice endpoints, each source of one engine; the upstream set refreshes them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The engines the router fronts (a worker entry `[TIER=][ENGINE@]URL`) and how each is probed for health, served models and load; the upstream set calls probe(). No torch.
+"""The engines the router fronts (a worker entry `[TIER=][ENGINE@]URL`) and how each is probed for health, served models
+and load; the upstream set calls probe(). No torch.
 
 pdfleet: `GET /load` answers readiness, the served model and the scheduler's queue in one JSON object.
 vllm (vLLM and the vendors' vLLM builds): `GET /health` for liveness, `GET /v1/models` for the served

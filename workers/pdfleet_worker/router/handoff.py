@@ -1,4 +1,5 @@
-"""The prefill -> decode hand-off each engine speaks: what the router sends a prefill worker, what it takes from the answer, and what the decode worker gets; the proxy calls it. Pure, no I/O, no torch.
+"""The prefill -> decode hand-off each engine speaks: what the router sends a prefill worker, what it takes from the
+answer, and what the decode worker gets; the proxy calls it. Pure, no I/O, no torch.
 
 pdfleet: the prefill worker gets the client's request with `kv_transfer_params: {"do_remote_decode": true}` and
 answers with the params a decode worker pulls the KV with (pdfleet_worker.kv_transfer.params), always.

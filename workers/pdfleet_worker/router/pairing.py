@@ -1,6 +1,6 @@
-"""Which prefill and decode workers may serve one request together (pure): the same revision and the same KV layout (whose
-hash covers the weights), so a rollout never hands KV computed by old weights to a decode worker of new ones; the proxy
-calls plan() before the prefill and key() after it. No torch.
+"""Which prefill and decode workers may serve one request together (pure): the same revision and the same KV layout
+(whose hash covers the weights), so a rollout never hands KV computed by old weights to a decode worker of new ones; the
+proxy calls plan() before the prefill and key() after it. No torch.
 
 pdfleet workers report `revision` (--revision, $PDFLEET_REVISION) and `compat_hash` (the KV layout hash) in /load.
 A worker that reports no layout (vLLM, whose /load this router does not read) leaves the tier unpaired: any prefill

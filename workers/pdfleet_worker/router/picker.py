@@ -1,4 +1,5 @@
-"""Which worker gets a request (pure): prefill by shortest queue, decode by lowest KV usage, colocated by least load; the router calls pick()."""
+"""Which worker gets a request (pure): prefill by shortest queue, decode by lowest KV usage, colocated by least load;
+the router calls pick()."""
 
 from __future__ import annotations
 

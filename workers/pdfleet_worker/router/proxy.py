@@ -1,4 +1,7 @@
-"""One client request through the router: validation against the tier's limits before any work, tier choice, prefill -> decode orchestration in the tier engine's own protocol (handoff.py) or colocated passthrough, retries before the first byte, SSE relay with an error event when a worker dies mid-stream, cancellation when the client leaves; what reaches the client never names a worker's address. The router app calls it."""
+"""One client request through the router: validation against the tier's limits before any work, tier choice, prefill ->
+decode orchestration in the tier engine's own protocol (handoff.py) or colocated passthrough, retries before the first
+byte, SSE relay with an error event when a worker dies mid-stream, cancellation when the client leaves; what reaches the
+client never names a worker's address. The router app calls it."""
 
 from __future__ import annotations
 

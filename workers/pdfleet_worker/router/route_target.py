@@ -1,4 +1,5 @@
-"""The router of the smaller deployment that query routing sends simple requests to: its served model (probed at /v1/models), the call that hands it a request, and the relay of its answer; the proxy calls it. No torch.
+"""The router of the smaller deployment that query routing sends simple requests to: its served model (probed at
+/v1/models), the call that hands it a request, and the relay of its answer; the proxy calls it. No torch.
 
 What comes back is the target's own answer (its `model`, its tokens), marked `x-pdfleet-route: small`. A target that
 cannot be reached, or answers anything but 200 before a byte reached the client, returns None: the caller serves

@@ -1,4 +1,5 @@
-"""RouterConfig: `pdfleet router` flags (pools per SLA tier and engine, discovery, retries, aliases); the CLI and tests build it. No torch."""
+"""RouterConfig: `pdfleet router` flags (pools per SLA tier and engine, discovery, retries, aliases); the CLI and tests
+build it. No torch."""
 
 from __future__ import annotations
 

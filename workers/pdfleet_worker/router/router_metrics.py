@@ -1,4 +1,5 @@
-"""The router's Prometheus registry (requests by code and tier, latency, TTFT, upstream errors, retries, workers by health) and the middleware that counts every answer once; the proxy records into them."""
+"""The router's Prometheus registry (requests by code and tier, latency, TTFT, upstream errors, retries, workers by
+health) and the middleware that counts every answer once; the proxy records into them."""
 
 from __future__ import annotations
 

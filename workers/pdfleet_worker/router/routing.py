@@ -1,4 +1,6 @@
-"""Query routing to a smaller model: which requests the router judges simple enough for another deployment (its rules, an optional classifier hook and its confidence floor); the proxy asks `Routing.decide` before it picks a worker, the simulator asks `length_decision`. Pure apart from loading the classifier. No torch.
+"""Query routing to a smaller model: which requests the router judges simple enough for another deployment (its rules,
+an optional classifier hook and its confidence floor); the proxy asks `Routing.decide` before it picks a worker, the
+simulator asks `length_decision`. Pure apart from loading the classifier. No torch.
 
 A request goes to the target (route "small") when every rule that is set holds:
   max_prompt_tokens  the prompt's tokens (the model's tokenizer when the router has one: `--route-tokenizer`)

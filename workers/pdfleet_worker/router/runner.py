@@ -1,4 +1,5 @@
-"""`pdfleet router`: builds the RouterConfig and serves the router app with uvicorn, draining open streams on SIGTERM; the CLI calls run()."""
+"""`pdfleet router`: builds the RouterConfig and serves the router app with uvicorn, draining open streams on SIGTERM;
+the CLI calls run()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The workers the router knows: discovered per tier and role, probed for health and load as their engine answers them, taken out of rotation on failure; the proxy asks it for candidates."""
+"""The workers the router knows: discovered per tier and role, probed for health and load as their engine answers them,
+taken out of rotation on failure; the proxy asks it for candidates."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`pdfleet router --workers-file FILE`: the worker list as a JSON file re-read every discovery round, so `pdfleet up` adds and removes workers by rewriting it. No torch."""
+"""`pdfleet router --workers-file FILE`: the worker list as a JSON file re-read every discovery round, so `pdfleet up`
+adds and removes workers by rewriting it. No torch."""
 
 from __future__ import annotations
 

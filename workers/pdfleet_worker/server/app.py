@@ -1,4 +1,5 @@
-"""The worker's FastAPI app: OpenAI routes, /health, /ready, /load, /metrics, error objects, the deployment token on everything but the probes, background model load and drain; the runner serves it."""
+"""The worker's FastAPI app: OpenAI routes, /health, /ready, /load, /metrics, error objects, the deployment token on
+everything but the probes, background model load and drain; the runner serves it."""
 
 from __future__ import annotations
 

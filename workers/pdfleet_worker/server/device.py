@@ -1,4 +1,6 @@
-"""The device a worker computes on and the memory its KV pool is sized from: the vendor's torch bridge loaded by try-import, the device checked present (never a silent CPU fallback), a CPU pod's cgroup memory limit; worker_config calls it.
+"""The device a worker computes on and the memory its KV pool is sized from: the vendor's torch bridge loaded by
+try-import, the device checked present (never a silent CPU fallback), a CPU pod's cgroup memory limit; worker_config
+calls it.
 
 NOTE: the worker's CLI sets TORCH_DEVICE_BACKEND_AUTOLOAD=0 before torch is first imported: an installed
 torch_npu whose CANN libraries are absent otherwise makes `import torch` itself fail. The bridge of the

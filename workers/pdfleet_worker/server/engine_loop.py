@@ -1,4 +1,5 @@
-"""Runs the LLMEngine on its own thread and hands its outputs to asyncio request streams; the OpenAI handlers and the PD code call it.
+"""Runs the LLMEngine on its own thread and hands its outputs to asyncio request streams; the OpenAI handlers and the PD
+code call it.
 
 Everything that touches the engine runs on the engine thread, as a command taken between steps:
 admission, aborts, KV imports, lease releases. The event loop never waits for a step.

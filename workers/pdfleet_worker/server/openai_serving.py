@@ -1,4 +1,5 @@
-"""The OpenAI completions and chat handlers: request -> engine requests -> JSON or SSE, including the PD prefill and decode modes; the app routes to it."""
+"""The OpenAI completions and chat handlers: request -> engine requests -> JSON or SSE, including the PD prefill and
+decode modes; the app routes to it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation in the worker: leases and KV transfer parameters on the prefill side, pulls, acks and the failure policy on the decode side; the OpenAI handlers call it."""
+"""Prefill/decode disaggregation in the worker: leases and KV transfer parameters on the prefill side, pulls, acks and
+the failure policy on the decode side; the OpenAI handlers call it."""
 
 from __future__ import annotations
 

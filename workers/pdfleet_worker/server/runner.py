@@ -1,4 +1,5 @@
-"""`pdfleet worker`: builds the config, serves the app with uvicorn and turns SIGTERM into a drain; the CLI calls run()."""
+"""`pdfleet worker`: builds the config, serves the app with uvicorn and turns SIGTERM into a drain; the CLI calls
+run()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Tool calls for chat: what a request's tools and tool_choice ask of the model (ToolPlan: the grammar that forces a call, the format to parse), the parsers of Qwen2.5's (hermes) and Llama 3.1's (JSON) call formats, and the streamer that turns a growing answer into OpenAI delta tool_calls; openai_serving calls it. No torch.
+"""Tool calls for chat: what a request's tools and tool_choice ask of the model (ToolPlan: the grammar that forces a
+call, the format to parse), the parsers of Qwen2.5's (hermes) and Llama 3.1's (JSON) call formats, and the streamer that
+turns a growing answer into OpenAI delta tool_calls; openai_serving calls it. No torch.
 
 Forced calls work as vLLM's: a named function's output is its arguments object (a JSON schema grammar of its
 parameters); `required` outputs a JSON array of {"name", "parameters"} objects, one of the tools each."""

@@ -1,4 +1,5 @@
-"""WorkerConfig: `pdfleet worker` flags merged over the operator's engine config file, and the KV pool size from a memory fraction; the CLI and tests build it."""
+"""WorkerConfig: `pdfleet worker` flags merged over the operator's engine config file, and the KV pool size from a
+memory fraction; the CLI and tests build it."""
 
 from __future__ import annotations
 

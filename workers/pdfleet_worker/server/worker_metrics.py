@@ -1,4 +1,5 @@
-"""The worker's Prometheus registry: engine snapshots become gauges and counters at scrape time, step stats feed histograms; the server and PD code record into it."""
+"""The worker's Prometheus registry: engine snapshots become gauges and counters at scrape time, step stats feed
+histograms; the server and PD code record into it."""
 
 from __future__ import annotations
 

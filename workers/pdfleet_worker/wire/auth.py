@@ -1,4 +1,6 @@
-"""Shared secrets read from files and re-read when the files change (the deployment token between router, workers and KV endpoints; the router's client API keys), constant-time checks, and the ASGI middleware that answers 401 in OpenAI's shape; the worker, the router and the KV connector use it. No torch.
+"""Shared secrets read from files and re-read when the files change (the deployment token between router, workers and KV
+endpoints; the router's client API keys), constant-time checks, and the ASGI middleware that answers 401 in OpenAI's
+shape; the worker, the router and the KV connector use it. No torch.
 
 A secret file holds one value per line (blank lines and `#` comments ignored). A token file's first
 value is the one sent; every value in it is accepted. When the file changes (a Kubernetes Secret

@@ -1,4 +1,5 @@
-"""The checks of a request that need no tokenizer and no engine (`check`), run by the router before it picks a worker and by the worker before any work; plus the token budgets a request asks for. No torch."""
+"""The checks of a request that need no tokenizer and no engine (`check`), run by the router before it picks a worker
+and by the worker before any work; plus the token budgets a request asks for. No torch."""
 
 from __future__ import annotations
 

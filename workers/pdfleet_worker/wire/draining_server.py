@@ -1,4 +1,5 @@
-"""uvicorn with a drain: the first SIGTERM/SIGINT runs the app's drain coroutine, then the usual graceful shutdown, and the process exits 0; the worker and router runners use it. No torch."""
+"""uvicorn with a drain: the first SIGTERM/SIGINT runs the app's drain coroutine, then the usual graceful shutdown, and
+the process exits 0; the worker and router runners use it. No torch."""
 
 from __future__ import annotations
 

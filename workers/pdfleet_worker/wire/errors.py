@@ -1,4 +1,5 @@
-"""The OpenAI error object a client gets from the router or a worker (`RequestError`, `error_body`) and how a bad value is shown in one; every wire and server module raises it. No torch."""
+"""The OpenAI error object a client gets from the router or a worker (`RequestError`, `error_body`) and how a bad value
+is shown in one; every wire and server module raises it. No torch."""
 
 from __future__ import annotations
 

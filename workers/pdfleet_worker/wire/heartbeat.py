@@ -1,4 +1,6 @@
-"""SSE keep-alive comments (`: keep-alive`) while a stream waits for its next event, so that proxies with idle timeouts keep long-TTFT streams open; the worker's and the router's streams wrap their events with it. OpenAI clients skip comment lines (the SSE spec: a line starting with a colon). No torch."""
+"""SSE keep-alive comments (`: keep-alive`) while a stream waits for its next event, so that proxies with idle timeouts
+keep long-TTFT streams open; the worker's and the router's streams wrap their events with it. OpenAI clients skip
+comment lines (the SSE spec: a line starting with a colon). No torch."""
 
 from __future__ import annotations
 

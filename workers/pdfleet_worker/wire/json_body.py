@@ -1,4 +1,5 @@
-"""Hostile-JSON decoding of a request body (UTF-8, finite numbers, bounded nesting, no lone surrogates); the router and the worker read every body through `decode_json`. No torch."""
+"""Hostile-JSON decoding of a request body (UTF-8, finite numbers, bounded nesting, no lone surrogates); the router and
+the worker read every body through `decode_json`. No torch."""
 
 from __future__ import annotations
 

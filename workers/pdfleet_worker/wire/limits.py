@@ -1,4 +1,5 @@
-"""What one request may ask for (`Limits`): the worker's flags and model set it, its /load reports it, and the router applies the strictest of a tier's workers. No torch."""
+"""What one request may ask for (`Limits`): the worker's flags and model set it, its /load reports it, and the router
+applies the strictest of a tier's workers. No torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies the router and the worker accept: strict pydantic models (unknown fields refused, null means the default) and `parse`, whose 400 names the first bad field. No torch."""
+"""The OpenAI request bodies the router and the worker accept: strict pydantic models (unknown fields refused, null
+means the default) and `parse`, whose 400 names the first bad field. No torch."""
 
 from __future__ import annotations
 

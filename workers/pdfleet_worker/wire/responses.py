@@ -1,4 +1,5 @@
-"""Builders of OpenAI response bodies and stream chunks (ids, usage, model cards, the 404 for an unknown model); the worker's serving and the router call them. No torch."""
+"""Builders of OpenAI response bodies and stream chunks (ids, usage, model cards, the 404 for an unknown model); the
+worker's serving and the router call them. No torch."""
 
 from __future__ import annotations
 

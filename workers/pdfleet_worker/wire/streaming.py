@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the worker and the router (torch-free): body limits, disconnect watching, SSE framing, the SSE response that stops on disconnect, OpenAI error handlers."""
+"""HTTP plumbing shared by the worker and the router (torch-free): body limits, disconnect watching, SSE framing, the
+SSE response that stops on disconnect, OpenAI error handlers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""What a request constrains its output to (response_format, structured_outputs or vLLM's guided_* fields) as the engine's `StructuredOutput`, with a 400 naming the field when malformed; `checks.check` and the worker's OpenAI serving call it. No torch."""
+"""What a request constrains its output to (response_format, structured_outputs or vLLM's guided_* fields) as the
+engine's `StructuredOutput`, with a 400 naming the field when malformed; `checks.check` and the worker's OpenAI serving
+call it. No torch."""
 
 from __future__ import annotations
 
