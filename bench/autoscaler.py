@@ -698,10 +698,12 @@ def main(argv: list[str] | None = None) -> int:
     per_10min = mean("noisy-steady", "pdfleet", lambda r: r.direction_changes) / (noisy.duration / 600)
     print(f"  direction changes per 10 minutes on noisy-steady: {per_10min:.2f} (target <= 1)")
     print("held out: diurnal (the conversation day compressed 12x, day decode-heavy, night prefill-heavy)")
+    per_role_hours = mean("diurnal", "pdfleet", lambda r: r.replica_seconds) / mean(
+        "diurnal", "per-role", lambda r: r.replica_seconds
+    )
     print(
         f"  replica-hours / clairvoyant: {hours_ratio('diurnal'):.2f}; under-provisioned r·s / per-role: "
-        f"{under_ratio('diurnal'):.2f}; replica-hours / per-role: "
-        f"{mean('diurnal', 'pdfleet', lambda r: r.replica_seconds) / mean('diurnal', 'per-role', lambda r: r.replica_seconds):.2f}"
+        f"{under_ratio('diurnal'):.2f}; replica-hours / per-role: {per_role_hours:.2f}"
     )
     print(
         f"\nreplica-hours against the floor: the cheaper oracle sized at the policy's target utilization "
