@@ -163,7 +163,8 @@ async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_wha
     await asyncio.wait_for(rec.children_indexed(("default", "code")), timeout=0.1)  # code waits for its own only
     assert not chat.done()
     rec.indexes["deployment_children"][("default", "chat")] = [router]
-    await asyncio.wait_for(chat, timeout=2)
+    rec.child_seen(("default", "chat"))  # the router's event wakes chat's first reconcile (not a 1 s poll)
+    await asyncio.wait_for(chat, timeout=0.5)
     await asyncio.wait_for(rec.children_indexed(("default", "new")), timeout=0.1)  # nothing listed: no wait
 
 

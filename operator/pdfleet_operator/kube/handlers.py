@@ -529,11 +529,13 @@ CHILD_EVENT_GATHER_S = 0.2
 
 def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
     _keep_indexes(kwargs)
-    if event.get("type") is None:
-        return
     meta = body.get("metadata") or {}
     owner = (meta.get("labels") or {}).get(render.LABEL_DEPLOYMENT)
     key = (meta.get("namespace"), owner)
+    if owner:
+        RECONCILER.child_seen(key)  # (the initial listing too: a restart's first reconciles wait for it)
+    if event.get("type") is None:
+        return
     if not owner or RECONCILER.body(key) is None:
         return
     api = RECONCILER.api
