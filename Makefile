@@ -9,7 +9,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test demo up venv system-deps generate clean images checkov validate-sim
+.PHONY: test demo up venv system-deps generate clean images checkov validate-sim fmt
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ system-deps:
 
 test: venv system-deps vllm fuzz lmeval torch-npu triton
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# One style (pyproject.toml's [tool.ruff]; tests/test_style.py checks it): format, then fix what the linter can.
+fmt: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # The simulator against a saturated local fleet timed on this machine (opt-in: wants the machine to itself).
 validate-sim: venv

@@ -72,7 +72,7 @@ def test_the_worker_reads_the_rendered_file_into_its_engine_config(tmp_path) -> 
     path.write_text(engine_args.config_text(spec))
     p = argparse.ArgumentParser()
     worker_config.add_arguments(p)
-    from pdfleet_worker.model_init import init_model
+    from pdfleet_worker.model.model_init import init_model
 
     model = str(tmp_path / "model")  # its own (a fresh clone has no models/tiny: `make demo` makes that one)
     init_model(model, "tiny")

@@ -136,7 +136,7 @@ class KvOffloadSpec(ApiModel):
     """Tiered KV offload (pdfleet engine): prefix-cache blocks the device pool evicts move to host RAM, blocks the
     host tier evicts to a memory-mapped file on an emptyDir; least recently used first in each tier. A later
     prefix hit copies them back instead of recomputing them, unless the engine's cost model says recomputing
-    is cheaper (workers/pdfleet_worker/ENGINE.md, "Tiered KV offload")."""
+    is cheaper (docs/engine.md, "Tiered KV offload")."""
 
     host_memory: Quantity | None = Field(
         None,
@@ -576,7 +576,7 @@ class RoutingRules(ApiModel):
 
 class RoutingClassifier(ApiModel):
     """A function the router calls for requests that passed the rules: `f(RouteRequest) -> float`, the confidence in
-    [0, 1] that the request is simple (workers/pdfleet_worker/SERVING.md, "Query routing")."""
+    [0, 1] that the request is simple (docs/serving.md, "Query routing")."""
 
     entry_point: str = Field(
         description="module:function importable in the router's image, e.g. "

@@ -12,7 +12,7 @@ Facts and their sources:
   VLLM_NIXL_SIDE_CHANNEL_HOST, and moves blocks over UCX (RDMA, or TCP on ports chosen at run time);
   MooncakeConnector's prefill answers no params (`request_finished` returns None: a proxy must assign
   transfer ids and the bootstrap address, VLLM_MOONCAKE_BOOTSTRAP_PORT 8998), and its transfer engine binds
-  a random RPC port. The router runs NIXL between two vLLM CPU servers in tests/serving/test_vllm_pd.py.
+  a random RPC port. The router runs NIXL between two vLLM CPU servers in tests/worker/router/test_vllm_pd.py.
 - vLLM-Ascend (its documentation; no Ascend card here): MooncakeConnectorV1 is its prefill/decode connector,
   with its own bootstrap and transfer-engine ports; blocks are 128 tokens once prefix caching is on.
 - The other vendors' vLLM builds (Hygon's DCU, Cambricon's MLU, Kunlunxin's, Moore Threads') are forks of

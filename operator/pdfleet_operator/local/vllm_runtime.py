@@ -111,7 +111,7 @@ def check_pools(
         if rt.name != runtimes.VLLM:
             continue
         if role in ("prefill", "decode"):
-            # NOTE: the router drives vLLM's own prefill -> decode (tests/serving/test_vllm_pd.py, NIXL on
+            # NOTE: the router drives vLLM's own prefill -> decode (tests/worker/router/test_vllm_pd.py, NIXL on
             # loopback), but `pdfleet up` does not yet give each replica the KV connector and its own side
             # channel port; refused here so nothing starts that could not serve.
             raise UpError(
