@@ -8,6 +8,9 @@ engines stepped in turn (issue 28).
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse
 import json
 import os
@@ -16,7 +19,6 @@ import statistics
 import sys
 import time
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import torch
 
 

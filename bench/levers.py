@@ -26,6 +26,9 @@ Progress goes to stderr, a table and then one JSON line to stdout.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse
 import importlib.util
 import json
@@ -34,8 +37,6 @@ import random
 import statistics
 import sys
 import time
-
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TMP = os.environ.get("TMPDIR", "/tmp")

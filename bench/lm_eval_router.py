@@ -14,15 +14,15 @@ so that a test can hold them against the same sums taken offline (tests/worker/s
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys
 import tempfile  # noqa: E402
-
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LMEVAL_VENV = os.path.join(ROOT, ".venv-lmeval")

@@ -14,6 +14,9 @@ hardware never finished, want 0). Ends with one JSON line.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse
 import atexit
 import copy
@@ -26,8 +29,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-
-import _sys_path  # noqa: F401,I001  -- first: keeps this file from shadowing the stdlib (see it)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -15,6 +15,9 @@ pull next to one raw copy of the same bytes, the median of the ratios). Ends wit
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -28,7 +31,6 @@ import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 

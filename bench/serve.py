@@ -32,6 +32,9 @@ Ends with one JSON line: `tput_pdfleet_vs_vllm`, `ttft_pdfleet_vs_vllm`, `tput_r
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -45,8 +48,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001
 import httpx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,6 +19,9 @@ numbers it gave.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse
 import json
 import os
@@ -26,8 +29,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import _sys_path  # noqa: F401,I001  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "workers")]

@@ -19,6 +19,9 @@ is the median of the per-round ratios, listed with them.
 
 from __future__ import annotations
 
+import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing the stdlib (see it)
+
+# isort: split
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -33,8 +36,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-# isort: skip_file  -- _sys_path must stay the first import (see it)
-import _sys_path  # noqa: F401,I001
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
