@@ -123,24 +123,31 @@ async def test_metrics_endpoint_ignores_openmetrics_accept() -> None:
         await runner.cleanup()
 
 
-async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_what_the_api_lists() -> None:
-    """At start-up kopf runs handlers while its indexes still fill; planning then would see a missing
-    class or node and move or delete serving pools, and a status computed without a child Deployment calls a
-    serving pool not ready (a restart rewrote every status that way). The first reconcile waits for the classes and
-    nodes, and each deployment's first reconcile for its own children."""
+async def test_first_reconcile_waits_for_classes_and_nodes_and_listed_children_stand_in_until_indexed() -> None:
+    """At start-up kopf runs handlers while its indexes still fill; planning then would see a missing class or node
+    and move or delete serving pools, so the first reconcile waits for both. Children take minutes to index at
+    scale: what the API listed at start stands in for a child kopf has not indexed yet (a status computed without
+    the router's Deployment said the deployment was not serving, and was written on every restart)."""
     import asyncio
 
-    def deployment(name: str, owner: str | None) -> dict:
-        labels = {render.LABEL_DEPLOYMENT: owner} if owner else {}
-        return {"metadata": {"name": name, "namespace": "default", "labels": labels}}
+    def deployment(name: str, owner: str | None, role: str = "router") -> dict:
+        labels = {render.LABEL_DEPLOYMENT: owner, render.LABEL_ROLE: role} if owner else {}
+        if role != "router":
+            labels[render.LABEL_ACCELERATOR] = "h100-80gb"
+        refs = [{"controller": True, "uid": f"uid-{owner}"}]
+        return {
+            "metadata": {"name": name, "namespace": "default", "labels": labels, "ownerReferences": refs},
+            "spec": {"replicas": 2},
+        }
 
-    router, other = deployment("chat-router", "chat"), deployment("code-router", "code")
+    router, decode = deployment("chat-router", "chat"), deployment("chat-decode-h100-80gb", "chat", "decode")
+    other = deployment("code-router", "code")
 
     class FakeApi:
         async def list(self, kind, namespace, label_selector=None):
             if kind == "Deployment":
                 assert label_selector == "app.kubernetes.io/managed-by=pdfleet-operator"
-                return [router, other, deployment("hand-made", None)]  # (unlabelled: never indexed, not waited for)
+                return [router, decode, other, deployment("hand-made", None)]  # (unlabelled: not ours)
             if kind in ("AcceleratorClass", "Node"):
                 names = {"AcceleratorClass": ["h100-80gb", "h200-141gb"], "Node": ["n1", "n2"]}[kind]
                 return [{"metadata": {"name": n}} for n in names]
@@ -156,16 +163,21 @@ async def test_first_reconcile_waits_until_class_node_and_child_indexes_hold_wha
     await asyncio.wait_for(waiting, timeout=2)
     await asyncio.wait_for(rec.sync(FakeApi()), timeout=0.1)  # once per process
 
-    chat = asyncio.ensure_future(rec.children_indexed(("default", "chat")))
-    await asyncio.sleep(0.2)
-    assert not chat.done(), "reconciled chat before its router's Deployment was indexed"
-    rec.indexes["deployment_children"] = {("default", "code"): [other]}
-    await asyncio.wait_for(rec.children_indexed(("default", "code")), timeout=0.1)  # code waits for its own only
-    assert not chat.done()
-    rec.indexes["deployment_children"][("default", "chat")] = [router]
-    rec.child_seen(("default", "chat"))  # the router's event wakes chat's first reconcile (not a 1 s poll)
-    await asyncio.wait_for(chat, timeout=0.5)
-    await asyncio.wait_for(rec.children_indexed(("default", "new")), timeout=0.1)  # nothing listed: no wait
+    def names_of(key: tuple[str, str]) -> list[str]:
+        return sorted(o["metadata"]["name"] for o in rec.children(key, f"uid-{key[1]}", {}))
+
+    # Nothing indexed yet: the listing stands in, children and the capacity the pools hold alike.
+    assert names_of(("default", "chat")) == ["chat-decode-h100-80gb", "chat-router"]
+    assert [(p["deployment"], p["role"], p["replicas"]) for p in rec.pools()] == [("chat", "decode", 2)]
+    # Indexed: kopf's objects win and the listing of that deployment is dropped.
+    rec.indexes["deployment_children"] = {("default", "chat"): [router, decode]}
+    rec.indexes["pool_index"] = {("default", "chat-decode-h100-80gb"): [handlers.pool_view(decode)]}
+    assert names_of(("default", "chat")) == ["chat-decode-h100-80gb", "chat-router"]
+    assert ("default", "chat") not in rec._listed and len(rec.pools()) == 1
+    # A child deleted meanwhile (kopf's DELETED event) is no longer stood in for.
+    assert names_of(("default", "code")) == ["code-router"]
+    rec.child_gone(("default", "code"), "Deployment", "code-router")
+    assert names_of(("default", "code")) == []
 
 
 async def test_a_silent_api_server_is_a_temporary_error_not_a_crash() -> None:

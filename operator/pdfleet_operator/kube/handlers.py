@@ -41,7 +41,7 @@ from pdfleet_operator.kube import (
     reconciler,
     render,
 )
-from pdfleet_operator.kube.indexes import CHILD_INDEXES
+from pdfleet_operator.kube.indexes import CHILD_INDEXES, pool_view
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
 from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN, Key, Reconciler, Template  # noqa: F401 (tests reach them here)
 
@@ -211,22 +211,10 @@ def class_meta_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str
 
 @kopf.index("apps", "v1", "deployments")
 def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Every worker pool Deployment pdfleet manages (the watch is label-selected server-side): what it holds or will
-    hold, pods or not, so that capacity is counted right after a restart (issue 24, rule 7)."""
+    """Every worker pool Deployment pdfleet manages (the watch is label-selected server-side): `indexes.pool_view`."""
+    view = pool_view(body)
     meta = body.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    role, acc = labels.get(render.LABEL_ROLE), labels.get(render.LABEL_ACCELERATOR)
-    if not role or role == render.ROUTER_ROLE or not acc or not labels.get(render.LABEL_DEPLOYMENT):
-        return None
-    return {
-        (meta.get("namespace"), meta.get("name")): {
-            "namespace": meta.get("namespace"),
-            "deployment": labels[render.LABEL_DEPLOYMENT],
-            "role": role,
-            "class": acc,
-            "replicas": int((body.get("spec") or {}).get("replicas") or 0),
-        }
-    }
+    return None if view is None else {(meta.get("namespace"), meta.get("name")): view}
 
 
 def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None:
@@ -532,8 +520,8 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     meta = body.get("metadata") or {}
     owner = (meta.get("labels") or {}).get(render.LABEL_DEPLOYMENT)
     key = (meta.get("namespace"), owner)
-    if owner:
-        RECONCILER.child_seen(key)  # (the initial listing too: a restart's first reconciles wait for it)
+    if owner and event.get("type") == "DELETED":
+        RECONCILER.child_gone(key, kind, meta.get("name"))
     if event.get("type") is None:
         return
     if not owner or RECONCILER.body(key) is None:

@@ -21,9 +21,9 @@ from pdfleet_operator.kube import client
 logger = logging.getLogger("pdfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
 # How long the first reconcile of a process waits for kopf's class and node indexes to be complete, and how long
-# after start a deployment's first reconcile waits for its children to be indexed (thousands of them at 500 CRs).
+# the children listed at start stand in for those kopf has not indexed yet (thousands of them take minutes).
 INDEX_SYNC_TIMEOUT_S = 10.0
-CHILD_SYNC_TIMEOUT_S = 120.0
+LISTED_CHILDREN_S = 600.0
 # kind -> the index of that child kind (handlers.py declares them; each holds whole objects by (namespace, owner))
 CHILD_INDEXES = {
     "Deployment": "deployment_children",
@@ -50,10 +50,10 @@ class Cluster:
         self.indexes: dict[str, Any] = {}
         self.indexed = False  # every index holds its initial listing (set by the first resource handler)
         self._synced: asyncio.Task | None = None
-        # What the API listed at start per deployment and kopf had not indexed yet: key -> {(index name, object name)}
-        self._unindexed: dict[Key, set[tuple[str, str]]] = {}
-        self._children_deadline = 0.0
-        self._child_waiters: dict[Key, asyncio.Event] = {}  # first reconciles waiting for their children
+        # The children the API listed at start, per deployment: key -> {(kind, name): object}, until kopf's index holds
+        # them (or LISTED_CHILDREN_S after start)
+        self._listed: dict[Key, dict[tuple[str, str], dict[str, Any]]] = {}
+        self._listed_until = 0.0
         # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
         # (monotonic time, pod views, why they could not be listed or None).
         self._foreign: tuple[float, list[dict[str, Any]], str | None] | None = None
@@ -97,8 +97,16 @@ class Cluster:
         return own + (list(self._foreign[1]) if self._foreign is not None else [])
 
     def pools(self) -> list[dict[str, Any]]:
-        """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas}."""
-        return [p for s in (self.indexes.get("pool_index") or {}).values() for p in s]
+        """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas} (with those
+        listed at start that kopf has not indexed yet)."""
+        index = self.indexes.get("pool_index") or {}
+        out = [p for s in index.values() for p in s]
+        for key, listed in self._listed_children().items():
+            for (kind, name), obj in listed.items():
+                view = pool_view(obj) if kind == "Deployment" and (key[0], name) not in index else None
+                if view is not None:
+                    out.append(view)
+        return out
 
     def children(
         self, key: Key, uid: str, written: Mapping[tuple[str, str, str], Mapping[str, Any]]
@@ -116,6 +124,15 @@ class Cluster:
             for obj in index[key] if key in index else ():
                 obj = {**obj, "kind": kind}
                 out[(kind, obj["metadata"]["name"])] = obj
+        # NOTE: right after a start kopf's indexes fill for minutes at scale; what the API listed then stands in for
+        # a child not indexed yet (a status without the router's Deployment said "not serving" and was written).
+        listed = self._listed_children().get(key)
+        if listed is not None:
+            missing = {k: o for k, o in listed.items() if k not in out}
+            if missing:
+                out.update(missing)
+            else:
+                self._listed.pop(key, None)
         for (kind, namespace, name), mine in written.items():
             if namespace != key[0] or kind not in CHILD_INDEXES:
                 continue
@@ -136,8 +153,8 @@ class Cluster:
 
     # --- once per process ------------------------------------------------------------------------------------
     async def sync(self, api: client.Api, namespaces: tuple[str, ...] = ()) -> None:
-        """Wait until kopf's class and node indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S), and note
-        the children the API lists per deployment (`children_indexed` waits for those).
+        """Wait until kopf's class and node indexes hold what the API lists (up to INDEX_SYNC_TIMEOUT_S), and keep
+        the children the API lists, to stand in for those kopf has not indexed yet (`children`, `pools`).
 
         NOTE: kopf fills its indexes from watch streams while handlers (class and node events at
         start-up among them) already run. A plan made before every AcceleratorClass and Node is
@@ -157,19 +174,19 @@ class Cluster:
             "class_index": {c["metadata"]["name"] for c in await api.list("AcceleratorClass", None)},
             "node_index": {n["metadata"]["name"] for n in await api.list("Node", None)},
         }
-        # NOTE: namespaced mode lists the namespaces named literally; a glob's children are not waited for.
+        # NOTE: namespaced mode lists the namespaces named literally; a glob's children come from kopf alone.
         scopes: tuple[str | None, ...] = tuple(n for n in namespaces if not _is_glob(n)) if namespaces else (None,)
         selector = f"app.kubernetes.io/managed-by={names.MANAGER}"
-        unindexed: dict[Key, set[tuple[str, str]]] = {}
-        for kind, index_name in CHILD_INDEXES.items():
+        children: dict[Key, dict[tuple[str, str], dict[str, Any]]] = {}
+        for kind in CHILD_INDEXES:
             for ns in scopes:
                 for o in await api.list(kind, ns, selector):
                     meta = o["metadata"]
                     owner = (meta.get("labels") or {}).get(names.LABEL_DEPLOYMENT)
                     if owner:
-                        unindexed.setdefault((meta["namespace"], owner), set()).add((index_name, meta["name"]))
-        self._unindexed = unindexed
-        self._children_deadline = asyncio.get_running_loop().time() + CHILD_SYNC_TIMEOUT_S
+                        children.setdefault((meta["namespace"], owner), {})[(kind, meta["name"])] = {**o, "kind": kind}
+        self._listed = children
+        self._listed_until = asyncio.get_running_loop().time() + LISTED_CHILDREN_S
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
         while True:
             missing = {name: sorted(want - set(self.indexes.get(name) or {})) for name, want in listed.items()}
@@ -180,43 +197,16 @@ class Cluster:
                 return
             await asyncio.sleep(0.05)
 
-    async def children_indexed(self, key: Key) -> None:
-        """Wait until kopf's child indexes hold every child of `key` the API listed at start (up to
-        CHILD_SYNC_TIMEOUT_S after start).
+    def _listed_children(self) -> dict[Key, dict[tuple[str, str], dict[str, Any]]]:
+        if self._listed and asyncio.get_running_loop().time() > self._listed_until:
+            self._listed.clear()  # kopf's indexes are the truth from here on
+        return self._listed
 
-        NOTE: a status computed before the router's Deployment is indexed says the deployment is not serving, and
-        a plan without its pools' Deployments recreates them (a create answered 409 and a GET each): a restart at
-        500 CRs rewrote 374 statuses that way. Each deployment waits for its own children only, woken by their
-        events (`child_seen`), not by polling: 500 waiters polling every 50 ms starved kopf's own indexing.
-        """
-        loop = asyncio.get_running_loop()
-        want = self._unindexed.get(key)
-        while want:
-            woken = self._child_waiters.setdefault(key, asyncio.Event())
-            woken.clear()
-            want = {(index, name) for index, name in want if not self._holds(index, key, name)}
-            if not want:
-                break
-            remaining = self._children_deadline - loop.time()
-            if remaining <= 0:
-                logger.warning("reconciling %s/%s before kopf indexed %s", *key, sorted(want))
-                break
-            try:
-                await asyncio.wait_for(woken.wait(), timeout=min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass  # (a missed wake-up costs at most a second)
-        self._child_waiters.pop(key, None)
-        self._unindexed.pop(key, None)
-
-    def child_seen(self, key: Key) -> None:
-        """kopf delivered an event of one of `key`'s children (its index holds it now): wake its first reconcile."""
-        woken = self._child_waiters.get(key)
-        if woken is not None:
-            woken.set()
-
-    def _holds(self, index_name: str, key: Key, name: str) -> bool:
-        index = self.indexes.get(index_name) or {}
-        return key in index and any(o["metadata"]["name"] == name for o in index[key])
+    def child_gone(self, key: Key, kind: str, name: str) -> None:
+        """A child was deleted (kopf's event): the start-up listing no longer stands in for it."""
+        listed = self._listed.get(key)
+        if listed is not None:
+            listed.pop((kind, name), None)
 
     # --- namespaced mode: the other namespaces' pods ---------------------------------------------------------
     async def refresh_foreign(self, api: client.Api, namespaces: tuple[str, ...], interval: float) -> str | None:
@@ -315,6 +305,23 @@ def capacity_condition(
         last_transition_time=now,
         observed_generation=generation,
     )
+
+
+def pool_view(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the capacity inventory keeps of a worker pool Deployment (None for the router and others): what it
+    holds or will hold, pods or not, so that capacity is counted right after a restart (issue 24, rule 7)."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    role, acc = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_ACCELERATOR)
+    if not role or role == names.ROUTER_ROLE or not acc or not labels.get(names.LABEL_DEPLOYMENT):
+        return None
+    return {
+        "namespace": meta.get("namespace"),
+        "deployment": labels[names.LABEL_DEPLOYMENT],
+        "role": role,
+        "class": acc,
+        "replicas": int((body.get("spec") or {}).get("replicas") or 0),
+    }
 
 
 def _is_glob(pattern: str) -> bool:

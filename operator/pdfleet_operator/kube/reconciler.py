@@ -334,7 +334,6 @@ class Reconciler(Cluster):
         if refused:
             raise ValueError(refused)
         await self.sync(api, OPTIONS.namespaces)
-        await self.children_indexed(key)
         owner = render.Owner(dep.name, key[0], meta["uid"])
         monitoring = await self._monitoring_enabled(api)
         # The child kinds kopf watches come from its indexes (with our own writes over them); the monitoring kinds
