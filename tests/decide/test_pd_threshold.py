@@ -59,3 +59,5 @@ def test_the_field_is_refused_on_a_colocated_deployment() -> None:
     doc = example_deployments()["qwen2-7b"]["spec"]
     with pytest.raises(pydantic.ValidationError, match="pdMinPromptTokens applies to disaggregated deployments"):
         InferenceDeploymentSpec.model_validate({**doc, "router": {"pdMinPromptTokens": 10}})
+    # 0 skips nothing: accepted on any spec (a colocated copy of a PD example keeps it)
+    InferenceDeploymentSpec.model_validate({**doc, "router": {"pdMinPromptTokens": 0}})

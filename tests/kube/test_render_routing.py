@@ -7,7 +7,7 @@ from __future__ import annotations
 import kubernetes_validate
 
 from pdfleet_operator.api import InferenceDeployment
-from pdfleet_operator.decide import inventory, placement
+from pdfleet_operator.decide import inventory, pd_threshold, placement
 from pdfleet_operator.kube import render
 from tests.kube.cluster import classes, example_deployments, standard_nodes
 
@@ -34,6 +34,12 @@ def test_the_router_routes_to_the_target_service_with_the_rules():
         "10",
         "--drain-timeout",
         "600",
+        "--pd-min-prompt-tokens",  # the cost model's for the spec's classes (decide/pd_threshold.py)
+        str(
+            pd_threshold.threshold(
+                InferenceDeployment.model_validate(example_deployments()["qwen2-7b-routed"]).spec, classes()
+            )
+        ),
         "--route-to",
         "http://qwen2-0-5b.team-a.svc:80",
         "--route-max-prompt-tokens",

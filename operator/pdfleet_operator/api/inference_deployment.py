@@ -656,8 +656,10 @@ class InferenceDeploymentSpec(ApiModel):
             message="with disaggregation true set prefill and decode (not colocated); with false set colocated only",
         ),
         Rule(
-            rule=f"!has(self.router) || !has(self.router.pdMinPromptTokens) || {_or('disaggregation', 'true')}",
-            message="router.pdMinPromptTokens applies to disaggregated deployments (disaggregation: true) only",
+            rule="!has(self.router) || !has(self.router.pdMinPromptTokens) || self.router.pdMinPromptTokens == 0 || "
+            f"{_or('disaggregation', 'true')}",
+            message="router.pdMinPromptTokens applies to disaggregated deployments (disaggregation: true) only; "
+            "0 (nothing skips the prefill pool) is accepted everywhere",
         ),
         Rule(
             rule="(!has(self.decode) || !has(self.decode.targetPromptTokensPerReplica)) && "
