@@ -11,6 +11,14 @@ every time, so no prefix cache helps), and reports medians.
 Targets: PD adds at most (KV bytes / measured loopback bandwidth) + 20 ms to TTFT; a KV pull moves
 its bytes at >= 50% of a raw loopback socket's bandwidth (`kv_pull_vs_socket`: per repetition, one
 pull next to one raw copy of the same bytes, the median of the ratios). Ends with one JSON line.
+
+What the two sides of that ratio time, like for like: the pull is the decode worker's own
+pdfleet_kv_transfer_seconds (request frame, the prefill worker's lease and layout check, header, every
+byte in the destination blocks) on a connection its pool kept from the pull before; the raw copy is
+sendall of the same byte count from this process to a child that receives into a buffer it allocated
+once, plus a 1-byte ack, on one connection set up before the timing. Each is one TCP connection with
+one round trip; connection set-up is outside both. Each end of either runs in a session of its own
+(RawSocket), so the kernel's per-session CPU shares treat them alike on a busy machine.
 """
 
 from __future__ import annotations
@@ -138,7 +146,12 @@ class RawSocket:
         self._srv = socket.socket()
         self._srv.bind(("127.0.0.1", 0))
         self._srv.listen(1)
-        self._child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(nbytes), str(self._srv.getsockname()[1])])
+        # NOTE: a session of its own, as each worker has (Proc): with the kernel's autogroup scheduling a busy
+        # machine shares CPU time per session, and a receiver in this process's session would get a share
+        # the pull's two ends do not (or lack one they have).
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER, str(nbytes), str(self._srv.getsockname()[1])], start_new_session=True
+        )
         self._conn, _ = self._srv.accept()
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._data = memoryview(bytearray(os.urandom(1 << 20)) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
