@@ -60,14 +60,14 @@ def test_views_carry_exactly_the_blocks_in_wire_order(kind, int8):
     ids, dest = RANGES[kind]
     before = [{k: t.clone() for k, t in layer.items()} for layer in dst.layers]
     # The byte stream is what export_kv's tensors concatenated hold.
-    sent = b"".join(bytes(v) for views in src.send_layers(ids) for v in views)
+    sent = b"".join(bytes(v) for layer in src.send_layers(ids) for v in blocks.ready(layer))
     expected = b"".join(
         bytes(blocks.byte_view(t.contiguous())) for layer in blocks_of(src, ids) for t in layer.values()
     )
     assert sent == expected
     a, b = socket.socketpair()
     with a, b:
-        sender = threading.Thread(target=lambda: [wire.send_views(a, v) for v in src.send_layers(ids)])
+        sender = threading.Thread(target=lambda: [wire.send_views(a, blocks.ready(x)) for x in src.send_layers(ids)])
         sender.start()
         for views, scatter in dst.recv_layers(dest):
             wire.recv_views(b, views, None)
@@ -167,6 +167,33 @@ def test_pull_writes_into_the_destination_blocks_and_staged_pulls_match():
         assert puller.release(params, params.prompts[0], True, 5) and freed == ["req-1"] and len(leases) == 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("kind", list(RANGES))
+def test_a_pull_lands_every_kind_of_range_in_its_blocks(kind, int8):
+    """Through the connector: one coalesced send of header and layers, one scatter read per run of in-place
+    layers (gathered layers sent and scattered one by one)."""
+    src, dst = make_pool(200, int8=int8, seed=1), make_pool(300, int8=int8, seed=2)
+    held, dest = RANGES[kind]
+    before = [{k: t.clone() for k, t in layer.items()} for layer in dst.layers]
+    server, leases, freed, params = _serving(src, held)
+    puller = TcpKVConnector(peers=KVPeers.from_spec("127.0.0.1"))
+    try:
+        pulled = puller.pull(params, params.prompts[0], 0, dest, "hash", 5, into=dst)
+        assert pulled.in_place and pulled.nbytes == sum(
+            t.numel() * t.element_size() for layer in blocks_of(src, held) for t in layer.values()
+        )
+        for got, want in zip(blocks_of(dst, dest), blocks_of(src, held)):
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        others = torch.tensor(sorted(set(range(300)) - set(dest)))
+        for layer, old in zip(dst.layers, before):
+            assert all(torch.equal(layer[k].index_select(2, others), old[k].index_select(2, others)) for k in layer)
+        # The connection went back to the idle pool at a message boundary: the ack on it is answered.
+        assert puller.release(params, params.prompts[0], True, 5) and freed == ["req-1"]
+    finally:
+        server.close()
+        puller.close()
 
 
 @pytest.fixture(scope="module")

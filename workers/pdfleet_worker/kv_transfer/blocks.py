@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # copy) instead: Linux takes at most 1024 buffers per sendmsg/recvmsg, and a Python slice per segment would
 # cost more than the copy.
 MAX_SEGMENTS = 1024
+
+# A layer's bytes on the way out: views ready to send, or a function that gathers a copy and returns its views.
+SendLayer = list[memoryview] | Callable[[], list[memoryview]]
 
 # (block ids) -> per layer {"kv": [2, Hkv, n, block_size, D], "scale": [2, Hkv, n]?}; LLMEngine.export_kv.
 ExportFn = Callable[[list[int]], list[dict[str, torch.Tensor]]]
@@ -40,19 +43,28 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B")
 
 
+def spans(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive ids in `ids`, as (first id, length)."""
+    out: list[tuple[int, int]] = []
+    for b in ids:
+        if out and b == out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
 def runs(*id_lists: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Split equally long block-id lists where any of them stops being consecutive: the first id of every run
     in each list, and the runs' lengths (int64)."""
     n = len(id_lists[0])
     assert n > 0 and all(len(ids) == n for ids in id_lists), "block lists differ in length"
-    ids = [torch.as_tensor(list(x), dtype=torch.int64) for x in id_lists]
-    brk = torch.zeros(n, dtype=torch.bool)
-    brk[0] = True
-    for x in ids:
-        brk[1:] |= x[1:] != x[:-1] + 1
-    first = brk.nonzero().flatten()
-    lengths = torch.diff(first, append=torch.tensor([n]))
-    return [x[first] for x in ids], lengths
+    # NOTE: a Python walk, not tensor ops: a prompt's few hundred ids take microseconds this way, ~60 us as ops.
+    firsts = [0] + [i for i in range(1, n) if any(ids[i] != ids[i - 1] + 1 for ids in id_lists)]
+    lengths = [b - a for a, b in zip(firsts, firsts[1:] + [n])]
+    return [torch.tensor([ids[i] for i in firsts], dtype=torch.int64) for ids in id_lists], torch.tensor(
+        lengths, dtype=torch.int64
+    )
 
 
 def segments(
@@ -77,7 +89,7 @@ class WireTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "name": self.name, "dtype": DTYPE_NAMES[self.dtype], "shape": list(self.shape)}
@@ -123,6 +135,18 @@ class KVPool:
                         f"{self.num_blocks} blocks on dim 2"
                     )
         self.device = next(iter(self.layers[0].values())).device
+        # Per layer, per tensor: its bytes, rows before the block dim (k/v x KV head), bytes per block.
+        self._geometry = (
+            [
+                [
+                    (byte_view(t), math.prod(t.shape[:2]), math.prod(t.shape[3:]) * t.element_size())
+                    for t in layer.values()
+                ]
+                for layer in self.layers
+            ]
+            if self.host
+            else None
+        )
 
     @classmethod
     def of_caches(cls, caches) -> "KVPool":
@@ -155,34 +179,37 @@ class KVPool:
             )
 
     # -- byte views, layer by layer (host pools) --------------------------------------------------
-    def send_layers(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        """For each layer, the buffers holding its bytes in wire order: views of the pool itself, or of one
-        gathered copy when the range is too fragmented. Lazy: a layer is prepared when the previous one is sent."""
+    def send_layers(self, block_ids: Sequence[int]) -> list[SendLayer]:
+        """For each layer, the buffers holding its bytes in wire order: views of the pool itself, or, for a range
+        too fragmented, a function that gathers a copy (called when the layer is next, so the copy is made while
+        the layers before it are on the wire)."""
         assert self.host, "socket views need a host pool"
-        starts, lengths = runs(block_ids)
-        cache: dict = {}
-        for layer in self.layers:
-            plan = self._plan(layer, starts[0], lengths, cache)
-            if plan is not None:
-                yield plan
+        runs_ = spans(block_ids)
+        out: list[SendLayer] = []
+        for i, layer in enumerate(self.layers):
+            views = self._views(i, runs_)
+            if views is None:
+
+                def gather(layer=layer) -> list[memoryview]:
+                    idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
+                    return [byte_view(t.index_select(2, idx)) for t in layer.values()]
+
+                out.append(gather)
             else:
-                idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
-                yield [byte_view(t.index_select(2, idx)) for t in layer.values()]
+                out.append(views)
+        return out
 
     def recv_layers(self, block_ids: Sequence[int]) -> list[tuple[list[memoryview], Callable[[], None] | None]]:
         """For each layer, the buffers its bytes go into and what to run once they are in (scatter a staged
         copy of a fragmented range into its blocks), or None when the views are the pool's own blocks.
-        Eager: made before the pull is asked for, so nothing is computed while its bytes arrive."""
-        return list(self._recv_layers(block_ids))
-
-    def _recv_layers(self, block_ids: Sequence[int]) -> Iterator[tuple[list[memoryview], Callable[[], None] | None]]:
+        Made before the pull is asked for, so nothing is computed while its bytes arrive."""
         assert self.host, "socket views need a host pool"
-        starts, lengths = runs(block_ids)
-        cache: dict = {}
-        for layer in self.layers:
-            plan = self._plan(layer, starts[0], lengths, cache)
-            if plan is not None:
-                yield plan, None
+        runs_ = spans(block_ids)
+        out = []
+        for i, layer in enumerate(self.layers):
+            views = self._views(i, runs_)
+            if views is not None:
+                out.append((views, None))
                 continue
             idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
             staged = {
@@ -193,23 +220,22 @@ class KVPool:
                 for name, t in layer.items():
                     t.index_copy_(2, idx, staged[name])
 
-            yield [byte_view(s) for s in staged.values()], scatter
+            out.append(([byte_view(s) for s in staged.values()], scatter))
+        return out
 
-    def _plan(
-        self, layer: dict[str, torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor, cache: dict
-    ) -> list[memoryview] | None:
-        """Views of the layer's segments, or None past MAX_SEGMENTS; `cache` keeps each tensor shape's segment
-        offsets for the other layers (every layer has the same shapes)."""
+    def _views(self, layer: int, runs_: list[tuple[int, int]]) -> list[memoryview] | None:
+        """Views of layer `layer`'s segments for the block runs (first, length), in wire order; None past
+        MAX_SEGMENTS."""
+        assert self._geometry is not None
+        geometry = self._geometry[layer]
+        if sum(rows for _, rows, _ in geometry) * len(runs_) > MAX_SEGMENTS:
+            return None
         views = []
-        for t in layer.values():
-            key = (tuple(t.shape), t.element_size())
-            if key not in cache:
-                offsets, sizes = segments(t.shape, t.element_size(), starts, lengths)
-                cache[key] = list(zip(offsets.tolist(), sizes.tolist()))
-            if len(views) + len(cache[key]) > MAX_SEGMENTS:
-                return None
-            whole = byte_view(t)
-            views += [whole[o : o + n] for o, n in cache[key]]
+        for whole, rows, per_block in geometry:
+            row_bytes = self.num_blocks * per_block
+            for r in range(rows):
+                base = r * row_bytes
+                views += [whole[base + b * per_block : base + (b + n) * per_block] for b, n in runs_]
         return views
 
     # -- addresses (registered memory: NIXL) -------------------------------------------------------
@@ -236,12 +262,17 @@ class Exported:
     def __init__(self, export: ExportFn):
         self.export = export
 
-    def header_and_layers(self, block_ids: list[int]) -> tuple[list[WireTensor], Iterator[list[memoryview]]]:
+    def header_and_layers(self, block_ids: list[int]) -> tuple[list[WireTensor], list[SendLayer]]:
         layers = [{name: t.contiguous().cpu() for name, t in sorted(layer.items())} for layer in self.export(block_ids)]
         specs = [
             WireTensor(i, name, t.dtype, tuple(t.shape)) for i, layer in enumerate(layers) for name, t in layer.items()
         ]
-        return specs, iter([[byte_view(t) for t in layer.values()] for layer in layers])
+        return specs, [[byte_view(t) for t in layer.values()] for layer in layers]
+
+
+def ready(layer: SendLayer) -> list[memoryview]:
+    """A layer's views on its way out, its copy gathered first if it needs one."""
+    return layer() if callable(layer) else layer
 
 
 def source(blocks: "KVPool | ExportFn") -> "KVPool | Exported":
@@ -251,9 +282,7 @@ def source(blocks: "KVPool | ExportFn") -> "KVPool | Exported":
     return Exported(blocks)
 
 
-def header_and_layers(
-    src: "KVPool | Exported", block_ids: list[int]
-) -> tuple[list[WireTensor], Iterator[list[memoryview]]]:
+def header_and_layers(src: "KVPool | Exported", block_ids: list[int]) -> tuple[list[WireTensor], list[SendLayer]]:
     if isinstance(src, KVPool):
         return src.wire(len(block_ids)), src.send_layers(block_ids)
     return src.header_and_layers(block_ids)

@@ -15,9 +15,14 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval (Linux)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
-def send_msg(sock: socket.socket, obj: dict) -> None:
+def frame(obj: dict) -> bytes:
+    """A message as it goes on the wire: its length, then its JSON."""
     data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, obj: dict) -> None:
+    sock.sendall(frame(obj))
 
 
 def recv_msg(sock: socket.socket, deadline: float | None) -> dict:
