@@ -156,8 +156,16 @@ $(CHECKOV_STAMP): tests/security/constraints-checkov.txt
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat constraints-vllm.txt | md5sum | cut -c1-12)
 
-.PHONY: vllm
-vllm: $(VLLM_STAMP)
+.PHONY: vllm tcmalloc
+vllm: $(VLLM_STAMP) tcmalloc
+
+# TCMalloc, which vLLM's CPU docs preload with Intel OpenMP (the intel-openmp wheel above); bench/peer.py preloads both.
+tcmalloc:
+	@if /sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    libtcmalloc-minimal4 >/dev/null; \
+	else echo "note: install libtcmalloc-minimal4 (Debian) or bench/peer.py runs only with --vllm-preload iomp5"; fi
 
 $(VLLM_STAMP): constraints-vllm.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)

@@ -34,6 +34,9 @@ PEER_KEYS = {
     "bs1_vs_vllm_bf16",
     "bs1_mbu",
     "prefix_ttft_vs_vllm",
+    "cold_ttft_vs_vllm",
+    "cold_ttft_vs_vllm_fp32",
+    "cold_ttft_vs_vllm_bf16",
     "token_disagreements",
     "vllm_version",
 }
@@ -56,7 +59,8 @@ def test_peer_bench_names_the_install_command_without_the_vllm_runtime(tmp_path)
 @pytest.mark.slow
 def test_peer_bench_smoke_run(tmp_path):
     """bench/peer.py --smoke end to end against the real vLLM runtime (tiny model, both dtypes, vLLM
-    eager: ~3 minutes): one JSON line with the keys other checks read. Times nothing."""
+    eager, both engines in child processes: ~3 minutes): one JSON line with the keys other checks read, each
+    with its spread, and no verdict from one repetition. Times nothing."""
     from tests.support.vllm import vllm_python
 
     env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
@@ -72,6 +76,11 @@ def test_peer_bench_smoke_run(tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert PEER_KEYS <= set(out), sorted(PEER_KEYS - set(out))
     assert out["tokens_compared"] > 0 and 0 <= out["token_disagreements"] <= out["tokens_compared"]
+    for key in PEER_KEYS & set(out["spread"]):
+        lo, hi = out["spread"][key]
+        assert lo <= out[key] <= hi, key
+    assert all(v.startswith("no verdict") for v in out["verdicts"].values()), "one repetition judges nothing"
+    assert out["pdfleet_cold_ttft_ms_fp32"] > 0 and out["vllm_cold_ttft_ms_fp32"] > 0
 
 
 LEVERS_INT8_KEYS = {"int8_bs1_vs_fp32", "int8_bs1_vs_bf16", "int8_ppl_increase"}
