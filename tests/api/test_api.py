@@ -256,6 +256,27 @@ def test_invalid_resource_rejected_by_validate(case):
     )
 
 
+def test_kept_rule_results_answer_as_the_interpreter_does():
+    """evaluate_rule keeps results per (rule, self); a kept answer is the interpreter's, and a refusal stays one."""
+    from pdfleet_operator.api import meta
+
+    rule = "(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.local) ? 1 : 0) == 1"
+    values = [{"pvc": {"claimName": "m"}}, {"pvc": {"claimName": "m"}, "local": {"path": "/m"}}, {}]
+    meta._RESULTS.clear()
+    first = [meta.evaluate_rule(rule, v) for v in values]
+    assert first == [True, False, False]
+    assert len(meta._RESULTS) == 3
+    assert [meta.evaluate_rule(rule, copy.deepcopy(v)) for v in values] == first  # kept, same answers
+    # Key order does not matter; a different value is a different key.
+    assert meta.evaluate_rule(rule, {"local": {"path": "/m"}, "pvc": {"claimName": "m"}}) is False
+    assert meta.evaluate_rule(rule, {"local": {"path": "/m"}}) is True
+    # Every invalid case is refused again when its rules' results are kept from the first refusal.
+    for case in CASES:
+        obj = case.build()
+        once = validate.pydantic_problems(api.KINDS[obj["kind"]], obj)
+        assert validate.pydantic_problems(api.KINDS[obj["kind"]], copy.deepcopy(obj)) == once
+
+
 def test_enough_invalid_cases():
     assert len(CASES) >= 25
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -99,14 +100,32 @@ def cel_program(expression: str) -> Any:
     return env.program(env.compile(expression), functions=_cel_functions())
 
 
+# NOTE: cel-python interprets each rule's tree on every call (milliseconds a rule), and admission evaluates
+# every rule of an object on every write, a status patch included (the test API server at 500 deployments spent
+# most of its CPU here). A rule is a pure function of its variables: outcomes are kept per (rule, canonical JSON
+# of the variables), errors included. Bounded: emptied when full.
+_OUTCOMES: dict[tuple[str, str], tuple[bool, Any]] = {}
+_OUTCOMES_MAX = 8192
+
+
 def _cel_eval(expression: str, activation: dict[str, Any]) -> Any:
     import celpy
 
-    program = cel_program(expression)
-    result = program.evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
-    if isinstance(result, celpy.CELEvalError):
-        raise result
-    return result
+    key = (expression, json.dumps(activation, sort_keys=True, separators=(",", ":"), default=str))
+    kept = _OUTCOMES.get(key)
+    if kept is None:
+        try:
+            result = cel_program(expression).evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
+            kept = (not isinstance(result, celpy.CELEvalError), result)
+        except Exception as exc:  # noqa: BLE001  -- kept and raised again as the caller expects
+            kept = (False, exc)
+        if len(_OUTCOMES) >= _OUTCOMES_MAX:
+            _OUTCOMES.clear()
+        _OUTCOMES[key] = kept
+    ok, value = kept
+    if not ok:
+        raise value.with_traceback(None)  # (a kept error: no traceback piling up over raises)
+    return value
 
 
 def _field_path(base: str, field_path: str) -> str:
