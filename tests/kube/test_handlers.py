@@ -171,7 +171,7 @@ async def test_first_reconcile_waits_for_classes_and_nodes_and_listed_children_s
     assert [(p["deployment"], p["role"], p["replicas"]) for p in rec.pools()] == [("chat", "decode", 2)]
     # Indexed: kopf's objects win and the listing of that deployment is dropped.
     rec.indexes["deployment_children"] = {("default", "chat"): [router, decode]}
-    rec.indexes["pool_index"] = {("default", "chat-decode-h100-80gb"): [handlers.pool_view(decode)]}
+    rec.indexes["pool_index"] = {("default", "chat"): [handlers.pool_view(decode)]}
     assert names_of(("default", "chat")) == ["chat-decode-h100-80gb", "chat-router"]
     assert ("default", "chat") not in rec._listed and len(rec.pools()) == 1
     # A child deleted meanwhile (kopf's DELETED event) is no longer stood in for.
@@ -257,3 +257,44 @@ def test_the_autoscaler_reads_each_role_with_the_engines_its_pools_run(kube) -> 
         wait_reconciled(kube, "llama31-8b")
         assert handlers.RECONCILER.engines(("default", "qwen2-7b-vllm")) == {"colocated": ["vllm"]}
         assert handlers.RECONCILER.engines(KEY) == {"prefill": ["pdfleet"], "decode": ["pdfleet"]}
+
+
+def test_diff_base_is_kopfs_essence_of_an_inference_deployment_and_nothing_for_children() -> None:
+    """kopf's own `DiffBaseStorage.build` is the oracle; the slim copy must give the same essence."""
+    body = {
+        "apiVersion": "pdfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {
+            "name": "chat",
+            "namespace": "default",
+            "uid": "u1",
+            "resourceVersion": "42",
+            "generation": 3,
+            "labels": {"team": "a"},
+            "annotations": {
+                "pdfleet.io/rollback-to": "2",
+                "kubectl.kubernetes.io/last-applied-configuration": "{}",
+            },
+            "managedFields": [{"manager": "pdfleet-operator", "fieldsV1": {"f:status": {}}}],
+        },
+        "spec": {"model": {"name": "m", "source": {"pvc": {"claimName": "x"}}}, "tier": "cost"},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "pools": [{"name": "p"}]},
+    }
+
+    class KopfDefault(kopf.DiffBaseStorage):  # kopf's build, unchanged
+        def fetch(self, *, body):
+            return None
+
+        def store(self, *, body, patch, essence):
+            pass
+
+    ours = handlers.MemoryDiffBaseStorage()
+    assert ours.build(body=kopf.Body(body)) == KopfDefault().build(body=kopf.Body(body))
+    assert ours.build(body=kopf.Body(body))["spec"] == body["spec"]
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "uid": "u2"}, "spec": {}}
+    assert ours.build(body=kopf.Body(deployment)) == {}
+    # The shortcut holds only while no other kind has create/update/resume/delete handlers or daemons.
+    registry = kopf._core.intents.registries.get_default_registry()
+    changing = {h.selector.any_name for h in registry._changing.get_all_handlers()}
+    assert changing == {"inferencedeployments"} and len(handlers.CHANGING_KINDS) == 1
+    assert not list(registry._spawning.get_all_handlers())

@@ -123,6 +123,9 @@ class Api:
         # (kind, namespace, name) -> the object our last apply returned, or {"deletedUid": uid} after our delete:
         # what the reconcile reads over kopf's indexes until they catch up (`indexes.Cluster.children`).
         self.last: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # (namespace, owning InferenceDeployment) -> the keys of `last` of its children: a reconcile reads its own
+        # (`last_of`) without walking every write of the process (thousands at scale, per reconcile).
+        self._last_by_owner: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 
     @classmethod
     def from_connection(cls, info: kopf.ConnectionInfo) -> Api:
@@ -231,9 +234,21 @@ class Api:
         if meta.get("resourceVersion"):
             self.written[(obj.get("kind", ""), meta.get("namespace", ""), meta["name"])] = meta["resourceVersion"]
 
+    def _keep_last(self, key: tuple[str, str, str], obj: dict[str, Any], labels: Mapping[str, str] | None) -> None:
+        self.last[key] = obj
+        owner = (labels or {}).get(render.LABEL_DEPLOYMENT)
+        if owner:
+            self._last_by_owner.setdefault((key[1], owner), set()).add(key)
+
+    def last_of(self, namespace: str, owner: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+        """What `last` holds of one InferenceDeployment's children (by their deployment label)."""
+        keys = self._last_by_owner.get((namespace, owner), ())
+        return {k: self.last[k] for k in keys if k in self.last}
+
     def forget(self, namespace: str, owner: str) -> None:
         """Drop what `last` holds of one InferenceDeployment's children (it is deleted). A delete mark carries no
         labels: it goes by name (every child's name starts with its deployment's, or its first 54 characters)."""
+        self._last_by_owner.pop((namespace, owner), None)
         for key, obj in list(self.last.items()):
             label = ((obj.get("metadata") or {}).get("labels") or {}).get(render.LABEL_DEPLOYMENT)
             if key[1] == namespace and (label == owner or (label is None and key[2].startswith(owner[:54]))):
@@ -254,7 +269,7 @@ class Api:
         )
         result.setdefault("kind", obj["kind"])
         self._remember(result)
-        self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = result
+        self._keep_last((obj["kind"], meta.get("namespace") or "", meta["name"]), result, meta.get("labels"))
         return result
 
     async def create_if_missing(self, obj: dict[str, Any]) -> bool:
@@ -284,7 +299,11 @@ class Api:
             else None
         )
         self.written[(obj["kind"], meta.get("namespace", ""), meta["name"])] = DELETED
-        self.last[(obj["kind"], meta.get("namespace") or "", meta["name"])] = {"deletedUid": meta.get("uid")}
+        self._keep_last(
+            (obj["kind"], meta.get("namespace") or "", meta["name"]),
+            {"deletedUid": meta.get("uid")},
+            meta.get("labels"),
+        )
         try:
             await self.request("DELETE", path(obj["kind"], meta.get("namespace"), meta["name"]), body=body)
         except ApiError as exc:

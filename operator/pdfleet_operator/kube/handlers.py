@@ -58,6 +58,10 @@ CHILD_WATCHES = (
 )
 
 
+# The kinds with create/update/resume/delete handlers (kopf's diff base is built for these only).
+CHANGING_KINDS = ("InferenceDeployment",)
+
+
 # --- kopf's state in memory --------------------------------------------------------------------------
 
 
@@ -73,6 +77,24 @@ class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
         self._essences[body.metadata.uid] = essence
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        """kopf's essence of an InferenceDeployment (what on_update compares), computed from the body without the
+        status and system metadata; nothing for the other kinds.
+
+        NOTE: kopf builds the essence of every event of every watched kind, deep-copying the whole body first
+        (a child Deployment with its pod template, a CR with its status), though only kinds with create/update/
+        delete handlers (`CHANGING_KINDS`) or daemons (none) read it. At 500 CRs the copies were a tenth of the
+        operator's CPU. kopf drops the status and all metadata but labels and annotations anyway, so dropping them
+        before its copy gives the same essence."""
+        if body.get("kind") not in (None, *CHANGING_KINDS):
+            return {}
+        if extra_fields:
+            return super().build(body=body, extra_fields=extra_fields)
+        meta = body.get("metadata") or {}
+        slim = {k: v for k, v in body.items() if k not in ("metadata", "status")}
+        slim["metadata"] = {k: meta[k] for k in ("labels", "annotations") if k in meta}
+        return super().build(body=slim)
 
 
 class MemoryProgressStorage(kopf.AnnotationsProgressStorage):
@@ -204,17 +226,20 @@ async def _resync_loop() -> None:
 # whole cluster (an empty inventory would scale everything down).
 
 
+# NOTE: every index function is `async def` though none awaits: kopf runs a plain function in its thread-pool
+# executor, a thread hop and a future per call, and each child event calls two of them (at 500 CRs that hopping
+# was a fifth of the operator's CPU). They read the body and return at once, so they run on the event loop.
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
-def class_meta_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def class_meta_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {name: class_protection.meta_view(body)}
 
 
 @kopf.index("apps", "v1", "deployments")
-def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Every worker pool Deployment pdfleet manages (the watch is label-selected server-side): `indexes.pool_view`."""
+async def pool_index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Every worker pool Deployment pdfleet manages (the watch is label-selected server-side), its `indexes.pool_view`
+    under (namespace, its InferenceDeployment): a reconcile reads one deployment's pools without walking all."""
     view = pool_view(body)
-    meta = body.get("metadata") or {}
-    return None if view is None else {(meta.get("namespace"), meta.get("name")): view}
+    return None if view is None else {(view["namespace"], view["deployment"]): view}
 
 
 def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None:
@@ -230,7 +255,7 @@ def _child_view(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]] | None
 def _index_children(group: str, version: str, plural: str, name: str) -> None:
     """Declare kopf's index `name` of one child kind (the names `indexes.CHILD_INDEXES` reads)."""
 
-    def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    async def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
         return _child_view(body)
 
     kopf.index(group, version, plural, id=name)(index)
@@ -243,7 +268,9 @@ for (_group, _version, _plural), _kind in zip(
 
 
 @kopf.index(GROUP, VERSION, "acceleratorclasses")
-def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[str, AcceleratorClassSpec] | None:
+async def class_index(
+    name: str, body: kopf.Body, logger: logging.Logger, **_: Any
+) -> dict[str, AcceleratorClassSpec] | None:
     try:
         return {
             name: AcceleratorClass.model_validate(
@@ -256,18 +283,18 @@ def class_index(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) ->
 
 
 @kopf.index("", "v1", "nodes")
-def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {name: _node_view(body)}
 
 
 @kopf.index("", "v1", "pods")
-def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
+async def pod_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
     view = inventory.pod_view(body)
     return None if view is None else {view["spec"].get("nodeName") or inventory.UNBOUND: view}
 
 
 @kopf.index(GROUP, VERSION, "inferencedeployments")
-def infdep_index(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> dict[Key, dict[str, Any]]:
+async def infdep_index(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> dict[Key, dict[str, Any]]:
     RECONCILER.keep(kwargs)
     return {(namespace, name): json.loads(json.dumps(dict(body)))}
 
@@ -399,6 +426,7 @@ async def on_delete(namespace: str, name: str, **_: Any) -> None:
 @kopf.on.event(GROUP, VERSION, "acceleratorclasses")
 async def on_class_event(name: str, body: kopf.Body, event: Mapping[str, Any], **kwargs: Any) -> None:
     _keep_indexes(kwargs)
+    RECONCILER.capacity_changed()  # every holding names its class's spec
     spec = dict(body.get("spec") or {})
     deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
     before = RECONCILER.class_specs.get(name)
@@ -522,6 +550,8 @@ def _on_child_event(kind: str, body: kopf.Body, event: Mapping[str, Any], kwargs
     key = (meta.get("namespace"), owner)
     if owner and event.get("type") == "DELETED":
         RECONCILER.child_gone(key, kind, meta.get("name"))
+    elif owner and kind == "Deployment":
+        RECONCILER.capacity_changed(key)  # (after kopf's pool index took the event in)
     if event.get("type") is None:
         return
     if not owner or RECONCILER.body(key) is None:

@@ -54,6 +54,9 @@ class Cluster:
         # them (or LISTED_CHILDREN_S after start)
         self._listed: dict[Key, dict[tuple[str, str], dict[str, Any]]] = {}
         self._listed_until = 0.0
+        # The deployments whose holdings (their pools, plans, CR) changed since the reconciler last read them; None:
+        # every deployment's (a class changed, the start-up listing came or went).
+        self._held_dirty: set[Key] | None = None
         # Namespaced mode: the pods of the namespaces kopf does not watch, as last listed cluster-wide
         # (monotonic time, pod views, why they could not be listed or None).
         self._foreign: tuple[float, list[dict[str, Any]], str | None] | None = None
@@ -96,14 +99,32 @@ class Cluster:
         own = [p for s in (self.indexes.get("pod_index") or {}).values() for p in s]
         return own + (list(self._foreign[1]) if self._foreign is not None else [])
 
+    def capacity_changed(self, key: Key | None = None) -> None:
+        """What `key`'s pools hold may have changed (its plan, its Deployments, its CR); None: anyone's (a class)."""
+        if key is None or self._held_dirty is None:
+            self._held_dirty = None
+        else:
+            self._held_dirty.add(key)
+
     def pools(self) -> list[dict[str, Any]]:
-        """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas} (with those
-        listed at start that kopf has not indexed yet)."""
+        """Every worker pool Deployment pdfleet manages: {namespace, deployment, role, class, replicas, name} (with
+        those listed at start that kopf has not indexed yet)."""
+        return [p for key in self.pool_owners() for p in self.pools_of(key)]
+
+    def pool_owners(self) -> set[Key]:
+        """The deployments with worker pool Deployments (indexed, or listed at start)."""
+        return set(self.indexes.get("pool_index") or {}) | set(self._listed_children())
+
+    def pools_of(self, key: Key) -> list[dict[str, Any]]:
+        """One deployment's worker pool Deployments (`pool_view`s): kopf's, and those listed at start it has not
+        indexed yet."""
         index = self.indexes.get("pool_index") or {}
-        out = [p for s in index.values() for p in s]
-        for key, listed in self._listed_children().items():
+        out = list(index[key]) if key in index else []
+        listed = self._listed_children().get(key)
+        if listed:
+            indexed = {p["name"] for p in out}
             for (kind, name), obj in listed.items():
-                view = pool_view(obj) if kind == "Deployment" and (key[0], name) not in index else None
+                view = pool_view(obj) if kind == "Deployment" and name not in indexed else None
                 if view is not None:
                     out.append(view)
         return out
@@ -112,7 +133,8 @@ class Cluster:
         self, key: Key, uid: str, written: Mapping[tuple[str, str, str], Mapping[str, Any]]
     ) -> list[dict[str, Any]]:
         """The children `key` controls (its uid), from kopf's indexes, with this process's own writes laid over them
-        (`written`: `client.Api.last`: (kind, namespace, name) -> the object an apply returned, or {"deletedUid"}).
+        (`written`: `client.Api.last_of(key)`: (kind, namespace, name) -> the object an apply returned, or
+        {"deletedUid"}).
 
         NOTE: the index shows our writes a moment after they land; an object we wrote is taken from `written`
         when the index still holds an older version (by resourceVersion), and one we deleted is left out while
@@ -133,6 +155,7 @@ class Cluster:
                 out.update(missing)
             else:
                 self._listed.pop(key, None)
+                self.capacity_changed(key)
         for (kind, namespace, name), mine in written.items():
             if namespace != key[0] or kind not in CHILD_INDEXES:
                 continue
@@ -186,6 +209,7 @@ class Cluster:
                     if owner:
                         children.setdefault((meta["namespace"], owner), {})[(kind, meta["name"])] = {**o, "kind": kind}
         self._listed = children
+        self.capacity_changed()
         self._listed_until = asyncio.get_running_loop().time() + LISTED_CHILDREN_S
         deadline = asyncio.get_running_loop().time() + INDEX_SYNC_TIMEOUT_S
         while True:
@@ -200,6 +224,7 @@ class Cluster:
     def _listed_children(self) -> dict[Key, dict[tuple[str, str], dict[str, Any]]]:
         if self._listed and asyncio.get_running_loop().time() > self._listed_until:
             self._listed.clear()  # kopf's indexes are the truth from here on
+            self.capacity_changed()
         return self._listed
 
     def child_gone(self, key: Key, kind: str, name: str) -> None:
@@ -207,6 +232,7 @@ class Cluster:
         listed = self._listed.get(key)
         if listed is not None:
             listed.pop((kind, name), None)
+        self.capacity_changed(key)
 
     # --- namespaced mode: the other namespaces' pods ---------------------------------------------------------
     async def refresh_foreign(self, api: client.Api, namespaces: tuple[str, ...], interval: float) -> str | None:
@@ -318,6 +344,7 @@ def pool_view(body: Mapping[str, Any]) -> dict[str, Any] | None:
     return {
         "namespace": meta.get("namespace"),
         "deployment": labels[names.LABEL_DEPLOYMENT],
+        "name": meta.get("name"),
         "role": role,
         "class": acc,
         "replicas": int((body.get("spec") or {}).get("replicas") or 0),

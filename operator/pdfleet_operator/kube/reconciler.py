@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,8 @@ logger = logging.getLogger("pdfleet.operator")
 AUTH_SECRET_CHECK_S = 60.0
 ANNOTATION_RECREATE_TOKEN = "pdfleet.io/recreate-token"
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Every deployment's holdings are recomputed at least this often (`reservations`), whatever the hooks said.
+HELD_REFRESH_S = 30.0
 
 __all__ = ["Key", "Outcome", "Reconciler", "Template"]
 
@@ -83,6 +86,11 @@ class Reconciler(Cluster):
         self.analysis = False  # start rollback-analysis loops (set at kopf startup from OPTIONS.analysis_interval)
         self.rollbacks = revisions.AnalysisLog()
         self._auth_checked: dict[Key, float] = {}  # key -> monotonic time of the last create POST (new pods' checks)
+        # What each deployment's pools hold (`reservations`): kept per deployment, recomputed for those
+        # `capacity_changed` named, flattened in key order for the next reconcile.
+        self._held: dict[Key, tuple[inventory.Reservation, ...]] = {}
+        self._held_flat: list[inventory.Reservation] | None = None
+        self._held_refreshed = 0.0
 
     # --- the memory of each deployment --------------------------------------------------------------------
     def memory(self, key: Key) -> DeploymentMemory:
@@ -102,6 +110,7 @@ class Reconciler(Cluster):
         if self.api is not None:
             self.api.forget(*key)
         m = self.deployments.pop(key, None)
+        self.capacity_changed(key)
         if m is not None:
             m.stop()
             m.scaler.forget(key)
@@ -200,23 +209,47 @@ class Reconciler(Cluster):
 
         NOTE: a plan is made and remembered in one step of the event loop (no await between gathering
         and `m.plan = plan`), so two reconciles running at once never plan onto the same units.
+        NOTE: kept per deployment and recomputed for those `capacity_changed` names (every reconcile reads all
+        deployments' holdings: recomputing them all was O(deployments) per reconcile, O(N^2) per wave of new CRs);
+        everything is recomputed at least every HELD_REFRESH_S, so a change no hook named is not held for long.
         """
-        classes = self.classes()
-        held: dict[tuple[str, str, str, str], int] = {}
-        for p in self.pools():
-            k = (p["namespace"], p["deployment"], p["role"], p["class"])
-            held[k] = max(held.get(k, 0), int(p["replicas"]))
-        for k, m in self.deployments.items():
-            if m.plan is None or self.body(k) is None:
-                continue
+        now = time.monotonic()
+        if self._held_dirty is None or now - self._held_refreshed > HELD_REFRESH_S:
+            self._held = {}
+            dirty: set[Key] = set(self.pool_owners()) | set(self.deployments)
+            self._held_refreshed = now
+        else:
+            dirty = self._held_dirty
+        if dirty:
+            classes = self.classes()
+            for k in dirty:
+                held = self.held_by(k, classes)
+                if held:
+                    self._held[k] = held
+                else:
+                    self._held.pop(k, None)
+            self._held_dirty, self._held_flat = set(), None
+        if self._held_flat is None:
+            self._held_flat = [r for k in sorted(self._held) for r in self._held[k]]
+        return [r for r in self._held_flat if (r.namespace, r.deployment) != exclude]
+
+    def held_by(self, key: Key, classes: Mapping[str, AcceleratorClassSpec]) -> tuple[inventory.Reservation, ...]:
+        """What one deployment's pools hold or will hold (its Deployments' replicas, its last plan's), per pool."""
+        held: dict[tuple[str, str], int] = {}
+        for p in self.pools_of(key):
+            pk = (p["role"], p["class"])
+            held[pk] = max(held.get(pk, 0), int(p["replicas"]))
+        m = self.deployments.get(key)
+        if m is not None and m.plan is not None and self.body(key) is not None:
             for p in m.plan.pools:
-                pk = (k[0], k[1], p.role, p.accelerator_class)
+                pk = (p.role, p.accelerator_class)
                 held[pk] = max(held.get(pk, 0), p.replicas)
-        return [
-            inventory.Reservation(ns, dep, role, acc, classes[acc], n)
-            for (ns, dep, role, acc), n in sorted(held.items())
-            if (ns, dep) != exclude and acc in classes and n > 0
-        ]
+        return tuple(
+            inventory.Reservation(key[0], key[1], role, acc, classes[acc], n)
+            for (role, acc), n in sorted(held.items())
+            if acc in classes and n > 0
+        )
+
 
     def _release(
         self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str
@@ -277,6 +310,7 @@ class Reconciler(Cluster):
             if m.done >= ticket:
                 return Outcome(skipped="covered by a later run")
             started = m.wanted
+            t0 = time.perf_counter()
             try:
                 outcome = await self._reconcile(key, why, body)
             except Exception:
@@ -285,6 +319,7 @@ class Reconciler(Cluster):
             m.done = started
             exporter.RECONCILES.labels("ok" if not outcome.skipped else "skipped").inc()
             self.reconciles += 1
+            logger.debug("reconciled %s/%s in %.1f ms (%s)", *key, (time.perf_counter() - t0) * 1e3, why)
             return outcome
 
     async def _reconcile(self, key: Key, why: str, given: Mapping[str, Any] | None) -> Outcome:
@@ -318,6 +353,7 @@ class Reconciler(Cluster):
         if desired.plan is not None:
             m.targets = dict(desired.plan.targets)
             before, m.plan = m.plan, desired.plan
+            self.capacity_changed(key)
             m.engines = {r: list(e) for r, e in desired.engines.items()}
             m.limited = bool(desired.plan.shortfalls)
             self._release(key, before, desired.plan, "re-planned")
@@ -338,7 +374,7 @@ class Reconciler(Cluster):
         monitoring = await self._monitoring_enabled(api)
         # The child kinds kopf watches come from its indexes (with our own writes over them); the monitoring kinds
         # and the revision history are listed.
-        children = self.children(key, meta["uid"], api.last)
+        children = self.children(key, meta["uid"], api.last_of(*key))
         if monitoring:
             children += await client.list_children(api, owner, ("PodMonitor", "PrometheusRule"))
         stored = await client.list_revisions(api, owner)
