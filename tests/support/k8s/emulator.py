@@ -22,7 +22,7 @@ from tests.support.k8s.rbac import RbacMixin, Requester
 from tests.support.k8s.registry import RegistryMixin
 from tests.support.k8s.requestlog import LoggedRequest
 from tests.support.k8s.resources import ApiResource, builtin_resources
-from tests.support.k8s.store import DEFAULT_NAMESPACES, Event, StoreMixin
+from tests.support.k8s.store import DEFAULT_NAMESPACES, Event, Objects, StoreMixin
 from tests.support.k8s.tables import TablesMixin
 from tests.support.k8s.verbs import VerbsMixin
 from tests.support.k8s.watches import WatchesMixin
@@ -60,7 +60,7 @@ class KubernetesApiEmulator(
     _rbac_rules: dict[tuple[Requester, str | None], list[dict]] = attrs.field(factory=dict, init=False)  # cache
 
     _api: dict[tuple[str, str, str], ApiResource] = attrs.field(factory=dict, init=False)
-    _store: dict[tuple[str, str, str, str], dict] = attrs.field(factory=dict, init=False)
+    _store: Objects = attrs.field(factory=Objects, init=False)
     _uids: dict[str, tuple[str, str, str, str]] = attrs.field(factory=dict, init=False)
     _applied: dict[tuple[str, str, str, str], dict[str, dict]] = attrs.field(factory=dict, init=False)
     _rv: int = attrs.field(default=1, init=False)

@@ -84,7 +84,7 @@ class RegistryMixin:
         for key in [k for k, r in self._api.items() if r.group == group and r.plural == plural and r.crd is not None]:
             del self._api[key]
         if not keep_objects:
-            for key in [k for k in self._store if k[0] == group and k[1] == plural]:
+            for key in self._store.keys_of(group, plural):
                 obj = self._store[key]
                 self._remove(key, obj)
 

@@ -17,6 +17,51 @@ DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease"
 Key = tuple[str, str, str, str]  # (group, plural, namespace or "", name)
 
 
+class Objects(dict):
+    """The stored objects by key, with the keys of each resource (group, plural) kept apart: a list or a selector
+    reads one resource's objects, not the whole store (an operator at 500 deployments lists one kind among ~8,000
+    objects on every reconcile; a scan of the store per list was most of the emulator's CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_resource: dict[tuple[str, str], set[Key]] = {}
+
+    def __setitem__(self, key: Key, obj: dict) -> None:
+        super().__setitem__(key, obj)
+        self._by_resource.setdefault(key[:2], set()).add(key)
+
+    def __delitem__(self, key: Key) -> None:
+        super().__delitem__(key)
+        self._by_resource.get(key[:2], set()).discard(key)
+
+    def pop(self, key: Key, *default: dict | None) -> dict | None:
+        self._by_resource.get(key[:2], set()).discard(key)
+        return super().pop(key, *default)
+
+    def keys_of(self, group: str, plural: str) -> list[Key]:
+        """The keys of one resource's objects, in key order."""
+        return sorted(self._by_resource.get((group, plural), ()))
+
+    # dict's other writers go through the three above (they would bypass the per-resource keys otherwise).
+    def setdefault(self, key: Key, obj: dict) -> dict:  # type: ignore[override]
+        if key not in self:
+            self[key] = obj
+        return self[key]
+
+    def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        for key, obj in dict(*args, **kwargs).items():
+            self[key] = obj
+
+    def popitem(self) -> tuple[Key, dict]:
+        key, obj = super().popitem()
+        self._by_resource.get(key[:2], set()).discard(key)
+        return key, obj
+
+    def clear(self) -> None:
+        super().clear()
+        self._by_resource.clear()
+
+
 @dataclass
 class Event:
     """One change of the store, as the watches translate it for each client."""

@@ -337,7 +337,7 @@ class VerbsMixin:
         field_sel: Callable[[dict], bool] | None,
     ) -> list[dict]:
         items = []
-        for key in sorted(k for k in self._store if k[0] == res.group and k[1] == res.plural):
+        for key in self._store.keys_of(res.group, res.plural):
             if res.namespaced and namespace and key[2] != namespace:
                 continue
             obj = self._store[key]
@@ -366,6 +366,19 @@ class VerbsMixin:
         if obj is None:
             raise not_found(res, name)
         return self._as_version(res, obj)
+
+    def count_objects(
+        self, res: ApiResource, namespace: str | None, predicate: Callable[[dict], bool]
+    ) -> tuple[int, int]:
+        """(objects of `res` in `namespace` for which `predicate` holds, all of them), reading the stored objects in
+        place (no copies: the predicate must not change them). For pollers that only count (a benchmark waiting for
+        500 objects must not spend the CPU it measures on copying them twice a second)."""
+        keys = [
+            k
+            for k in self._store.keys_of(res.group, res.plural)
+            if not (res.namespaced and namespace and k[2] != namespace)
+        ]
+        return sum(1 for k in keys if predicate(self._store[k])), len(keys)
 
     def list_objects(
         self,
