@@ -21,16 +21,16 @@ Requests live in `Requests` (parallel lists indexed by request id); a replica ho
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
 from pdfleet_operator.sim.perf_model import ReplicaPerf
+from pdfleet_operator.sim.stats import bin_index
 
 if TYPE_CHECKING:
-    from pdfleet_operator.sim.router import Load as RouterLoad
     from pdfleet_operator.sim.stats import Histogram
 
 # Request status codes.
@@ -123,7 +123,6 @@ class Replica:
         "st",
         "st_bin",
         "version",
-        "step_end",
         "step_chunks",
         "step_decode",
         "inflight",
@@ -183,7 +182,6 @@ class Replica:
         self.st = 0.0  # step time while fluid
         self.st_bin = 0  # its bin in the ITL histogram
         self.version = 0  # bumps invalidate scheduled events
-        self.step_end = 0.0
         self.step_chunks: list[tuple[int, int]] = []
         self.step_decode = 0
         self.inflight = 0  # requests routed here whose KV is still in transfer
@@ -231,17 +229,6 @@ class Replica:
     def kv_usage(self, now: float) -> float:
         return min(1.0, self.kv_used(now) / self.perf.kv_capacity_tokens)
 
-    def read_load(self, load: "RouterLoad", now: float) -> None:
-        """Fill the router's view of this replica (`sim.router.Load`: the fields of `picker.Candidate`) as of `now`."""
-        load.waiting = len(self.waiting)
-        load.running = self.B + len(self.prefilling)
-        v = self.V  # NOTE: kv_usage inlined: the router reads this for every rescored replica
-        if self.mode == FLUID and self.st > 0:
-            v += (now - self.t_last) / self.st
-        load.kv_usage = min(1.0, (self.kv_fixed + self.S0 + self.B * v) / self.perf.kv_capacity_tokens)
-        load.prompt_tokens_waiting = self.need_waiting
-        load.inflight = self.inflight
-
     def queue_len(self) -> int:
         return len(self.waiting)
 
@@ -254,15 +241,44 @@ class Replica:
     # --- input -------------------------------------------------------------------------------------
     def enqueue(self, rid: int, now: float, *, force: bool = False) -> bool:
         """A request routed here (need/ctx set by the caller); False when the waiting queue is full (503)."""
-        if not force and len(self.waiting) >= self.max_waiting:
+        waiting = self.waiting
+        if not force and len(waiting) >= self.max_waiting:
             return False
-        self.touch()
-        self.waiting.append(rid)
+        if not self.dirty:  # NOTE: touch() inlined here and in on_event (once or twice per request)
+            self.dirty = True
+            if self.pool is not None:
+                self.pool.touched.append(self)
+        waiting.append(rid)
         self.need_waiting += self.reqs.need[rid]
         if self.mode != STEPPING:
             self._advance(now)
             self._kick(now)
         return True
+
+    def receive(self, rid: int, now: float) -> None:
+        """A request whose KV was pulled here (need 0, ctx set by the caller) and that the router sent here before
+        (`add_inflight(1)`) queues; a decode queue never drops a request mid-stream."""
+        self.inflight -= 1
+        if self.mode != FLUID or self.waiting:
+            self.enqueue(rid, now, force=True)
+            return
+        # NOTE: enqueue + _kick's admission for the common case (a decoding replica with nothing waiting): it
+        # joins now if a seat and its KV are free, else it waits; _kick then finds the same
+        if not self.dirty:
+            self.dirty = True
+            if self.pool is not None:
+                self.pool.touched.append(self)
+        self._advance(now)
+        p = self.perf
+        B = self.B
+        if B + len(self.prefilling) < p.max_num_seqs and (
+            self.kv_fixed + self.S0 + B * self.V + self.reqs.ctx[rid] <= p.kv_capacity_tokens
+        ):
+            self._join(rid, now)
+        else:
+            self.waiting.append(rid)
+            self.need_waiting += self.reqs.need[rid]
+        self._kick(now)
 
     def release(self, tokens: int, now: float) -> None:
         """A decode replica finished pulling a held prompt's KV: its blocks are free again."""
@@ -288,16 +304,19 @@ class Replica:
         self.inflight += n
 
     # --- events ------------------------------------------------------------------------------------
-    def on_event(self, now: float, version: int) -> None:
-        if version != self.version:
-            return
-        self.touch()
+    def on_event(self, now: float) -> None:
+        """One of its events of the current `version` is due (the simulator drops the stale ones)."""
+        if not self.dirty:
+            self.dirty = True
+            if self.pool is not None:
+                self.pool.touched.append(self)
         if self.mode == STEPPING:
             self._finish_step(now)
         else:
             self._advance(now)
             self._complete(now)
-            if self.B and self.kv_fixed + self.S0 + self.B * self.V > self.perf.kv_capacity_tokens + _EPS:
+            B = self.B
+            if B and self.kv_fixed + self.S0 + B * self.V > self.perf.kv_capacity_tokens + _EPS:
                 self._preempt(now)
         self._kick(now)
 
@@ -319,19 +338,22 @@ class Replica:
         self.t_last = now
 
     def _complete(self, now: float) -> None:
-        reqs, running = self.reqs, self.running
+        running = self.running
         limit = self.V + _EPS
-        epochs = reqs.epoch
+        if not running or running[0][0] > limit:
+            return
+        reqs = self.reqs
+        epochs, gen, v0 = reqs.epoch, reqs.gen, reqs.v0
         while running and running[0][0] <= limit:
-            _, epoch, rid = heapq.heappop(running)
+            _, epoch, rid = heappop(running)
             if epoch != epochs[rid]:
                 continue
             self.B -= 1
-            self.S0 -= reqs.c0[rid] - reqs.v0[rid]
-            self.V0 -= reqs.v0[rid]
+            self.S0 -= reqs.c0[rid] - v0[rid]
+            self.V0 -= v0[rid]
             out = reqs.output[rid]
-            self.gen_tokens += out - reqs.gen[rid]
-            reqs.gen[rid] = out
+            self.gen_tokens += out - gen[rid]
+            gen[rid] = out
             epochs[rid] = epoch + 1
             reqs.status[rid] = DONE
             reqs.t_done[rid] = now
@@ -341,7 +363,7 @@ class Replica:
     def _drop_stale_top(self) -> None:
         reqs, running = self.reqs, self.running
         while running and running[0][1] != reqs.epoch[running[0][2]]:
-            heapq.heappop(running)
+            heappop(running)
 
     def _preempt(self, now: float) -> None:
         """Out of KV for the running batch: recompute the newest sequence later (front of the queue)."""
@@ -380,75 +402,71 @@ class Replica:
     def _join(self, rid: int, now: float) -> None:
         """A request whose prompt KV is all here starts decoding."""
         reqs = self.reqs
-        left = reqs.output[rid] - reqs.gen[rid]
+        gen = reqs.gen[rid]
+        left = reqs.output[rid] - gen
         assert left > 0, f"request {rid} joins decoding with nothing left to generate"
-        self.swapped_tokens -= self.swapped.pop(rid, 0)
-        reqs.v0[rid] = self.V
-        reqs.c0[rid] = reqs.ctx[rid]
-        self.S0 += reqs.ctx[rid] - self.V
-        self.V0 += self.V
-        self.B += 1
-        heapq.heappush(self.running, (self.V + left, reqs.epoch[rid], rid))
-        self.order.append((rid, reqs.epoch[rid]))
-        if reqs.gen[rid] == 1 and reqs.second_gap[rid] != reqs.second_gap[rid]:
+        if self.swapped:
+            self.swapped_tokens -= self.swapped.pop(rid, 0)
+        V, ctx, epoch = self.V, reqs.ctx[rid], reqs.epoch[rid]
+        reqs.v0[rid] = V
+        reqs.c0[rid] = ctx
+        self.S0 += ctx - V
+        self.V0 += V
+        B = self.B = self.B + 1
+        heappush(self.running, (V + left, epoch, rid))
+        self.order.append((rid, epoch))
+        if gen == 1 and reqs.second_gap[rid] != reqs.second_gap[rid]:
             # NOTE: the first decode token comes one step after joining; the step time here is the
             # batch's current one, so the hand-off gap is exact up to that step's length.
-            reqs.second_gap[rid] = (
-                now - reqs.t_first[rid] + self.perf.step_time(self.B, self.kv_fixed + self.S0 + self.B * self.V)
-            )
+            reqs.second_gap[rid] = now - reqs.t_first[rid] + self.perf.step_time(B, self.kv_fixed + self.S0 + B * V)
 
     def _admit_transferred(self, now: float) -> None:
         """Waiting requests whose KV arrived (need 0) join the batch while seats and KV allow, FIFO."""
-        reqs, p = self.reqs, self.perf
-        while self.waiting and reqs.need[self.waiting[0]] == 0:
-            rid = self.waiting[0]
-            if self.B + len(self.prefilling) >= p.max_num_seqs:
+        reqs, p, waiting = self.reqs, self.perf, self.waiting
+        need, ctx = reqs.need, reqs.ctx
+        seats = p.max_num_seqs - len(self.prefilling)
+        while waiting and need[waiting[0]] == 0:
+            rid = waiting[0]
+            if self.B >= seats:
                 return
-            if self.kv_fixed + self.S0 + self.B * self.V + reqs.ctx[rid] > p.kv_capacity_tokens:
+            if self.kv_fixed + self.S0 + self.B * self.V + ctx[rid] > p.kv_capacity_tokens:
                 return
-            self.waiting.popleft()
+            waiting.popleft()
             self._join(rid, now)
-
-    def _has_prefill_work(self) -> bool:
-        if self.prefilling:
-            return True
-        if not self.waiting:
-            return False
-        rid = self.waiting[0]
-        p = self.perf
-        if self.B + len(self.prefilling) >= p.max_num_seqs:
-            return False
-        return self.kv_fixed + self.S0 + self.B * self.V + self.reqs.ctx[rid] <= p.kv_capacity_tokens
 
     def _kick(self, now: float) -> None:
         """Choose what runs next from `now`: a discrete step, a fluid decode phase, or nothing."""
         waiting, reqs = self.waiting, self.reqs
         if waiting and reqs.need[waiting[0]] == 0:
             self._admit_transferred(now)
-        self.version += 1
-        if self.prefilling or (waiting and self._has_prefill_work()):
+        version = self.version = self.version + 1
+        if self.prefilling:
+            self._start_step(now)
+            return
+        p, B = self.perf, self.B
+        kv_fixed, V = self.kv_fixed, self.V
+        # NOTE: _has_prefill_work inlined (nothing is prefilling): a seat and KV for the head of the queue
+        if waiting and B < p.max_num_seqs and kv_fixed + self.S0 + B * V + reqs.ctx[waiting[0]] <= p.kv_capacity_tokens:
             self._start_step(now)
             return
         running = self.running
         epochs = reqs.epoch
         while running and running[0][1] != epochs[running[0][2]]:  # _drop_stale_top
-            heapq.heappop(running)
-        B = self.B
+            heappop(running)
+        self.t_last = now
         if B == 0:
             self.mode = IDLE
-            self.t_last = now
             return
-        p = self.perf
-        kv_run = self.S0 + B * self.V
+        kv_run = self.S0 + B * V
         self.mode = FLUID
-        self.t_last = now
-        st = self.st = p.step_time(B, self.kv_fixed + kv_run)
-        self.st_bin = self.itl.bin(st)
-        steps = running[0][0] - self.V
-        room = (p.kv_capacity_tokens - self.kv_fixed - kv_run) / B
+        st = self.st = p.step_time(B, kv_fixed + kv_run)
+        self.st_bin = bin_index(st)
+        steps = running[0][0] - V
+        room = (p.kv_capacity_tokens - kv_fixed - kv_run) / B
         if room < steps:
-            steps = max(room, 0.0) + _EPS
-        self.push((now + max(steps, 0.0) * st, next(self.seq), EVENT, self, self.version))
+            steps = (room if room > 0.0 else 0.0) + _EPS
+        # NOTE: conditionals, not max(): the same values, without a builtin call per phase
+        self.push((now + (steps if steps > 0.0 else 0.0) * st, next(self.seq), EVENT, self, version))
 
     def _start_step(self, now: float) -> None:
         """One discrete step: decode tokens for the batch, then prompt chunks within the budget."""
@@ -464,38 +482,45 @@ class Replica:
         chunks: list[tuple[int, int]] = []
         need = reqs.need
         computed = 0
-        for rid in self.prefilling:
+        prefilling = self.prefilling
+        for rid in prefilling:
             if budget <= 0:
                 break
-            take = min(need[rid], budget)
+            take = need[rid]
+            if take > budget:
+                take = budget
             chunks.append((rid, take))
             budget -= take
             computed += take
         waiting = self.waiting
-        while budget > 0 and waiting:
-            rid = waiting[0]
-            if self.B + len(self.prefilling) >= p.max_num_seqs:
-                break
-            if self.kv_fixed + self.S0 + self.B * (self.V + 1) + reqs.ctx[rid] > p.kv_capacity_tokens:
-                break
-            waiting.popleft()
-            self.need_waiting -= need[rid]
-            if need[rid] == 0:
-                self._join(rid, now)
-                continue
-            self.kv_fixed += reqs.ctx[rid]
-            self.prefilling.append(rid)
-            take = min(need[rid], budget)
-            chunks.append((rid, take))
-            budget -= take
-            computed += take
-        if not computed and not self.B:
+        if waiting and budget > 0:
+            ctx, cap, seats = reqs.ctx, p.kv_capacity_tokens, p.max_num_seqs
+            while budget > 0 and waiting:
+                rid = waiting[0]
+                if self.B + len(prefilling) >= seats:
+                    break
+                if self.kv_fixed + self.S0 + self.B * (self.V + 1) + ctx[rid] > cap:
+                    break
+                waiting.popleft()
+                take = need[rid]
+                self.need_waiting -= take
+                if take == 0:
+                    self._join(rid, now)
+                    continue
+                self.kv_fixed += ctx[rid]
+                prefilling.append(rid)
+                if take > budget:
+                    take = budget
+                chunks.append((rid, take))
+                budget -= take
+                computed += take
+        B = self.B
+        if not computed and not B:
             self._kick(now)  # only transferred requests were admitted: they decode fluidly
             return
-        context = self.kv_fixed + self.S0 + self.B * self.V
-        dur = p.step_time(computed + self.B, context)
-        self.step_chunks, self.step_decode, self.step_end = chunks, self.B, now + dur
-        self.push((self.step_end, next(self.seq), EVENT, self, self.version))
+        dur = p.step_time(computed + B, self.kv_fixed + self.S0 + B * self.V)
+        self.step_chunks, self.step_decode = chunks, B
+        self.push((now + dur, next(self.seq), EVENT, self, self.version))
 
     def _finish_step(self, now: float) -> None:
         reqs = self.reqs
@@ -505,20 +530,23 @@ class Replica:
             self.V += 1.0
             self.itl.add(dur, self.step_decode)
             self._complete(now)
+        need, gen = reqs.need, reqs.gen
+        prefill = self.role == "prefill"
         for rid, take in self.step_chunks:
-            reqs.need[rid] -= take
-            if reqs.need[rid] > 0:
+            left = need[rid] - take
+            need[rid] = left
+            if left > 0:
                 continue
             self.prefilling.remove(rid)
             self.kv_fixed -= reqs.ctx[rid]
-            if reqs.gen[rid] == 0:  # a fresh prompt (not a recompute): its step also samples the first token
+            if gen[rid] == 0:  # a fresh prompt (not a recompute): its step also samples the first token
                 self.prompt_tokens += reqs.prompt[rid]
-                reqs.gen[rid] = 1
+                gen[rid] = 1
                 self.gen_tokens += 1
                 reqs.t_first[rid] = now
-            if self.role == "prefill" or reqs.gen[rid] >= reqs.output[rid]:
+            if prefill or gen[rid] >= reqs.output[rid]:
                 self.on_prefilled(self, rid, now)
             else:
-                reqs.ctx[rid] = reqs.prompt[rid] + reqs.gen[rid]
+                reqs.ctx[rid] = reqs.prompt[rid] + gen[rid]
                 self._join(rid, now)
         self.t_last = now

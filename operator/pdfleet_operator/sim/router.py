@@ -19,8 +19,8 @@ to `picker.pick` over fresh candidates, and the score's monotonicity in `kv_usag
 
 from __future__ import annotations
 
-import bisect
 import itertools
+from bisect import insort
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
 
@@ -96,23 +96,48 @@ class Pool:
                 r.pool = None
 
     def rescore(self, r: Replica, now: float) -> None:
-        old = r.route_score
-        _rescore(r, now)
+        """The replica's score now, from what `picker.score` reads (exact now; a lower bound later while it is
+        fluid), and its place among the groups."""
+        load = r.load
+        if load is None:
+            load = r.load = Load(r.url)
+        # NOTE: what it reads of the replica, read here (Replica.kv_usage inlined): four rescores per request
+        load.waiting = len(r.waiting)
+        load.running = r.B + len(r.prefilling)
+        v = r.V
+        if r.mode == FLUID and r.st > 0:
+            v += (now - r.t_last) / r.st
+        usage = (r.kv_fixed + r.S0 + r.B * v) / r.perf.kv_capacity_tokens
+        load.kv_usage = usage if usage < 1.0 else 1.0
+        load.prompt_tokens_waiting = r.need_waiting
+        load.inflight = r.inflight
+        score = picker.score(r.role, load)  # type: ignore[arg-type]
+        r.route_at = now
+        r.dirty = False
+        groups = self.groups
         if r.grouped:
-            if r.route_score == old:
+            old = r.route_score
+            if score == old:
                 return
-            group = self.groups[old]
-            group.remove(r)
-            if not group:
-                del self.groups[old]
-        self._insert(r)
+            group = groups[old]
+            if len(group) == 1:
+                del groups[old]
+            else:
+                group.remove(r)
+        r.route_score = score
+        group = groups.get(score)  # NOTE: _insert inlined
+        if group is None:
+            groups[score] = [r]
+        else:
+            insort(group, r, key=_URL)
+        r.grouped = True
 
     def _insert(self, r: Replica) -> None:
         group = self.groups.get(r.route_score)
         if group is None:
             self.groups[r.route_score] = [r]
         else:
-            bisect.insort(group, r, key=_URL)
+            insort(group, r, key=_URL)
         r.grouped = True
 
 
@@ -124,21 +149,26 @@ class Router:
         self.round_robin = ties_round_robin_by_url()
 
     def pick(self, role: str, pool: Pool, now: float) -> Replica | None:
-        if len(pool) < 2:
-            return pool.replicas[0] if pool.replicas else None
+        replicas = pool.replicas
+        if len(replicas) < 2:
+            return replicas[0] if replicas else None
         turn = next(self._turn)
-        if pool.touched:
-            for r in pool.touched:
-                pool.rescore(r, now)
-            pool.touched.clear()
+        touched = pool.touched
+        if touched:
+            rescore = pool.rescore
+            for r in touched:
+                rescore(r, now)
+            touched.clear()
         groups = pool.groups
         while True:
-            best = min(groups)
-            group = groups[best]
-            stale = [r for r in group if r.mode == FLUID and r.route_at < now]
-            if not stale:
+            group = groups[min(groups)]
+            for r in group:
+                if r.mode == FLUID and r.route_at < now:
+                    break
+            else:
                 break
-            for r in stale:  # their KV grew since they were scored: the score may have risen
+            # their KV grew since they were scored: the score may have risen
+            for r in [r for r in group if r.mode == FLUID and r.route_at < now]:
                 pool.rescore(r, now)
         if len(group) == 1:
             return group[0]
@@ -146,14 +176,3 @@ class Router:
             return group[turn % len(group)]
         chosen = picker.pick(role, [r.load.candidate() for r in group], turn=turn)
         return next(r for r in group if r.url == chosen.url)  # type: ignore[union-attr]
-
-
-def _rescore(r: Replica, now: float) -> None:
-    """The replica's score now, from what `picker.score` reads (exact now; a lower bound later while it is fluid)."""
-    load = r.load
-    if load is None:
-        load = r.load = Load(r.url)
-    r.read_load(load, now)
-    r.route_score = picker.score(r.role, load)  # type: ignore[arg-type]
-    r.route_at = now
-    r.dirty = False

@@ -362,11 +362,12 @@ class Simulator:
             return
         reqs.need[rid] = prompt
         reqs.ctx[rid] = prompt
-        entry = "prefill" if "prefill" in d.routable else "colocated"
-        if entry == "prefill" and prompt < d.pd_min_prompt_tokens and d.routable.get("decode"):
+        routable = d.routable
+        entry = "prefill" if "prefill" in routable else "colocated"
+        if entry == "prefill" and prompt < d.pd_min_prompt_tokens and routable["decode"].replicas:
             entry = "decode"  # the decode worker computes the prompt itself, as the real router sends it
             d.short_prompts += 1
-        rep = self.router.pick(entry, d.routable[entry], t)
+        rep = self.router.pick(entry, routable[entry], t)
         if rep is None:
             self._reject(d, rid, t)
         elif rep.perf.http_hop_s > 0:
@@ -394,7 +395,8 @@ class Simulator:
             self._done(rid, t)
             return
         d = self.deps[rep.deployment]
-        dst = self.router.pick("decode", d.routable.get("decode") or _NO_POOL, t)
+        pool = d.routable.get("decode")
+        dst = self.router.pick("decode", _NO_POOL if pool is None else pool, t)
         if dst is None:
             self._reject(d, rid, t)
             return
@@ -411,13 +413,13 @@ class Simulator:
         reqs = self.reqs
         prompt = reqs.prompt[rid]
         src.release(prompt, t)
-        dst.add_inflight(-1)
         reqs.need[rid] = 0
         reqs.ctx[rid] = prompt + reqs.gen[rid]
-        dst.enqueue(rid, t, force=True)  # routed already: a decode queue never drops a request mid-stream
-        for r in (src, dst):
-            if r.draining and r.removed_at is None and r.idle():
-                self._remove(r, t)
+        dst.receive(rid, t)
+        if src.draining and src.removed_at is None and src.idle():
+            self._remove(src, t)
+        if dst.draining and dst.removed_at is None and dst.idle():
+            self._remove(dst, t)
 
     def _done(self, rid: int, t: float) -> None:
         self.reqs.status[rid] = eng.DONE
@@ -431,23 +433,25 @@ class Simulator:
             self._push(d.interval_s, DECIDE, d)
         self._push(0.0, SCRAPE, None)
         self._push(self.warmup, WARMUP, None)
-        arrivals = self.reqs.arrival
-        n, i = len(arrivals), 0
+        arrivals = self.reqs.arrival + [math.inf]  # NOTE: a sentinel after the last arrival
+        n, i = len(self.reqs), 0
+        t_arr = arrivals[0]
         heap = self.heap
         pop = heapq.heappop
+        arrive = self._arrive
         stop = horizon + self.settings.drain_timeout_s
         while True:
-            t_arr = arrivals[i] if i < n else math.inf
             if heap and heap[0][0] <= t_arr:
                 t, _, kind, a, b = pop(heap)
                 if t > stop:
                     break
                 self.now = t
                 if kind == REPLICA:
-                    if b == a.version:  # else stale: the replica rescheduled since
-                        a.on_event(t, b)  # type: ignore[union-attr]
-                    if a.draining and a.removed_at is None and a.idle():  # type: ignore[union-attr]
-                        self._remove(a, t)  # type: ignore[arg-type]
+                    # else stale: the replica rescheduled since; a draining replica that went idle was removed then
+                    if b == a.version:  # type: ignore[union-attr]
+                        a.on_event(t)  # type: ignore[union-attr]
+                        if a.draining and a.removed_at is None and a.idle():  # type: ignore[union-attr]
+                            self._remove(a, t)  # type: ignore[arg-type]
                 elif kind == TRANSFER:
                     src, dst = b  # type: ignore[misc]
                     self._transferred(a, src, dst, t)  # type: ignore[arg-type]
@@ -481,8 +485,9 @@ class Simulator:
                     break
             elif i < n:
                 self.now = t_arr
-                self._arrive(i, t_arr)
+                arrive(i, t_arr)
                 i += 1
+                t_arr = arrivals[i]
             else:
                 break
         self.end = max(horizon, self.now)
