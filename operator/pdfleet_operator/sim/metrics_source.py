@@ -66,11 +66,13 @@ class SimulatedMetricsSource:
         totals: dict[tuple[str, str], tuple[float, float]] = {}
         gauges: dict[str, _Gauges] = {}
         for role, reps in self.replicas().items():
+            shown = []
             for r in reps:
                 key = (role, r.accelerator_class)
                 p, g = totals.get(key, (0.0, 0.0))
                 totals[key] = (p + r.prompt_tokens, g + r.generated(now))
-            shown = [r for r in reps if r.removed_at is None and now >= r.ready_at]
+                if r.removed_at is None and now >= r.ready_at:
+                    shown.append(r)
             if shown:
                 gauges[role] = _gauges(shown, now)
         self.counters.append((now, totals))
@@ -136,15 +138,26 @@ class SimulatedMetricsSource:
 
 
 def _gauges(shown: list[Replica], now: float) -> _Gauges:
-    by_class = {}
-    for cname in sorted({r.accelerator_class for r in shown}):
-        of_class = [r for r in shown if r.accelerator_class == cname]
-        by_class[cname] = (len(of_class), float(sum(len(r.waiting) for r in of_class)))
+    """One pass over the exposed replicas (a scrape every few seconds of a day); counts are whole numbers, and the
+    KV usage is summed by sum() in replica order, as before."""
+    counts: dict[str, list[int]] = {}  # class -> [replicas, requests waiting]
+    waiting = running = prompt_tokens = 0
+    for r in shown:
+        queued = len(r.waiting)
+        waiting += queued
+        running += r.num_running()
+        prompt_tokens += r.need_waiting
+        got = counts.get(r.accelerator_class)
+        if got is None:
+            counts[r.accelerator_class] = [1, queued]
+        else:
+            got[0] += 1
+            got[1] += queued
     return _Gauges(
         replicas=len(shown),
-        waiting=float(sum([len(r.waiting) for r in shown])),
-        running=float(sum([r.num_running() for r in shown])),
+        waiting=float(waiting),
+        running=float(running),
         kv_usage=sum([r.kv_usage(now) for r in shown]) / len(shown),
-        prompt_tokens_waiting=float(sum([r.need_waiting for r in shown])),
-        by_class=by_class,
+        prompt_tokens_waiting=float(prompt_tokens),
+        by_class={cname: (n, float(q)) for cname, (n, q) in sorted(counts.items())},
     )

@@ -40,16 +40,16 @@ def _round(x: float | None, nd: int = 4) -> float | None:
 def summarize(sim: Simulator) -> dict[str, Any]:
     """The numbers of one policy's run (JSON-ready)."""
     r = sim.reqs
-    arrival = np.asarray(r.arrival)
-    status = np.asarray(r.status)
-    output = np.asarray(r.output)
-    prompt = np.asarray(r.prompt)
-    t_first = np.asarray(r.t_first)
-    t_done = np.asarray(r.t_done)
-    dep = np.asarray(r.deployment)
+    arrival = _floats(r.arrival)
+    status = _ints(r.status)
+    output = _ints(r.output)
+    prompt = _ints(r.prompt)
+    t_first = _floats(r.t_first)
+    t_done = _floats(r.t_done)
+    dep = _ints(r.deployment)
     measured = arrival >= sim.warmup
     done = (status == eng.DONE) & measured
-    gaps = np.asarray(r.second_gap)
+    gaps = _floats(r.second_gap)
     # In PD the client's first token is not the prefill's: the router drops it (the prefill call asks for
     # max_tokens=1) and streams the decode worker's, which comes after the hand-off (router -> decode hop,
     # KV pull, admission, one decode step) -- the simulated second token. The hand-off is therefore TTFT,
@@ -144,7 +144,7 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         "rejected": int(((status == eng.REJECTED) & measured).sum()),
         "too_long": int(((status == eng.TOO_LONG) & measured).sum()),
         "unfinished": int(((status == eng.UNFINISHED) & measured).sum()),
-        "preemptions": int(np.asarray(r.preemptions)[measured].sum()),
+        "preemptions": int(_ints(r.preemptions)[measured].sum()),
         "prompt_tokens": int(prompt_done),
         "generated_tokens": int(generated),
         "simulated_s": _round(span, 1),
@@ -160,6 +160,15 @@ def summarize(sim: Simulator) -> dict[str, Any]:
             {"t": _round(t, 1), "kind": k, "message": m} for d in sim.deps for t, k, m in d.rollback_actions
         ],
     }
+
+
+def _floats(values: list[float]) -> np.ndarray:
+    """A request column as an array (np.fromiter: a day is a million entries; asarray inspects each for its type)."""
+    return np.fromiter(values, dtype=np.float64, count=len(values))
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64, count=len(values))
 
 
 def _time_mean(t: np.ndarray, y: np.ndarray) -> float:
