@@ -123,13 +123,13 @@ def test_a_streams_read_timeout_is_three_of_its_workers_heartbeats_and_other_cal
     from pdfleet_worker.router import proxy
     from pdfleet_worker.router.upstreams import Upstream
 
-    cfg = SimpleNamespace(upstream_timeout_s=600.0, connect_timeout_s=2.0)
-    fake = SimpleNamespace(cfg=cfg, client=httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0)))
+    fake = SimpleNamespace(client=httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0)))
     beating = Upstream("http://w:1", "default", "decode", load={"heartbeat_interval_s": 0.5})
     silent = Upstream("http://w:2", "default", "decode", load={"heartbeat_interval_s": 0})
     vllm = Upstream("http://w:3", "default", "decode", engine="vllm", load={"heartbeat_interval_s": 0.5})
     assert (proxy.silence_limit(beating), proxy.silence_limit(silent), proxy.silence_limit(vllm)) == (1.5, None, None)
-    streamed = proxy.Router._request(fake, beating, "/v1/completions", {}, silence_s=proxy.silence_limit(beating))
-    assert streamed.extensions["timeout"] == {"connect": 2.0, "read": 1.5, "write": 1.5, "pool": 1.5}
+    # streams (router/stream_client.py): the worker's own bound, never more than --upstream-timeout
+    assert [proxy.stream_read_timeout(600.0, up) for up in (beating, silent, vllm)] == [1.5, 600.0, 600.0]
+    assert proxy.stream_read_timeout(1.0, beating) == 1.0
     plain = proxy.Router._request(fake, beating, "/v1/completions", {})
     assert plain.extensions["timeout"]["read"] == 600.0, "a call without a silence bound keeps the pool's timeout"

@@ -19,6 +19,7 @@ from pdfleet_worker.router.proxy import Router
 from pdfleet_worker.router.route_target import RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
+from pdfleet_worker.router.stream_client import StreamClient
 from pdfleet_worker.router.upstreams import Upstreams
 from pdfleet_worker.wire import auth, responses
 from pdfleet_worker.wire.streaming import install_error_handlers
@@ -63,8 +64,11 @@ def build_app(cfg: RouterConfig) -> FastAPI:
             lambda: [(u.tier, u.role, u.healthy) for u in upstreams.all.values()],
             lambda: {str(u.load["revision"]) for u in upstreams.all.values() if u.load.get("revision")},
         )
+        streams = StreamClient(cfg.connect_timeout_s)  # streamed calls: every token passes through it
         target = (
-            RouteTarget(cfg.route_to, client, cfg.health_interval_s, cfg.heartbeat_interval_s)
+            RouteTarget(
+                cfg.route_to, client, streams, cfg.health_interval_s, cfg.heartbeat_interval_s, cfg.upstream_timeout_s
+            )
             if cfg.route_to is not None
             else None
         )
@@ -72,7 +76,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
             client=client,
             upstreams=upstreams,
             metrics=metrics,
-            router=Router(cfg, upstreams, metrics, client, rules, target),
+            router=Router(cfg, upstreams, metrics, client, rules, target, streams=streams),
         )
         await upstreams.start()
         if target is not None:
@@ -81,6 +85,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
         if target is not None:
             await target.stop()
         await upstreams.stop()
+        await streams.aclose()
         await client.aclose()
 
     app = FastAPI(title="pdfleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -21,7 +21,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdfleet_worker.router import engines, handoff, pairing, routing
+from pdfleet_worker.router import engines, handoff, pairing, routing, sse_events
 from pdfleet_worker.router.route_target import ROUTE_HEADER, RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import (
@@ -33,6 +33,7 @@ from pdfleet_worker.router.router_metrics import (
     Outcome,
     RouterMetrics,
 )
+from pdfleet_worker.router.stream_client import Stream, StreamClient, encode_json
 from pdfleet_worker.router.upstreams import Upstream, Upstreams
 from pdfleet_worker.wire import checks, heartbeat, limits
 from pdfleet_worker.wire import request_types as rq
@@ -84,7 +85,9 @@ class Router:
         client: httpx.AsyncClient,
         rules: routing.Routing | None = None,
         target: RouteTarget | None = None,
+        streams: StreamClient | None = None,
     ):
+        """client: non-streamed calls; streams: streamed ones (the app shares one with the routing target)."""
         self.cfg = cfg
         self.rules, self.target = rules, target  # query routing (both or neither)
         if rules is not None:  # every route's series from the start (rate() over a series that appears later misses it)
@@ -94,6 +97,7 @@ class Router:
         self.upstreams = upstreams
         self.metrics = metrics
         self.client = client
+        self.streams = streams if streams is not None else StreamClient(cfg.connect_timeout_s)
         self.active = 0  # client requests not yet fully answered
         self._id_key = os.urandom(16)
 
@@ -418,15 +422,11 @@ class Router:
             try:
                 content = await resp.aread()
             finally:
-                await resp.aclose()
+                resp.close()
                 up.inflight -= 1
             return self._relay_answer(Answer(up, resp.status_code, dict(resp.headers), content), headers, also_redact)
         relay = _Relay(self, up, resp, outcome, also_redact)
-        return EventStreamResponse(
-            heartbeat.with_heartbeats(relay.events(), self.cfg.heartbeat_interval_s),
-            headers={**SSE_HEADERS, **headers},
-            on_close=relay.close,
-        )
+        return EventStreamResponse(relay.events(), headers={**SSE_HEADERS, **headers}, on_close=relay.close)
 
     def _relay_answer(self, answer: Answer, headers: dict[str, str], also_redact: Iterable[str] = ()) -> Response:
         keep = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after",)}
@@ -495,22 +495,27 @@ class Router:
         body: dict,
         extra_headers: dict[str, str] | None = None,
         match: Match | None = None,
-    ) -> tuple[Upstream, httpx.Response]:
+    ) -> tuple[Upstream, Stream]:
         """An open streaming response (headers read; workers `match` holds for first); the caller closes it and
-        decrements inflight."""
+        decrements inflight. Its body arrives with a heartbeat due every --heartbeat-interval of silence."""
+        content = encode_json(body)
 
         async def attempt(up: Upstream):
-            resp = await self.client.send(
-                self._request(up, path, body, extra_headers, silence_s=silence_limit(up)),
-                stream=True,
+            resp = await self.streams.open(
+                up.url,
+                path,
+                content,
+                extra_headers,
+                read_timeout_s=stream_read_timeout(self.cfg.upstream_timeout_s, up),
+                heartbeat_s=self.cfg.heartbeat_interval_s,
                 auth=self.upstreams.auth(up),
             )
             if resp.status_code in (401, 503):
                 try:
-                    content = await resp.aread()
+                    answer = await resp.aread()
                 finally:
-                    await resp.aclose()
-                return Answer(up, resp.status_code, dict(resp.headers), content)
+                    resp.close()
+                return Answer(up, resp.status_code, dict(resp.headers), answer)
             up.inflight += 1  # held until the relay ends
             return up, resp
 
@@ -578,26 +583,11 @@ class Router:
         )
 
     def _request(
-        self,
-        up: Upstream,
-        path: str,
-        body: dict,
-        extra_headers: dict[str, str] | None = None,
-        silence_s: float | None = None,
+        self, up: Upstream, path: str, body: dict, extra_headers: dict[str, str] | None = None
     ) -> httpx.Request:
-        """silence_s: the longest wait for any byte of the answer (a stream's read timeout) instead of the pool's."""
-        # (None would mean no timeout at all: the client's default is its own sentinel)
-        timeout = (
-            httpx.USE_CLIENT_DEFAULT
-            if silence_s is None
-            else httpx.Timeout(min(silence_s, self.cfg.upstream_timeout_s), connect=self.cfg.connect_timeout_s)
-        )
+        """A non-streamed call, with the pool's timeouts (--upstream-timeout, --connect-timeout)."""
         return self.client.build_request(
-            "POST",
-            f"{up.url}{path}",
-            json=body,
-            timeout=timeout,
-            headers={"content-type": "application/json", **(extra_headers or {})},
+            "POST", f"{up.url}{path}", json=body, headers={"content-type": "application/json", **(extra_headers or {})}
         )
 
 
@@ -614,6 +604,12 @@ def silence_limit(up: Upstream) -> float | None:
     if up.engine != engines.PDFLEET or not isinstance(interval, (int, float)) or interval <= 0:
         return None
     return SILENT_BEATS * float(interval)
+
+
+def stream_read_timeout(upstream_timeout_s: float, up: Upstream) -> float:
+    """The longest silence a stream of this worker is allowed: its own bound, never more than --upstream-timeout."""
+    limit = silence_limit(up)
+    return upstream_timeout_s if limit is None else min(limit, upstream_timeout_s)
 
 
 def _scrubbed(answer: Answer) -> Answer:
@@ -651,40 +647,41 @@ def _error_code(error: dict) -> int:
 
 
 class _Relay:
-    """Forwards a worker's SSE events whole (error events with addresses redacted); a broken worker
-    becomes an error event and leaves rotation. close() settles the bookkeeping once, whether or not
-    events() ever ran."""
+    """Forwards a worker's SSE events as they come, bytes untouched, several at once when they come together
+    (router/sse_events.py): only a piece that may hold [DONE] or an error event is split (an error event is rewritten
+    with addresses redacted). A broken worker becomes an error event and leaves rotation; a heartbeat goes out when
+    the worker is silent for --heartbeat-interval. close() settles the bookkeeping once, whether or not events() ever
+    ran."""
 
-    def __init__(
-        self, router: Router, up: Upstream, resp: httpx.Response, outcome: Outcome, also_redact: tuple[str, ...] = ()
-    ):
+    def __init__(self, router: Router, up: Upstream, resp: Stream, outcome: Outcome, also_redact: tuple[str, ...] = ()):
         self.router, self.up, self.resp, self.outcome, self.also_redact = router, up, resp, outcome, also_redact
         self.code = 499  # until the stream ends otherwise, the client went away
+        self.done = False  # [DONE] relayed
+        self._status = 200  # the stream's code so far (an error event's code once one passed)
+        self._first = True  # no data event relayed yet (TTFT)
         self._closed = False
 
     async def events(self) -> AsyncIterator[bytes]:
-        up, metrics = self.up, self.router.metrics
-        first, done, buf, code = True, False, b"", 200
+        up, metrics, resp = self.up, self.router.metrics, self.resp
+        cutter = sse_events.EventCutter()
         try:
-            async for chunk in self.resp.aiter_raw():
-                buf += chunk
-                while (i := buf.find(b"\n\n")) >= 0:
-                    event, buf = buf[: i + 2], buf[i + 2 :]
-                    if first and not heartbeat.is_comment(event):
-                        metrics.first_token(self.outcome.tier, self.outcome.start)
-                        first = False
-                    if event.startswith(b"data: [DONE]"):
-                        # The answer is whole once [DONE] is relayed: a client that closes right after it
-                        # was served, not dropped (499 would count a served request as a client abort).
-                        done, self.code = True, code
-                    elif event.startswith(b'data: {"error"'):
-                        body = self.router.relayed_error(event[len(b"data: ") :].strip(), up, 500, self.also_redact)
-                        code = _error_code(body["error"])
-                        event = sse(body)
-                    yield event
-            if not done:
+            while (data := await resp.next()) is not None:
+                if not data:  # silent for a heartbeat interval
+                    if not cutter.partial:  # never inside an event
+                        yield heartbeat.KEEP_ALIVE
+                    continue
+                whole = cutter.cut(data)
+                if not whole:
+                    continue
+                if self._first and sse_events.has_data(whole):
+                    metrics.first_token(self.outcome.tier, self.outcome.start)  # TTFT: a worker's heartbeat is none
+                    self._first = False
+                if sse_events.may_end(whole):
+                    whole = self._ends(whole)
+                yield whole
+            if not self.done:
                 raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-            self.code = code
+            self.code = self._status
         except httpx.HTTPError as e:
             self.code = 502
             metrics.upstream_error(up.role, "timeout" if isinstance(e, httpx.TimeoutException) else "stream_broken")
@@ -699,8 +696,23 @@ class _Relay:
             )
             yield b"data: [DONE]\n\n"  # as a worker ends its own error events
         finally:
-            await self.resp.aclose()
+            self.resp.close()
             self.close()
+
+    def _ends(self, whole: bytes) -> bytes:
+        """Complete events, one by one: [DONE] settles the code, an error event is redacted and sets it."""
+        out = []
+        for event in sse_events.split(whole):
+            if event.startswith(sse_events.DONE):
+                # The answer is whole once [DONE] is relayed: a client that closes right after it was served, not
+                # dropped (499 would count a served request as a client abort).
+                self.done, self.code = True, self._status
+            elif event.startswith(sse_events.ERROR):
+                body = self.router.relayed_error(event[len(b"data: ") :].strip(), self.up, 500, self.also_redact)
+                self._status = _error_code(body["error"])
+                event = sse(body)
+            out.append(event)
+        return b"".join(out)
 
     def close(self) -> None:
         if self._closed:
@@ -708,6 +720,5 @@ class _Relay:
         self._closed = True
         self.up.inflight -= 1
         self.router.active -= 1
-        if not self.resp.is_closed:
-            asyncio.ensure_future(self.resp.aclose())
+        self.resp.close()
         self.outcome.code = self.code

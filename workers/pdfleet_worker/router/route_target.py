@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from starlette.responses import Response
 
+from pdfleet_worker.router import sse_events
 from pdfleet_worker.router.routing import ROUTED_HEADER
+from pdfleet_worker.router.stream_client import Stream, StreamClient, encode_json
 from pdfleet_worker.wire import heartbeat
 from pdfleet_worker.wire.streaming import SSE_HEADERS, EventStreamResponse
 
@@ -26,11 +28,20 @@ ROUTE_HEADER = "x-pdfleet-route"
 
 
 class RouteTarget:
-    def __init__(self, url: str, client: httpx.AsyncClient, probe_interval_s: float, heartbeat_interval_s: float):
+    def __init__(
+        self,
+        url: str,
+        client: httpx.AsyncClient,
+        streams: StreamClient,
+        probe_interval_s: float,
+        heartbeat_interval_s: float,
+        read_timeout_s: float,
+    ):
+        """client: probes and non-streamed calls; streams: streamed ones (read_timeout_s: their longest silence)."""
         self.url = url.rstrip("/")
-        self.client = client
+        self.client, self.streams = client, streams
         self.probe_interval_s = probe_interval_s
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s, self.read_timeout_s = heartbeat_interval_s, read_timeout_s
         self.model: str | None = None  # what the target serves (its /v1/models' first id); None: not reachable
         self.last_error = "not probed yet"
         self._task: asyncio.Task | None = None
@@ -79,64 +90,90 @@ class RouteTarget:
         model = self.model
         if model is None:
             return None
-        headers = {"content-type": "application/json", ROUTED_HEADER: "1"}
+        headers = {ROUTED_HEADER: "1"}
         if authorization:
             headers["authorization"] = authorization
-        req = self.client.build_request("POST", f"{self.url}{path}", json=dict(body, model=model), headers=headers)
+        if stream:
+            return await self._stream(path, dict(body, model=model), headers, on_end)
+        req = self.client.build_request(
+            "POST",
+            f"{self.url}{path}",
+            json=dict(body, model=model),
+            headers={"content-type": "application/json", **headers},
+        )
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
-            log.warning("routing target %s: %s", self.url, e)
-            self.model, self.last_error = None, f"{type(e).__name__}: {e}"
+            return self._unreachable(e)
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError:
+            content = None
+        finally:
+            await resp.aclose()
+        if resp.status_code != 200 or content is None:
+            log.info("routing target %s answered %d: served here instead", self.url, resp.status_code)
             return None
-        ok = resp.status_code == 200 and (
-            not stream or resp.headers.get("content-type", "").startswith("text/event-stream")
+        on_end(200)
+        return Response(
+            content,
+            status_code=200,
+            media_type=resp.headers.get("content-type", "application/json"),
+            headers={ROUTE_HEADER: "small"},
         )
-        if not ok or not stream:
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError:
-                content = None
-            finally:
-                await resp.aclose()
-            if not ok or content is None:
-                log.info("routing target %s answered %d: served here instead", self.url, resp.status_code)
-                return None
-            on_end(200)
-            return Response(
-                content,
-                status_code=200,
-                media_type=resp.headers.get("content-type", "application/json"),
-                headers={ROUTE_HEADER: "small"},
+
+    async def _stream(
+        self, path: str, body: dict, headers: dict[str, str], on_end: Callable[[int], None]
+    ) -> Response | None:
+        try:
+            resp = await self.streams.open(
+                self.url, path, encode_json(body), headers, self.read_timeout_s, self.heartbeat_interval_s
             )
+        except httpx.HTTPError as e:
+            return self._unreachable(e)
+        if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                await resp.aread()
+            except httpx.HTTPError:
+                pass
+            finally:
+                resp.close()
+            log.info("routing target %s answered %d: served here instead", self.url, resp.status_code)
+            return None
         relay = _TargetRelay(resp, on_end)
-        return EventStreamResponse(
-            heartbeat.with_heartbeats(relay.events(), self.heartbeat_interval_s),
-            headers={**SSE_HEADERS, ROUTE_HEADER: "small"},
-            on_close=relay.close,
-        )
+        return EventStreamResponse(relay.events(), headers={**SSE_HEADERS, ROUTE_HEADER: "small"}, on_close=relay.close)
+
+    def _unreachable(self, e: httpx.HTTPError) -> None:
+        log.warning("routing target %s: %s", self.url, e)
+        self.model, self.last_error = None, f"{type(e).__name__}: {e}"
 
 
 class _TargetRelay:
-    """The target's SSE bytes, passed on whole events at a time; a broken stream ends with an error event."""
+    """The target's SSE bytes, passed on as whole events come (router/sse_events.py), a heartbeat when it is silent;
+    a broken stream ends with an error event."""
 
-    def __init__(self, resp: httpx.Response, on_end: Callable[[int], None]):
+    def __init__(self, resp: Stream, on_end: Callable[[int], None]):
         self.resp, self.on_end = resp, on_end
         self.code = 499
         self._closed = False
 
     async def events(self) -> AsyncIterator[bytes]:
-        buf, done, code = b"", False, 200
+        cutter, done, code = sse_events.EventCutter(), False, 200
         try:
-            async for chunk in self.resp.aiter_raw():
-                buf += chunk
-                while (i := buf.find(b"\n\n")) >= 0:
-                    event, buf = buf[: i + 2], buf[i + 2 :]
-                    if event.startswith(b"data: [DONE]"):
-                        done, self.code = True, code
-                    elif event.startswith(b'data: {"error"'):
-                        code = _code(event)
-                    yield event
+            while (data := await self.resp.next()) is not None:
+                if not data:  # silent for a heartbeat interval
+                    if not cutter.partial:
+                        yield heartbeat.KEEP_ALIVE
+                    continue
+                whole = cutter.cut(data)
+                if whole and sse_events.may_end(whole):
+                    for event in sse_events.split(whole):
+                        if event.startswith(sse_events.DONE):
+                            done, self.code = True, code
+                        elif event.startswith(sse_events.ERROR):
+                            code = _code(event)
+                if whole:
+                    yield whole
             if not done:
                 raise httpx.RemoteProtocolError("the stream ended without [DONE]")
             self.code = code
@@ -153,15 +190,13 @@ class _TargetRelay:
             }
             yield b"data: " + json.dumps(body).encode() + b"\n\n"
         finally:
-            await self.resp.aclose()
             self.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self.resp.is_closed:
-            asyncio.ensure_future(self.resp.aclose())
+        self.resp.close()
         self.on_end(self.code)
 
 
