@@ -13,11 +13,14 @@ speaks raw HTTP/1.1 over asyncio, opens --concurrency keep-alive connections to 
 ENGINE@stub`, and checks every answer: --max-tokens token chunks, the usage chunk's completion_tokens, `[DONE]`.
 
 Two modes, each a fresh router per measurement:
-    saturated  the stub emits as fast as it can: the router is the bottleneck; its tokens/s is the headline
     paced      the stub waits --step-ms between steps, as an engine does: what a token costs the router while it keeps
-               up (each event arrives on its own, nothing coalesces), the CPU it takes from the engine beside it
-The router's CPU (user + system of its process, /proc) over the client's run, divided by the tokens the client got,
-is its CPU ms per streamed token. `direct` (the client against the stub itself, no router) is the ceiling.
+               up (each event arrives on its own, nothing coalesces), the CPU it takes from the engine beside it; the
+               headline (`router_cpu_ms_per_token`)
+    saturated  the stub emits as fast as it can (--saturated-requests): the router is the bottleneck; its tokens/s.
+               NOTE: a router that falls behind reads several events at once, and one that passes them on together
+               can then outrun `direct` (the client reading the stub's one-event writes itself)
+The router's CPU (user + system of its threads, /proc) over the client's run, divided by the tokens the client got,
+is its CPU ms per streamed token. `direct` (the client against the stub itself, no router) is the reference.
 
 With --baseline-tree, the router of that checkout (PYTHONPATH=TREE/workers:TREE/operator, checked before use) runs
 beside this checkout's, alternating (a rotating order per repetition); each ratio is the median of per-repetition
@@ -59,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="repetitions of every router (fresh processes each time)")
     p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run")
     p.add_argument("--concurrency", type=int, default=16, help="streams open at once")
-    p.add_argument("--requests", type=int, default=64, help="requests per measurement")
+    p.add_argument("--requests", type=int, default=64, help="requests per paced measurement")
+    p.add_argument(
+        "--saturated-requests", type=int, default=256, help="requests per saturated measurement (a few seconds)"
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="token chunks per request")
     p.add_argument("--step-ms", type=float, default=20.0, help="paced: the stub's time between steps")
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
@@ -70,14 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stub", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the stub's own process
     a = p.parse_args(argv)
     if a.smoke:
-        a.reps, a.requests, a.concurrency, a.max_tokens, a.step_ms = 1, 8, 4, 16, 5.0
+        a.reps, a.requests, a.saturated_requests, a.concurrency, a.max_tokens, a.step_ms = 1, 8, 8, 4, 16, 5.0
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not a.modes or not set(a.modes) <= set(MODES):
         p.error(f"--modes: choose from {', '.join(MODES)}")
     if a.baseline_tree and not (Path(a.baseline_tree) / "workers" / "pdfleet_worker").is_dir():
         p.error(f"--baseline-tree: {a.baseline_tree} holds no workers/pdfleet_worker (a checkout of this repository)")
-    if min(a.reps, a.concurrency, a.requests, a.max_tokens) < 1:
-        p.error("--reps, --concurrency, --requests and --max-tokens must be at least 1")
+    if min(a.reps, a.concurrency, a.requests, a.saturated_requests, a.max_tokens) < 1:
+        p.error("--reps, --concurrency, --requests, --saturated-requests and --max-tokens must be at least 1")
     return a
 
 
@@ -396,6 +402,8 @@ def measure(a, name: str, port: int, pid: int | None) -> dict:
 def run_mode(a, mode: str, trees: dict[str, tuple[Path, dict]], workdir: Path) -> list[dict]:
     """Every repetition of one mode: {router name: row} each."""
     stub, stub_port = start_stub(0.0 if mode == "saturated" else a.step_ms / 1e3, workdir)
+    if mode == "saturated":
+        a = argparse.Namespace(**{**vars(a), "requests": a.saturated_requests})
     names = list(trees)
     reps = []
     try:
@@ -465,6 +473,7 @@ def report(a, runs: dict[str, list[dict]]) -> dict:
         modes=list(runs),
         concurrency=a.concurrency,
         requests=a.requests,
+        saturated_requests=a.saturated_requests,
         max_tokens=a.max_tokens,
         step_ms=a.step_ms,
         engine=a.engine,

@@ -8,6 +8,8 @@ sniffio), and a heartbeat around its iterator needs a task and a queue hop per e
 one callback that decodes the chunk and wakes the reader. bench/router.py measures both (docs in bench/README.md).
 Failures are httpx's exception types, so callers classify them once: ConnectError / ConnectTimeout (nothing sent),
 RemoteProtocolError / ReadError (the worker closed or broke the connection), ReadTimeout (silent too long).
+NOTE: it connects to workers directly: HTTP(S)_PROXY in the router's environment is not applied to streams (workers
+are addresses inside the deployment's network; a proxy between router and worker is not a supported setup).
 """
 
 from __future__ import annotations
