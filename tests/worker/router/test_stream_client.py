@@ -234,3 +234,10 @@ async def test_a_reader_that_falls_behind_stops_the_socket_and_loses_nothing():
         assert await stream.aread() == payload
         stream.close()
     await client.aclose()
+
+
+async def test_a_header_that_would_split_the_request_is_refused_before_anything_is_sent():
+    async with Worker(sse_answer) as w:
+        with pytest.raises(ValueError, match="line break"):
+            await StreamClient(connect_timeout_s=5).open(w.url, "/v1/completions", b"{}", {"x-id": "a\r\nx-evil: 1"})
+        assert w.connections == 0

@@ -93,6 +93,8 @@ class StreamClient:
         lines = [f"POST {parts.path.rstrip('/')}{path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
         lines += ["content-type: application/json", "accept: text/event-stream, */*", "accept-encoding: identity"]
         lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("content-type", "content-length")]
+        if any("\r" in line or "\n" in line for line in lines):
+            raise ValueError(f"a line break in the request line or a header to {host}: {lines!r}")
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
             conn = self._take_idle(origin) if attempt == 0 else None
@@ -117,7 +119,9 @@ class StreamClient:
     async def _connect(self, origin: Origin) -> _Connection:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
-        context = (self._ssl or httpx.create_ssl_context()) if scheme == "https" else None
+        if scheme == "https" and self._ssl is None:
+            self._ssl = httpx.create_ssl_context()  # httpx's trust store, loaded once
+        context = self._ssl if scheme == "https" else None
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
