@@ -425,10 +425,12 @@ def ha_scenario(b: Bench, n: int, timeout: float) -> dict:
                 NAMESPACE,
             )
         b.wait(
-            lambda: all(
-                (o.get("status") or {}).get("decodeReplicas") == decode
-                and o["status"].get("observedGeneration") == o["metadata"]["generation"]
-                for o in b.list("infdep")
+            lambda: b.every(
+                "infdep",
+                lambda o: (
+                    (o.get("status") or {}).get("decodeReplicas") == decode
+                    and o["status"].get("observedGeneration") == o["metadata"]["generation"]
+                ),
             ),
             timeout,
             f"every CR at {decode} decode replicas",
