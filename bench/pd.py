@@ -2,7 +2,7 @@
 socket measured in the same run (TCP connector, and NIXL where installed).
 
     python bench/pd.py [--preset tiny|small] [--prompt-tokens 2000] [--reps 15] [--wire-reps 30] [--threads 2]
-                       [--nixl auto|on|off]
+                       [--nixl auto|on|off] [--pd-min-prompt-tokens 256] [--short-prompts 16,64,128] [--short-reps 15]
 
 Starts real processes (a prefill, a decode and a colocated worker, and one router with the PD
 pool as tier `default` and the colocated worker as tier `colo`; with NIXL a second prefill/decode
@@ -10,7 +10,10 @@ pair on `--kv-connector nixl`), sends each path the same kind of request (a fres
 every time, so no prefix cache helps), and reports medians.
 Targets: PD adds at most (KV bytes / measured loopback bandwidth) + 20 ms to TTFT; a KV pull moves
 its bytes at >= 50% of a raw loopback socket's bandwidth (`kv_pull_vs_socket`: per repetition, one
-pull next to one raw copy of the same bytes, the median of the ratios). Ends with one JSON line.
+pull next to one raw copy of the same bytes, the median of the ratios); a prompt shorter than the router's
+--pd-min-prompt-tokens, which the router sends straight to the decode worker, reaches its first token no later than
+on the colocated worker through the same router (`short_prompt_ttft_vs_colocated` <= 1.0; see short_prompts).
+Ends with one JSON line.
 
 What the two sides of that ratio time, like for like: the pull is the decode worker's own
 pdfleet_kv_transfer_seconds (request frame, the prefill worker's lease and layout check, header, every
@@ -97,8 +100,10 @@ def metric(url: str, name: str, **labels: str) -> float:
     )
 
 
-def ttft(router: str, tier: str, prompt: list[int], max_tokens: int) -> float:
-    """Seconds from sending the request to the first streamed event, via the router."""
+def ttft(url: str, tier: str | None, prompt: list[int], max_tokens: int, local: bool | None = None) -> float:
+    """Seconds from sending the request to the first streamed event, via the router (tier set) or straight to a
+    worker (tier None). `local`: whether the router must have had the decode worker compute the prompt itself
+    (its `x-pdfleet-prefill: local`), checked when not None."""
     body = {
         "model": "bench",
         "prompt": prompt,
@@ -107,11 +112,15 @@ def ttft(router: str, tier: str, prompt: list[int], max_tokens: int) -> float:
         "ignore_eos": True,
         "stream": True,
     }
+    headers = {"x-pdfleet-tier": tier} if tier else {}
     t0 = time.perf_counter()
-    with httpx.stream(
-        "POST", f"{router}/v1/completions", json=body, headers={"x-pdfleet-tier": tier}, timeout=300
-    ) as resp:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300) as resp:
         assert resp.status_code == 200, resp.read()
+        if local is not None and (resp.headers.get("x-pdfleet-prefill") == "local") != local:
+            raise RuntimeError(
+                f"a {len(prompt)}-token prompt came back with x-pdfleet-prefill "
+                f"{resp.headers.get('x-pdfleet-prefill')!r}: expected {'local' if local else 'a prefill worker'}"
+            )
         lines = resp.iter_lines()
         for line in lines:
             if line.startswith("data: {"):
@@ -214,6 +223,134 @@ def spread(xs: list[float], digits: int = 3) -> dict:
     }
 
 
+ROUTES = ("short_prompt", "prefill_pool")  # pdfleet_router_pd_routes_total{route}
+
+
+def pd_routes(router: str, tier: str) -> dict[str, float]:
+    return {r: metric(router, "pdfleet_router_pd_routes_total", tier=tier, route=r) for r in ROUTES}
+
+
+MIN_VERDICT_REPS = 5  # NOTE: fewer repetitions on this shared machine say nothing, whichever side they fall on
+
+
+def verdict(xs: list[float], target: float = 1.0) -> str:
+    """Met or missed only where every repetition, of at least MIN_VERDICT_REPS, is on one side of the target (at
+    most `target` is met)."""
+    lo, hi = min(xs), max(xs)
+    if len(xs) < MIN_VERDICT_REPS:
+        return f"no verdict ({len(xs)} repetitions, fewer than {MIN_VERDICT_REPS})"
+    if hi <= target:
+        return f"met (every repetition <= {target})"
+    if lo > target:
+        return f"missed (every repetition > {target})"
+    return f"no verdict (repetitions {lo:.3f} .. {hi:.3f} straddle {target})"
+
+
+def ratio_keys(name: str, xs: list[float]) -> dict:
+    """`name` (median of the per-repetition ratios), `name_min`, `name_max` and `name_spread`."""
+    sp = spread(xs)
+    return {name: sp["median"], f"{name}_min": sp["min"], f"{name}_max": sp["max"], f"{name}_spread": sp}
+
+
+def short_prompts(
+    router: str, colo: str, decode: str, lengths: list[int], long: int, reps: int, max_tokens: int, prompt
+) -> dict:
+    """Disaggregate only where it pays, measured: prompts shorter than the router's --pd-min-prompt-tokens go through
+    the PD tier straight to the decode worker, which computes them itself; the same lengths go to the colocated
+    worker through the same router (tier `colo`) and straight to it, and to the decode worker straight (diagnostic:
+    worker against worker, no router), and a `long`-token prompt (the shortest the
+    router sends to the prefill pool) through both tiers for contrast. Per repetition every length once per path,
+    each request a fresh prompt, the order of the paths reversed every other repetition; the ratios are of each
+    repetition's median TTFTs. Raises RuntimeError if any request took another route than the one it measures."""
+    paths = {
+        "pd": lambda p: ttft(router, "default", p, max_tokens, local=len(p) < long),
+        "colo": lambda p: ttft(router, "colo", p, max_tokens),
+        "direct": lambda p: ttft(colo, None, p, max_tokens),
+        # NOTE: the decode worker without the router: tells the route's cost from the two worker processes' own speed
+        "decode": lambda p: ttft(decode, None, p, max_tokens),
+    }
+    routes0 = pd_routes(router, "default")
+    pulls0 = metric(decode, "pdfleet_kv_transfer_seconds_count")
+    for n in lengths + [long]:  # warm-up: the decode worker's first local prefills, every path once per length
+        for send in paths.values():
+            send(prompt(n))
+    short = {name: [] for name in paths}  # per path, per repetition: {length: seconds}
+    longs = {"pd": [], "colo": []}
+    for rep in range(reps):
+        order = list(paths) if rep % 2 == 0 else list(reversed(paths))
+        times = {name: {} for name in paths}
+        for n in lengths:
+            for name in order:
+                times[name][n] = paths[name](prompt(n))
+        for name in order:
+            if name in longs:
+                longs[name].append(paths[name](prompt(long)))
+        for name in paths:
+            short[name].append(times[name])
+    taken = {r: int(v - routes0[r]) for r, v in pd_routes(router, "default").items()}
+    pulls = int(metric(decode, "pdfleet_kv_transfer_seconds_count") - pulls0)
+    want = {"short_prompt": (reps + 1) * len(lengths), "prefill_pool": reps + 1}
+    if taken != want or pulls != want["prefill_pool"]:
+        raise RuntimeError(
+            f"the router routed {taken} and the decode worker pulled KV {pulls} times; expected {want} and "
+            f"{want['prefill_pool']} pulls: the short-prompt figures would measure another path"
+        )
+
+    return short_summary(short, longs, lengths, long) | {"short_prompt_routes": taken, "short_reps": reps}
+
+
+def short_summary(short: dict[str, list[dict[int, float]]], longs: dict[str, list[float]], lengths, long) -> dict:
+    """The short-prompt keys from per-path, per-repetition TTFTs (short: {length: seconds} per repetition)."""
+
+    def per_rep(a: str, b: str) -> list[float]:
+        return [statistics.median(x.values()) / statistics.median(y.values()) for x, y in zip(short[a], short[b])]
+
+    vs_colo = per_rep("pd", "colo")
+    return {
+        **ratio_keys("short_prompt_ttft_vs_colocated", vs_colo),
+        "short_prompt_verdict": verdict(vs_colo),
+        **ratio_keys("long_prompt_ttft_vs_colocated", [a / b for a, b in zip(longs["pd"], longs["colo"])]),
+        "short_prompt_ttft_vs_colocated_direct": round(statistics.median(per_rep("pd", "direct")), 3),
+        "colocated_router_vs_direct": round(statistics.median(per_rep("colo", "direct")), 3),
+        "short_prompt_router_vs_decode_direct": round(statistics.median(per_rep("pd", "decode")), 3),
+        "decode_vs_colocated_direct": round(statistics.median(per_rep("decode", "direct")), 3),
+        "short_prompt_ttft_vs_colocated_by_tokens": {
+            str(n): round(statistics.median(x[n] / y[n] for x, y in zip(short["pd"], short["colo"])), 3)
+            for n in lengths
+        },
+        "short_prompt_ttft_ms": {
+            name: round(statistics.median(t for rep in reps for t in rep.values()) * 1e3, 2)
+            for name, reps in short.items()
+        },
+        "long_prompt_ttft_ms": {name: round(statistics.median(xs) * 1e3, 2) for name, xs in longs.items()},
+        "short_prompt_tokens": lengths,
+        "long_prompt_tokens": long,
+    }
+
+
+def print_short(out: dict) -> None:
+    ms = out["short_prompt_ttft_ms"]
+    print(
+        f"short prompts ({', '.join(map(str, out['short_prompt_tokens']))} tokens; the router's threshold "
+        f"{out['long_prompt_tokens']}), {out['short_reps']} alternating reps:"
+    )
+    print(f"{'per-rep TTFT ratio':<40}{'median':>10}{'min':>10}{'q1':>10}{'q3':>10}{'max':>10}")
+    for label, key in (
+        ("PD short route / colocated, via router", "short_prompt_ttft_vs_colocated"),
+        (f"PD pool ({out['long_prompt_tokens']} tok) / colocated", "long_prompt_ttft_vs_colocated"),
+    ):
+        sp = out[key + "_spread"]
+        print(f"{label:<40}" + "".join(f"{sp[k]:>10}" for k in ("median", "min", "q1", "q3", "max")))
+    print(
+        f"median short TTFT ms: PD {ms['pd']}, colocated via router {ms['colo']}, colocated direct {ms['direct']}, "
+        f"decode worker direct {ms['decode']}; router / direct: colocated {out['colocated_router_vs_direct']}, PD "
+        f"short route {out['short_prompt_router_vs_decode_direct']}; decode / colocated worker, direct "
+        f"{out['decode_vs_colocated_direct']}; PD / colocated by length "
+        f"{out['short_prompt_ttft_vs_colocated_by_tokens']}; routes {out['short_prompt_routes']}"
+    )
+    print(f"short prompts' TTFT <= colocated: {out['short_prompt_verdict']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: `pdfleet model init --preset` into a temp dir)")
@@ -224,12 +361,43 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--wire-reps", type=int, default=30, help="alternating pull / raw socket (/ NIXL pull) repetitions")
     ap.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="the router's threshold: PD prompts shorter than N go straight to the decode worker (at most "
+        "--prompt-tokens, above every --short-prompts length)",
+    )
+    ap.add_argument(
+        "--short-prompts",
+        default="16,64,128",
+        help="comma-separated prompt lengths under the threshold, each sent every short repetition",
+    )
+    ap.add_argument(
+        "--short-reps",
+        type=int,
+        default=15,
+        help="alternating repetitions of the short-prompt section (0: skip it)",
+    )
+    ap.add_argument(
         "--nixl",
         choices=("auto", "on", "off"),
         default="auto",
         help="also a prefill/decode pair on --kv-connector nixl (auto: when nixl-cu12 is installed)",
     )
     args = ap.parse_args()
+    try:
+        lengths = [int(x) for x in args.short_prompts.split(",")]
+    except ValueError:
+        ap.error(f"--short-prompts {args.short_prompts!r}: expected comma-separated token counts, e.g. 16,64,128")
+    if not 0 < min(lengths) <= max(lengths) < args.pd_min_prompt_tokens <= args.prompt_tokens:
+        ap.error(
+            f"need 0 < --short-prompts ({args.short_prompts}) < --pd-min-prompt-tokens ({args.pd_min_prompt_tokens})"
+            f" <= --prompt-tokens ({args.prompt_tokens}): short prompts under the threshold, the PD overhead's "
+            "prompts through the prefill pool"
+        )
+    if args.short_reps < 0:
+        ap.error("--short-reps must be >= 0")
     if args.nixl == "on" and not nixl_installed():
         ap.error("--nixl on needs NIXL's Python package (pip install nixl-cu12)")
     with_nixl = args.nixl == "on" or args.nixl == "auto" and nixl_installed()
@@ -287,6 +455,8 @@ def main() -> int:
                 f"colo={colo.url}",
                 "--health-interval",
                 "0.5",
+                "--pd-min-prompt-tokens",
+                str(args.pd_min_prompt_tokens),
                 "--log-level",
                 "warning",
             ],
@@ -299,8 +469,8 @@ def main() -> int:
         rng = random.Random(0)
         vocab = int(json.load(open(os.path.join(model, "config.json")))["vocab_size"])
 
-        def prompt() -> list[int]:
-            return [rng.randrange(4, vocab) for _ in range(args.prompt_tokens)]
+        def prompt(n: int = args.prompt_tokens) -> list[int]:
+            return [rng.randrange(4, vocab) for _ in range(n)]
 
         for tier in ("default", "colo", "default", "colo"):  # warm up both paths
             ttft(router.url, tier, prompt(), args.max_tokens)
@@ -342,6 +512,20 @@ def main() -> int:
             noops.append(time.perf_counter() - t0)
         assert pulls == args.reps, f"{pulls} pulls for {args.reps} requests"
         kv_bytes = int(kv_total / args.reps)
+        short = (
+            short_prompts(
+                router.url,
+                colo.url,
+                decode.url,
+                lengths,
+                args.pd_min_prompt_tokens,
+                args.short_reps,
+                args.max_tokens,
+                prompt,
+            )
+            if args.short_reps
+            else {}
+        )
         # The wire: per repetition one TCP pull, one raw copy of the same bytes (and one NIXL pull), in turn.
         raw = RawSocket(kv_bytes)
         wire: dict[str, list[float]] = {"tcp": [], "socket": [], "nixl": []}
@@ -404,6 +588,8 @@ def main() -> int:
             "socket_gbps_spread": spread(wire["socket"]),
             "kv_pull_meets_target": statistics.median(tcp_ratio) >= 0.5,
             "wire_reps": args.wire_reps,
+            "pd_min_prompt_tokens": args.pd_min_prompt_tokens,
+            **short,
         }
         if nixl_pair:
             result.update(
@@ -442,6 +628,8 @@ def main() -> int:
             f"PD overhead {overhead:.1f} ms (paired median; IQR {q1:.1f} .. {q3:.1f} ms) vs target {target:.1f} ms: "
             f"{'OK' if result['meets_target'] else 'MISSED'}"
         )
+        if short:
+            print_short(short)
         print(json.dumps(result))
         return 0
     finally:

@@ -83,6 +83,58 @@ def test_peer_bench_smoke_run(tmp_path):
     assert out["pdfleet_cold_ttft_ms_fp32"] > 0 and out["vllm_cold_ttft_ms_fp32"] > 0
 
 
+PD_SHORT_KEYS = {
+    "short_prompt_ttft_vs_colocated",
+    "short_prompt_ttft_vs_colocated_min",
+    "short_prompt_ttft_vs_colocated_max",
+    "long_prompt_ttft_vs_colocated",
+    "long_prompt_ttft_vs_colocated_min",
+    "long_prompt_ttft_vs_colocated_max",
+    "short_prompt_verdict",
+}
+PD_KEYS = PD_SHORT_KEYS | {"pd_ttft_overhead_ms", "kv_bytes", "kv_pull_gbps", "kv_pull_vs_socket"}
+
+
+@pytest.mark.slow
+def test_pd_bench_smoke_run_measures_short_prompts_on_their_route(tmp_path):
+    """bench/pd.py end to end with few repetitions (tiny model, 512-token PD prompts, short prompts of 16/64/128
+    tokens under a 256-token threshold, no NIXL): one JSON line with the PD, KV-pull and short-prompt keys; every
+    short prompt took the router's short_prompt route and every 256-token one the prefill pool (the script fails
+    otherwise, and reports the counts). Times nothing."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    args = ["--prompt-tokens", "512", "--reps", "3", "--wire-reps", "2", "--short-reps", "2", "--nixl", "off"]
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "pd.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=BENCH.parent,
+        env=env,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert PD_KEYS <= set(out), sorted(PD_KEYS - set(out))
+    for key in ("short_prompt_ttft_vs_colocated", "long_prompt_ttft_vs_colocated"):
+        assert 0 < out[f"{key}_min"] <= out[key] <= out[f"{key}_max"], key
+    # (2 repetitions + 1 warm-up) x 3 lengths through the short route; 3 prompts at the threshold through the pool
+    assert out["short_prompt_routes"] == {"short_prompt": 9, "prefill_pool": 3}
+    assert out["short_prompt_tokens"] == [16, 64, 128] and out["long_prompt_tokens"] == out["pd_min_prompt_tokens"]
+    assert set(out["short_prompt_ttft_ms"]) == {"pd", "colo", "direct", "decode"}
+    assert out["short_prompt_verdict"].startswith("no verdict"), "two repetitions judge nothing"
+
+
+def test_pd_bench_refuses_a_short_prompt_at_the_threshold():
+    """A 'short' prompt the router would send to the prefill pool measures the wrong path: refused at the start."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "pd.py"), "--short-prompts", "16,256", "--pd-min-prompt-tokens", "256"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
+    assert result.returncode == 2 and "--pd-min-prompt-tokens" in result.stderr
+
+
 LEVERS_INT8_KEYS = {"int8_bs1_vs_fp32", "int8_bs1_vs_bf16", "int8_ppl_increase"}
 LEVERS_KEYS = LEVERS_INT8_KEYS | {"offload_host_ttft_ratio", "offload_disk_ttft_ratio", "kernel_ms"}
 
