@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,10 @@ PRELOADABLE = ("tcmalloc", "iomp5")
 # The warm-up batch both engines run after construction, before anything is timed: (prompt length, tokens).
 WARM_UP = ((8, 8), (32, 8), (128, 8), (256, 8))
 ENGINE_CORES = {"inprocess": "0", "process": "1"}  # -> VLLM_ENABLE_V1_MULTIPROCESSING
+# NOTE: a pause before each measured op, so the engine just measured does not take the cores from the next one:
+# longer than the 1 s a vLLM worker process keeps polling its queue after its last message (shm_broadcast's
+# busy_loop_s) and Intel OpenMP's default 200 ms spin after a parallel region. idle_cpu_s shows what is left.
+SETTLE_S = 1.2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-engine-core",
         choices=sorted(ENGINE_CORES),
-        default="inprocess",
-        help="vLLM's engine core in the LLM's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or in processes of its own",
+        default="process",
+        help="vLLM's engine core and CPU worker in processes of their own (its default, where its documented thread "
+        "binding applies) or in the LLM's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, with that binding set here)",
     )
     p.add_argument(
         "--vllm-preload",
@@ -87,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pdfleet-preload",
-        default="none",
-        help="libraries LD_PRELOADed into pdfleet's process (tcmalloc, iomp5), or none",
+        default="tcmalloc,iomp5",
+        help="libraries LD_PRELOADed into pdfleet's process (the same as vLLM's by default), or none",
     )
     p.add_argument(
         "--smoke",
@@ -195,6 +201,21 @@ def cpu_bind(threads: int) -> str:
     return ",".join(str(c) for c in cores)
 
 
+def vllm_worker_omp_env(cores: str, libs: list[str]) -> dict[str, str]:
+    """The OpenMP settings vLLM's multiprocess executor gives its CPU worker process for VLLM_CPU_OMP_THREADS_BIND
+    (vllm/utils/ompmultiprocessing.py, 0.32.0), for its engine core run in-process.
+
+    NOTE: in-process, vLLM applies neither the bind nor these settings (its CPU platform code says the uniprocess
+    executor cannot set the OpenMP environment): its threads would run unbound, with Intel OpenMP's 200 ms spin
+    after every parallel region. Set before the process starts, they give it the worker vLLM would have spawned."""
+    env = {"OMP_NUM_THREADS": str(len(cores.split(",")))}
+    if any("libiomp" in lib for lib in libs):
+        env.update(KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{cores}]", KMP_BLOCKTIME="5", KMP_TPAUSE="0")
+    else:
+        env["GOMP_CPU_AFFINITY"] = cores.replace(",", " ")
+    return env
+
+
 # == one engine in a child process =================================================================
 class Engine:
     """A child process holding one engine (bench/_peer_child.py); `call` sends a command and waits for its answer.
@@ -239,6 +260,8 @@ class Engine:
             )
             for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the bind decides vLLM's threads
                 env.pop(name, None)
+            if a.vllm_engine_core == "inprocess":
+                env.update(vllm_worker_omp_env(cpu_bind(a.threads), libs))
         t = time.perf_counter()
         self.proc = subprocess.Popen(
             args,
@@ -317,6 +340,7 @@ def one_repetition(a, order: tuple[str, ...], dtype: str, max_model_len: int, li
             answers = {}
             for side in order:
                 others = [s for s in order if s != side]
+                time.sleep(SETTLE_S)
                 before = {s: engines[s].cpu_seconds() for s in others}
                 answers[side] = engines[side].call(op=op, **cmd)
                 for s in others:
@@ -570,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.child:
         return child_main(a)
+    # NOTE: a stopped run (SIGTERM) unwinds like an error, so every child engine is closed by its finally block.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     version, vllm_prefix = check_vllm_runtime()
     found = library_paths(vllm_prefix)
     libs = {
