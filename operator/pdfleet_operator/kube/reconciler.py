@@ -250,7 +250,6 @@ class Reconciler(Cluster):
             if acc in classes and n > 0
         )
 
-
     def _release(
         self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str
     ) -> None:
