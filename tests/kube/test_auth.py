@@ -14,8 +14,8 @@ import pytest
 
 from pdfleet_operator.api.names import LABEL_DEPLOYMENT
 from pdfleet_operator.decide import inventory, placement
-from pdfleet_operator.kube import handlers, reconciler, render
-from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN
+from pdfleet_operator.kube import handlers, render, token_secret
+from pdfleet_operator.kube.token_secret import ANNOTATION_RECREATE_TOKEN
 from tests.kube.cluster import EXAMPLES as EXAMPLE_DIR
 from tests.kube.cluster import classes, example_deployments, pod, spec_of, standard_nodes
 from tests.kube.harness import events, prepare_cluster, running_operator, settle, wait_reconciled
@@ -149,7 +149,7 @@ def test_the_operator_creates_the_token_once_never_overwrites_it_and_recreates_i
         assert token_of(kube, "local-tiny") == first, "the token the pods hold is never replaced"
         # An admin deletes the Secret; a pod that then starts (an eviction's replacement) is not left waiting for it.
         kube.delete("secrets", "local-tiny-auth", "default")
-        monkeypatch.setattr(reconciler, "AUTH_SECRET_CHECK_S", 0.0)
+        monkeypatch.setattr(token_secret, "AUTH_SECRET_CHECK_S", 0.0)
         kube.apply(pod("local-tiny-decode-c", "h100-0", {"cpu": "1"}, labels=labels))
         kube.wait_for(
             lambda: token_of(kube, "local-tiny") not in (None, first),

@@ -9,7 +9,7 @@ import yaml
 
 from pdfleet_operator.api import AcceleratorClass
 from pdfleet_operator.decide import inventory, placement
-from pdfleet_operator.kube import reconciler
+from pdfleet_operator.kube import holdings, reconciler
 from tests.kube.cluster import CLASSES_FILE
 
 CLASSES = {
@@ -111,5 +111,5 @@ def test_a_change_no_hook_named_is_picked_up_by_the_periodic_recompute(monkeypat
     assert [r.replicas for r in rec.reservations()] == [2]
     pools[("default", "a")][0] = {**pools[("default", "a")][0], "replicas": 3}  # no hook told
     assert [r.replicas for r in rec.reservations()] == [2]
-    monkeypatch.setattr(reconciler, "HELD_REFRESH_S", 0.0)
+    monkeypatch.setattr(holdings, "HELD_REFRESH_S", 0.0)
     assert [r.replicas for r in rec.reservations()] == [3] == [r.replicas for r in from_scratch(rec, None)]

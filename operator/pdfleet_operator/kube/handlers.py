@@ -38,12 +38,13 @@ from pdfleet_operator.kube import (
     client,
     exporter,
     loops,
-    reconciler,
     render,
+    token_secret,
 )
 from pdfleet_operator.kube.indexes import CHILD_INDEXES, pool_view
 from pdfleet_operator.kube.options import OPTIONS, Options  # noqa: F401 (`pdfleet operator` sets OPTIONS)
-from pdfleet_operator.kube.reconciler import ANNOTATION_RECREATE_TOKEN, Key, Reconciler, Template  # noqa: F401 (tests reach them here)
+from pdfleet_operator.kube.reconciler import Key, Reconciler, Template  # noqa: F401 (tests reach them here)
+from pdfleet_operator.kube.token_secret import ANNOTATION_RECREATE_TOKEN
 
 logger = logging.getLogger("pdfleet.operator")
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
@@ -399,7 +400,7 @@ async def on_recreate_token_annotation(
     if event.get("type") not in (None, "ADDED", "MODIFIED") or api is None:
         return
     key = (namespace, name)
-    created = await RECONCILER.check_auth_secret(
+    created = await RECONCILER.tokens.check(
         api, key, render.Owner(name, namespace, body["metadata"]["uid"]), f"annotation {ANNOTATION_RECREATE_TOKEN}"
     )
     secret = render.auth_secret_name(name)
@@ -529,12 +530,12 @@ async def _new_pod_needs_the_token(body: kopf.Body) -> None:
     if dep is None or RECONCILER.api is None:
         return
     try:
-        await RECONCILER.check_auth_secret(
+        await RECONCILER.tokens.check(
             RECONCILER.api,
             key,
             render.Owner(owner, key[0], dep["metadata"]["uid"]),
             f"new pod {meta.get('name')}",
-            at_most_every=reconciler.AUTH_SECRET_CHECK_S,
+            at_most_every=token_secret.AUTH_SECRET_CHECK_S,
         )
     except client.ApiError as exc:
         logger.warning("could not check the token Secret of %s/%s: %s", *key, exc)

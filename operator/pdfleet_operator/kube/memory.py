@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from pdfleet_operator.api import Condition, InferenceDeployment
+from pdfleet_operator.api import API_VERSION, Condition, InferenceDeployment, InferenceDeploymentStatus
 from pdfleet_operator.decide import reconcile, rollback
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.decide.rollback import Template
@@ -76,6 +76,25 @@ class DeploymentMemory:
             last_status_version=version,
             rendered=dict(self.rendered),
         )
+
+    def parse(self, body: dict[str, Any]) -> InferenceDeployment:
+        """The CR as the API model; the spec (whose CEL rules are slow to evaluate) once per generation."""
+        meta = body.get("metadata") or {}
+        version = (meta.get("uid"), meta.get("generation"))
+        if self.parsed is None or self.parsed[0] != version:
+            dep = InferenceDeployment.model_validate(
+                {
+                    "apiVersion": body.get("apiVersion", API_VERSION),
+                    "kind": "InferenceDeployment",
+                    "metadata": {
+                        k: meta.get(k) for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None
+                    },
+                    "spec": body.get("spec") or {},
+                }
+            )
+            self.parsed = (version, dep)
+        st = InferenceDeploymentStatus.model_validate(body["status"]) if body.get("status") else None
+        return self.parsed[1].model_copy(update={"status": st})
 
     def stop(self) -> None:
         """Cancel the deployment's background loops."""

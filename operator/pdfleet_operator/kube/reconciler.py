@@ -29,26 +29,18 @@ from pdfleet_operator.api import (
     AcceleratorClassSpec,
     Condition,
     InferenceDeployment,
-    InferenceDeploymentStatus,
     parse_duration,
 )
-from pdfleet_operator.decide import cost, guardrails, inventory, placement, reconcile, rollback
+from pdfleet_operator.decide import cost, guardrails, placement, reconcile, rollback
 from pdfleet_operator.decide.rollback import Template
 from pdfleet_operator.kube import class_protection, client, exporter, render, revisions
-from pdfleet_operator.kube.indexes import Cluster, Key, capacity_condition, classes_listed
-from pdfleet_operator.kube.memory import DeploymentMemory
+from pdfleet_operator.kube.holdings import Holdings
+from pdfleet_operator.kube.indexes import Key, capacity_condition
 from pdfleet_operator.kube.options import OPTIONS
+from pdfleet_operator.kube.token_secret import TokenSecrets
 
 logger = logging.getLogger("pdfleet.operator")
-# The deployment token's Secret (the operator may only create Secrets: a POST that finds it answers 409) is created
-# when status.tokenSecret does not record it, and checked again only when something needs it: a new pod of the
-# deployment (at most this often per deployment: a missing Secret leaves it waiting to mount) or the
-# pdfleet.io/recreate-token annotation. A steady fleet, a restart and a resync write nothing for it.
-AUTH_SECRET_CHECK_S = 60.0
-ANNOTATION_RECREATE_TOKEN = "pdfleet.io/recreate-token"
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-# Every deployment's holdings are recomputed at least this often (`reservations`), whatever the hooks said.
-HELD_REFRESH_S = 30.0
 
 __all__ = ["Key", "Outcome", "Reconciler", "Template"]
 
@@ -65,13 +57,14 @@ class Outcome:
     desired: reconcile.Desired | None = None
 
 
-class Reconciler(Cluster):
-    """The state the kopf triggers share: indexes (`Cluster`), the API client, one `DeploymentMemory` per deployment."""
+class Reconciler(Holdings):
+    """The state the kopf triggers share: indexes, one `DeploymentMemory` per deployment and what their pools hold
+    (`Holdings`), the API client, the token Secrets' checks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.api: client.Api | None = None
-        self.deployments: dict[Key, DeploymentMemory] = {}  # created on first sight, dropped by `forget`
+        self.tokens = TokenSecrets()
         self._tasks: set[asyncio.Task] = set()
         self._gathering: dict[Key, list[str]] = {}  # key -> why of each request waiting in a `gather` window
         # What this process last saw of the cluster-scoped inputs (their changes re-plan deployments).
@@ -85,28 +78,11 @@ class Reconciler(Cluster):
         self.autoscaling = False  # start autoscaler loops (set at kopf startup from OPTIONS.autoscaler)
         self.analysis = False  # start rollback-analysis loops (set at kopf startup from OPTIONS.analysis_interval)
         self.rollbacks = revisions.AnalysisLog()
-        self._auth_checked: dict[Key, float] = {}  # key -> monotonic time of the last create POST (new pods' checks)
-        # What each deployment's pools hold (`reservations`): kept per deployment, recomputed for those
-        # `capacity_changed` named, flattened in key order for the next reconcile.
-        self._held: dict[Key, tuple[inventory.Reservation, ...]] = {}
-        self._held_flat: list[inventory.Reservation] | None = None
-        self._held_refreshed = 0.0
 
-    # --- the memory of each deployment --------------------------------------------------------------------
-    def memory(self, key: Key) -> DeploymentMemory:
-        """The deployment's memory, created the first time anything asks."""
-        m = self.deployments.get(key)
-        if m is None:
-            m = self.deployments[key] = DeploymentMemory()
-        return m
-
-    def known(self, key: Key) -> DeploymentMemory | None:
-        """The deployment's memory if this process has one (never creates it)."""
-        return self.deployments.get(key)
-
+    # --- the memory of each deployment ---------------------------------------------------------------------
     def forget(self, key: Key) -> None:
         """The deployment is gone: stop its loops and drop everything this process kept about it."""
-        self._auth_checked.pop(key, None)
+        self.tokens.forget(key)
         if self.api is not None:
             self.api.forget(*key)
         m = self.deployments.pop(key, None)
@@ -116,10 +92,6 @@ class Reconciler(Cluster):
             m.scaler.forget(key)
             self._release(key, m.plan, None, "deleted")
         exporter.forget(*key)
-
-    def limited(self) -> list[Key]:
-        """The deployments whose last plan fell short of accelerators."""
-        return sorted(k for k, m in self.deployments.items() if m.limited)
 
     # --- inputs from the autoscaler and rollback --------------------------------------------------------
     def set_desired(self, key: Key, replicas: Mapping[str, int], why: str = "autoscaler") -> None:
@@ -144,22 +116,6 @@ class Reconciler(Cluster):
     def clear_condition(self, key: Key, type_: str) -> None:
         """Stop overriding a condition the reconcile computes itself (it takes effect with the next status update)."""
         self.memory(key).extra_conditions.pop(type_, None)
-
-    def last_plan(self, key: Key) -> placement.FleetPlan | None:
-        """The deployment's last plan (None before the first): what runs and what is placeable (the autoscaler's
-        tick)."""
-        m = self.known(key)
-        return None if m is None else m.plan
-
-    def engines(self, key: Key) -> dict[str, list[str]]:
-        """Per role, the engines its planned pools run (the autoscaler reads each with its metric names)."""
-        m = self.known(key)
-        return {} if m is None else dict(m.engines)
-
-    def capacity(self, key: Key) -> dict[str, int]:
-        """Per role, the most replicas placeable on free capacity as of the last plan."""
-        plan = self.last_plan(key)
-        return {} if plan is None else {role: plan.capacity(role) for role in plan.roles()}
 
     def owner(self, key: Key, body: Mapping[str, Any]) -> render.Owner:
         return render.Owner(key[1], key[0], body["metadata"]["uid"])
@@ -202,76 +158,13 @@ class Reconciler(Cluster):
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def reservations(self, exclude: Key | None = None) -> list[inventory.Reservation]:
-        """What every other deployment's pools hold or will hold: per pool the larger of this process's last plan and
-        the replicas its Deployment asks for, so that after a restart (no plans yet) capacity held by Deployments
-        whose pods do not exist yet is still counted.
-
-        NOTE: a plan is made and remembered in one step of the event loop (no await between gathering
-        and `m.plan = plan`), so two reconciles running at once never plan onto the same units.
-        NOTE: kept per deployment and recomputed for those `capacity_changed` names (every reconcile reads all
-        deployments' holdings: recomputing them all was O(deployments) per reconcile, O(N^2) per wave of new CRs);
-        everything is recomputed at least every HELD_REFRESH_S, so a change no hook named is not held for long.
-        """
-        now = time.monotonic()
-        if self._held_dirty is None or now - self._held_refreshed > HELD_REFRESH_S:
-            self._held = {}
-            dirty: set[Key] = set(self.pool_owners()) | set(self.deployments)
-            self._held_refreshed = now
-        else:
-            dirty = self._held_dirty
-        if dirty:
-            classes = self.classes()
-            for k in dirty:
-                held = self.held_by(k, classes)
-                if held:
-                    self._held[k] = held
-                else:
-                    self._held.pop(k, None)
-            self._held_dirty, self._held_flat = set(), None
-        if self._held_flat is None:
-            self._held_flat = [r for k in sorted(self._held) for r in self._held[k]]
-        return [r for r in self._held_flat if (r.namespace, r.deployment) != exclude]
-
-    def held_by(self, key: Key, classes: Mapping[str, AcceleratorClassSpec]) -> tuple[inventory.Reservation, ...]:
-        """What one deployment's pools hold or will hold (its Deployments' replicas, its last plan's), per pool."""
-        held: dict[tuple[str, str], int] = {}
-        for p in self.pools_of(key):
-            pk = (p["role"], p["class"])
-            held[pk] = max(held.get(pk, 0), int(p["replicas"]))
-        m = self.deployments.get(key)
-        if m is not None and m.plan is not None and self.body(key) is not None:
-            for p in m.plan.pools:
-                pk = (p.role, p.accelerator_class)
-                held[pk] = max(held.get(pk, 0), p.replicas)
-        return tuple(
-            inventory.Reservation(key[0], key[1], role, acc, classes[acc], n)
-            for (role, acc), n in sorted(held.items())
-            if acc in classes and n > 0
-        )
-
     def _release(
         self, key: Key, before: placement.FleetPlan | None, after: placement.FleetPlan | None, why: str
     ) -> None:
         """Re-plan the deployments short of capacity when `key`'s plan gave up units of a resource they use."""
-        if before is None:
-            return
-        classes = self.classes()
-
-        def units(plan: placement.FleetPlan | None) -> dict[str, int]:
-            out: dict[str, int] = {}
-            for p in plan.pools if plan is not None else ():
-                cls = classes.get(p.accelerator_class)
-                if cls is not None:
-                    out[cls.resource_name] = out.get(cls.resource_name, 0) + p.replicas * cls.count
-            return out
-
-        was, now = units(before), units(after)
-        freed = sorted(r for r, n in was.items() if n > now.get(r, 0))
-        for other in (k for k in self.limited() if k != key and freed):
-            listed = classes_listed(self.body(other) or {})
-            if any(classes[c].resource_name in freed for c in listed if c in classes):
-                self.request(other, f"{key[0]}/{key[1]} {why}: its plan freed {', '.join(freed)}")
+        waiting, freed = self.freed_for(key, before, after)
+        for other in waiting:
+            self.request(other, f"{key[0]}/{key[1]} {why}: its plan freed {', '.join(freed)}")
 
     async def _monitoring_enabled(self, api: client.Api) -> bool:
         now = asyncio.get_running_loop().time()
@@ -280,25 +173,8 @@ class Reconciler(Cluster):
         return self._monitoring[1]
 
     def parse(self, key: Key, body: Mapping[str, Any]) -> InferenceDeployment:
-        """The CR as the API model; the spec (whose CEL rules are slow to evaluate) once per generation."""
-        meta = body.get("metadata") or {}
-        version = (meta.get("uid"), meta.get("generation"))
-        m = self.memory(key)
-        cached = m.parsed
-        if cached is None or cached[0] != version:
-            dep = InferenceDeployment.model_validate(
-                {
-                    "apiVersion": body.get("apiVersion", render.API_VERSION),
-                    "kind": "InferenceDeployment",
-                    "metadata": {
-                        k: meta.get(k) for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None
-                    },
-                    "spec": body.get("spec") or {},
-                }
-            )
-            m.parsed = cached = (version, dep)
-        st = InferenceDeploymentStatus.model_validate(body["status"]) if body.get("status") else None
-        return cached[1].model_copy(update={"status": st})
+        """The CR as the API model (the spec parsed once per generation, `DeploymentMemory.parse`)."""
+        return self.memory(key).parse(body)
 
     # --- the reconcile --------------------------------------------------------------------------------------
     async def reconcile(self, key: Key, why: str, *, body: Mapping[str, Any] | None = None) -> Outcome:
@@ -428,7 +304,7 @@ class Reconciler(Cluster):
             )
             for k in await revisions.record_superseded(api, owner, obs, desired.revision, stable, m.rollback.failed):
                 exporter.API_WRITES.labels(k.split("/")[0]).inc()
-            await self._ensure_auth_secret(api, key, owner, obs.dep.status)  # before the pods that mount it
+            await self.tokens.ensure(api, key, owner, obs.dep.status)  # before the pods that mount it
             result = await client.apply_children(
                 api,
                 owner,
@@ -478,32 +354,6 @@ class Reconciler(Cluster):
             skipped="" if desired.plan is not None else f"held: {desired.serving.held}",
             desired=desired,
         )
-
-    async def _ensure_auth_secret(
-        self, api: client.Api, key: Key, owner: render.Owner, st: InferenceDeploymentStatus | None
-    ) -> None:
-        """The token Secret, created unless status.tokenSecret says it was (so a restart writes nothing)."""
-        if key in self._auth_checked or (st is not None and st.token_secret == render.auth_secret_name(owner.name)):
-            return
-        await self.check_auth_secret(api, key, owner, "first reconcile")
-
-    async def check_auth_secret(
-        self, api: client.Api, key: Key, owner: render.Owner, why: str, *, at_most_every: float = 0.0
-    ) -> bool | None:
-        """Create the token Secret if it is missing (True), find it there (False), or skip a check made less than
-        `at_most_every` seconds ago (None)."""
-        now = asyncio.get_running_loop().time()
-        last = self._auth_checked.get(key)
-        if at_most_every and last is not None and now - last < at_most_every:
-            return None
-        self._auth_checked[key] = now
-        created = await client.ensure_auth_secret(api, owner)
-        if created:
-            logger.info(
-                "created the deployment token Secret %s/%s (%s)", key[0], render.auth_secret_name(owner.name), why
-            )
-            exporter.API_WRITES.labels("Secret").inc()
-        return created
 
 
 def _renderer(owner: render.Owner, classes: Mapping[str, AcceleratorClassSpec], monitoring: bool) -> reconcile.Renderer:
