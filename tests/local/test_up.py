@@ -87,9 +87,11 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
 
         # A surge: far more concurrent long streams (24) than one decode replica's target (4) of running +
         # waiting. It is sustained (each stream that ends is replaced) until the scale-up shows, then 8 of them
-        # (two replicas' target: the pool keeps decode-1) until decode-1 is ready and in the router's rotation;
+        # (two replicas' target: the pool keeps one new replica) until a new replica is ready and in the router's
+        # rotation (decode-1 or decode-2: when 1 -> 3 starts both at once and the pool then shrinks to 2, the one
+        # left is whichever is ready first, and on a busy machine that can be decode-2);
         # then stopped, and every stream is checked. One wave of 24 x 300 tokens takes about 2 s on a quiet CI
-        # machine, which a faster one can run between two 1 s ticks, and a wave that ends while decode-1 still
+        # machine, which a faster one can run between two 1 s ticks, and a wave that ends while the new replica still
         # starts (a loaded machine) lets the pool shrink before it is ready. The 8 leave the cores to its start.
         scaled, stop = threading.Event(), threading.Event()
 
@@ -116,7 +118,7 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
                 scaled.set()
                 scaled_s = time.monotonic() - started
                 wait_for(lambda: len(decode_urls(run_dir)) >= 2, 10, "a second decode worker in the router's list", up)
-                up.wait_line(r"decode-1\s+ready", timeout=120, after=mark)
+                up.wait_line(r"decode-[1-9]\d*\s+ready", timeout=120, after=mark)
                 wait_for(
                     lambda: len(healthy(port, "decode", run_dir)) >= 2,
                     10,
@@ -130,8 +132,8 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
             surge_s = time.monotonic() - started
             finished = [n for f in futures for n in f.result(timeout=180)]
         print(
-            f"surge: {len(finished)} streams over {surge_s:.1f}s: scaled up after {scaled_s:.1f}s, decode-1 ready "
-            "and routed to after the rest"
+            f"surge: {len(finished)} streams over {surge_s:.1f}s: scaled up after {scaled_s:.1f}s, a new decode "
+            "replica ready and routed to after the rest"
         )
         assert len(finished) >= 24 and set(finished) == {300}, f"every surge stream finished: {finished}"
         # Quiet again: after the stabilization window the pool drains back to minReplicas.
@@ -166,7 +168,7 @@ def test_up_serves_the_sdk_scales_with_a_surge_restarts_a_killed_worker_and_stop
             raise AssertionError(f"no completion after the restart:\n{up.output()[-4000:]}")
 
         pids, ports = up.pids(), up.ports() | {port}
-        assert len(pids) >= 5, pids  # router, prefill-0 twice, decode-0, decode-1 (at least)
+        assert len(pids) >= 5, pids  # router, prefill-0 twice, decode-0, a new decode replica (at least)
         up.signal(signal.SIGTERM)
         assert up.wait(60) == 0, up.output()[-4000:]
         summary = up.summary()
