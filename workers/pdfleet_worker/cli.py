@@ -101,7 +101,8 @@ def _worker(args: argparse.Namespace) -> int:
     _before_torch()
     from pdfleet_worker.server import threads
 
-    threads.export_openmp(args.num_threads)  # every thread's OpenMP team: the threads --num-threads resolves to
+    # Every thread's OpenMP team: the threads --num-threads resolves to for this model.
+    threads.export_openmp(args.num_threads, model=args.model)
     from pdfleet_worker.server import runner
 
     return runner.run(args)

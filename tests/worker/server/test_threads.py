@@ -1,5 +1,6 @@
 """Torch threads sized from the container (server/threads.py): quota, affinity mask and the pod's CPU request, one
-core kept for the server loop; `--num-threads auto` is the default, and a number still wins."""
+core kept for the server loop unless the model is heavy on a container of 2 CPUs; `--num-threads auto` is the
+default, and a number still wins."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdfleet_worker.model import model_init
 from pdfleet_worker.server import threads, worker_config
 
 
@@ -70,6 +72,61 @@ def test_a_worker_started_without_the_flag_sizes_its_threads_from_the_container(
     monkeypatch.setattr(threads, "cgroup_quota", lambda: None)
     assert worker_config.from_args(p.parse_args(base)).engine.num_threads == 1
     assert worker_config.from_args(p.parse_args(base + ["--num-threads", "5"])).engine.num_threads == 5
+
+
+def _preset_config(tmp_path: Path, preset: str, tie: bool = False) -> Path:
+    """A model directory holding only the preset's config.json: what the thread rule reads."""
+    import json
+
+    ids = {model_init.BOS: 0, model_init.EOS: 1}
+    cfg = model_init._hf_config(
+        model_init.PRESETS[preset], "llama", model_init.PRESETS[preset]["vocab_size"], ids, "float32", tie
+    )
+    d = tmp_path / f"{preset}-{tie}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_heavy_model_on_two_cpus_shares_the_server_core_a_light_one_keeps_it(tmp_path) -> None:
+    """The measured pair (bench/serve.py, bench/threads.py): on 2 cores the `small` preset served 1.45x with 2 threads,
+    the `tiny` preset 0.23x; from 3 CPUs, and for a model of unknown size, one core stays the server's."""
+    small, tiny = _preset_config(tmp_path, "small"), _preset_config(tmp_path, "tiny")
+    flops_small, flops_tiny = threads.model_flops_per_token(small), threads.model_flops_per_token(tiny)
+    assert 240e6 < flops_small < 260e6 and 7e6 < flops_tiny < 9e6
+    assert flops_tiny < threads.HEAVY_FLOPS_PER_TOKEN <= flops_small
+    # Tied embeddings: the one table is the LM head, so it counts; untied, the input table does not.
+    tied = threads.model_flops_per_token(_preset_config(tmp_path, "small", tie=True))
+    assert tied == pytest.approx(flops_small)
+    assert threads.model_flops_per_token(tmp_path / "missing") is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert threads.model_flops_per_token(tmp_path / "bad") is None
+
+    heavy = threads.resolve("auto", affinity=[0, 1], detect=False, model=small)
+    assert (heavy.threads, heavy.kept) == (2, 0) and "shared with the server" in heavy.describe()
+    assert "251 MFLOP per token" in heavy.describe()
+    light = threads.resolve("auto", affinity=[0, 1], detect=False, model=tiny)
+    assert (light.threads, light.kept) == (1, 1) and "1 kept for the server" in light.describe()
+    assert threads.resolve("auto", affinity=[0, 1], detect=False, model=tmp_path / "missing").threads == 1
+    assert threads.resolve("auto", affinity=list(range(64)), quota=2.0, detect=False, model=small).threads == 2
+    assert threads.resolve("auto", affinity=list(range(64)), quota=2.5, detect=False, model=small).threads == 2
+    assert threads.resolve("auto", affinity=[0, 1, 2], detect=False, model=small).threads == 2
+    assert threads.resolve("auto", affinity=list(range(8)), detect=False, model=small).threads == 7
+    assert threads.resolve(1, affinity=[0, 1], detect=False, model=small).threads == 1, "a number still wins"
+
+
+def test_the_worker_and_its_openmp_size_a_heavy_model_alike(tmp_path, monkeypatch) -> None:
+    small = _preset_config(tmp_path, "small")
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: None)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setenv(threads.REQUEST_ENV, "2000")
+    env: dict[str, str] = {}
+    assert threads.export_openmp("auto", env, model=small).threads == 2 and env["OMP_NUM_THREADS"] == "2"
+    p = argparse.ArgumentParser()
+    worker_config.add_arguments(p)
+    args = p.parse_args(["--model", str(small), "--device", "cpu", "--num-kv-blocks", "8"])
+    assert worker_config.from_args(args).engine.num_threads == 2
 
 
 def test_the_flag_takes_auto_or_a_positive_number() -> None:

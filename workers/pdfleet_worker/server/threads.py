@@ -1,6 +1,7 @@
 """How many torch threads a worker computes with: sized from the CPUs its container may use, one core's worth kept
-for the server loop; worker_config calls `resolve` for `--num-threads` (default `auto`), and the worker's CLI calls
-`export_openmp` before torch loads.
+for the server loop unless the model's compute makes that core worth more to the threads (see `server_cores`);
+worker_config calls `resolve` for `--num-threads` (default `auto`), and the worker's CLI calls `export_openmp` before
+torch loads.
 
 The CPUs a container may use are the fewest of: its CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` /
 `cpu.cfs_period_us`, of its cgroup and every ancestor), its affinity mask (a cpuset, the static CPU manager), and
@@ -22,6 +23,10 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUEST_ENV = "PDFLEET_CPU_REQUEST"  # millicores (resourceFieldRef requests.cpu, divisor 1m)
 SERVER_CORES = 1  # the HTTP server, tokenizer and scheduling loop run beside the compute threads
+# Matmul FLOPs per token from which a model is compute-heavy: on a container of fewer than SHARE_ALL_BELOW_CPUS CPUs
+# its threads take every core, the server loop sharing them (see server_cores).
+HEAVY_FLOPS_PER_TOKEN = 50e6
+SHARE_ALL_BELOW_CPUS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +36,15 @@ class ThreadPlan:
     threads: int
     cpus: float  # the CPUs the container may use
     source: str  # which limit decided: quota, affinity, request
+    kept: int = SERVER_CORES  # cores left to the server loop
+    flops_per_token: float | None = None  # the model's matmul FLOPs per token, when known
 
     def describe(self) -> str:
         if self.source == "--num-threads":
             return f"{self.threads} torch thread(s) (--num-threads)"
-        return (
-            f"{self.threads} torch thread(s): {self.cpus:g} CPU(s) by the container's {self.source}, "
-            f"{SERVER_CORES} kept for the server"
-        )
+        model = "" if self.flops_per_token is None else f" (model: {self.flops_per_token / 1e6:.0f} MFLOP per token)"
+        kept = f"{self.kept} kept for the server" if self.kept else "shared with the server"
+        return f"{self.threads} torch thread(s): {self.cpus:g} CPU(s) by the container's {self.source}, {kept}{model}"
 
 
 def parse_flag(text: str) -> int | str:
@@ -54,9 +60,26 @@ def parse_flag(text: str) -> int | str:
     return n
 
 
-def plan(quota: float | None, affinity: int, request: float | None) -> ThreadPlan:
+def server_cores(cpus: float, flops_per_token: float | None) -> int:
+    """Cores left to the server loop (HTTP, SSE, tokenizer, the engine's Python) beside the compute threads.
+
+    One, unless the container has fewer than SHARE_ALL_BELOW_CPUS CPUs and the model does at least
+    HEAVY_FLOPS_PER_TOKEN per token: then that core is half the container, and the server's per-token work is small
+    beside the compute's. Measured on 2 cores under 16 streams: the `small` preset (250 MFLOP per token) served
+    0.65x vLLM's tokens/s with 1 thread and 0.93-0.97x with 2 (bench/serve.py); the `tiny` preset (8 MFLOP per
+    token) served 0.23x with 2 threads what it served with 1 (bench/threads.py): OpenMP regions that small cost
+    more in fork/join, and in waiting for a thread the server preempted, than the second core gives. A model of
+    unknown size keeps the core. From 3 CPUs one core is kept whatever the model (as vLLM's CPU backend reserves
+    one for its own loop): not measured on this 2-core machine.
+    """
+    heavy = flops_per_token is not None and flops_per_token >= HEAVY_FLOPS_PER_TOKEN
+    return 0 if heavy and cpus < SHARE_ALL_BELOW_CPUS else SERVER_CORES
+
+
+def plan(quota: float | None, affinity: int, request: float | None, flops_per_token: float | None = None) -> ThreadPlan:
     """Threads for a container that may use `quota` CPUs (None: no quota), `affinity` cores, and asked for `request`
-    CPUs (None: unknown): the fewest of them, less SERVER_CORES, at least one."""
+    CPUs (None: unknown), serving a model of `flops_per_token` (None: unknown): the fewest of them, less the server's
+    cores, at least one."""
     assert affinity >= 1, "a process runs on at least one core"
     limits = [(float(affinity), "affinity mask")]
     if quota is not None:
@@ -64,7 +87,23 @@ def plan(quota: float | None, affinity: int, request: float | None) -> ThreadPla
     if request is not None and request > 0:
         limits.append((request, "pod's CPU request"))
     cpus, source = min(limits)
-    return ThreadPlan(max(1, math.floor(cpus) - SERVER_CORES), cpus, source)
+    kept = server_cores(cpus, flops_per_token)
+    return ThreadPlan(max(1, math.floor(cpus) - kept), cpus, source, kept, flops_per_token)
+
+
+def model_flops_per_token(model_dir: str | os.PathLike | None) -> float | None:
+    """2 x the parameters a decode step multiplies (every linear and the LM head; not the input embedding table),
+    from the model's config.json; None when there is none or it does not parse (the worker reports that itself)."""
+    if model_dir is None:
+        return None
+    from pdfleet_worker.config import ModelConfig  # torch-free
+
+    try:
+        cfg = ModelConfig.from_dir(str(model_dir))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return 2.0 * (cfg.num_params - embedding)
 
 
 def cgroup_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
@@ -128,30 +167,36 @@ def resolve(
     quota: float | None = None,
     request: float | None = None,
     detect: bool = True,
+    model: str | os.PathLike | None = None,
 ) -> ThreadPlan:
-    """The threads for `--num-threads` (None or `auto`: sized from this container; a number: that many)."""
+    """The threads for `--num-threads` (None or `auto`: sized from this container and the model in `model`; a
+    number: that many)."""
     cores = len(affinity if affinity is not None else os.sched_getaffinity(0))
+    if isinstance(setting, int):
+        return ThreadPlan(setting, float(cores), "--num-threads")
     if detect:
         quota = cgroup_quota() if quota is None else quota
         request = requested_cpus() if request is None else request
-    if isinstance(setting, int):
-        return ThreadPlan(setting, float(cores), "--num-threads")
-    return plan(quota, cores, request)
+    return plan(quota, cores, request, model_flops_per_token(model))
 
 
 OPENMP_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def export_openmp(setting: int | str | None, environ: dict[str, str] | os._Environ = os.environ) -> ThreadPlan:
+def export_openmp(
+    setting: int | str | None,
+    environ: dict[str, str] | os._Environ = os.environ,
+    model: str | os.PathLike | None = None,
+) -> ThreadPlan:
     """Before torch loads: OMP_NUM_THREADS and MKL_NUM_THREADS (those not set already) to the threads `setting`
-    resolves to.
+    resolves to for the model in `model`.
 
     NOTE: torch.set_num_threads sizes torch's own pool, but OpenMP's default team size is per thread and read from
     the environment when the library loads: the engine steps in a thread of its own, and without these its OpenMP
     regions outside torch's (the C++ kernels, oneDNN) took one thread per core. Measured on 2 cores under 16
     streams (bench/threads.py): the worker with only set_num_threads served 0.92x the one with OMP_NUM_THREADS too.
     """
-    plan_ = resolve(setting)
+    plan_ = resolve(setting, model=model)
     for name in OPENMP_ENV:
         environ.setdefault(name, str(plan_.threads))
     return plan_

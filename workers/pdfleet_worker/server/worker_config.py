@@ -441,7 +441,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=max_model_len,
         max_num_waiting=pick("max_num_waiting", 1024),
         enable_prefix_caching=pick("enable_prefix_caching", True),
-        num_threads=_threads(pick("num_threads", None)),
+        num_threads=_threads(pick("num_threads", None), model),
         attention_backend=pick("attention_backend", "auto"),
         kv_offload_host_bytes=offload_host,
         kv_offload_disk_bytes=parse_size(pick("kv_offload_disk", 0), "kv_offload_disk"),
@@ -477,8 +477,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-def _threads(setting: int | str | None) -> int:
-    plan = threads.resolve(setting)
+def _threads(setting: int | str | None, model: str) -> int:
+    plan = threads.resolve(setting, model=model)
     logging.getLogger("pdfleet.worker").info("%s", plan.describe())
     return plan.threads
 
