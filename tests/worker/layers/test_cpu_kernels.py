@@ -205,6 +205,63 @@ def test_bound_steps_leave_the_callers_affinity_as_it_was(llama, make_engine, mo
         cpu_kernels.pin_threads(allowed, exclusive=False)
 
 
+def _affinities() -> dict[int, set[int]]:
+    """Every thread of this process: its cores."""
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            out[int(task)] = os.sched_getaffinity(int(task))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+@needs_kernels
+def test_a_new_thread_stepping_the_engine_gets_its_own_team_bound(llama, make_engine, monkeypatch):
+    """Each thread that steps has its own OpenMP team, whose threads start with the caller's affinity (compute thread
+    0's core), so it must be bound anew. The first steps run on the worker's model-load thread, later ones on its
+    engine thread, which glibc often gives the same thread id: keyed by that id, the engine thread's team was never
+    bound and its threads shared one core (a tiny model on 2 threads went from 2 to 40 ms per token)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or torch.get_num_threads() < 2:
+        pytest.skip("needs 2 cores and 2 compute threads")
+    monkeypatch.setenv("PDFLEET_CPU_BIND", ",".join(map(str, allowed)))
+    eng = make_engine(llama.path)
+    seen: list[dict[int, set[int]]] = []
+    eng.model_runner.model.register_forward_hook(lambda *_: seen.append(_affinities()))
+    pins = []
+    pin = cpu_kernels.pin_threads
+    monkeypatch.setattr(cpu_kernels, "pin_threads", lambda *a, **k: pins.append(threading.get_ident()) or pin(*a, **k))
+    callers: list[int] = []
+
+    def steps_in_a_new_thread() -> None:
+        def run() -> None:
+            callers.append(threading.get_native_id())
+            params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+            eng.generate(random_prompts(2, 64, 96, seed=3), params)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+
+    try:
+        steps_in_a_new_thread()  # as the model-load thread's warm-up
+        before = set(_affinities())
+        seen.clear()
+        pins.clear()
+        steps_in_a_new_thread()  # as the engine thread
+        # NOTE: whatever its thread id: bound at every step (which also rebinds a team OpenMP rebuilt)
+        assert len(pins) >= len(seen) >= 2
+        team = {tid: cores for snapshot in seen for tid, cores in snapshot.items() if tid not in before}
+        team.pop(callers[-1], None)
+        assert team, "the second thread's steps ran on an OpenMP team of its own"
+        assert all(len(cores) == 1 and cores != {allowed[0]} for cores in team.values()), (
+            f"its compute threads bound each to a core of its own, not to thread 0's {allowed[0]}: {team}"
+        )
+    finally:
+        cpu_kernels.pin_threads(allowed, exclusive=False)
+
+
 @needs_kernels
 @pytest.mark.slow
 def test_compiled_decode_matches_transformers(llama, make_engine, monkeypatch):

@@ -7,7 +7,6 @@ import contextlib
 import math
 import os
 import tempfile
-import threading
 import time
 
 import torch
@@ -89,7 +88,6 @@ class ModelRunner:
         if self.decode_kernel and os.environ.get("PDFLEET_COMPILE", "0") == "1":
             self.compiled = torch.compile(self.model.forward, dynamic=True, fullgraph=True)
         self.bind_cores: list[int] = []
-        self._pinned_for: int | None = None  # the thread whose OpenMP team is bound
         if self.device.type == "cpu":
             self.bind_cores = cpu_kernels.cores_to_bind(
                 os.environ.get("PDFLEET_CPU_BIND", "auto"), torch.get_num_threads(), os.sched_getaffinity(0)
@@ -294,16 +292,16 @@ class ModelRunner:
     def _bound(self):
         """Compute threads bound to bind_cores while the model runs. NOTE: the calling thread is
         compute thread 0; its own affinity is restored afterwards, so what it starts between steps
-        (a subprocess, a thread) inherits the process's cores, not one."""
+        (a subprocess, a thread) inherits the process's cores, not one. The team is bound at every
+        step (one small OpenMP region): each calling thread has a team of its own, whose threads
+        start on the caller's core, and the worker steps first on its model-load thread, then on its
+        engine thread, which glibc often gives the same thread id; bound once per id, the engine
+        thread's team kept both threads on core 0 (a tiny model on 2 threads: 40 ms per token, not 2)."""
         if not self.bind_cores:
             yield
             return
         mine = os.sched_getaffinity(0)
-        if self._pinned_for != threading.get_ident():  # each calling thread has its own OpenMP team
-            cpu_kernels.pin_threads(self.bind_cores)
-            self._pinned_for = threading.get_ident()
-        else:  # the team's other threads stay bound; only the caller's own binding was undone
-            os.sched_setaffinity(0, self.bind_cores[:1])
+        cpu_kernels.pin_threads(self.bind_cores)
         try:
             yield
         finally:
