@@ -66,11 +66,12 @@ def server_cores(cpus: float, flops_per_token: float | None) -> int:
     One, unless the container has fewer than SHARE_ALL_BELOW_CPUS CPUs and the model does at least
     HEAVY_FLOPS_PER_TOKEN per token: then that core is half the container, and the server's per-token work is small
     beside the compute's. Measured on 2 cores under 16 streams: the `small` preset (250 MFLOP per token) served
-    0.65x vLLM's tokens/s with 1 thread and 0.93-0.97x with 2 (bench/serve.py); the `tiny` preset (8 MFLOP per
-    token) served 0.23x with 2 threads what it served with 1 (bench/threads.py): OpenMP regions that small cost
-    more in fork/join, and in waiting for a thread the server preempted, than the second core gives. A model of
-    unknown size keeps the core. From 3 CPUs one core is kept whatever the model (as vLLM's CPU backend reserves
-    one for its own loop): not measured on this 2-core machine.
+    0.65x vLLM's tokens/s with 1 thread and 0.93-1.02x with 2 (bench/serve.py); the `tiny` preset (8 MFLOP per
+    token) served 0.97x with 2 threads what it served with 1 (bench/threads.py --quick; 0.23x before the binding fix
+    in ModelRunner._bound, when the second thread shared the first one's core): a model that light gains nothing from
+    the second thread, and the server loop keeps a core of its own. A model of unknown size keeps the core. From 3
+    CPUs one core is kept whatever the model (as vLLM's CPU backend reserves one for its own loop): not measured on
+    this 2-core machine.
     """
     heavy = flops_per_token is not None and flops_per_token >= HEAVY_FLOPS_PER_TOKEN
     return 0 if heavy and cpus < SHARE_ALL_BELOW_CPUS else SERVER_CORES
