@@ -3,7 +3,9 @@
 python bench/engine.py [--quick] [--model DIR] [--threads 2] [--reps 3] [--tiny-model DIR] [--tiny-threads 1]
 Prints a table, then one JSON line with the ratios. The last rows time a lone decode of the tiny preset (what each
 `make demo` worker runs) with the linear kernels the start-up probe picks against plain F.linear, the two
-engines stepped in turn (issue 28).
+engines stepped in turn (issue 28). `--prefill-only` runs just the prefill-attention rows: the TTFT of a lone
+fresh prompt (--prefill-tokens) with cpu_kernels' prefill attention against SDPA, fp32 and bf16, the two engines
+in turn; they are part of the full run too.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--sampler-baseline", default=SAMPLER_BASELINE_REV, help="git revision of the baseline sampler")
     p.add_argument("--sampler-tokens", type=int, default=32, help="decode tokens per batch-64 measurement")
+    p.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="only the prefill-attention rows: TTFT with the C++ prefill kernel against SDPA, alternating",
+    )
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill-attention rows")
     a = p.parse_args()
     if a.quick:
         a.reps, a.requests, a.seq_requests, a.max_len, a.bs1_tokens, a.prefix = 1, 8, 2, 64, 32, 256
@@ -207,6 +215,100 @@ def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
         else:
             os.environ[packed_linear.ENV] = saved_env
     return out
+
+
+def prefill_attention_rows(a: argparse.Namespace) -> dict:
+    """TTFT of a lone fresh prompt per dtype with prefill chunks through cpu_kernels' prefill_attention
+    ("kernel") and through SDPA ("sdpa"), the two engines taking turns in every repetition."""
+    from pdfleet_worker.config import EngineConfig
+    from pdfleet_worker.engine.llm_engine import LLMEngine
+    from pdfleet_worker.layers import attention
+
+    saved = os.environ.get(attention.PREFILL_ENV)
+    rng = random.Random(3)
+    out: dict = {}
+    try:
+        for dtype in ("float32", "bfloat16"):
+            engines = {}
+            for name in attention.PREFILL_KERNELS:
+                os.environ[attention.PREFILL_ENV] = name
+                engines[name] = LLMEngine(
+                    EngineConfig(
+                        model=a.model,
+                        dtype=dtype,
+                        max_num_seqs=64,
+                        max_num_batched_tokens=max(a.budget, a.prefill_tokens),
+                        kv_cache_memory_bytes=512 << 20,
+                        num_threads=a.threads,
+                    ),
+                    load_tokenizer=False,
+                )
+            vocab = engines["sdpa"].model_config.vocab_size
+
+            def prompt() -> list[int]:  # fresh every time: no prefix-cache hit
+                return [rng.randrange(8, vocab) for _ in range(a.prefill_tokens)]
+
+            for eng in engines.values():  # warm-up
+                engine_ttft(eng, prompt())
+            for rep in range(max(a.reps, 5)):
+                for name in sorted(engines, reverse=rep % 2 == 1):  # who goes first alternates
+                    out.setdefault(f"{dtype}_{name}", []).append(engine_ttft(engines[name], prompt()))
+            out[f"{dtype}_probe"] = attention.choose_prefill(
+                *(getattr(engines["sdpa"].model_config, k) for k in ("num_heads", "num_kv_heads", "head_dim")),
+                engines["sdpa"].model_runner.dtype,
+                setting="auto",
+            ).describe()
+    finally:
+        if saved is None:
+            os.environ.pop(attention.PREFILL_ENV, None)
+        else:
+            os.environ[attention.PREFILL_ENV] = saved
+    return out
+
+
+def prefill_rows_and_keys(a: argparse.Namespace, pf: dict) -> tuple[list[tuple[str, str, str]], dict]:
+    rows, keys = [], {}
+    for dtype, suffix in (("float32", ""), ("bfloat16", "_bf16")):
+        k, s = pf[f"{dtype}_kernel"], pf[f"{dtype}_sdpa"]
+        r = [x / y for x, y in zip(k, s)]
+        med = statistics.median
+        rows += [
+            (
+                f"TTFT {a.prefill_tokens} tokens {dtype}, prefill kernel",
+                f"{med(k) * 1e3:.1f} ms",
+                "[" + ", ".join(f"{x * 1e3:.1f}" for x in k) + "]",
+            ),
+            (
+                f"TTFT {a.prefill_tokens} tokens {dtype}, SDPA",
+                f"{med(s) * 1e3:.1f} ms",
+                "[" + ", ".join(f"{x * 1e3:.1f}" for x in s) + "]",
+            ),
+            (
+                f"ratio prefill kernel / SDPA {dtype}",
+                f"{med(r):.3f}",
+                f"min {min(r):.3f} max {max(r):.3f}; {pf[dtype + '_probe']}",
+            ),
+        ]
+        keys[f"prefill_ttft_kernel_vs_sdpa{suffix}"] = round(med(r), 3)
+        keys[f"prefill_ttft_kernel_vs_sdpa{suffix}_range"] = [round(min(r), 3), round(max(r), 3)]
+    return rows, keys
+
+
+def prefill_main(a: argparse.Namespace) -> int:
+    from pdfleet_worker.model import model_init
+
+    torch.set_num_threads(a.threads)
+    if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
+        print(f"creating {a.model} (pdfleet model init --preset small)", file=sys.stderr)
+        model_init.init_model(a.model, "small", seed=0)
+    rows, keys = prefill_rows_and_keys(a, prefill_attention_rows(a))
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>10}  {note}")
+    model = os.path.basename(os.path.normpath(a.model))
+    reps = max(a.reps, 5)
+    print(json.dumps({**keys, "model": model, "threads": a.threads, "reps": reps, "tokens": a.prefill_tokens}))
+    return 0
 
 
 # -- transformers -------------------------------------------------------------------------------
@@ -421,6 +523,8 @@ def main() -> int:
     a = parse_args()
     if a.sampler_only:
         return sampler_main(a)
+    if a.prefill_only:
+        return prefill_main(a)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
@@ -484,6 +588,8 @@ def main() -> int:
     assert eng.is_idle_and_whole() and eng16.is_idle_and_whole()
     progress(f"tiny preset, lone decode: probed linear kernels vs plain F.linear, {max(a.reps, 5)} repetitions")
     tiny = tiny_kernel_rows(a)
+    progress(f"prefill attention: C++ kernel vs SDPA, TTFT of {a.prefill_tokens} tokens, {max(a.reps, 5)} repetitions")
+    pf_rows, pf_keys = prefill_rows_and_keys(a, prefill_attention_rows(a))
 
     def med(xs):
         return statistics.median(xs)
@@ -558,6 +664,7 @@ def main() -> int:
         ),
         ("ratio tiny bs1 probed / plain fp32", f"{med(r_tiny):.2f}", f"target <= 1.05 {fmt(r_tiny, 1, 2)}"),
         ("ratio tiny bs1 probed / plain bf16", f"{med(r_tiny16):.2f}", f"target <= 1.05 {fmt(r_tiny16, 1, 2)}"),
+        *pf_rows,
     ]
     result = {
         "mixed_vs_hf_static8": round(med(r_static8), 3),
@@ -582,6 +689,7 @@ def main() -> int:
         "tiny_bs1_ms_per_token_bf16": round(med(tiny["bfloat16_auto"]) * 1e3, 3),
         "tiny_bs1_vs_plain_linear_bf16": round(med(r_tiny16), 3),
         "tiny_threads": a.tiny_threads,
+        **pf_keys,
     }
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdfleet_worker.layers import cpu_kernels
+from pdfleet_worker.layers import attention, cpu_kernels
 from pdfleet_worker.layers.attention import KVCache, gather_kv, write_kv
 from pdfleet_worker.sampling_params import SamplingParams
 from tests.worker.oracle import MAX_NEW, compare, random_prompts, run_and_capture
@@ -89,6 +89,114 @@ def test_paged_decode_refuses_lengths_its_table_cannot_hold(lens, error):
             torch.tensor(lens),
             0.25,
         )
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 SDPA with an explicit bottom-right causal mask. q: [n, Hq, D]; k, v: [Lk, Hkv, D] -> [n, Hq, D]."""
+    n, lk = q.shape[0], k.shape[0]
+    mask = torch.arange(lk)[None, :] <= torch.arange(lk - n, lk)[:, None]
+    qf, kf, vf = (x.float().transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "n,past,hq,hkv,d",
+    [
+        (512, 0, 12, 4, 64),  # whole tiles and key blocks
+        (100, 0, 4, 1, 32),  # MQA, a tail tile, a tail key block
+        (1, 0, 8, 8, 128),  # MHA, one query
+        (70, 130, 6, 2, 48),  # a chunk with a past that is no multiple of the key block
+        (3, 61, 2, 1, 16),  # a short chunk whose keys straddle a block edge
+    ],
+)
+def test_prefill_attention_matches_causal_sdpa(dtype, atol, n, past, hq, hkv, d):
+    """Queries, keys and values are the model's strided views of its fused q/k/v rows."""
+    g = torch.Generator().manual_seed(n * 7 + past)
+    heads = torch.randn(n, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, new = heads[:, :hq], heads[:, hq:].unflatten(1, (2, hkv))
+    old = torch.randn(past, 2, hkv, d, generator=g).to(dtype)
+    kv = torch.cat([old, new])  # [Lk, 2, Hkv, D]
+    out = torch.full_like(q, float("nan"))
+    torch.ops.pdfleet.prefill_attention(out, q, kv[:, 0], kv[:, 1], d**-0.5)
+    want = _causal_reference(q, kv[:, 0], kv[:, 1])
+    assert out.dtype == dtype and not out.isnan().any()
+    assert torch.allclose(out.float(), want, atol=atol, rtol=0), float((out.float() - want).abs().max())
+
+
+@needs_kernels
+def test_prefill_attention_keeps_each_query_to_the_keys_before_it():
+    """Rewriting the last key and value (seen by the last query only) leaves every other row as it was."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(70, 4, 32, generator=g)
+    k, v = torch.randn(90, 2, 32, generator=g), torch.randn(90, 2, 32, generator=g)
+    before, after = torch.empty_like(q), torch.empty_like(q)
+    torch.ops.pdfleet.prefill_attention(before, q, k, v, 32**-0.5)
+    k[-1], v[-1] = 1e4, -1e4
+    torch.ops.pdfleet.prefill_attention(after, q, k, v, 32**-0.5)
+    assert torch.equal(before[:-1], after[:-1])
+    assert not torch.allclose(before[-1], after[-1])
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "shapes,error",
+    [
+        (((4, 2, 16), (3, 1, 16)), "fewer keys than queries"),
+        (((4, 3, 16), (4, 2, 16)), "multiple of KV heads"),
+        (((4, 2, 16), (4, 1, 8)), r"k and v must be \[Lk, Hkv, D\]"),
+    ],
+)
+def test_prefill_attention_refuses_shapes_it_cannot_serve(shapes, error):
+    (qs, ks) = shapes
+    q, k = torch.randn(*qs), torch.randn(*ks)
+    with pytest.raises(RuntimeError, match=error):
+        torch.ops.pdfleet.prefill_attention(torch.empty_like(q), q, k, k.clone(), 0.25)
+
+
+@needs_kernels
+def test_prefill_choice_by_setting_and_by_probe(monkeypatch):
+    for kernel in attention.PREFILL_KERNELS:
+        monkeypatch.setenv(attention.PREFILL_ENV, kernel)
+        assert attention.choose_prefill(4, 2, 32, torch.float32) == attention.PrefillChoice(
+            kernel, f"{attention.PREFILL_ENV}={kernel}"
+        )
+    monkeypatch.setenv(attention.PREFILL_ENV, "flash")
+    with pytest.raises(ValueError, match="expected auto, sdpa or kernel"):
+        attention.choose_prefill(4, 2, 32, torch.float32)
+    monkeypatch.delenv(attention.PREFILL_ENV)
+    probed = attention.choose_prefill(4, 2, 32, torch.bfloat16)
+    assert probed.source == "probe" and probed.sdpa_ms > 0 and probed.kernel_ms > 0
+    assert probed.kernel == ("kernel" if probed.kernel_ms < probed.sdpa_ms else "sdpa")
+    assert "sdpa" in probed.describe() and "kernel" in probed.describe()
+
+
+@needs_kernels
+def test_engine_prefills_the_same_through_sdpa_and_the_kernel(tiny, make_engine, monkeypatch):
+    """Prompts long enough for several tiles, chunked across steps (a past), and a prefix-cache hit:
+    both prefill paths match transformers (fp32), and the runner takes the one it was told to."""
+    base = random_prompts(4, 90, 200, seed=5)
+    prompts = base + [base[0][:150] + p[:40] for p in base[1:3]]  # shared prefixes: chunks with a past
+    op = torch.ops.pdfleet.prefill_attention
+    for kernel in attention.PREFILL_KERNELS:
+        calls = []  # (queries, keys) of each kernel call
+
+        def counted(out, q, k, v, scale, calls=calls):
+            calls.append((q.shape[0], k.shape[0]))
+            return op(out, q, k, v, scale)
+
+        monkeypatch.setattr(torch.ops.pdfleet, "prefill_attention", counted)
+        monkeypatch.setenv(attention.PREFILL_ENV, kernel)
+        eng = make_engine(tiny.path, block_size=16, max_num_batched_tokens=128)
+        assert eng.model_runner.prefill_kernel == (kernel == "kernel")
+        calls.clear()  # the probe's own calls
+        tokens, logits, _ = run_and_capture(eng, prompts)
+        assert compare(tiny, prompts, tokens, logits, MAX_NEW).near_ties <= 1
+        if kernel == "kernel":  # fresh prompts and chunks with a past both went through it
+            assert any(n == lk for n, lk in calls) and any(lk > n for n, lk in calls), calls
+        else:
+            assert not calls
 
 
 @needs_kernels

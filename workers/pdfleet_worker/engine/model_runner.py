@@ -80,6 +80,11 @@ class ModelRunner:
         # Decodes read the pool in place through their block tables (C++), when it builds here.
         self.decode_kernel = self.backend == "cpu" and cfg.head_dim % 16 == 0 and cpu_kernels.load()
         self.fused_ops = self.device.type == "cpu" and cpu_kernels.load()
+        # Prefill chunks: SDPA or the C++ kernel, whichever this machine runs faster (timed here).
+        self.prefill_choice: attention.PrefillChoice | None = None
+        if self.decode_kernel:
+            self.prefill_choice = attention.choose_prefill(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.prefill_kernel = self.prefill_choice is not None and self.prefill_choice.kernel == "kernel"
         if self.fused_ops:
             use_cpu_kernels(model)
         # With PDFLEET_COMPILE=1 decode-only steps run the model compiled (off by default: see docs/engine.md); the
@@ -370,6 +375,7 @@ class ModelRunner:
             if c.start_pos:
                 mask = torch.arange(ctx, device=dev)[None, :] <= pos_t[row : row + n, None]  # [n, ctx]
             meta.prefills.append(PrefillMeta(row, n, ctx, table, mask))
+            meta.prefill_kernel = self.prefill_kernel
         if self.backend == "flex":
             meta.flex = self._flex_metadata(chunks, pos_t)
         return (

@@ -4,6 +4,9 @@ attention layers call it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import time
 import warnings
 
 import torch
@@ -11,10 +14,15 @@ import torch.nn.functional as F
 
 from pdfleet_worker.layers import triton_attention
 
+log = logging.getLogger("pdfleet.engine")
 INT8_MAX = 127.0
 # Prefill chunks with a past up to this many tokens attend through the decode kernel (each row
 # re-reads the context, which stays in cache; beyond this SDPA's matrix products win).
 SHORT_CHUNK = 32
+PREFILL_ENV = "PDFLEET_PREFILL_ATTENTION"  # auto (measure), sdpa or kernel
+PREFILL_KERNELS = ("sdpa", "kernel")
+PREFILL_PROBE_TOKENS = 256  # a typical prompt chunk; both kernels' time grows alike with it
+PREFILL_PROBE_REPS = 5  # timed passes per kernel, alternating; the fastest counts
 
 
 @dataclasses.dataclass
@@ -80,6 +88,7 @@ class AttentionMetadata:
     lone_decode_len: int = 0  # context length when the step's only decode is one sequence
     decode_kernel: bool = False  # decodes read the pool through their block tables (cpu_kernels)
     fused_decode: bool = False  # a decode-only step for the compiled model: one opaque op per layer
+    prefill_kernel: bool = False  # prefill chunks attend through cpu_kernels' prefill_attention, not SDPA
     one_slot: tuple[int, int] | None = None  # (block, offset) when the step writes one token
     flex: object | None = None  # FlexMetadata on the flex backend
 
@@ -209,6 +218,16 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
             )
             parts.append(o.view(n, hq * d))
             continue
+        if meta.prefill_kernel:
+            n, o = p.num_tokens, q.new_empty(p.num_tokens, hq, d)
+            if p.mask is None:
+                k, v = kv_new[p.start : p.start + n, 0], kv_new[p.start : p.start + n, 1]  # [n, Hkv, D]
+            else:
+                k, v = gather_kv(cache, p.block_table, q.dtype)  # [Hkv, nb * bs, D]
+                k, v = k[:, : p.context_len].transpose(0, 1), v[:, : p.context_len].transpose(0, 1)
+            torch.ops.pdfleet.prefill_attention(o, q[p.start : p.start + n], k.to(q.dtype), v.to(q.dtype), d**-0.5)
+            parts.append(o.view(n, hq * d))
+            continue
         qp = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if p.mask is None:
             k = kv_new[p.start : p.start + p.num_tokens, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
@@ -220,6 +239,62 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
         parts.append(o[0].transpose(0, 1).reshape(p.num_tokens, hq * d))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChoice:
+    """Which kernel prefill chunks attend with on CPU, and why (`source`: the probe or the environment);
+    the probe's times (ms per layer call at PREFILL_PROBE_TOKENS tokens) when it ran."""
+
+    kernel: str  # sdpa | kernel
+    source: str
+    sdpa_ms: float | None = None
+    kernel_ms: float | None = None
+
+    def describe(self) -> str:
+        timed = f": sdpa {self.sdpa_ms:.3f} ms, kernel {self.kernel_ms:.3f} ms" if self.sdpa_ms is not None else ""
+        return f"prefill attention: {self.kernel} ({self.source}{timed})"
+
+
+def choose_prefill(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, setting: str | None = None
+) -> PrefillChoice:
+    """SDPA or cpu_kernels' prefill_attention for prefill chunks, by $PDFLEET_PREFILL_ATTENTION: `auto` times both
+    on this machine with the model's heads (tens of ms at start-up); `sdpa` or `kernel` fixes it. The caller has
+    loaded the kernels. Which one wins depends on the CPU's BLAS paths (docs/engine.md), so it is measured."""
+    setting = (os.environ.get(PREFILL_ENV, "auto") if setting is None else setting).strip().lower()
+    if setting not in ("auto", *PREFILL_KERNELS):
+        raise ValueError(f"{PREFILL_ENV}={setting!r}: expected auto, sdpa or kernel")
+    if setting != "auto":
+        return PrefillChoice(setting, f"{PREFILL_ENV}={setting}")
+    g = torch.Generator().manual_seed(0)
+    n = PREFILL_PROBE_TOKENS
+    heads = torch.randn(n, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
+    q, kv = heads[:, :num_heads], heads[:, num_heads:].unflatten(1, (2, num_kv_heads))
+    out = torch.empty_like(q)
+    qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q, kv[:, 0], kv[:, 1]))
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+
+    def kernel() -> None:
+        torch.ops.pdfleet.prefill_attention(out, q, kv[:, 0], kv[:, 1], head_dim**-0.5)
+
+    best = {"sdpa": float("inf"), "kernel": float("inf")}
+    for rep in range(PREFILL_PROBE_REPS + 1):
+        for name, fn in (("sdpa", sdpa), ("kernel", kernel)):
+            t = time.perf_counter()
+            fn()
+            if rep:  # the first pass warms caches (and JIT-compiles the kernel's products)
+                best[name] = min(best[name], time.perf_counter() - t)
+    choice = PrefillChoice(
+        "kernel" if best["kernel"] < best["sdpa"] else "sdpa",
+        "probe",
+        round(best["sdpa"] * 1e3, 3),
+        round(best["kernel"] * 1e3, 3),
+    )
+    log.info("%s", choice.describe())
+    return choice
 
 
 # -- the compiled model's attention --------------------------------------------------------------
