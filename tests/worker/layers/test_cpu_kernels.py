@@ -173,6 +173,19 @@ def test_prefill_choice_by_setting_and_by_probe(monkeypatch):
 
 
 @needs_kernels
+def test_prefill_probe_keeps_sdpa_when_the_kernel_fails_here(monkeypatch):
+    """A torch build whose brgemm cannot run on this CPU raises inside the kernel: the engine starts on SDPA."""
+
+    def broken(out, q, k, v, scale):
+        raise RuntimeError("brgemm: unsupported ISA")
+
+    monkeypatch.setattr(torch.ops.pdfleet, "prefill_attention", broken)
+    monkeypatch.delenv(attention.PREFILL_ENV, raising=False)
+    choice = attention.choose_prefill(4, 2, 32, torch.float32)
+    assert choice.kernel == "sdpa" and "unsupported ISA" in choice.source
+
+
+@needs_kernels
 def test_engine_prefills_the_same_through_sdpa_and_the_kernel(tiny, make_engine, monkeypatch):
     """Prompts long enough for several tiles, chunked across steps (a past), and a prefix-cache hit:
     both prefill paths match transformers (fp32), and the runner takes the one it was told to."""

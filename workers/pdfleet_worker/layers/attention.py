@@ -259,9 +259,10 @@ class PrefillChoice:
 def choose_prefill(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, setting: str | None = None
 ) -> PrefillChoice:
-    """SDPA or cpu_kernels' prefill_attention for prefill chunks, by $PDFLEET_PREFILL_ATTENTION: `auto` times both
-    on this machine with the model's heads (tens of ms at start-up); `sdpa` or `kernel` fixes it. The caller has
-    loaded the kernels. Which one wins depends on the CPU's BLAS paths (docs/engine.md), so it is measured."""
+    """SDPA or cpu_kernels' prefill_attention for prefill chunks, by $PDFLEET_PREFILL_ATTENTION: `auto` checks the
+    kernel against SDPA and times both on this machine with the model's heads (tens of ms at start-up); `sdpa` or
+    `kernel` fixes it. The caller has loaded the kernels. Which one wins depends on the CPU's BLAS paths
+    (docs/engine.md), so it is measured; a kernel that fails or disagrees here is not used."""
     setting = (os.environ.get(PREFILL_ENV, "auto") if setting is None else setting).strip().lower()
     if setting not in ("auto", *PREFILL_KERNELS):
         raise ValueError(f"{PREFILL_ENV}={setting!r}: expected auto, sdpa or kernel")
@@ -280,6 +281,16 @@ def choose_prefill(
     def kernel() -> None:
         torch.ops.pdfleet.prefill_attention(out, q, kv[:, 0], kv[:, 1], head_dim**-0.5)
 
+    try:
+        kernel()
+        want = F.scaled_dot_product_attention(qp.float(), kp.float(), vp.float(), is_causal=True, enable_gqa=True)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        if not torch.allclose(out.float(), want[0].transpose(0, 1), atol=tol, rtol=tol):
+            raise RuntimeError("its result differs from SDPA's")
+    except RuntimeError as e:  # a torch build whose brgemm cannot run here: SDPA, said once
+        choice = PrefillChoice("sdpa", f"the kernel is unusable here: {e}")
+        log.warning("%s", choice.describe())
+        return choice
     best = {"sdpa": float("inf"), "kernel": float("inf")}
     for rep in range(PREFILL_PROBE_REPS + 1):
         for name, fn in (("sdpa", sdpa), ("kernel", kernel)):
