@@ -212,6 +212,45 @@ def test_engine_prefills_the_same_through_sdpa_and_the_kernel(tiny, make_engine,
             assert not calls
 
 
+def _add_rms_norm_reference(x, delta, weight, eps):
+    """Hugging Face's LlamaRMSNorm after the residual add: h = x + delta in x's dtype, the norm in fp32, cast back,
+    then the weight. Returns (h, y)."""
+    h = x if delta is None else x + delta
+    hf = h.float()
+    y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return h, y
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 768), (37, 256), (9, 40), (512, 768)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_the_pytorch_ops(dtype, rows, width, with_delta):
+    """Widths with and without a 16-lane tail, one row (the calling thread) and many (parallel); x and delta are
+    strided rows of wider buffers, as the residual stream and an MLP output can be. x is updated in place."""
+    g = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width + 8, generator=g) * 3).to(dtype)[:, :width]
+    delta = torch.randn(rows, width + 24, generator=g).to(dtype)[:, 4 : 4 + width] if with_delta else None
+    weight = torch.randn(width, generator=g).to(dtype)
+    want_h, want_y = _add_rms_norm_reference(x.clone(), delta, weight, 1e-5)
+    y = torch.ops.pdfleet.add_rms_norm(x, delta, weight, 1e-5)
+    if dtype == torch.bfloat16:  # the same roundings in the same places: equal but for the sum's order
+        assert torch.equal(x, want_h)
+        assert (y.float() - want_y.float()).abs().max() <= 2**-7 * want_y.float().abs().max()
+        assert (y != want_y).float().mean() < 0.001
+    else:
+        assert torch.equal(x, want_h)
+        assert torch.allclose(y, want_y, atol=2e-6, rtol=2e-6), float((y - want_y).abs().max())
+
+
+@needs_kernels
+def test_add_rms_norm_keeps_a_nan_a_nan():
+    x = torch.ones(2, 32, dtype=torch.bfloat16)
+    x[0, 3] = float("nan")
+    y = torch.ops.pdfleet.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-5)
+    assert y[0].isnan().all() and not y[1].isnan().any()
+
+
 @needs_kernels
 def test_pin_threads_binds_each_compute_thread_and_unbinds():
     allowed = sorted(os.sched_getaffinity(0))

@@ -412,20 +412,55 @@ constexpr int64_t ROWS_PER_TASK = 8;
 template <typename T>
 inline float ld(const T* p) { return static_cast<float>(*p); }
 
+// Rounding to T and back, and storing 16 lanes as T: identity for fp32; for bf16, round to
+// nearest even with NaN kept quiet, as c10::BFloat16's conversion does (bit for bit).
+inline v16u bf16_bits(v16f v) {
+  v16u u;
+  std::memcpy(&u, &v, sizeof u);
+  const v16u r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? v16u{} + 0x7FC0u : r;
+}
+inline v16f round_as(v16f v, const float*) { return v; }
+inline v16f round_as(v16f v, const c10::BFloat16*) {
+  const v16u u = bf16_bits(v) << 16;
+  v16f out;
+  std::memcpy(&out, &u, sizeof out);
+  return out;
+}
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(c10::BFloat16* p, v16f v) {
+  const v16h h = __builtin_convertvector(bf16_bits(v), v16h);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // y = weight * norm(x + delta) with h = x + delta stored back into x (the residual stream), as
 // Hugging Face computes it: the sum in the stream's dtype, the norm in fp32, cast back, then weight.
+// Sixteen lanes at a time (the scalar loop was 0.9 ns an element: 6% of a bf16 prefill), a scalar
+// tail for a width that is no multiple of 16.
 template <typename T>
 void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t n, int64_t sx, int64_t sd,
                        int64_t sy, float eps) {
+  const int64_t nv = n / L * L;
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * sx;
-      float ss = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
+      const T* dr = delta ? delta + r * sd : nullptr;
+      v16f vss = v16f{};
+      for (int64_t i = 0; i < nv; i += L) {
+        v16f v = load16(xr + i);
+        if (dr) {
+          v = round_as(v + load16(dr + i), xr);  // rounded to the stream's dtype
+          store16(xr + i, v);
+        }
+        std::memcpy(buf.data() + i, &v, sizeof v);
+        vss += v * v;
+      }
+      float ss = hsum(vss);
+      for (int64_t i = nv; i < n; ++i) {
         float v = ld(xr + i);
-        if (delta) {
-          const T h = static_cast<T>(v + ld(delta + r * sd + i));  // rounded to the stream's dtype
+        if (dr) {
+          const T h = static_cast<T>(v + ld(dr + i));
           xr[i] = h;
           v = static_cast<float>(h);
         }
@@ -434,7 +469,8 @@ void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* yr = y + r * sy;
-      for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<T>(ld(w + i) * static_cast<float>(static_cast<T>(buf[i] * inv)));
+      for (int64_t i = 0; i < nv; i += L) store16(yr + i, load16(w + i) * round_as(load16(buf.data() + i) * inv, yr));
+      for (int64_t i = nv; i < n; ++i) yr[i] = static_cast<T>(ld(w + i) * static_cast<float>(static_cast<T>(buf[i] * inv)));
     }
   });
 }
