@@ -14,6 +14,7 @@ import _sys_path  # noqa: F401  -- first: keeps bench/operator.py from shadowing
 
 # isort: split
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -172,6 +173,19 @@ def paired_decode_steps(engines: dict, prompt: list[int], n: int) -> dict[str, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+@contextlib.contextmanager
+def env_restored(name: str):
+    """Leave $name as it was found, whatever the body sets it to."""
+    saved = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
     """Seconds per token of a lone decode of the tiny preset, per dtype, with the probed linear kernels
     ("auto") and with plain F.linear everywhere ("plain"), the two stepped in turn in every repetition."""
@@ -183,37 +197,34 @@ def tiny_kernel_rows(a: argparse.Namespace, prompt_len: int = 32) -> dict:
     if not os.path.isfile(os.path.join(a.tiny_model, "model.safetensors")):
         print(f"creating {a.tiny_model} (pdfleet model init --preset tiny)", file=sys.stderr)
         model_init.init_model(a.tiny_model, "tiny", seed=0)
-    saved_threads, saved_env = torch.get_num_threads(), os.environ.get(packed_linear.ENV)
+    saved_threads = torch.get_num_threads()
     prompt = [random.Random(2).randrange(8, 1000) for _ in range(prompt_len)]
     out: dict = {}
-    try:
-        for dtype in ("float32", "bfloat16"):
-            engines = {}
-            for name, setting in (("auto", "auto"), ("plain", "torch")):
-                os.environ[packed_linear.ENV] = setting
-                engines[name] = LLMEngine(
-                    EngineConfig(
-                        model=a.tiny_model,
-                        dtype=dtype,
-                        max_num_seqs=32,
-                        max_num_batched_tokens=512,
-                        kv_cache_memory_bytes=64 << 20,
-                        num_threads=a.tiny_threads,
-                    ),
-                    load_tokenizer=False,
-                )
-            paired_decode_steps(engines, prompt, 8)  # warm-up
-            out[f"{dtype}_backend"] = engines["auto"].model_runner.linear_choice.describe()
-            for rep in range(max(a.reps, 5)):
-                order = dict(sorted(engines.items(), reverse=rep % 2 == 1))  # who steps first alternates
-                for name, s_per_token in paired_decode_steps(order, prompt, a.tiny_tokens).items():
-                    out.setdefault(f"{dtype}_{name}", []).append(s_per_token)
-    finally:
-        torch.set_num_threads(saved_threads)
-        if saved_env is None:
-            os.environ.pop(packed_linear.ENV, None)
-        else:
-            os.environ[packed_linear.ENV] = saved_env
+    with env_restored(packed_linear.ENV):
+        try:
+            for dtype in ("float32", "bfloat16"):
+                engines = {}
+                for name, setting in (("auto", "auto"), ("plain", "torch")):
+                    os.environ[packed_linear.ENV] = setting
+                    engines[name] = LLMEngine(
+                        EngineConfig(
+                            model=a.tiny_model,
+                            dtype=dtype,
+                            max_num_seqs=32,
+                            max_num_batched_tokens=512,
+                            kv_cache_memory_bytes=64 << 20,
+                            num_threads=a.tiny_threads,
+                        ),
+                        load_tokenizer=False,
+                    )
+                paired_decode_steps(engines, prompt, 8)  # warm-up
+                out[f"{dtype}_backend"] = engines["auto"].model_runner.linear_choice.describe()
+                for rep in range(max(a.reps, 5)):
+                    order = dict(sorted(engines.items(), reverse=rep % 2 == 1))  # who steps first alternates
+                    for name, s_per_token in paired_decode_steps(order, prompt, a.tiny_tokens).items():
+                        out.setdefault(f"{dtype}_{name}", []).append(s_per_token)
+        finally:
+            torch.set_num_threads(saved_threads)
     return out
 
 
@@ -224,10 +235,9 @@ def prefill_attention_rows(a: argparse.Namespace) -> dict:
     from pdfleet_worker.engine.llm_engine import LLMEngine
     from pdfleet_worker.layers import attention
 
-    saved = os.environ.get(attention.PREFILL_ENV)
     rng = random.Random(3)
     out: dict = {}
-    try:
+    with env_restored(attention.PREFILL_ENV):
         for dtype in ("float32", "bfloat16"):
             engines = {}
             for name in attention.PREFILL_KERNELS:
@@ -258,11 +268,6 @@ def prefill_attention_rows(a: argparse.Namespace) -> dict:
                 engines["sdpa"].model_runner.dtype,
                 setting="auto",
             ).describe()
-    finally:
-        if saved is None:
-            os.environ.pop(attention.PREFILL_ENV, None)
-        else:
-            os.environ[attention.PREFILL_ENV] = saved
     return out
 
 

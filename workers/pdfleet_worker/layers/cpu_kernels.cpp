@@ -57,19 +57,25 @@ inline void prefetch_row(const KV* row, int64_t D) {
   for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// exp(x) = 2^n * poly(x - n ln 2) for the n = floor(x / ln 2 + 1/2) the caller rounded: Cephes expf's range
+// reduction (ln 2 in two parts) and degree-5 polynomial, for a float or 16 lanes alike.
+template <typename V>
+inline V exp_reduced(V x, V n) {
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial,
 // about 1 ulp); written so that the loop calling it vectorizes.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -85,14 +91,7 @@ inline v16f exp16_nonpositive(v16f x) {
   const v16f fx = x * 1.44269504088896341f + 0.5f;
   v16f n = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16f);  // truncated toward zero
   n = n > fx ? n - 1.0f : n;                                                  // floor
-  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const v16f p = exp_reduced(x, n);
   const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
   v16f scale;
   std::memcpy(&scale, &bits, sizeof scale);
