@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import yaml
 
-from pdfleet_operator.sim import cli, fleet
+from pdfleet_operator import trace as tr
+from pdfleet_operator.sim import cli, fleet, report, simulator
 from pdfleet_operator.sim.search import Bisection
-from tests.sim.support import ROOT, doc
+from tests.sim.support import ROOT, doc, small
+from tests.sim.test_simulator import surge
 
 
 def run_search(attainments: list[float], goal: float) -> Bisection:
@@ -81,7 +84,7 @@ def write_fleet(tmp_path, equal_slo: dict) -> str:  # noqa: ANN001
     return str(path)
 
 
-def simulate(tmp_path, name: str, equal_slo: dict) -> dict:  # noqa: ANN001
+def simulate(tmp_path, name: str, equal_slo: dict, *extra: str) -> dict:  # noqa: ANN001
     out = tmp_path / name
     args = [
         "simulate",
@@ -100,6 +103,7 @@ def simulate(tmp_path, name: str, equal_slo: dict) -> dict:  # noqa: ANN001
         "--quiet",
         "--jobs",
         "2",
+        *extra,
     ]
     assert cli.main(args) == 0
     return json.loads((out / "report.json").read_text())
@@ -107,16 +111,25 @@ def simulate(tmp_path, name: str, equal_slo: dict) -> dict:  # noqa: ANN001
 
 def test_the_search_runs_fewer_variants_and_answers_as_the_full_sweep(tmp_path) -> None:  # noqa: ANN001
     searched = simulate(tmp_path, "search", {"target": "static", "search": {"small": SEARCH}})
-    swept = simulate(tmp_path, "sweep", {"target": "static", "sweep": {"small": SEARCH}})
+    swept = simulate(tmp_path, "sweep", {"target": "static", "sweep": {"small": SEARCH}}, "--full-variants")
     got, full = searched["equal_slo"], swept["equal_slo"]
     attained = {r["variant"]: r["slo_attainment"] for r in full["policies"]["small"]["runs"][1:]}
     assert [attained[f"{p}P"] for p in (1, 2, 3, 4)] == sorted(attained.values())  # the list's order holds here
-    assert got["target_attainment"] == full["target_attainment"]
+    assert not any("stopped" in r for r in full["policies"]["small"]["runs"])
+    goal = got["target_attainment"]
+    assert goal == full["target_attainment"]
     search = got["search"]["small"]
     assert search["variants"] == ["1P", "2P", "3P", "4P"] and search["monotone"]
     assert len(search["ran"]) < 4
-    for r in search["ran"]:  # what the search ran is what the sweep measured
-        assert r["slo_attainment"] == attained[r["variant"]]
+    assert any("stopped" in r for r in search["ran"])  # a variant that misses stops early ...
+    for r in search["ran"]:  # ... and what the search ran is what the sweep measured, or a true bound of it
+        if "stopped" in r:
+            assert r["slo_attainment"] is None
+            assert attained[r["variant"]] <= r["stopped"]["slo_attainment_at_most"] < goal
+            assert r["stopped"]["misses"] > r["stopped"]["allowed_misses"]
+            assert r["stopped"]["at_s"] < searched["trace"]["duration_s"]
+        else:
+            assert r["slo_attainment"] == attained[r["variant"]]
     assert got["policies"]["small"]["variant"] == full["policies"]["small"]["variant"]
     assert got["policies"]["small"]["cost_per_1m_tokens"] == full["policies"]["small"]["cost_per_1m_tokens"]
     assert searched["policies"]["small"]["equal_slo_variant"] == swept["policies"]["small"]["equal_slo_variant"]
@@ -136,3 +149,35 @@ def test_search_variants_are_validated_like_policies() -> None:
         fleet.parse(
             doc(equalSlo={"target": "static", "search": {"dynamic": SEARCH[:1] * 2}}), source="x.yaml", base_dir=ROOT
         )
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static", "colocated"])
+def test_the_attainment_watch_counts_the_reports_misses_exactly(policy: str) -> None:
+    # PD hand-offs, rejections (full queues) and too-long prompts all in one run; a goal of 0 never stops it
+    f = small(deployment={"spec": {"engine": {"maxWaitingRequests": 4}}})
+    trace = surge(duration=300.0, low=5.0, high=60.0)
+    trace = tr.Trace(
+        "t", trace.arrival, np.where(np.arange(len(trace)) % 40 == 0, 9000, trace.prompt), trace.output, trace.duration
+    )
+    sim = simulator.Simulator(f, f.policy(policy), trace, warmup_s=30.0, stop_below=0.0).run()
+    assert sim.stopped is None
+    entry = report.summarize(sim)
+    assert 0 < entry["slo_met"] < entry["slo_counted"]
+    assert entry["rejected"] > 0 and entry["too_long"] > 0
+    assert sim.watch.count() == entry["slo_counted"] - entry["slo_met"]
+    assert sim.watch.counted == entry["slo_counted"]
+
+
+def test_a_run_stops_once_its_goal_is_out_of_reach_and_says_so() -> None:
+    f = small(deployment={"spec": {"engine": {"maxWaitingRequests": 4}}})
+    trace = surge(duration=600.0, low=5.0, high=60.0)
+    full = report.summarize(simulator.Simulator(f, f.policy("static"), trace, warmup_s=30.0).run())
+    goal = round(full["slo_attainment"] + 0.02, 4)
+    sim = simulator.Simulator(f, f.policy("static"), trace, warmup_s=30.0, stop_below=goal).run()
+    assert sim.stopped is not None and sim.stopped.t < trace.duration
+    assert sim.stopped.misses > sim.stopped.allowed
+    entry = report.summarize(sim)
+    assert entry["slo_attainment"] is None and entry["cost_per_1m_tokens"] is None
+    assert full["slo_attainment"] <= entry["stopped"]["slo_attainment_at_most"] < goal
+    reachable = simulator.Simulator(f, f.policy("static"), trace, warmup_s=30.0, stop_below=full["slo_attainment"])
+    assert report.summarize(reachable.run())["slo_attainment"] == full["slo_attainment"]  # its own goal: no stop

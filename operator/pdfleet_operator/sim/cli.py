@@ -73,6 +73,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --compare, skip the fleet file's equalSlo sweep (its fields are then absent)",
     )
+    p.add_argument(
+        "--full-variants",
+        action="store_true",
+        help="run every equal-SLO variant over the whole trace (default: a variant stops as soon as the SLO "
+        "misses it has counted make the target's attainment unreachable; its cost is then not reported)",
+    )
     p.set_defaults(func=run)
 
 
@@ -269,12 +275,21 @@ def run(args: argparse.Namespace) -> int:
 _WORK: dict[str, Any] = {}
 
 
-def _run_one(job: tuple[fleet_file.Policy, str]) -> tuple[dict[str, Any], Any, float]:
-    """One run in a worker: its summary, its plot data (None for a sweep variant) and its wall time."""
+def _run_one(job: tuple[fleet_file.Policy, str], goal: float | None = None) -> tuple[dict[str, Any], Any, float]:
+    """One run in a worker: its summary, its plot data (None for a sweep variant) and its wall time. A variant
+    given the target's attainment (`goal`) stops once it cannot reach it (`Simulator(stop_below=...)`)."""
     policy, variant = job
     w = _WORK
     started, cpu = time.perf_counter(), time.process_time()
-    sim = Simulator(w["fleet"], policy, w["trace"], efficiencies=w["effs"], seed=w["seed"], warmup_s=w["warmup"]).run()
+    sim = Simulator(
+        w["fleet"],
+        policy,
+        w["trace"],
+        efficiencies=w["effs"],
+        seed=w["seed"],
+        warmup_s=w["warmup"],
+        stop_below=goal if variant and not w["full_variants"] else None,
+    ).run()
     summary = report.summarize(sim)
     data = None if variant or w["no_plots"] else report.plot_data(sim)
     # NOTE: CPU seconds too: on a machine other jobs share, the wall time says as much about them
@@ -297,7 +312,16 @@ def _run_all(
     (forked: they share the parsed fleet and trace). Returns the runs' results in order, and per searched
     policy the variants run (index -> result). A search waits for the target's run (its goal); when a process
     frees, a search's next variant goes first (each is one step of a chain), then the runs in order."""
-    _WORK.update(fleet=fl, trace=trace, effs=effs, seed=args.seed, warmup=warmup, no_plots=args.no_plots)
+    _WORK.update(
+        fleet=fl,
+        trace=trace,
+        effs=effs,
+        seed=args.seed,
+        warmup=warmup,
+        no_plots=args.no_plots,
+        full_variants=args.full_variants,
+    )
+    goal: list[float | None] = [None]  # the target's attainment, once its run is done
     results: list[Any] = [None] * len(runs)
     bisect = {name: search.Bisection(len(variants)) for name, variants in searches.items()}
     probes: dict[str, dict[int, tuple]] = {name: {} for name in searches}
@@ -323,12 +347,20 @@ def _run_all(
             results[i] = got
             job = runs[i]
             if target is not None and not job[1] and job[0].name == target:
+                goal[0] = got[0]["slo_attainment"]
                 for b in bisect.values():
-                    b.goal = got[0]["slo_attainment"]
+                    b.goal = goal[0]
         if not args.quiet:
+            stopped = got[0].get("stopped")
             console.print(
                 f"  {_label(job)}: simulated in {got[2]:.1f} s ({got[0]['run_cpu_s']:.1f} CPU-s)"
-                + (f", attainment {_pct(got[0]['slo_attainment'])}" if name else ""),
+                + (
+                    f", attainment {report.stopped_text(stopped)}"
+                    if stopped
+                    else f", attainment {_pct(got[0]['slo_attainment'])}"
+                    if name or job[1]
+                    else ""
+                ),
                 highlight=False,
                 markup=False,
             )
@@ -340,7 +372,7 @@ def _run_all(
     jobs = max(1, args.jobs)
     if jobs == 1:
         while (key := next_job()) is not None:
-            finished(key, _run_one(job_of(key)))
+            finished(key, _run_one(job_of(key), goal[0]))
         return results, probes
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -349,7 +381,7 @@ def _run_all(
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         while True:
             while len(running) < jobs and (key := next_job()) is not None:
-                running[pool.submit(_run_one, job_of(key))] = key
+                running[pool.submit(_run_one, job_of(key), goal[0])] = key
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)

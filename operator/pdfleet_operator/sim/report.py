@@ -39,6 +39,8 @@ def _round(x: float | None, nd: int = 4) -> float | None:
 
 def summarize(sim: Simulator) -> dict[str, Any]:
     """The numbers of one policy's run (JSON-ready)."""
+    if sim.stopped is not None:
+        return _stopped(sim)
     r = sim.reqs
     arrival = _floats(r.arrival)
     status = _ints(r.status)
@@ -138,6 +140,8 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         "tpot_p50_s": _round(percentile(tpot[done & (output > 1)], 50)),
         "tpot_p99_s": _round(percentile(tpot[done & (output > 1)], 99)),
         "slo_attainment": _round(float(met.sum()) / counted if counted else None),
+        "slo_met": int(met.sum()),  # requests that met it, of
+        "slo_counted": counted,  # the measured requests not refused as too long
         "requests": int(measured.sum()),
         "routed_share": _round(float(sim.routed[measured].mean()) if measured.any() else None),  # to a routing target
         "completed": int(done.sum()),
@@ -159,6 +163,26 @@ def summarize(sim: Simulator) -> dict[str, Any]:
         "rollback_actions": [
             {"t": _round(t, 1), "kind": k, "message": m} for d in sim.deps for t, k, m in d.rollback_actions
         ],
+    }
+
+
+def _stopped(sim: Simulator) -> dict[str, Any]:
+    """A run stopped once it could no longer reach its goal (`Simulator(stop_below=...)`): what it shows is that
+    bound; its cost and latencies cover part of the trace and are not reported (None) rather than compared."""
+    st = sim.stopped
+    assert st is not None
+    return {
+        "name": sim.policy.name,
+        "description": sim.policy.description,
+        **{key: None for key in REQUIRED_KEYS},
+        "stopped": {
+            "at_s": _round(st.t, 1),
+            "goal": sim.watch.goal if sim.watch is not None else None,
+            "misses": st.misses,
+            "allowed_misses": int(st.allowed),
+            "requests": st.counted,
+            "slo_attainment_at_most": st.at_most,
+        },
     }
 
 
@@ -268,6 +292,7 @@ def equal_slo(
                 "variant": v["variant"],
                 "cost_per_1m_tokens": v["cost_per_1m_tokens"],
                 "slo_attainment": v["slo_attainment"],
+                **({"stopped": v["stopped"]} if v.get("stopped") else {}),
             }
             for v in variants.get(name, ())
         ]
@@ -300,7 +325,14 @@ def search_summary(variants: Sequence[Any], ran: Mapping[int, tuple], goal: floa
     found = b.found()
     return {
         "variants": [v.variant for v in variants],
-        "ran": [{"variant": variants[i].variant, "slo_attainment": ran[i][0]["slo_attainment"]} for i in sorted(ran)],
+        "ran": [
+            {
+                "variant": variants[i].variant,
+                "slo_attainment": ran[i][0]["slo_attainment"],
+                **({"stopped": ran[i][0]["stopped"]} if ran[i][0].get("stopped") else {}),
+            }
+            for i in sorted(ran)
+        ],
         "first_reaching": variants[found].variant if found is not None else None,
         "monotone": b.monotone(),
     }
@@ -354,7 +386,7 @@ def print_equal_slo(eq: Mapping[str, Any], console: Any = None) -> None:
                 name,
                 r["variant"],
                 _fmt(r["cost_per_1m_tokens"], "${:.4f}"),
-                _fmt(r["slo_attainment"], "{:.2%}"),
+                stopped_text(r["stopped"]) if r.get("stopped") else _fmt(r["slo_attainment"], "{:.2%}"),
                 "<-" if p["variant"] == r["variant"] else "",
             )
     console.print(t)
@@ -368,6 +400,14 @@ def print_equal_slo(eq: Mapping[str, Any], console: Any = None) -> None:
             highlight=False,
             markup=False,
         )
+
+
+def stopped_text(st: Mapping[str, Any]) -> str:
+    """A stopped run's attainment column: the bound it showed and when."""
+    return (
+        f"<= {st['slo_attainment_at_most']:.2%} (stopped at {st['at_s'] / 3600:.1f} h: "
+        f"{st['misses']:,} misses > {st['allowed_misses']:,})"
+    )
 
 
 def print_tables(entries: Mapping[str, Mapping[str, Any]], console: Any = None) -> None:

@@ -12,6 +12,7 @@ replica is the aggregate engine model of `sim.engine`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -62,6 +63,78 @@ class Sample:
     running: dict[str, float]
     cost_per_hour: float
     generated_so_far: float
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Where a run with `stop_below` stopped: the SLO misses counted by then exceed what the goal allows."""
+
+    t: float  # simulated time of the stop
+    misses: int  # measured requests settled by then that missed their SLO (rejected ones included)
+    allowed: float  # the most misses an attainment that rounds to the goal leaves room for
+    counted: int  # requests that count for the attainment (measured, not refused as too long)
+    at_most: float  # the most attainment the run could still have reached (rounded as the report rounds it)
+
+
+class AttainmentWatch:
+    """Counts SLO misses as requests settle, in arrival order, by `report.summarize`'s rule one request at a time:
+    a measured request that is not refused as too long counts; it meets the SLO when it is done, its TTFT (the
+    decode worker's first token after a PD hand-off) is within `slo.ttft` and its time per output token within
+    `slo.itl`; rejected and unfinished ones miss. A cursor walks the requests in arrival order and stops at the
+    first one still in flight, so the count is a lower bound of the misses at the end (exact once every request
+    settled: tests/sim/test_equal_slo_search.py holds it to the report's)."""
+
+    def __init__(self, sim: Simulator, goal: float) -> None:
+        reqs = sim.reqs
+        self.reqs = reqs
+        self.goal = goal
+        self.cursor = bisect.bisect_left(reqs.arrival, sim.warmup)
+        self.misses = 0
+        self.slo = [
+            (bool(d.spec.disaggregation), parse_duration(d.spec.slo.ttft), parse_duration(d.spec.slo.itl))
+            for d in sim.deps
+        ]
+        max_len = [d.max_len for d in sim.deps]
+        prompt, output, dep = reqs.prompt, reqs.output, reqs.deployment
+        self.counted = sum(
+            1 for i in range(self.cursor, len(reqs)) if prompt[i] + output[i] <= max_len[dep[i]]
+        )  # the report's `valid`: what _arrive does not refuse as too long
+        # NOTE: reached when round(met / counted, 4) >= goal; met / counted < goal - 0.00005 rounds below it.
+        # One request of slack for float error.
+        self.allowed = self.counted * (1.0 - goal + 0.00005) + 1.0
+
+    def met(self, i: int) -> bool:
+        reqs = self.reqs
+        if reqs.status[i] != eng.DONE:
+            return False
+        pd, slo_ttft, slo_itl = self.slo[reqs.deployment[i]]
+        out = reqs.output[i]
+        gap = reqs.second_gap[i]
+        handoff = pd and out > 1 and math.isfinite(gap)
+        first = reqs.t_first[i] + gap if handoff else reqs.t_first[i]
+        if not first - reqs.arrival[i] <= slo_ttft:
+            return False
+        if out <= 1:
+            return True
+        return (reqs.t_done[i] - first) / max(out - 1 - handoff, 1) <= slo_itl
+
+    def count(self) -> int:
+        """Advance over the requests settled since the last call; the misses counted so far."""
+        status, k, n = self.reqs.status, self.cursor, len(self.reqs)
+        misses = self.misses
+        while k < n and status[k] != eng.ACTIVE:
+            if status[k] != eng.TOO_LONG and not self.met(k):
+                misses += 1
+            k += 1
+        self.cursor, self.misses = k, misses
+        return misses
+
+    def unreachable(self, t: float) -> bool:
+        return self.count() > self.allowed
+
+    def stopped(self, t: float) -> Stopped:
+        at_most = round((self.counted - self.misses) / self.counted, 4) if self.counted else 0.0
+        return Stopped(t, self.misses, self.allowed, self.counted, at_most)
 
 
 @dataclass
@@ -119,9 +192,13 @@ class Simulator:
         seed: int = 0,
         warmup_s: float = 0.0,
         progress: Callable[[float], None] | None = None,
+        stop_below: float | None = None,
     ) -> None:
         """`warmup_s`: the trace's first seconds bring the fleet to a steady state and are not measured
-        (requests arriving then, cost, samples and scale events before it are left out of the report)."""
+        (requests arriving then, cost, samples and scale events before it are left out of the report).
+        `stop_below`: an SLO attainment (as report.json rounds it, 4 decimals); the run stops at the first
+        sample at which the misses already counted make reaching it impossible (`stopped` says when; an
+        equal-SLO variant needs no more than that). None: the whole trace."""
         if not 0 <= warmup_s < trace.duration:
             raise ValueError(f"warm-up {warmup_s} s must be within the trace's {trace.duration} s")
         self.fleet, self.policy, self.trace = fleet, policy, trace
@@ -163,6 +240,8 @@ class Simulator:
         self.deps = [self._deployment(i, d) for i, d in enumerate(policy.deployments)]
         self._next_replica_id = itertools.count()
         self.router = Router()
+        self.watch = AttainmentWatch(self, stop_below) if stop_below is not None else None
+        self.stopped: Stopped | None = None
 
     # --- set-up -----------------------------------------------------------------------------------------
     def _deployment(self, idx: int, d: DeploymentPlan) -> DeploymentState:
@@ -479,6 +558,9 @@ class Simulator:
                     self._sample(t)
                     if self.progress:
                         self.progress(min(t, horizon))
+                    if self.watch is not None and self.watch.unreachable(t):
+                        self.stopped = self.watch.stopped(t)
+                        break
                     if t + self.settings.sample_interval_s <= horizon:
                         self._push(t + self.settings.sample_interval_s, SAMPLE, None)
                 if i >= n and not self._in_flight():
