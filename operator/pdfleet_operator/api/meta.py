@@ -71,7 +71,15 @@ _QUANTITY = re.compile(QUANTITY_PATTERN)
 
 def parse_duration(text: str) -> float:
     """Seconds in a Go-style duration string ("1m30s" -> 90.0); ValueError when it does not parse."""
-    if not isinstance(text, str) or not re.fullmatch(DURATION_PATTERN, text):
+    if not isinstance(text, str):
+        raise ValueError(f"invalid duration {text!r}: expected a number with a unit (ms, s, m, h), e.g. '30s', '1m30s'")
+    return _duration_s(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _duration_s(text: str) -> float:
+    # NOTE: cached: the autoscaler and the simulator read the spec's durations on every decision
+    if not re.fullmatch(DURATION_PATTERN, text):
         raise ValueError(f"invalid duration {text!r}: expected a number with a unit (ms, s, m, h), e.g. '30s', '1m30s'")
     return sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(text))
 

@@ -69,11 +69,14 @@ class Pool:
     reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next
     pick."""
 
-    __slots__ = ("replicas", "groups", "touched")
+    __slots__ = ("replicas", "groups", "low", "touched")
 
     def __init__(self, replicas: Sequence[Replica] = ()) -> None:
         self.replicas = sorted(replicas, key=_URL)
         self.groups: dict[tuple, list[Replica]] = {}  # kept score -> replicas with it, url order
+        # the lowest key of `groups`, or None when it must be looked up again (its group emptied): kept as scores
+        # come and go, so that a pick does not take min() over every group
+        self.low: tuple | None = None
         self.touched: list[Replica] = []
         for r in self.replicas:
             r.pool = self
@@ -122,20 +125,34 @@ class Pool:
             group = groups[old]
             if len(group) == 1:
                 del groups[old]
+                if old == self.low:
+                    self.low = None
             else:
                 group.remove(r)
         r.route_score = score
         group = groups.get(score)  # NOTE: _insert inlined
         if group is None:
             groups[score] = [r]
+            low = self.low
+            if low is not None and score < low:
+                self.low = score
         else:
             insort(group, r, key=_URL)
         r.grouped = True
+
+    def lowest(self) -> list[Replica]:
+        """The group of the lowest kept score."""
+        low = self.low
+        if low is None:
+            low = self.low = min(self.groups)
+        return self.groups[low]
 
     def _insert(self, r: Replica) -> None:
         group = self.groups.get(r.route_score)
         if group is None:
             self.groups[r.route_score] = [r]
+            if self.low is not None and r.route_score < self.low:
+                self.low = r.route_score
         else:
             insort(group, r, key=_URL)
         r.grouped = True
@@ -159,9 +176,8 @@ class Router:
             for r in touched:
                 rescore(r, now)
             touched.clear()
-        groups = pool.groups
         while True:
-            group = groups[min(groups)]
+            group = pool.lowest()
             for r in group:
                 if r.mode == FLUID and r.route_at < now:
                     break
