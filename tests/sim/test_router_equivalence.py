@@ -61,12 +61,28 @@ class Checked(simulator.Simulator):
         self.router = CheckedRouter()
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("policy", ["dynamic", "static", "colocated"])
-def test_every_pick_is_picker_pick_over_fresh_candidates(policy: str) -> None:
+def test_every_pick_is_picker_pick_over_fresh_candidates(policy: str, inline: bool, monkeypatch) -> None:  # noqa: ANN001
+    # both scoring paths: the pool's own scores (what runs when they match the picker's) and the picker's
+    monkeypatch.setattr(sim_router, "inline_scores_ok", lambda: inline)
     f = small()
     sim = Checked(f, f.policy(policy), surge(duration=600.0, low=2.0, high=30.0)).run()
+    assert all(p.inline is inline for d in sim.deps for p in d.routable.values())
     assert sim.router.checked > 1000
     assert sim.router.ties > 10  # ties went through picker.pick's round-robin too
+
+
+def test_the_pools_own_scores_are_used_only_while_they_match_the_pickers(monkeypatch) -> None:  # noqa: ANN001
+    assert sim_router.inline_scores_ok.__wrapped__()
+    real = picker.score
+
+    def other(role: str, c: picker.Candidate) -> tuple:  # a picker that weighs in-flight requests twice
+        got = real(role, c)
+        return (got[0] + c.inflight, *got[1:]) if role == "prefill" else got
+
+    monkeypatch.setattr(picker, "score", other)
+    assert not sim_router.inline_scores_ok.__wrapped__()
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])

@@ -19,8 +19,12 @@ to `picker.pick` over fresh candidates, and the score's monotonicity in `kv_usag
 
 from __future__ import annotations
 
+import functools
 import itertools
+import random
+import types
 from bisect import insort
+from collections import deque
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
 
@@ -41,16 +45,6 @@ class Load:
         self.waiting = self.running = self.prompt_tokens_waiting = self.inflight = 0
         self.kv_usage = 0.0
 
-    def candidate(self) -> picker.Candidate:
-        return picker.Candidate(
-            url=self.url,
-            waiting=self.waiting,
-            running=self.running,
-            kv_usage=self.kv_usage,
-            prompt_tokens_waiting=self.prompt_tokens_waiting,
-            inflight=self.inflight,
-        )
-
 
 def ties_round_robin_by_url() -> bool:
     """Whether `picker.pick` gives equal-scored candidates out in url order, one per turn (probed, every role)."""
@@ -64,14 +58,54 @@ def ties_round_robin_by_url() -> bool:
     return True
 
 
+def _candidate(r: Replica, now: float) -> picker.Candidate:
+    """What the real router would know of the replica now."""
+    return picker.Candidate(
+        url=r.url,
+        waiting=len(r.waiting),
+        running=r.B + len(r.prefilling),
+        kv_usage=r.kv_usage(now),
+        prompt_tokens_waiting=r.need_waiting,
+        inflight=r.inflight,
+    )
+
+
+@functools.cache
+def inline_scores_ok(trials: int = 3000) -> bool:
+    """Whether `Pool.rescore`'s own scores equal `picker.score` over fresh candidates: replicas in every role with
+    random queues, batches, KV (usage on both sides of each rounding step and past full, fluid or not). A picker
+    that scores otherwise leaves the pools on the generic path (a `Load` handed to `picker.score`)."""
+    rng = random.Random(20261203)
+    perf = types.SimpleNamespace(kv_capacity_tokens=1000)
+    pool = Pool(inline=True)
+    for i in range(trials):
+        r = Replica.__new__(Replica)
+        r.url, r.role, r.perf = f"sim://probe-{i}", ROLES[i % len(ROLES)], perf
+        r.waiting = deque(range(rng.randint(0, 4)))
+        r.prefilling = list(range(rng.randint(0, 3)))
+        r.B, r.inflight, r.need_waiting = rng.randint(0, 12), rng.randint(0, 3), rng.randint(0, 5000)
+        r.kv_fixed, r.S0, r.V = rng.randint(0, 400), rng.uniform(0, 400), rng.uniform(0, 60)
+        r.mode, r.st, r.t_last = rng.choice((FLUID, 0)), rng.choice((0.0, 0.02)), 0.0
+        r.dirty, r.grouped, r.pool, r.route_score = True, False, pool, ()
+        now = rng.uniform(0, 2)
+        pool.rescore(r, now)
+        if r.route_score != picker.score(r.role, _candidate(r, now)):
+            return False
+        pool.groups.clear()
+        r.grouped = False
+    return True
+
+
 class Pool:
     """One role's routable replicas of one deployment, in url order, and their kept scores grouped by score: a pick
     reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next
     pick."""
 
-    __slots__ = ("replicas", "groups", "low", "touched")
+    __slots__ = ("replicas", "groups", "low", "touched", "inline")
 
-    def __init__(self, replicas: Sequence[Replica] = ()) -> None:
+    def __init__(self, replicas: Sequence[Replica] = (), inline: bool | None = None) -> None:
+        # scores computed in rescore itself, where they are checked equal to `picker.score`'s (`inline_scores_ok`)
+        self.inline = inline_scores_ok() if inline is None else inline
         self.replicas = sorted(replicas, key=_URL)
         self.groups: dict[tuple, list[Replica]] = {}  # kept score -> replicas with it, url order
         # the lowest key of `groups`, or None when it must be looked up again (its group emptied): kept as scores
@@ -101,20 +135,36 @@ class Pool:
     def rescore(self, r: Replica, now: float) -> None:
         """The replica's score now, from what `picker.score` reads (exact now; a lower bound later while it is
         fluid), and its place among the groups."""
-        load = r.load
-        if load is None:
-            load = r.load = Load(r.url)
         # NOTE: what it reads of the replica, read here (Replica.kv_usage inlined): four rescores per request
-        load.waiting = len(r.waiting)
-        load.running = r.B + len(r.prefilling)
-        v = r.V
-        if r.mode == FLUID and r.st > 0:
-            v += (now - r.t_last) / r.st
-        usage = (r.kv_fixed + r.S0 + r.B * v) / r.perf.kv_capacity_tokens
-        load.kv_usage = usage if usage < 1.0 else 1.0
-        load.prompt_tokens_waiting = r.need_waiting
-        load.inflight = r.inflight
-        score = picker.score(r.role, load)  # type: ignore[arg-type]
+        role = r.role
+        if self.inline:
+            # `picker.score` of the Load below, spelt out (a day is millions of rescores; the picker's
+            # KV usage only matters to decode and colocated); `inline_scores_ok` holds the two equal
+            queued = len(r.waiting) + r.inflight
+            running = r.B + len(r.prefilling)
+            if role == "prefill":
+                score: tuple = (queued, r.need_waiting, running)
+            else:
+                v = r.V
+                if r.mode == FLUID and r.st > 0:
+                    v += (now - r.t_last) / r.st
+                usage = (r.kv_fixed + r.S0 + r.B * v) / r.perf.kv_capacity_tokens
+                usage = round(usage if usage < 1.0 else 1.0, 2)
+                score = (usage, running + queued) if role == "decode" else (queued + running, usage)
+        else:
+            load = r.load
+            if load is None:
+                load = r.load = Load(r.url)
+            load.waiting = len(r.waiting)
+            load.running = r.B + len(r.prefilling)
+            v = r.V
+            if r.mode == FLUID and r.st > 0:
+                v += (now - r.t_last) / r.st
+            usage = (r.kv_fixed + r.S0 + r.B * v) / r.perf.kv_capacity_tokens
+            load.kv_usage = usage if usage < 1.0 else 1.0
+            load.prompt_tokens_waiting = r.need_waiting
+            load.inflight = r.inflight
+            score = picker.score(role, load)  # type: ignore[arg-type]
         r.route_at = now
         r.dirty = False
         groups = self.groups
@@ -190,5 +240,5 @@ class Router:
             return group[0]
         if self.round_robin:
             return group[turn % len(group)]
-        chosen = picker.pick(role, [r.load.candidate() for r in group], turn=turn)
+        chosen = picker.pick(role, [_candidate(r, now) for r in group], turn=turn)
         return next(r for r in group if r.url == chosen.url)  # type: ignore[union-attr]

@@ -94,11 +94,10 @@ class AttainmentWatch:
             (bool(d.spec.disaggregation), parse_duration(d.spec.slo.ttft), parse_duration(d.spec.slo.itl))
             for d in sim.deps
         ]
-        max_len = [d.max_len for d in sim.deps]
-        prompt, output, dep = reqs.prompt, reqs.output, reqs.deployment
-        self.counted = sum(
-            1 for i in range(self.cursor, len(reqs)) if prompt[i] + output[i] <= max_len[dep[i]]
-        )  # the report's `valid`: what _arrive does not refuse as too long
+        # the report's `valid`: what _arrive does not refuse as too long
+        first, trace = self.cursor, sim.trace
+        max_len = np.array([d.max_len for d in sim.deps])[np.asarray(reqs.deployment[first:], dtype=np.int64)]
+        self.counted = int(np.count_nonzero(trace.prompt[first:] + trace.output[first:] <= max_len))
         # NOTE: reached when round(met / counted, 4) >= goal; met / counted < goal - 0.00005 rounds below it.
         # One request of slack for float error.
         self.allowed = self.counted * (1.0 - goal + 0.00005) + 1.0
