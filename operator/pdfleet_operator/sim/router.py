@@ -6,8 +6,9 @@ the load is read from the simulated engines at the moment of the pick (no scrape
 decode worker. Ties go round-robin by the simulator's own counter, so runs are reproducible.
 
 A day of traffic is millions of picks over tens of workers, so scores are kept, not rebuilt on
-every pick: each replica carries its last `picker.score` (of a `Load` with the fields of
-`picker.Candidate`), recomputed when the replica changed (`Replica.dirty`, set on every change of
+every pick: each replica carries its last `picker.score` (the pool computes the tuple itself where
+`inline_scores_ok` finds it equal to the picker's, else hands a `Load` with the fields of
+`picker.Candidate` to `picker.score`), recomputed when the replica changed (`Replica.dirty`, set on every change of
 what the load reads) or, for a replica decoding fluidly, when its kept score could be the best:
 its KV grows with time between its events, and `picker.score` never falls as `kv_usage` rises, so a
 kept score is a lower bound of the current one. The best-scored replicas share the pick as
@@ -92,6 +93,7 @@ def inline_scores_ok(trials: int = 3000) -> bool:
         if r.route_score != picker.score(r.role, _candidate(r, now)):
             return False
         pool.groups.clear()
+        pool.low = None
         r.grouped = False
     return True
 
