@@ -98,38 +98,75 @@ inline v16f exp16_nonpositive(v16f x) {
   return p * scale;
 }
 
+// 16 vectors in, one out: lane i is the sum of a[i]'s lanes. Four levels of pairwise shuffles and adds
+// (15 pairs) where 16 separate hsums take 16 trees; the lanes never mix, so a[i] past the rows in use
+// only has to be defined.
+inline v16f hsum16(const v16f* a) {
+  v16f b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 // One (sequence, KV head): the G query heads of the group against the sequence's context, read
-// once through its block table. Two passes over the context: scores (K), then values (V).
-// q: [G, DV] vectors, already scaled; acc: [G, DV] vectors. DV = D / 16 (NDV > 0: known at compile time).
+// once through its block table. Two passes over the context: scores (K), then values (V). The
+// scores are made 16 keys at a time, across block edges: each key's G partial-product vectors
+// are kept and one hsum16 per query head reduces the 16 (bf16 keys are half the bytes of fp32
+// ones, so a horizontal sum per key and head, not the memory, bounded the bf16 pass).
+// q: [G, DV] vectors, already scaled; acc: [G, DV] vectors; part: [G, 16] vectors of scratch.
+// DV = D / 16 (NDV > 0: known at compile time).
 template <int NDV, typename KV>
 void decode_one(const v16f* q, int64_t G, int64_t DV_rt, const KV* k_head, const KV* v_head, const float* k_scale,
-                const float* v_scale, const int64_t* table, int64_t ctx, int64_t block_size, float* scores, v16f* acc) {
+                const float* v_scale, const int64_t* table, int64_t ctx, int64_t block_size, float* scores, v16f* acc,
+                v16f* part) {
   const int64_t DV = NDV > 0 ? NDV : DV_rt;
   const int64_t D = DV * L;
   const int64_t block_elems = block_size * D;
-  for (int64_t t0 = 0, j = 0; t0 < ctx; t0 += block_size, ++j) {
-    const int64_t n = std::min(block_size, ctx - t0);
-    const int64_t blk = table[j];
-    const KV* k = k_head + blk * block_elems;
-    const KV* next = t0 + block_size < ctx ? k_head + table[j + 1] * block_elems : k;
-    const float ks = k_scale ? k_scale[blk] : 1.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      const KV* row = k + t * D;
-      prefetch_row(next + t * D, D);
-      v16f kr[NDV > 0 ? NDV : 16];
+  const int64_t nblocks = (ctx + block_size - 1) / block_size;
+  int64_t j = 0, o = 0;  // block index and row in it of key t0 + r, kept without a division per key
+  float row_scale[L];
+  for (int64_t t0 = 0; t0 < ctx; t0 += L) {
+    const int64_t m = std::min(L, ctx - t0);
+    for (int64_t r = 0; r < m; ++r) {
+      const KV* row = k_head + table[j] * block_elems + o * D;
+      if (j + 1 < nblocks) prefetch_row(k_head + table[j + 1] * block_elems + o * D, D);
+      row_scale[r] = k_scale ? k_scale[table[j]] : 1.0f;
       if (NDV > 0 || DV <= 16) {
+        v16f kr[NDV > 0 ? NDV : 16];
         for (int64_t c = 0; c < DV; ++c) kr[c] = load16(row + c * L);
         for (int64_t g = 0; g < G; ++g) {
           v16f s = q[g * DV] * kr[0];
           for (int64_t c = 1; c < DV; ++c) s += q[g * DV + c] * kr[c];
-          scores[g * ctx + t0 + t] = hsum(s) * ks;
+          part[g * L + r] = s;
         }
       } else {
         for (int64_t g = 0; g < G; ++g) {
           v16f s = q[g * DV] * load16(row);
           for (int64_t c = 1; c < DV; ++c) s += q[g * DV + c] * load16(row + c * L);
-          scores[g * ctx + t0 + t] = hsum(s) * ks;
+          part[g * L + r] = s;
         }
+      }
+      if (++o == block_size) o = 0, ++j;
+    }
+    for (int64_t r = m; r < L; ++r) {
+      row_scale[r] = 0.0f;
+      for (int64_t g = 0; g < G; ++g) part[g * L + r] = v16f{};
+    }
+    const v16f rs = load16(row_scale);
+    for (int64_t g = 0; g < G; ++g) {
+      const v16f sums = hsum16(part + g * L) * rs;
+      if (m == L) {
+        std::memcpy(scores + g * ctx + t0, &sums, sizeof sums);
+      } else {
+        for (int64_t r = 0; r < m; ++r) scores[g * ctx + t0 + r] = sums[r];
       }
     }
   }
@@ -188,7 +225,7 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, cons
   for (int64_t b = 0; b < B; ++b) work += len_ptr[b];
   const int64_t grain = work * Hkv < 8192 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(G * DV), acc(G * DV);
+    std::vector<v16f> qv(G * DV), acc(G * DV), part(G * L);
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
@@ -203,11 +240,14 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, cons
       scores.resize(G * ctx);
       const int64_t* table = table_ptr + b * W;
       if (DV == 4)
-        decode_one<4, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data());
+        decode_one<4, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
+                                part.data());
       else if (DV == 8)
-        decode_one<8, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data());
+        decode_one<8, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
+                                part.data());
       else
-        decode_one<0, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data());
+        decode_one<0, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
+                                part.data());
       const float* a = reinterpret_cast<const float*>(acc.data());
       Out* o = out_ptr + b * os0 + h * G * os1;
       for (int64_t g = 0; g < G; ++g)
