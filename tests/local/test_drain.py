@@ -83,10 +83,10 @@ async def until(predicate, what: str, timeout: float = 120.0, sup: sv.Supervisor
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
-def routed(router: str, run_dir) -> dict[str, str]:
-    """The router's worker ids -> URLs of the workers it has in its lists now."""
+def routed(router: str, run_dir, healthy_only: bool = False) -> dict[str, str]:
+    """The router's worker ids -> URLs of the workers it has in its lists now (in rotation only, with healthy_only)."""
     answer = httpx.get(f"{router}/workers", headers=run_token(run_dir), timeout=5).json()
-    return {w["id"]: w["url"] for w in answer["workers"]}
+    return {w["id"]: w["url"] for w in answer["workers"] if w["healthy"] or not healthy_only}
 
 
 async def scale_down_victim(
@@ -124,6 +124,10 @@ async def _scale_down(tmp_path, model_dir):
         await sup.wait_ready(180)
         url, loop = sup.router.url, asyncio.get_event_loop()
         prompts = [[7 + i, 8, 9, 10 + i] for i in range(8)]
+        # /ready needs one worker per role; the streams below need the router to route to every one of them (with
+        # no decode worker in rotation a prefill worker decodes the request itself: `x-pdfleet-decode: local`)
+        everyone = {r.url for r in sup.active()}
+        await until(lambda: set(routed(url, sup.run_dir, healthy_only=True).values()) >= everyone, "all in rotation")
 
         # --- a decode replica: its streams finish, all their tokens, then it exits 0 ----------------------------
         victim = sorted(sup.active("decode"), key=sup.workers.index)[-1]  # the supervisor drains the newest
@@ -131,12 +135,14 @@ async def _scale_down(tmp_path, model_dir):
         streams = {i: loop.run_in_executor(pool, stream, url, prompts[i], ids, i) for i in range(4)}
         await until(lambda: len(ids) == 4, "four streams started")
         names = routed(url, sup.run_dir)
-        on_victim = [i for i, (d, _) in ids.items() if names[d] == victim.url]
+        # NOTE: .get: a stream the router could place on no decode worker (a health check missed on a loaded
+        # machine) was decoded by its prefill worker ("local"), which is not the victim
+        on_victim = [i for i, (d, _) in ids.items() if names.get(d) == victim.url]
         if not on_victim:  # the picker put them elsewhere: one more, and the victim is the only decode worker idle
             extra = loop.run_in_executor(pool, stream, url, prompts[4], ids, 4)
             streams[4] = extra
             await until(lambda: 4 in ids, "a fifth stream started")
-            on_victim = [4] if names[ids[4][0]] == victim.url else []
+            on_victim = [4] if names.get(ids[4][0]) == victim.url else []
         assert on_victim, f"no stream on {victim.name}: {ids}"
         victim.child.signal(signal.SIGSTOP)
         await scale_down_victim(
@@ -159,6 +165,10 @@ async def _scale_down(tmp_path, model_dir):
         # --- a prefill replica with open leases: it serves their pulls, then exits 0 ---------------------------
         victim = sorted(sup.active("prefill"), key=sup.workers.index)[-1]
         (decode,) = sup.active("decode")
+        # both prefill workers in rotation again before the streams (a probe late on a loaded machine takes a worker
+        # out for a while; with the victim out, no lease could open on it)
+        everyone = {r.url for r in sup.active()}
+        await until(lambda: set(routed(url, sup.run_dir, healthy_only=True).values()) >= everyone, "all in rotation")
         # the decode worker frozen, the prefill answers land but nothing pulls them: leases stay open
         decode.child.signal(signal.SIGSTOP)
         ids = {}
