@@ -321,7 +321,7 @@ def _run_all(
         no_plots=args.no_plots,
         full_variants=args.full_variants,
     )
-    goal: list[float | None] = [None]  # the target's attainment, once its run is done
+    goal: float | None = None  # the target's attainment, once its run is done
     results: list[Any] = [None] * len(runs)
     bisect = {name: search.Bisection(len(variants)) for name, variants in searches.items()}
     probes: dict[str, dict[int, tuple]] = {name: {} for name in searches}
@@ -337,6 +337,7 @@ def _run_all(
         return ("", queue.pop(0)) if queue else None
 
     def finished(key: tuple[str, int], got: tuple[dict[str, Any], Any, float]) -> None:
+        nonlocal goal
         name, i = key
         if name:
             probes[name][i] = got
@@ -347,9 +348,9 @@ def _run_all(
             results[i] = got
             job = runs[i]
             if target is not None and not job[1] and job[0].name == target:
-                goal[0] = got[0]["slo_attainment"]
+                goal = got[0]["slo_attainment"]
                 for b in bisect.values():
-                    b.goal = goal[0]
+                    b.goal = goal
         if not args.quiet:
             stopped = got[0].get("stopped")
             console.print(
@@ -372,7 +373,7 @@ def _run_all(
     jobs = max(1, args.jobs)
     if jobs == 1:
         while (key := next_job()) is not None:
-            finished(key, _run_one(job_of(key), goal[0]))
+            finished(key, _run_one(job_of(key), goal))
         return results, probes
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -381,7 +382,7 @@ def _run_all(
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         while True:
             while len(running) < jobs and (key := next_job()) is not None:
-                running[pool.submit(_run_one, job_of(key), goal[0])] = key
+                running[pool.submit(_run_one, job_of(key), goal)] = key
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -177,7 +177,7 @@ def _stopped(sim: Simulator) -> dict[str, Any]:
         **{key: None for key in REQUIRED_KEYS},
         "stopped": {
             "at_s": _round(st.t, 1),
-            "goal": sim.watch.goal if sim.watch is not None else None,
+            "goal": st.goal,
             "misses": st.misses,
             "allowed_misses": int(st.allowed),
             "requests": st.counted,

@@ -70,6 +70,7 @@ class Stopped:
     """Where a run with `stop_below` stopped: the SLO misses counted by then exceed what the goal allows."""
 
     t: float  # simulated time of the stop
+    goal: float  # the attainment it could no longer reach
     misses: int  # measured requests settled by then that missed their SLO (rejected ones included)
     allowed: float  # the most misses an attainment that rounds to the goal leaves room for
     counted: int  # requests that count for the attainment (measured, not refused as too long)
@@ -128,12 +129,12 @@ class AttainmentWatch:
         self.cursor, self.misses = k, misses
         return misses
 
-    def unreachable(self, t: float) -> bool:
+    def unreachable(self) -> bool:
         return self.count() > self.allowed
 
     def stopped(self, t: float) -> Stopped:
         at_most = round((self.counted - self.misses) / self.counted, 4) if self.counted else 0.0
-        return Stopped(t, self.misses, self.allowed, self.counted, at_most)
+        return Stopped(t, self.goal, self.misses, self.allowed, self.counted, at_most)
 
 
 @dataclass
@@ -557,7 +558,7 @@ class Simulator:
                     self._sample(t)
                     if self.progress:
                         self.progress(min(t, horizon))
-                    if self.watch is not None and self.watch.unreachable(t):
+                    if self.watch is not None and self.watch.unreachable():
                         self.stopped = self.watch.stopped(t)
                         break
                     if t + self.settings.sample_interval_s <= horizon:
