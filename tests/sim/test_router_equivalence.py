@@ -41,13 +41,13 @@ class CheckedRouter(sim_router.Router):
         super().__init__()
         self.checked = 0
         self.ties = 0
-        self._mirror = itertools.count()
+        self._mirror: dict = {}  # each pool's turns (kept across its rebuilds) -> a count of our own
 
     def pick(self, role, pool, now):  # noqa: ANN001, ANN201
+        turn = next(self._mirror.setdefault(pool.turns, itertools.count()))
         got = super().pick(role, pool, now)
         replicas = pool.replicas
         if len(replicas) > 1:
-            turn = next(self._mirror)
             want, tied = exhaustive(role, replicas, now, turn)
             assert got is want, f"{role} pick at {now}: kept scores chose {got.url}, picker.pick {want.url}"
             self.checked += 1

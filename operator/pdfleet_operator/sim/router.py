@@ -12,7 +12,7 @@ every pick: each replica carries its last `picker.score` (the pool computes the 
 what the load reads) or, for a replica decoding fluidly, when its kept score could be the best:
 its KV grows with time between its events, and `picker.score` never falls as `kv_usage` rises, so a
 kept score is a lower bound of the current one. The best-scored replicas share the pick as
-`picker.pick` shares it: in url order, round-robin by the turn; that rule is checked against
+`picker.pick` shares it: in url order, round-robin by the pool's own turn (as the router keeps one per pool); that rule is checked against
 `picker.pick` when a `Router` is made, and a picker that breaks ties otherwise is called on the
 tied candidates instead. tests/sim/test_router_equivalence.py holds every pick of whole runs equal
 to `picker.pick` over fresh candidates, and the score's monotonicity in `kv_usage`.
@@ -103,9 +103,15 @@ class Pool:
     reads the lowest group. Replicas that changed (`Replica.touch`) wait in `touched` and are rescored at the next
     pick."""
 
-    __slots__ = ("replicas", "groups", "low", "touched", "inline")
+    __slots__ = ("replicas", "groups", "low", "touched", "inline", "turns")
 
-    def __init__(self, replicas: Sequence[Replica] = (), inline: bool | None = None) -> None:
+    def __init__(
+        self, replicas: Sequence[Replica] = (), inline: bool | None = None, turns: Iterator[int] | None = None
+    ) -> None:
+        # the pool's own round-robin turns, kept across its rebuilds (`turns`), as the router keeps each pool's
+        # (Upstreams.pick): one counter shared by a request's prefill and decode picks would hand the prefill pool
+        # only even turns, and two tied prefill replicas would see every request go to the same one
+        self.turns = itertools.count() if turns is None else turns
         # scores computed in rescore itself, where they are checked equal to `picker.score`'s (`inline_scores_ok`)
         self.inline = inline_scores_ok() if inline is None else inline
         self.replicas = sorted(replicas, key=_URL)
@@ -214,14 +220,13 @@ class Router:
     """Picks workers for one simulation with `picker.score` and `picker.pick`'s tie rule (deterministic turns)."""
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
         self.round_robin = ties_round_robin_by_url()
 
     def pick(self, role: str, pool: Pool, now: float) -> Replica | None:
+        turn = next(pool.turns)
         replicas = pool.replicas
         if len(replicas) < 2:
             return replicas[0] if replicas else None
-        turn = next(self._turn)
         touched = pool.touched
         if touched:
             rescore = pool.rescore

@@ -349,9 +349,10 @@ class Simulator:
         for r in d.replicas:
             if r.ready(self.now):
                 table[r.role].append(r)
-        for pool in d.routable.values():
+        old = d.routable
+        for pool in old.values():
             pool.detach()
-        d.routable = {role: Pool(reps) for role, reps in table.items()}
+        d.routable = {role: Pool(reps, turns=old[role].turns if role in old else None) for role, reps in table.items()}
 
     def _drain(self, rep: eng.Replica, t: float) -> None:
         rep.draining = True

@@ -35,7 +35,11 @@ _turn = itertools.count()
 
 
 def pick(role: str, candidates: Sequence[Candidate], turn: int | None = None) -> Candidate | None:
-    """The best candidate for the role; ties go round-robin (by `turn`, else a global counter)."""
+    """The best candidate for the role; ties go round-robin (by `turn`, else a global counter).
+
+    NOTE: a caller that picks for several pools passes each pool its own turns (Upstreams.pick does). One counter
+    shared by a PD request's prefill pick and decode pick hands the prefill pool only even turns: with two tied
+    prefill workers, every request would land on the same one."""
     if not candidates:
         return None
     scored = sorted(candidates, key=lambda c: (score(role, c), c.url))

@@ -526,10 +526,13 @@ class Router:
         tried: set[str] = set()
         last_503: Answer | None = None
         errors: list[str] = []
+        late: dict[str, Upstream] = {}  # its connect timed out once: worth one more try when no other is left
         for n in range(1 + self.cfg.max_retries):
             up = self.upstreams.pick(tier, role, tried, match)
             if up is None and match is not None and prefer:
                 up = self.upstreams.pick(tier, role, tried)
+            if up is None and late:
+                _, up = late.popitem()
             if up is None:
                 break
             tried.add(up.url)
@@ -542,8 +545,16 @@ class Router:
                 self.metrics.upstream_error(
                     role, "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "disconnected"
                 )
-                self.upstreams.mark_down(up, f"{type(e).__name__}: {e}")
                 errors.append(type(e).__name__)
+                if isinstance(e, httpx.ConnectTimeout) and up.url not in late and errors.count("ConnectTimeout") == 1:
+                    # NOTE: a refused connect means nobody listens; a late one, a loaded host (a full accept
+                    # queue, or this router's own loop running late on shared cores) more often than a dead one.
+                    # The request never reached the worker: it stays in rotation (the probes judge it, as they
+                    # judge late answers) and gets one more try if no other worker is left.
+                    log.warning("%s worker %s: connect timed out after %gs", role, up.url, self.cfg.connect_timeout_s)
+                    late[up.url] = up
+                    continue
+                self.upstreams.mark_down(up, f"{type(e).__name__}: {e}")
                 continue
             except httpx.TimeoutException as e:
                 self.metrics.upstream_error(role, "timeout")

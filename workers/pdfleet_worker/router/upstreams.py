@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -98,6 +99,7 @@ class Upstreams:
                 for engine in (engines.ENGINES if role == "both" else (tier.pd_engine,))
             ]
         self._resolved: dict[int, set[str]] = {}
+        self._turns: dict[tuple[str, str], itertools.count] = {}  # (tier, role) -> its picks' round-robin turns
         self.all: dict[tuple[str, str, str], Upstream] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -196,7 +198,8 @@ class Upstreams:
             for up in self.pool(tier, role)
             if up.healthy and up.url not in exclude and (match is None or match(up))
         }
-        chosen = picker.pick(role, [up.candidate() for up in healthy.values()])
+        turn = next(self._turns.setdefault((tier, role), itertools.count()))
+        chosen = picker.pick(role, [up.candidate() for up in healthy.values()], turn=turn)
         return None if chosen is None else healthy[chosen.url]
 
     def served_model(self, tier: str) -> str | None:
