@@ -12,10 +12,11 @@ every pick: each replica carries its last `picker.score` (the pool computes the 
 what the load reads) or, for a replica decoding fluidly, when its kept score could be the best:
 its KV grows with time between its events, and `picker.score` never falls as `kv_usage` rises, so a
 kept score is a lower bound of the current one. The best-scored replicas share the pick as
-`picker.pick` shares it: in url order, round-robin by the pool's own turn (as the router keeps one per pool); that rule is checked against
-`picker.pick` when a `Router` is made, and a picker that breaks ties otherwise is called on the
-tied candidates instead. tests/sim/test_router_equivalence.py holds every pick of whole runs equal
-to `picker.pick` over fresh candidates, and the score's monotonicity in `kv_usage`.
+`picker.pick` shares it: in url order, round-robin by the pool's own turn (the router keeps one per
+pool); that rule is checked against `picker.pick` when a `Router` is made, and a picker that breaks
+ties otherwise is called on the tied candidates instead. tests/sim/test_router_equivalence.py holds
+every pick of whole runs equal to `picker.pick` over fresh candidates, and the score's monotonicity
+in `kv_usage`.
 """
 
 from __future__ import annotations
