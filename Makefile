@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # chart-install and drain tests failed when two modules' fleets started at once (load average 33).
 TEST_JOBS ?= 0
 
-.PHONY: test demo up venv system-deps generate clean images checkov validate-sim fmt
+.PHONY: test demo up venv sim-native system-deps generate clean images checkov validate-sim fmt
 
 venv: $(STAMP)
 
@@ -31,7 +31,12 @@ system-deps:
 	    prometheus prometheus-alertmanager >/dev/null; \
 	else echo "note: install prometheus and prometheus-alertmanager (Debian) or the tests that need them skip"; fi
 
-test: venv system-deps vllm fuzz lmeval torch-npu triton
+# The simulator's event loop compiled with mypyc (operator/pdfleet_operator/sim/native.py): ~30 s once per change of
+# its sources, cached under ~/.cache/pdfleet/sim-native; `pdfleet simulate` runs interpreted (half as fast) without.
+sim-native: venv
+	$(PY) -c 'import sys; from pdfleet_operator.sim import native; sys.exit(native.main(["build"]))'
+
+test: venv sim-native system-deps vllm fuzz lmeval torch-npu triton
 	$(VENV)/bin/pytest -q $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope) $(PYTEST_ARGS)
 
 # One style (pyproject.toml's [tool.ruff]; tests/test_style.py checks it): format, then fix what the linter can.

@@ -63,11 +63,12 @@ class Checked(simulator.Simulator):
 
 @pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("policy", ["dynamic", "static", "colocated"])
-def test_every_pick_is_picker_pick_over_fresh_candidates(policy: str, inline: bool, monkeypatch) -> None:  # noqa: ANN001
+def test_every_pick_is_picker_pick_over_fresh_candidates(policy: str, inline: bool) -> None:
     # both scoring paths: the pool's own scores (what runs when they match the picker's) and the picker's
-    monkeypatch.setattr(sim_router, "inline_scores_ok", lambda: inline)
     f = small()
-    sim = Checked(f, f.policy(policy), surge(duration=600.0, low=2.0, high=30.0)).run()
+    sim = Checked(f, f.policy(policy), surge(duration=600.0, low=2.0, high=30.0))
+    sim.router.inline = inline
+    sim.run()
     assert all(p.inline is inline for d in sim.deps for p in d.routable.values())
     assert sim.router.checked > 1000
     assert sim.router.ties > 10  # ties went through picker.pick's round-robin too

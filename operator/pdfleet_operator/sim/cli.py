@@ -13,7 +13,7 @@ from typing import Any
 from pdfleet_operator import trace as tr
 from pdfleet_operator.api import parse_duration
 from pdfleet_operator.decide import runtimes
-from pdfleet_operator.sim import calibration, report, search
+from pdfleet_operator.sim import calibration, native, report, search
 from pdfleet_operator.sim import fleet as fleet_file
 from pdfleet_operator.sim.simulator import Simulator
 
@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         highlight=False,
     )
     calibration.print_table(pools, effs, fl.classes, console)
+    interpreted = native.note()
+    if interpreted:
+        print(f"note: {interpreted}", file=sys.stderr)
     for name in sorted(
         {
             f"{p.name}/{d.spec.model.name}"
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     n_runs = len(runs) + sum(len(ran) for ran in probes.values())
     console.print(
         f"wall: {total_wall:.1f} s for {n_runs} run(s); the policies as configured ran in "
-        f"{day_wall:.1f} s each at most",
+        f"{day_wall:.1f} s each at most ({'compiled' if native.active() else 'interpreted'})",
         highlight=False,
     )
     doc = {
@@ -262,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         "comparison": comparison,
         "wall_s": walls,
         "total_wall_s": total_wall,
+        "compiled": native.active(),  # the event loop compiled (sim/native.py): about twice as fast
     }
     report.write_json(out / "report.json", doc)
     written = [out / "report.json"]

@@ -25,12 +25,13 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdfleet_operator.sim.perf_model import ReplicaPerf
 from pdfleet_operator.sim.stats import bin_index
 
 if TYPE_CHECKING:
+    from pdfleet_operator.sim.router import Load, Pool
     from pdfleet_operator.sim.stats import Histogram
 
 # Request status codes.
@@ -194,11 +195,11 @@ class Replica:
         self.swap_fallbacks = 0
         self.busy_s = 0.0
         # the router's kept score (`sim.router`); `dirty`: what the router reads may have changed since
-        self.load = None
-        self.route_score: tuple = ()
+        self.load: Load | None = None
+        self.route_score: tuple[Any, ...] = ()
         self.route_at = created_at
         self.dirty = True
-        self.pool = None  # the router's `Pool` this replica is routable in
+        self.pool: Pool | None = None  # the router's `Pool` this replica is routable in
         self.grouped = False  # whether the pool holds it under `route_score`
 
     def touch(self) -> None:

@@ -24,14 +24,24 @@ from __future__ import annotations
 import functools
 import itertools
 import random
-import types
 from bisect import insort
 from collections import deque
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
+from typing import Any
 
-from pdfleet_operator.sim.engine import FLUID, Replica
+from pdfleet_operator.sim.engine import FLUID, Replica, Requests
+from pdfleet_operator.sim.perf_model import ReplicaPerf
+from pdfleet_operator.sim.stats import Histogram
 from pdfleet_worker.router import picker
+
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # interpreted where mypy is not installed: mypyc's marker has nothing to mark
+
+    def mypyc_attr(*_: object, **__: object):  # type: ignore[no-redef,misc]  # noqa: ANN201
+        return lambda cls: cls
+
 
 _URL = attrgetter("url")
 ROLES = ("prefill", "decode", "colocated")
@@ -72,23 +82,29 @@ def _candidate(r: Replica, now: float) -> picker.Candidate:
     )
 
 
+def _ignore(*_: object) -> None:
+    """The probe's replicas' event and hand-off callbacks: they never step."""
+
+
 @functools.cache
 def inline_scores_ok(trials: int = 3000) -> bool:
     """Whether `Pool.rescore`'s own scores equal `picker.score` over fresh candidates: replicas in every role with
     random queues, batches, KV (usage on both sides of each rounding step and past full, fluid or not). A picker
     that scores otherwise leaves the pools on the generic path (a `Load` handed to `picker.score`)."""
     rng = random.Random(20261203)
-    perf = types.SimpleNamespace(kv_capacity_tokens=1000)
+    # real objects (compiled, the simulator's classes take no stand-ins); only what the score reads matters
+    perf = ReplicaPerf("probe", 0.0, 0.0, 0.0, 0.0, 1000, 0.0, 0.0, 512, 256, 16)
+    reqs, seq, itl = Requests([], [], [], []), itertools.count(), Histogram()
     pool = Pool(inline=True)
     for i in range(trials):
-        r = Replica.__new__(Replica)
-        r.url, r.role, r.perf = f"sim://probe-{i}", ROLES[i % len(ROLES)], perf
+        r = Replica(i, 0, ROLES[i % len(ROLES)], "probe", perf, reqs, _ignore, seq, itl, _ignore, 0, 0.0, 0.0, "probe")
         r.waiting = deque(range(rng.randint(0, 4)))
         r.prefilling = list(range(rng.randint(0, 3)))
         r.B, r.inflight, r.need_waiting = rng.randint(0, 12), rng.randint(0, 3), rng.randint(0, 5000)
         r.kv_fixed, r.S0, r.V = rng.randint(0, 400), rng.uniform(0, 400), rng.uniform(0, 60)
         r.mode, r.st, r.t_last = rng.choice((FLUID, 0)), rng.choice((0.0, 0.02)), 0.0
-        r.dirty, r.grouped, r.pool, r.route_score = True, False, pool, ()
+        # NOTE: route_score is left as made (()): assigned here, mypy would take it for an empty tuple below
+        r.dirty, r.grouped, r.pool = True, False, pool
         now = rng.uniform(0, 2)
         pool.rescore(r, now)
         if r.route_score != picker.score(r.role, _candidate(r, now)):
@@ -152,7 +168,7 @@ class Pool:
             queued = len(r.waiting) + r.inflight
             running = r.B + len(r.prefilling)
             if role == "prefill":
-                score: tuple = (queued, r.need_waiting, running)
+                score: tuple[Any, ...] = (queued, r.need_waiting, running)
             else:
                 v = r.V
                 if r.mode == FLUID and r.st > 0:
@@ -189,14 +205,14 @@ class Pool:
             else:
                 group.remove(r)
         r.route_score = score
-        group = groups.get(score)  # NOTE: _insert inlined
-        if group is None:
+        into = groups.get(score)  # NOTE: _insert inlined
+        if into is None:
             groups[score] = [r]
             low = self.low
             if low is not None and score < low:
                 self.low = score
         else:
-            insort(group, r, key=_URL)
+            insort(into, r, key=_URL)
         r.grouped = True
 
     def lowest(self) -> list[Replica]:
@@ -217,11 +233,15 @@ class Pool:
         r.grouped = True
 
 
+# tests subclass it to check every step (compiled, a class says so to be subclassed)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Router:
     """Picks workers for one simulation with `picker.score` and `picker.pick`'s tie rule (deterministic turns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inline: bool | None = None) -> None:
         self.round_robin = ties_round_robin_by_url()
+        # whether the pools compute scores themselves (`Pool.inline`; None: where they match the picker's)
+        self.inline = inline_scores_ok() if inline is None else inline
 
     def pick(self, role: str, pool: Pool, now: float) -> Replica | None:
         turn = next(pool.turns)

@@ -20,10 +20,11 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from pdfleet_operator.api import AcceleratorClassSpec, parse_duration
+from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec, parse_duration
 from pdfleet_operator.decide import autoscaler, pd_threshold, placement, rollback, runtimes, tick
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
 from pdfleet_operator.sim import efficiency, perf_model
@@ -36,9 +37,17 @@ from pdfleet_operator.sim.router import Pool, Router
 from pdfleet_operator.sim.stats import Histogram
 from pdfleet_operator.trace import Trace
 
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # interpreted where mypy is not installed: mypyc's marker has nothing to mark
+
+    def mypyc_attr(*_: object, **__: object):  # type: ignore[no-redef,misc]  # noqa: ANN201
+        return lambda cls: cls
+
+
 REPLICA, TRANSFER, READY, SCRAPE, DECIDE, SAMPLE, WARMUP, ENTER = range(8)
 assert REPLICA == eng.EVENT, "a replica pushes its own events with the kind sim.engine.EVENT"
-_NO_POOL = Pool()
+_NO_POOL = Pool(inline=True)  # empty: never scores
 
 
 @dataclass
@@ -169,7 +178,7 @@ class DeploymentState:
         return self.plan.name
 
     @property
-    def spec(self):  # noqa: ANN201 - InferenceDeploymentSpec
+    def spec(self) -> InferenceDeploymentSpec:
         return self.plan.spec
 
     def by_role(self) -> dict[str, list[eng.Replica]]:
@@ -179,6 +188,8 @@ class DeploymentState:
         return out
 
 
+# tests subclass it to check every step (compiled, a class says so to be subclassed)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Simulator:
     """One policy on one trace; `run()` returns itself with results filled in (read by `sim.report`)."""
 
@@ -209,7 +220,7 @@ class Simulator:
         self.efficiencies = dict(efficiencies or {})
         self.progress = progress
         self.now = 0.0
-        self.heap: list[tuple[float, int, int, object, object]] = []
+        self.heap: list[tuple[float, int, int, Any, Any]] = []  # (time, seq, kind, a, b): a, b by kind
         self._seq = itertools.count()
         self._push_event = functools.partial(heapq.heappush, self.heap)  # what replicas push their events with
         base = fleet.inventory()
@@ -352,7 +363,10 @@ class Simulator:
         old = d.routable
         for pool in old.values():
             pool.detach()
-        d.routable = {role: Pool(reps, turns=old[role].turns if role in old else None) for role, reps in table.items()}
+        d.routable = {
+            role: Pool(reps, inline=self.router.inline, turns=old[role].turns if role in old else None)
+            for role, reps in table.items()
+        }
 
     def _drain(self, rep: eng.Replica, t: float) -> None:
         rep.draining = True
