@@ -34,10 +34,15 @@ DONE = "BUILT"  # written last: a directory without it is a build that did not f
 
 
 def cache_root() -> Path:
-    """$PDFLEET_SIM_NATIVE_DIR, else ~/.cache/pdfleet/sim-native (as the worker's kernels are cached)."""
+    """$PDFLEET_SIM_NATIVE_DIR, else ~/.cache/pdfleet/sim-native (as the worker's kernels are cached), else (a
+    read-only home) the temp dir's. Nothing is created here: it runs at every import of the package."""
     if os.environ.get("PDFLEET_SIM_NATIVE_DIR"):
         return Path(os.environ["PDFLEET_SIM_NATIVE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdfleet" / "sim-native"
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdfleet" / "sim-native"
+    existing = next((p for p in (home, *home.parents) if p.exists()), None)
+    if existing is not None and os.access(existing, os.W_OK):
+        return home
+    return Path(tempfile.gettempdir()) / "pdfleet-sim-native"
 
 
 def digest() -> str:
