@@ -43,7 +43,9 @@ def _pool(hkv: int, nb: int, bs: int, d: int, dtype: torch.dtype, seed: int) -> 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.int8, 2e-5)])
-@pytest.mark.parametrize("hq,hkv,d,bs", [(12, 4, 64, 16), (4, 1, 32, 4), (8, 8, 128, 7), (6, 2, 48, 1), (2, 1, 288, 3)])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs", [(12, 4, 64, 16), (4, 1, 32, 4), (8, 8, 128, 7), (6, 2, 48, 1), (2, 1, 288, 3), (4, 2, 256, 5)]
+)
 def test_paged_decode_matches_gather_and_sdpa(dtype, atol, hq, hkv, d, bs):
     """Scattered block tables, lengths at and around block edges (1, bs, bs + 1, a full table),
     GQA, MQA and MHA, head dims from 32 to 288; the query is a strided view as in the model."""

@@ -15,36 +15,53 @@
 
 namespace {
 
-// 16 floats: GCC's generic vectors, lowered to whatever the target has (one zmm, two ymm, ...).
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef int8_t v16b __attribute__((vector_size(16)));
+// One register of floats, in GCC's generic vectors: L = 16 lanes where the target has AVX-512, else 8.
+// NOTE: a vector wider than the target's registers is legal but is lowered badly: 16-lane code built
+// for an AVX2-only EPYC spilled every accumulator through the stack in 16-byte pieces and ran the
+// decode kernel at 4 GB/s where the same machine reads 23 GB/s (measured). Every loop below is
+// written in L, so a build takes the width its machine has.
+#if defined(__AVX512F__)
 constexpr int64_t L = 16;
+#else
+constexpr int64_t L = 8;
+#endif
+typedef float vf __attribute__((vector_size(L * 4)));
+// Vector registers a kernel keeps accumulators in: of AVX-512's 32, AVX2's 16, the rest for operands.
+constexpr int64_t V_REGS = L == 16 ? 24 : 12;
+typedef uint32_t vu __attribute__((vector_size(L * 4)));
+typedef int32_t vi __attribute__((vector_size(L * 4)));
+typedef uint16_t vh __attribute__((vector_size(L * 2)));
+typedef int8_t vb __attribute__((vector_size(L)));
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v16f load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  v16h h;
+inline vf loadv(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  vh h;
   std::memcpy(&h, p, sizeof h);
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16f v;
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
-inline v16f load16(const int8_t* p) {
-  v16b b;
+inline vf loadv(const int8_t* p) {
+  vb b;
   std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v16f);
+  return __builtin_convertvector(b, vf);
 }
 
-inline float hsum(v16f v) {  // a tree, not 16 dependent adds
-  typedef float v8f __attribute__((vector_size(32)));
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf v) {  // a tree, not L dependent adds
   typedef float v4f __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+  typedef float v8f __attribute__((vector_size(32)));
   v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  vf a = v;
+#endif
   v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -58,7 +75,7 @@ inline void prefetch_row(const KV* row, int64_t D) {
 }
 
 // exp(x) = 2^n * poly(x - n ln 2) for the n = floor(x / ln 2 + 1/2) the caller rounded: Cephes expf's range
-// reduction (ln 2 in two parts) and degree-5 polynomial, for a float or 16 lanes alike.
+// reduction (ln 2 in two parts) and degree-5 polynomial, for a float or L lanes alike.
 template <typename V>
 inline V exp_reduced(V x, V n) {
   const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -82,27 +99,26 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-// exp_nonpositive on 16 lanes at once, in generic vectors (GCC left the scalar one unvectorized
+// exp_nonpositive on L lanes at once, in generic vectors (GCC left the scalar one unvectorized
 // in the prefill kernel's loops: 55% of its time, measured).
-inline v16f exp16_nonpositive(v16f x) {
-  x = x < -87.0f ? v16f{} - 87.0f : x;
-  const v16f fx = x * 1.44269504088896341f + 0.5f;
-  v16f n = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16f);  // truncated toward zero
+inline vf expv_nonpositive(vf x) {
+  x = x < -87.0f ? vf{} - 87.0f : x;
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // truncated toward zero
   n = n > fx ? n - 1.0f : n;                                                  // floor
-  const v16f p = exp_reduced(x, n);
-  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f scale;
+  const vf p = exp_reduced(x, n);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
 
-// 16 vectors in, one out: lane i is the sum of a[i]'s lanes. Four levels of pairwise shuffles and adds
-// (15 pairs) where 16 separate hsums take 16 trees; the lanes never mix, so a[i] past the rows in use
-// only has to be defined.
-inline v16f hsum16(const v16f* a) {
-  v16f b[8], c[4], d[2];
+// L vectors in, one out: lane i is the sum of a[i]'s lanes. log2(L) levels of pairwise shuffles and
+// adds (L - 1 pairs) where L separate hsums take L trees; the lanes never mix, so a[i] past the rows in
+// use only has to be defined.
+#if defined(__AVX512F__)
+inline vf hsum_rows(const vf* a) {
+  vf b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -115,18 +131,31 @@ inline v16f hsum16(const v16f* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vf hsum_rows(const vf* a) {
+  vf c[4], d[2];
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // One (sequence, KV head): the G query heads of the group against the sequence's context, read
 // once through its block table. Two passes over the context: scores (K), then values (V). The
-// scores are made 16 keys at a time, across block edges: each key's G partial-product vectors
-// are kept and one hsum16 per query head reduces the 16 (bf16 keys are half the bytes of fp32
+// scores are made L keys at a time, across block edges: each key's G partial-product vectors
+// are kept and one hsum_rows per query head reduces the L (bf16 keys are half the bytes of fp32
 // ones, so a horizontal sum per key and head, not the memory, bounded the bf16 pass).
-// q: [G, DV] vectors, already scaled; acc: [G, DV] vectors; part: [G, 16] vectors of scratch.
-// DV = D / 16 (NDV > 0: known at compile time).
+// q: [G, DV] vectors, already scaled; acc: [G, DV] vectors; part: [G, L] vectors of scratch.
+// DV = D / L (NDV > 0: known at compile time).
 template <int NDV, typename KV>
-void decode_one(const v16f* q, int64_t G, int64_t DV_rt, const KV* k_head, const KV* v_head, const float* k_scale,
-                const float* v_scale, const int64_t* table, int64_t ctx, int64_t block_size, float* scores, v16f* acc,
-                v16f* part) {
+void decode_one(const vf* q, int64_t G, int64_t DV_rt, const KV* k_head, const KV* v_head, const float* k_scale,
+                const float* v_scale, const int64_t* table, int64_t ctx, int64_t block_size, float* scores, vf* acc,
+                vf* part) {
   const int64_t DV = NDV > 0 ? NDV : DV_rt;
   const int64_t D = DV * L;
   const int64_t block_elems = block_size * D;
@@ -139,18 +168,18 @@ void decode_one(const v16f* q, int64_t G, int64_t DV_rt, const KV* k_head, const
       const KV* row = k_head + table[j] * block_elems + o * D;
       if (j + 1 < nblocks) prefetch_row(k_head + table[j + 1] * block_elems + o * D, D);
       row_scale[r] = k_scale ? k_scale[table[j]] : 1.0f;
-      if (NDV > 0 || DV <= 16) {
-        v16f kr[NDV > 0 ? NDV : 16];
-        for (int64_t c = 0; c < DV; ++c) kr[c] = load16(row + c * L);
+      if (NDV > 0 && NDV <= V_REGS - 4) {  // the row in registers, read once for the G heads
+        vf kr[NDV > 0 ? NDV : 1];
+        for (int64_t c = 0; c < DV; ++c) kr[c] = loadv(row + c * L);
         for (int64_t g = 0; g < G; ++g) {
-          v16f s = q[g * DV] * kr[0];
+          vf s = q[g * DV] * kr[0];
           for (int64_t c = 1; c < DV; ++c) s += q[g * DV + c] * kr[c];
           part[g * L + r] = s;
         }
       } else {
         for (int64_t g = 0; g < G; ++g) {
-          v16f s = q[g * DV] * load16(row);
-          for (int64_t c = 1; c < DV; ++c) s += q[g * DV + c] * load16(row + c * L);
+          vf s = q[g * DV] * loadv(row);
+          for (int64_t c = 1; c < DV; ++c) s += q[g * DV + c] * loadv(row + c * L);
           part[g * L + r] = s;
         }
       }
@@ -158,11 +187,11 @@ void decode_one(const v16f* q, int64_t G, int64_t DV_rt, const KV* k_head, const
     }
     for (int64_t r = m; r < L; ++r) {
       row_scale[r] = 0.0f;
-      for (int64_t g = 0; g < G; ++g) part[g * L + r] = v16f{};
+      for (int64_t g = 0; g < G; ++g) part[g * L + r] = vf{};
     }
-    const v16f rs = load16(row_scale);
+    const vf rs = loadv(row_scale);
     for (int64_t g = 0; g < G; ++g) {
-      const v16f sums = hsum16(part + g * L) * rs;
+      const vf sums = hsum_rows(part + g * L) * rs;
       if (m == L) {
         std::memcpy(scores + g * ctx + t0, &sums, sizeof sums);
       } else {
@@ -172,32 +201,82 @@ void decode_one(const v16f* q, int64_t G, int64_t DV_rt, const KV* k_head, const
   }
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * ctx;
+    const int64_t nv = ctx / L * L;
+    vf vmx = vf{} - INFINITY;
+    for (int64_t t = 0; t < nv; t += L) {
+      const vf x = loadv(s + t);
+      vmx = x > vmx ? x : vmx;
+    }
     float m = -INFINITY;
-    for (int64_t t = 0; t < ctx; ++t) m = std::max(m, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t c = 0; c < L; ++c) m = std::max(m, vmx[c]);
+    for (int64_t t = nv; t < ctx; ++t) m = std::max(m, s[t]);
+    vf vsum = vf{};
+    for (int64_t t = 0; t < nv; t += L) {
+      const vf e = expv_nonpositive(loadv(s + t) - m);
+      vsum += e;
+      storev(s + t, e);
+    }
+    float sum = hsum(vsum);
+    for (int64_t t = nv; t < ctx; ++t) {
       s[t] = exp_nonpositive(s[t] - m);
       sum += s[t];
     }
     const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < nv; t += L) storev(s + t, loadv(s + t) * inv);
+    for (int64_t t = nv; t < ctx; ++t) s[t] *= inv;
   }
-  for (int64_t i = 0; i < G * DV; ++i) acc[i] = v16f{};
-  for (int64_t t0 = 0, j = 0; t0 < ctx; t0 += block_size, ++j) {
-    const int64_t n = std::min(block_size, ctx - t0);
-    const int64_t blk = table[j];
-    const KV* v = v_head + blk * block_elems;
-    const KV* next = t0 + block_size < ctx ? v_head + table[j + 1] * block_elems : v;
-    const float vs = v_scale ? v_scale[blk] : 1.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      const KV* row = v + t * D;
-      prefetch_row(next + t * D, D);
-      for (int64_t c = 0; c < DV; ++c) {
-        const v16f vr = load16(row + c * L);
-        for (int64_t g = 0; g < G; ++g) acc[g * DV + c] += (scores[g * ctx + t0 + t] * vs) * vr;
+  // Values. With head_dim known at compile time the accumulators of GB query heads (CH vectors
+  // each) stay in registers over the whole context and acc is written once at the end: kept in
+  // memory, every key cost G * DV loads and stores of it (half the kernel's time on an AVX2 EPYC,
+  // measured). Each V row is read once per (group, chunk), from L1 after the first.
+  if (NDV <= 0) {
+    for (int64_t i = 0; i < G * DV; ++i) acc[i] = vf{};
+    for (int64_t t0 = 0, j = 0; t0 < ctx; t0 += block_size, ++j) {
+      const int64_t n = std::min(block_size, ctx - t0);
+      const int64_t blk = table[j];
+      const KV* v = v_head + blk * block_elems;
+      const KV* next = t0 + block_size < ctx ? v_head + table[j + 1] * block_elems : v;
+      const float vs = v_scale ? v_scale[blk] : 1.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* row = v + t * D;
+        prefetch_row(next + t * D, D);
+        for (int64_t c = 0; c < DV; ++c) {
+          const vf vr = loadv(row + c * L);
+          for (int64_t g = 0; g < G; ++g) acc[g * DV + c] += (scores[g * ctx + t0 + t] * vs) * vr;
+        }
       }
+    }
+    return;
+  }
+  constexpr int64_t CH = NDV <= V_REGS ? NDV : 8;  // vectors of a row per pass
+  static_assert(NDV <= 0 || NDV % CH == 0, "a row splits into whole chunks");
+  constexpr int64_t GB = NDV <= 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4, V_REGS / CH));
+  constexpr int64_t NA = NDV > 0 ? CH : 1;
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min(GB, G - g0);
+    for (int64_t c0 = 0; c0 < DV; c0 += NA) {
+      vf a[GB][NA];
+      for (int64_t gg = 0; gg < GB; ++gg)
+        for (int64_t c = 0; c < NA; ++c) a[gg][c] = vf{};
+      for (int64_t t0 = 0, j = 0; t0 < ctx; t0 += block_size, ++j) {
+        const int64_t n = std::min(block_size, ctx - t0);
+        const int64_t blk = table[j];
+        const KV* v = v_head + blk * block_elems + c0 * L;
+        const KV* next = t0 + block_size < ctx ? v_head + table[j + 1] * block_elems : v;
+        const float vs = v_scale ? v_scale[blk] : 1.0f;
+        for (int64_t t = 0; t < n; ++t) {
+          const KV* row = v + t * D;
+          if (g0 == 0 && c0 == 0) prefetch_row(next + t * D, D);
+          for (int64_t gg = 0; gg < GB; ++gg) {
+            if (gg < gn) {
+              const float w = scores[(g0 + gg) * ctx + t0 + t] * vs;
+              for (int64_t c = 0; c < NA; ++c) a[gg][c] += w * loadv(row + c * L);
+            }
+          }
+        }
+      }
+      for (int64_t gg = 0; gg < gn; ++gg)
+        for (int64_t c = 0; c < NA; ++c) acc[(g0 + gg) * DV + c0 + c] = a[gg][c];
     }
   }
 }
@@ -225,7 +304,7 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, cons
   for (int64_t b = 0; b < B; ++b) work += len_ptr[b];
   const int64_t grain = work * Hkv < 8192 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(G * DV), acc(G * DV), part(G * L);
+    std::vector<vf> qv(G * DV), acc(G * DV), part(G * L);
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
@@ -245,6 +324,9 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, cons
       else if (DV == 8)
         decode_one<8, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
                                 part.data());
+      else if (DV == 16)
+        decode_one<16, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
+                                 part.data());
       else
         decode_one<0, KV>(qv.data(), G, DV, k_head, v_head, ks, vs, table, ctx, BS, scores.data(), acc.data(),
                                 part.data());
@@ -267,7 +349,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(4) == q.size(2) && kv.is_contiguous(),
               "kv must be a contiguous [2, Hkv, NB, BS, D] pool");
   TORCH_CHECK(q.size(1) % kv.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) % L == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.is_contiguous() &&
                   lens.is_contiguous() && tables.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "tables [B, W] and lens [B] must be contiguous int64");
@@ -343,18 +425,18 @@ void prefill_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& kt, co
         const auto block = [&](int64_t j) { return scores.data() + (j * M + row) * KEY_BLOCK; };
         if (tail)  // the keys past this query's position take no part in the max or the sum
           for (int64_t t = tail; t < KEY_BLOCK; ++t) block(full)[t] = -INFINITY;
-        v16f vmx = v16f{} - INFINITY;
+        vf vmx = vf{} - INFINITY;
         for (int64_t j = 0; j < used; ++j)
           for (int64_t c = 0; c < KEY_BLOCK; c += L) {
-            const v16f x = load16(block(j) + c);
+            const vf x = loadv(block(j) + c);
             vmx = x > vmx ? x : vmx;
           }
         float mx = vmx[0];
         for (int64_t c = 1; c < L; ++c) mx = std::max(mx, vmx[c]);
-        v16f vsum = v16f{};
+        vf vsum = vf{};
         for (int64_t j = 0; j < used; ++j)
           for (int64_t c = 0; c < KEY_BLOCK; c += L) {
-            const v16f e16 = exp16_nonpositive(load16(block(j) + c) - mx);
+            const vf e16 = expv_nonpositive(loadv(block(j) + c) - mx);
             vsum += e16;
             std::memcpy(block(j) + c, &e16, sizeof e16);
           }
@@ -368,7 +450,7 @@ void prefill_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& kt, co
         const float inv = 1.0f / hsum(vsum);
         for (int64_t j = 0; j < used; ++j)
           for (int64_t c = 0; c < KEY_BLOCK; c += L) {
-            const v16f x = load16(block(j) + c) * inv;
+            const vf x = loadv(block(j) + c) * inv;
             std::memcpy(block(j) + c, &x, sizeof x);
           }
         for (int64_t j = used; j < blocks; ++j) std::memset(block(j), 0, KEY_BLOCK * sizeof(float));
@@ -451,31 +533,30 @@ constexpr int64_t ROWS_PER_TASK = 8;
 template <typename T>
 inline float ld(const T* p) { return static_cast<float>(*p); }
 
-// Rounding to T and back, and storing 16 lanes as T: identity for fp32; for bf16, round to
+// Rounding to T and back, and storing L lanes as T: identity for fp32; for bf16, round to
 // nearest even with NaN kept quiet, as c10::BFloat16's conversion does (bit for bit).
-inline v16u bf16_bits(v16f v) {
-  v16u u;
+inline vu bf16_bits(vf v) {
+  vu u;
   std::memcpy(&u, &v, sizeof u);
-  const v16u r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? v16u{} + 0x7FC0u : r;
+  const vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : r;
 }
-inline v16f round_as(v16f v, const float*) { return v; }
-inline v16f round_as(v16f v, const c10::BFloat16*) {
-  const v16u u = bf16_bits(v) << 16;
-  v16f out;
+inline vf round_as(vf v, const float*) { return v; }
+inline vf round_as(vf v, const c10::BFloat16*) {
+  const vu u = bf16_bits(v) << 16;
+  vf out;
   std::memcpy(&out, &u, sizeof out);
   return out;
 }
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline void store16(c10::BFloat16* p, v16f v) {
-  const v16h h = __builtin_convertvector(bf16_bits(v), v16h);
+inline void storev(c10::BFloat16* p, vf v) {
+  const vh h = __builtin_convertvector(bf16_bits(v), vh);
   std::memcpy(p, &h, sizeof h);
 }
 
 // y = weight * norm(x + delta) with h = x + delta stored back into x (the residual stream), as
 // Hugging Face computes it: the sum in the stream's dtype, the norm in fp32, cast back, then weight.
-// Sixteen lanes at a time (the scalar loop was 0.9 ns an element: 6% of a bf16 prefill), a scalar
-// tail for a width that is no multiple of 16.
+// L lanes at a time (the scalar loop was 0.9 ns an element: 6% of a bf16 prefill), a scalar
+// tail for a width that is no multiple of L.
 template <typename T>
 void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t n, int64_t sx, int64_t sd,
                        int64_t sy, float eps) {
@@ -485,12 +566,12 @@ void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * sx;
       const T* dr = delta ? delta + r * sd : nullptr;
-      v16f vss = v16f{};
+      vf vss = vf{};
       for (int64_t i = 0; i < nv; i += L) {
-        v16f v = load16(xr + i);
+        vf v = loadv(xr + i);
         if (dr) {
-          v = round_as(v + load16(dr + i), xr);  // rounded to the stream's dtype
-          store16(xr + i, v);
+          v = round_as(v + loadv(dr + i), xr);  // rounded to the stream's dtype
+          storev(xr + i, v);
         }
         std::memcpy(buf.data() + i, &v, sizeof v);
         vss += v * v;
@@ -508,7 +589,7 @@ void add_rms_norm_rows(T* x, const T* delta, const T* w, T* y, int64_t rows, int
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* yr = y + r * sy;
-      for (int64_t i = 0; i < nv; i += L) store16(yr + i, load16(w + i) * round_as(load16(buf.data() + i) * inv, yr));
+      for (int64_t i = 0; i < nv; i += L) storev(yr + i, loadv(w + i) * round_as(loadv(buf.data() + i) * inv, yr));
       for (int64_t i = nv; i < n; ++i) yr[i] = static_cast<T>(ld(w + i) * static_cast<float>(static_cast<T>(buf[i] * inv)));
     }
   });
