@@ -5,7 +5,10 @@ Prints a table, then one JSON line with the ratios. The last rows time a lone de
 `make demo` worker runs) with the linear kernels the start-up probe picks against plain F.linear, the two
 engines stepped in turn (issue 28). `--prefill-only` runs just the prefill-attention rows: the TTFT of a lone
 fresh prompt (--prefill-tokens) with cpu_kernels' prefill attention against SDPA, fp32 and bf16, the two engines
-in turn; they are part of the full run too.
+in turn; they are part of the full run too. `--decode-attention-only` runs just the paged decode kernel's rows:
+the small preset's batch-32 decode step (contexts U[64, 768], blocks in order as fresh requests get them) read
+through cpu_kernels' paged_decode_attention, against a plain read of as many bytes with the same threads,
+alternating; they are part of the full run too.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ def parse_args() -> argparse.Namespace:
         help="only the prefill-attention rows: TTFT with the C++ prefill kernel against SDPA, alternating",
     )
     p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill-attention rows")
+    p.add_argument(
+        "--decode-attention-only",
+        action="store_true",
+        help="only the paged-decode rows: the kernel's KV read rate against a plain read of as many bytes",
+    )
     a = p.parse_args()
     if a.quick:
         a.reps, a.requests, a.seq_requests, a.max_len, a.bs1_tokens, a.prefix = 1, 8, 2, 64, 32, 256
@@ -297,6 +305,89 @@ def prefill_rows_and_keys(a: argparse.Namespace, pf: dict) -> tuple[list[tuple[s
         keys[f"prefill_ttft_kernel_vs_sdpa{suffix}"] = round(med(r), 3)
         keys[f"prefill_ttft_kernel_vs_sdpa{suffix}_range"] = [round(min(r), 3), round(max(r), 3)]
     return rows, keys
+
+
+def decode_attention_rows(a: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict]:
+    """The paged decode kernel's KV read rate (bytes of K and V over the kernel's time) against torch's sum over a
+    contiguous fp32 buffer of the same size, fp32 and bf16 pools, all four taking turns in every repetition: the
+    small preset's heads (12 query, 4 KV, head_dim 64), 32 sequences, contexts U[64, 768], 16-token blocks. A bf16
+    pool is half the bytes, so its figure against the read is low by nature; its row to watch is bf16 / fp32."""
+    from pdfleet_worker.layers import cpu_kernels
+
+    if not cpu_kernels.load():
+        raise SystemExit("cpu_kernels did not build here: no paged decode kernel to time")
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, BS = 32, 12, 4, 64, 16
+    lens = torch.randint(64, 769, (B,), generator=g)
+    W = int((lens.max() + BS - 1) // BS)
+    tables = torch.arange(B * W).reshape(B, W)  # in order, as fresh requests get their blocks
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.randn(2, Hkv, B * W, BS, D, generator=g).to(dtype)
+        q = torch.randn(B, Hq, D, generator=g).to(dtype)
+        nbytes = int(lens.sum()) * Hkv * D * kv.element_size() * 2
+        plain = torch.ones(nbytes // 4, dtype=torch.float32)
+        name = str(dtype).removeprefix("torch.")
+        op = torch.ops.pdfleet.paged_decode_attention
+        cases[f"kernel {name}"] = (
+            nbytes,
+            lambda q=q, kv=kv: op(torch.empty_like(q), q, kv, None, tables, lens, D**-0.5),
+        )
+        cases[f"read {name}"] = (nbytes, plain.sum)
+
+    def rate(name: str, n: int = 20) -> float:
+        nbytes, fn = cases[name]
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return nbytes * n / (time.perf_counter() - t) / 1e9
+
+    for name in cases:  # warm-up
+        rate(name, 3)
+    gbs: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(max(a.reps, 5)):
+        for name in cases if rep % 2 == 0 else reversed(list(cases)):
+            gbs[name].append(rate(name))
+    med = statistics.median
+
+    def fmt(xs: list[float], digits: int = 1) -> str:
+        return "[" + ", ".join(f"{x:.{digits}f}" for x in xs) + "]"
+
+    rows, keys = [], {}
+    for name, suffix in (("float32", ""), ("bfloat16", "_bf16")):
+        k, r = gbs[f"kernel {name}"], gbs[f"read {name}"]
+        ratio = [x / y for x, y in zip(k, r)]
+        target = "target >= 0.8" if name == "float32" else "no target (half the bytes)"
+        rows += [
+            (
+                f"paged decode attention {name}",
+                f"{med(k):.1f} GB/s",
+                f"{cases['kernel ' + name][0] / 1e6:.0f} MB {fmt(k)}",
+            ),
+            (f"plain read, same bytes ({name})", f"{med(r):.1f} GB/s", fmt(r)),
+            (f"ratio decode attention / read {name}", f"{med(ratio):.2f}", f"{target} {fmt(ratio, 2)}"),
+        ]
+        keys[f"decode_attention_gbs{suffix}"] = round(med(k), 2)
+        keys[f"decode_attention_vs_read{suffix}"] = round(med(ratio), 3)
+        keys[f"decode_attention_vs_read{suffix}_range"] = [round(min(ratio), 3), round(max(ratio), 3)]
+    # the same step's time, fp32 over bf16: how much a bf16 pool speeds the kernel up
+    speed = [
+        (cases["kernel float32"][0] / x) / (cases["kernel bfloat16"][0] / y)
+        for x, y in zip(gbs["kernel float32"], gbs["kernel bfloat16"])
+    ]
+    rows.append(("ratio decode attention bf16 / fp32 speed", f"{med(speed):.2f}", f"target >= 1.0 {fmt(speed, 2)}"))
+    keys["decode_attention_bf16_vs_fp32"] = round(med(speed), 3)
+    return rows, keys
+
+
+def decode_attention_main(a: argparse.Namespace) -> int:
+    torch.set_num_threads(a.threads)
+    rows, keys = decode_attention_rows(a)
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>10}  {note}")
+    print(json.dumps({**keys, "threads": a.threads, "reps": max(a.reps, 5)}))
+    return 0
 
 
 def prefill_main(a: argparse.Namespace) -> int:
@@ -530,6 +621,8 @@ def main() -> int:
         return sampler_main(a)
     if a.prefill_only:
         return prefill_main(a)
+    if a.decode_attention_only:
+        return decode_attention_main(a)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
@@ -595,6 +688,8 @@ def main() -> int:
     tiny = tiny_kernel_rows(a)
     progress(f"prefill attention: C++ kernel vs SDPA, TTFT of {a.prefill_tokens} tokens, {max(a.reps, 5)} repetitions")
     pf_rows, pf_keys = prefill_rows_and_keys(a, prefill_attention_rows(a))
+    progress(f"paged decode attention: KV read rate vs a plain read, {max(a.reps, 5)} repetitions")
+    da_rows, da_keys = decode_attention_rows(a)
 
     def med(xs):
         return statistics.median(xs)
@@ -670,6 +765,7 @@ def main() -> int:
         ("ratio tiny bs1 probed / plain fp32", f"{med(r_tiny):.2f}", f"target <= 1.05 {fmt(r_tiny, 1, 2)}"),
         ("ratio tiny bs1 probed / plain bf16", f"{med(r_tiny16):.2f}", f"target <= 1.05 {fmt(r_tiny16, 1, 2)}"),
         *pf_rows,
+        *da_rows,
     ]
     result = {
         "mixed_vs_hf_static8": round(med(r_static8), 3),
@@ -695,6 +791,7 @@ def main() -> int:
         "tiny_bs1_vs_plain_linear_bf16": round(med(r_tiny16), 3),
         "tiny_threads": a.tiny_threads,
         **pf_keys,
+        **da_keys,
     }
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:

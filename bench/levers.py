@@ -191,7 +191,7 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
     import torch
 
     from pdfleet_worker.config import ModelConfig
-    from pdfleet_worker.layers import quantized_linear
+    from pdfleet_worker.layers import packed_linear, quantized_linear
 
     torch.set_num_threads(a.threads)
     ensure_model(a)
@@ -217,15 +217,18 @@ def run_kernels(a: argparse.Namespace, rows: list) -> dict:
             torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16(),
         )
 
-    kernels = {
-        "fp32_onednn": (
-            [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
-            lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-        ),
-        "bf16_onednn": (
-            [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws],
-            lambda p, x, n: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), p, None, "none", [], ""),
-        ),
+    kernels = {}
+    # oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (not an AVX2-only EPYC):
+    # the same start-up check as the engine's, and a kernel the CPU lacks is left out, said so
+    for name, dtype in (("fp32_onednn", torch.float32), ("bf16_onednn", torch.bfloat16)):
+        if packed_linear.onednn_available(dtype):
+            kernels[name] = (
+                [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None) for w in ws],
+                lambda p, x, n, dtype=dtype: torch.ops.mkldnn._linear_pointwise(x.to(dtype), p, None, "none", [], ""),
+            )
+        else:
+            progress(f"{name} unavailable: this torch build or CPU has no oneDNN linear in {dtype}")
+    kernels |= {
         "int8_bf16_act": (
             [(q, s.bfloat16()) for q, s in qs],
             lambda p, x, n: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), p[0], p[1]),

@@ -122,15 +122,13 @@ class Pool:
 
     __slots__ = ("replicas", "groups", "low", "touched", "inline", "turns")
 
-    def __init__(
-        self, replicas: Sequence[Replica] = (), inline: bool | None = None, turns: Iterator[int] | None = None
-    ) -> None:
+    def __init__(self, replicas: Sequence[Replica] = (), *, inline: bool, turns: Iterator[int] | None = None) -> None:
         # the pool's own round-robin turns, kept across its rebuilds (`turns`), as the router keeps each pool's
         # (Upstreams.pick): one counter shared by a request's prefill and decode picks would hand the prefill pool
         # only even turns, and two tied prefill replicas would see every request go to the same one
         self.turns = itertools.count() if turns is None else turns
-        # scores computed in rescore itself, where they are checked equal to `picker.score`'s (`inline_scores_ok`)
-        self.inline = inline_scores_ok() if inline is None else inline
+        # scores computed in rescore itself, where the Router found them equal to `picker.score`'s (`inline_scores_ok`)
+        self.inline = inline
         self.replicas = sorted(replicas, key=_URL)
         self.groups: dict[tuple, list[Replica]] = {}  # kept score -> replicas with it, url order
         # the lowest key of `groups`, or None when it must be looked up again (its group emptied): kept as scores
