@@ -53,6 +53,10 @@ def test_training_is_reported_and_recorded_and_lowers_held_out_perplexity(traine
     assert record["steps"] == 4 and record["tokens"] == 4 * 4 * 64 and record["held_out_every"] == 10
     before = float(out.split("held-out perplexity ")[-1].split(" -> ")[0])
     assert record["held_out_ppl"] < before
+    # bf16 autocast only where bf16 matmuls are native (an AVX2-only CPU runs them ~30x slower than fp32), and the
+    # run says which
+    assert record["autocast"] == ("bfloat16" if model_train.fast_bf16() else "off")
+    assert ("autocast to bf16" if model_train.fast_bf16() else "training in fp32: this CPU has no fast bf16") in out
 
 
 def test_the_scoring_forward_is_the_engines_network(trained, make_engine):

@@ -141,6 +141,15 @@ def save_hf(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype = torch.
     os.replace(tmp, os.path.join(model_dir, "model.safetensors"))
 
 
+def fast_bf16() -> bool:
+    """Whether bf16 matmuls run natively here. Without it (an AVX2-only CPU) autocast to bf16 falls back to a path
+    ~40x slower than fp32: 100 tokens/s on the tiny preset, where fp32 trains at thousands."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def train(
     model_dir: str,
     *,
@@ -154,9 +163,9 @@ def train(
     max_corpus_bytes: int = 12_000_000,
     progress: Callable[[str], None] = print,
 ) -> TrainResult:
-    """Train the model in `model_dir` in place (AdamW, bf16 autocast on the CPU) until `steps` steps or
-    `minutes` minutes, whichever comes first (at least one must be given), then save it as a normal HF
-    checkpoint in its own dtype and record the run in tokenizer_config.json's pdfleet_init."""
+    """Train the model in `model_dir` in place (AdamW; bf16 autocast where the CPU has fast bf16, else fp32)
+    until `steps` steps or `minutes` minutes, whichever comes first (at least one must be given), then save it
+    as a normal HF checkpoint in its own dtype and record the run in tokenizer_config.json's pdfleet_init."""
     from pdfleet_worker.model.loader import load_model
 
     if minutes is None and steps is None:
@@ -187,6 +196,12 @@ def train(
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
     )
+    bf16 = fast_bf16()
+    progress(
+        "autocast to bf16"
+        if bf16
+        else "training in fp32: this CPU has no fast bf16 matmul (oneDNN's needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)"
+    )
     warmup = 20
     budget_s = minutes * 60 if minutes is not None else math.inf
     start = time.perf_counter()
@@ -203,7 +218,7 @@ def train(
             group["lr"] = lr * scale
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
         x = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = forward_logits(model, x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -241,6 +256,7 @@ def train(
         "lr": lr,
         "seed": seed,
         "held_out_every": HELD_OUT_EVERY,
+        "autocast": "bfloat16" if bf16 else "off",
         "held_out_ppl": round(ppl, 4),
     }
     with open(cfg_path, "w") as f:
