@@ -168,10 +168,13 @@ def test_prefill_choice_by_setting_and_by_probe(monkeypatch):
     with pytest.raises(ValueError, match="expected auto, sdpa or kernel"):
         attention.choose_prefill(4, 2, 32, torch.float32)
     monkeypatch.delenv(attention.PREFILL_ENV)
+    monkeypatch.setattr(attention, "_PREFILL_PROBED", {})
     probed = attention.choose_prefill(4, 2, 32, torch.bfloat16)
     assert probed.source == "probe" and probed.sdpa_ms > 0 and probed.kernel_ms > 0
     assert probed.kernel == ("kernel" if probed.kernel_ms < probed.sdpa_ms else "sdpa")
     assert "sdpa" in probed.describe() and "kernel" in probed.describe()
+    # once per process and heads: a second engine takes the first one's path, not a second timing's
+    assert attention.choose_prefill(4, 2, 32, torch.bfloat16) is probed
 
 
 @needs_kernels
@@ -183,6 +186,7 @@ def test_prefill_probe_keeps_sdpa_when_the_kernel_fails_here(monkeypatch):
 
     monkeypatch.setattr(torch.ops.pdfleet, "prefill_attention", broken)
     monkeypatch.delenv(attention.PREFILL_ENV, raising=False)
+    monkeypatch.setattr(attention, "_PREFILL_PROBED", {})
     choice = attention.choose_prefill(4, 2, 32, torch.float32)
     assert choice.kernel == "sdpa" and "unsupported ISA" in choice.source
 

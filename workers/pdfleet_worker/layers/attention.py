@@ -256,6 +256,9 @@ class PrefillChoice:
         return f"prefill attention: {self.kernel} ({self.source}{timed})"
 
 
+_PREFILL_PROBED: dict[tuple, PrefillChoice] = {}
+
+
 def choose_prefill(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, setting: str | None = None
 ) -> PrefillChoice:
@@ -268,6 +271,11 @@ def choose_prefill(
         raise ValueError(f"{PREFILL_ENV}={setting!r}: expected auto, sdpa or kernel")
     if setting != "auto":
         return PrefillChoice(setting, f"{PREFILL_ENV}={setting}")
+    # NOTE: one probe per process for the same heads (as packed_linear.choose): where the two run close, engines
+    # of one process that timed them apart could take different paths and give different logits
+    key = (num_heads, num_kv_heads, head_dim, dtype, torch.get_num_threads())
+    if key in _PREFILL_PROBED:
+        return _PREFILL_PROBED[key]
     g = torch.Generator().manual_seed(0)
     n = PREFILL_PROBE_TOKENS
     heads = torch.randn(n, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
@@ -298,7 +306,7 @@ def choose_prefill(
             fn()
             if rep:  # the first pass warms caches (and JIT-compiles the kernel's products)
                 best[name] = min(best[name], time.perf_counter() - t)
-    choice = PrefillChoice(
+    choice = _PREFILL_PROBED[key] = PrefillChoice(
         "kernel" if best["kernel"] < best["sdpa"] else "sdpa",
         "probe",
         round(best["sdpa"] * 1e3, 3),
