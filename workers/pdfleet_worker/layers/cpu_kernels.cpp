@@ -17,8 +17,8 @@ namespace {
 
 // One register of floats, in GCC's generic vectors: L = 16 lanes where the target has AVX-512, else 8.
 // NOTE: a vector wider than the target's registers is legal but is lowered badly: 16-lane code built
-// for an AVX2-only EPYC spilled every accumulator through the stack in 16-byte pieces and ran the
-// decode kernel at 4 GB/s where the same machine reads 23 GB/s (measured). Every loop below is
+// for an AVX2-only EPYC spilled every accumulator through the stack in 16-byte pieces and read the
+// decode kernel's KV at 9-11 GB/s where the same machine reads ~23 GB/s (measured). Every loop below is
 // written in L, so a build takes the width its machine has.
 #if defined(__AVX512F__)
 constexpr int64_t L = 16;
