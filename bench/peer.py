@@ -613,6 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = load_engine_bench().weight_bytes_per_token(a.model, 4)
     plans = make_plans(a, cfg.vocab_size)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if "bfloat16" in dtypes:
+        from pdfleet_worker.model.model_train import NO_FAST_BF16, fast_bf16
+
+        if not fast_bf16():
+            progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")
     load_before = [round(x, 2) for x in os.getloadavg()]
     began = time.perf_counter()
     progress(

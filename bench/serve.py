@@ -577,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
     ensure_model(a.model, a.smoke)
     workdir = Path(tempfile.mkdtemp(prefix="pdfleet-bench-serve-", dir=TMP))
     shim = dist_info_shim(workdir, version)
+    if "bfloat16" in a.dtypes:
+        from pdfleet_worker.model.model_train import NO_FAST_BF16, fast_bf16
+
+        if not fast_bf16():
+            progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")
     began = time.monotonic()
     runs: dict[str, list[dict]] = {d: [] for d in a.dtypes}
     try:
