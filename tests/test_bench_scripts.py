@@ -242,3 +242,32 @@ def test_serve_bench_client_runs_on_vllms_cpu_platform(tmp_path, monkeypatch):
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split()[-2:] == ["0.32.0+cpu", "CpuPlatform"], probe.stdout
+
+
+SERVE_KEYS = {"tput_pdfleet_vs_vllm", "ttft_pdfleet_vs_vllm", "tput_router_vllm_vs_vllm"}
+
+
+@pytest.mark.slow
+def test_serve_bench_smoke_run(tmp_path):
+    """bench/serve.py --smoke end to end (about 2 minutes): vLLM's own client against pdfleet's router + worker, vLLM
+    alone and the router in front of vLLM, every request of each completed (the script exits 1 otherwise), and one
+    JSON line with the keys other checks read, each median inside its spread. Times nothing."""
+    from tests.support.vllm import vllm_python
+
+    env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "serve.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=BENCH.parent,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert SERVE_KEYS <= set(out), sorted(SERVE_KEYS - set(out))
+    for key in SERVE_KEYS:
+        lo, hi = out[f"{key}_range"]
+        assert 0 < lo <= out[key] <= hi, key
+    assert out["reps"] == 1 and out["setups"] == ["pdfleet", "vllm", "router-vllm"]
+    assert out["pdfleet_tok_s_fp32"] > 0 and out["vllm_tok_s_fp32"] > 0 and out["router_vllm_tok_s_fp32"] > 0
