@@ -14,6 +14,20 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 
 
+def run_bench(script: str, *args: str, env: dict, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python bench/SCRIPT ARGS` from the checkout; it must exit 0. The run and its last line, parsed as JSON."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCH.parent,
+        env=env,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result, json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_all_interface_scripts_exist():
     assert {"engine.py", "pd.py", "operator.py", "autoscaler.py"} <= set(SCRIPTS)
 
@@ -67,16 +81,7 @@ def test_peer_bench_smoke_run(tmp_path):
     from tests.support.vllm import vllm_python
 
     env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "peer.py"), "--smoke", "--dtypes", "float32"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=BENCH.parent,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    _, out = run_bench("peer.py", "--smoke", "--dtypes", "float32", env=env, timeout=900)
     want = {k for k in PEER_KEYS if not k.endswith("_bf16")}
     assert want <= set(out), sorted(want - set(out))
     assert not any(k.endswith("_bf16") for k in out), "a dtype that did not run reports nothing"
@@ -108,16 +113,7 @@ def test_pd_bench_smoke_run_measures_short_prompts_on_their_route(tmp_path):
     otherwise, and reports the counts). Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     args = ["--prompt-tokens", "512", "--reps", "3", "--wire-reps", "2", "--short-reps", "2", "--nixl", "off"]
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "pd.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=BENCH.parent,
-        env=env,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    _, out = run_bench("pd.py", *args, env=env, timeout=900)
     assert PD_KEYS <= set(out), sorted(PD_KEYS - set(out))
     for key in ("short_prompt_ttft_vs_colocated", "long_prompt_ttft_vs_colocated"):
         assert 0 < out[f"{key}_min"] <= out[key] <= out[f"{key}_max"], key
@@ -149,16 +145,7 @@ def test_levers_bench_quick_ends_with_every_levers_key(tmp_path):
     """bench/levers.py --quick end to end, every section (tiny preset created and trained 6 steps in TMPDIR, 1
     repetition): one JSON line with the keys other checks read, the perplexities finite. Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "levers.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=BENCH.parent,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    result, out = run_bench("levers.py", "--quick", env=env, timeout=600)
     assert LEVERS_KEYS <= set(out), sorted(LEVERS_KEYS - set(out))
     assert out["int8_bs1_vs_fp32"] > 0 and out["int8_bs1_vs_bf16"] > 0
     assert 1 < out["ppl_int8"] < 1e5 and abs(out["int8_ppl_increase"]) < 0.5
@@ -197,16 +184,7 @@ def test_levers_offload_bench_quick_run_ends_with_the_keys(tmp_path):
     line with the keys bench/levers.py reads; every prefix block came back from each tier (the script asserts it)
     and every preemption policy produced the same tokens. Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "levers_offload.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=BENCH.parent,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    _, out = run_bench("levers_offload.py", "--quick", env=env, timeout=600)
     assert LEVERS_OFFLOAD_KEYS <= set(out), sorted(LEVERS_OFFLOAD_KEYS - set(out))
     assert out["offload_host_ttft_ratio"] > 0 and out["offload_disk_ttft_ratio"] > 0
     assert out["preemption_outputs_equal"] is True
@@ -255,16 +233,7 @@ def test_serve_bench_smoke_run(tmp_path):
     from tests.support.vllm import vllm_python
 
     env = {**os.environ, "PDFLEET_VLLM_PYTHON": vllm_python(), "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "serve.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=BENCH.parent,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    _, out = run_bench("serve.py", "--smoke", env=env, timeout=900)
     assert SERVE_KEYS <= set(out), sorted(SERVE_KEYS - set(out))
     for key in SERVE_KEYS:
         lo, hi = out[f"{key}_range"]
