@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = make_plans(a, cfg.vocab_size)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if "bfloat16" in dtypes:
-        from pdfleet_worker.model.model_train import NO_FAST_BF16, fast_bf16
+        from pdfleet_worker.layers.packed_linear import NO_FAST_BF16, fast_bf16
 
         if not fast_bf16():
             progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")

@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pdfleet-bench-serve-", dir=TMP))
     shim = dist_info_shim(workdir, version)
     if "bfloat16" in a.dtypes:
-        from pdfleet_worker.model.model_train import NO_FAST_BF16, fast_bf16
+        from pdfleet_worker.layers.packed_linear import NO_FAST_BF16, fast_bf16
 
         if not fast_bf16():
             progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")

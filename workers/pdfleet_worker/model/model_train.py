@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pdfleet_worker.layers.packed_linear import NO_FAST_BF16, fast_bf16
 from pdfleet_worker.model.llama import LlamaForCausalLM, rope_cos_sin
 
 HELD_OUT_EVERY = 10
@@ -139,18 +140,6 @@ def save_hf(model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype = torch.
     tmp = os.path.join(model_dir, "model.safetensors.tmp")
     save_file(out, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(model_dir, "model.safetensors"))
-
-
-NO_FAST_BF16 = "this CPU has no fast bf16 matmul (oneDNN's needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)"
-
-
-def fast_bf16() -> bool:
-    """Whether bf16 matmuls run natively here. Without it (an AVX2-only CPU) autocast to bf16 falls back to a path
-    ~40x slower than fp32: 100 tokens/s on the tiny preset, where fp32 trains at thousands."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (RuntimeError, AttributeError):
-        return False
 
 
 def train(
