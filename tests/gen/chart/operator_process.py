@@ -143,8 +143,10 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
     examples = example_deployments()
     for doc in examples.values():
         kube.apply(_in(namespace, doc))
+    # NOTE: every example arrives at once and the operator takes them in turn: on a loaded 2-core host the last
+    # one's first reconcile passed 20 s once in the full suite (alone it takes seconds), so 30 s as below.
     for name in examples:
-        harness.wait_reconciled(kube, name, namespace=namespace)
+        harness.wait_reconciled(kube, name, namespace=namespace, timeout=30)
         harness.mark_ready(kube, name, namespace)
     for name in examples:
         harness.wait_reconciled(
