@@ -16,40 +16,77 @@ def _toy() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 40, bias=False), nn.Sequential(nn.Linear(16, 24)))
 
 
-def test_decide_is_the_geometric_mean_below_one():
-    assert packed_linear.decide([0.5]) == "onednn"
-    assert packed_linear.decide([2.0, 0.4]) == "onednn"  # mean of logs: 0.8
-    assert packed_linear.decide([2.0, 0.5]) == "torch"  # exactly 1: no reason to pack
-    assert packed_linear.decide([1.5, 0.9, 0.9]) == "torch"
-    with pytest.raises(AssertionError):
-        packed_linear.decide([])
+def _ms(rows, **times):
+    """{(kernel, rows): ms} from kernel=[ms at each of rows]."""
+    return {(k, r): t for k, ts in times.items() for r, t in zip(rows, ts)}
 
 
-def test_plan_loses_least_to_the_faster_kernel_and_splits_where_it_may():
+def test_plan_takes_the_fastest_kernel_of_the_layouts_that_lose_least():
     rows = (1, 8, 32)
-    assert packed_linear.plan(rows, [0.9, 0.8, 0.7], split_ok=True) == ("onednn", "", 0)
-    assert packed_linear.plan(rows, [1.2, 1.1, 1.3], split_ok=True) == ("torch", "", 0)
-    assert packed_linear.plan(rows, [1.2, 0.6, 0.8], split_ok=True) == ("onednn", "torch", 8)
-    assert packed_linear.plan(rows, [0.8, 0.9, 1.2], split_ok=True) == ("torch", "onednn", 32)
-    assert packed_linear.plan(rows, [1.2, 0.6, 0.8], split_ok=False) == ("onednn", "", 0)  # too big to hold twice
-    # the winner changes twice: the split that costs least (1.1x at 32 rows, not 1.2x at 1 row)
-    assert packed_linear.plan(rows, [1.2, 0.6, 1.1], split_ok=True) == ("onednn", "torch", 8)
-    assert packed_linear.plan((1, 8), [2.0, 0.5], split_ok=True) == ("onednn", "torch", 8)
-    for ratios in ([1.3, 0.7, 0.9], [0.9, 1.05, 1.4], [1.0, 1.0, 1.0]):  # one kernel: the geometric-mean rule
-        assert packed_linear.plan(rows, ratios, split_ok=False)[0] == packed_linear.decide(ratios)
+    plan = packed_linear.plan
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[0.9, 0.8, 0.7]), True) == ((0, "onednn"),)
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1.2, 1.1, 1.3]), True) == ((0, "torch"),)
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1.2, 0.6, 0.8]), True) == ((0, "torch"), (8, "onednn"))
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[0.8, 0.9, 1.2]), True) == ((0, "onednn"), (32, "torch"))
+    # too big to hold twice: one layout, the one that loses least (log 1.2 at 1 row against log 0.6 + log 0.8)
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1.2, 0.6, 0.8]), False) == ((0, "onednn"),)
+    # the winner changes twice: each row count its own
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1.2, 0.6, 1.1]), True) == (
+        (0, "torch"),
+        (8, "onednn"),
+        (32, "torch"),
+    )
+    # F.linear and plain_linear read the same weight: switching between them costs no memory
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[0.7, 0.7, 0.7], pdfleet=[0.5, 0.9, 1.1]), False) == (
+        (0, "onednn"),
+    )
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[0.9, 0.9, 0.9], pdfleet=[0.5, 0.95, 1.1]), False) == (
+        (0, "pdfleet"),
+        (32, "torch"),
+    )
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[0.7, 0.7, 0.7], pdfleet=[0.5, 0.9, 1.1]), True) == (
+        (0, "pdfleet"),
+        (8, "onednn"),
+    )
+    assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1, 1, 1]), True) == ((0, "torch"),)  # ties: no packing
+    with pytest.raises(AssertionError):
+        plan(rows, _ms((1, 8), torch=[1, 1], onednn=[1, 1]), True)  # a row count not timed
 
 
-@pytest.mark.parametrize("split", [{"plain_below": 4}, {"plain_from": 4}])
-def test_a_split_linear_computes_the_same_on_both_sides(split):
-    if not packed_linear.onednn_available(torch.float32):
-        pytest.skip("this torch build has no oneDNN linear")
+@pytest.mark.parametrize(
+    "plan", [((0, "torch"), (4, "onednn")), ((0, "onednn"), (4, "torch")), ((0, "pdfleet"), (4, "onednn"), (9, "torch"))]
+)
+def test_a_split_linear_computes_the_same_at_every_row_count(plan):
+    if not packed_linear.onednn_available(torch.float32) or not packed_linear.plain_available(torch.float32):
+        pytest.skip("this machine runs no oneDNN linear or no plain_linear")
     lin = nn.Linear(16, 24)
-    packed = packed_linear.PackedLinear(lin, **split)
-    assert packed.weight is not None and "F.linear" in packed.extra_repr()
+    split = packed_linear.CpuLinear(lin, plan)
+    assert split.weight is not None and split.packed is not None and "from 4 rows" in split.extra_repr()
     with torch.inference_mode():
-        for rows in (1, 3, 4, 9):
+        for rows in (1, 3, 4, 9, 40):
             x = torch.randn(rows, 16)
-            assert torch.allclose(packed(x), lin(x), atol=1e-5)
+            assert torch.allclose(split(x), lin(x), atol=1e-5)
+
+
+def test_plain_linear_matches_f_linear_on_each_path():
+    """Few rows (dot products), 5-32 rows (the weight as brgemm's A operand), past 32 (ATen), with and without a
+    bias, odd sizes, and a strided x."""
+    if not packed_linear.plain_available(torch.float32):
+        pytest.skip("no pdfleet CPU kernels here")
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((16, 24), (37, 61), (768, 1280)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33):
+            x = torch.randn(rows, k, generator=g)
+            for bias in (None, b):
+                want = nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+                got = torch.ops.pdfleet.plain_linear(x, w, bias)
+                assert got.shape == (rows, n) and torch.allclose(got.double(), want, atol=1e-3), (k, n, rows)
+    x = torch.randn(6, 2 * 16, generator=g)[:, ::2]
+    w = torch.randn(24, 16, generator=g)
+    assert torch.allclose(torch.ops.pdfleet.plain_linear(x, w, None), nn.functional.linear(x, w), atol=1e-4)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.pdfleet.plain_linear(x.bfloat16(), w.bfloat16(), None)
 
 
 def test_probe_rows_cover_a_lone_decode_and_the_batch():
@@ -58,23 +95,27 @@ def test_probe_rows_cover_a_lone_decode_and_the_batch():
     assert packed_linear.probe_rows(1) == (1,)
 
 
-@pytest.mark.parametrize("setting", ["torch", "onednn"])
+@pytest.mark.parametrize("setting", packed_linear.KERNELS)
 def test_a_fixed_setting_times_nothing_and_packs_accordingly(setting):
-    if setting == "onednn" and not packed_linear.onednn_available(torch.float32):
-        pytest.skip("this torch build has no oneDNN linear")
+    if not packed_linear.available(setting, torch.float32):
+        pytest.skip(f"no {setting} linear here")
     model = _toy()
     choice = packed_linear.choose(model, torch.float32, (1, 8), setting=setting)
     assert choice.backend == setting and not choice.timed
     assert {s.shape: s.count for s in choice.shapes} == {(16, 24): 2, (24, 40): 1}
     packed = packed_linear.pack_linears(model, choice)
-    assert packed == (3 if setting == "onednn" else 0)
-    kinds = [type(m).__name__ for m in model.modules() if isinstance(m, (nn.Linear, packed_linear.PackedLinear))]
-    assert kinds == ["PackedLinear" if setting == "onednn" else "Linear"] * 3
+    assert packed == (0 if setting == "torch" else 3)
+    kinds = [type(m).__name__ for m in model.modules() if isinstance(m, (nn.Linear, packed_linear.CpuLinear))]
+    assert kinds == ["Linear" if setting == "torch" else "CpuLinear"] * 3
 
 
 def test_the_environment_sets_the_kernel_and_rejects_nonsense(monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "torch")
     assert packed_linear.choose(_toy(), torch.float32, (1,)).source == "PDFLEET_LINEAR_KERNEL=torch"
+    if not packed_linear.plain_available(torch.float32):
+        monkeypatch.setenv(packed_linear.ENV, "pdfleet")
+        with pytest.raises(ValueError, match="cannot run pdfleet linears"):
+            packed_linear.choose(_toy(), torch.float32, (1,))
     monkeypatch.setenv(packed_linear.ENV, "fastest")
     with pytest.raises(ValueError, match="PDFLEET_LINEAR_KERNEL='fastest'"):
         packed_linear.choose(_toy(), torch.float32, (1,))
@@ -87,26 +128,28 @@ def test_auto_times_every_shape_at_every_row_count_and_follows_the_rule(dtype):
     model = _toy().to(dtype)
     choice = packed_linear.choose(model, dtype, (1, 4, 8), setting="auto")
     assert choice.timed and choice.source.startswith("probe")
+    kernels = {k for k in packed_linear.KERNELS if packed_linear.available(k, dtype)}
+    assert "pdfleet" not in kernels or dtype == torch.float32  # plain_linear is fp32 only
     for s in choice.shapes:
-        assert {(k, r) for k, r, _ in s.ms} == {(k, r) for k in packed_linear.KERNELS for r in (1, 4, 8)}
+        assert {(k, r) for k, r, _ in s.ms} == {(k, r) for k in kernels for r in (1, 4, 8)}
         assert all(t > 0 for _, _, t in s.ms)
-        assert (s.kernel, s.below, s.split_at) == packed_linear.plan((1, 4, 8), [s.ratio(r) for r in (1, 4, 8)], True)
-        winners = ["onednn" if s.ratio(r) < 1 else "torch" for r in (1, 4, 8)]
-        if sum(a != b for a, b in zip(winners, winners[1:])) <= 1:  # each row count where it won
-            assert [s.kernel_at(r) for r in (1, 4, 8)] == winners
-    assert choice.backend in ("torch", "onednn", "mixed")
+        ms = {(k, r): t for k, r, t in s.ms}
+        assert s.plan == packed_linear.plan((1, 4, 8), ms, True)  # the toy's shapes are small: both layouts fit
+        for r in (1, 4, 8):  # each row count on its fastest kernel
+            assert ms[s.kernel_at(r), r] == min(ms[k, r] for k in kernels)
+    assert choice.backend in (*packed_linear.KERNELS, "mixed")
     assert packed_linear.choose(model, dtype, (1, 4, 8), setting="auto") is choice  # probed once per process
     packed = packed_linear.pack_linears(model, choice)
-    assert packed == sum(s.count for s in choice.shapes if "onednn" in (s.kernel, s.below))
+    assert packed == sum(s.count for s in choice.shapes if s.kernels != {"torch"})
     x = torch.randn(3, 16).to(dtype)
     assert model[0](x).shape == (3, 24) and "thread(s)" in choice.describe()
 
 
-@pytest.mark.parametrize("kernel", ["torch", "onednn"])
+@pytest.mark.parametrize("kernel", packed_linear.KERNELS)
 def test_each_kernel_matches_transformers(tiny, make_engine, monkeypatch, kernel):
     """Whatever the probe picks on a machine, each kernel alone keeps the engine token-exact."""
-    if kernel == "onednn" and not packed_linear.onednn_available(torch.float32):
-        pytest.skip("this torch build has no oneDNN linear")
+    if not packed_linear.available(kernel, torch.float32):
+        pytest.skip(f"no {kernel} linear here")
     monkeypatch.setenv(packed_linear.ENV, kernel)
     eng = make_engine(tiny.path)
     assert eng.model_runner.linear_backend == kernel
@@ -122,11 +165,8 @@ def test_engine_runs_the_probed_choice(llama, make_engine, monkeypatch):
     assert choice is not None and choice.rows == (1, 4)
     assert eng.model_runner.linear_backend == choice.backend
     for m in eng.model_runner.model.modules():
-        if isinstance(m, (packed_linear.PackedLinear, nn.Linear)):
+        if isinstance(m, (packed_linear.CpuLinear, nn.Linear)):
             for rows in (1, 2, 4, 7):
                 want = choice.kernel_for((m.in_features, m.out_features), rows)
-                if isinstance(m, nn.Linear):
-                    assert want == "torch"
-                else:
-                    plain = rows < m.plain_below or 0 < m.plain_from <= rows
-                    assert want == ("torch" if plain else "onednn")
+                got = "torch" if isinstance(m, nn.Linear) else packed_linear.kernel_at(m.plan, rows)
+                assert got == want

@@ -658,6 +658,91 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
   }
 }
 
+// -- a linear on the plain weight for a decode batch -----------------------------------------
+// y = x W^T + b with W as nn.Linear holds it ([N, K], row-major), fp32. At a few rows a decode step
+// only streams the weights, and oneDNN's prepacked call read them at 15-25 GB/s on a 2-core AVX2
+// EPYC where these dot products read 28-36 GB/s (the 1 GiB sum() reads ~32); from 5 rows the
+// weight is the A operand of a brgemm against x^T (y^T = W x^T, one JIT kernel per row count),
+// 0.84-1.1x oneDNN's time at 8-32 rows; past 32 rows (prefill chunks: compute-bound GEMMs) ATen's
+// linear, which runs as fast as oneDNN's there. Which kernel a shape gets is measured at start-up
+// (packed_linear.choose), not assumed.
+constexpr int64_t GEMV_MAX_ROWS = 4;
+constexpr int64_t BRGEMM_T_MAX_ROWS = 32;
+constexpr int64_t BRGEMM_T_BLOCK = 64;  // weight rows per brgemm call
+
+// R rows of x against weight rows n0..n1-1, NB weight rows at a time (R * NB accumulators: NB = 8
+// for a lone row keeps eight streams in flight; the others stay within AVX2's 16 registers).
+template <int R, int NB>
+void gemv_rows(const float* x, int64_t sx, const float* w, int64_t K, const float* b, float* y, int64_t sy,
+               int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    vf acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vf{};
+    const float* wn = w + n * K;
+    int64_t k = 0;
+    for (; k + L <= K; k += L) {
+      vf wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = loadv(wn + j * K + k);
+      for (int r = 0; r < R; ++r) {
+        const vf xv = loadv(x + r * sx + k);
+        for (int j = 0; j < NB; ++j) acc[r][j] += xv * wv[j];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) {
+        float s = hsum(acc[r][j]);
+        for (int64_t t = k; t < K; ++t) s += x[r * sx + t] * wn[j * K + t];
+        y[r * sy + n + j] = s + (b ? b[n + j] : 0.0f);
+      }
+  }
+  for (; n < n1; ++n)  // the last n1 - n0 mod NB weight rows, one at a time
+    gemv_rows<R, 1>(x, sx, w, K, b, y, sy, n, n + 1);
+}
+
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "plain_linear runs float32 only");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0)),
+              "bias must be a contiguous float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > BRGEMM_T_MAX_ROWS) return at::linear(x, w, bias);
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  if (M <= GEMV_MAX_ROWS) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      switch (M) {
+        case 1: gemv_rows<1, 8>(xp, K, wp, K, bp, yp, N, n0, n1); break;
+        case 2: gemv_rows<2, 2>(xp, K, wp, K, bp, yp, N, n0, n1); break;
+        case 3: gemv_rows<3, 1>(xp, K, wp, K, bp, yp, N, n0, n1); break;
+        case 4: gemv_rows<4, 1>(xp, K, wp, K, bp, yp, N, n0, n1); break;
+        default: break;  // M = 0: nothing to compute
+      }
+    });
+    return y;
+  }
+  const at::Tensor xt = xc.t().contiguous();  // [K, M]
+  at::Tensor yt = at::empty({N, M}, x.options());
+  const float* xtp = xt.data_ptr<float>();
+  float* ytp = yt.data_ptr<float>();
+  at::parallel_for(0, (N + BRGEMM_T_BLOCK - 1) / BRGEMM_T_BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t n0 = i * BRGEMM_T_BLOCK, rows = std::min(BRGEMM_T_BLOCK, N - n0);
+      at::native::cpublas::brgemm(rows, M, K, K, M, M, false, wp + n0 * K, xtp, ytp + n0 * M, false);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  at::Tensor y = yt.t().contiguous();
+  if (bias) y.add_(*bias);
+  return y;
+}
+
 // mkldnn::_linear_pointwise(x, packed, bias) with no post-op, under a name torch.compile treats as
 // an opaque call (its own lowering of that op accepts only weights it packed itself).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -676,6 +761,7 @@ TORCH_LIBRARY_FRAGMENT(pdfleet, m) {
         "float softmax_scale) -> ()");
   m.def("pin_threads(int[] cores, bool exclusive=True) -> int", &pin_threads);
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("plain_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) heads, int n, Tensor cos, Tensor sin) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float softmax_scale) -> ()");
@@ -684,6 +770,7 @@ TORCH_LIBRARY_FRAGMENT(pdfleet, m) {
 TORCH_LIBRARY_IMPL(pdfleet, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("onednn_linear", &onednn_linear);
+  m.impl("plain_linear", &plain_linear);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("prefill_attention", &prefill_attention);

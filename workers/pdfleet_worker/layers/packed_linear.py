@@ -1,5 +1,6 @@
-"""CPU linear kernels: plain F.linear or oneDNN with a prepacked weight, chosen per weight shape by timing both on this
-machine at start-up; ModelRunner calls choose() and pack_linears()."""
+"""CPU linear kernels: plain F.linear, oneDNN with a prepacked weight, or pdfleet's own kernel on the plain weight
+(layers/cpu_kernels.cpp plain_linear), chosen per weight shape and row count by timing them on this machine at
+start-up; ModelRunner calls choose() and pack_linears()."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from torch import nn
 
 log = logging.getLogger("pdfleet.engine")
 
-KERNELS = ("torch", "onednn")
-ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch or onednn
+KERNELS = ("torch", "onednn", "pdfleet")
+# The weight layout each kernel reads: one shape holds one layout unless both fit in SPLIT_BYTES.
+LAYOUT = {"torch": "plain", "pdfleet": "plain", "onednn": "packed"}
+ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch, onednn or pdfleet
 # NOTE: which kernel is faster depends on the CPU, the dtype, the shape and the batch, so it is measured
 # here instead of assumed. On a 2-core AMD EPYC, MKL (torch's fp32 path) ran its AVX2 kernels at about
-# half of oneDNN's speed; on a 2-core Intel Xeon with AVX-512/AMX, F.linear was ~1.5x faster than the
-# prepacked call at 1 row for the tiny preset's shapes (~10 us of fixed cost per oneDNN call, which a
-# small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16 oneDNN won at every size.
+# half of oneDNN's speed, and pdfleet's plain_linear took 0.65-0.9x oneDNN's time at 1-4 rows (it reads the
+# weights at 28-36 GB/s where oneDNN read 15-25) and 0.84-1.1x at 8-32; on a 2-core Intel Xeon with
+# AVX-512/AMX, F.linear was ~1.5x faster than the prepacked call at 1 row for the tiny preset's shapes (~10 us
+# of fixed cost per oneDNN call, which a small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16
+# oneDNN won at every size (plain_linear is fp32 only).
 PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the caches, as a step does
 # A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
 # when that costs at most this much memory; a larger one gets one kernel for every row count.
@@ -32,9 +37,11 @@ PROBE_REPS = 5  # timed passes per kernel and row count, alternating; the fastes
 def probe_rows(max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch sizes the choice is made for: a lone decode, a small and a full batch.
 
-    NOTE: prefill chunks are left out: there both kernels are compute-bound GEMMs of about the same
-    speed (512 rows of the tiny preset: within 3% in fp32 and bf16, measured), and timing them on a
-    large model would cost seconds of start-up."""
+    NOTE: prefill chunks are left out (they take the kernel of the largest row count probed): there the
+    kernels are compute-bound GEMMs of about the same speed (512 rows of the tiny preset: F.linear within 3%
+    of oneDNN in fp32 and bf16; of the small preset's layers 0.92-1.05x on a 2-core EPYC, where plain_linear
+    hands anything past 32 rows to F.linear), and timing them on a large model would cost seconds of
+    start-up."""
     return tuple(sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}))
 
 
@@ -71,39 +78,77 @@ def onednn_available(dtype: torch.dtype) -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout. x: [T, in] -> [T, out]."""
+@functools.lru_cache(maxsize=None)
+def plain_available(dtype: torch.dtype) -> bool:
+    """True if pdfleet's plain_linear runs here in `dtype` (fp32, with the CPU kernels built) and agrees with
+    F.linear on each of its paths (few rows, the transposed brgemm, ATen's linear past 32 rows)."""
+    from pdfleet_worker.layers import cpu_kernels
 
-    def __init__(self, linear: nn.Linear, plain_below: int = 0, plain_from: int = 0):
-        """plain_below / plain_from (0: never): row counts under / from which F.linear on the plain
-        weight (kept as a buffer) runs instead."""
+    if dtype != torch.float32 or not cpu_kernels.load():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+        for rows in (1, 3, 8, 40):
+            x = torch.randn(rows, 40, generator=g)
+            got = torch.ops.pdfleet.plain_linear(x, w, b)
+            if not torch.allclose(got, nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4):
+                return False
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def available(kernel: str, dtype: torch.dtype) -> bool:
+    return kernel == "torch" or (onednn_available(dtype) if kernel == "onednn" else plain_available(dtype))
+
+
+Plan = tuple[tuple[int, str], ...]  # (from this many rows, kernel), ascending; the first from 0
+
+
+def kernel_at(plan: Plan, rows: int) -> str:
+    return next(k for start, k in reversed(plan) if start <= rows)
+
+
+def plan_label(plan: Plan) -> str:
+    return ", ".join(k if start == 0 else f"{k} from {start} rows" for start, k in plan)
+
+
+class CpuLinear(nn.Module):
+    """y = x W^T + b on the kernel `plan` gives for x's row count. x: [T, in] -> [T, out]. Holds oneDNN's
+    packed weight if the plan runs oneDNN at some row count, the plain weight if it runs F.linear or
+    pdfleet's plain_linear."""
+
+    def __init__(self, linear: nn.Linear, plan: Plan):
         super().__init__()
-        assert not (plain_below and plain_from), "plain below some rows or from some rows, not both"
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        assert plan and plan[0][0] == 0 and all(k in KERNELS for _, k in plan), plan
+        self.in_features, self.out_features, self.plan = linear.in_features, linear.out_features, plan
+        kernels = {k for _, k in plan}
+        w = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if "onednn" in kernels else None
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.plain_below, self.plain_from = plain_below, plain_from
-        self.register_buffer("weight", linear.weight.detach() if plain_below or plain_from else None)
+        self.register_buffer("weight", w if kernels - {"onednn"} else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            # NOTE: the same call under another name (layers/cpu_kernels.cpp): Inductor's lowering of
-            # mkldnn._linear_pointwise accepts only weights it packed itself, so it must stay opaque.
-            return torch.ops.pdfleet.onednn_linear(x, self.packed, self.bias)
-        rows = x.shape[0]
-        if rows < self.plain_below or 0 < self.plain_from <= rows:
+            # NOTE: one kernel for every row count, with no branch on a dynamic size. oneDNN goes under another
+            # name (layers/cpu_kernels.cpp): Inductor's lowering of mkldnn._linear_pointwise accepts only
+            # weights it packed itself, so it must stay opaque.
+            if self.packed is not None:
+                return torch.ops.pdfleet.onednn_linear(x, self.packed, self.bias)
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows, kernel = x.shape[0], self.plan[0][1]
+        for start, k in self.plan[1:]:
+            if rows >= start:
+                kernel = k
+        if kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if kernel == "pdfleet":
+            return torch.ops.pdfleet.plain_linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        split = (
-            f", F.linear below {self.plain_below} rows"
-            if self.plain_below
-            else f", F.linear from {self.plain_from} rows"
-            if self.plain_from
-            else ""
-        )
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{split}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {plan_label(self.plan)}"
 
 
 Shape = tuple[int, int]  # (in_features, out_features)
@@ -112,35 +157,36 @@ Shape = tuple[int, int]  # (in_features, out_features)
 @dataclass(frozen=True)
 class ShapeTiming:
     """One weight shape of the model: how many linears have it, each kernel's time per call at each
-    probed row count (ms; empty when nothing was timed) and the kernel it gets: `kernel` from
-    `split_at` rows on, `below` under it (split_at 0: `kernel` at every row count)."""
+    probed row count (ms; empty when nothing was timed) and the kernel it runs at each row count."""
 
     shape: Shape
     count: int
     ms: tuple[tuple[str, int, float], ...]  # (kernel, rows, ms per call)
-    kernel: str
-    below: str = ""
-    split_at: int = 0
+    plan: Plan
 
     def kernel_at(self, rows: int) -> str:
-        return self.below if rows < self.split_at else self.kernel
+        return kernel_at(self.plan, rows)
+
+    @property
+    def kernels(self) -> set[str]:
+        return {k for _, k in self.plan}
 
     @property
     def label(self) -> str:
-        return f"{self.below} below {self.split_at} rows, {self.kernel} from it" if self.split_at else self.kernel
+        return plan_label(self.plan)
 
     def time(self, kernel: str, rows: int) -> float:
         return next(t for k, r, t in self.ms if k == kernel and r == rows)
 
-    def ratio(self, rows: int) -> float:
-        """oneDNN's time over F.linear's at `rows`."""
-        return self.time("onednn", rows) / self.time("torch", rows)
+    def ratio(self, kernel: str, rows: int) -> float:
+        """`kernel`'s time over F.linear's at `rows`."""
+        return self.time(kernel, rows) / self.time("torch", rows)
 
 
 @dataclass(frozen=True)
 class LinearChoice:
     """What ModelRunner runs each linear with, and why (`source`: probe, the environment, or why
-    oneDNN was not considered)."""
+    the other kernels were not considered)."""
 
     dtype: torch.dtype
     threads: int
@@ -157,8 +203,8 @@ class LinearChoice:
 
     @property
     def backend(self) -> str:
-        """torch, onednn, or mixed (by shape or by row count)."""
-        kernels = {k for s in self.shapes for k in (s.kernel, s.below) if k} or {"torch"}
+        """torch, onednn, pdfleet, or mixed (by shape or by row count)."""
+        kernels = set().union(*(s.kernels for s in self.shapes)) or {"torch"}
         return kernels.pop() if len(kernels) == 1 else "mixed"
 
     @property
@@ -174,15 +220,16 @@ class LinearChoice:
         if not self.timed:
             return f"{head} ({self.source})"
         per_rows = ", ".join(f"{r} rows {self.step_ms('chosen', r) / self.step_ms('torch', r):.2f}x" for r in self.rows)
+        timed = sorted({k for s in self.shapes for k, _, _ in s.ms} - {"torch"}, key=KERNELS.index)
         shapes = "; ".join(
-            f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.label} (oneDNN/F.linear "
-            + "/".join(f"{s.ratio(r):.2f}" for r in self.rows)
+            f"{s.shape[0]}x{s.shape[1]} x{s.count} {s.label} ("
+            + ", ".join(f"{k} " + "/".join(f"{s.ratio(k, r):.2f}" for r in self.rows) for k in timed)
             + ")"
             for s in self.shapes
         )
         return (
-            f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}: {shapes}] "
-            f"({self.source})"
+            f"{head}; step's linears vs F.linear: {per_rows} [rows {'/'.join(map(str, self.rows))}, time vs "
+            f"F.linear: {shapes}] ({self.source})"
         )
 
 
@@ -198,115 +245,111 @@ def linear_shapes(model: nn.Module) -> dict[Shape, list[nn.Linear]]:
     return out
 
 
-def decide(ratios: list[float]) -> str:
-    """onednn when its time over F.linear's, averaged geometrically over the probed row counts, is below 1."""
-    assert ratios and all(r > 0 for r in ratios), f"ratios must be positive: {ratios}"
-    return "onednn" if math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.0 else "torch"
+def plan(rows: tuple[int, ...], ms: dict[tuple[str, int], float], split_ok: bool) -> Plan:
+    """The kernel of one shape at each row count from each timed kernel's time at each of `rows` (ascending):
+    at each probed row count the fastest kernel among those reading one layout (plain: F.linear and
+    plain_linear; packed: oneDNN), or both layouts when `split_ok`, for the layouts that lose least to the
+    fastest kernel summed over the row counts in log time (ties: one layout before two, plain before packed,
+    and F.linear before the others). A row count between two probed ones takes the smaller one's kernel."""
+    kernels = sorted({k for k, _ in ms}, key=KERNELS.index)
+    assert rows and all(ms.get((k, r), 0) > 0 for k in kernels for r in rows), (rows, ms)
+    best = {r: min(ms[k, r] for k in kernels) for r in rows}
+    options = [{"plain"}, {"packed"}] + ([{"plain", "packed"}] if split_ok else [])
 
+    def per_row(layouts: set[str]) -> list[str] | None:
+        usable = [k for k in kernels if LAYOUT[k] in layouts]
+        return [min(usable, key=lambda k: ms[k, r]) for r in rows] if usable else None
 
-def plan(rows: tuple[int, ...], ratios: list[float], split_ok: bool) -> tuple[str, str, int]:
-    """(kernel, below, split_at) for one shape from oneDNN/F.linear at each of `rows` (ascending): of one
-    kernel for every row count, or (when `split_ok`) one kernel below some probed row count and the
-    other from it, the plan that loses least to the faster kernel summed over the row counts in log
-    time (ties: one kernel before a split, F.linear before oneDNN). With one kernel this is decide()."""
-    assert len(rows) == len(ratios) and all(r > 0 for r in ratios), (rows, ratios)
-    plans = [("torch", "", 0), ("onednn", "", 0)]
-    if split_ok:
-        plans += [
-            (above, below, rows[i])
-            for i in range(1, len(rows))
-            for below, above in (("torch", "onednn"), ("onednn", "torch"))
-        ]
+    def regret(chosen: list[str]) -> float:
+        return sum(math.log(ms[k, r] / best[r]) for k, r in zip(chosen, rows))
 
-    def regret(p: tuple[str, str, int]) -> float:
-        kernel, below, split_at = p
-        chosen = [below if r < split_at else kernel for r in rows]
-        return sum(abs(math.log(q)) for k, q in zip(chosen, ratios) if (k == "onednn") != (q < 1.0))
-
-    return min(plans, key=lambda p: (round(regret(p), 9), p[2] != 0, p[0] != "torch"))
+    candidates = [(layouts, c) for layouts in options if (c := per_row(layouts)) is not None]
+    _, chosen = min(candidates, key=lambda lc: (round(regret(lc[1]), 9), len(lc[0]), "packed" in lc[0]))
+    out: list[tuple[int, str]] = []
+    for r, k in zip(rows, chosen):
+        if not out or out[-1][1] != k:
+            out.append((0 if not out else r, k))
+    return tuple(out)
 
 
 def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setting: str | None = None) -> LinearChoice:
-    """The kernel of each weight shape of `model` (on the CPU, in `dtype`); `setting` defaults to
-    $PDFLEET_LINEAR_KERNEL: auto (time both at `rows`), torch or onednn (every shape, no timing)."""
+    """The kernel of each weight shape of `model` (on the CPU, in `dtype`) at each row count; `setting` defaults
+    to $PDFLEET_LINEAR_KERNEL: auto (time every kernel usable here at `rows`), or one of KERNELS for every
+    shape (no timing)."""
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
     if setting not in ("auto", *KERNELS):
-        raise ValueError(f"{ENV}={setting!r}: expected auto, torch or onednn")
+        raise ValueError(f"{ENV}={setting!r}: expected auto, " + ", ".join(KERNELS[:-1]) + f" or {KERNELS[-1]}")
     groups = linear_shapes(model)
     threads = torch.get_num_threads()
 
     def fixed(kernel: str, source: str) -> LinearChoice:
         return LinearChoice(
-            dtype, threads, rows, source, tuple(ShapeTiming(s, len(ms), (), kernel) for s, ms in groups.items())
+            dtype, threads, rows, source, tuple(ShapeTiming(s, len(ms), (), ((0, kernel),)) for s, ms in groups.items())
         )
 
     if not groups:
         return fixed("torch", "no float linears")
-    if setting == "torch":
-        return fixed("torch", f"{ENV}=torch")
-    if not onednn_available(dtype):
-        if setting == "onednn":
-            raise ValueError(f"{ENV}=onednn: this torch build cannot run oneDNN linears in {dtype}")
-        return fixed("torch", "oneDNN unavailable")
-    if setting == "onednn":
-        return fixed("onednn", f"{ENV}=onednn")
-    key = (dtype, threads, rows, tuple((s, len(ms), ms[0].bias is not None) for s, ms in groups.items()))
+    if setting != "auto":
+        if not available(setting, dtype):
+            raise ValueError(f"{ENV}={setting}: this machine cannot run {setting} linears in {dtype}")
+        return fixed(setting, f"{ENV}={setting}")
+    kernels = tuple(k for k in KERNELS if available(k, dtype))
+    if kernels == ("torch",):
+        return fixed("torch", "oneDNN and plain_linear unavailable")
+    key = (dtype, threads, rows, kernels, tuple((s, len(ms), ms[0].bias is not None) for s, ms in groups.items()))
     if key in _PROBED:  # NOTE: one probe per process for the same shapes (tests build many engines)
         return _PROBED[key]
     t0 = time.perf_counter()
-    shapes = tuple(_probe_shape(shape, mods, dtype, rows) for shape, mods in groups.items())
+    shapes = tuple(_probe_shape(shape, mods, dtype, rows, kernels) for shape, mods in groups.items())
     choice = _PROBED[key] = LinearChoice(dtype, threads, rows, f"probe, {time.perf_counter() - t0:.2f}s", shapes)
     log.info("%s", choice.describe())
     return choice
 
 
 @torch.inference_mode()
-def _probe_shape(shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, rows: tuple[int, ...]) -> ShapeTiming:
-    """Time F.linear and the prepacked call over this shape's first layers (up to PROBE_BYTES of
-    weights, each layer once per pass, as a step reads them), alternating kernels pass by pass."""
+def _probe_shape(
+    shape: Shape, modules: list[nn.Linear], dtype: torch.dtype, rows: tuple[int, ...], kernels: tuple[str, ...]
+) -> ShapeTiming:
+    """Time each of `kernels` over this shape's first layers (up to PROBE_BYTES of weights, each layer once per
+    pass, as a step reads them), alternating kernels pass by pass."""
     per_layer = max(1, modules[0].weight.numel() * modules[0].weight.element_size())
     layers = modules[: max(1, min(len(modules), PROBE_BYTES // per_layer))]
     plain = [(m.weight.detach().to(dtype), None if m.bias is None else m.bias.detach().to(dtype)) for m in layers]
-    packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in plain]
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in plain] if "onednn" in kernels else []
     g = torch.Generator().manual_seed(0)
-    calls = {
+    all_calls = {
         "torch": lambda x: [nn.functional.linear(x, w, b) for w, b in plain],
         "onednn": lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "") for p, b in packed],
+        "pdfleet": lambda x: [torch.ops.pdfleet.plain_linear(x, w, b) for w, b in plain],
     }
+    calls = {k: all_calls[k] for k in kernels}
     best: dict[tuple[str, int], float] = {}
     for r in rows:
         x = torch.randn(r, shape[0], generator=g).to(dtype)
         for call in calls.values():
-            call(x)  # first calls create the kernels (oneDNN primitives, MKL's buffers)
+            call(x)  # first calls create the kernels (oneDNN primitives, brgemm's JIT code, MKL's buffers)
         for rep in range(PROBE_REPS):
-            for kernel in KERNELS if rep % 2 == 0 else KERNELS[::-1]:
+            for kernel in kernels if rep % 2 == 0 else kernels[::-1]:
                 t = time.perf_counter()
                 calls[kernel](x)
                 ms = (time.perf_counter() - t) * 1e3 / len(layers)
                 best[kernel, r] = min(best.get((kernel, r), math.inf), ms)
-    timing = tuple((k, r, best[k, r]) for r in rows for k in KERNELS)
+    timing = tuple((k, r, best[k, r]) for r in rows for k in kernels)
     split_ok = len(modules) * per_layer <= SPLIT_BYTES
-    kernel, below, split_at = plan(rows, [best["onednn", r] / best["torch", r] for r in rows], split_ok)
-    return ShapeTiming(shape, len(modules), timing, kernel, below, split_at)
+    return ShapeTiming(shape, len(modules), timing, plan(rows, best, split_ok))
 
 
 def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
-    """Replace the nn.Linear modules of `model` whose shape `choice` gives oneDNN at some row count (all
-    of them without a choice) by PackedLinear, in place (a split shape keeps its plain weight for the
-    rows F.linear won); returns how many."""
+    """Replace the nn.Linear modules of `model` whose shape `choice` gives a kernel other than F.linear at some
+    row count (all of them, on oneDNN, without a choice) by CpuLinear, in place; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             t = None if choice is None else choice.timing_for((child.in_features, child.out_features))
-            if choice is not None and (t is None or "onednn" not in (t.kernel, t.below)):
+            if choice is not None and (t is None or t.kernels == {"torch"}):
                 continue
-            split = (
-                {}
-                if t is None or not t.split_at
-                else ({"plain_below": t.split_at} if t.below == "torch" else {"plain_from": t.split_at})
-            )
-            setattr(parent, name, PackedLinear(child, **split))
+            setattr(parent, name, CpuLinear(child, ((0, "onednn"),) if t is None else t.plan))
             count += 1
     return count
