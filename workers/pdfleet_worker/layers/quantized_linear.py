@@ -165,7 +165,7 @@ def replace_linears(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model`, and of the weights PackedLinear holds (a tensor
+    """Bytes of every parameter and buffer of `model`, and of the packed weights CpuLinear holds (a tensor
     held twice, tied or a view of the same memory, once)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
