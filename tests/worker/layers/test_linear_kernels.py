@@ -69,14 +69,14 @@ def test_a_split_linear_computes_the_same_at_every_row_count(plan):
 
 
 def test_plain_linear_matches_f_linear_on_each_path():
-    """Few rows (dot products), 5-32 rows (the weight as brgemm's A operand), past 32 (ATen), with and without a
-    bias, odd sizes, and a strided x."""
+    """Few rows (dot products), 5-255 rows (the weight as brgemm's A operand, x^T in one chunk or several), from
+    256 (ATen), with and without a bias, odd sizes, and a strided x."""
     if not packed_linear.plain_available(torch.float32):
         pytest.skip("no pdfleet CPU kernels here")
     g = torch.Generator().manual_seed(0)
     for k, n in ((16, 24), (37, 61), (768, 1280)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33):
+        for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33, 70, 256):
             x = torch.randn(rows, k, generator=g)
             for bias in (None, b):
                 want = nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())

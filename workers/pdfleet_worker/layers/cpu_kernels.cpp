@@ -658,17 +658,19 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
   }
 }
 
-// -- a linear on the plain weight for a decode batch -----------------------------------------
+// -- a linear on the plain weight -------------------------------------------------------------
 // y = x W^T + b with W as nn.Linear holds it ([N, K], row-major), fp32. At a few rows a decode step
 // only streams the weights, and oneDNN's prepacked call read them at 15-25 GB/s on a 2-core AVX2
-// EPYC where these dot products read 28-36 GB/s (the 1 GiB sum() reads ~32); from 5 rows the
-// weight is the A operand of a brgemm against x^T (y^T = W x^T, one JIT kernel per row count),
-// 0.84-1.1x oneDNN's time at 8-32 rows; past 32 rows (prefill chunks: compute-bound GEMMs) ATen's
-// linear, which runs as fast as oneDNN's there. Which kernel a shape gets is measured at start-up
-// (packed_linear.choose), not assumed.
+// EPYC where these dot products read 28-36 GB/s (the 1 GiB sum() reads ~32). From 5 rows the weight
+// is the A operand of brgemm products against x^T (y^T = W x^T) over blocks of weight rows, x^T in
+// chunks of 32 columns: 0.84-1.1x oneDNN's time at 8-32 rows there, 0.8-1.05x at 64-128. From 256
+// rows (prefill chunks) ATen's linear, which ran 0.83-1.06x oneDNN's time at 512 rows where these
+// products ran 1.0-1.3x. Which kernel a shape gets at 1, 8 and 32 rows is measured at start-up
+// (packed_linear.choose); the row counts past that are not timed there, so their paths here are
+// what that machine measured (bench: the ad hoc per-layer timing in bench/HISTORY.md, 2026-12-03).
 constexpr int64_t GEMV_MAX_ROWS = 4;
-constexpr int64_t BRGEMM_T_MAX_ROWS = 32;
-constexpr int64_t BRGEMM_T_BLOCK = 64;  // weight rows per brgemm call
+constexpr int64_t ATEN_FROM_ROWS = 256;
+constexpr int64_t X_CHUNK = 32;  // columns of x^T per product
 
 // R rows of x against weight rows n0..n1-1, NB weight rows at a time (R * NB accumulators: NB = 8
 // for a lone row keeps eight streams in flight; the others stay within AVX2's 16 registers).
@@ -708,12 +710,12 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0)),
               "bias must be a contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M > BRGEMM_T_MAX_ROWS) return at::linear(x, w, bias);
+  if (M >= ATEN_FROM_ROWS) return at::linear(x, w, bias);
   const at::Tensor xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   if (M <= GEMV_MAX_ROWS) {
+    const float* xp = xc.data_ptr<float>();
     at::Tensor y = at::empty({M, N}, x.options());
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
@@ -727,18 +729,26 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     });
     return y;
   }
-  const at::Tensor xt = xc.t().contiguous();  // [K, M]
-  at::Tensor yt = at::empty({N, M}, x.options());
+  // x^T as [chunks, K, C] (C = M up to 32 rows: one chunk; else 32, the last chunk zero-padded but
+  // multiplied at its own width), y^T as [chunks, N, C]; a task is a block of weight rows (64 while the
+  // products stream the weights, 128 when each block is reused from cache across chunks) against
+  // every chunk.
+  const int64_t C = std::min(M, X_CHUNK), chunks = (M + C - 1) / C, block = chunks == 1 ? 64 : 128;
+  const at::Tensor xt =
+      at::constant_pad_nd(xc, {0, 0, 0, chunks * C - M}).view({chunks, C, K}).transpose(1, 2).contiguous();
+  at::Tensor yt = at::empty({chunks, N, C}, x.options());
   const float* xtp = xt.data_ptr<float>();
   float* ytp = yt.data_ptr<float>();
-  at::parallel_for(0, (N + BRGEMM_T_BLOCK - 1) / BRGEMM_T_BLOCK, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (N + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
-      const int64_t n0 = i * BRGEMM_T_BLOCK, rows = std::min(BRGEMM_T_BLOCK, N - n0);
-      at::native::cpublas::brgemm(rows, M, K, K, M, M, false, wp + n0 * K, xtp, ytp + n0 * M, false);
+      const int64_t n0 = i * block, rows = std::min(block, N - n0);
+      for (int64_t c = 0; c < chunks; ++c)
+        at::native::cpublas::brgemm(rows, std::min(C, M - c * C), K, K, C, C, false, wp + n0 * K, xtp + c * K * C,
+                                    ytp + (c * N + n0) * C, false);
     }
     at::native::cpublas::brgemm_release();
   });
-  at::Tensor y = yt.t().contiguous();
+  at::Tensor y = yt.transpose(1, 2).reshape({chunks * C, N}).narrow(0, 0, M).contiguous();
   if (bias) y.add_(*bias);
   return y;
 }

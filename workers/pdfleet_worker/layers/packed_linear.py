@@ -40,7 +40,7 @@ def probe_rows(max_num_seqs: int) -> tuple[int, ...]:
     NOTE: prefill chunks are left out (they take the kernel of the largest row count probed): there the
     kernels are compute-bound GEMMs of about the same speed (512 rows of the tiny preset: F.linear within 3%
     of oneDNN in fp32 and bf16; of the small preset's layers 0.92-1.05x on a 2-core EPYC, where plain_linear
-    hands anything past 32 rows to F.linear), and timing them on a large model would cost seconds of
+    hands 256 rows or more to F.linear), and timing them on a large model would cost seconds of
     start-up."""
     return tuple(sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}))
 
@@ -81,7 +81,7 @@ def onednn_available(dtype: torch.dtype) -> bool:
 @functools.lru_cache(maxsize=None)
 def plain_available(dtype: torch.dtype) -> bool:
     """True if pdfleet's plain_linear runs here in `dtype` (fp32, with the CPU kernels built) and agrees with
-    F.linear on each of its paths (few rows, the transposed brgemm, ATen's linear past 32 rows)."""
+    F.linear on each of its paths (few rows, brgemm in one chunk of x or several, ATen's linear)."""
     from pdfleet_worker.layers import cpu_kernels
 
     if dtype != torch.float32 or not cpu_kernels.load():
@@ -89,7 +89,7 @@ def plain_available(dtype: torch.dtype) -> bool:
     try:
         g = torch.Generator().manual_seed(0)
         w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-        for rows in (1, 3, 8, 40):
+        for rows in (1, 3, 8, 40, 256):
             x = torch.randn(rows, 40, generator=g)
             got = torch.ops.pdfleet.plain_linear(x, w, b)
             if not torch.allclose(got, nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4):
