@@ -53,9 +53,10 @@ def test_plan_takes_the_fastest_kernel_of_the_layouts_that_lose_least():
         plan(rows, _ms((1, 8), torch=[1, 1], onednn=[1, 1]), True)  # a row count not timed
 
 
-@pytest.mark.parametrize(
-    "plan", [((0, "torch"), (4, "onednn")), ((0, "onednn"), (4, "torch")), ((0, "pdfleet"), (4, "onednn"), (9, "torch"))]
-)
+SPLITS = [((0, "torch"), (4, "onednn")), ((0, "onednn"), (4, "torch")), ((0, "pdfleet"), (4, "onednn"), (9, "torch"))]
+
+
+@pytest.mark.parametrize("plan", SPLITS)
 def test_a_split_linear_computes_the_same_at_every_row_count(plan):
     if not packed_linear.onednn_available(torch.float32) or not packed_linear.plain_available(torch.float32):
         pytest.skip("this machine runs no oneDNN linear or no plain_linear")
