@@ -94,6 +94,9 @@ def test_probe_rows_cover_a_lone_decode_and_the_batch():
     assert packed_linear.probe_rows(64) == (1, 8, 32)
     assert packed_linear.probe_rows(4) == (1, 4)
     assert packed_linear.probe_rows(1) == (1,)
+    assert packed_linear.probe_rows(64, 512) == (1, 8, 32, packed_linear.PREFILL_PROBE_ROWS)  # and a prefill chunk
+    assert packed_linear.probe_rows(4, 16) == (1, 4, 16)  # capped at the step's token budget
+    assert packed_linear.probe_rows(4, 4) == (1, 4)
 
 
 @pytest.mark.parametrize("setting", packed_linear.KERNELS)
@@ -163,7 +166,7 @@ def test_engine_runs_the_probed_choice(llama, make_engine, monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "auto")
     eng = make_engine(llama.path, max_num_seqs=4)
     choice = eng.model_runner.linear_choice
-    assert choice is not None and choice.rows == (1, 4)
+    assert choice is not None and choice.rows == packed_linear.probe_rows(4, eng.config.max_num_batched_tokens)
     assert eng.model_runner.linear_backend == choice.backend
     for m in eng.model_runner.model.modules():
         if isinstance(m, (packed_linear.CpuLinear, nn.Linear)):

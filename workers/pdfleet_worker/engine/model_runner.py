@@ -57,7 +57,7 @@ class ModelRunner:
         self.linear_backend = "torch"
         if self.device.type == "cpu":
             self.linear_choice = packed_linear.choose(
-                model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs)
+                model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens)
             )
             packed_linear.pack_linears(model, self.linear_choice)
             self.linear_backend = self.linear_choice.backend

@@ -34,15 +34,23 @@ SPLIT_BYTES = 64 << 20
 PROBE_REPS = 5  # timed passes per kernel and row count, alternating; the fastest pass counts
 
 
-def probe_rows(max_num_seqs: int) -> tuple[int, ...]:
-    """The decode batch sizes the choice is made for: a lone decode, a small and a full batch.
+PREFILL_PROBE_ROWS = 128  # the prefill-sized row count probed (capped at the step's token budget)
 
-    NOTE: prefill chunks are left out (they take the kernel of the largest row count probed): there the
-    kernels are compute-bound GEMMs of about the same speed (512 rows of the tiny preset: F.linear within 3%
-    of oneDNN in fp32 and bf16; of the small preset's layers 0.92-1.05x on a 2-core EPYC, where plain_linear
-    hands 256 rows or more to F.linear), and timing them on a large model would cost seconds of
-    start-up."""
-    return tuple(sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}))
+
+def probe_rows(max_num_seqs: int, max_num_batched_tokens: int = 0) -> tuple[int, ...]:
+    """The row counts the choice is made for: a lone decode, a small and a full decode batch, and (given the
+    step's token budget) a prefill chunk's size, capped at PREFILL_PROBE_ROWS.
+
+    NOTE: a row count between two probed ones takes the smaller one's kernel, so without the prefill size
+    every chunk ran on the kernel that won at 32 rows. On a 2-core EPYC that put the tiny preset's prefill on
+    pdfleet's plain_linear, and `make demo` met its SLO for 44-49% of requests against 52-64% on oneDNN (two
+    alternating pairs); the mixed peer workload lost a tenth on the small preset. 128 rows, not 512: the
+    probe times each kernel on up to 64 MB of a shape's weights, and at 512 rows that is seconds of start-up
+    for a large model."""
+    rows = {1, min(8, max_num_seqs), min(32, max_num_seqs)}
+    if max_num_batched_tokens:
+        rows.add(min(PREFILL_PROBE_ROWS, max_num_batched_tokens))
+    return tuple(sorted(rows))
 
 
 NO_FAST_BF16 = "this CPU has no fast bf16 matmul (oneDNN's needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)"
