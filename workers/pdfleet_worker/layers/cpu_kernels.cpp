@@ -665,9 +665,9 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
 // is the A operand of brgemm products against x^T (y^T = W x^T) over blocks of weight rows, x^T in
 // chunks of 32 columns: 0.84-1.1x oneDNN's time at 8-32 rows there, 0.8-1.05x at 64-128. From 256
 // rows (prefill chunks) ATen's linear, which ran 0.83-1.06x oneDNN's time at 512 rows where these
-// products ran 1.0-1.3x. Which kernel a shape gets at 1, 8 and 32 rows is measured at start-up
-// (packed_linear.choose); the row counts past that are not timed there, so their paths here are
-// what that machine measured (bench: the ad hoc per-layer timing in bench/HISTORY.md, 2026-12-03).
+// products ran 1.0-1.3x. Which kernel a shape gets at 1, 8, 32 and 128 rows is measured at
+// start-up (packed_linear.choose); the thresholds between the paths here are what that machine
+// measured (the per-layer table in bench/HISTORY.md, 2026-12-03, eleventh session).
 constexpr int64_t GEMV_MAX_ROWS = 4;
 constexpr int64_t ATEN_FROM_ROWS = 256;
 constexpr int64_t X_CHUNK = 32;  // columns of x^T per product
