@@ -99,12 +99,12 @@ generate: venv
 # The local fleet under a 40 s bursty load: the decode pool grows and shrinks; the summary is printed last.
 demo: venv
 	$(VENV)/bin/pdfleet validate examples/
-	test -f models/tiny/model.safetensors || $(VENV)/bin/pdfleet model init models/tiny --preset tiny
+	$(VENV)/bin/pdfleet model init models/tiny --preset tiny --if-missing
 	$(VENV)/bin/pdfleet up examples/local-tiny.yaml --port $${PDFLEET_PORT:-8000} --load bursty --duration 40
 
 # The same fleet, kept running (Ctrl-C stops it): it prints the curl and openai SDK lines to try.
 up: venv
-	test -f models/tiny/model.safetensors || $(VENV)/bin/pdfleet model init models/tiny --preset tiny
+	$(VENV)/bin/pdfleet model init models/tiny --preset tiny --if-missing
 	$(VENV)/bin/pdfleet up examples/local-tiny.yaml --port $${PDFLEET_PORT:-8000}
 
 clean:

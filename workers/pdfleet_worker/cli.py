@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--tie-word-embeddings", action="store_true")
+    init.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="keep a model that `pdfleet model init` already wrote there with the same preset and architecture "
+        "(trained or not); refuse one of another preset or from elsewhere instead of overwriting it",
+    )
     train = init.add_argument_group("training (optional: without these flags the weights stay random)")
     train.add_argument(
         "--train-minutes",
@@ -61,6 +68,23 @@ def _model_init(args: argparse.Namespace) -> int:
     _before_torch()
     from pdfleet_worker.model import model_init
 
+    if args.if_missing:
+        try:
+            made = model_init.made_by_init(args.dir)
+        except ValueError as e:
+            print(f"pdfleet model init: {e}", file=sys.stderr)
+            return 2
+        if made is not None:
+            want = {"preset": args.preset, "arch": args.arch}
+            if {k: made.get(k) for k in want} != want:
+                print(
+                    f"pdfleet model init: {args.dir} holds a {made.get('preset')} {made.get('arch')} model, not the "
+                    f"{args.preset} {args.arch} one asked for; remove it (rm -r {args.dir}) to have it written",
+                    file=sys.stderr,
+                )
+                return 2
+            print(f"kept {args.dir}: {made['preset']} {made['arch']} (written by `pdfleet model init`)")
+            return 0
     result = model_init.init_model(
         args.dir,
         args.preset,

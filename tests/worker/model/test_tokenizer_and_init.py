@@ -143,3 +143,39 @@ def test_cli_module_does_not_import_torch():
         "cli.register(p.add_subparsers()); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_if_missing_keeps_refuses_or_writes(inited, tmp_path, capsys):
+    """`make demo`'s `--if-missing`: the same preset is kept byte for byte, another preset or a model init did not
+    write is refused (exit 2, nothing touched), an empty directory is written."""
+    import json
+    import shutil
+
+    kept = tmp_path / "kept"
+    shutil.copytree(inited, kept)
+    weights = (kept / "model.safetensors").read_bytes()
+    assert _init(kept, "--preset", "tiny", "--if-missing") == 0
+    assert "kept" in capsys.readouterr().out
+    assert (kept / "model.safetensors").read_bytes() == weights
+
+    other = tmp_path / "other"
+    shutil.copytree(inited, other)
+    record = json.loads((other / "tokenizer_config.json").read_text())
+    record["pdfleet_init"]["preset"] = "small"
+    (other / "tokenizer_config.json").write_text(json.dumps(record))
+    assert _init(other, "--preset", "tiny", "--if-missing") == 2
+    err = capsys.readouterr().err
+    assert "holds a small llama model, not the tiny llama one" in err and f"rm -r {other}" in err
+    assert (other / "model.safetensors").read_bytes() == weights
+    assert _init(other, "--preset", "tiny", "--arch", "qwen2", "--if-missing") == 2
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(inited, foreign)
+    del record["pdfleet_init"]
+    (foreign / "tokenizer_config.json").write_text(json.dumps(record))
+    assert _init(foreign, "--preset", "tiny", "--if-missing") == 2
+    assert "did not write" in capsys.readouterr().err
+
+    fresh = tmp_path / "fresh"
+    assert _init(fresh, "--preset", "tiny", "--seed", "3", "--if-missing") == 0
+    assert (fresh / "model.safetensors").read_bytes() == weights  # the same seed as `inited`

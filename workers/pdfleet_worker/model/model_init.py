@@ -171,6 +171,22 @@ def random_state_dict(cfg: dict, seed: int, dtype: str) -> dict:
     return sd
 
 
+def made_by_init(path: str) -> dict | None:
+    """What `pdfleet model init` wrote at `path` ({"preset", "seed", "arch"}), or None when `path` holds no
+    model.safetensors. Raises ValueError for a model that init did not write (no record of it)."""
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        return None
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            record = json.load(f)["pdfleet_init"]
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f)["model_type"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} holds a model that `pdfleet model init` did not write ({e})") from e
+    arch = next((a for a, (_, t) in ARCHS.items() if t == model_type), model_type)
+    return {"preset": record.get("preset"), "seed": record.get("seed"), "arch": arch}
+
+
 def init_model(
     path: str,
     preset: str = "tiny",
