@@ -49,6 +49,10 @@ def test_plan_takes_the_fastest_kernel_of_the_layouts_that_lose_least():
         (8, "onednn"),
     )
     assert plan(rows, _ms(rows, torch=[1, 1, 1], onednn=[1, 1, 1]), True) == ((0, "torch"),)  # ties: no packing
+    # a second layout only for a gain above the probe's noise: 5% at one row count is not, 15% is
+    close = _ms(rows, torch=[1, 1, 1], onednn=[1.5, 1.5, 0.95], pdfleet=[0.6, 0.6, 1.0])
+    assert plan(rows, close, True) == ((0, "pdfleet"), (32, "torch"))
+    assert plan(rows, {**close, ("onednn", 32): 0.85}, True) == ((0, "pdfleet"), (32, "onednn"))
     with pytest.raises(AssertionError):
         plan(rows, _ms((1, 8), torch=[1, 1], onednn=[1, 1]), True)  # a row count not timed
 
@@ -70,14 +74,15 @@ def test_a_split_linear_computes_the_same_at_every_row_count(plan):
 
 
 def test_plain_linear_matches_f_linear_on_each_path():
-    """Few rows (dot products), 5-255 rows (the weight as brgemm's A operand, x^T in one chunk or several), from
-    256 (ATen), with and without a bias, odd sizes, and a strided x."""
+    """Few rows (dot products), 5-63 rows (the weight as brgemm's A operand, x^T in one chunk or two), from 64
+    (packed panels of 32 weight rows, the last one partial; depth past 2048 in several products), with and
+    without a bias, odd sizes, and a strided x."""
     if not packed_linear.plain_available(torch.float32):
         pytest.skip("no pdfleet CPU kernels here")
     g = torch.Generator().manual_seed(0)
-    for k, n in ((16, 24), (37, 61), (768, 1280)):
+    for k, n in ((16, 24), (37, 61), (768, 1280), (2100, 40)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33, 70, 256):
+        for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33, 63, 64, 65, 129, 300):
             x = torch.randn(rows, k, generator=g)
             for bias in (None, b):
                 want = nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())

@@ -663,14 +663,78 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
 // only streams the weights, and oneDNN's prepacked call read them at 15-25 GB/s on a 2-core AVX2
 // EPYC where these dot products read 28-36 GB/s (the 1 GiB sum() reads ~32). From 5 rows the weight
 // is the A operand of brgemm products against x^T (y^T = W x^T) over blocks of weight rows, x^T in
-// chunks of 32 columns: 0.84-1.1x oneDNN's time at 8-32 rows there, 0.8-1.05x at 64-128. From 256
-// rows (prefill chunks) ATen's linear, which ran 0.83-1.06x oneDNN's time at 512 rows where these
-// products ran 1.0-1.3x. Which kernel a shape gets at 1, 8, 32 and 128 rows is measured at
-// start-up (packed_linear.choose); the thresholds between the paths here are what that machine
-// measured (the per-layer table in bench/HISTORY.md, 2026-12-03, eleventh session).
+// chunks of 32 columns: 0.8-0.95x oneDNN's time at 8-32 rows there. From 64 rows (prefill chunks,
+// and the steps that mix one with decodes) each task packs 32 weight rows as W^T ([K, 32], 8x8
+// transposes) and runs brgemm with x as A, as oneDNN does with a weight it packed ahead: 0.81-0.93x
+// oneDNN's time at 64-512 rows there, where the weight as A ran 0.9-1.2x (its block of weight rows
+// and x^T's chunks outgrew the L2 at K = 2048) and ATen's linear 0.9-1.2x. Packing reads each weight
+// once per call (~0.3 ms for 1 M weights), which 64 rows of products hide. Which kernel a shape gets
+// at 1, 8, 32 and 128 rows is measured at start-up (packed_linear.choose); the thresholds between
+// the paths here are what that machine measured (bench/HISTORY.md, 2026-12-03/04).
 constexpr int64_t GEMV_MAX_ROWS = 4;
-constexpr int64_t ATEN_FROM_ROWS = 256;
+constexpr int64_t PACK_FROM_ROWS = 64;
 constexpr int64_t X_CHUNK = 32;  // columns of x^T per product
+constexpr int64_t PACK_COLS = 32;  // weight rows packed per task: brgemm's N (4 AVX2 or 2 AVX-512 vectors)
+constexpr int64_t PACK_K = 2048;   // depth per product, so the packed panel stays in L2 for a large K
+constexpr int64_t PACK_M = 128;    // rows of x per product
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// An 8x8 tile: out[k * ld + j] = w[j * K + k] for j, k < 8, in three rounds of shuffles.
+inline void transpose8(const float* w, int64_t K, float* out, int64_t ld) {
+  v8f r[8], t[8], u[8];
+  for (int j = 0; j < 8; ++j) std::memcpy(&r[j], w + j * K, sizeof(v8f));
+  const v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+  const v8i even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
+  const v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+  for (int j = 0; j < 4; ++j) {  // t: rows 2j and 2j+1 interleaved
+    t[2 * j] = __builtin_shuffle(r[2 * j], r[2 * j + 1], lo);
+    t[2 * j + 1] = __builtin_shuffle(r[2 * j], r[2 * j + 1], hi);
+  }
+  for (int h = 0; h < 2; ++h) {  // u: four rows' elements k and k+4 for each k < 4
+    u[4 * h] = __builtin_shuffle(t[4 * h], t[4 * h + 2], even);
+    u[4 * h + 1] = __builtin_shuffle(t[4 * h], t[4 * h + 2], odd);
+    u[4 * h + 2] = __builtin_shuffle(t[4 * h + 1], t[4 * h + 3], even);
+    u[4 * h + 3] = __builtin_shuffle(t[4 * h + 1], t[4 * h + 3], odd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const v8f a = __builtin_shuffle(u[k], u[4 + k], first), b = __builtin_shuffle(u[k], u[4 + k], second);
+    std::memcpy(out + k * ld, &a, sizeof a);
+    std::memcpy(out + (k + 4) * ld, &b, sizeof b);
+  }
+}
+
+// panel[k * PACK_COLS + j] = w[j * K + k] for the first `rows` weight rows, zero past them.
+void pack_panel(const float* w, int64_t K, int64_t rows, float* panel) {
+  int64_t j = 0;
+  for (; j + 8 <= rows; j += 8) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) transpose8(w + j * K + k, K, panel + k * PACK_COLS + j, PACK_COLS);
+    for (; k < K; ++k)
+      for (int64_t i = 0; i < 8; ++i) panel[k * PACK_COLS + j + i] = w[(j + i) * K + k];
+  }
+  for (; j < rows; ++j)
+    for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = w[j * K + k];
+  for (; j < PACK_COLS; ++j)
+    for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = 0.0f;
+}
+
+// y = x W^T from 64 rows: a task packs PACK_COLS weight rows, then multiplies every row of x by them.
+void packed_products(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, (N + PACK_COLS - 1) / PACK_COLS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> panel(K * PACK_COLS);
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t n0 = i * PACK_COLS, cols = std::min(PACK_COLS, N - n0);
+      pack_panel(w + n0 * K, K, cols, panel.data());
+      for (int64_t m0 = 0; m0 < M; m0 += PACK_M)
+        for (int64_t k0 = 0; k0 < K; k0 += PACK_K)
+          at::native::cpublas::brgemm(std::min(PACK_M, M - m0), cols, std::min(PACK_K, K - k0), K, PACK_COLS, N,
+                                      k0 > 0, x + m0 * K + k0, panel.data() + k0 * PACK_COLS, y + m0 * N + n0, false);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
 
 // R rows of x against weight rows n0..n1-1, NB weight rows at a time (R * NB accumulators: NB = 8
 // for a lone row keeps eight streams in flight; the others stay within AVX2's 16 registers).
@@ -710,7 +774,6 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0)),
               "bias must be a contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M >= ATEN_FROM_ROWS) return at::linear(x, w, bias);
   const at::Tensor xc = x.contiguous();
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -729,7 +792,13 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     });
     return y;
   }
-  // x^T as [chunks, K, C] (C = M up to 32 rows: one chunk; else 32, the last chunk zero-padded but
+  if (M >= PACK_FROM_ROWS) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    packed_products(xc.data_ptr<float>(), wp, y.data_ptr<float>(), M, K, N);
+    if (bias) y.add_(*bias);
+    return y;
+  }
+  // x^T as [chunks, K, C] (C = M up to 32 rows: one chunk; else two of 32, the second zero-padded but
   // multiplied at its own width), y^T as [chunks, N, C]; a task is a block of weight rows (64 while the
   // products stream the weights, 128 when each block is reused from cache across chunks) against
   // every chunk.
