@@ -774,6 +774,7 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0)),
               "bias must be a contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (K == 0) return at::linear(x, w, bias);  // no products: the bias alone (brgemm leaves y unwritten)
   const at::Tensor xc = x.contiguous();
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
