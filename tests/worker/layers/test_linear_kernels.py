@@ -90,7 +90,9 @@ def test_plain_linear_matches_f_linear_on_each_path():
                 assert got.shape == (rows, n) and torch.allclose(got.double(), want, atol=1e-3), (k, n, rows)
     for rows in (3, 40, 70):  # no input features: the bias alone on every path
         b = torch.randn(5, generator=g)
-        assert torch.equal(torch.ops.pdfleet.plain_linear(torch.empty(rows, 0), torch.empty(5, 0), b), b.expand(rows, 5))
+        assert torch.equal(
+            torch.ops.pdfleet.plain_linear(torch.empty(rows, 0), torch.empty(5, 0), b), b.expand(rows, 5)
+        )
     x = torch.randn(6, 2 * 16, generator=g)[:, ::2]
     w = torch.randn(24, 16, generator=g)
     assert torch.allclose(torch.ops.pdfleet.plain_linear(x, w, None), nn.functional.linear(x, w), atol=1e-4)
