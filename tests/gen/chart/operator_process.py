@@ -32,8 +32,8 @@ PORT_FLAGS = ("--metrics-port", "--liveness-port", "--alertmanager-port")
 ALERTMANAGER_TOKEN = "alertmanager-token-for-the-chart-tests"
 # NOTE: how long exercise() waits for the operator process to react (a wait returns as soon as it has). Alone the
 # reactions take seconds; in the full suite on 2 cores, beside the engine's tests, they took 20-22 s several times
-# (2026-12-03 and -04: a revision-history prune, a price change's re-plan, the deletion of stale children), each a
-# reaction that came late, not one that never came.
+# (2026-12-03 and -04: a revision-history prune, a price change's re-plan, the deletion of stale children). With
+# another tenant's load on top, a re-plan was not seen in 45 s either, once: not explained yet.
 REACT_S = 45
 
 
@@ -149,7 +149,7 @@ def exercise(kube: Any, namespace: str, *, monitoring: bool) -> None:
     for doc in examples.values():
         kube.apply(_in(namespace, doc))
     # NOTE: every example arrives at once and the operator takes them in turn: on a loaded 2-core host the last
-    # one's first reconcile passed 20 s once in the full suite (alone it takes seconds), so 30 s as below.
+    # one's first reconcile passed 20 s once in the full suite (alone it takes seconds), so REACT_S.
     for name in examples:
         harness.wait_reconciled(kube, name, namespace=namespace, timeout=REACT_S)
         harness.mark_ready(kube, name, namespace)

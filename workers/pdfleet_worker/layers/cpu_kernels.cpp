@@ -665,9 +665,9 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
 // is the A operand of brgemm products against x^T (y^T = W x^T) over blocks of weight rows, x^T in
 // chunks of 32 columns: 0.8-0.95x oneDNN's time at 8-32 rows there. From 64 rows (prefill chunks,
 // and the steps that mix one with decodes) each task packs 32 weight rows as W^T ([K, 32], 8x8
-// transposes) and runs brgemm with x as A, as oneDNN does with a weight it packed ahead: 0.81-0.93x
-// oneDNN's time at 64-512 rows there, where the weight as A ran 0.9-1.2x (its block of weight rows
-// and x^T's chunks outgrew the L2 at K = 2048) and ATen's linear 0.9-1.2x. Packing reads each weight
+// transposes) and runs brgemm with x as A, as oneDNN does with a weight it packed ahead: 0.83-0.97x
+// oneDNN's time at 64-512 rows there, where the weight as A ran up to 1.19x (its block of weight rows
+// and x^T's chunks outgrew the L2 at K = 2048) and ATen's linear up to 1.24x. Packing reads each weight
 // once per call (~0.3 ms for 1 M weights), which 64 rows of products hide. Which kernel a shape gets
 // at 1, 8, 32 and 128 rows is measured at start-up (packed_linear.choose); the thresholds between
 // the paths here are what that machine measured (bench/HISTORY.md, 2026-12-03/04).
@@ -705,7 +705,7 @@ inline void transpose8(const float* w, int64_t K, float* out, int64_t ld) {
   }
 }
 
-// panel[k * PACK_COLS + j] = w[j * K + k] for the first `rows` weight rows, zero past them.
+// panel[k * PACK_COLS + j] = w[j * K + k] for the first `rows` weight rows (brgemm reads no further).
 void pack_panel(const float* w, int64_t K, int64_t rows, float* panel) {
   int64_t j = 0;
   for (; j + 8 <= rows; j += 8) {
@@ -716,8 +716,6 @@ void pack_panel(const float* w, int64_t K, int64_t rows, float* panel) {
   }
   for (; j < rows; ++j)
     for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = w[j * K + k];
-  for (; j < PACK_COLS; ++j)
-    for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = 0.0f;
 }
 
 // y = x W^T from 64 rows: a task packs PACK_COLS weight rows, then multiplies every row of x by them.

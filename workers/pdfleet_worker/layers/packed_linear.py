@@ -260,14 +260,13 @@ def linear_shapes(model: nn.Module) -> dict[Shape, list[nn.Linear]]:
 def plan(rows: tuple[int, ...], ms: dict[tuple[str, int], float], split_ok: bool) -> Plan:
     """The kernel of one shape at each row count from each timed kernel's time at each of `rows` (ascending):
     at each probed row count the fastest kernel among those reading one layout (plain: F.linear and
-    plain_linear; packed: oneDNN), or both layouts when `split_ok`, for the layouts that lose least to the
-    fastest kernel summed over the row counts in log time (ties: one layout before two, plain before packed,
-    and F.linear before the others; two layouts only where they lose SPLIT_MIN_GAIN less than one). A row
-    count between two probed ones takes the smaller one's kernel."""
+    plain_linear; packed: oneDNN), for the layout that loses least to the fastest kernel summed over the row
+    counts in log time (ties: plain before packed, and F.linear before the others); both layouts instead when
+    `split_ok` and that loses SPLIT_MIN_GAIN less. A row count between two probed ones takes the smaller one's
+    kernel."""
     kernels = sorted({k for k, _ in ms}, key=KERNELS.index)
     assert rows and all(ms.get((k, r), 0) > 0 for k in kernels for r in rows), (rows, ms)
     best = {r: min(ms[k, r] for k in kernels) for r in rows}
-    options = [{"plain"}, {"packed"}] + ([{"plain", "packed"}] if split_ok else [])
 
     def per_row(layouts: set[str]) -> list[str] | None:
         usable = [k for k in kernels if LAYOUT[k] in layouts]
@@ -276,12 +275,10 @@ def plan(rows: tuple[int, ...], ms: dict[tuple[str, int], float], split_ok: bool
     def regret(chosen: list[str]) -> float:
         return sum(math.log(ms[k, r] / best[r]) for k, r in zip(chosen, rows))
 
-    candidates = [(layouts, c) for layouts in options if (c := per_row(layouts)) is not None]
-    rank = lambda lc: (round(regret(lc[1]), 9), len(lc[0]), "packed" in lc[0])  # noqa: E731
-    _, chosen = min((lc for lc in candidates if len(lc[0]) == 1), key=rank)
-    split = [c for layouts, c in candidates if len(layouts) == 2]
-    if split and regret(split[0]) < regret(chosen) - SPLIT_MIN_GAIN:
-        chosen = split[0]
+    singles = [c for layout in ("plain", "packed") if (c := per_row({layout})) is not None]
+    chosen = min(singles, key=lambda c: round(regret(c), 9))  # the first of equals: plain
+    if split_ok and regret(split := per_row({"plain", "packed"})) < regret(chosen) - SPLIT_MIN_GAIN:
+        chosen = split
     out: list[tuple[int, str]] = []
     for r, k in zip(rows, chosen):
         if not out or out[-1][1] != k:
