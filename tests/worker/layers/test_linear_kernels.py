@@ -73,31 +73,45 @@ def test_a_split_linear_computes_the_same_at_every_row_count(plan):
             assert torch.allclose(split(x), lin(x), atol=1e-5)
 
 
-def test_plain_linear_matches_f_linear_on_each_path():
-    """Few rows (dot products), 5-63 rows (the weight as brgemm's A operand, x^T in one chunk or two), from 64
-    (packed panels of 32 weight rows, the last one partial; depth past 2048 in several products), with and
-    without a bias, odd sizes, and a strided x."""
-    if not packed_linear.plain_available(torch.float32):
-        pytest.skip("no pdfleet CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_linear_matches_f_linear_on_each_path(dtype):
+    """Few rows (dot products; bf16 in pairs of lanes), 5-63 rows (the weight as brgemm's A operand, x^T in one
+    chunk or two; bf16 weights widened 16 rows at a time), from 64 (packed panels of 32 weight rows, the last one
+    partial; depth past 2048 in several products), with and without a bias, odd sizes, and a strided x. bf16
+    runs its products in fp32 and rounds once: within half a bf16 step (at most 2^-8 relative) of the fp32 result on the
+    same bf16 values, plus the fp32 sum's own error."""
+    if not packed_linear.plain_available(dtype):
+        pytest.skip(f"no pdfleet CPU kernels for {dtype} here")
     g = torch.Generator().manual_seed(0)
     for k, n in ((16, 24), (37, 61), (768, 1280), (2100, 40)):
-        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
         for rows in (0, 1, 2, 3, 4, 5, 8, 31, 32, 33, 63, 64, 65, 129, 300):
-            x = torch.randn(rows, k, generator=g)
+            x = torch.randn(rows, k, generator=g).to(dtype)
             for bias in (None, b):
                 want = nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
                 got = torch.ops.pdfleet.plain_linear(x, w, bias)
-                assert got.shape == (rows, n) and torch.allclose(got.double(), want, atol=1e-3), (k, n, rows)
+                assert got.shape == (rows, n) and got.dtype == dtype, (k, n, rows)
+                tol = want.abs() * (2**-8 if dtype == torch.bfloat16 else 0) + 1e-3
+                assert ((got.double() - want).abs() <= tol).all(), (k, n, rows, (got.double() - want).abs().max())
     for rows in (3, 40, 70):  # no input features: the bias alone on every path
-        b = torch.randn(5, generator=g)
+        b = torch.randn(5, generator=g).to(dtype)
         assert torch.equal(
-            torch.ops.pdfleet.plain_linear(torch.empty(rows, 0), torch.empty(5, 0), b), b.expand(rows, 5)
+            torch.ops.pdfleet.plain_linear(torch.empty(rows, 0, dtype=dtype), torch.empty(5, 0, dtype=dtype), b),
+            b.expand(rows, 5),
         )
-    x = torch.randn(6, 2 * 16, generator=g)[:, ::2]
-    w = torch.randn(24, 16, generator=g)
-    assert torch.allclose(torch.ops.pdfleet.plain_linear(x, w, None), nn.functional.linear(x, w), atol=1e-4)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        torch.ops.pdfleet.plain_linear(x.bfloat16(), w.bfloat16(), None)
+    x = torch.randn(6, 2 * 16, generator=g).to(dtype)[:, ::2]
+    w = torch.randn(24, 16, generator=g).to(dtype)
+    want = nn.functional.linear(x.float(), w.float())
+    assert torch.allclose(torch.ops.pdfleet.plain_linear(x, w, None).float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_plain_linear_refuses_other_dtypes_and_mixed_operands():
+    if not packed_linear.plain_available(torch.float32):
+        pytest.skip("no pdfleet CPU kernels here")
+    x, w = torch.randn(3, 16), torch.randn(24, 16)
+    for xx, ww, bb in ((x.half(), w.half(), None), (x.bfloat16(), w, None), (x, w, torch.zeros(24).bfloat16())):
+        with pytest.raises(RuntimeError, match="float32 or bfloat16|in w's dtype"):
+            torch.ops.pdfleet.plain_linear(xx, ww, bb)
 
 
 def test_probe_rows_cover_a_lone_decode_and_the_batch():
@@ -137,13 +151,12 @@ def test_the_environment_sets_the_kernel_and_rejects_nonsense(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_auto_times_every_shape_at_every_row_count_and_follows_the_rule(dtype):
-    if not packed_linear.onednn_available(dtype):
-        pytest.skip(f"this torch build has no oneDNN linear in {dtype}")
+    kernels = {k for k in packed_linear.KERNELS if packed_linear.available(k, dtype)}
+    if kernels == {"torch"}:
+        pytest.skip(f"this machine runs neither oneDNN nor plain_linear in {dtype}")
     model = _toy().to(dtype)
     choice = packed_linear.choose(model, dtype, (1, 4, 8), setting="auto")
     assert choice.timed and choice.source.startswith("probe")
-    kernels = {k for k in packed_linear.KERNELS if packed_linear.available(k, dtype)}
-    assert "pdfleet" not in kernels or dtype == torch.float32  # plain_linear is fp32 only
     for s in choice.shapes:
         assert {(k, r) for k, r, _ in s.ms} == {(k, r) for k in kernels for r in (1, 4, 8)}
         assert all(t > 0 for _, _, t in s.ms)
@@ -170,6 +183,21 @@ def test_each_kernel_matches_transformers(tiny, make_engine, monkeypatch, kernel
     prompts = random_prompts(4, 1, 30, seed=11)
     tokens, logits, _ = run_and_capture(eng, prompts)
     assert compare(tiny, prompts, tokens, logits).near_ties <= 1
+
+
+def test_bf16_on_plain_linear_stays_close_to_the_fp32_oracle(llama, make_engine, monkeypatch):
+    """bf16 weights on pdfleet's kernel (on an AVX2 CPU the only fast bf16 linear): first-token logits within
+    the bound test_engine_oracle.py holds bf16 to."""
+    if not packed_linear.plain_available(torch.bfloat16):
+        pytest.skip("no pdfleet CPU kernels here")
+    monkeypatch.setenv(packed_linear.ENV, "pdfleet")
+    eng = make_engine(llama.path, dtype="bfloat16")
+    assert eng.model_runner.linear_backend == "pdfleet"
+    prompts = random_prompts(3, 5, 40, seed=12)
+    _, logits, _ = run_and_capture(eng, prompts)
+    for p, rows in zip(prompts, logits):
+        ref = llama.oracle(p).logits[0]
+        assert float((rows[0] - ref).abs().max()) < 0.05 * float(ref.abs().max()) + 0.05
 
 
 def test_engine_runs_the_probed_choice(llama, make_engine, monkeypatch):

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -659,8 +660,8 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
 }
 
 // -- a linear on the plain weight -------------------------------------------------------------
-// y = x W^T + b with W as nn.Linear holds it ([N, K], row-major), fp32. At a few rows a decode step
-// only streams the weights, and oneDNN's prepacked call read them at 15-25 GB/s on a 2-core AVX2
+// y = x W^T + b with W as nn.Linear holds it ([N, K], row-major), fp32 or bf16. At a few rows a decode
+// step only streams the weights, and oneDNN's prepacked call read them at 15-25 GB/s on a 2-core AVX2
 // EPYC where these dot products read 28-36 GB/s (the 1 GiB sum() reads ~32). From 5 rows the weight
 // is the A operand of brgemm products against x^T (y^T = W x^T) over blocks of weight rows, x^T in
 // chunks of 32 columns: 0.8-0.95x oneDNN's time at 8-32 rows there. From 64 rows (prefill chunks,
@@ -671,20 +672,49 @@ void rope_(at::Tensor heads, int64_t n, const at::Tensor& cos, const at::Tensor&
 // once per call (~0.3 ms for 1 M weights), which 64 rows of products hide. Which kernel a shape gets
 // at 1, 8, 32 and 128 rows is measured at start-up (packed_linear.choose); the thresholds between
 // the paths here are what that machine measured (bench/HISTORY.md, 2026-12-03/04).
+// bf16 weights are widened to fp32 where they are read (in registers for the dot products, into the
+// packed panel or a block of 16 weight rows for brgemm) and the products run in fp32, rounded to bf16
+// once at the end: a CPU without native bf16 (AVX2) reads half of fp32's bytes at fp32's arithmetic,
+// where oneDNN refuses bf16 there and ATen's bf16 linear ran ~5x slower than its fp32 one.
 constexpr int64_t GEMV_MAX_ROWS = 4;
 constexpr int64_t PACK_FROM_ROWS = 64;
 constexpr int64_t X_CHUNK = 32;  // columns of x^T per product
 constexpr int64_t PACK_COLS = 32;  // weight rows packed per task: brgemm's N (4 AVX2 or 2 AVX-512 vectors)
 constexpr int64_t PACK_K = 2048;   // depth per product, so the packed panel stays in L2 for a large K
 constexpr int64_t PACK_M = 128;    // rows of x per product
+constexpr int64_t WIDEN_ROWS = 16;  // bf16 weight rows widened per product on the weight-as-A path
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load8(const c10::BFloat16* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// dst[i] = src[i] as fp32, n elements.
+void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + L <= n; i += L) storev(dst + i, loadv(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
 // An 8x8 tile: out[k * ld + j] = w[j * K + k] for j, k < 8, in three rounds of shuffles.
-inline void transpose8(const float* w, int64_t K, float* out, int64_t ld) {
+template <typename T>
+inline void transpose8(const T* w, int64_t K, float* out, int64_t ld) {
   v8f r[8], t[8], u[8];
-  for (int j = 0; j < 8; ++j) std::memcpy(&r[j], w + j * K, sizeof(v8f));
+  for (int j = 0; j < 8; ++j) r[j] = load8(w + j * K);
   const v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
   const v8i even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
   const v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
@@ -705,21 +735,23 @@ inline void transpose8(const float* w, int64_t K, float* out, int64_t ld) {
   }
 }
 
-// panel[k * PACK_COLS + j] = w[j * K + k] for the first `rows` weight rows (brgemm reads no further).
-void pack_panel(const float* w, int64_t K, int64_t rows, float* panel) {
+// panel[k * PACK_COLS + j] = w[j * K + k] as fp32 for the first `rows` weight rows (brgemm reads no further).
+template <typename T>
+void pack_panel(const T* w, int64_t K, int64_t rows, float* panel) {
   int64_t j = 0;
   for (; j + 8 <= rows; j += 8) {
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) transpose8(w + j * K + k, K, panel + k * PACK_COLS + j, PACK_COLS);
     for (; k < K; ++k)
-      for (int64_t i = 0; i < 8; ++i) panel[k * PACK_COLS + j + i] = w[(j + i) * K + k];
+      for (int64_t i = 0; i < 8; ++i) panel[k * PACK_COLS + j + i] = static_cast<float>(w[(j + i) * K + k]);
   }
   for (; j < rows; ++j)
-    for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = w[j * K + k];
+    for (int64_t k = 0; k < K; ++k) panel[k * PACK_COLS + j] = static_cast<float>(w[j * K + k]);
 }
 
 // y = x W^T from 64 rows: a task packs PACK_COLS weight rows, then multiplies every row of x by them.
-void packed_products(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+template <typename T>
+void packed_products(const float* x, const T* w, float* y, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, (N + PACK_COLS - 1) / PACK_COLS, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> panel(K * PACK_COLS);
     for (int64_t i = b0; i < b1; ++i) {
@@ -734,18 +766,44 @@ void packed_products(const float* x, const float* w, float* y, int64_t M, int64_
   });
 }
 
-// R rows of x against weight rows n0..n1-1, NB weight rows at a time (R * NB accumulators: NB = 8
-// for a lone row keeps eight streams in flight; the others stay within AVX2's 16 registers).
-template <int R, int NB>
-void gemv_rows(const float* x, int64_t sx, const float* w, int64_t K, const float* b, float* y, int64_t sy,
-               int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
-    vf acc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[r][j] = vf{};
-    const float* wn = w + n * K;
-    int64_t k = 0;
+// y^T = W x^T from 5 to 63 rows: x^T as [chunks, K, C] (fp32), y^T as [chunks, N, C]; a task is a block
+// of weight rows (64 while the products stream the weights, 128 when each block is reused from cache
+// across chunks) against every chunk. bf16 weight rows are widened WIDEN_ROWS at a time first.
+template <typename T>
+void weight_products(const T* w, const float* xt, float* yt, int64_t M, int64_t K, int64_t N, int64_t C,
+                     int64_t chunks) {
+  const int64_t block = chunks == 1 ? 64 : 128;
+  at::parallel_for(0, (N + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wide(std::is_same<T, float>::value ? 0 : WIDEN_ROWS * K);
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t n0 = i * block, rows = std::min(block, N - n0);
+      const int64_t step = std::is_same<T, float>::value ? rows : WIDEN_ROWS;
+      for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        const int64_t nr = std::min(step, rows - r0);
+        const float* a;
+        if constexpr (std::is_same<T, float>::value) {
+          a = w + (n0 + r0) * K;
+        } else {
+          widen(w + (n0 + r0) * K, wide.data(), nr * K);
+          a = wide.data();
+        }
+        for (int64_t c = 0; c < chunks; ++c)
+          at::native::cpublas::brgemm(nr, std::min(C, M - c * C), K, K, C, C, false, a, xt + c * K * C,
+                                      yt + (c * N + n0 + r0) * C, false);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+// The R * NB dot products of R rows of x and NB weight rows, in fp32: x and w as T.
+template <int R, int NB, typename T>
+inline void dots(const T* x, int64_t sx, const T* wn, int64_t K, float (&s)[R][NB]) {
+  vf acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = vf{};
+  int64_t k = 0;
+  if constexpr (std::is_same<T, float>::value) {
     for (; k + L <= K; k += L) {
       vf wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = loadv(wn + j * K + k);
@@ -754,32 +812,62 @@ void gemv_rows(const float* x, int64_t sx, const float* w, int64_t K, const floa
         for (int j = 0; j < NB; ++j) acc[r][j] += xv * wv[j];
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) {
-        float s = hsum(acc[r][j]);
-        for (int64_t t = k; t < K; ++t) s += x[r * sx + t] * wn[j * K + t];
-        y[r * sy + n + j] = s + (b ? b[n + j] : 0.0f);
+  } else {
+    // NOTE: 2L bf16 values as L pairs: the even ones shifted up and the odd ones masked are each an fp32
+    // vector (one instruction apiece, where widening in order takes two), and a dot product does not mind
+    // the order as long as x's pairs are split the same way.
+    const vu high = vu{} + 0xFFFF0000u;
+    auto halves = [&](const T* p, vf& even, vf& odd) {
+      vu u;
+      std::memcpy(&u, p, sizeof u);
+      const vu e = u << 16, o = u & high;
+      std::memcpy(&even, &e, sizeof even);
+      std::memcpy(&odd, &o, sizeof odd);
+    };
+    for (; k + 2 * L <= K; k += 2 * L) {
+      vf we[NB], wo[NB];
+      for (int j = 0; j < NB; ++j) halves(wn + j * K + k, we[j], wo[j]);
+      for (int r = 0; r < R; ++r) {
+        vf xe, xo;
+        halves(x + r * sx + k, xe, xo);
+        for (int j = 0; j < NB; ++j) acc[r][j] += xe * we[j] + xo * wo[j];
       }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float t = hsum(acc[r][j]);
+      for (int64_t i = k; i < K; ++i) t += static_cast<float>(x[r * sx + i]) * static_cast<float>(wn[j * K + i]);
+      s[r][j] = t;
+    }
+}
+
+// R rows of x against weight rows n0..n1-1, NB weight rows at a time (R * NB accumulators: NB = 8
+// for a lone row keeps eight streams in flight; the others stay within AVX2's 16 registers).
+template <int R, int NB, typename T>
+void gemv_rows(const T* x, int64_t sx, const T* w, int64_t K, const T* b, T* y, int64_t sy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    float s[R][NB];
+    dots<R, NB>(x, sx, w + n * K, K, s);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j)
+        y[r * sy + n + j] = static_cast<T>(s[r][j] + (b ? static_cast<float>(b[n + j]) : 0.0f));
   }
   for (; n < n1; ++n)  // the last n1 - n0 mod NB weight rows, one at a time
     gemv_rows<R, 1>(x, sx, w, K, b, y, sy, n, n + 1);
 }
 
-at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "plain_linear runs float32 only");
-  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0)),
-              "bias must be a contiguous float32 [N]");
+template <typename T>
+at::Tensor plain_linear_as(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (K == 0) return at::linear(x, w, bias);  // no products: the bias alone (brgemm leaves y unwritten)
   const at::Tensor xc = x.contiguous();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const T* wp = w.data_ptr<T>();
   if (M <= GEMV_MAX_ROWS) {
-    const float* xp = xc.data_ptr<float>();
+    const T* xp = xc.data_ptr<T>();
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
     at::Tensor y = at::empty({M, N}, x.options());
-    float* yp = y.data_ptr<float>();
+    T* yp = y.data_ptr<T>();
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       switch (M) {
         case 1: gemv_rows<1, 8>(xp, K, wp, K, bp, yp, N, n0, n1); break;
@@ -791,34 +879,36 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     });
     return y;
   }
+  // The products run in fp32 into an fp32 y; a bf16 call rounds y (with the bias added) once at the end.
+  const at::Tensor xf = xc.to(at::kFloat);
+  at::Tensor y;
   if (M >= PACK_FROM_ROWS) {
-    at::Tensor y = at::empty({M, N}, x.options());
-    packed_products(xc.data_ptr<float>(), wp, y.data_ptr<float>(), M, K, N);
-    if (bias) y.add_(*bias);
-    return y;
+    y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    packed_products(xf.data_ptr<float>(), wp, y.data_ptr<float>(), M, K, N);
+  } else {
+    // x^T in chunks of C columns (C = M up to 32 rows: one chunk; else two of 32, the second zero-padded
+    // but multiplied at its own width).
+    const int64_t C = std::min(M, X_CHUNK), chunks = (M + C - 1) / C;
+    const at::Tensor xt =
+        at::constant_pad_nd(xf, {0, 0, 0, chunks * C - M}).view({chunks, C, K}).transpose(1, 2).contiguous();
+    at::Tensor yt = at::empty({chunks, N, C}, xf.options());
+    weight_products(wp, xt.data_ptr<float>(), yt.data_ptr<float>(), M, K, N, C, chunks);
+    y = yt.transpose(1, 2).reshape({chunks * C, N}).narrow(0, 0, M).contiguous();
   }
-  // x^T as [chunks, K, C] (C = M up to 32 rows: one chunk; else two of 32, the second zero-padded but
-  // multiplied at its own width), y^T as [chunks, N, C]; a task is a block of weight rows (64 while the
-  // products stream the weights, 128 when each block is reused from cache across chunks) against
-  // every chunk.
-  const int64_t C = std::min(M, X_CHUNK), chunks = (M + C - 1) / C, block = chunks == 1 ? 64 : 128;
-  const at::Tensor xt =
-      at::constant_pad_nd(xc, {0, 0, 0, chunks * C - M}).view({chunks, C, K}).transpose(1, 2).contiguous();
-  at::Tensor yt = at::empty({chunks, N, C}, x.options());
-  const float* xtp = xt.data_ptr<float>();
-  float* ytp = yt.data_ptr<float>();
-  at::parallel_for(0, (N + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t n0 = i * block, rows = std::min(block, N - n0);
-      for (int64_t c = 0; c < chunks; ++c)
-        at::native::cpublas::brgemm(rows, std::min(C, M - c * C), K, K, C, C, false, wp + n0 * K, xtp + c * K * C,
-                                    ytp + (c * N + n0) * C, false);
-    }
-    at::native::cpublas::brgemm_release();
-  });
-  at::Tensor y = yt.transpose(1, 2).reshape({chunks * C, N}).narrow(0, 0, M).contiguous();
   if (bias) y.add_(*bias);
-  return y;
+  return std::is_same<T, float>::value ? y : y.to(x.scalar_type());
+}
+
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
+  const auto dtype = w.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "plain_linear runs float32 or bfloat16, x and w alike");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == w.size(0)),
+              "bias must be contiguous [N] in w's dtype");
+  if (x.size(1) == 0) return at::linear(x, w, bias);  // no products: the bias alone (brgemm leaves y unwritten)
+  return dtype == at::kFloat ? plain_linear_as<float>(x, w, bias) : plain_linear_as<c10::BFloat16>(x, w, bias);
 }
 
 // mkldnn::_linear_pointwise(x, packed, bias) with no post-op, under a name torch.compile treats as

@@ -26,7 +26,9 @@ ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch, onednn or pdfleet
 # weights at 28-36 GB/s where oneDNN read 15-25) and 0.84-1.1x at 8-32; on a 2-core Intel Xeon with
 # AVX-512/AMX, F.linear was ~1.5x faster than the prepacked call at 1 row for the tiny preset's shapes (~10 us
 # of fixed cost per oneDNN call, which a small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16
-# oneDNN won at every size (plain_linear is fp32 only).
+# oneDNN won at every size there (before plain_linear ran bf16). Without native bf16 (AVX2) oneDNN refuses bf16,
+# F.linear ran it 3-9x slower than its fp32 at 4-512 rows, and plain_linear runs it in fp32 arithmetic on
+# widened weights: 0.63-0.82x its fp32 time at 1-4 rows (half the bytes), 1.0-1.24x at 8-512.
 PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the caches, as a step does
 # A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
 # when that costs at most this much memory; a larger one gets one kernel for every row count.
@@ -92,19 +94,22 @@ def onednn_available(dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def plain_available(dtype: torch.dtype) -> bool:
-    """True if pdfleet's plain_linear runs here in `dtype` (fp32, with the CPU kernels built) and agrees with
-    F.linear on each of its paths (few rows, the weight as brgemm's A in one chunk of x or two, packed panels)."""
+    """True if pdfleet's plain_linear runs here in `dtype` (fp32 or bf16, with the CPU kernels built) and agrees
+    with F.linear in fp32 on each of its paths (few rows, the weight as brgemm's A in one chunk of x or two,
+    packed panels)."""
     from pdfleet_worker.layers import cpu_kernels
 
-    if dtype != torch.float32 or not cpu_kernels.load():
+    if dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.load():
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+        w, b = torch.randn(24, 40, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding (8 bits of mantissa)
         for rows in (1, 3, 8, 40, 70):
-            x = torch.randn(rows, 40, generator=g)
+            x = torch.randn(rows, 40, generator=g).to(dtype)
             got = torch.ops.pdfleet.plain_linear(x, w, b)
-            if not torch.allclose(got, nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4):
+            want = nn.functional.linear(x.float(), w.float(), b.float())
+            if got.dtype != dtype or not torch.allclose(got.float(), want, atol=tol, rtol=tol):
                 return False
         return True
     except (RuntimeError, AttributeError):
