@@ -617,7 +617,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdfleet_worker.layers.packed_linear import NO_FAST_BF16, fast_bf16
 
         if not fast_bf16():
-            progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")
+            progress(
+                f"NOTE: {NO_FAST_BF16}: vLLM runs bf16 several times slower than fp32 here; pdfleet's "
+                "plain_linear widens bf16 weights to fp32 as it reads them"
+            )
     load_before = [round(x, 2) for x in os.getloadavg()]
     began = time.perf_counter()
     progress(

@@ -581,7 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdfleet_worker.layers.packed_linear import NO_FAST_BF16, fast_bf16
 
         if not fast_bf16():
-            progress(f"NOTE: {NO_FAST_BF16}: both engines run bf16 several times slower than fp32 here")
+            progress(
+                f"NOTE: {NO_FAST_BF16}: vLLM runs bf16 several times slower than fp32 here; pdfleet's "
+                "plain_linear widens bf16 weights to fp32 as it reads them"
+            )
     began = time.monotonic()
     runs: dict[str, list[dict]] = {d: [] for d in a.dtypes}
     try:

@@ -27,8 +27,8 @@ ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch, onednn or pdfleet
 # AVX-512/AMX, F.linear was ~1.5x faster than the prepacked call at 1 row for the tiny preset's shapes (~10 us
 # of fixed cost per oneDNN call, which a small weight does not hide) and 1.2-1.6x slower at 4-8 rows; in bf16
 # oneDNN won at every size there (before plain_linear ran bf16). Without native bf16 (AVX2) oneDNN refuses bf16,
-# F.linear ran it 3-9x slower than its fp32 at 4-512 rows, and plain_linear runs it in fp32 arithmetic on
-# widened weights: 0.63-0.82x its fp32 time at 1-4 rows (half the bytes), 1.0-1.24x at 8-512.
+# F.linear's bf16 took 2.4-9x plain_linear's fp32 time at 4-512 rows, and plain_linear runs bf16 in fp32
+# arithmetic on widened weights: 0.63-0.82x its own fp32 time at 1-4 rows (half the bytes), 1.0-1.24x at 8-512.
 PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the caches, as a step does
 # A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
 # when that costs at most this much memory; a larger one gets one kernel for every row count.
