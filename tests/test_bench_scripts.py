@@ -124,6 +124,38 @@ def test_pd_bench_smoke_run_measures_short_prompts_on_their_route(tmp_path):
     assert out["short_prompt_verdict"].startswith("no verdict"), "two repetitions judge nothing"
 
 
+def _bench_module(monkeypatch, script: str):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(BENCH))  # a bench script's own first import, bench/_sys_path.py
+    spec = importlib.util.spec_from_file_location(f"bench_{script.removesuffix('.py')}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pd_verdict_from_many_repetitions_is_the_medians_interval(monkeypatch):
+    """Per-request TTFT ratios straddle 1.0 at any number of repetitions; from CI_VERDICT_REPS on, the 95% interval
+    of their median decides, and it straddles where the median is near the target."""
+    pd = _bench_module(monkeypatch, "pd.py")
+    assert pd.CI_VERDICT_REPS >= 20
+    low = [0.9] * 70 + [1.2] * 30  # the median's interval is the 40th..61st value: both 0.9
+    assert pd.median_ci(low) == (0.9, 0.9)
+    assert pd.verdict(low).startswith("met (the median's 95% interval 0.900 .. 0.900")
+    assert pd.verdict([1.1] * 70 + [0.8] * 30).startswith("missed (the median's 95% interval 1.100 .. 1.100")
+    assert pd.verdict([0.9] * 50 + [1.1] * 50).startswith("no verdict (the median's 95% interval 0.900 .. 1.100")
+    # below CI_VERDICT_REPS the rule stays every repetition on one side
+    assert pd.verdict([0.9] * 20 + [1.1]).startswith("no verdict (repetitions")
+    assert pd.verdict([0.9] * 5) == "met (every repetition <= 1.0)"
+    assert pd.verdict([0.9] * 4).startswith("no verdict (4 repetitions")
+    # the interval covers the median of a known distribution about 95% of the time
+    import random
+
+    rng = random.Random(0)
+    hits = sum(lo <= 0 <= hi for lo, hi in (pd.median_ci([rng.gauss(0, 1) for _ in range(40)]) for _ in range(1000)))
+    assert 930 <= hits <= 990, hits
+
+
 def test_pd_bench_refuses_a_short_prompt_at_the_threshold():
     """A 'short' prompt the router would send to the prefill pool measures the wrong path: refused at the start."""
     result = subprocess.run(
