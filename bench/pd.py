@@ -316,17 +316,25 @@ def short_prompts(
     for rep in range(reps):
         order = list(paths) if rep % 2 == 0 else list(reversed(paths))
         times = {name: {} for name in paths}
+        # NOTE: every timed request right after an untimed one of the same length on the same path, so each meets
+        # its worker as a worker in a fleet meets its own steady stream of requests: warm. Without it a request to
+        # the worker the previous request had used ran 3-4 ms faster than one to the other (the tiny preset's
+        # weights stay in a last-level cache that another process's request evicts), and the ratio measured the
+        # order of the paths; with it, a decode-role and a colocated worker answered alike (1.004, interval
+        # 0.98-1.04, bench/HISTORY.md, fourteenth session).
         for n in lengths:
             for name in order:
+                paths[name](prompt(n))
                 times[name][n] = paths[name](prompt(n))
         for name in order:
             if name in longs:
+                paths[name](prompt(long))
                 longs[name].append(paths[name](prompt(long)))
         for name in paths:
             short[name].append(times[name])
     taken = {r: int(v - routes0[r]) for r, v in pd_routes(router, "default").items()}
     pulls = int(metric(decode, "pdfleet_kv_transfer_seconds_count") - pulls0)
-    want = {"short_prompt": (reps + 1) * len(lengths), "prefill_pool": reps + 1}
+    want = {"short_prompt": (2 * reps + 1) * len(lengths), "prefill_pool": 2 * reps + 1}
     if taken != want or pulls != want["prefill_pool"]:
         raise RuntimeError(
             f"the router routed {taken} and the decode worker pulled KV {pulls} times; expected {want} and "

@@ -117,8 +117,9 @@ def test_pd_bench_smoke_run_measures_short_prompts_on_their_route(tmp_path):
     assert PD_KEYS <= set(out), sorted(PD_KEYS - set(out))
     for key in ("short_prompt_ttft_vs_colocated", "long_prompt_ttft_vs_colocated"):
         assert 0 < out[f"{key}_min"] <= out[key] <= out[f"{key}_max"], key
-    # (2 repetitions + 1 warm-up) x 3 lengths through the short route; 3 prompts at the threshold through the pool
-    assert out["short_prompt_routes"] == {"short_prompt": 9, "prefill_pool": 3}
+    # (2 repetitions x (an untimed and a timed request) + 1 warm-up) x 3 lengths through the short route; 5 prompts
+    # at the threshold through the pool
+    assert out["short_prompt_routes"] == {"short_prompt": 15, "prefill_pool": 5}
     assert out["short_prompt_tokens"] == [16, 64, 128] and out["long_prompt_tokens"] == out["pd_min_prompt_tokens"]
     assert set(out["short_prompt_ttft_ms"]) == {"pd", "colo", "direct", "decode"}
     assert out["short_prompt_verdict"].startswith("no verdict"), "two repetitions judge nothing"
