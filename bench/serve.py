@@ -18,8 +18,10 @@ with the same limits (--max-num-seqs, --budget, one colocated replica each):
 vLLM runs as its CPU docs set it up: tcmalloc (Debian's libtcmalloc-minimal4) and the Intel OpenMP runtime its
 wheel ships (libiomp5) preloaded when present, VLLM_CPU_OMP_THREADS_BIND over every core this process may use
 (its `auto` keeps one core for the scheduler), VLLM_CPU_KVCACHE_SPACE=--kv-gib. The pdfleet worker runs as
-`pdfleet worker` starts by default (--pdfleet-threads auto) with a KV pool of the same bytes; --pdfleet-preload
-gives it the same preloads. Every server is started fresh for each measurement and stopped after it; the setups
+`pdfleet worker` starts by default (--pdfleet-threads auto) with a KV pool of the same bytes, and pdfleet's worker
+and router get the same preloads (--pdfleet-preload, `both` by default, as bench/peer.py gives them: on an AVX-512
+EPYC they served 1.06-1.09x the fp32 tokens/s at 0.89-0.94x the TTFT p50 of the same worker without them, three
+alternating pairs; bench/HISTORY.md, fourteenth session). Every server is started fresh for each measurement and stopped after it; the setups
 alternate (a rotating order per repetition, each dtype in turn). Each ratio is the median of the per-repetition
 ratios (pdfleet / vLLM of the same repetition), listed with min and max; the 1-minute load average before and after
 each client run is reported with it (the machine is shared: claim nothing the spread does not allow).
@@ -92,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pdfleet-preload",
         choices=("none", "tcmalloc", "both"),
-        default="none",
+        default="both",
         help="LD_PRELOAD for pdfleet's processes (vLLM always gets both when present)",
     )
     p.add_argument("--worker-args", default="", help="more `pdfleet worker` flags, space-separated")
