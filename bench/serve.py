@@ -21,10 +21,11 @@ wheel ships (libiomp5) preloaded when present, VLLM_CPU_OMP_THREADS_BIND over ev
 `pdfleet worker` starts by default (--pdfleet-threads auto) with a KV pool of the same bytes, and pdfleet's worker
 and router get the same preloads (--pdfleet-preload, `both` by default, as bench/peer.py gives them: on an AVX-512
 EPYC they served 1.06-1.09x the fp32 tokens/s at 0.89-0.94x the TTFT p50 of the same worker without them, three
-alternating pairs; bench/HISTORY.md, fourteenth session). Every server is started fresh for each measurement and stopped after it; the setups
-alternate (a rotating order per repetition, each dtype in turn). Each ratio is the median of the per-repetition
-ratios (pdfleet / vLLM of the same repetition), listed with min and max; the 1-minute load average before and after
-each client run is reported with it (the machine is shared: claim nothing the spread does not allow).
+alternating pairs; bench/HISTORY.md, fourteenth session). Every server is started fresh for each measurement and
+stopped after it; the setups alternate (a rotating order per repetition, each dtype in turn). Each ratio is the
+median of the per-repetition ratios (pdfleet / vLLM of the same repetition), listed with min and max; the 1-minute
+load average before and after each client run is reported with it (the machine is shared: claim nothing the
+spread does not allow).
 CPU seconds of each server's processes during the client's run are read from /proc: the router's per output token
 is what a token costs it.
 
