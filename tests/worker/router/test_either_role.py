@@ -117,6 +117,15 @@ def test_a_hung_decode_worker_ends_its_streams_with_an_error_event(pd):
     assert sample(r.metrics_text(), m.ROUTER_UPSTREAM_ERRORS_TOTAL.name, upstream_role="decode", reason="timeout") == 1
 
 
+def test_a_504_names_the_timeout_the_call_ran_under():
+    """A stream's header wait times out at its worker's silence bound: the 504 says that bound, not the pool's."""
+    from pdfleet_worker.router import proxy
+
+    request = httpx.Request("POST", "http://w:1/v1/completions", extensions={"timeout": {"read": 0.3}})
+    assert proxy._read_timeout(httpx.ReadTimeout("late", request=request), 600.0) == 0.3
+    assert proxy._read_timeout(httpx.ReadTimeout("late"), 600.0) == 600.0, "no request on it: the configured one"
+
+
 def test_a_streams_read_timeout_is_three_of_its_workers_heartbeats_and_other_calls_keep_the_pools():
     from types import SimpleNamespace
 

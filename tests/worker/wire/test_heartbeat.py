@@ -171,9 +171,11 @@ def test_heartbeats_are_counted_as_no_first_token(slow_pd):
 
 @pytest.fixture(scope="module")
 def queued_worker(logdir, model_dir):
-    """A colocated worker that runs one sequence at a time and beats every 20 ms, behind a router that beats
-    only every 30 s (so the comments seen come from the worker, relayed)."""
-    w = worker(logdir, model_dir, "both", "--max-num-seqs", "1", "--heartbeat-interval", "0.02", name="hb-worker")
+    """A colocated worker that runs one sequence at a time and beats every 100 ms, behind a router that beats
+    only every 30 s (so the comments seen come from the worker, relayed).
+    NOTE: the router ends a stream its worker leaves silent for three beats; at 20 ms beats that was 60 ms, which a
+    worker's event loop on a loaded 2-core machine overran once in a full suite (a 504 before the first event)."""
+    w = worker(logdir, model_dir, "both", "--max-num-seqs", "1", "--heartbeat-interval", "0.1", name="hb-worker")
     start_all(w)
     r = router(logdir, "--workers", w.url, "--heartbeat-interval", "30", name="router-hb-worker")
     try:
@@ -243,7 +245,7 @@ def test_the_openai_sdk_parses_a_queued_stream(queued_worker):
         model=MODEL, messages=PROMPT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
     )
     wait_until(lambda: w.load().get("waiting") == 1, what="the stream queued behind the long request")
-    time.sleep(0.2)  # ten heartbeat intervals of comments for the SDK to skip (the hold lasts seconds)
+    time.sleep(0.5)  # five heartbeat intervals of comments for the SDK to skip (the hold lasts seconds)
     assert not hold.ended.is_set(), "the hold ended before it was released"
     hold.release()
     chunks = list(stream)

@@ -558,11 +558,10 @@ class Router:
                 continue
             except httpx.TimeoutException as e:
                 self.metrics.upstream_error(role, "timeout")
-                log.warning("%s worker %s did not answer within %gs", role, up.url, self.cfg.upstream_timeout_s)
+                waited = _read_timeout(e, self.cfg.upstream_timeout_s)
+                log.warning("%s worker %s did not answer within %gs", role, up.url, waited)
                 raise RequestError(
-                    504,
-                    f"the {role} worker did not answer within {self.cfg.upstream_timeout_s:g}s",
-                    type="upstream_error",
+                    504, f"the {role} worker did not answer within {waited:g}s", type="upstream_error"
                 ) from e
             finally:
                 up.inflight -= 1
@@ -615,6 +614,15 @@ def silence_limit(up: Upstream) -> float | None:
     if up.engine != engines.PDFLEET or not isinstance(interval, (int, float)) or interval <= 0:
         return None
     return SILENT_BEATS * float(interval)
+
+
+def _read_timeout(e: httpx.TimeoutException, default: float) -> float:
+    """The read timeout the timed-out call ran under: a stream's is its worker's silence bound (three heartbeats),
+    not --upstream-timeout, and a 504 that named the latter sent whoever read it after the wrong setting."""
+    try:
+        return float(e.request.extensions["timeout"]["read"])
+    except (RuntimeError, KeyError, TypeError, ValueError):  # RuntimeError: no request on the exception
+        return default
 
 
 def stream_read_timeout(upstream_timeout_s: float, up: Upstream) -> float:
