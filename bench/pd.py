@@ -351,12 +351,9 @@ def short_summary(short: dict[str, list[dict[int, float]]], longs: dict[str, lis
         return [statistics.median(x.values()) / statistics.median(y.values()) for x, y in zip(short[a], short[b])]
 
     def per_pair(xs: list[float]) -> list[float]:
-        """One ratio per two repetitions, one in each order of the paths (their geometric mean).
-        NOTE: a request to the worker the previous request went to is faster than one to the other worker (on the
-        AVX-512 EPYC, 7-10 against 11-13 ms: the tiny preset's 20 MB of weights and its step's buffers are still in
-        the last-level cache that the other worker's request evicts), so in one order the short route follows its
-        own worker and the colocated path follows another, and in the reverse order the other way round: the
-        per-repetition ratios split into two clusters around 0.74 and 1.30. Each pair holds one of each."""
+        """One ratio per two repetitions, one in each order of the paths (their geometric mean): whatever order
+        effect the warm-up requests of short_prompts leave, each pair holds it once each way (without them the
+        per-repetition ratios split into clusters around 0.74 and 1.30)."""
         return [math.sqrt(a * b) for a, b in zip(xs[0::2], xs[1::2])] or xs
 
     vs_colo = per_pair(per_rep("pd", "colo"))

