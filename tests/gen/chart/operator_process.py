@@ -33,7 +33,9 @@ ALERTMANAGER_TOKEN = "alertmanager-token-for-the-chart-tests"
 # NOTE: how long exercise() waits for the operator process to react (a wait returns as soon as it has). Alone the
 # reactions take seconds; in the full suite on 2 cores, beside the engine's tests, they took 20-22 s several times
 # (2026-12-03 and -04: a revision-history prune, a price change's re-plan, the deletion of stale children). With
-# another tenant's load on top, a re-plan was not seen in 45 s either, once: not explained yet.
+# another tenant's load on top, a re-plan was not seen in 45 s either, once: not explained then. Once since, nothing
+# was reconciled because the operator had exited: its Lease renewal waited behind the emulator's backlog past the
+# chart's renew deadline (test_install.py's EMULATOR_ELECTION).
 REACT_S = 45
 
 

@@ -32,6 +32,17 @@ OPERATOR_USER = f"system:serviceaccount:{helm.NAMESPACE}:{helm.RELEASE}-operator
 # Every platform's worker image, as if built: the examples' pdfleet pools run on Ascend (npu) and Hygon (dtk) too,
 # which the chart's default (cpu, cuda) refuses (tests/decide/test_runtimes.py covers the refusal).
 EVERY_EXAMPLE = {"workerImage": {"platforms": list(worker_images.PLATFORMS)}}
+# NOTE: the emulator's Lease timing, set through the chart's values. The emulator validates every write against the
+# Kubernetes schemas on one thread of the test process; in the full suite on 2 cores it answered 10-25 requests/s
+# while the operator took in every example, and once a renewal of the Lease waited behind that burst past the
+# chart's 10 s renew deadline: the operator exited (as it must: it could not prove it still led) and nothing was
+# reconciled (2026-12-04). A real API server answers a renewal in milliseconds.
+EMULATOR_ELECTION = {"leaseDuration": 120, "renewDeadline": 90, "retryPeriod": 2}
+
+
+def chart_values(operator: dict[str, Any] | None = None) -> dict[str, Any]:
+    """EVERY_EXAMPLE with these operator values and the emulator's Lease timing."""
+    return {**EVERY_EXAMPLE, "operator": {**(operator or {}), "leaderElection": EMULATOR_ELECTION}}
 
 
 def service_account_kubeconfig(kube: Any) -> Any:
@@ -92,8 +103,8 @@ def compare(kube: Any, requests: list[LoggedRequest]) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_granted(kube, tmp_path) -> None:
-    config = helm.install(kube, EVERY_EXAMPLE, ["team-a"])
-    installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render(EVERY_EXAMPLE)}
+    config = helm.install(kube, chart_values(), ["team-a"])
+    installed = {(o["kind"], o["metadata"]["name"]) for o in helm.render(chart_values())}
     for kind, name in installed:
         resource = {
             "ClusterRole": "clusterroles.rbac.authorization.k8s.io",
@@ -110,6 +121,7 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
         tmp_path / "operator.log",
     )
     assert "--all-namespaces" in operator.args and "--leader-elect" in operator.args
+    assert "--leader-election-renew-deadline=90" in operator.args
     operator.start()
     try:
         for ns in ("default", "team-a"):
@@ -150,7 +162,7 @@ def test_install_then_the_operator_reconciles_with_exactly_the_rbac_it_is_grante
 
 @pytest.mark.slow
 def test_namespaced_install_stays_in_its_namespaces_with_exactly_its_roles(kube, tmp_path) -> None:
-    helm.install(kube, {**helm.VALUE_SETS["namespaced"], **EVERY_EXAMPLE}, ["team-a", "team-b", "elsewhere"])
+    helm.install(kube, chart_values(helm.VALUE_SETS["namespaced"]["operator"]), ["team-a", "team-b", "elsewhere"])
     kube.clear_requests()
     operator = OperatorProcess(
         kube.get("deployments.apps", f"{helm.RELEASE}-operator", helm.NAMESPACE),
