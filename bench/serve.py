@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pdfleet-threads", default="auto", help="the worker's --num-threads")
     p.add_argument(
         "--pdfleet-preload",
-        choices=("none", "tcmalloc", "both"),
+        choices=("none", "tcmalloc", "iomp5", "both"),
         default="both",
         help="LD_PRELOAD for pdfleet's processes (vLLM always gets both when present)",
     )
@@ -166,10 +166,10 @@ def dist_info_shim(workdir: Path, version: str) -> Path:
 
 
 def preloads(which: str) -> list[str]:
-    """The libraries vLLM's CPU docs preload, those present: tcmalloc, and (both) the libiomp5 its wheel ships."""
+    """The libraries vLLM's CPU docs preload that `which` names, those present: tcmalloc, its wheel's libiomp5."""
     found = [TCMALLOC] if which in ("tcmalloc", "both") and os.path.exists(TCMALLOC) else []
     iomp = Path(vllm_python()).parent.parent / "lib" / "libiomp5.so"  # .venv-vllm/lib, beside bin/python
-    if which == "both" and iomp.exists():
+    if which in ("iomp5", "both") and iomp.exists():
         found.append(str(iomp))
     return found
 
@@ -430,6 +430,7 @@ def run_client(a, url: str, shim: Path, out: Path, seed: int) -> dict:
         "--metric-percentiles",
         "50,99",
         "--save-result",
+        "--save-detailed",  # per-request TTFTs and start times, for --keep-logs readers
         "--result-dir",
         str(out.parent),
         "--result-filename",

@@ -111,6 +111,9 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
         (1, 0, 8, 8, 128),  # MHA, one query
         (70, 130, 6, 2, 48),  # a chunk with a past that is no multiple of the key block
         (3, 61, 2, 1, 16),  # a short chunk whose keys straddle a block edge
+        # head sizes of the bf16 dot-product path (AVX512-BF16): a past that is no multiple of the key block
+        (70, 130, 6, 2, 64),
+        (33, 200, 8, 2, 128),
     ],
 )
 def test_prefill_attention_matches_causal_sdpa(dtype, atol, n, past, hq, hkv, d):
@@ -255,6 +258,36 @@ def test_add_rms_norm_keeps_a_nan_a_nan():
     x[0, 3] = float("nan")
     y = torch.ops.pdfleet.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-5)
     assert y[0].isnan().all() and not y[1].isnan().any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (37, 264), (9, 20), (512, 2048)])
+def test_silu_and_mul_matches_the_pytorch_ops(dtype, rows, inter):
+    """silu(gate) * up of a fused [T, 2I] gate_up output (a strided view, as a wider buffer's rows are), widths with
+    and without a 16-lane tail, gates from -90 to 90 (exp(-|g|) underflows at the ends), against PyTorch's silu
+    then mul in the same dtype."""
+    g = torch.Generator().manual_seed(rows * inter)
+    x = (torch.randn(rows, 2 * inter + 6, generator=g) * 4).to(dtype)[:, : 2 * inter]
+    x[0, :3] = torch.tensor([-90.0, 90.0, 0.0], dtype=dtype)
+    gate, up = x.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    got = torch.ops.pdfleet.silu_and_mul(x)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    if dtype == torch.bfloat16:  # the same two roundings; sigmoid by another formula can move one by an ulp
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+        assert (got != want).float().mean() < 0.01
+    else:
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), float((got - want).abs().max())
+
+
+@needs_kernels
+def test_silu_and_mul_keeps_a_nan_a_nan():
+    x = torch.ones(2, 64)
+    x[0, 3] = float("nan")
+    x[1, 32 + 5] = float("nan")
+    y = torch.ops.pdfleet.silu_and_mul(x)
+    assert y[0, 3].isnan() and y[1, 5].isnan() and y.isnan().sum() == 2
 
 
 @needs_kernels

@@ -38,16 +38,28 @@ V4 = {
     "cx16",
 }
 AVX2_ONLY = V4 - {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-LEVELS = ["x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64"]
+LEVELS = ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64"]
 
 
 def test_the_best_level_the_cpu_runs_is_chosen_among_those_built() -> None:
-    assert pk.best_level(V4, LEVELS, "x86_64") == "x86-64-v4"
+    assert pk.best_level(V4, LEVELS, "x86_64") == "x86-64-v4", "AVX-512 without BF16 (Skylake, Ice Lake)"
+    assert pk.best_level(V4 | {"avx512_bf16"}, LEVELS, "x86_64") == "x86-64-v4-bf16"
+    assert pk.best_level(AVX2_ONLY | {"avx512_bf16"}, LEVELS, "x86_64") == "x86-64-v3", "bf16 needs the v4 base too"
     assert pk.best_level(AVX2_ONLY, LEVELS, "x86_64") == "x86-64-v3", "no AVX-512 on this node: never the v4 build"
     assert pk.best_level(set(), LEVELS, "x86_64") == "x86-64"
     assert pk.best_level(V4, ["x86-64-v3"], "x86_64") == "x86-64-v3"
     assert pk.best_level(AVX2_ONLY, ["x86-64-v4"], "x86_64") is None, "a v4 build only: nothing this CPU can run"
     assert pk.best_level({"asimd"}, ["armv8-a"], "aarch64") == "armv8-a"
+
+
+def test_a_level_with_extensions_compiles_with_each_and_no_native_target() -> None:
+    flags = pk._flags("x86-64-v4+avx512bf16")
+    assert flags[flags.index("-march=x86-64-v4") + 1 : flags.index("-march=x86-64-v4") + 3] == [
+        "-mavx512bf16",
+        "-mtune=generic",
+    ]
+    assert "-march=native" not in flags and "-march=native" not in pk._flags("x86-64-v3")
+    assert pk.library_name("x86-64-v4-bf16") != pk.library_name("x86-64-v4")
 
 
 def test_a_library_is_named_by_its_level_and_key_and_found_only_when_present(tmp_path) -> None:
@@ -68,7 +80,7 @@ def test_a_worker_with_no_compiler_on_path_loads_the_prebuilt_kernels(tmp_path) 
     fallback, compiles nothing and serves. HEAD's worker needs g++ at first use: it warned and ran plain PyTorch."""
     if shutil.which("g++") is None:
         pytest.skip("g++ builds the libraries (the image's build stage)")
-    if pk.levels()[0][0] != "x86-64-v4":
+    if pk.levels()[-1][0] != "x86-64":
         pytest.skip("the levels of this test are x86-64's")
     level = pk.best_level(pk.cpu_flags(), LEVELS)
     kernels = tmp_path / "kernels"

@@ -24,9 +24,13 @@ from pathlib import Path
 ENV = "PDFLEET_KERNEL_DIR"
 log = logging.getLogger("pdfleet.worker.kernels")
 
-# (level, -march, the /proc/cpuinfo flags a CPU needs for it), best first. The x86-64 psABI levels.
+# (level, -march[+extensions], the /proc/cpuinfo flags a CPU needs for it), best first. The x86-64 psABI levels, and
+# v4 with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later): the bf16 prefill attention's
+# `vdpbf16ps` path (layers/cpu_kernels.cpp) exists only in a library built with it.
+_V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 X86_LEVELS = (
-    ("x86-64-v4", "x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v4-bf16", "x86-64-v4+avx512bf16", _V4 | {"avx512_bf16"}),
+    ("x86-64-v4", "x86-64-v4", _V4),
     ("x86-64-v3", "x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave", "abm"})),
     ("x86-64-v2", "x86-64-v2", frozenset({"sse4_1", "sse4_2", "ssse3", "popcnt", "cx16"})),
     ("x86-64", "x86-64", frozenset()),
@@ -57,10 +61,16 @@ def best_level(flags: Iterable[str], available: Sequence[str], machine: str | No
     return None
 
 
+def _target(march: str) -> list[str]:
+    """`x86-64-v4+avx512bf16` -> -march=x86-64-v4 -mavx512bf16 -mtune=generic."""
+    base, *extensions = march.split("+")
+    return [f"-march={base}", *(f"-m{e}" for e in extensions), "-mtune=generic"]
+
+
 def _flags(march: str) -> list[str]:
     from pdfleet_worker.layers import cpu_kernels
 
-    return [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS] + ["-mtune=generic"]
+    return [f for flag in cpu_kernels.FLAGS for f in (_target(march) if flag == "-march=native" else [flag])]
 
 
 def library_name(level: str) -> str:
@@ -103,9 +113,10 @@ def build(out_dir: Path, only: Sequence[str] | None = None, compiler: str | None
             continue
         out = out_dir / library_name(name)
         command = [
-            f"-march={march}" if a == "-march=native" else a for a in cpu_kernels._compile_command(compiler, out)
+            f
+            for a in cpu_kernels._compile_command(compiler, out)
+            for f in (_target(march) if a == "-march=native" else [a])
         ]
-        command.insert(command.index(f"-march={march}") + 1, "-mtune=generic")
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling the CPU kernels for {name} failed:\n{proc.stderr[-3000:]}")

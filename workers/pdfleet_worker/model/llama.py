@@ -124,8 +124,11 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.cpu_kernels = False  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and not torch.compiler.is_compiling():
+            return self.down_proj.forward(torch.ops.pdfleet.silu_and_mul(self.gate_up_proj.forward(x)))
         gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(nn.functional.silu(gate) * up)
 
@@ -201,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_cpu_kernels(model: LlamaForCausalLM) -> None:
-    """Route RMSNorm (with its residual add) and RoPE to layers/cpu_kernels.cpp;
+    """Route RMSNorm (with its residual add), RoPE and the MLP's SiLU-and-multiply to layers/cpu_kernels.cpp;
     ModelRunner calls this after loading, once the kernels have built."""
     for m in model.modules():
         if hasattr(m, "cpu_kernels"):
