@@ -63,6 +63,25 @@ def test_worker_command_and_environment_follow_the_class(tmp_path, model_dir):
     assert router[router.index("--workers-file") + 1] == str(tmp_path / "run" / "workers.json")
 
 
+def test_cpu_workers_get_tcmalloc_preloaded_unless_turned_off(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr(machine.ctypes.util, "find_library", lambda name: f"lib{name}.so.4")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    sup, _ = make(tmp_path, model_dir)
+    for name in ("off", "absent", "bad"):
+        (tmp_path / name).mkdir()
+    cpu = sv.Replica("decode-0", "decode", "cpu", 9001)
+    assert sup._env(cpu)["LD_PRELOAD"] == "/opt/other.so:libtcmalloc_minimal.so.4"  # the user's own kept first
+    assert sup._env(sv.Replica("router", "router", "", 9002))["LD_PRELOAD"] == "/opt/other.so"  # workers only
+    monkeypatch.setenv(machine.PRELOAD_ENV, "none")
+    assert make(tmp_path / "off", model_dir)[0]._env(cpu)["LD_PRELOAD"] == "/opt/other.so"
+    monkeypatch.setenv(machine.PRELOAD_ENV, "auto")
+    monkeypatch.setattr(machine.ctypes.util, "find_library", lambda name: None)  # not installed: nothing preloaded
+    assert make(tmp_path / "absent", model_dir)[0]._env(cpu)["LD_PRELOAD"] == "/opt/other.so"
+    monkeypatch.setenv(machine.PRELOAD_ENV, "jemalloc")
+    with pytest.raises(specs.UpError, match="PDFLEET_PRELOAD='jemalloc': use auto"):
+        make(tmp_path / "bad", model_dir)
+
+
 def test_back_off_doubles_to_its_cap_and_starts_over_after_serving(tmp_path, model_dir):
     sup, clock = make(tmp_path, model_dir)
     sup.startup = False

@@ -3,6 +3,7 @@ and loopback ports; `pdfleet up` plans on it."""
 
 from __future__ import annotations
 
+import ctypes.util
 import errno
 import os
 import shutil
@@ -45,6 +46,26 @@ class Machine:
             f"requests {cls.resource_name} ({cls.vendor}), which `pdfleet up` cannot give a local process "
             f"(it runs on CPU cores and whole NVIDIA GPUs)"
         )
+
+
+PRELOAD_ENV = "PDFLEET_PRELOAD"  # auto: tcmalloc into pdfleet's worker processes when it is installed; none
+TCMALLOC = "tcmalloc_minimal"  # Debian's libtcmalloc-minimal4
+
+
+def malloc_preload(setting: str | None = None) -> str | None:
+    """The allocator `pdfleet up` preloads into pdfleet's CPU workers (LD_PRELOAD), None when off or not installed
+    (a GPU worker's host allocations were not measured with it).
+
+    NOTE: under `vllm bench serve` on a 2-core AMD EPYC a worker with tcmalloc served 1.04-1.12x the output
+    tokens/s of one without (three rounds, bench/HISTORY.md, fifteenth session), as vLLM's CPU docs preload it for
+    theirs. Intel OpenMP added to it gave more (1.09-1.27x), alone 0.96-1.06x; it comes with vLLM's runtime, not
+    with pdfleet's, so it is not preloaded here."""
+    setting = setting or os.environ.get(PRELOAD_ENV) or "auto"
+    if setting == "none":
+        return None
+    if setting != "auto":
+        raise UpError(f"{PRELOAD_ENV}={setting!r}: use auto (tcmalloc when installed) or none")
+    return ctypes.util.find_library(TCMALLOC)  # a soname like libtcmalloc_minimal.so.4, which ld.so finds
 
 
 def nvidia_gpus() -> int:

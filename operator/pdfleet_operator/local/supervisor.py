@@ -109,6 +109,7 @@ class Supervisor:
         self.route_to = route_to  # spec.routing: the target deployment's router
         self.vllm = vllm  # the vLLM runtime, when a pool here runs vLLM (up.preflight finds it)
         self.cores = sorted(os.sched_getaffinity(0))
+        self.preload = mach.malloc_preload()  # into pdfleet's workers (None: off, or not installed)
         self.memory_bytes = vllm_runtime.available_memory()
         self.router_host = router_host
         self.on_event = on_event or (lambda e: None)
@@ -304,6 +305,8 @@ class Supervisor:
         else:
             env["PDFLEET_ACCELERATOR"] = r.accelerator_class
             env.update(dict(rt.env))
+            if self.preload and r.devices == ():
+                env["LD_PRELOAD"] = ":".join(p for p in (env.get("LD_PRELOAD"), self.preload) if p)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in r.devices)  # ours, whatever the class's env says
         return env
 
