@@ -52,7 +52,7 @@ PRELOAD_ENV = "PDFLEET_PRELOAD"  # auto: tcmalloc into pdfleet's worker processe
 TCMALLOC = "tcmalloc_minimal"  # Debian's libtcmalloc-minimal4
 
 
-def malloc_preload(setting: str | None = None) -> str | None:
+def malloc_preload() -> str | None:
     """The allocator `pdfleet up` preloads into pdfleet's CPU workers (LD_PRELOAD), None when off or not installed
     (a GPU worker's host allocations were not measured with it).
 
@@ -60,7 +60,7 @@ def malloc_preload(setting: str | None = None) -> str | None:
     tokens/s of one without (three rounds, bench/HISTORY.md, fifteenth session), as vLLM's CPU docs preload it for
     theirs. Intel OpenMP added to it gave more (1.09-1.27x), alone 0.96-1.06x; it comes with vLLM's runtime, not
     with pdfleet's, so it is not preloaded here."""
-    setting = setting or os.environ.get(PRELOAD_ENV) or "auto"
+    setting = os.environ.get(PRELOAD_ENV) or "auto"
     if setting == "none":
         return None
     if setting != "auto":

@@ -305,7 +305,7 @@ class Supervisor:
         else:
             env["PDFLEET_ACCELERATOR"] = r.accelerator_class
             env.update(dict(rt.env))
-            if self.preload and r.devices == ():
+            if self.preload and not r.devices:
                 env["LD_PRELOAD"] = ":".join(p for p in (env.get("LD_PRELOAD"), self.preload) if p)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in r.devices)  # ours, whatever the class's env says
         return env
