@@ -521,6 +521,12 @@ def report(a, runs: dict, version: str, began: float) -> dict:
             out[f"{tag}_tpot_p50_ms_{k}"] = round(med([r["tpot_p50_ms"] for r in rs]), 2)
             if "router" in cpu:
                 out[f"{tag}_router_cpu_ms_per_token_{k}"] = round(med(cpu["router"]), 3)
+                # The router's share of the setup's CPU: on a machine the engine saturates, what the router
+                # takes from it, measured per repetition and far less noisy than a throughput ratio.
+                share = [r["cpu_s"]["router"] / max(1e-9, sum(r["cpu_s"].values())) for r in rs]
+                out[f"{tag}_router_cpu_share_{k}"] = round(med(share), 4)
+                out[f"{tag}_router_cpu_share_{k}_range"] = [round(min(share), 4), round(max(share), 4)]
+                rows.append((f"  router's share of the CPU ({k})", f"{spread([100 * x for x in share], 2)}%", ""))
         pairs = [("pdfleet", "vllm", "pdfleet_vs_vllm"), ("router-vllm", "vllm", "router_vllm_vs_vllm")]
         for num, den, name in pairs:
             both = [r for r in reps if num in r and den in r]

@@ -268,3 +268,6 @@ def test_serve_bench_smoke_run(tmp_path):
         assert 0 < lo <= out[key] <= hi, key
     assert out["reps"] == 1 and out["setups"] == ["pdfleet", "vllm", "router-vllm"]
     assert out["pdfleet_tok_s_fp32"] > 0 and out["vllm_tok_s_fp32"] > 0 and out["router_vllm_tok_s_fp32"] > 0
+    for setup in ("pdfleet", "router_vllm"):  # the router's CPU against everything the setup burned: a share
+        lo, hi = out[f"{setup}_router_cpu_share_fp32_range"]
+        assert 0 < lo <= out[f"{setup}_router_cpu_share_fp32"] <= hi < 1, setup
