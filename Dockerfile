@@ -46,6 +46,12 @@ FROM base AS torch
 # torch is installed first, from that index, at the version constraints.txt pins; the rest then resolves
 # against it.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# TCMALLOC=1 (make images passes it for the cpu image only) installs Debian's tcmalloc, which the worker stage
+# preloads: what `pdfleet up` gives CPU workers (1.04-1.12x a CPU worker's tokens/s under `vllm bench serve`,
+# bench/HISTORY.md, fifteenth session) and what vLLM's CPU docs preload. GPU workers were not measured with it.
+ARG TCMALLOC=
+RUN if [ -n "$TCMALLOC" ]; then apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+        && rm -rf /var/lib/apt/lists/*; fi
 RUN pip install --index-url "${TORCH_INDEX_URL}" "$(grep '^torch==' constraints.txt)" \
     && pip install -c constraints.txt '.[worker]'
 
@@ -59,8 +65,13 @@ FROM torch AS worker
 COPY --from=kernels /opt/pdfleet/kernels /opt/pdfleet/kernels
 # HF/torch caches under /tmp: the root filesystem is read-only in the chart's pods; the kernels come prebuilt.
 ENV HF_HOME=/tmp/hf TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PDFLEET_KERNEL_DIR=/opt/pdfleet/kernels
+# tcmalloc in every process of a TCMALLOC=1 image, by soname (a pod turns it off with LD_PRELOAD=""); the build fails
+# when the library it names did not load.
+ARG TCMALLOC=
+ENV LD_PRELOAD=${TCMALLOC:+libtcmalloc_minimal.so.4}
 RUN python -m pdfleet_worker.layers.prebuilt_kernels check /opt/pdfleet/kernels \
-    && ! command -v g++
+    && ! command -v g++ \
+    && { [ -z "$LD_PRELOAD" ] || grep -q libtcmalloc_minimal /proc/self/maps; }
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \

@@ -123,6 +123,8 @@ TAG              ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/pdf
 WORKER_PLATFORMS ?= cpu cuda
 TORCH_INDEX_cpu  ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX_cuda ?= https://download.pytorch.org/whl/cu128
+# Platforms whose worker image preloads tcmalloc (the Dockerfile's TCMALLOC): CPU workers, where it was measured.
+TCMALLOC_PLATFORMS ?= cpu
 DOCKER           ?= docker
 comma            := ,
 empty            :=
@@ -130,7 +132,7 @@ space            := $(empty) $(empty)
 
 # One worker image: torch from its index (cpu, cuda), else the vendor target on its base image.
 define worker_image
-	$(if $(TORCH_INDEX_$(1)),$(DOCKER) build --target worker -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_$(1)) .,$(DOCKER) build --target vendor -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg VENDOR_BASE=$(BASE_$(1)) .)
+	$(if $(TORCH_INDEX_$(1)),$(DOCKER) build --target worker -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_$(1))$(if $(filter $(1),$(TCMALLOC_PLATFORMS)), --build-arg TCMALLOC=1) .,$(DOCKER) build --target vendor -t $(REGISTRY)/pdfleet-worker:$(TAG)-$(1) --build-arg VENDOR_BASE=$(BASE_$(1)) .)
 	$(DOCKER) push $(REGISTRY)/pdfleet-worker:$(TAG)-$(1)
 
 endef

@@ -45,6 +45,22 @@ def test_the_worker_image_carries_prebuilt_kernels_and_no_compiler():
     assert "apt-get install" not in worker
 
 
+def test_the_cpu_worker_image_preloads_tcmalloc_and_checks_it_loaded():
+    """As `pdfleet up` does for CPU workers: the package where TCMALLOC is set, LD_PRELOAD by soname, and a build
+    that fails when the preload did not take (ld.so only warns about a library it cannot find)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    torch_stage = dockerfile[dockerfile.index("FROM base AS torch") : dockerfile.index("FROM torch AS kernels")]
+    worker = dockerfile[dockerfile.index("FROM torch AS worker") : dockerfile.index("AS vendor")]
+    assert "ARG TCMALLOC=" in torch_stage and 'if [ -n "$TCMALLOC" ]' in torch_stage
+    assert "apt-get install -y --no-install-recommends libtcmalloc-minimal4" in torch_stage
+    assert "ARG TCMALLOC=" in worker and "ENV LD_PRELOAD=${TCMALLOC:+libtcmalloc_minimal.so.4}" in worker
+    assert 'grep -q libtcmalloc_minimal /proc/self/maps' in worker
+    # the soname is the one the Debian package ships and `pdfleet up` looks up
+    from pdfleet_operator.local import machine
+
+    assert machine.TCMALLOC == "tcmalloc_minimal"
+
+
 def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_names_the_chart_expects(tmp_path):
     """HEAD built one worker, with CPU torch: every NVIDIA pool rendered --device cuda crash-looped."""
     import os
@@ -78,7 +94,7 @@ def test_make_images_builds_the_operator_and_a_cpu_and_a_cuda_worker_under_the_n
         f"build --target operator -t {reg}/pdfleet-operator:{version} .",
         f"push {reg}/pdfleet-operator:{version}",
         f"build --target worker -t {reg}/pdfleet-worker:{version}-cpu "
-        "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .",
+        "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg TCMALLOC=1 .",
         f"push {reg}/pdfleet-worker:{version}-cpu",
         f"build --target worker -t {reg}/pdfleet-worker:{version}-cuda "
         "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .",
