@@ -57,6 +57,36 @@ def test_plan_takes_the_fastest_kernel_of_the_layouts_that_lose_least():
         plan(rows, _ms((1, 8), torch=[1, 1], onednn=[1, 1]), True)  # a row count not timed
 
 
+def test_larger_shapes_keep_both_layouts_within_the_room_by_gain():
+    """Shapes of at most SPLIT_BYTES split whenever that gains; larger ones while their second layouts fit the room
+    together, the largest gain first; a shape whose split gains too little keeps one layout whatever the room."""
+    rows = (1, 8, 32)
+    mb = 1 << 20
+    big_gain = _ms(rows, torch=[1, 1, 1], onednn=[2.0, 0.6, 0.6], pdfleet=[0.5, 0.9, 0.9])
+    small_gain = _ms(rows, torch=[1, 1, 1], onednn=[1.3, 0.8, 0.8], pdfleet=[0.8, 1.0, 1.0])
+    no_gain = _ms(rows, torch=[1, 1, 1], onednn=[0.7, 0.7, 0.7])
+
+    def timing(name, ms, size):
+        t = tuple((k, r, v) for (k, r), v in ms.items())
+        return packed_linear.ShapeTiming((name, 1), 1, t, packed_linear.plan(rows, ms, False), size)
+
+    shapes = [
+        timing(1, small_gain, 100 * mb),
+        timing(2, big_gain, 150 * mb),
+        timing(3, no_gain, 10 * mb),
+        timing(4, big_gain, packed_linear.SPLIT_BYTES),
+    ]
+    def split(room):  # which shapes hold both layouts
+        layouts = [{packed_linear.LAYOUT[k] for _, k in s.plan} for s in packed_linear.split_within(shapes, rows, room)]
+        return [len(x) == 2 for x in layouts]
+
+    assert split(0) == [False, False, False, True]  # at most SPLIT_BYTES: always
+    assert split(200 * mb) == [False, True, False, True]  # the larger gain first; the next no longer fits
+    assert split(250 * mb) == [True, True, False, True]
+    assert split(10 << 30) == [True, True, False, True]  # no gain, no second layout
+    assert [s.plan for s in packed_linear.split_within(shapes, rows, 0)][:3] == [s.plan for s in shapes][:3]
+
+
 SPLITS = [((0, "torch"), (4, "onednn")), ((0, "onednn"), (4, "torch")), ((0, "pdfleet"), (4, "onednn"), (9, "torch"))]
 
 

@@ -19,6 +19,7 @@ from pdfleet_worker.engine.scheduler import Scheduler
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdfleet_worker.engine.stats import EngineStats, FinishedRequestStats, IterationStats
 from pdfleet_worker.engine.structured import Grammars
+from pdfleet_worker.layers import packed_linear
 from pdfleet_worker.model.loader import load_model
 from pdfleet_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdfleet_worker.sampling_params import SamplingParams
@@ -93,7 +94,14 @@ class LLMEngine:
             preemption=config.preemption,
         )
         model = load_model(config.model, dtype, config.device, quantization=config.quantization)
-        self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len)
+        split_room = 0
+        if torch.device(config.device).type == "cpu":
+            # what the KV pool, its host tier and swap space will leave of the memory now free (weights loaded)
+            from pdfleet_worker.server.device import free_memory
+
+            to_come = (num_blocks + tier_blocks[HOST] + swap_blocks) * per_block
+            split_room = max(0, free_memory("cpu").bytes - to_come) // packed_linear.SPLIT_ROOM_SHARE
+        self.model_runner = ModelRunner(model, config, num_blocks, self.max_model_len, linear_split_room=split_room)
         self.sampler = self.model_runner.sampler
         self.sampler.eos_token_ids = tuple(sorted(eos))
         self.grammars: Grammars | None = None

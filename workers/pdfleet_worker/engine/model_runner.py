@@ -43,7 +43,15 @@ _COPY_STORES = {
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, engine_cfg: EngineConfig, num_blocks: int, max_model_len: int):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        engine_cfg: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        *,
+        linear_split_room: int = 0,
+    ):
         cfg = model.config
         self.model_config = cfg
         self.device = torch.device(engine_cfg.device)
@@ -57,7 +65,10 @@ class ModelRunner:
         self.linear_backend = "torch"
         if self.device.type == "cpu":
             self.linear_choice = packed_linear.choose(
-                model, self.dtype, packed_linear.probe_rows(engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens)
+                model,
+                self.dtype,
+                packed_linear.probe_rows(engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens),
+                split_room=linear_split_room,
             )
             packed_linear.pack_linears(model, self.linear_choice)
             self.linear_backend = self.linear_choice.backend

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 log = logging.getLogger("pdfleet.engine")
 
 KERNELS = ("torch", "onednn", "pdfleet")
-# The weight layout each kernel reads: one shape holds one layout unless both fit in SPLIT_BYTES.
+# The weight layout each kernel reads: one shape holds one layout unless it may keep both (SPLIT_BYTES, split_within).
 LAYOUT = {"torch": "plain", "pdfleet": "plain", "onednn": "packed"}
 ENV = "PDFLEET_LINEAR_KERNEL"  # auto (measure), torch, onednn or pdfleet
 # NOTE: which kernel is faster depends on the CPU, the dtype, the shape and the batch, so it is measured
@@ -33,6 +34,13 @@ PROBE_BYTES = 64 << 20  # weights timed per shape: enough layers to leave the ca
 # A shape whose faster kernel changes with the row count keeps both layouts (and takes each where it won)
 # when that costs at most this much memory; a larger one gets one kernel for every row count.
 SPLIT_BYTES = 64 << 20
+# ... or, beyond that, while the second layouts together fit in the room `choose` is given (the engine gives it
+# SPLIT_ROOM_SHARE of the memory the KV pool leaves), the shapes that gain most first. NOTE: a shape too large for
+# SPLIT_BYTES had one kernel at every row count, and on a 2-core EPYC the small preset's 768x4096 and 2048x768
+# (201 and 100 MB) flipped between oneDNN and plain_linear from one start-up to the next: plain_linear wins a lone
+# decode by ~30%, oneDNN 8-128 rows by 5-15%, and the log-time sums came out within the timings' noise. A start-up
+# on plain_linear served the peer's mixed workload ~5% slower (bench/HISTORY.md, sixteenth session).
+SPLIT_ROOM_SHARE = 8
 # ... and only when that loses at least this much less (summed log time) than the best single layout: the
 # probe's timings of two close kernels swap from run to run, and on a 2-core EPYC one start-up in four split
 # the small preset's 768x1280 shape (63 MB) for a 5% difference at 32 rows.
@@ -180,6 +188,7 @@ class ShapeTiming:
     count: int
     ms: tuple[tuple[str, int, float], ...]  # (kernel, rows, ms per call)
     plan: Plan
+    bytes: int = 0  # the weights of every linear of this shape, one layout
 
     def kernel_at(self, rows: int) -> str:
         return kernel_at(self.plan, rows)
@@ -250,7 +259,8 @@ class LinearChoice:
         )
 
 
-_PROBED: dict[tuple, LinearChoice] = {}  # probe key -> choice, for this process
+_PROBED: dict[tuple, LinearChoice] = {}  # (probe key, split room) -> choice, for this process
+_TIMED: dict[tuple, tuple[list[ShapeTiming], str]] = {}  # probe key -> each shape's timings and one-layout plan
 
 
 def linear_shapes(model: nn.Module) -> dict[Shape, list[nn.Linear]]:
@@ -291,10 +301,18 @@ def plan(rows: tuple[int, ...], ms: dict[tuple[str, int], float], split_ok: bool
     return tuple(out)
 
 
-def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setting: str | None = None) -> LinearChoice:
+def choose(
+    model: nn.Module,
+    dtype: torch.dtype,
+    rows: tuple[int, ...],
+    *,
+    setting: str | None = None,
+    split_room: int = 0,
+) -> LinearChoice:
     """The kernel of each weight shape of `model` (on the CPU, in `dtype`) at each row count; `setting` defaults
     to $PDFLEET_LINEAR_KERNEL: auto (time every kernel usable here at `rows`), or one of KERNELS for every
-    shape (no timing)."""
+    shape (no timing). `split_room`: bytes the second layouts of shapes larger than SPLIT_BYTES may take
+    together (0: none of them keeps both)."""
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
     if setting not in ("auto", *KERNELS):
         raise ValueError(f"{ENV}={setting!r}: expected auto, " + ", ".join(KERNELS[:-1]) + f" or {KERNELS[-1]}")
@@ -316,11 +334,15 @@ def choose(model: nn.Module, dtype: torch.dtype, rows: tuple[int, ...], *, setti
     if kernels == ("torch",):
         return fixed("torch", "oneDNN and plain_linear unavailable")
     key = (dtype, threads, rows, kernels, tuple((s, len(ms), ms[0].bias is not None) for s, ms in groups.items()))
-    if key in _PROBED:  # NOTE: one probe per process for the same shapes (tests build many engines)
-        return _PROBED[key]
-    t0 = time.perf_counter()
-    shapes = tuple(_probe_shape(shape, mods, dtype, rows, kernels) for shape, mods in groups.items())
-    choice = _PROBED[key] = LinearChoice(dtype, threads, rows, f"probe, {time.perf_counter() - t0:.2f}s", shapes)
+    if (key, split_room) in _PROBED:  # NOTE: one probe per process for the same shapes (tests build many engines)
+        return _PROBED[key, split_room]
+    if key not in _TIMED:
+        t0 = time.perf_counter()
+        timed = [_probe_shape(shape, mods, dtype, rows, kernels) for shape, mods in groups.items()]
+        _TIMED[key] = (timed, f"probe, {time.perf_counter() - t0:.2f}s")
+    timed, source = _TIMED[key]
+    shapes = tuple(split_within(timed, rows, split_room))
+    choice = _PROBED[key, split_room] = LinearChoice(dtype, threads, rows, source, shapes)
     log.info("%s", choice.describe())
     return choice
 
@@ -354,8 +376,33 @@ def _probe_shape(
                 ms = (time.perf_counter() - t) * 1e3 / len(layers)
                 best[kernel, r] = min(best.get((kernel, r), math.inf), ms)
     timing = tuple((k, r, best[k, r]) for r in rows for k in kernels)
-    split_ok = len(modules) * per_layer <= SPLIT_BYTES
-    return ShapeTiming(shape, len(modules), timing, plan(rows, best, split_ok))
+    return ShapeTiming(shape, len(modules), timing, plan(rows, best, False), len(modules) * per_layer)
+
+
+def split_within(shapes: list[ShapeTiming], rows: tuple[int, ...], room: int) -> list[ShapeTiming]:
+    """`shapes` with both layouts where that gains SPLIT_MIN_GAIN: every shape of at most SPLIT_BYTES, then the
+    larger ones by gain while their second layouts fit in `room` bytes together."""
+    out = list(shapes)
+    larger = []
+    for i, s in enumerate(shapes):
+        ms = {(k, r): t for k, r, t in s.ms}
+        split = plan(rows, ms, True)
+        if split == s.plan:
+            continue
+        if s.bytes <= SPLIT_BYTES:
+            out[i] = dataclasses.replace(s, plan=split)
+        else:
+            larger.append((_regret(s.plan, rows, ms) - _regret(split, rows, ms), i, split))
+    for _, i, split in sorted(larger, reverse=True):
+        if shapes[i].bytes <= room:
+            room -= shapes[i].bytes
+            out[i] = dataclasses.replace(shapes[i], plan=split)
+    return out
+
+
+def _regret(p: Plan, rows: tuple[int, ...], ms: dict[tuple[str, int], float]) -> float:
+    """Summed log time lost against the fastest kernel at each row count."""
+    return sum(math.log(ms[kernel_at(p, r), r] / min(t for (_, rr), t in ms.items() if rr == r)) for r in rows)
 
 
 def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
