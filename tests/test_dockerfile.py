@@ -54,7 +54,7 @@ def test_the_cpu_worker_image_preloads_tcmalloc_and_checks_it_loaded():
     assert "ARG TCMALLOC=" in torch_stage and 'if [ -n "$TCMALLOC" ]' in torch_stage
     assert "apt-get install -y --no-install-recommends libtcmalloc-minimal4" in torch_stage
     assert "ARG TCMALLOC=" in worker and "ENV LD_PRELOAD=${TCMALLOC:+libtcmalloc_minimal.so.4}" in worker
-    assert 'grep -q libtcmalloc_minimal /proc/self/maps' in worker
+    assert "grep -q libtcmalloc_minimal /proc/self/maps" in worker
     # the soname is the one the Debian package ships and `pdfleet up` looks up
     from pdfleet_operator.local import machine
 

@@ -76,6 +76,7 @@ def test_larger_shapes_keep_both_layouts_within_the_room_by_gain():
         timing(3, no_gain, 10 * mb),
         timing(4, big_gain, packed_linear.SPLIT_BYTES),
     ]
+
     def split(room):  # which shapes hold both layouts
         layouts = [{packed_linear.LAYOUT[k] for _, k in s.plan} for s in packed_linear.split_within(shapes, rows, room)]
         return [len(x) == 2 for x in layouts]

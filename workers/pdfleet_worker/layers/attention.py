@@ -189,7 +189,7 @@ def _batched(q: torch.Tensor, kv_new: torch.Tensor, meta: AttentionMetadata, cac
     t, hq, d = q.shape
     hkv = cache.k.shape[0]
     g = hq // hkv
-    out = q.new_empty(t, hq, d)  # every row written below, in place (a torch.cat of the parts cost ~1.5% of a mixed step)
+    out = q.new_empty(t, hq, d)  # every row written below in place (a torch.cat of parts: ~1.5% of a mixed step)
     bd = meta.num_decodes
     if bd and meta.decode_kernel:
         torch.ops.pdfleet.paged_decode_attention(

@@ -4,12 +4,12 @@ start-up; ModelRunner calls choose() and pack_linears()."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import os
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import torch
