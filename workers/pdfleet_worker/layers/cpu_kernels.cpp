@@ -485,6 +485,25 @@ void prefill_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& kt, co
   });
 }
 
+// f(std::integral_constant<int, R>{}, row) for the rows of a tile in groups of MAX_R (the register-blocked
+// kernels take their row count as a template argument), the last group R = what is left.
+template <int MAX_R, typename F>
+inline void by_row_groups(int64_t M, F&& f) {
+  static_assert(MAX_R == 2 || MAX_R == 4, "groups of 2 or 4 rows");
+  for (int64_t row = 0; row < M; row += MAX_R) {
+    const int64_t R = std::min<int64_t>(MAX_R, M - row);
+    if (R == MAX_R) {
+      f(std::integral_constant<int, MAX_R>{}, row);
+    } else if constexpr (MAX_R == 4) {
+      if (R == 3) f(std::integral_constant<int, 3>{}, row);
+      else if (R == 2) f(std::integral_constant<int, 2>{}, row);
+      else f(std::integral_constant<int, 1>{}, row);
+    } else {
+      f(std::integral_constant<int, 1>{}, row);
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bf16 on a CPU with AVX512-BF16 (vdpbf16ps: pairs of bf16 products summed into fp32 lanes, twice the
 // fp32 FMA rate). The products of the fp32 path above are the step's second-largest cost after the
@@ -569,19 +588,16 @@ void prefill_rows_bf16dp(at::Tensor& out, const at::Tensor& q, const at::Tensor&
       // scores: [blocks, M, KEY_BLOCK]
       const uint32_t* kh = kp_ptr + h * nkb * block_pairs;
       for (int64_t j = 0; j < blocks; ++j)
-        for (int64_t row = 0; row < M; row += QK_ROWS) {
-          const uint32_t* qr[QK_ROWS];
-          float* sr[QK_ROWS];
-          const int64_t R = std::min<int64_t>(QK_ROWS, M - row);
-          for (int64_t r = 0; r < R; ++r) {
+        by_row_groups<QK_ROWS>(M, [&](auto rows, int64_t row) {
+          constexpr int R = decltype(rows)::value;
+          const uint32_t* qr[R];
+          float* sr[R];
+          for (int r = 0; r < R; ++r) {
             qr[r] = qrow(row + r);
             sr[r] = scores.data() + (j * M + row + r) * KEY_BLOCK;
           }
-          if (R == 4) qk_rows<4>(qr, kh + j * block_pairs, pairs, fscale, sr);
-          else if (R == 3) qk_rows<3>(qr, kh + j * block_pairs, pairs, fscale, sr);
-          else if (R == 2) qk_rows<2>(qr, kh + j * block_pairs, pairs, fscale, sr);
-          else qk_rows<1>(qr, kh + j * block_pairs, pairs, fscale, sr);
-        }
+          qk_rows<R>(qr, kh + j * block_pairs, pairs, fscale, sr);
+        });
       softmax_tile(scores.data(), M, m, blocks, past, r0);
       // probs: [M, blocks * KEY_BLOCK], rounded to bf16
       for (int64_t row = 0; row < M; ++row)
@@ -592,20 +608,16 @@ void prefill_rows_bf16dp(at::Tensor& out, const at::Tensor& q, const at::Tensor&
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c)));
         }
       const uint32_t* vh = vp_ptr + h * nkb * block_pairs;
-      for (int64_t row = 0; row < M; row += PV_ROWS) {
-        const uint32_t* pr[PV_ROWS];
-        c10::BFloat16* orow[PV_ROWS];
-        const int64_t R = std::min<int64_t>(PV_ROWS, M - row);
-        for (int64_t r = 0; r < R; ++r) {
+      by_row_groups<PV_ROWS>(M, [&](auto rows, int64_t row) {
+        constexpr int R = decltype(rows)::value;
+        const uint32_t* pr[R];
+        c10::BFloat16* orow[R];
+        for (int r = 0; r < R; ++r) {
           pr[r] = reinterpret_cast<const uint32_t*>(probs + (row + r) * blocks * KEY_BLOCK);
           orow[r] = o_ptr + (r0 + (row + r) % m) * os0 + (h * G + (row + r) / m) * os1;
         }
-        const int64_t key_pairs = blocks * KEY_BLOCK / 2;
-        if (R == PV_ROWS) pv_rows<PV_ROWS, NV>(pr, vh, key_pairs, D, orow);
-        else if (R == 3) pv_rows<3, NV>(pr, vh, key_pairs, D, orow);
-        else if (R == 2) pv_rows<2, NV>(pr, vh, key_pairs, D, orow);
-        else pv_rows<1, NV>(pr, vh, key_pairs, D, orow);
-      }
+        pv_rows<R, NV>(pr, vh, blocks * KEY_BLOCK / 2, D, orow);
+      });
     }
   });
 }
@@ -694,30 +706,24 @@ void prefill_rows_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& kt
       const auto orow = [&](int64_t row) { return o_ptr + (r0 + row % m) * os0 + (h * G + row / m) * os1; };
       const float* kh = kt_ptr + h * nkb * block_elems;
       for (int64_t j = 0; j < blocks; ++j)
-        for (int64_t row = 0; row < M; row += QK_R) {
-          const float* qr[QK_R];
-          float* sr[QK_R];
-          const int64_t R = std::min<int64_t>(QK_R, M - row);
-          for (int64_t r = 0; r < R; ++r) {
+        by_row_groups<QK_R>(M, [&](auto rows, int64_t row) {
+          constexpr int R = decltype(rows)::value;
+          const float* qr[R];
+          float* sr[R];
+          for (int r = 0; r < R; ++r) {
             qr[r] = qrow(row + r);
             sr[r] = scores.data() + (j * M + row + r) * KEY_BLOCK;
           }
-          if (R == 4) qk_rows_f32<4>(qr, kh + j * block_elems, D, fscale, sr);
-          else if (R == 3) qk_rows_f32<3>(qr, kh + j * block_elems, D, fscale, sr);
-          else if (R == 2) qk_rows_f32<2>(qr, kh + j * block_elems, D, fscale, sr);
-          else qk_rows_f32<1>(qr, kh + j * block_elems, D, fscale, sr);
-        }
+          qk_rows_f32<R>(qr, kh + j * block_elems, D, fscale, sr);
+        });
       softmax_tile(scores.data(), M, m, blocks, past, r0);
       const float* vh = vb_ptr + h * nkb * block_elems;
-      for (int64_t row = 0; row < M; row += PV_R) {
-        float* orows[PV_R];
-        const int64_t R = std::min<int64_t>(PV_R, M - row);
-        for (int64_t r = 0; r < R; ++r) orows[r] = orow(row + r);
-        if (R == PV_R) pv_rows_f32<PV_R, NV>(scores.data(), M, row, blocks, vh, D, orows);
-        else if (R == 3) pv_rows_f32<3, NV>(scores.data(), M, row, blocks, vh, D, orows);
-        else if (R == 2) pv_rows_f32<2, NV>(scores.data(), M, row, blocks, vh, D, orows);
-        else pv_rows_f32<1, NV>(scores.data(), M, row, blocks, vh, D, orows);
-      }
+      by_row_groups<PV_R>(M, [&](auto rows, int64_t row) {
+        constexpr int R = decltype(rows)::value;
+        float* orows[R];
+        for (int r = 0; r < R; ++r) orows[r] = orow(row + r);
+        pv_rows_f32<R, NV>(scores.data(), M, row, blocks, vh, D, orows);
+      });
     }
   });
 }

@@ -281,14 +281,13 @@ def plan(rows: tuple[int, ...], ms: dict[tuple[str, int], float], split_ok: bool
     kernel."""
     kernels = sorted({k for k, _ in ms}, key=KERNELS.index)
     assert rows and all(ms.get((k, r), 0) > 0 for k in kernels for r in rows), (rows, ms)
-    best = {r: min(ms[k, r] for k in kernels) for r in rows}
 
     def per_row(layouts: set[str]) -> list[str] | None:
         usable = [k for k in kernels if LAYOUT[k] in layouts]
         return [min(usable, key=lambda k: ms[k, r]) for r in rows] if usable else None
 
     def regret(chosen: list[str]) -> float:
-        return sum(math.log(ms[k, r] / best[r]) for k, r in zip(chosen, rows))
+        return _regret(chosen, rows, ms)
 
     singles = [c for layout in ("plain", "packed") if (c := per_row({layout})) is not None]
     chosen = min(singles, key=lambda c: round(regret(c), 9))  # the first of equals: plain
@@ -392,7 +391,8 @@ def split_within(shapes: list[ShapeTiming], rows: tuple[int, ...], room: int) ->
         if s.bytes <= SPLIT_BYTES:
             out[i] = dataclasses.replace(s, plan=split)
         else:
-            larger.append((_regret(s.plan, rows, ms) - _regret(split, rows, ms), i, split))
+            one, both = ([kernel_at(p, r) for r in rows] for p in (s.plan, split))
+            larger.append((_regret(one, rows, ms) - _regret(both, rows, ms), i, split))
     for _, i, split in sorted(larger, reverse=True):
         if shapes[i].bytes <= room:
             room -= shapes[i].bytes
@@ -400,9 +400,9 @@ def split_within(shapes: list[ShapeTiming], rows: tuple[int, ...], room: int) ->
     return out
 
 
-def _regret(p: Plan, rows: tuple[int, ...], ms: dict[tuple[str, int], float]) -> float:
-    """Summed log time lost against the fastest kernel at each row count."""
-    return sum(math.log(ms[kernel_at(p, r), r] / min(t for (_, rr), t in ms.items() if rr == r)) for r in rows)
+def _regret(chosen: list[str], rows: tuple[int, ...], ms: dict[tuple[str, int], float]) -> float:
+    """Summed log time `chosen` (a kernel at each of `rows`) loses against the fastest kernel at each row count."""
+    return sum(math.log(ms[k, r] / min(t for (_, rr), t in ms.items() if rr == r)) for k, r in zip(chosen, rows))
 
 
 def pack_linears(model: nn.Module, choice: LinearChoice | None = None) -> int:
