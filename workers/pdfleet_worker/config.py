@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 # Weight quantization at load (layers/quantized_linear.py); int4 is refused: see docs/engine.md.
 QUANTIZATIONS = ("none", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
+PARTIAL_PREFILL_MODES = ("auto", "fill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,9 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 (weight-only, per output channel, quantized at load)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # auto: a new prompt that would be cut at the end of a step's budget but runs whole in the next step waits
+    # for it when the measured step cost says the cut would slow this step down (Scheduler); fill: always cut.
+    partial_prefill: str = "auto"
     max_model_len: int | None = None
     max_num_waiting: int = 1024
     enable_prefix_caching: bool = True
@@ -193,6 +197,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.partial_prefill not in PARTIAL_PREFILL_MODES:
+            raise ValueError(f"partial_prefill must be one of {PARTIAL_PREFILL_MODES}, got {self.partial_prefill!r}")
         if self.max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
         for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes", "swap_space_bytes"):

@@ -174,6 +174,11 @@ REQUEST_GENERATION_TOKENS = _w(
 PROMPT_TOKENS_WAITING = _w(
     "pdfleet_prompt_tokens_waiting", "gauge", "Prompt tokens of requests waiting to be scheduled."
 )
+DEFERRED_PREFILLS_TOTAL = _w(
+    "pdfleet_deferred_prefills_total",
+    "counter",
+    "Steps whose next waiting prompt was left whole for the next step rather than cut (partial prefill auto).",
+)
 NUM_REQUESTS_WAITING_FOR_REMOTE_KV = _w(
     "pdfleet_num_requests_waiting_for_remote_kv",
     "gauge",

@@ -3,7 +3,10 @@
 The scheduler rules are the engine's (`pdfleet_worker.engine.scheduler`, vLLM v1 style): every step
 first gives each running sequence its one decode token, then spends what is left of the token budget
 on prompt chunks in FIFO order (chunked prefill), admitting a waiting request only when a sequence
-slot and KV for its context are free; when the KV of the running batch no longer fits, the newest
+slot and KV for its context are free (on a pdfleet engine, a prompt the budget would cut waits whole for
+the next step when it runs whole there with the queue behind it and the step-time model says the cut
+would lengthen this step by a quarter or more, as the engine's partial prefill auto does by its measured
+step cost); when the KV of the running batch no longer fits, the newest
 sequence is preempted and recomputed later, or with engine.preemption swap parked in the swap space
 (bounded: a victim that does not fit is recomputed, as the engine does) and rejoins without recomputing
 (the copy back is not timed: a memcpy of its KV, small next to a step). No prefix cache is modelled, so
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 ACTIVE, DONE, REJECTED, TOO_LONG, UNFINISHED = 0, 1, 2, 3, 4
 # Replica modes.
 IDLE, STEPPING, FLUID = 0, 1, 2
+# The engine's scheduler.DEFER_SHARE (the operator does not import the worker; a test keeps them equal).
+DEFER_SHARE = 0.25
 # The simulator's event kind of a replica's own events (`sim.simulator.REPLICA`).
 EVENT = 0
 # Tolerance on V (in decode steps) for float error over millions of steps.
@@ -131,6 +136,7 @@ class Replica:
         "prompt_tokens",
         "gen_tokens",
         "preempted",
+        "deferred_prefills",
         "busy_s",
         "V0",
         "swapped",
@@ -194,6 +200,7 @@ class Replica:
         self.swapped_tokens = 0
         self.swap_fallbacks = 0
         self.busy_s = 0.0
+        self.deferred_prefills = 0
         # the router's kept score (`sim.router`); `dirty`: what the router reads may have changed since
         self.load: Load | None = None
         self.route_score: tuple[Any, ...] = ()
@@ -502,8 +509,11 @@ class Replica:
                     break
                 if self.kv_fixed + self.S0 + self.B * (self.V + 1) + ctx[rid] > cap:
                     break
-                waiting.popleft()
                 take = need[rid]
+                if take > budget and p.defers_partial_prefill and self._defers(take, budget, computed):
+                    self.deferred_prefills += 1
+                    break
+                waiting.popleft()
                 self.need_waiting -= take
                 if take == 0:
                     self._join(rid, now)
@@ -522,6 +532,18 @@ class Replica:
         dur = p.step_time(computed + B, self.kv_fixed + self.S0 + B * self.V)
         self.step_chunks, self.step_decode = chunks, B
         self.push((now + dur, next(self.seq), EVENT, self, self.version))
+
+    def _defers(self, need: int, chunk: int, computed: int) -> bool:
+        """The engine's partial prefill auto (`Scheduler._defers`): a prompt the budget would cut waits for
+        the next step when it runs whole there with the queue behind it, and its chunk would lengthen this step
+        by DEFER_SHARE or more."""
+        B, p = self.B, self.perf
+        # the next step must take it whole together with everything queued behind it (need_waiting counts it)
+        if not computed + B or self.need_waiting + B + len(self.prefilling) > p.max_num_batched_tokens:
+            return False
+        context = self.kv_fixed + self.S0 + B * self.V
+        now = p.step_time(computed + B, context)
+        return p.step_time(computed + B + chunk, context) - now >= DEFER_SHARE * now
 
     def _finish_step(self, now: float) -> None:
         reqs = self.reqs

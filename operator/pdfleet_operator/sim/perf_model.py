@@ -77,6 +77,9 @@ class ReplicaPerf:
     block_size: int
     http_hop_s: float = 0.0  # one HTTP round trip to a worker of this class (first byte)
     swap_space_tokens: int = 0  # engine.preemption swap: KV tokens the swap space holds (0: recompute)
+    # the pdfleet engine's partial prefill "auto" (a prompt the budget would cut waits whole for the next step
+    # when the cut would lengthen this one by DEFER_SHARE or more); vLLM always cuts
+    defers_partial_prefill: bool = False
 
     def step_time(self, tokens: float, context: float) -> float:
         """One engine step computing `tokens` tokens over a batch whose KV holds `context` tokens."""

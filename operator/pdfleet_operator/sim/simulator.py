@@ -19,7 +19,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -263,9 +263,13 @@ class Simulator:
                     continue
                 cls = self.classes[cname]
                 # the engine the pool runs there (`decide.runtimes`; the fleet file refused what cannot run)
-                eff = efficiency.for_pool(runtimes.engine_of(d.spec, cls), cname, cls, self.efficiencies)
+                engine = runtimes.engine_of(d.spec, cls)
+                eff = efficiency.for_pool(engine, cname, cls, self.efficiencies)
                 try:
-                    perfs[cname] = perf_model.replica_perf(d.spec, cname, cls, eff)
+                    perfs[cname] = replace(
+                        perf_model.replica_perf(d.spec, cname, cls, eff),
+                        defers_partial_prefill=engine == runtimes.PDFLEET,
+                    )
                 except ValueError:
                     continue  # placement skips a class the model does not fit, with the reason in its plan
         state = DeploymentState(

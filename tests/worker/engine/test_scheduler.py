@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdfleet_worker.engine.block_manager import BlockManager
-from pdfleet_worker.engine.scheduler import Scheduler
+from pdfleet_worker.engine.scheduler import Scheduler, StepCost
 from pdfleet_worker.engine.sequence import Sequence, SequenceStatus
 from pdfleet_worker.sampling_params import SamplingParams
 
@@ -185,3 +187,128 @@ def test_prefix_stats_count_admissions_only():
     assert s.bm.stats.requests == 1 and s.bm.stats.queries == 4
     step(s)
     assert s.bm.stats.requests == 2 and s.bm.stats.hits == 2  # b shares a's first full block
+
+
+# -- partial prefill: cut the last prompt, or leave it whole for the next step -----------------------------
+def fitted(fixed_s: float, per_token_s: float) -> StepCost:
+    """A step cost fitted to exact observations at two token counts."""
+    cost = StepCost()
+    for _ in range(4):
+        for n in (2, 40):
+            cost.observe(n, fixed_s + per_token_s * n)
+    return cost
+
+
+def test_step_cost_fits_fixed_and_per_token_and_waits_for_spread():
+    cost = StepCost()
+    assert cost.fit() is None
+    for _ in range(20):
+        cost.observe(16, 0.025)  # decode-only steps: one token count says nothing about the slope
+    assert cost.fit() is None
+    for _ in range(3):
+        cost.observe(512, 0.25)
+    fixed, per_token = cost.fit()
+    assert abs(per_token - (0.25 - 0.025) / (512 - 16)) < 1e-9
+    assert abs(fixed + per_token * 16 - 0.025) < 1e-9
+    cost.observe(0, 1.0)  # an empty step is not a sample
+    assert cost.fit() == (fixed, per_token)
+    cost.reset()
+    assert cost.fit() is None
+
+
+def test_step_cost_follows_the_host():
+    cost = fitted(0.01, 0.001)
+    for _ in range(600):  # the host got twice as slow
+        for n in (2, 40):
+            cost.observe(n, 2 * (0.01 + 0.001 * n))
+    fixed, per_token = cost.fit()
+    assert abs(per_token - 0.002) < 1e-6 and abs(fixed - 0.02) < 1e-5
+
+
+def schedule_two_prompts(partial_prefill: str, cost: StepCost | None, *, b_len: int = 6):
+    """Budget 10: a decodes (1 token), c's 5-token prompt fits whole, b's would be cut at 4."""
+    s = Scheduler(
+        BlockManager(32, 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=10,
+        max_model_len=64,
+        eos_token_ids=(0,),
+        partial_prefill=partial_prefill,
+        step_cost=cost,
+    )
+    add(s, "a", 3, max_tokens=10)
+    step(s)
+    add(s, "c", 5)
+    s.add(Sequence("b", list(range(100, 100 + b_len)), SamplingParams(max_tokens=3, temperature=0)))  # no shared prefix
+    return s, step(s)
+
+
+def test_fill_cuts_the_last_prompt():
+    s, out = schedule_two_prompts("fill", fitted(0.001, 0.01))
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b", 4)]
+    assert s.num_deferred_prefills == 0
+
+
+def test_auto_leaves_a_prompt_whole_for_the_next_step_on_a_compute_bound_device():
+    s, out = schedule_two_prompts("auto", fitted(0.001, 0.01))
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5)]
+    assert [q.request_id for q in s.waiting] == ["b"] and s.num_deferred_prefills == 1
+    out = step(s)  # b runs whole next to two decodes: its first token comes in this step, as a cut b's would
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [
+        ("a", 1, True),
+        ("c", 1, True),
+        ("b", 6, True),
+    ]
+    while s.num_unfinished:
+        step(s)
+    assert s.bm.is_whole() and not s.requests
+
+
+def test_auto_cuts_where_the_step_cost_is_flat_or_unknown():
+    # fixed cost dominates (a GPU far from compute-bound): the cut chunk is nearly free, so fill the step
+    _, out = schedule_two_prompts("auto", fitted(0.020, 0.00001))
+    assert [c.request_id for c in out.chunks] == ["a", "c", "b"]
+    # no fit yet (only steps of one size seen): vLLM's behavior
+    _, out = schedule_two_prompts("auto", StepCost())
+    assert [c.request_id for c in out.chunks] == ["a", "c", "b"]
+
+
+def test_auto_cuts_a_prompt_that_would_be_cut_in_the_next_step_too():
+    # b needs 8: next step's two decodes leave 8 of the budget, so it fits and waits
+    _, out = schedule_two_prompts("auto", fitted(0.001, 0.01), b_len=8)
+    assert [c.request_id for c in out.chunks] == ["a", "c"]
+    # b needs 9: it would be cut next step as well, so it starts now
+    _, out = schedule_two_prompts("auto", fitted(0.001, 0.01), b_len=9)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b", 4)]
+
+
+def test_auto_cuts_when_a_queue_behind_would_fill_the_next_step():
+    s = Scheduler(
+        BlockManager(32, 4),
+        max_num_seqs=8,
+        max_num_batched_tokens=10,
+        max_model_len=64,
+        partial_prefill="auto",
+        step_cost=fitted(0.001, 0.01),
+    )
+    add(s, "a", 3, max_tokens=10)
+    step(s)
+    add(s, "c", 5)
+    for rid, first, n in (("b", 100, 6), ("d", 200, 3)):  # b (6) and d (3) and two decodes overfill the next step
+        s.add(Sequence(rid, list(range(first, first + n)), SamplingParams(max_tokens=3, temperature=0)))
+    out = step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b", 4)]
+    assert s.num_deferred_prefills == 0
+
+
+def test_auto_does_not_defer_a_small_tail():
+    # b's chunk of 4 tokens against a step of 6: under DEFER_SHARE when the fixed cost is large enough
+    _, out = schedule_two_prompts("auto", fitted(0.2, 0.01))
+    assert [c.request_id for c in out.chunks] == ["a", "c", "b"]
+
+
+def test_partial_prefill_modes_are_checked():
+    with pytest.raises(ValueError, match="partial_prefill must be one of"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=1, max_num_batched_tokens=4, max_model_len=8, partial_prefill="x")
+    with pytest.raises(ValueError, match="needs a step_cost"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=1, max_num_batched_tokens=4, max_model_len=8, partial_prefill="auto")

@@ -15,7 +15,7 @@ from pdfleet_worker.engine.kv_offload import DISK, HOST, TIERS, CostModel, Offlo
 from pdfleet_worker.engine.model_runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block
 from pdfleet_worker.engine.output_text import OutputText
 from pdfleet_worker.engine.outputs import HeldKV, RequestOutput
-from pdfleet_worker.engine.scheduler import Scheduler
+from pdfleet_worker.engine.scheduler import Scheduler, StepCost
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdfleet_worker.engine.stats import EngineStats, FinishedRequestStats, IterationStats
 from pdfleet_worker.engine.structured import Grammars
@@ -92,6 +92,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(sorted(eos)),
             preemption=config.preemption,
+            partial_prefill=config.partial_prefill,
+            step_cost=StepCost(),
         )
         model = load_model(config.model, dtype, config.device, quantization=config.quantization)
         split_room = 0
@@ -202,6 +204,7 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, detokenize and apply stops."""
+        started = time.perf_counter()
         it, self._pending_stats = self._pending_stats, IterationStats()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
@@ -248,6 +251,7 @@ class LLMEngine:
         self._prompt_tokens_total += it.num_prompt_tokens
         self._generation_tokens_total += it.num_generation_tokens
         self.last_iteration_stats = it
+        self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - started)
         return outputs
 
     def _apply_stop_strings(self, seq: Sequence) -> None:
@@ -325,7 +329,8 @@ class LLMEngine:
         self.model_runner.capture_graphs()  # CUDA (paged backend) only
         self._prompt_tokens_total = self._generation_tokens_total = 0
         self._success = {r.value: 0 for r in FinishReason}
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_deferred_prefills = 0
+        self.scheduler.step_cost.reset()  # the first calls' costs are not the steps to come
         self.block_manager.stats = type(self.block_manager.stats)()
         if self.block_manager.offload is not None:
             off = self.block_manager.offload
@@ -379,6 +384,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
+            num_deferred_prefills_total=s.num_deferred_prefills,
             prefix_cache_queries_total=bm.stats.queries,
             prefix_cache_hits_total=bm.stats.hits,
             request_success_total=dict(self._success),

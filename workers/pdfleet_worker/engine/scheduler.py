@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import math
 import time
 
+from pdfleet_worker.config import PARTIAL_PREFILL_MODES
 from pdfleet_worker.engine.block_manager import BlockManager
 from pdfleet_worker.engine.kv_offload import Copy
 from pdfleet_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -52,11 +55,61 @@ class SchedulerOutput:
         return not self.chunks
 
 
+# auto: a new prompt's partial chunk waits for the next step when it would lengthen this step by at least this share
+DEFER_SHARE = 0.25
+
+
+class StepCost:
+    """A step's seconds as fixed + per_token x scheduled tokens, fitted by least squares to the engine's recent
+    steps (each observation's weight decays by `decay` per step, so the fit follows the host). No fit until
+    the steps seen span enough token counts to tell the two terms apart (decode-only steps alone do not)."""
+
+    MIN_WEIGHT = 4.0  # observations' worth
+    MIN_SPREAD = 8.0  # tokens: the weighted standard deviation of the token counts seen
+
+    def __init__(self, decay: float = 0.99):
+        assert 0 < decay < 1, decay
+        self.decay = decay
+        self.reset()
+
+    def reset(self) -> None:
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + tokens
+        self._t = self._t * d + seconds
+        self._nn = self._nn * d + tokens * tokens
+        self._nt = self._nt * d + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the steps seen cannot tell them apart."""
+        if self._w < self.MIN_WEIGHT:
+            return None
+        mean_n = self._n / self._w
+        var_n = self._nn / self._w - mean_n * mean_n
+        if var_n < self.MIN_SPREAD**2:
+            return None
+        per_token = (self._nt / self._w - mean_n * self._t / self._w) / var_n
+        if not per_token > 0 or not math.isfinite(per_token):
+            return None
+        return max(0.0, self._t / self._w - per_token * mean_n), per_token
+
+
 class Scheduler:
     """Waiting and running queues under a token budget per step and a cap on running sequences.
 
     Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are
-    admitted FCFS while budget, sequence slots and blocks last. When a running sequence needs a
+    admitted FCFS while budget, sequence slots and blocks last; the last one admitted may get a partial chunk
+    (chunked prefill). With partial_prefill "auto" a prompt that would be cut here waits for the next step
+    instead when it runs whole there together with everything queued behind it, and `step_cost` says its chunk
+    would lengthen this step by DEFER_SHARE or more: on a compute-bound device the cut chunk only delays the
+    prompts and decodes that finish in this step, the cut prompt gets its first token in the next step either
+    way, and the budget left unused here is not throughput lost, as nothing else was waiting for it. "fill"
+    always fills the budget (vLLM's chunked prefill). When a running sequence needs a
     block and none is free, the newest running sequence is preempted: by recompute (its blocks are
     freed, it waits again at the front), or with preemption "swap" by copying its computed blocks to
     the block manager's swap space (OffloadIndex) and back when it is rescheduled, before any waiting
@@ -73,12 +126,20 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         preemption: str = "recompute",
+        partial_prefill: str = "fill",
+        step_cost: StepCost | None = None,
     ):
+        if partial_prefill not in PARTIAL_PREFILL_MODES:
+            raise ValueError(f"partial_prefill must be one of {PARTIAL_PREFILL_MODES}, got {partial_prefill!r}")
+        if partial_prefill == "auto" and step_cost is None:
+            raise ValueError('partial_prefill "auto" needs a step_cost to decide with')
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption must be recompute or swap, got {preemption!r}")
         if preemption == "swap" and (block_manager.offload is None or not block_manager.offload.swap_capacity):
             raise ValueError("preemption swap needs swap space (an OffloadIndex with swap_blocks > 0)")
         self.preemption = preemption
+        self.partial_prefill = partial_prefill
+        self.step_cost = step_cost
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,6 +153,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished or held request
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_deferred_prefills = 0  # steps in which the head of the queue waited rather than be cut
 
     # -- admission -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -173,7 +235,11 @@ class Scheduler:
                     )
                 )
                 continue
-            n = min(seq.num_tokens - num_cached, budget)
+            need = seq.num_tokens - num_cached
+            n = min(need, budget)
+            if n < need and self._defers(need, n, chunks):
+                self.num_deferred_prefills += 1
+                break
             if not self.bm.allocate(seq, num_cached + n, hits):
                 break
             self._admitted(seq, num_cached)
@@ -192,6 +258,27 @@ class Scheduler:
             kv_loads=kv_loads,
             copies=copies,
         )
+
+    def _defers(self, need: int, chunk: int, chunks: list[ScheduledChunk]) -> bool:
+        """partial_prefill auto: whether a prompt needing `need` tokens, of which `chunk` fit in this step,
+        waits for the next step rather than be cut here."""
+        if self.partial_prefill != "auto" or not chunks:
+            return False
+        scheduled = sum(len(c.token_ids) for c in chunks)
+        now = {c.request_id: len(c.token_ids) for c in chunks}
+        next_step = sum(max(1, q.num_tokens - q.num_computed_tokens - now.get(q.request_id, 0)) for q in self.running)
+        room = self.max_num_batched_tokens - next_step - need
+        if room < 0:
+            return False  # cut in the next step too: better to start now
+        for q in itertools.islice(self.waiting, 1, None):
+            room -= q.num_tokens
+            if room < 0:
+                return False  # a queue behind it would fill the next step: the budget left here is throughput
+        fit = self.step_cost.fit()
+        if fit is None:
+            return False
+        fixed, per_token = fit
+        return per_token * chunk >= DEFER_SHARE * (fixed + per_token * scheduled)
 
     def _admitted(self, seq: Sequence, num_cached: int) -> None:
         self.waiting.popleft()

@@ -53,6 +53,7 @@ class EngineStats:
     prefix_cache_hits_total: int  # tokens
     request_success_total: dict[str, int]
     num_prompt_tokens_waiting: int = 0  # prompt tokens of requests not yet admitted
+    num_deferred_prefills_total: int = 0  # steps whose next prompt waited rather than be cut (partial_prefill auto)
     # Tiered KV offload and swap preemption (empty/zero when off).
     kv_offload: dict[str, TierStats] = dataclasses.field(default_factory=dict)  # tier -> cumulative counters
     kv_offload_usage: dict[str, float] = dataclasses.field(default_factory=dict)  # tier -> 0..1

@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdfleet_worker.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig, ModelConfig
+from pdfleet_worker.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PARTIAL_PREFILL_MODES,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+    EngineConfig,
+    ModelConfig,
+)
 from pdfleet_worker.kv_transfer import peers as kvpeers
 from pdfleet_worker.server import device as devices
 from pdfleet_worker.server import threads
@@ -186,6 +194,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
+    g.add_argument(
+        "--partial-prefill",
+        choices=PARTIAL_PREFILL_MODES,
+        default=None,
+        help="a new prompt that does not fit in what is left of a step's token budget: auto leaves it whole for "
+        "the next step when it fits there and the measured step cost says cutting it would slow this step "
+        "down; fill always cuts it (vLLM's chunked prefill) (default auto)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument(
         "--max-waiting-requests",
@@ -438,6 +454,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
         quantization=quantization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=pick("max_num_batched_tokens", 512),
+        partial_prefill=pick("partial_prefill", "auto"),
         max_model_len=max_model_len,
         max_num_waiting=pick("max_num_waiting", 1024),
         enable_prefix_caching=pick("enable_prefix_caching", True),

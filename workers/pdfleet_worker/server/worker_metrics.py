@@ -108,6 +108,7 @@ class WorkerMetrics:
         one(m.PROMPT_TOKENS_TOTAL, s.prompt_tokens_total)
         one(m.GENERATION_TOKENS_TOTAL, s.generation_tokens_total)
         one(m.NUM_PREEMPTIONS_TOTAL, s.num_preemptions_total)
+        one(m.DEFERRED_PREFILLS_TOTAL, s.num_deferred_prefills_total)
         one(m.PREFIX_CACHE_QUERIES_TOTAL, s.prefix_cache_queries_total)
         one(m.PREFIX_CACHE_HITS_TOTAL, s.prefix_cache_hits_total)
         one(m.PROMPT_TOKENS_WAITING, s.num_prompt_tokens_waiting)
