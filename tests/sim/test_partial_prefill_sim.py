@@ -34,7 +34,7 @@ def _ttfts(sim) -> np.ndarray:  # noqa: ANN001
     return (np.asarray(sim.reqs.t_first) - np.asarray(sim.reqs.arrival))[done]
 
 
-def test_the_simulator_defers_by_the_engines_share() -> None:
+def test_the_simulator_defers_by_the_engines_rule() -> None:
     from pdfleet_worker.engine import scheduler
 
     assert eng.DEFER_SHARE == scheduler.DEFER_SHARE

@@ -4,8 +4,8 @@ The scheduler rules are the engine's (`pdfleet_worker.engine.scheduler`, vLLM v1
 first gives each running sequence its one decode token, then spends what is left of the token budget
 on prompt chunks in FIFO order (chunked prefill), admitting a waiting request only when a sequence
 slot and KV for its context are free (on a pdfleet engine, a prompt the budget would cut waits whole for
-the next step when it runs whole there with the queue behind it and the step-time model says the cut
-would lengthen this step by a quarter or more, as the engine's partial prefill auto does by its measured
+the next step when it runs whole there, the step-time model says the cut would lengthen this step by a
+quarter or more and the queue behind it is short, as the engine's partial prefill auto does by its measured
 step cost); when the KV of the running batch no longer fits, the newest
 sequence is preempted and recomputed later, or with engine.preemption swap parked in the swap space
 (bounded: a victim that does not fit is recomputed, as the engine does) and rejoins without recomputing
@@ -510,7 +510,7 @@ class Replica:
                 if self.kv_fixed + self.S0 + self.B * (self.V + 1) + ctx[rid] > cap:
                     break
                 take = need[rid]
-                if take > budget and p.defers_partial_prefill and self._defers(take, budget, computed):
+                if take > budget and p.defers_partial_prefill and self._defers(take, budget, computed, chunks):
                     self.deferred_prefills += 1
                     break
                 waiting.popleft()
@@ -533,17 +533,26 @@ class Replica:
         self.step_chunks, self.step_decode = chunks, B
         self.push((now + dur, next(self.seq), EVENT, self, self.version))
 
-    def _defers(self, need: int, chunk: int, computed: int) -> bool:
-        """The engine's partial prefill auto (`Scheduler._defers`): a prompt the budget would cut waits for
-        the next step when it runs whole there with the queue behind it, and its chunk would lengthen this step
-        by DEFER_SHARE or more."""
+    def _defers(self, need: int, chunk: int, computed: int, chunks: list[tuple[int, int]]) -> bool:
+        """The engine's partial prefill auto (`Scheduler._defers`) by this replica's step-time model: the head
+        of the queue waits whole for the next step when it runs whole there, its chunk would lengthen this step
+        by DEFER_SHARE or more, and the queue behind it pays less for the budget left unused (the step's fixed
+        cost, `overhead_s`, times the chunk's share of a budget, each) than the prompts finishing in this step
+        gain (the chunk's compute, `flop_s_per_token` a token, each)."""
         B, p = self.B, self.perf
-        # the next step must take it whole together with everything queued behind it (need_waiting counts it)
-        if not computed + B or self.need_waiting + B + len(self.prefilling) > p.max_num_batched_tokens:
+        budget = p.max_num_batched_tokens
+        if not computed + B or need + B + len(self.prefilling) > budget:
             return False
         context = self.kv_fixed + self.S0 + B * self.V
         now = p.step_time(computed + B, context)
-        return p.step_time(computed + B + chunk, context) - now >= DEFER_SHARE * now
+        if p.step_time(computed + B + chunk, context) - now < DEFER_SHARE * now:
+            return False
+        needs = self.reqs.need
+        first_tokens = 0
+        for rid, take in chunks:
+            if take == needs[rid]:
+                first_tokens += 1
+        return p.overhead_s * (len(self.waiting) - 1) <= p.flop_s_per_token * budget * (first_tokens or 1)
 
     def _finish_step(self, now: float) -> None:
         reqs = self.reqs

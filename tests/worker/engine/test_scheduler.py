@@ -282,22 +282,29 @@ def test_auto_cuts_a_prompt_that_would_be_cut_in_the_next_step_too():
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b", 4)]
 
 
-def test_auto_cuts_when_a_queue_behind_would_fill_the_next_step():
-    s = Scheduler(
-        BlockManager(32, 4),
-        max_num_seqs=8,
-        max_num_batched_tokens=10,
-        max_model_len=64,
-        partial_prefill="auto",
-        step_cost=fitted(0.001, 0.01),
-    )
-    add(s, "a", 3, max_tokens=10)
-    step(s)
-    add(s, "c", 5)
-    for rid, first, n in (("b", 100, 6), ("d", 200, 3)):  # b (6) and d (3) and two decodes overfill the next step
-        s.add(Sequence(rid, list(range(first, first + n)), SamplingParams(max_tokens=3, temperature=0)))
-    out = step(s)
-    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b", 4)]
+def test_auto_cuts_when_the_queue_behind_would_pay_more_than_the_step_gains():
+    def with_queue(behind: int):
+        s = Scheduler(
+            BlockManager(64, 4),
+            max_num_seqs=16,
+            max_num_batched_tokens=10,
+            max_model_len=64,
+            partial_prefill="auto",
+            step_cost=fitted(0.03, 0.01),
+        )
+        add(s, "a", 3, max_tokens=10)
+        step(s)
+        add(s, "c", 5)
+        for i in range(behind + 1):  # b first, then the queue behind it
+            s.add(Sequence(f"b{i}", list(range(100 * (i + 1), 100 * (i + 1) + 6)), SamplingParams(max_tokens=3)))
+        return s, step(s)
+
+    # waiting costs each prompt behind b0 ~ fixed x chunk / budget (0.012 s); cutting costs c 0.04 s: 3 behind wait
+    s, out = with_queue(3)
+    assert [c.request_id for c in out.chunks] == ["a", "c"] and s.num_deferred_prefills == 1
+    # 4 behind (0.048 s in all) pay more than c gains: b0 is cut to fill the step
+    s, out = with_queue(4)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("c", 5), ("b0", 4)]
     assert s.num_deferred_prefills == 0
 
 

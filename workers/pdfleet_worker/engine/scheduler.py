@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import time
 
@@ -105,11 +104,11 @@ class Scheduler:
     Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are
     admitted FCFS while budget, sequence slots and blocks last; the last one admitted may get a partial chunk
     (chunked prefill). With partial_prefill "auto" a prompt that would be cut here waits for the next step
-    instead when it runs whole there together with everything queued behind it, and `step_cost` says its chunk
-    would lengthen this step by DEFER_SHARE or more: on a compute-bound device the cut chunk only delays the
-    prompts and decodes that finish in this step, the cut prompt gets its first token in the next step either
-    way, and the budget left unused here is not throughput lost, as nothing else was waiting for it. "fill"
-    always fills the budget (vLLM's chunked prefill). When a running sequence needs a
+    instead when it runs whole there, `step_cost` says its chunk would lengthen this step by DEFER_SHARE or
+    more, and the queue behind it is short enough that the budget left unused costs it less than the cut
+    costs this step (`_defers`): on a compute-bound device the cut chunk delays the prompts and decodes that
+    finish in this step, and the cut prompt gets its first token in the next step either way. "fill" always
+    fills the budget (vLLM's chunked prefill). When a running sequence needs a
     block and none is free, the newest running sequence is preempted: by recompute (its blocks are
     freed, it waits again at the front), or with preemption "swap" by copying its computed blocks to
     the block manager's swap space (OffloadIndex) and back when it is rescheduled, before any waiting
@@ -260,25 +259,29 @@ class Scheduler:
         )
 
     def _defers(self, need: int, chunk: int, chunks: list[ScheduledChunk]) -> bool:
-        """partial_prefill auto: whether a prompt needing `need` tokens, of which `chunk` fit in this step,
-        waits for the next step rather than be cut here."""
+        """partial_prefill auto: whether the head of the queue, needing `need` tokens of which `chunk` fit in this
+        step, waits whole for the next step rather than be cut here.
+
+        With the step's time as fixed + per_token x tokens: cutting adds per_token x chunk to this step, paid by
+        every prompt that gets its first token in it (and every decode); waiting leaves that much of the budget
+        unused, which under a queue costs each prompt behind it about fixed x chunk / budget (the share of one
+        more step's fixed cost before it). The cut prompt finishes in the next step either way."""
         if self.partial_prefill != "auto" or not chunks:
             return False
-        scheduled = sum(len(c.token_ids) for c in chunks)
         now = {c.request_id: len(c.token_ids) for c in chunks}
         next_step = sum(max(1, q.num_tokens - q.num_computed_tokens - now.get(q.request_id, 0)) for q in self.running)
-        room = self.max_num_batched_tokens - next_step - need
-        if room < 0:
+        if need + next_step > self.max_num_batched_tokens:
             return False  # cut in the next step too: better to start now
-        for q in itertools.islice(self.waiting, 1, None):
-            room -= q.num_tokens
-            if room < 0:
-                return False  # a queue behind it would fill the next step: the budget left here is throughput
         fit = self.step_cost.fit()
         if fit is None:
             return False
         fixed, per_token = fit
-        return per_token * chunk >= DEFER_SHARE * (fixed + per_token * scheduled)
+        scheduled = sum(now.values())
+        if per_token * chunk < DEFER_SHARE * (fixed + per_token * scheduled):
+            return False  # a small chunk next to the step: not worth a step of its own
+        first_tokens = max(1, sum(1 for c in chunks if c.sample and len(c.token_ids) > 1))
+        behind = len(self.waiting) - 1
+        return fixed * behind <= per_token * self.max_num_batched_tokens * first_tokens
 
     def _admitted(self, seq: Sequence, num_cached: int) -> None:
         self.waiting.popleft()
