@@ -250,6 +250,42 @@ def test_serve_bench_client_runs_on_vllms_cpu_platform(tmp_path, monkeypatch):
     assert probe.stdout.split()[-2:] == ["0.32.0+cpu", "CpuPlatform"], probe.stdout
 
 
+def test_serve_bench_reports_the_fill_policy_beside_pdfleets_default(monkeypatch, capsys):
+    """`--setups pdfleet,vllm,pdfleet-fill`: the worker with vLLM's cut (`--partial-prefill fill`) gets its own
+    ratios to vLLM, so a run tells the scheduling policy's share of the TTFT ratio from the engine's."""
+    serve = _bench_module(monkeypatch, "serve.py")
+    a = serve.parse_args(["--setups", "pdfleet,vllm,pdfleet-fill", "--dtypes", "float32", "--reps", "1"])
+    assert a.setups == ["pdfleet", "vllm", "pdfleet-fill"]
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--setups", "pdfleet,nope"])
+    started = []
+    monkeypatch.setattr(serve, "Server", lambda name, argv, *rest: started.append(argv) or argv)
+    monkeypatch.setattr(serve, "kv_blocks", lambda *args: 64)  # no model directory needed
+    serve.start_worker(a, "float32", Path("/tmp"), ("--partial-prefill", "fill"))
+    assert started[-1][-2:] == ["--partial-prefill", "fill"]
+
+    def run(tok_s: float, ttft: float) -> dict:
+        return dict(
+            tok_s=tok_s,
+            ttft_p50_ms=ttft,
+            ttft_p99_ms=2 * ttft,
+            tpot_p50_ms=30.0,
+            tpot_p99_ms=40.0,
+            completed=64,
+            load_before=1.0,
+            load_after=1.0,
+            cpu_ms_per_token={"w": 5.0},
+            cpu_s={"w": 1.0},
+        )
+
+    reps = {"float32": [{"pdfleet": run(400, 300), "vllm": run(380, 550), "pdfleet-fill": run(400, 560)}]}
+    out = serve.report(a, reps, "0.32.0", 0.0)
+    assert out["ttft_pdfleet_vs_vllm"] == round(300 / 550, 3)
+    assert out["ttft_pdfleet_fill_vs_vllm"] == round(560 / 550, 3)
+    assert out["tput_pdfleet_fill_vs_vllm"] == round(400 / 380, 3)
+    assert "ratio pdfleet-fill / vllm (fp32)" in capsys.readouterr().out
+
+
 SERVE_KEYS = {"tput_pdfleet_vs_vllm", "ttft_pdfleet_vs_vllm", "tput_router_vllm_vs_vllm"}
 
 
