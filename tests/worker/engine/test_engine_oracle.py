@@ -44,6 +44,28 @@ def test_chunked_prefill_budgets(tiny, make_engine, budget):
     assert compare(tiny, MIXED, tokens, logits).near_ties <= 1
 
 
+class ComputeBound:
+    """A step cost that always reads compute-bound (no fixed cost): partial prefill auto waits wherever it may."""
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def fit(self) -> tuple[float, float]:
+        return 0.0, 1.0
+
+
+def test_partial_prefill_auto_leaves_prompts_whole_and_matches(tiny, make_engine):
+    """Prompts that wait whole for the next step (partial_prefill auto) decode the same tokens as transformers."""
+    eng = make_engine(tiny.path, max_num_batched_tokens=32, partial_prefill="auto")
+    eng.scheduler.step_cost = ComputeBound()
+    tokens, logits, _ = run_and_capture(eng, MIXED)
+    assert eng.stats().num_deferred_prefills_total > 0
+    assert compare(tiny, MIXED, tokens, logits).near_ties <= 1
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 7])
 def test_block_sizes(tiny, make_engine, block_size):
     """7 divides none of the prompt lengths used here, so blocks end mid-prompt and mid-output."""
