@@ -241,3 +241,17 @@ async def test_a_header_that_would_split_the_request_is_refused_before_anything_
         with pytest.raises(ValueError, match="line break"):
             await StreamClient(connect_timeout_s=5).open(w.url, "/v1/completions", b"{}", {"x-id": "a\r\nx-evil: 1"})
         assert w.connections == 0
+
+
+def test_the_pool_for_calls_and_probes_lets_idle_connections_go_before_a_workers_keep_alive_does():
+    """httpx's default keep-alive expiry is uvicorn's 5 s: a non-streamed call could go out on a connection vLLM's
+    server was closing that instant (ReadError, the only decode worker out of rotation, a 503)."""
+    from pdfleet_worker.router.app import upstream_client
+    from pdfleet_worker.router.router_config import RouterConfig, TierConfig
+
+    cfg = RouterConfig(tiers={"default": TierConfig("default", workers=["http://127.0.0.1:9"])}, default_tier="default")
+    client = upstream_client(cfg)
+    try:
+        assert client._transport._pool._keepalive_expiry == stream_client.KEEPALIVE_EXPIRY_S < 5
+    finally:
+        asyncio.run(client.aclose())

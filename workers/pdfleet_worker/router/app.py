@@ -19,12 +19,24 @@ from pdfleet_worker.router.proxy import Router
 from pdfleet_worker.router.route_target import RouteTarget
 from pdfleet_worker.router.router_config import RouterConfig
 from pdfleet_worker.router.router_metrics import CountResponses, RouterMetrics
-from pdfleet_worker.router.stream_client import StreamClient
+from pdfleet_worker.router.stream_client import KEEPALIVE_EXPIRY_S, StreamClient
 from pdfleet_worker.router.upstreams import Upstreams
 from pdfleet_worker.wire import auth, responses
 from pdfleet_worker.wire.streaming import install_error_handlers
 
 log = logging.getLogger("pdfleet.router")
+
+
+def upstream_client(cfg: RouterConfig) -> httpx.AsyncClient:
+    """The pool for non-streamed calls and probes. NOTE: no read timeout on the pool: a long generation streams for
+    minutes; the proxy bounds each wait with upstream_timeout instead. Idle connections expire before uvicorn's
+    keep-alive (5 s on vLLM's server) closes them, as the stream client's do: httpx's own default is those same
+    5 s, and a request sent on a connection the worker closed that instant failed with ReadError (the only decode
+    worker then out of rotation: a 503 in tests/worker/router/test_vllm_pd.py under a loaded suite)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+    )
 
 
 def build_app(cfg: RouterConfig) -> FastAPI:
@@ -52,12 +64,7 @@ def build_app(cfg: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # NOTE: no read timeout on the pool: a long generation streams for minutes; the proxy
-        # bounds each wait with upstream_timeout instead.
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.upstream_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
+        client = upstream_client(cfg)
         upstreams = Upstreams(cfg, client, token)
         metrics = RouterMetrics(
             list(cfg.tiers),
