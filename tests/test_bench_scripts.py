@@ -101,6 +101,9 @@ PD_SHORT_KEYS = {
     "long_prompt_ttft_vs_colocated_min",
     "long_prompt_ttft_vs_colocated_max",
     "short_prompt_verdict",
+    "short_prompt_across_workers_verdict",
+    "short_route_vs_colocated",
+    "short_route_interval",
 }
 PD_KEYS = PD_SHORT_KEYS | {"pd_ttft_overhead_ms", "kv_bytes", "kv_pull_gbps", "kv_pull_vs_socket"}
 
@@ -112,17 +115,20 @@ def test_pd_bench_smoke_run_measures_short_prompts_on_their_route(tmp_path):
     short prompt took the router's short_prompt route and every 256-token one the prefill pool (the script fails
     otherwise, and reports the counts). Times nothing."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    args = ["--prompt-tokens", "512", "--reps", "3", "--wire-reps", "2", "--short-reps", "2", "--nixl", "off"]
+    args = ["--prompt-tokens", "512", "--reps", "3", "--wire-reps", "2", "--short-reps", "2", "--route-reps", "2"]
+    args += ["--nixl", "off"]
     _, out = run_bench("pd.py", *args, env=env, timeout=900)
     assert PD_KEYS <= set(out), sorted(PD_KEYS - set(out))
     for key in ("short_prompt_ttft_vs_colocated", "long_prompt_ttft_vs_colocated"):
         assert 0 < out[f"{key}_min"] <= out[key] <= out[f"{key}_max"], key
-    # (2 repetitions x (an untimed and a timed request) + 1 warm-up) x 3 lengths through the short route; 5 prompts
-    # at the threshold through the pool
-    assert out["short_prompt_routes"] == {"short_prompt": 15, "prefill_pool": 5}
+    # (2 repetitions x (an untimed and a timed request) + 1 warm-up) x 3 lengths through the short route, as many
+    # again for the route against the same worker; 5 prompts at the threshold through the pool
+    assert out["short_prompt_routes"] == {"short_prompt": 30, "prefill_pool": 5}
     assert out["short_prompt_tokens"] == [16, 64, 128] and out["long_prompt_tokens"] == out["pd_min_prompt_tokens"]
     assert set(out["short_prompt_ttft_ms"]) == {"pd", "colo", "direct", "decode"}
+    assert set(out["short_route_ttft_ms"]) == {"pd", "same"} and out["short_route_reps"] == 2
     assert out["short_prompt_verdict"].startswith("no verdict"), "two repetitions judge nothing"
+    assert out["short_prompt_across_workers_verdict"].startswith("no verdict")
 
 
 def _bench_module(monkeypatch, script: str):
@@ -155,6 +161,35 @@ def test_pd_verdict_from_many_repetitions_is_the_medians_interval(monkeypatch):
     rng = random.Random(0)
     hits = sum(lo <= 0 <= hi for lo, hi in (pd.median_ci([rng.gauss(0, 1) for _ in range(40)]) for _ in range(1000)))
     assert 930 <= hits <= 990, hits
+
+
+def test_pd_short_route_verdict_is_non_inferiority_within_the_margin(monkeypatch):
+    """The short route against colocated serving on the same worker: one ratio per length and pair of repetitions
+    (the geometric mean of the two orders, so an order effect cancels), met when the median's 95% interval stays
+    under 1 + SHORT_ROUTE_MARGIN, missed when it lies above it."""
+    pd = _bench_module(monkeypatch, "pd.py")
+    assert 0 < pd.SHORT_ROUTE_MARGIN <= 0.02
+    lengths = [16, 64]
+
+    def times(pd_factor: float, reps: int = 80, order: float = 1.3) -> dict:
+        # the path sent second in a repetition runs `order` times slower: pd second in odd repetitions
+        same = [{n: 0.005 * (order if r % 2 == 0 else 1) for n in lengths} for r in range(reps)]
+        ours = [{n: 0.005 * pd_factor * (order if r % 2 else 1) for n in lengths} for r in range(reps)]
+        return {"pd": ours, "same": same}
+
+    even = pd.route_summary(times(1.0), lengths)
+    assert even["short_route_vs_colocated"] == 1.0, "the order effect cancels within each pair"
+    assert even["short_route_reps"] == 80 and even["short_route_interval"] == [1.0, 1.0]
+    assert even["short_prompt_verdict"].startswith("met (every repetition <= 1.01")
+    assert pd.route_summary(times(1.005), lengths)["short_prompt_verdict"].startswith("met")
+    assert pd.route_summary(times(1.03), lengths)["short_prompt_verdict"].startswith("missed")
+    noisy = times(1.0)
+    for i, rep in enumerate(noisy["pd"]):  # +-5% alternating per repetition pair: the median's interval straddles
+        for n in lengths:
+            rep[n] *= 1.05 if (i // 2) % 2 else 0.95
+    assert pd.route_summary(noisy, lengths)["short_prompt_verdict"].startswith("no verdict (the median's 95%")
+    # the keys short_prompts merges in, and the ms per path
+    assert set(even["short_route_ttft_ms"]) == {"pd", "same"} and even["short_route_margin"] == pd.SHORT_ROUTE_MARGIN
 
 
 def test_pd_bench_refuses_a_short_prompt_at_the_threshold():

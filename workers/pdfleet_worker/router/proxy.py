@@ -298,14 +298,16 @@ class Router:
         """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
         hold the KV, then the client's request to a decode worker with the params the prefill answered."""
         tier = outcome.tier
-        engine = self.cfg.tiers[tier].pd_engine
-        prefills, decodes = self.upstreams.healthy(tier, "prefill"), self.upstreams.healthy(tier, "decode")
-        if decodes and self._short(path, body):
+        if self._short(path, body) and self.upstreams.has_healthy(tier, "decode"):
             # Disaggregate only where it pays: a short prompt costs a decode worker less than the hand-off costs
             # the request (the threshold comes from the operator's cost model, decide/pd_threshold.py).
+            # NOTE: tested first and with no more work than it needs: this route must cost what a colocated
+            # request costs (bench/pd.py, short prompts), and the pools' lists below are the hand-off's.
             self.metrics.pd_route(tier, SHORT_PROMPT)
             headers["x-pdfleet-prefill"] = "local"
             return await self._forward(outcome, "decode", path, body, stream, headers)
+        engine = self.cfg.tiers[tier].pd_engine
+        prefills, decodes = self.upstreams.healthy(tier, "prefill"), self.upstreams.healthy(tier, "decode")
         if not prefills and decodes:
             # Decoders as temporary prefillers: with no prefill worker in rotation (its pool replaced by a rollout
             # or a rollback, every replica loading the model) the decode worker computes the prompt itself, as a
