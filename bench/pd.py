@@ -3,7 +3,7 @@ socket measured in the same run (TCP connector, and NIXL where installed).
 
     python bench/pd.py [--preset tiny|small] [--prompt-tokens 2000] [--reps 15] [--wire-reps 30] [--threads 2]
                        [--nixl auto|on|off] [--pd-min-prompt-tokens 256] [--short-prompts 16,64,128] [--short-reps 100]
-                       [--route-reps 600]
+                       [--route-reps 1200]
 
 Starts real processes (a prefill, a decode and a colocated worker, and one router with the PD
 pool as tier `default` and the colocated worker as tier `colo`; with NIXL a second prefill/decode
@@ -523,7 +523,7 @@ def main() -> int:
     ap.add_argument(
         "--route-reps",
         type=int,
-        default=600,
+        default=1200,
         help="alternating repetitions of the short route against the colocated tier over the same decode worker "
         "(the target's verdict; 0: skip it; needs --short-reps > 0)",
     )

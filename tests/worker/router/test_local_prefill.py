@@ -99,6 +99,8 @@ def test_prompt_length_counts_token_ids_text_and_chat_messages() -> None:
     from pdfleet_worker.router import routing
 
     assert routing.prompt_length("/v1/completions", {"prompt": [5, 6, 7]}) == 3
+    for not_ids in ([1, True], [True], [[1, 2], [3]], [1, 2.0]):  # JSON's true is no token id, nor a batch, nor 2.0
+        assert routing.prompt_length("/v1/completions", {"prompt": not_ids}) is None, not_ids
     assert routing.prompt_length("/v1/completions", {"prompt": "abcdefghi"}) == 3  # ~4 characters per token
     assert routing.prompt_length("/v1/completions", {"prompt": "a b c"}, count_tokens=lambda t: len(t.split())) == 3
     chat = {"messages": [{"role": "user", "content": "12345678"}]}
