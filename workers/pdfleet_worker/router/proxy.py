@@ -173,7 +173,7 @@ class Router:
         report, before any worker is called; returns whether the client asked for a stream.
         NOTE: a tier with a vLLM worker, or whose workers have not reported yet, is left to its workers
         (they accept what they accept); the prefill worker checks the whole request before its prefill."""
-        ups = [up for role in self.cfg.tiers[tier].pools() for up in self.upstreams.pool(tier, role)]
+        ups = self.upstreams.of_tier(tier)
         reported = [up.load["limits"] for up in ups if isinstance(up.load.get("limits"), dict)]
         if not reported or any(getattr(up, "engine", engines.PDFLEET) != engines.PDFLEET for up in ups):
             return body.get("stream") is True
@@ -286,26 +286,28 @@ class Router:
         return EventStreamResponse(events(), headers={**SSE_HEADERS, "x-pdfleet-tier": outcome.tier}, on_close=settle)
 
     async def _route(self, outcome: Outcome, path: str, body: dict, stream: bool) -> Response:
-        headers = {"x-pdfleet-tier": outcome.tier}
-        if self.cfg.tiers[outcome.tier].disaggregated:
-            return await self._disaggregated(outcome, path, body, stream, headers)
-        return await self._forward(outcome, "both", path, body, stream, headers)
+        tier = outcome.tier
+        headers = {"x-pdfleet-tier": tier}
+        if not self.cfg.tiers[tier].disaggregated:
+            return await self._forward(outcome, "both", path, body, stream, headers)
+        if self._short(path, body) and self.upstreams.has_healthy(tier, "decode"):
+            # Disaggregate only where it pays: a short prompt costs a decode worker less than the hand-off costs
+            # the request (the threshold comes from the operator's cost model, decide/pd_threshold.py).
+            # NOTE: decided here, first, with no more work than it needs: this route must cost what a colocated
+            # request costs (bench/pd.py, short prompts); the pools' lists of _disaggregated are the hand-off's.
+            self.metrics.pd_route(tier, SHORT_PROMPT)
+            headers["x-pdfleet-prefill"] = "local"
+            return await self._forward(outcome, "decode", path, body, stream, headers)
+        return await self._disaggregated(outcome, path, body, stream, headers)
 
     # -- PD: prefill, then decode ---------------------------------------------------------------
     async def _disaggregated(
         self, outcome: Outcome, path: str, body: dict, stream: bool, headers: dict[str, str]
     ) -> Response:
         """The tier's engine's own hand-off (router/handoff.py): prefill with kv_transfer_params asking it to
-        hold the KV, then the client's request to a decode worker with the params the prefill answered."""
+        hold the KV, then the client's request to a decode worker with the params the prefill answered. (A short
+        prompt never comes here: _route sends it to a decode worker.)"""
         tier = outcome.tier
-        if self._short(path, body) and self.upstreams.has_healthy(tier, "decode"):
-            # Disaggregate only where it pays: a short prompt costs a decode worker less than the hand-off costs
-            # the request (the threshold comes from the operator's cost model, decide/pd_threshold.py).
-            # NOTE: tested first and with no more work than it needs: this route must cost what a colocated
-            # request costs (bench/pd.py, short prompts), and the pools' lists below are the hand-off's.
-            self.metrics.pd_route(tier, SHORT_PROMPT)
-            headers["x-pdfleet-prefill"] = "local"
-            return await self._forward(outcome, "decode", path, body, stream, headers)
         engine = self.cfg.tiers[tier].pd_engine
         prefills, decodes = self.upstreams.healthy(tier, "prefill"), self.upstreams.healthy(tier, "decode")
         if not prefills and decodes:

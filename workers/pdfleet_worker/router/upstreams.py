@@ -186,6 +186,10 @@ class Upstreams:
     def pool(self, tier: str, role: str) -> list[Upstream]:
         return [up for (t, r, _), up in self.all.items() if t == tier and r == role]
 
+    def of_tier(self, tier: str) -> list[Upstream]:
+        """Every worker of the tier, whatever its role (every one of them comes from one of the tier's pools)."""
+        return [up for up in self.all.values() if up.tier == tier]
+
     def healthy(self, tier: str, role: str) -> list[Upstream]:
         return [up for up in self.pool(tier, role) if up.healthy]
 
@@ -232,4 +236,5 @@ class Upstreams:
         return "prefill" in healthy and t.pd_engine == engines.PDFLEET
 
     def has_healthy(self, tier: str, role: str) -> bool:
-        return any(up.healthy for up in self.pool(tier, role))
+        # NOTE: one pass and no list: a short prompt's PD route asks this on every request
+        return any(up.healthy and up.tier == tier and up.role == role for up in self.all.values())
