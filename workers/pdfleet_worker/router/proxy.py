@@ -100,6 +100,7 @@ class Router:
         self.streams = streams if streams is not None else StreamClient(cfg.connect_timeout_s)
         self.active = 0  # client requests not yet fully answered
         self._id_key = os.urandom(16)
+        self._limits_kept: dict[str, tuple[list[dict], limits.Limits | None]] = {}  # tier -> (loads, strictest)
 
     def worker_id(self, url: str) -> str:
         """What clients see of a worker (response headers): stable while this router runs, and no
@@ -173,13 +174,29 @@ class Router:
         report, before any worker is called; returns whether the client asked for a stream.
         NOTE: a tier with a vLLM worker, or whose workers have not reported yet, is left to its workers
         (they accept what they accept); the prefill worker checks the whole request before its prefill."""
-        ups = self.upstreams.of_tier(tier)
-        reported = [up.load["limits"] for up in ups if isinstance(up.load.get("limits"), dict)]
-        if not reported or any(getattr(up, "engine", engines.PDFLEET) != engines.PDFLEET for up in ups):
+        strictest = self._tier_limits(tier)
+        if strictest is None:
             return body.get("stream") is True
         req = rq.parse(rq.ChatCompletionRequest if chat else rq.CompletionRequest, body)
-        checks.check(req, limits.Limits.strictest([limits.Limits.from_json(raw) for raw in reported]))
+        checks.check(req, strictest)
         return req.stream
+
+    def _tier_limits(self, tier: str) -> limits.Limits | None:
+        """The strictest limits the tier's workers report; None if none has reported or one is not pdfleet's.
+        Kept until a probe replaces a worker's load (a new dict each time) or the tier's workers change: between
+        probes every request would compute the same (a PD tier's two pools cost a short prompt's route more)."""
+        ups = self.upstreams.of_tier(tier)
+        loads = [up.load for up in ups]
+        kept = self._limits_kept.get(tier)
+        if kept is not None and len(kept[0]) == len(loads) and all(a is b for a, b in zip(kept[0], loads)):
+            return kept[1]
+        reported = [ld["limits"] for ld in loads if isinstance(ld.get("limits"), dict)]
+        strictest = None
+        if reported and all(getattr(up, "engine", engines.PDFLEET) == engines.PDFLEET for up in ups):
+            strictest = limits.Limits.strictest([limits.Limits.from_json(raw) for raw in reported])
+        # NOTE: the loads themselves are kept, not their ids: a freed dict's id may come back for another
+        self._limits_kept[tier] = (loads, strictest)
+        return strictest
 
     # -- query routing and heartbeats -------------------------------------------------------------
     async def _answer(self, request: Request, outcome: Outcome, path: str, body: dict, stream: bool) -> Response:
