@@ -874,3 +874,26 @@ def test_request_log_names_what_a_label_selected_watch_sent(kube: Kube, http: ht
     assert entry.objects == ["default/a"] and entry.query["labelSelector"] == "app=x"
     http.get("/api/v1/namespaces/default/configmaps")
     assert kube.requests_for(verb="list")[-1].objects == ["default/a", "default/b"]
+
+
+def test_a_call_the_loop_does_not_run_in_time_says_where_the_loop_is(monkeypatch):
+    """A test's call into the emulator waits CALL_TIMEOUT_S at most, then fails with the emulator thread's stack:
+    what held its loop (a flake's diagnosis: a loaded full suite once waited out the limit)."""
+    import time
+
+    from tests.support.k8s import server
+
+    monkeypatch.setattr(server, "CALL_TIMEOUT_S", 0.5)
+    with server.EmulatorThread() as emu:
+        held = threading.Event()
+
+        def hold_the_loop() -> None:
+            held.set()
+            time.sleep(1.5)
+
+        emu.loop.call_soon_threadsafe(hold_the_loop)
+        assert held.wait(5)
+        with pytest.raises(TimeoutError, match=r"did not run .* in 0.5 s; its thread is at:\n(.|\n)*hold_the_loop"):
+            emu.call(lambda: 1)
+        monkeypatch.setattr(server, "CALL_TIMEOUT_S", 10)
+        assert emu.call(lambda: 2) == 2, "the loop, free again, runs the next call"

@@ -15,6 +15,8 @@ import yaml
 
 from tests.support.k8s.emulator import KubernetesApiEmulator
 
+CALL_TIMEOUT_S = 60
+
 
 class EmulatorThread:
     """Serve a :class:`KubernetesApiEmulator` on a free loopback port from a background thread."""
@@ -77,7 +79,24 @@ class EmulatorThread:
                 future.set_exception(exc)
 
         self.loop.call_soon_threadsafe(run)
-        return future.result(timeout=30)
+        # NOTE: 60 s, and where the loop's thread is if it does not come: in a loaded full suite a call from
+        # tests/gen/chart/test_install.py waited out 30 s twice (passing alone and beside six busy processes);
+        # the stack says what held the loop next time
+        try:
+            return future.result(timeout=CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the emulator's loop did not run {getattr(fn, '__qualname__', fn)} in {CALL_TIMEOUT_S} s; its "
+                "thread is at:\n" + self._thread_stack()
+            ) from None
+
+    def _thread_stack(self) -> str:
+        """Where the emulator's thread is now (what keeps its loop from a call: a diagnosis, not a fix)."""
+        import sys
+        import traceback
+
+        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(no such thread)"
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
