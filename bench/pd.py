@@ -246,7 +246,7 @@ ROUTES = ("short_prompt", "prefill_pool")  # pdfleet_router_pd_routes_total{rout
 SAME_WORKER_TIER = "colo-on-decode"
 # "No worse than colocated" is a non-inferiority claim: two paths that do the same work can never show an interval
 # below 1.0, so the target is met when the 95% interval of the median stays under 1 + this margin. 1% of the tiny
-# preset's ~6 ms TTFT is ~60 us; a route through the prefill pool costs more than 100% here (the 256-token prompts).
+# preset's ~6 ms TTFT is ~60 us; a route through the prefill pool costs +70-120% here (the 256-token prompts).
 SHORT_ROUTE_MARGIN = 0.01
 
 
@@ -337,17 +337,7 @@ def short_prompts(
     longs = {"pd": [], "colo": []}
     for rep in range(reps):
         order = list(paths) if rep % 2 == 0 else list(reversed(paths))
-        times = {name: {} for name in paths}
-        # NOTE: every timed request right after an untimed one of the same length on the same path, so each meets
-        # its worker as a worker in a fleet meets its own steady stream of requests: warm. Without it a request to
-        # the worker the previous request had used ran 3-4 ms faster than one to the other (the tiny preset's
-        # weights stay in a last-level cache that another process's request evicts), and the ratio measured the
-        # order of the paths; with it, a decode-role and a colocated worker answered alike (1.004, interval
-        # 0.98-1.04, bench/HISTORY.md, fourteenth session).
-        for n in lengths:
-            for name in order:
-                paths[name](prompt(n))
-                times[name][n] = paths[name](prompt(n))
+        times = warm_timed(paths, order, lengths, prompt)
         for name in order:
             if name in longs:
                 paths[name](prompt(long))
@@ -373,7 +363,7 @@ def short_route(router: str, lengths: list[int], reps: int, max_tokens: int, pro
     decode worker) and the same lengths through the router's colocated tier over that same decode worker
     (SAME_WORKER_TIER), each timed request right after an untimed one on its path, the order reversed every other
     repetition. Across two processes (short_prompts' `colo` path) the ratio also measures which process happens to be
-    warmer: 3.5-15% between a decode and a colocated worker in the same run, against 0.4% in isolation (HISTORY.md).
+    warmer: 0.6-15% between a decode and a colocated worker in one run, against 0.4% in isolation (HISTORY.md).
     Holding the process fixed leaves the route: the router's routing decision against a colocated request's path.
     One ratio per length and pair of repetitions (the geometric mean over the two orders); the target's verdict
     (`short_prompt_verdict`) is the median's 95% interval under 1 + SHORT_ROUTE_MARGIN."""
@@ -386,15 +376,26 @@ def short_route(router: str, lengths: list[int], reps: int, max_tokens: int, pro
             send(prompt(n))
     times: dict[str, list[dict[int, float]]] = {name: [] for name in paths}
     for rep in range(reps):
-        order = list(paths) if rep % 2 == 0 else list(reversed(paths))
-        got: dict[str, dict[int, float]] = {name: {} for name in paths}
-        for n in lengths:
-            for name in order:
-                paths[name](prompt(n))
-                got[name][n] = paths[name](prompt(n))
+        got = warm_timed(paths, list(paths) if rep % 2 == 0 else list(reversed(paths)), lengths, prompt)
         for name in paths:
             times[name].append(got[name])
     return route_summary(times, lengths)
+
+
+def warm_timed(paths: dict, order: list[str], lengths: list[int], prompt) -> dict[str, dict[int, float]]:
+    """One repetition: per length, per path in `order`, an untimed request and then the timed one ({path: {length:
+    seconds}}). NOTE: every timed request right after an untimed one of the same length on the same path, so each
+    meets its worker as a worker in a fleet meets its own steady stream of requests: warm. Without it a request to
+    the worker the previous request had used ran 3-4 ms faster than one to the other (the tiny preset's weights stay
+    in a last-level cache that another process's request evicts), and the ratio measured the order of the paths;
+    with it, a decode-role and a colocated worker answered alike (1.004, interval 0.98-1.04, bench/HISTORY.md,
+    fourteenth session)."""
+    times: dict[str, dict[int, float]] = {name: {} for name in order}
+    for n in lengths:
+        for name in order:
+            paths[name](prompt(n))
+            times[name][n] = paths[name](prompt(n))
+    return times
 
 
 def route_summary(times: dict[str, list[dict[int, float]]], lengths: list[int]) -> dict:
