@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+from pdfleet_operator.local import machine
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -48,8 +49,12 @@ def binary(name: str) -> str:
     return found
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nobody listens on right now, for a child process to listen on a moment later: `pdfleet up`'s
+    own choice (below the kernel's ephemeral range, see machine.free_port), never one this process handed out before."""
+    port = machine.free_port(avoid=_HANDED_OUT)
+    _HANDED_OUT.add(port)
+    return port

@@ -23,6 +23,7 @@ READY_TIMEOUT_S = 90.0
 # One torch thread per process: several workers share two cores with the test process.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+PORT_RETRIES = 2  # a child that found its chosen port taken is started again on another
 _ALL: list["Proc"] = []
 # The pipeline's deployment token (its prefill and decode workers and its router; the colocated worker runs
 # without one, as a worker on its own does): what calling its PD workers directly needs.
@@ -35,12 +36,17 @@ class Proc:
 
     def __init__(self, name: str, args: list[str], logdir: Path, port: int | None = None):
         self.name = name
-        self.port = port or free_port()
-        self.args = args + ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.log_path = logdir / f"{name}-{self.port}.log"
+        self.logdir = logdir
+        self.args = args  # the command's arguments, --host and --port apart (added by start)
+        self.port_given = port is not None  # a given port is kept; a chosen one is re-chosen if it was taken
+        self._listen_on(port or free_port())
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}  # extra environment (e.g. KUBECONFIG)
         self.headers: dict[str, str] = {}  # what its guarded endpoints need (the deployment token)
+
+    def _listen_on(self, port: int) -> None:
+        self.port = port
+        self.log_path = self.logdir / f"{self.name}-{port}.log"
 
     @property
     def url(self) -> str:
@@ -55,20 +61,28 @@ class Proc:
         env = {**os.environ, **CHILD_ENV, **self.env}
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            PDFLEET + self.args,
+            PDFLEET + self.args + ["--host", "127.0.0.1", "--port", str(self.port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
         )
-        _ALL.append(self)
+        if self not in _ALL:
+            _ALL.append(self)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Proc":
         deadline = time.monotonic() + timeout
+        retries = PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if not self.port_given and retries and "address already in use" in self.log():
+                    # Another process took the chosen port before this child listened: choose again.
+                    retries -= 1
+                    self._listen_on(free_port())
+                    self.start()
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:

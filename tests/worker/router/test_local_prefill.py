@@ -115,10 +115,11 @@ def test_answers_carry_the_revision_of_the_worker_that_gave_them(logdir, model_d
 
     w = worker(logdir, model_dir, "both", name="rev7")
     w.env["PDFLEET_REVISION"] = "7"
-    r = router(logdir, "--workers", w.url, name="router-rev7")
+    r = None
     try:
-        start_all(w)
+        start_all(w)  # before the router takes its URL: a worker whose chosen port was taken starts on another
         assert w.load()["revision"] == "7"
+        r = router(logdir, "--workers", w.url, name="router-rev7")
         start_all(r)
         client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="-", max_retries=0, timeout=60)
         client.completions.create(model=MODEL, prompt=fresh_prompt(8, seed=73), max_tokens=2, temperature=0)
@@ -127,5 +128,6 @@ def test_answers_carry_the_revision_of_the_worker_that_gave_them(logdir, model_d
         assert sample(text, name, revision="7", code="200", shed="false") == 1
         assert sample(text, name, revision="none", code="200", shed="false") == 0
     finally:
-        r.stop()
+        if r is not None:
+            r.stop()
         w.stop()
