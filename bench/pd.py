@@ -50,13 +50,9 @@ import time  # noqa: E402
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from pdfleet_operator.local.machine import free_port  # noqa: E402
+
 PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

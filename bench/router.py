@@ -51,6 +51,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from pdfleet_operator.local.machine import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = "bench"
 MODES = ("saturated", "paced")
@@ -89,12 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load1() -> float:

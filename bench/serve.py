@@ -46,7 +46,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys
@@ -55,6 +54,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
+
+from pdfleet_operator.local.machine import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TMP = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -127,12 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load1() -> float:

@@ -298,14 +298,13 @@ def http_hop(a: argparse.Namespace, model: str, prefill16_s: float) -> float:
     sent by `pdfleet load`'s client; the median TTFT minus the engine's own prefill of 16 tokens (measured
     above, in-process)."""
     import asyncio
-    import socket
     import subprocess
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pdfleet_operator.local.machine import free_port
+
+    port = free_port()
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(a.threads),

@@ -28,7 +28,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys
@@ -39,14 +38,10 @@ from pathlib import Path  # noqa: E402
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from pdfleet_operator.local.machine import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendered_worker() -> tuple[dict, dict]:
