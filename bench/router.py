@@ -51,7 +51,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from pdfleet_operator.local.machine import free_port  # noqa: E402
+from pdfleet_operator.local.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = "bench"

@@ -55,7 +55,7 @@ from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 
-from pdfleet_operator.local.machine import free_port  # noqa: E402
+from pdfleet_operator.local.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TMP = Path(os.environ.get("TMPDIR", "/tmp"))

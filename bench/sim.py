@@ -302,7 +302,7 @@ def http_hop(a: argparse.Namespace, model: str, prefill16_s: float) -> float:
 
     import httpx
 
-    from pdfleet_operator.local.machine import free_port
+    from pdfleet_operator.local.ports import free_port
 
     port = free_port()
     env = {

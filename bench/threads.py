@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
-from pdfleet_operator.local.machine import free_port  # noqa: E402
+from pdfleet_operator.local.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PDFLEET = [sys.executable, "-m", "pdfleet_operator.cli"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdfleet_operator.local import machine
+from pdfleet_operator.local import ports
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -54,7 +54,7 @@ _HANDED_OUT: set[int] = set()
 
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now, for a child process to listen on a moment later: `pdfleet up`'s
-    own choice (below the kernel's ephemeral range, see machine.free_port), never one this process handed out before."""
-    port = machine.free_port(avoid=_HANDED_OUT)
+    own choice (below the kernel's ephemeral range, see ports.free_port), never one this process handed out before."""
+    port = ports.free_port(avoid=_HANDED_OUT)
     _HANDED_OUT.add(port)
     return port

@@ -1,5 +1,6 @@
-"""The test harness's ports: a child process given a port chosen for it must be able to listen there, or start again on
-another (CI once lost three tests to a worker whose port an outgoing connection took while it imported torch)."""
+"""The test harness's ports: a child process given a port chosen for it must be able to listen there, or start again
+on another (CI once lost three tests to a worker whose port, inside the kernel's ephemeral range, was taken while it
+imported torch)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,27 @@ import socket
 
 import pytest
 
-from pdfleet_operator.local import machine
+from pdfleet_operator.local import ports
 from tests.support.components import free_port
 from tests.worker.processes import start_all, worker
 
 
 def test_free_ports_lie_below_the_kernels_ephemeral_range_and_are_never_handed_out_twice():
-    floor = machine.ephemeral_floor()
-    ports = [free_port() for _ in range(50)]
-    assert len(set(ports)) == 50
-    assert all(1024 <= p < floor for p in ports), (floor, ports)
-    for p in ports[:5]:  # nobody listens there: a child can bind it
+    floor = ports.ephemeral_floor()
+    got = [free_port() for _ in range(50)]
+    assert len(set(got)) == 50
+    assert all(1024 <= p < floor for p in got), (floor, got)
+    for p in got[:5]:  # nobody listens there: a child can bind it
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", p))
 
 
 def test_free_port_takes_the_kernels_choice_where_the_range_leaves_no_room_below(monkeypatch):
-    real = machine.ephemeral_floor()
-    monkeypatch.setattr(machine, "ephemeral_floor", lambda: 1500)
-    got = machine.free_port()
+    real = ports.ephemeral_floor()
+    monkeypatch.setattr(ports, "ephemeral_floor", lambda: 1500)
+    got = ports.free_port()
     assert got >= real  # what bind(0) gave, not a draw from the 476 ports below 1500
-    assert machine.port_free(got, reuse=False)
+    assert ports.port_free(got, reuse=False)
 
 
 def _hold(port: int) -> socket.socket:

@@ -4,11 +4,8 @@ and loopback ports; `pdfleet up` plans on it."""
 from __future__ import annotations
 
 import ctypes.util
-import errno
 import os
-import random
 import shutil
-import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +13,7 @@ from dataclasses import dataclass
 from pdfleet_operator.api import AcceleratorClassSpec, InferenceDeploymentSpec
 from pdfleet_operator.decide import placement
 from pdfleet_operator.decide.inventory import Inventory, NodeInventory
+from pdfleet_operator.local import ports
 from pdfleet_operator.local.spec import UpError
 
 NODE = "localhost"
@@ -133,56 +131,16 @@ def check_placeable(
     return plan
 
 
-def port_free(port: int, host: str = "127.0.0.1", reuse: bool = True) -> bool:
-    """Whether a listener could bind host:port now; `reuse` as a server binds (SO_REUSEADDR: TIME_WAIT is free)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        if reuse:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
-
-
 def check_port(port: int, host: str = "127.0.0.1") -> None:
     if not 0 < port < 65536:
         raise UpError(f"--port {port}: not a TCP port (1-65535)")
-    if not port_free(port, host):
+    if not ports.port_free(port, host):
         raise UpError(f"--port {port}: {host}:{port} is already in use; stop what listens there or pass another --port")
 
 
-def ephemeral_floor() -> int:
-    """The lowest port Linux gives an outgoing connection or a bind to port 0 (`ip_local_port_range`)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-_RANDOM = random.SystemRandom()  # its own entropy: processes started alike never draw alike
-
-
 def free_port(host: str = "127.0.0.1", avoid: set[int] | frozenset[int] = frozenset()) -> int:
-    """A loopback port nobody listens on now (and not one already handed out in `avoid`), for a child to listen on.
-
-    Drawn at random from below the kernel's ephemeral range, never with bind(0): the kernel hands ports of that range
-    to outgoing connections, and in the seconds a worker takes to import torch and listen, a connection may take its
-    port. Polling the worker's /ready does it too: a connect to a closed loopback port inside the range can pick that
-    same port as its own source and connect to itself, holding the port (the worker then exits on EADDRINUSE)."""
-    floor = ephemeral_floor()
-    low = max(1024, floor - 20000)
-    for _ in range(256) if floor - low >= 2048 else ():
-        port = _RANDOM.randrange(low, floor)
-        if port not in avoid and port_free(port, host, reuse=False):
-            return port
-    for _ in range(64):  # a range that leaves no room below it (or none found free there): the kernel's choice
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
-    raise UpError("no free loopback port found")
+    """ports.free_port, its failure an UpError."""
+    try:
+        return ports.free_port(host, avoid)
+    except OSError as exc:
+        raise UpError(str(exc)) from None

@@ -22,7 +22,7 @@ from pdfleet_operator.decide import cost, pd_threshold, runtimes
 from pdfleet_operator.decide import metric_names as names
 from pdfleet_operator.decide.placement import FleetPlan
 from pdfleet_operator.local import machine as mach
-from pdfleet_operator.local import vllm_runtime
+from pdfleet_operator.local import ports, vllm_runtime
 from pdfleet_operator.local.process import Child, describe_exit
 from pdfleet_operator.local.spec import LocalSpec, UpError
 from pdfleet_operator.prometheus import ScrapeTarget
@@ -317,7 +317,7 @@ class Supervisor:
         return vllm_runtime.kv_cache_gib(self.local.spec, cls, most, self.memory_bytes)
 
     def _spawn(self, r: Replica) -> None:
-        if not mach.port_free(r.port, self.router_host if r.role == "router" else "127.0.0.1"):
+        if not ports.port_free(r.port, self.router_host if r.role == "router" else "127.0.0.1"):
             if r.role == "router":
                 raise UpError(f"router port {r.port} was taken by another process while pdfleet up ran")
             r.port = mach.free_port(avoid=self._ports())
