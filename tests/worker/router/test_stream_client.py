@@ -7,13 +7,13 @@ each test waits for states the server reports."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
 
 from pdfleet_worker.router import stream_client
 from pdfleet_worker.router.stream_client import StreamClient
+from tests.support.components import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -206,9 +206,7 @@ async def test_the_auth_flow_retries_a_401_with_the_next_token():
 
 
 async def test_a_worker_nobody_listens_for_is_a_connect_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there; below the ephemeral range, a connect cannot reach itself
     with pytest.raises(httpx.ConnectError):
         await StreamClient(connect_timeout_s=5).open(f"http://127.0.0.1:{port}", "/v1/completions", b"{}")
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from pdfleet_worker import metrics as m
+from tests.support.components import free_port
 from tests.worker.kv_transfer.test_kv_transfer import sample
 from tests.worker.processes import MODEL, Proc, pool_whole, wait_until
 
@@ -227,9 +228,7 @@ def test_router_client_disconnect_reaches_the_decode_worker(pipeline):
 def test_router_answers_503_when_no_worker_is_reachable(logdir):
     from tests.worker.processes import router
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nobody listens there (and below the ephemeral range: no self-connect)
     r = router(logdir, "--workers", dead, name="router-empty")
     r.start()
     try:
