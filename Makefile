@@ -9,7 +9,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 # TEST_JOBS=2 runs the suite in two pytest-xdist processes, each test module on one of them (loadscope: a module's
-# fixtures start once): 16-18 min instead of 23 on 2 cores, but not yet the default: in 1 of 3 runs the vLLM PD,
+# fixtures start once): 16-18 min instead of 23-26 on 2 cores, but not yet the default: in 1 of 3 runs the vLLM PD,
 # chart-install and drain tests failed when two modules' fleets started at once (load average 33).
 TEST_JOBS ?= 0
 
