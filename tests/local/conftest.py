@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -58,16 +57,6 @@ def write_spec(directory: Path, model_dir: Path | str, **changes) -> Path:
 def run_token(run_dir: Path) -> dict[str, str]:
     """The header a fleet's /workers (and its pdfleet workers) need: the token `pdfleet up` wrote for this run."""
     return {"Authorization": f"Bearer {(run_dir / 'auth-token').read_text().strip()}"}
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def pid_alive(pid: int) -> bool:

@@ -16,7 +16,8 @@ import yaml
 from pdfleet_operator import validate
 from pdfleet_operator.local import machine
 from pdfleet_operator.local import spec as specs
-from tests.local.conftest import CHILD_ENV, EXAMPLE, PDFLEET, ROOT, UpProcess, pid_alive, port_free, write_spec
+from pdfleet_operator.local.ports import port_free
+from tests.local.conftest import CHILD_ENV, EXAMPLE, PDFLEET, ROOT, UpProcess, pid_alive, write_spec
 from tests.support.components import free_port
 
 

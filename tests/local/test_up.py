@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from pdfleet_operator.decide import autoscaler
-from tests.local.conftest import UpProcess, pid_alive, port_free, run_token, write_spec
+from pdfleet_operator.local.ports import port_free
+from tests.local.conftest import UpProcess, pid_alive, run_token, write_spec
 from tests.support.components import free_port
 
 pytestmark = pytest.mark.slow

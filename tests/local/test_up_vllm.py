@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
+from pdfleet_operator.local.ports import port_free
 from pdfleet_operator.local.process import group_members
-from tests.local.conftest import UpProcess, pid_alive, port_free, run_token
+from tests.local.conftest import UpProcess, pid_alive, run_token
 from tests.local.test_vllm_pools import vllm_spec
 from tests.support.components import free_port
 from tests.support.vllm import vllm_python
